@@ -1,0 +1,105 @@
+//! The built-in policy modules, compiled from `policies/` to wasm32 by the build script and
+//! embedded in the binary, and the parsing of policy references such as `ssp:s=3` or
+//! `./my_policy.wasm:alpha=0.5`.
+
+use std::path::Path;
+
+use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
+
+include!(concat!(env!("OUT_DIR"), "/builtin_policies.rs"));
+
+/// The wasm bytes of built-in policy `name`.
+pub fn wasm(name: &str) -> Option<&'static [u8]> {
+    MODULES.iter().find(|(n, _)| *n == name).map(|(_, w)| *w)
+}
+
+/// Names of the built-in policies.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    MODULES.iter().map(|(n, _)| *n)
+}
+
+/// A policy and its configuration, as written on a command line: `NAME[:k=v,k=v]` for a
+/// built-in, or `PATH.wasm[:k=v,...]` for a module file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicySpec {
+    /// A built-in name or a path to a `.wasm` file.
+    pub source: String,
+    /// Configuration pairs.
+    pub config: Vec<(String, String)>,
+}
+
+/// A policy reference that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad policy `{spec}`: {reason}")]
+pub struct SpecError {
+    spec: String,
+    reason: String,
+}
+
+impl std::str::FromStr for PolicySpec {
+    type Err = SpecError;
+
+    fn from_str(spec: &str) -> Result<Self, SpecError> {
+        let err = |reason: &str| SpecError { spec: spec.into(), reason: reason.into() };
+        let (source, rest) = match spec.rsplit_once(':') {
+            Some((s, r)) if r.contains('=') || r.is_empty() => (s, r),
+            _ => (spec, ""),
+        };
+        if source.is_empty() {
+            return Err(err("no policy name or file"));
+        }
+        let mut config = Vec::new();
+        for pair in rest.split(',').filter(|p| !p.is_empty()) {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| err("configuration must be k=v pairs separated by commas"))?;
+            if k.trim().is_empty() {
+                return Err(err("empty parameter name"));
+            }
+            config.push((k.trim().to_owned(), v.trim().to_owned()));
+        }
+        Ok(PolicySpec { source: source.to_owned(), config })
+    }
+}
+
+impl PolicySpec {
+    /// Compiles the module this spec names: a built-in, or a file.
+    pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {
+        if let Some(bytes) = wasm(&self.source) {
+            return rt.compile(&format!("builtin:{}", self.source), bytes);
+        }
+        let path = Path::new(&self.source);
+        if path.exists() || self.source.ends_with(".wasm") {
+            return rt.load_file(path);
+        }
+        Err(PolicyError::Invalid {
+            label: self.source.clone(),
+            reason: format!(
+                "no built-in policy of that name (built-ins: {}) and no such file",
+                names().collect::<Vec<_>>().join(", ")
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_names_files_and_configs() {
+        let s: PolicySpec = "ssp:s=3".parse().unwrap();
+        assert_eq!(s.source, "ssp");
+        assert_eq!(s.config, vec![("s".to_owned(), "3".to_owned())]);
+        let s: PolicySpec = "/tmp/p.wasm:a=1,b=x".parse().unwrap();
+        assert_eq!(s.source, "/tmp/p.wasm");
+        assert_eq!(s.config.len(), 2);
+        let s: PolicySpec = "bsp".parse().unwrap();
+        assert!(s.config.is_empty());
+        assert!(
+            "ssp:s".parse::<PolicySpec>().is_err()
+                || "ssp:s".parse::<PolicySpec>().unwrap().source == "ssp:s"
+        );
+        assert!(":s=1".parse::<PolicySpec>().is_err());
+    }
+}

@@ -1,0 +1,330 @@
+//! One sandboxed policy instance: the per-event call path and its failure classification.
+
+use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo};
+use syncopate_policy_sdk::guest::encode_into;
+use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
+
+use super::module::root_cause;
+use super::{PolicyError, PolicyModule, PolicyRuntime};
+
+/// Store data: the memory cap, and whether the instance hit it.
+#[derive(Debug)]
+pub(crate) struct Sandbox {
+    cap: usize,
+    denied: Option<usize>,
+}
+
+impl ResourceLimiter for Sandbox {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.cap {
+            self.denied = Some(desired);
+            return Err(wasmtime::Error::msg("policy memory cap exceeded"));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 10_000)
+    }
+}
+
+/// A running policy instance. One per shard; not shared between threads while in use.
+pub struct PolicyInstance {
+    module: PolicyModule,
+    store: Store<Sandbox>,
+    memory: Memory,
+    buffer: TypedFunc<u32, u32>,
+    init: TypedFunc<u32, i64>,
+    import: TypedFunc<u32, i64>,
+    event: TypedFunc<u32, i64>,
+    export: TypedFunc<(), i64>,
+    last_panic: TypedFunc<(), i64>,
+    buf_ptr: u32,
+    buf_cap: u32,
+    enc: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl std::fmt::Debug for PolicyInstance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyInstance").field("module", &self.module).finish_non_exhaustive()
+    }
+}
+
+impl PolicyInstance {
+    /// Instantiates `module` and creates the policy from `init`. Returns the instance and the
+    /// decisions the policy made at start-up (its update mode, timers).
+    pub fn new(module: &PolicyModule, init: &InitArgs<'_>) -> Result<(Self, Vec<u8>), PolicyError> {
+        let mut inst = Self::instantiate(module)?;
+        inst.enc.clear();
+        encode_into(init, &mut inst.enc);
+        let start = inst.create(exports::INIT, "its configuration")?;
+        Ok((inst, start))
+    }
+
+    /// Instantiates `module` and creates the policy from `init` and the state handed over by the
+    /// outgoing policy of a hot swap (or by a checkpoint, on recovery).
+    pub fn import(
+        module: &PolicyModule,
+        init: &InitArgs<'_>,
+        handoff: &Handoff<'_>,
+    ) -> Result<(Self, Vec<u8>), PolicyError> {
+        let mut inst = Self::instantiate(module)?;
+        inst.enc.clear();
+        encode_into(init, &mut inst.enc);
+        encode_into(handoff, &mut inst.enc);
+        let start = inst.create(exports::IMPORT_STATE, "the handed-over state")?;
+        Ok((inst, start))
+    }
+
+    fn instantiate(module: &PolicyModule) -> Result<Self, PolicyError> {
+        let rt = &module.inner.runtime;
+        let mut store = new_store(rt);
+        let instance =
+            module.inner.pre.instantiate(&mut store).map_err(|e| instantiate_error(module, &store, &e))?;
+        let name = module.display_name();
+        let event = typed(&instance, &mut store, name, exports::EVENT)?;
+        let init = typed(&instance, &mut store, name, exports::INIT)?;
+        let import = typed(&instance, &mut store, name, exports::IMPORT_STATE)?;
+        let buffer = typed(&instance, &mut store, name, exports::BUFFER)?;
+        let export = typed(&instance, &mut store, name, exports::EXPORT_STATE)?;
+        let last_panic = typed(&instance, &mut store, name, exports::LAST_PANIC)?;
+        let memory = instance
+            .get_memory(&mut store, exports::MEMORY)
+            .ok_or_else(|| PolicyError::Host(format!("{name}: memory export vanished")))?;
+        Ok(PolicyInstance {
+            module: module.clone(),
+            store,
+            memory,
+            buffer,
+            init,
+            import,
+            event,
+            export,
+            last_panic,
+            buf_ptr: 0,
+            buf_cap: 0,
+            enc: Vec::with_capacity(128),
+            out: Vec::with_capacity(128),
+        })
+    }
+
+    fn create(&mut self, export: &'static str, what: &'static str) -> Result<Vec<u8>, PolicyError> {
+        let f = if export == exports::INIT { self.init.clone() } else { self.import.clone() };
+        self.write_input()?;
+        let len = self.enc.len() as u32;
+        let packed = self.call(&f, len, || format!("`{export}`"))?;
+        self.read_output(packed, || format!("`{export}`"))?;
+        let (result, rest) = postcard::take_from_bytes::<Result<(), String>>(&self.out).map_err(|e| {
+            PolicyError::BadDecision {
+                policy: self.name(),
+                event: format!("`{export}`"),
+                detail: format!("undecodable reply: {e}"),
+            }
+        })?;
+        match result {
+            Ok(()) => Ok(rest.to_vec()),
+            Err(reason) => Err(PolicyError::Refused { policy: self.name(), what, reason }),
+        }
+    }
+
+    /// Handles one event. Returns the encoded decisions, valid until the next call.
+    ///
+    /// This is the per-event hot path: no allocation once the buffers have grown to size.
+    pub fn on_event(&mut self, env: &Envelope) -> Result<&[u8], PolicyError> {
+        self.enc.clear();
+        encode_into(env, &mut self.enc);
+        self.write_input()?;
+        let len = self.enc.len() as u32;
+        let event = self.event.clone();
+        let packed = self.call(&event, len, || describe(env))?;
+        self.read_output(packed, || describe(env))?;
+        Ok(&self.out)
+    }
+
+    /// The policy's exported state.
+    pub fn export_state(&mut self) -> Result<Vec<u8>, PolicyError> {
+        let f = self.export.clone();
+        let packed = self.call(&f, (), || "`export_state`".into())?;
+        self.read_output(packed, || "`export_state`".into())?;
+        Ok(self.out.clone())
+    }
+
+    /// The module this instance runs.
+    pub fn module(&self) -> &PolicyModule {
+        &self.module
+    }
+
+    fn name(&self) -> String {
+        self.module.display_name().to_owned()
+    }
+
+    fn write_input(&mut self) -> Result<(), PolicyError> {
+        let len = self.enc.len() as u32;
+        if len > self.buf_cap {
+            let f = self.buffer.clone();
+            self.buf_ptr = self.call(&f, len, || "`sp_buffer`".into())?;
+            self.buf_cap = len;
+        }
+        let ptr = self.buf_ptr as usize;
+        let mem = self.memory.data_mut(&mut self.store);
+        match mem.get_mut(ptr..ptr + self.enc.len()) {
+            Some(dst) => {
+                dst.copy_from_slice(&self.enc);
+                Ok(())
+            }
+            None => Err(PolicyError::BadDecision {
+                policy: self.module.display_name().to_owned(),
+                event: "`sp_buffer`".into(),
+                detail: format!("returned a buffer at {ptr:#x} outside its memory"),
+            }),
+        }
+    }
+
+    fn read_output(&mut self, packed: i64, event: impl Fn() -> String) -> Result<(), PolicyError> {
+        let (ptr, len) = abi::unpack_ptr_len(packed);
+        let (ptr, len) = (ptr as usize, len as usize);
+        let mem = self.memory.data(&self.store);
+        match mem.get(ptr..ptr.saturating_add(len)) {
+            Some(src) => {
+                self.out.clear();
+                self.out.extend_from_slice(src);
+                Ok(())
+            }
+            None => Err(PolicyError::BadDecision {
+                policy: self.module.display_name().to_owned(),
+                event: event(),
+                detail: format!("returned {len} bytes at {ptr:#x}, outside its memory"),
+            }),
+        }
+    }
+
+    fn call<P: WasmParams, R: WasmResults>(
+        &mut self,
+        f: &TypedFunc<P, R>,
+        args: P,
+        event: impl Fn() -> String,
+    ) -> Result<R, PolicyError> {
+        let ticks = self.module.inner.runtime.deadline_ticks();
+        self.store.set_epoch_deadline(ticks);
+        match f.call(&mut self.store, args) {
+            Ok(r) => Ok(r),
+            Err(e) => Err(self.classify(&e, event())),
+        }
+    }
+
+    fn classify(&mut self, e: &wasmtime::Error, event: String) -> PolicyError {
+        let policy = self.name();
+        if let Some(wanted) = self.store.data_mut().denied.take() {
+            let cap = self.module.inner.runtime.limits().max_memory_bytes;
+            return PolicyError::MemoryCap { policy, wanted, cap, event };
+        }
+        match e.downcast_ref::<Trap>() {
+            Some(Trap::Interrupt) => PolicyError::Deadline {
+                policy,
+                deadline_ms: self.module.inner.runtime.limits().call_deadline.as_millis() as u64,
+                event,
+            },
+            Some(Trap::UnreachableCodeReached) => match self.panic_message() {
+                Some(message) => PolicyError::Panic { policy, event, message },
+                None => {
+                    PolicyError::Trap { policy, event, detail: "reached `unreachable` (an abort)".into() }
+                }
+            },
+            Some(trap) => PolicyError::Trap { policy, event, detail: trap.to_string() },
+            None => PolicyError::Trap { policy, event, detail: root_cause(e) },
+        }
+    }
+
+    /// The guest's panic message, read from a poisoned instance under a short deadline.
+    fn panic_message(&mut self) -> Option<String> {
+        self.store.set_epoch_deadline(2);
+        let packed = self.last_panic.call(&mut self.store, ()).ok()?;
+        let (ptr, len) = abi::unpack_ptr_len(packed);
+        let bytes = self.memory.data(&self.store).get(ptr as usize..ptr as usize + len as usize)?;
+        let msg = String::from_utf8_lossy(bytes).into_owned();
+        (!msg.is_empty()).then_some(msg)
+    }
+}
+
+fn new_store(rt: &PolicyRuntime) -> Store<Sandbox> {
+    let mut store = Store::new(rt.engine(), Sandbox { cap: rt.limits().max_memory_bytes, denied: None });
+    store.limiter(|s| s as &mut dyn ResourceLimiter);
+    store.epoch_deadline_trap();
+    store.set_epoch_deadline(rt.deadline_ticks());
+    store
+}
+
+fn typed<P: WasmParams, R: WasmResults>(
+    instance: &Instance,
+    store: &mut Store<Sandbox>,
+    name: &str,
+    export: &str,
+) -> Result<TypedFunc<P, R>, PolicyError> {
+    instance
+        .get_typed_func::<P, R>(&mut *store, export)
+        .map_err(|e| PolicyError::Host(format!("{name}: export `{export}`: {e}")))
+}
+
+fn instantiate_error(module: &PolicyModule, store: &Store<Sandbox>, e: &wasmtime::Error) -> PolicyError {
+    let policy = module.display_name().to_owned();
+    if let Some(wanted) = store.data().denied {
+        return PolicyError::MemoryCap {
+            policy,
+            wanted,
+            cap: module.inner.runtime.limits().max_memory_bytes,
+            event: "instantiation".into(),
+        };
+    }
+    PolicyError::Trap { policy, event: "instantiation".into(), detail: root_cause(e) }
+}
+
+/// Reads a module's [`ModuleInfo`] from a throwaway instance.
+pub(crate) fn read_info(
+    rt: &PolicyRuntime,
+    label: &str,
+    pre: &wasmtime::InstancePre<Sandbox>,
+) -> Result<ModuleInfo, PolicyError> {
+    let mut store = new_store(rt);
+    let fail = |detail: String| PolicyError::Invalid { label: label.into(), reason: detail };
+    let instance = pre.instantiate(&mut store).map_err(|e| {
+        if store.data().denied.is_some() {
+            fail(format!("its initial memory exceeds the {} byte cap", rt.limits().max_memory_bytes))
+        } else {
+            fail(format!("cannot instantiate: {}", root_cause(&e)))
+        }
+    })?;
+    let info: TypedFunc<(), i64> = typed(&instance, &mut store, label, exports::INFO)?;
+    let packed =
+        info.call(&mut store, ()).map_err(|e| fail(format!("`sp_info` failed: {}", root_cause(&e))))?;
+    let (ptr, len) = abi::unpack_ptr_len(packed);
+    let memory = instance.get_memory(&mut store, exports::MEMORY).ok_or_else(|| fail("no memory".into()))?;
+    let bytes = memory
+        .data(&store)
+        .get(ptr as usize..ptr as usize + len as usize)
+        .ok_or_else(|| fail("`sp_info` returned a buffer outside its memory".into()))?;
+    postcard::from_bytes(bytes).map_err(|e| fail(format!("`sp_info` returned undecodable info: {e}")))
+}
+
+/// A short description of an event for error messages (only built on the error path).
+pub(crate) fn describe(env: &Envelope) -> String {
+    use syncopate_policy_sdk::abi::Event;
+    match env.event {
+        Event::Pull(p) => format!("pull #{} from worker {} at iteration {}", p.id, p.worker, p.iteration),
+        Event::Push(p) => format!("push #{} from worker {} for iteration {}", p.id, p.worker, p.iteration),
+        Event::WorkerJoined { worker, .. } => format!("worker {worker} joining"),
+        Event::WorkerLeft { worker, .. } => format!("worker {worker} leaving"),
+        Event::IterationFinished(r) => format!("worker {}'s report of iteration {}", r.worker, r.iteration),
+        Event::Timer { timer } => format!("timer {timer}"),
+    }
+}

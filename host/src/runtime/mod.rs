@@ -1,0 +1,134 @@
+//! The policy runtime: loads policy modules into wasmtime and runs them sandboxed.
+//!
+//! - [`PolicyRuntime`] owns the wasmtime engine, the sandbox limits and the epoch ticker that
+//!   enforces each call's CPU deadline.
+//! - [`PolicyModule`] is a validated, compiled module: ABI marker checked, no imports, every
+//!   required export present with the right type, its [`ModuleInfo`] read.
+//! - [`PolicyInstance`] is one running instance (one per shard): encode an event, copy it into the
+//!   guest buffer, call, copy the decisions out. Traps, deadline overruns, memory-cap hits and
+//!   panics come back as [`PolicyError`]s naming the module and the event.
+//!
+//! Compiling is CPU-heavy (tens of milliseconds): do it with [`PolicyRuntime::compile_async`] (a
+//! blocking-pool task) or before the hot path, never on the async reactor.
+
+mod error;
+mod instance;
+mod module;
+
+pub use error::PolicyError;
+pub(crate) use instance::describe as describe_event;
+pub use instance::PolicyInstance;
+pub use module::PolicyModule;
+pub use syncopate_policy_sdk::abi::ModuleInfo;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Limits every policy instance runs under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SandboxLimits {
+    /// Largest linear memory an instance may have, in bytes.
+    pub max_memory_bytes: usize,
+    /// CPU time one call (one event) may take before it is interrupted.
+    pub call_deadline: Duration,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        SandboxLimits { max_memory_bytes: 64 << 20, call_deadline: Duration::from_millis(100) }
+    }
+}
+
+/// How often the epoch ticker advances; a call's deadline is a whole number of ticks.
+const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// The wasmtime engine, configured for policy modules, plus the sandbox limits.
+#[derive(Clone, Debug)]
+pub struct PolicyRuntime {
+    engine: wasmtime::Engine,
+    limits: SandboxLimits,
+    _ticker: Arc<Ticker>,
+}
+
+#[derive(Debug)]
+struct Ticker {
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl PolicyRuntime {
+    /// A runtime with default limits.
+    pub fn new() -> Result<Self, PolicyError> {
+        Self::with_limits(SandboxLimits::default())
+    }
+
+    /// A runtime with the given limits.
+    pub fn with_limits(limits: SandboxLimits) -> Result<Self, PolicyError> {
+        let mut config = wasmtime::Config::new();
+        config
+            .epoch_interruption(true)
+            .cranelift_opt_level(wasmtime::OptLevel::Speed)
+            .max_wasm_stack(1 << 20);
+        let engine = wasmtime::Engine::new(&config)
+            .map_err(|e| PolicyError::Host(format!("cannot create the wasm engine: {e}")))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let weak = engine.weak();
+        let flag = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("policy-epoch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match weak.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })
+            .map_err(|e| PolicyError::Host(format!("cannot start the epoch ticker: {e}")))?;
+        Ok(PolicyRuntime { engine, limits, _ticker: Arc::new(Ticker { stop }) })
+    }
+
+    /// The limits instances run under.
+    pub fn limits(&self) -> SandboxLimits {
+        self.limits
+    }
+
+    /// Deadline in epoch ticks for one call.
+    pub(crate) fn deadline_ticks(&self) -> u64 {
+        (self.limits.call_deadline.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1) + 1
+    }
+
+    pub(crate) fn engine(&self) -> &wasmtime::Engine {
+        &self.engine
+    }
+
+    /// Validates and compiles a module. `label` names it in errors (a file name, say).
+    pub fn compile(&self, label: &str, wasm: &[u8]) -> Result<PolicyModule, PolicyError> {
+        PolicyModule::compile(self, label, wasm)
+    }
+
+    /// Like [`compile`](Self::compile), on tokio's blocking pool so the reactor keeps serving.
+    pub async fn compile_async(&self, label: String, wasm: Vec<u8>) -> Result<PolicyModule, PolicyError> {
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || rt.compile(&label, &wasm))
+            .await
+            .map_err(|e| PolicyError::Host(format!("compile task failed: {e}")))?
+    }
+
+    /// Reads and compiles a module file.
+    pub fn load_file(&self, path: &std::path::Path) -> Result<PolicyModule, PolicyError> {
+        let label = path.display().to_string();
+        let wasm = std::fs::read(path).map_err(|e| PolicyError::Invalid {
+            label: label.clone(),
+            reason: format!("cannot read the file: {e}"),
+        })?;
+        self.compile(&label, &wasm)
+    }
+}

@@ -1,0 +1,859 @@
+//! The shard engine: one shard's parameters, optimizer, clocks and policy, with no networking.
+//!
+//! A [`Shard`] takes pushes, pulls, membership changes and timer ticks (each with the host time
+//! it happened at), asks its policy what to do, and reports what came of it to a [`ShardSink`]:
+//! pull replies with the parameters, push acknowledgements, control messages, metrics and policy
+//! failures. The network layer drives shards; tests and the simulator drive them directly.
+//!
+//! # Guarantees
+//! - Every admitted push reaches the parameters exactly once: through one optimizer step on
+//!   arrival, or in its iteration's aggregate. Duplicates and out-of-order pushes are refused.
+//! - No request is left hanging by a misbehaving policy. When a policy call fails (trap, deadline,
+//!   memory cap, panic, nonsense decision) the failure is reported, the event's own request gets
+//!   the fallback verdict — a push is admitted; a pull is deferred under BSP's rule
+//!   (`min_clock >= clock[w]`), the strictest rule, which cannot deadlock while workers push — the
+//!   policy restarts from its last checkpoint, and every pending request is handed to it again.
+//!   After `max_consecutive_failures` in a row the module is quarantined and the shard runs on the
+//!   fallback rules alone until a swap.
+//! - A hot swap hands the old policy's state to the new one; if the new one refuses, nothing
+//!   changes. Pending requests are handed to the new policy as fresh events; none is dropped.
+
+mod layout;
+mod optimizer;
+mod supervisor;
+
+pub use layout::{ModelLayout, Partition, TensorSpec};
+pub use optimizer::{Optimizer, OptimizerConfig};
+pub use supervisor::SupervisorConfig;
+
+use std::collections::{BTreeMap, VecDeque};
+
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use syncopate_policy_sdk::abi::{
+    Control, Decision, Envelope, Event, IterationReport, LeaveReason, Pull, Push, Release, RequestId,
+    ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+};
+use syncopate_policy_sdk::clocks::Clocks;
+
+use crate::runtime::{PolicyError, PolicyModule};
+use supervisor::{Recovery, Supervisor};
+
+/// How to build a shard.
+#[derive(Clone, Debug)]
+pub struct ShardConfig {
+    /// This shard's index.
+    pub shard: u32,
+    /// How many shards the model is split into.
+    pub shards: u32,
+    /// Seed of the random source policies draw from.
+    pub seed: u64,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Checkpointing and quarantine.
+    pub supervisor: SupervisorConfig,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        ShardConfig {
+            shard: 0,
+            shards: 1,
+            seed: 0,
+            optimizer: OptimizerConfig::default(),
+            supervisor: SupervisorConfig::default(),
+        }
+    }
+}
+
+/// A gradient pushed by a worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PushRequest {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The iteration the gradient was computed for.
+    pub iteration: u64,
+    /// Samples it was computed on.
+    pub samples: u32,
+    /// The gradient for this shard's parameters.
+    pub grad: Vec<f32>,
+}
+
+/// A worker's request for the parameters before computing `iteration`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullRequest {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The iteration it is about to compute.
+    pub iteration: u64,
+}
+
+/// The answer to a pull.
+#[derive(Debug)]
+pub struct PullReply<'a> {
+    /// The pull.
+    pub id: RequestId,
+    /// Who asked.
+    pub worker: WorkerId,
+    /// The iteration it asked for.
+    pub iteration: u64,
+    /// The worker's clock when served.
+    pub clock: u64,
+    /// Optimizer steps applied to the shard so far.
+    pub version: u64,
+    /// The fewest iterations of any live worker that the parameters include.
+    pub min_applied: u64,
+    /// How long the pull was parked, in host nanoseconds.
+    pub waited_ns: u64,
+    /// The parameters.
+    pub values: &'a [f32],
+}
+
+/// Where a shard reports what happened. The network layer sends these to workers; tests record.
+pub trait ShardSink {
+    /// A pull is answered.
+    fn pull_served(&mut self, reply: PullReply<'_>);
+    /// A push was admitted (applied or aggregated).
+    fn push_acked(&mut self, _id: RequestId, _worker: WorkerId, _iteration: u64) {}
+    /// A policy sends a worker a control message.
+    fn control(&mut self, _worker: WorkerId, _control: Control) {}
+    /// A policy records a metric.
+    fn metric(&mut self, _name: &str, _value: f64) {}
+    /// The policy failed; the shard recovered as described in the module docs.
+    fn policy_failed(&mut self, _error: &PolicyError) {}
+}
+
+/// A request the shard refused before any policy saw it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShardError {
+    /// The worker has not joined (or has left).
+    #[error("worker {0} is not a member of shard {1}")]
+    UnknownWorker(WorkerId, u32),
+    /// The worker joined twice.
+    #[error("worker {0} has already joined shard {1}")]
+    AlreadyJoined(WorkerId, u32),
+    /// The gradient has the wrong length.
+    #[error("gradient for shard {shard} has {got} values, expected {expected}")]
+    WrongLength {
+        /// The shard.
+        shard: u32,
+        /// Its parameter count.
+        expected: usize,
+        /// What came.
+        got: usize,
+    },
+    /// The gradient contains NaN or infinity.
+    #[error("gradient from worker {0} for iteration {1} contains NaN or infinity")]
+    NonFinite(WorkerId, u64),
+    /// The push was already received.
+    #[error("duplicate push from worker {worker} for iteration {iteration} (next expected: {expected})")]
+    Duplicate {
+        /// The worker.
+        worker: WorkerId,
+        /// The iteration pushed.
+        iteration: u64,
+        /// The next iteration the shard expects from it.
+        expected: u64,
+    },
+    /// The push skips iterations.
+    #[error("push from worker {worker} for iteration {iteration} skips ahead (next expected: {expected})")]
+    OutOfOrder {
+        /// The worker.
+        worker: WorkerId,
+        /// The iteration pushed.
+        iteration: u64,
+        /// The next iteration the shard expects from it.
+        expected: u64,
+    },
+}
+
+/// Counters a shard keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardStats {
+    /// Pushes admitted.
+    pub pushes_admitted: u64,
+    /// Pulls served.
+    pub pulls_served: u64,
+    /// Pulls that were deferred.
+    pub pulls_deferred: u64,
+    /// Total time pulls spent deferred, in nanoseconds.
+    pub deferred_ns: u64,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Policy failures (each reported to the sink).
+    pub policy_failures: u64,
+    /// Successful hot swaps.
+    pub swaps: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Parked {
+    pull: Pull,
+    until: Release,
+    since_ns: u64,
+}
+
+#[derive(Debug)]
+struct Held {
+    push: Push,
+    grad: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct Aggregate {
+    sum: Vec<f32>,
+    contributors: Vec<WorkerId>,
+}
+
+/// A request handed to the policy again after a recovery or a swap.
+#[derive(Debug)]
+enum Pending {
+    Pull(Parked),
+    Push(Held),
+}
+
+/// One shard: parameters, optimizer, clocks, pending requests and the supervised policy.
+#[derive(Debug)]
+pub struct Shard {
+    shard: u32,
+    params: Vec<f32>,
+    optimizer: Optimizer,
+    clocks: Clocks,
+    floor: u64,
+    next_push: Vec<u64>,
+    applied: Vec<u64>,
+    version: u64,
+    mode: UpdateMode,
+    aggregates: BTreeMap<u64, Aggregate>,
+    parked: Vec<Parked>,
+    held: Vec<Held>,
+    incoming: Option<Held>,
+    undecided_pull: Option<Parked>,
+    timers: Vec<(TimerId, u64)>,
+    supervisor: Supervisor,
+    rng: ChaCha8Rng,
+    next_id: RequestId,
+    scratch: Vec<u8>,
+    queue: VecDeque<Pending>,
+    stats: ShardStats,
+}
+
+impl Shard {
+    /// A shard holding `params`, run by `policy` with `config`.
+    pub fn new(
+        cfg: ShardConfig,
+        params: Vec<f32>,
+        policy: &PolicyModule,
+        config: &[(String, String)],
+        sink: &mut dyn ShardSink,
+    ) -> Result<Self, PolicyError> {
+        let (supervisor, start) = Supervisor::start(cfg.supervisor, cfg.shard, cfg.shards, policy, config)?;
+        let mut shard = Shard {
+            shard: cfg.shard,
+            optimizer: Optimizer::new(cfg.optimizer, params.len()),
+            params,
+            clocks: Clocks::new(),
+            floor: 0,
+            next_push: Vec::new(),
+            applied: Vec::new(),
+            version: 0,
+            mode: UpdateMode::OnArrival,
+            aggregates: BTreeMap::new(),
+            parked: Vec::new(),
+            held: Vec::new(),
+            incoming: None,
+            undecided_pull: None,
+            timers: Vec::new(),
+            supervisor,
+            rng: ChaCha8Rng::seed_from_u64(cfg.seed ^ (u64::from(cfg.shard) << 32)),
+            next_id: 0,
+            scratch: Vec::with_capacity(256),
+            queue: VecDeque::new(),
+            stats: ShardStats::default(),
+        };
+        shard.apply_start(&start, 0, sink)?;
+        Ok(shard)
+    }
+
+    /// The current parameters.
+    pub fn values(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// Optimizer steps applied so far.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The shard's clocks.
+    pub fn view(&self) -> ShardView {
+        self.clocks.view()
+    }
+
+    /// The live workers and their clocks.
+    pub fn workers(&self) -> Vec<WorkerClock> {
+        self.clocks.workers().collect()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ShardStats {
+        self.stats
+    }
+
+    /// The update mode in force.
+    pub fn update_mode(&self) -> UpdateMode {
+        self.mode
+    }
+
+    /// The policy module running (or quarantined) on this shard.
+    pub fn policy(&self) -> &PolicyModule {
+        self.supervisor.module()
+    }
+
+    /// The policy's configuration.
+    pub fn policy_config(&self) -> &[(String, String)] {
+        self.supervisor.config()
+    }
+
+    /// Whether the policy is quarantined (the shard runs on fallback rules).
+    pub fn is_quarantined(&self) -> bool {
+        self.supervisor.is_quarantined()
+    }
+
+    /// Pulls currently parked.
+    pub fn parked_pulls(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Pushes currently held.
+    pub fn held_pushes(&self) -> usize {
+        self.held.len()
+    }
+
+    /// When the next policy timer is due, if any.
+    pub fn next_timer_ns(&self) -> Option<u64> {
+        self.timers.iter().map(|t| t.1).min()
+    }
+
+    /// A worker joins. Returns the clock (iteration) it starts at: the shard's minimum clock, so
+    /// a late joiner starts with the slowest worker.
+    pub fn join(
+        &mut self,
+        worker: WorkerId,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<u64, ShardError> {
+        let view = self.clocks.view();
+        let clock = if view.workers == 0 { self.floor } else { view.min_clock };
+        if !self.clocks.join(worker, clock) {
+            return Err(ShardError::AlreadyJoined(worker, self.shard));
+        }
+        let i = worker as usize;
+        if self.next_push.len() <= i {
+            self.next_push.resize(i + 1, 0);
+            self.applied.resize(i + 1, 0);
+        }
+        self.next_push[i] = clock;
+        self.applied[i] = clock;
+        self.run(Event::WorkerJoined { worker, clock }, view, now_ns, sink);
+        Ok(clock)
+    }
+
+    /// A worker leaves (or is dropped). Its held pushes are admitted (their gradients are valid),
+    /// its parked pulls are dropped (nobody is left to answer), and the barrier it held opens.
+    pub fn leave(
+        &mut self,
+        worker: WorkerId,
+        reason: LeaveReason,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(worker) {
+            return Err(ShardError::UnknownWorker(worker, self.shard));
+        }
+        while let Some(pos) = self.held.iter().position(|h| h.push.worker == worker) {
+            let h = self.held.remove(pos);
+            self.admit(h, None, sink);
+        }
+        self.parked.retain(|p| p.pull.worker != worker);
+        let view = self.clocks.view();
+        self.clocks.leave(worker);
+        self.floor = self.floor.max(self.clocks.view().min_clock);
+        self.complete_aggregates();
+        self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
+        Ok(())
+    }
+
+    /// A worker pushes a gradient. Returns the request id; the acknowledgement goes to the sink
+    /// when the push is admitted.
+    pub fn push(
+        &mut self,
+        req: PushRequest,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<RequestId, ShardError> {
+        let PushRequest { worker, iteration, samples, grad } = req;
+        let clock = self.clocks.get(worker).ok_or(ShardError::UnknownWorker(worker, self.shard))?;
+        if grad.len() != self.params.len() {
+            return Err(ShardError::WrongLength {
+                shard: self.shard,
+                expected: self.params.len(),
+                got: grad.len(),
+            });
+        }
+        let expected = self.next_push[worker as usize];
+        if iteration < expected {
+            return Err(ShardError::Duplicate { worker, iteration, expected });
+        }
+        if iteration > expected {
+            return Err(ShardError::OutOfOrder { worker, iteration, expected });
+        }
+        if !grad.iter().all(|g| g.is_finite()) {
+            return Err(ShardError::NonFinite(worker, iteration));
+        }
+        self.next_push[worker as usize] = iteration + 1;
+        let id = self.id();
+        let push = Push { id, worker, iteration, clock, samples };
+        self.incoming = Some(Held { push, grad });
+        let view = self.clocks.view();
+        self.run(Event::Push(push), view, now_ns, sink);
+        Ok(id)
+    }
+
+    /// A worker asks for the parameters. Returns the request id; the reply goes to the sink when
+    /// the pull is served (at once, or when released).
+    pub fn pull(
+        &mut self,
+        req: PullRequest,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<RequestId, ShardError> {
+        let clock = self.clocks.get(req.worker).ok_or(ShardError::UnknownWorker(req.worker, self.shard))?;
+        let id = self.id();
+        let pull = Pull { id, worker: req.worker, iteration: req.iteration, clock };
+        self.undecided_pull = Some(Parked { pull, until: Release::Explicit, since_ns: now_ns });
+        let view = self.clocks.view();
+        self.run(Event::Pull(pull), view, now_ns, sink);
+        Ok(id)
+    }
+
+    /// A worker reports a finished iteration.
+    pub fn iteration_finished(
+        &mut self,
+        report: IterationReport,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(report.worker) {
+            return Err(ShardError::UnknownWorker(report.worker, self.shard));
+        }
+        let view = self.clocks.view();
+        self.run(Event::IterationFinished(report), view, now_ns, sink);
+        Ok(())
+    }
+
+    /// Fires every policy timer due at `now_ns`.
+    pub fn advance(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        while let Some(pos) = self.timers.iter().position(|t| t.1 <= now_ns) {
+            let (timer, _) = self.timers.swap_remove(pos);
+            let view = self.clocks.view();
+            self.run(Event::Timer { timer }, view, now_ns, sink);
+        }
+    }
+
+    /// Replaces the policy with `module` and `config`, handing over the old policy's state. On
+    /// error (the module refuses the state or its configuration, or fails to start) the old
+    /// policy keeps running and nothing changes.
+    pub fn swap_policy(
+        &mut self,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), PolicyError> {
+        let start = self.supervisor.swap(module, config, self.clocks.workers().collect())?;
+        self.stats.swaps += 1;
+        self.timers.clear();
+        tracing::info!(shard = self.shard, policy = module.display_name(), "policy swapped");
+        if let Err(e) = self.apply_start(&start, now_ns, sink) {
+            self.fail(e, None, now_ns, sink);
+        }
+        self.requeue_pending();
+        self.drain(now_ns, sink);
+        Ok(())
+    }
+
+    fn id(&mut self) -> RequestId {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Handles one event, then whatever it queued.
+    fn run(&mut self, event: Event, view: ShardView, now_ns: u64, sink: &mut dyn ShardSink) {
+        self.dispatch(event, view, true, now_ns, sink);
+        self.drain(now_ns, sink);
+    }
+
+    fn drain(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        while let Some(p) = self.queue.pop_front() {
+            let view = self.clocks.view();
+            match p {
+                Pending::Pull(mut parked) => {
+                    parked.pull.clock = self.clocks.get(parked.pull.worker).unwrap_or(parked.pull.clock);
+                    let pull = parked.pull;
+                    self.undecided_pull = Some(parked);
+                    self.dispatch(Event::Pull(pull), view, false, now_ns, sink);
+                }
+                Pending::Push(held) => {
+                    let push = held.push;
+                    self.incoming = Some(held);
+                    self.dispatch(Event::Push(push), view, false, now_ns, sink);
+                }
+            }
+        }
+    }
+
+    /// Asks the policy about one event and applies its answer. `fresh` is false for requests
+    /// handed over again after a recovery or a swap.
+    fn dispatch(
+        &mut self,
+        event: Event,
+        view: ShardView,
+        fresh: bool,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) {
+        let env = Envelope { now_ns, random: self.rng.next_u64(), view, event };
+        let called = match self.supervisor.call(&env) {
+            None => None,
+            Some(Ok(bytes)) => {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(bytes);
+                Some(Ok(()))
+            }
+            Some(Err(e)) => Some(Err(e)),
+        };
+        match called {
+            None => self.fallback(now_ns, sink),
+            Some(Err(e)) => self.fail(e, Some(&env), now_ns, sink),
+            Some(Ok(())) => {
+                let bytes = std::mem::take(&mut self.scratch);
+                let applied = self.apply(&bytes, &event, now_ns, sink);
+                self.scratch = bytes;
+                let result = applied.map_err(|detail| PolicyError::BadDecision {
+                    policy: self.supervisor.module().display_name().to_owned(),
+                    event: crate::runtime::describe_event(&env),
+                    detail,
+                });
+                let clocks = &self.clocks;
+                match result.and_then(|()| self.supervisor.succeeded(fresh, || clocks.workers().collect())) {
+                    Ok(()) => {}
+                    Err(e) => self.fail(e, Some(&env), now_ns, sink),
+                }
+            }
+        }
+        self.release_ready(now_ns, sink);
+    }
+
+    /// Applies one event's decisions. Each decision is checked before it takes effect, so on the
+    /// first nonsense one the shard is still consistent.
+    fn apply(
+        &mut self,
+        mut bytes: &[u8],
+        event: &Event,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), String> {
+        let request = match event {
+            Event::Pull(p) => Some(p.id),
+            Event::Push(p) => Some(p.id),
+            _ => None,
+        };
+        while !bytes.is_empty() {
+            let (decision, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
+                .map_err(|e| format!("undecodable decision: {e}"))?;
+            bytes = rest;
+            self.apply_one(decision, request, now_ns, sink)?;
+        }
+        if self.undecided_pull.is_some() {
+            return Err("the pull got no verdict".into());
+        }
+        if self.incoming.is_some() {
+            return Err("the push got no verdict".into());
+        }
+        Ok(())
+    }
+
+    fn apply_one(
+        &mut self,
+        d: Decision<'_>,
+        request: Option<RequestId>,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), String> {
+        let not_this = |kind: &str, id: RequestId| {
+            format!("{kind} for request #{id}, which is not this event's (undecided) request")
+        };
+        match d {
+            Decision::ServePull { pull } => {
+                let p = self.take_undecided_pull(pull, request).ok_or_else(|| not_this("serve", pull))?;
+                self.serve(p, now_ns, sink);
+            }
+            Decision::DeferPull { pull, until } => {
+                let mut p = self.take_undecided_pull(pull, request).ok_or_else(|| not_this("defer", pull))?;
+                if let Release::MinClockAtLeast(c) = until {
+                    if c > p.pull.clock.saturating_add(1 << 32) {
+                        self.undecided_pull = Some(p);
+                        return Err(format!(
+                            "deferred pull #{pull} until min clock {c}, which no run reaches"
+                        ));
+                    }
+                }
+                p.until = until;
+                p.since_ns = now_ns;
+                self.stats.pulls_deferred += 1;
+                self.parked.push(p);
+            }
+            Decision::ReleasePull { pull } => {
+                let pos = self
+                    .parked
+                    .iter()
+                    .position(|p| p.pull.id == pull)
+                    .ok_or_else(|| format!("released pull #{pull}, which is not parked"))?;
+                let p = self.parked.swap_remove(pos);
+                self.serve(p, now_ns, sink);
+            }
+            Decision::AdmitPush { push, weight } => {
+                if let Some(w) = weight {
+                    if !w.is_finite() || w < 0.0 {
+                        return Err(format!("admitted push #{push} with weight {w}"));
+                    }
+                }
+                let held =
+                    if request == Some(push) && self.incoming.as_ref().is_some_and(|h| h.push.id == push) {
+                        self.incoming.take()
+                    } else {
+                        self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
+                    };
+                let held = held.ok_or_else(|| {
+                    format!("admitted push #{push}, which is neither this event's push nor held")
+                })?;
+                self.admit(held, weight, sink);
+            }
+            Decision::HoldPush { push } => {
+                if request != Some(push) || self.incoming.as_ref().is_none_or(|h| h.push.id != push) {
+                    return Err(not_this("hold", push));
+                }
+                if let Some(h) = self.incoming.take() {
+                    self.held.push(h);
+                }
+            }
+            Decision::SetUpdateMode(mode) => self.set_mode(mode),
+            Decision::Control { worker, control } => {
+                if !self.clocks.is_live(worker) {
+                    return Err(format!("sent a control message to worker {worker}, which is not live"));
+                }
+                if let Control::MoveTasks { from, .. } = control {
+                    if !self.clocks.is_live(from) {
+                        return Err(format!("moved tasks of worker {from}, which is not live"));
+                    }
+                }
+                sink.control(worker, control);
+            }
+            Decision::SetTimer { timer, after_ns } => {
+                let due = now_ns.saturating_add(after_ns);
+                if let Some(t) = self.timers.iter_mut().find(|t| t.0 == timer) {
+                    t.1 = due;
+                } else if self.timers.len() < 1024 {
+                    self.timers.push((timer, due));
+                } else {
+                    return Err("set more than 1024 timers".into());
+                }
+            }
+            Decision::CancelTimer { timer } => self.timers.retain(|t| t.0 != timer),
+            Decision::Metric { name, value } => sink.metric(name, value),
+        }
+        Ok(())
+    }
+
+    fn take_undecided_pull(&mut self, id: RequestId, request: Option<RequestId>) -> Option<Parked> {
+        if request == Some(id) && self.undecided_pull.as_ref().is_some_and(|p| p.pull.id == id) {
+            self.undecided_pull.take()
+        } else {
+            None
+        }
+    }
+
+    fn apply_start(
+        &mut self,
+        bytes: &[u8],
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), PolicyError> {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let policy = self.supervisor.module().display_name().to_owned();
+            let bad = |detail: String| PolicyError::BadDecision { policy, event: "start-up".into(), detail };
+            let (d, r) = match postcard::take_from_bytes::<Decision<'_>>(rest) {
+                Ok(x) => x,
+                Err(e) => return Err(bad(format!("undecodable decision: {e}"))),
+            };
+            rest = r;
+            if let Err(detail) = self.apply_one(d, None, now_ns, sink) {
+                return Err(bad(detail));
+            }
+        }
+        Ok(())
+    }
+
+    /// A policy call failed: report it, resolve the event's request by the fallback rules, and
+    /// restart or quarantine the policy.
+    fn fail(&mut self, error: PolicyError, env: Option<&Envelope>, now_ns: u64, sink: &mut dyn ShardSink) {
+        self.stats.policy_failures += 1;
+        tracing::warn!(shard = self.shard, %error, "policy failure");
+        sink.policy_failed(&error);
+        let _ = env;
+        self.fallback(now_ns, sink);
+        match self.supervisor.failed() {
+            Recovery::Restarted => self.requeue_pending(),
+            Recovery::Quarantined(cause) => {
+                if let Some(e) = cause {
+                    sink.policy_failed(&e);
+                }
+                tracing::error!(
+                    shard = self.shard,
+                    policy = self.supervisor.module().display_name(),
+                    "policy quarantined; fallback rules in force until a swap"
+                );
+                for p in &mut self.parked {
+                    if p.until == Release::Explicit {
+                        p.until = Release::MinClockAtLeast(p.pull.clock);
+                    }
+                }
+                while let Some(h) = self.held.pop() {
+                    self.admit(h, None, sink);
+                }
+                while let Some(Pending::Push(h)) = self.queue.pop_front() {
+                    self.admit(h, None, sink);
+                }
+            }
+        }
+    }
+
+    /// Resolves the current event's request without the policy: admit a push; park a pull
+    /// under BSP's rule.
+    fn fallback(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        if let Some(h) = self.incoming.take() {
+            self.admit(h, None, sink);
+        }
+        if let Some(mut p) = self.undecided_pull.take() {
+            p.until = Release::MinClockAtLeast(p.pull.clock);
+            p.since_ns = now_ns;
+            self.parked.push(p);
+        }
+    }
+
+    fn requeue_pending(&mut self) {
+        self.queue.extend(self.parked.drain(..).map(Pending::Pull));
+        self.queue.extend(self.held.drain(..).map(Pending::Push));
+    }
+
+    fn serve(&mut self, p: Parked, now_ns: u64, sink: &mut dyn ShardSink) {
+        let waited_ns = if p.until == Release::Explicit && p.since_ns == now_ns {
+            0
+        } else {
+            now_ns.saturating_sub(p.since_ns)
+        };
+        self.stats.pulls_served += 1;
+        self.stats.deferred_ns += waited_ns;
+        let min_applied = self.clocks.workers().map(|w| self.applied[w.worker as usize]).min().unwrap_or(0);
+        sink.pull_served(PullReply {
+            id: p.pull.id,
+            worker: p.pull.worker,
+            iteration: p.pull.iteration,
+            clock: self.clocks.get(p.pull.worker).unwrap_or(p.pull.clock),
+            version: self.version,
+            min_applied,
+            waited_ns,
+            values: &self.params,
+        });
+    }
+
+    fn admit(&mut self, h: Held, weight: Option<f32>, sink: &mut dyn ShardSink) {
+        let Held { push, grad } = h;
+        let live = self.clocks.view().workers.max(1);
+        let weight = weight.unwrap_or(1.0 / live as f32);
+        self.clocks.tick(push.worker);
+        self.stats.pushes_admitted += 1;
+        match self.mode {
+            UpdateMode::OnArrival => {
+                self.optimizer.step(&mut self.params, &grad, weight);
+                self.version += 1;
+                self.stats.steps += 1;
+                if let Some(a) = self.applied.get_mut(push.worker as usize) {
+                    *a += 1;
+                }
+            }
+            UpdateMode::Aggregate => {
+                let len = self.params.len();
+                let agg = self
+                    .aggregates
+                    .entry(push.iteration)
+                    .or_insert_with(|| Aggregate { sum: vec![0.0; len], contributors: Vec::new() });
+                for (s, g) in agg.sum.iter_mut().zip(&grad) {
+                    *s += weight * g;
+                }
+                agg.contributors.push(push.worker);
+                self.complete_aggregates();
+            }
+        }
+        sink.push_acked(push.id, push.worker, push.iteration);
+    }
+
+    /// Applies, in iteration order, every aggregate whose iteration all live workers have pushed
+    /// (`iteration < min_clock`), whatever mode their pushes arrived in.
+    fn complete_aggregates(&mut self) {
+        let min_clock = self.clocks.view().min_clock;
+        while let Some(entry) = self.aggregates.first_entry() {
+            if *entry.key() >= min_clock {
+                break;
+            }
+            let agg = entry.remove();
+            self.apply_aggregate(agg);
+        }
+    }
+
+    fn apply_aggregate(&mut self, agg: Aggregate) {
+        self.optimizer.step(&mut self.params, &agg.sum, 1.0);
+        self.version += 1;
+        self.stats.steps += 1;
+        for w in agg.contributors {
+            if let Some(a) = self.applied.get_mut(w as usize) {
+                *a += 1;
+            }
+        }
+    }
+
+    fn set_mode(&mut self, mode: UpdateMode) {
+        if self.mode == UpdateMode::Aggregate && mode == UpdateMode::OnArrival {
+            // Partial aggregates are applied as they stand: each push keeps the weight it had.
+            while let Some((_, agg)) = self.aggregates.pop_first() {
+                self.apply_aggregate(agg);
+            }
+        }
+        self.mode = mode;
+    }
+
+    fn release_ready(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        let view = self.clocks.view();
+        let mut i = 0;
+        while i < self.parked.len() {
+            if self.parked[i].until.is_met(view) {
+                let p = self.parked.swap_remove(i);
+                self.serve(p, now_ns, sink);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! The server-side optimizer: SGD with momentum (optionally Nesterov) and weight decay, applied
+//! element-wise to a shard's parameters.
+
+use serde::{Deserialize, Serialize};
+
+/// Optimizer hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum coefficient (0 for plain SGD).
+    pub momentum: f32,
+    /// L2 weight decay added to the gradient.
+    pub weight_decay: f32,
+    /// Use Nesterov momentum.
+    pub nesterov: bool,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig { lr: 0.05, momentum: 0.9, weight_decay: 0.0, nesterov: false }
+    }
+}
+
+/// SGD with momentum over one shard's parameters.
+#[derive(Clone, Debug)]
+pub struct Optimizer {
+    cfg: OptimizerConfig,
+    velocity: Vec<f32>,
+}
+
+impl Optimizer {
+    /// An optimizer for `len` parameters.
+    pub fn new(cfg: OptimizerConfig, len: usize) -> Self {
+        let velocity = if cfg.momentum != 0.0 { vec![0.0; len] } else { Vec::new() };
+        Optimizer { cfg, velocity }
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> OptimizerConfig {
+        self.cfg
+    }
+
+    /// One step with gradient `scale * grad`.
+    pub fn step(&mut self, params: &mut [f32], grad: &[f32], scale: f32) {
+        debug_assert_eq!(params.len(), grad.len());
+        let OptimizerConfig { lr, momentum, weight_decay, nesterov } = self.cfg;
+        if momentum == 0.0 {
+            for (p, g) in params.iter_mut().zip(grad) {
+                let g = scale * g + weight_decay * *p;
+                *p -= lr * g;
+            }
+            return;
+        }
+        for ((p, g), v) in params.iter_mut().zip(grad).zip(self.velocity.iter_mut()) {
+            let g = scale * g + weight_decay * *p;
+            *v = momentum * *v + g;
+            let d = if nesterov { g + momentum * *v } else { *v };
+            *p -= lr * d;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_sgd_and_momentum() {
+        let mut p = vec![1.0f32, 2.0];
+        let mut o =
+            Optimizer::new(OptimizerConfig { lr: 0.5, momentum: 0.0, weight_decay: 0.0, nesterov: false }, 2);
+        o.step(&mut p, &[1.0, -2.0], 1.0);
+        assert_eq!(p, vec![0.5, 3.0]);
+        let mut p = vec![0.0f32];
+        let mut o =
+            Optimizer::new(OptimizerConfig { lr: 1.0, momentum: 0.5, weight_decay: 0.0, nesterov: false }, 1);
+        o.step(&mut p, &[1.0], 1.0);
+        o.step(&mut p, &[1.0], 1.0);
+        assert_eq!(p, vec![-2.5]); // v = 1, then 1.5
+    }
+}

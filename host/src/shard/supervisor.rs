@@ -1,0 +1,185 @@
+//! Keeps a shard's policy instance alive: periodic state checkpoints, restart from the last
+//! checkpoint after a failure, quarantine after repeated failures, and hot swaps.
+//!
+//! Recovery and swap are one mechanism: a new instance is created with
+//! [`PolicyInstance::import`] from a [`Handoff`] (the old instance's state for a swap, the last
+//! checkpoint for a recovery), and the shard then hands every pending request to it again as a
+//! fresh event. A module that keeps failing (`max_consecutive_failures` in a row) is quarantined:
+//! the shard stops calling it and applies its fallback rules until an operator swaps in another.
+
+use syncopate_policy_sdk::abi::{Envelope, Handoff, InitArgs, WorkerClock};
+
+use crate::runtime::{PolicyError, PolicyInstance, PolicyModule};
+
+/// How a shard supervises its policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SupervisorConfig {
+    /// Events between state checkpoints.
+    pub checkpoint_every: u32,
+    /// Failures in a row after which the module is quarantined.
+    pub max_consecutive_failures: u32,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        SupervisorConfig { checkpoint_every: 256, max_consecutive_failures: 3 }
+    }
+}
+
+/// What happened after a failure.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Recovery {
+    /// A fresh instance runs from the last checkpoint.
+    Restarted,
+    /// The module failed too often (or cannot even restart): no more calls until a swap.
+    Quarantined(Option<PolicyError>),
+}
+
+pub(crate) struct Supervisor {
+    cfg: SupervisorConfig,
+    shard: u32,
+    shards: u32,
+    module: PolicyModule,
+    config: Vec<(String, String)>,
+    instance: Option<PolicyInstance>,
+    checkpoint: Vec<u8>,
+    checkpoint_workers: Vec<WorkerClock>,
+    since_checkpoint: u32,
+    failures_in_a_row: u32,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("module", &self.module)
+            .field("quarantined", &self.instance.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+fn init_args<'a>(shard: u32, shards: u32, config: &'a [(String, String)]) -> InitArgs<'a> {
+    InitArgs { shard, shards, config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect() }
+}
+
+impl Supervisor {
+    /// Creates the first instance. Returns the supervisor and the start-up decisions.
+    pub(crate) fn start(
+        cfg: SupervisorConfig,
+        shard: u32,
+        shards: u32,
+        module: &PolicyModule,
+        config: &[(String, String)],
+    ) -> Result<(Self, Vec<u8>), PolicyError> {
+        let (mut instance, start) = PolicyInstance::new(module, &init_args(shard, shards, config))?;
+        let checkpoint = instance.export_state()?;
+        let sup = Supervisor {
+            cfg,
+            shard,
+            shards,
+            module: module.clone(),
+            config: config.to_vec(),
+            instance: Some(instance),
+            checkpoint,
+            checkpoint_workers: Vec::new(),
+            since_checkpoint: 0,
+            failures_in_a_row: 0,
+        };
+        Ok((sup, start))
+    }
+
+    pub(crate) fn module(&self) -> &PolicyModule {
+        &self.module
+    }
+
+    pub(crate) fn config(&self) -> &[(String, String)] {
+        &self.config
+    }
+
+    pub(crate) fn is_quarantined(&self) -> bool {
+        self.instance.is_none()
+    }
+
+    /// Calls the instance; `None` when quarantined.
+    pub(crate) fn call(&mut self, env: &Envelope) -> Option<Result<&[u8], PolicyError>> {
+        Some(self.instance.as_mut()?.on_event(env))
+    }
+
+    /// Records a successful event; checkpoints every `checkpoint_every` events. Only a `fresh`
+    /// event (not one handed over again after a recovery) clears the failure count: otherwise a
+    /// module that fails every few events could restart forever on its own re-deliveries.
+    pub(crate) fn succeeded(
+        &mut self,
+        fresh: bool,
+        workers: impl FnOnce() -> Vec<WorkerClock>,
+    ) -> Result<(), PolicyError> {
+        if fresh {
+            self.failures_in_a_row = 0;
+        }
+        self.since_checkpoint += 1;
+        if self.since_checkpoint >= self.cfg.checkpoint_every {
+            self.since_checkpoint = 0;
+            if let Some(instance) = self.instance.as_mut() {
+                self.checkpoint = instance.export_state()?;
+                self.checkpoint_workers = workers();
+            }
+        }
+        Ok(())
+    }
+
+    /// After a failure: restart from the last checkpoint, or quarantine.
+    pub(crate) fn failed(&mut self) -> Recovery {
+        self.failures_in_a_row += 1;
+        self.instance = None;
+        if self.failures_in_a_row >= self.cfg.max_consecutive_failures {
+            return Recovery::Quarantined(None);
+        }
+        let info = self.module.info();
+        let handoff = Handoff {
+            from_name: &info.name,
+            from_version: &info.version,
+            state: &self.checkpoint,
+            workers: self.checkpoint_workers.clone(),
+        };
+        let args = init_args(self.shard, self.shards, &self.config);
+        match PolicyInstance::import(&self.module, &args, &handoff) {
+            Ok((instance, _start)) => {
+                // The start-up decisions were applied when the module first started; the shard's
+                // mode and timers are still in force.
+                self.instance = Some(instance);
+                self.since_checkpoint = 0;
+                Recovery::Restarted
+            }
+            Err(e) => Recovery::Quarantined(Some(e)),
+        }
+    }
+
+    /// Replaces the running policy with `module`. On error nothing changes.
+    pub(crate) fn swap(
+        &mut self,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        workers: Vec<WorkerClock>,
+    ) -> Result<Vec<u8>, PolicyError> {
+        let state = match self.instance.as_mut() {
+            Some(old) => old.export_state().unwrap_or_else(|_| self.checkpoint.clone()),
+            None => self.checkpoint.clone(),
+        };
+        let old = self.module.info();
+        let handoff = Handoff {
+            from_name: &old.name,
+            from_version: &old.version,
+            state: &state,
+            workers: workers.clone(),
+        };
+        let (mut instance, start) =
+            PolicyInstance::import(module, &init_args(self.shard, self.shards, config), &handoff)?;
+        self.checkpoint = instance.export_state()?;
+        self.checkpoint_workers = workers;
+        self.instance = Some(instance);
+        self.module = module.clone();
+        self.config = config.to_vec();
+        self.since_checkpoint = 0;
+        self.failures_in_a_row = 0;
+        Ok(start)
+    }
+}

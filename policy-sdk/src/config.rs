@@ -1,0 +1,106 @@
+//! Policy configuration: validated against the policy's declared parameters before it is created.
+
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::fmt;
+use core::str::FromStr;
+
+use crate::abi::{ParamKind, ParamSpec};
+
+/// A policy's configuration, checked against its [`ParamSpec`]s: every parameter has a value
+/// (given or default) of the declared kind, and no unknown name was given.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    values: Vec<(String, String)>,
+}
+
+/// A configuration that does not fit the policy's parameters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Config {
+    /// Checks `given` against `params`, filling in defaults.
+    pub fn validate(params: &[ParamSpec], given: &[(&str, &str)]) -> Result<Self, ConfigError> {
+        for (name, _) in given {
+            if !params.iter().any(|p| p.name == *name) {
+                let known: Vec<&str> = params.iter().map(|p| p.name).collect();
+                return Err(ConfigError(if known.is_empty() {
+                    format!("unknown parameter `{name}`: this policy takes no parameters")
+                } else {
+                    format!("unknown parameter `{name}` (known: {})", known.join(", "))
+                }));
+            }
+        }
+        let mut values = Vec::with_capacity(params.len());
+        for p in params {
+            let value = given.iter().rev().find(|(n, _)| *n == p.name).map(|(_, v)| *v).unwrap_or(p.default);
+            check_kind(p, value)?;
+            values.push((p.name.to_string(), value.to_string()));
+        }
+        Ok(Config { values })
+    }
+
+    /// The raw text of parameter `name`, if the policy declares it.
+    pub fn text(&self, name: &str) -> Option<&str> {
+        self.values.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    /// Parameter `name` parsed as `T`.
+    ///
+    /// # Errors
+    /// When the policy does not declare `name` or its value does not parse as `T`.
+    pub fn get<T: FromStr>(&self, name: &str) -> Result<T, ConfigError> {
+        let text = self
+            .text(name)
+            .ok_or_else(|| ConfigError(format!("parameter `{name}` is not declared by this policy")))?;
+        text.parse().map_err(|_| ConfigError(format!("parameter `{name}`: cannot parse `{text}`")))
+    }
+
+    /// All parameters with their values, in declaration order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.values.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+}
+
+fn check_kind(p: &ParamSpec, value: &str) -> Result<(), ConfigError> {
+    let ok = match p.kind {
+        ParamKind::Uint => value.parse::<u64>().is_ok(),
+        ParamKind::Float => value.parse::<f64>().is_ok_and(f64::is_finite),
+        ParamKind::Bool => value.parse::<bool>().is_ok(),
+        ParamKind::Text => true,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError(format!("parameter `{}` must be a {}, got `{value}`", p.name, p.kind.name())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    const PARAMS: &[ParamSpec] = &[ParamSpec::new("s", ParamKind::Uint, "3", "bound")];
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = Config::validate(PARAMS, &[]).unwrap();
+        assert_eq!(c.get::<u64>("s").unwrap(), 3);
+        let c = Config::validate(PARAMS, &[("s", "0")]).unwrap();
+        assert_eq!(c.get::<u64>("s").unwrap(), 0);
+    }
+
+    #[test]
+    fn rejects_unknown_and_mistyped() {
+        let e = Config::validate(PARAMS, &[("x", "1")]).unwrap_err();
+        assert!(e.0.contains("unknown parameter `x`"), "{e}");
+        let e = Config::validate(PARAMS, &[("s", "-1")]).unwrap_err();
+        assert!(e.0.contains("must be a uint"), "{e}");
+    }
+}

@@ -1,0 +1,93 @@
+//! The context a policy handler receives: host time, the seeded random source, the shard's
+//! clocks, and the methods that emit decisions.
+
+use alloc::vec::Vec;
+
+use crate::abi::{Control, Decision, RequestId, ShardView, TimerId, UpdateMode, WorkerId};
+
+/// What a handler can read and do while it handles one event.
+///
+/// Decisions emitted through a `Ctx` are written straight into the reply to the host, in order.
+#[derive(Debug)]
+pub struct Ctx<'a> {
+    now_ns: u64,
+    random: u64,
+    view: ShardView,
+    out: &'a mut Vec<u8>,
+}
+
+impl<'a> Ctx<'a> {
+    pub(crate) fn new(now_ns: u64, random: u64, view: ShardView, out: &'a mut Vec<u8>) -> Self {
+        Ctx { now_ns, random, view, out }
+    }
+
+    /// Host time in nanoseconds (virtual time in the simulator). The only clock a policy has.
+    pub fn now_ns(&self) -> u64 {
+        self.now_ns
+    }
+
+    /// The shard's clocks when the event arrived.
+    pub fn view(&self) -> ShardView {
+        self.view
+    }
+
+    /// The next value from the host-seeded random source. Deterministic given the event stream:
+    /// replaying the same events gives the same values.
+    pub fn random_u64(&mut self) -> u64 {
+        // SplitMix64: expands the host's per-event value into as many draws as the handler needs.
+        self.random = self.random.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.random;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform draw from `[0, 1)`.
+    pub fn random_f64(&mut self) -> f64 {
+        (self.random_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Answer a pull that this policy deferred with [`Release::Explicit`](crate::abi::Release).
+    pub fn release_pull(&mut self, pull: RequestId) {
+        self.emit(&Decision::ReleasePull { pull });
+    }
+
+    /// Admit a push that this policy held, with the host's default weight.
+    pub fn admit_push(&mut self, push: RequestId) {
+        self.emit(&Decision::AdmitPush { push, weight: None });
+    }
+
+    /// Admit a held push with an explicit weight.
+    pub fn admit_push_weighted(&mut self, push: RequestId, weight: f32) {
+        self.emit(&Decision::AdmitPush { push, weight: Some(weight) });
+    }
+
+    /// Choose how admitted gradients are applied from now on.
+    pub fn set_update_mode(&mut self, mode: UpdateMode) {
+        self.emit(&Decision::SetUpdateMode(mode));
+    }
+
+    /// Send a control message to a worker.
+    pub fn control(&mut self, worker: WorkerId, control: Control) {
+        self.emit(&Decision::Control { worker, control });
+    }
+
+    /// Fire a timer event after `after_ns` of host time (re-arms an existing timer).
+    pub fn set_timer(&mut self, timer: TimerId, after_ns: u64) {
+        self.emit(&Decision::SetTimer { timer, after_ns });
+    }
+
+    /// Cancel a timer.
+    pub fn cancel_timer(&mut self, timer: TimerId) {
+        self.emit(&Decision::CancelTimer { timer });
+    }
+
+    /// Record a metric sample; the host aggregates samples by name.
+    pub fn metric(&mut self, name: &str, value: f64) {
+        self.emit(&Decision::Metric { name, value });
+    }
+
+    pub(crate) fn emit(&mut self, decision: &Decision<'_>) {
+        crate::guest::encode_into(decision, self.out);
+    }
+}

@@ -1,0 +1,183 @@
+//! The guest side of the ABI: decodes host input from the guest buffer, calls the [`Policy`], and
+//! encodes its decisions. The `export_policy!` macro wires these to wasm exports; the native
+//! [`Driver`](crate::testing::Driver) calls the very same functions over bytes, so native tests
+//! exercise the real codec. Not part of the author-facing API.
+
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::cell::RefCell;
+
+use crate::abi::{self, Decision, Envelope, Event, Handoff, InitArgs};
+use crate::config::Config;
+use crate::{Ctx, Init, Policy, PullVerdict, PushVerdict};
+
+/// One policy instance plus its input and output buffers.
+#[derive(Debug)]
+pub struct Guest<P> {
+    policy: Option<P>,
+    input: Vec<u8>,
+    output: Vec<u8>,
+}
+
+impl<P: Policy> Default for Guest<P> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<P: Policy> Guest<P> {
+    /// No instance yet; empty buffers.
+    pub const fn new() -> Self {
+        Guest { policy: None, input: Vec::new(), output: Vec::new() }
+    }
+
+    /// A buffer of at least `len` bytes for the host's next input. It only moves when it grows.
+    pub fn buffer(&mut self, len: usize) -> *mut u8 {
+        if self.input.len() < len {
+            self.input.resize(len.next_power_of_two(), 0);
+        }
+        self.input.as_mut_ptr()
+    }
+
+    /// The policy's info.
+    pub fn info(&mut self) -> &[u8] {
+        self.output.clear();
+        encode_into(&P::INFO, &mut self.output);
+        &self.output
+    }
+
+    /// Creates the instance from [`InitArgs`] in the buffer; answers `Result<(), String>` and the
+    /// start-up decisions.
+    pub fn init(&mut self, len: usize) -> &[u8] {
+        install_panic_hook();
+        self.output.clear();
+        let created = postcard::from_bytes::<InitArgs<'_>>(&self.input[..len])
+            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
+            .and_then(|args| {
+                let init = make_init::<P>(&args)?;
+                P::new(&init)
+            });
+        self.start(created)
+    }
+
+    /// Creates the instance from [`InitArgs`] and a [`Handoff`] in the buffer.
+    pub fn import(&mut self, len: usize) -> &[u8] {
+        install_panic_hook();
+        self.output.clear();
+        let created = postcard::take_from_bytes::<InitArgs<'_>>(&self.input[..len])
+            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
+            .and_then(|(args, rest)| {
+                let handoff = postcard::from_bytes::<Handoff<'_>>(rest)
+                    .map_err(|e| alloc::format!("malformed handoff: {e}"))?;
+                let init = make_init::<P>(&args)?;
+                P::import_state(&init, &handoff)
+            });
+        self.start(created)
+    }
+
+    fn start(&mut self, created: Result<P, String>) -> &[u8] {
+        match created {
+            Ok(mut policy) => {
+                encode_into(&Ok::<(), String>(()), &mut self.output);
+                let mut ctx = Ctx::new(0, 0, Default::default(), &mut self.output);
+                policy.on_start(&mut ctx);
+                self.policy = Some(policy);
+            }
+            Err(reason) => encode_into(&Err::<(), String>(reason), &mut self.output),
+        }
+        &self.output
+    }
+
+    /// Handles the [`Envelope`] in the buffer; answers a run of decisions.
+    ///
+    /// # Panics
+    /// If the host sends an event before a successful init, or malformed bytes: both are host
+    /// bugs, and a panic becomes a trap the host reports.
+    pub fn event(&mut self, len: usize) -> &[u8] {
+        self.output.clear();
+        let env: Envelope = match postcard::from_bytes(&self.input[..len]) {
+            Ok(env) => env,
+            Err(e) => panic!("malformed event from host: {e}"),
+        };
+        let Some(policy) = self.policy.as_mut() else {
+            panic!("event before the policy was initialised");
+        };
+        handle(policy, &env, &mut self.output);
+        &self.output
+    }
+
+    /// The instance's exported state.
+    pub fn export(&mut self) -> &[u8] {
+        self.output.clear();
+        if let Some(policy) = &self.policy {
+            self.output = policy.export_state();
+        }
+        &self.output
+    }
+}
+
+fn make_init<P: Policy>(args: &InitArgs<'_>) -> Result<Init, String> {
+    let config = Config::validate(P::INFO.params, &args.config)?;
+    Ok(Init { shard: args.shard, shards: args.shards, config })
+}
+
+/// Dispatches one event to the policy's handlers and writes the decisions into `out`.
+pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Vec<u8>) {
+    let mut ctx = Ctx::new(env.now_ns, env.random, env.view, out);
+    match &env.event {
+        Event::Pull(pull) => {
+            let decision = match policy.on_pull(&mut ctx, pull) {
+                PullVerdict::Serve => Decision::ServePull { pull: pull.id },
+                PullVerdict::Defer(until) => Decision::DeferPull { pull: pull.id, until },
+            };
+            ctx.emit(&decision);
+        }
+        Event::Push(push) => {
+            let decision = match policy.on_push(&mut ctx, push) {
+                PushVerdict::Admit => Decision::AdmitPush { push: push.id, weight: None },
+                PushVerdict::AdmitWeighted(w) => Decision::AdmitPush { push: push.id, weight: Some(w) },
+                PushVerdict::Hold => Decision::HoldPush { push: push.id },
+            };
+            ctx.emit(&decision);
+        }
+        Event::WorkerJoined { worker, clock } => policy.on_worker_joined(&mut ctx, *worker, *clock),
+        Event::WorkerLeft { worker, reason } => policy.on_worker_left(&mut ctx, *worker, *reason),
+        Event::IterationFinished(report) => policy.on_iteration_finished(&mut ctx, report),
+        Event::Timer { timer } => policy.on_timer(&mut ctx, *timer),
+    }
+}
+
+/// Appends the postcard encoding of `value` to `out` without an intermediate allocation.
+pub fn encode_into<T: serde::Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) {
+    let buf = core::mem::take(out);
+    match postcard::to_extend(value, buf) {
+        Ok(buf) => *out = buf,
+        // Encoding into a Vec cannot fail for our types; a failure is a bug worth a trap.
+        Err(e) => panic!("encoding failed: {e}"),
+    }
+}
+
+/// Packs a guest slice as the `i64` an export returns.
+pub fn packed(bytes: &[u8]) -> i64 {
+    abi::pack_ptr_len(bytes.as_ptr() as usize as u32, bytes.len() as u32)
+}
+
+std::thread_local! {
+    static LAST_PANIC: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+fn install_panic_hook() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    if cfg!(target_arch = "wasm32") {
+        INSTALLED.call_once(|| {
+            std::panic::set_hook(alloc::boxed::Box::new(|info| {
+                LAST_PANIC.with_borrow_mut(|m| *m = info.to_string());
+            }));
+        });
+    }
+}
+
+/// The message of the last panic, packed for the `sp_last_panic` export.
+pub fn last_panic() -> i64 {
+    LAST_PANIC.with_borrow(|m| packed(m.as_bytes()))
+}

@@ -1,0 +1,288 @@
+//! A native test driver: feed a policy event sequences and check its decisions with plain
+//! `cargo test`, through the same encode/decode path the wasm module uses.
+
+use alloc::collections::VecDeque;
+use alloc::string::String;
+use alloc::vec::Vec;
+
+use crate::abi::{
+    Control, Decision, Envelope, Event, InitArgs, IterationReport, LeaveReason, Pull, Push, Release,
+    RequestId, ShardView, TimerId, UpdateMode, WorkerId,
+};
+use crate::clocks::Clocks;
+use crate::guest::{encode_into, Guest};
+use crate::{Policy, PullVerdict, PushVerdict};
+
+/// A decision, owned, as recorded by the [`Driver`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Recorded {
+    /// A pull was served (at once or on release).
+    Served(RequestId),
+    /// A pull was deferred.
+    Deferred(RequestId, Release),
+    /// A push was admitted, with its weight if not default.
+    Admitted(RequestId, Option<f32>),
+    /// A push was held.
+    Held(RequestId),
+    /// The update mode was set.
+    UpdateMode(UpdateMode),
+    /// A control message was sent.
+    Control(WorkerId, Control),
+    /// A timer was set.
+    Timer(TimerId, u64),
+    /// A timer was cancelled.
+    TimerCancelled(TimerId),
+    /// A metric was recorded.
+    Metric(String, f64),
+}
+
+/// Drives one policy instance natively, playing the host's part in miniature: it keeps the
+/// shard's clocks, parks deferred pulls and releases them when their condition holds, and holds
+/// pushes until the policy admits them.
+///
+/// Each push/pull helper returns the policy's verdict; every decision is also recorded in
+/// [`Driver::log`].
+#[derive(Debug)]
+pub struct Driver<P> {
+    guest: Guest<P>,
+    clocks: Clocks,
+    now_ns: u64,
+    rng: u64,
+    next_id: RequestId,
+    parked: Vec<(RequestId, WorkerId, Release)>,
+    held: Vec<(RequestId, WorkerId)>,
+    /// Every decision the policy made, in order.
+    pub log: Vec<Recorded>,
+    released: VecDeque<RequestId>,
+    mode: Option<UpdateMode>,
+}
+
+impl<P: Policy> Driver<P> {
+    /// Creates the policy for shard 0 of 1 with the given configuration.
+    pub fn new(config: &[(&str, &str)]) -> Result<Self, String> {
+        let mut guest = Guest::new();
+        let args = InitArgs { shard: 0, shards: 1, config: config.to_vec() };
+        let mut bytes = Vec::new();
+        encode_into(&args, &mut bytes);
+        write(&mut guest, &bytes);
+        let out = guest.init(bytes.len()).to_vec();
+        let (res, rest) = postcard::take_from_bytes::<Result<(), String>>(&out)
+            .map_err(|e| alloc::format!("bad init reply: {e}"))?;
+        res?;
+        let mut d = Driver {
+            guest,
+            clocks: Clocks::new(),
+            now_ns: 0,
+            rng: 0x5EED,
+            next_id: 0,
+            parked: Vec::new(),
+            held: Vec::new(),
+            log: Vec::new(),
+            released: VecDeque::new(),
+            mode: None,
+        };
+        d.apply(rest, None)?;
+        Ok(d)
+    }
+
+    /// Advances host time.
+    pub fn advance_ns(&mut self, ns: u64) {
+        self.now_ns += ns;
+    }
+
+    /// The shard's clocks as the driver keeps them.
+    pub fn view(&self) -> ShardView {
+        self.clocks.view()
+    }
+
+    /// `worker`'s clock, if live.
+    pub fn clock(&self, worker: WorkerId) -> Option<u64> {
+        self.clocks.get(worker)
+    }
+
+    /// The update mode the policy last chose.
+    pub fn update_mode(&self) -> Option<UpdateMode> {
+        self.mode
+    }
+
+    /// Pulls that were parked and have since been released, oldest first.
+    pub fn take_released(&mut self) -> Vec<RequestId> {
+        self.released.drain(..).collect()
+    }
+
+    /// Pulls still parked.
+    pub fn parked(&self) -> Vec<RequestId> {
+        self.parked.iter().map(|p| p.0).collect()
+    }
+
+    /// A worker joins at the current minimum clock.
+    pub fn join(&mut self, worker: WorkerId) {
+        let clock = self.clocks.view().min_clock;
+        let view = self.clocks.view();
+        self.clocks.join(worker, clock);
+        self.send(view, Event::WorkerJoined { worker, clock }, None).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// A worker leaves.
+    pub fn leave(&mut self, worker: WorkerId, reason: LeaveReason) {
+        let view = self.clocks.view();
+        self.clocks.leave(worker);
+        self.parked.retain(|p| p.1 != worker);
+        self.held.retain(|h| h.1 != worker);
+        self.send(view, Event::WorkerLeft { worker, reason }, None).unwrap_or_else(|e| panic!("{e}"));
+        self.release_ready();
+    }
+
+    /// `worker` pushes its next iteration. Returns the verdict.
+    pub fn push(&mut self, worker: WorkerId) -> Result<PushVerdict, String> {
+        let clock = self.clocks.get(worker).ok_or("push from a worker that is not live")?;
+        let id = self.id();
+        let view = self.clocks.view();
+        let push = Push { id, worker, iteration: clock, clock, samples: 1 };
+        let verdict = self.send(view, Event::Push(push), Some(id))?;
+        verdict.push.ok_or_else(|| alloc::format!("push {id} got no verdict"))
+    }
+
+    /// `worker` pulls before computing its next iteration. Returns the verdict.
+    pub fn pull(&mut self, worker: WorkerId) -> Result<PullVerdict, String> {
+        let clock = self.clocks.get(worker).ok_or("pull from a worker that is not live")?;
+        let id = self.id();
+        let view = self.clocks.view();
+        let pull = Pull { id, worker, iteration: clock, clock };
+        let verdict = self.send(view, Event::Pull(pull), Some(id))?;
+        verdict.pull.ok_or_else(|| alloc::format!("pull {id} got no verdict"))
+    }
+
+    /// `worker` reports a finished iteration that took `compute_ns`.
+    pub fn iteration_finished(&mut self, worker: WorkerId, compute_ns: u64) -> Result<(), String> {
+        let iteration = self.clocks.get(worker).ok_or("report from a worker that is not live")?;
+        let view = self.clocks.view();
+        let report = IterationReport { worker, iteration, compute_ns, samples: 1 };
+        self.send(view, Event::IterationFinished(report), None).map(|_| ())
+    }
+
+    /// Fires a timer.
+    pub fn fire_timer(&mut self, timer: TimerId) -> Result<(), String> {
+        let view = self.clocks.view();
+        self.send(view, Event::Timer { timer }, None).map(|_| ())
+    }
+
+    fn id(&mut self) -> RequestId {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn send(
+        &mut self,
+        view: ShardView,
+        event: Event,
+        request: Option<RequestId>,
+    ) -> Result<Verdicts, String> {
+        self.rng = self.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let env = Envelope { now_ns: self.now_ns, random: self.rng, view, event };
+        let mut bytes = Vec::new();
+        encode_into(&env, &mut bytes);
+        write(&mut self.guest, &bytes);
+        let out = self.guest.event(bytes.len()).to_vec();
+        let verdicts = self.apply(&out, request.map(|id| (id, event)))?;
+        self.release_ready();
+        Ok(verdicts)
+    }
+
+    fn apply(&mut self, mut bytes: &[u8], request: Option<(RequestId, Event)>) -> Result<Verdicts, String> {
+        let mut v = Verdicts::default();
+        while !bytes.is_empty() {
+            let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
+                .map_err(|e| alloc::format!("undecodable decision: {e}"))?;
+            bytes = rest;
+            let mine = |id: RequestId| request.is_some_and(|(r, _)| r == id);
+            match d {
+                Decision::ServePull { pull } if mine(pull) => {
+                    v.pull = Some(PullVerdict::Serve);
+                    self.log.push(Recorded::Served(pull));
+                }
+                Decision::DeferPull { pull, until } if mine(pull) => {
+                    v.pull = Some(PullVerdict::Defer(until));
+                    self.log.push(Recorded::Deferred(pull, until));
+                    if let Some((_, Event::Pull(p))) = request {
+                        self.parked.push((pull, p.worker, until));
+                    }
+                }
+                Decision::ReleasePull { pull } => {
+                    let pos = self
+                        .parked
+                        .iter()
+                        .position(|p| p.0 == pull)
+                        .ok_or_else(|| alloc::format!("released pull {pull}, which is not parked"))?;
+                    self.parked.remove(pos);
+                    self.released.push_back(pull);
+                    self.log.push(Recorded::Served(pull));
+                }
+                Decision::AdmitPush { push, weight } => {
+                    if mine(push) {
+                        v.push = Some(weight.map_or(PushVerdict::Admit, PushVerdict::AdmitWeighted));
+                        if let Some((_, Event::Push(p))) = request {
+                            self.clocks.tick(p.worker);
+                        }
+                    } else {
+                        let pos = self
+                            .held
+                            .iter()
+                            .position(|h| h.0 == push)
+                            .ok_or_else(|| alloc::format!("admitted push {push}, which is not held"))?;
+                        let (_, worker) = self.held.remove(pos);
+                        self.clocks.tick(worker);
+                    }
+                    self.log.push(Recorded::Admitted(push, weight));
+                }
+                Decision::HoldPush { push } if mine(push) => {
+                    v.push = Some(PushVerdict::Hold);
+                    if let Some((_, Event::Push(p))) = request {
+                        self.held.push((push, p.worker));
+                    }
+                    self.log.push(Recorded::Held(push));
+                }
+                Decision::ServePull { pull } | Decision::DeferPull { pull, .. } => {
+                    return Err(alloc::format!("verdict for pull {pull}, which is not the event's request"));
+                }
+                Decision::HoldPush { push } => {
+                    return Err(alloc::format!("hold for push {push}, which is not the event's request"));
+                }
+                Decision::SetUpdateMode(mode) => {
+                    self.mode = Some(mode);
+                    self.log.push(Recorded::UpdateMode(mode));
+                }
+                Decision::Control { worker, control } => self.log.push(Recorded::Control(worker, control)),
+                Decision::SetTimer { timer, after_ns } => self.log.push(Recorded::Timer(timer, after_ns)),
+                Decision::CancelTimer { timer } => self.log.push(Recorded::TimerCancelled(timer)),
+                Decision::Metric { name, value } => self.log.push(Recorded::Metric(name.into(), value)),
+            }
+        }
+        Ok(v)
+    }
+
+    fn release_ready(&mut self) {
+        let view = self.clocks.view();
+        let released = &mut self.released;
+        self.parked.retain(|(id, _, until)| {
+            let met = until.is_met(view);
+            if met {
+                released.push_back(*id);
+            }
+            !met
+        });
+    }
+}
+
+#[derive(Default)]
+struct Verdicts {
+    pull: Option<PullVerdict>,
+    push: Option<PushVerdict>,
+}
+
+fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) {
+    let ptr = guest.buffer(bytes.len());
+    // SAFETY: `buffer` returned a pointer to at least `bytes.len()` initialised bytes owned by
+    // `guest`, which nothing else borrows here.
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+}

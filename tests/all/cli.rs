@@ -1,0 +1,84 @@
+//! The `syncopate` binary, run as a real process.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The `syncopate` binary next to this test binary (`target/<profile>/syncopate`), which the
+/// README's test command builds first.
+pub fn syncopate_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/deps");
+    let bin = dir.join("syncopate");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build --bins` (scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("syncopate-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn policy_check_describes_a_good_module() {
+    let path = write_temp("ssp.wasm", syncopate::builtin::wasm("ssp").unwrap());
+    let out = Command::new(syncopate_bin()).args(["policy", "check"]).arg(&path).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for needle in [
+        "name:        ssp",
+        "abi:         v1",
+        "version:     0.1.0",
+        "s          uint   default 3",
+        "sha256:",
+    ] {
+        assert!(stdout.contains(needle), "missing `{needle}` in:\n{stdout}");
+    }
+}
+
+#[test]
+fn policy_check_rejects_bad_modules_with_one_line_and_status_1() {
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("junk.wasm", b"\x00\x01garbage".to_vec(), "not a WebAssembly module"),
+        (
+            "wasi.wasm",
+            wat::parse_str(r#"(module (import "wasi_snapshot_preview1" "proc_exit" (func (param i32))))"#)
+                .unwrap(),
+            "imports `wasi_snapshot_preview1::proc_exit`",
+        ),
+        ("hostile-config.wasm", syncopate_suite::hostile_wasm(), "parameter `after` must be a uint"),
+    ];
+    for (name, bytes, says) in cases {
+        let path = write_temp(name, &bytes);
+        let mut cmd = Command::new(syncopate_bin());
+        cmd.args(["policy", "check"]).arg(&path);
+        if name == "hostile-config.wasm" {
+            cmd.args(["--config", "after=soon"]);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{name}: one line: {stderr}");
+        assert!(stderr.contains(says), "{name}: {stderr}");
+    }
+    let out =
+        Command::new(syncopate_bin()).args(["policy", "check", "/nonexistent/p.wasm"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the file"));
+}
+
+#[test]
+fn policy_list_shows_the_builtins() {
+    let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for name in ["asp", "bsp", "ssp"] {
+        assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
+    }
+}

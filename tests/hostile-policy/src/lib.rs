@@ -1,0 +1,119 @@
+//! A policy that misbehaves on purpose, for the host's sandbox tests.
+//!
+//! `mode` picks the misbehaviour and `after` how many events it behaves (as BSP) before it
+//! starts. Every mode is something a buggy or hostile module could really do from inside the
+//! sandbox: trap, spin forever, allocate without bound, panic, or answer with decisions that
+//! break the ABI's rules.
+
+use std::hint::black_box;
+use syncopate_policy_sdk::prelude::*;
+
+/// The misbehaving policy.
+#[derive(Debug)]
+pub struct Hostile {
+    mode: String,
+    after: u64,
+    seen: u64,
+    hoard: Vec<Vec<u8>>,
+}
+
+impl Hostile {
+    fn bsp(ctx: &Ctx<'_>, pull: &Pull) -> PullVerdict {
+        if ctx.view().min_clock >= pull.clock {
+            PullVerdict::Serve
+        } else {
+            PullVerdict::Defer(Release::MinClockAtLeast(pull.clock))
+        }
+    }
+
+    fn armed(&mut self, on: &str) -> bool {
+        self.seen += 1;
+        self.seen > self.after && self.mode.starts_with(on)
+    }
+
+    fn misbehave(&mut self, ctx: &mut Ctx<'_>, own_request: RequestId) {
+        match self.mode.split_once(':').map_or(self.mode.as_str(), |m| m.1) {
+            "trap" => trap(),
+            "loop" => {
+                let mut x = 0u64;
+                loop {
+                    x = black_box(x.wrapping_add(1));
+                }
+            }
+            "bomb" => loop {
+                self.hoard.push(black_box(vec![1u8; 1 << 20]));
+            },
+            "panic" => panic!("hostile policy panics on purpose"),
+            "release-unknown" => ctx.release_pull(own_request + 1_000_000),
+            "admit-unknown" => ctx.admit_push(own_request + 1_000_000),
+            "control-stranger" => ctx.control(4242, Control::Resume),
+            _ => {}
+        }
+    }
+}
+
+/// Executes `unreachable` on wasm32 (a trap); aborts natively.
+fn trap() -> ! {
+    #[cfg(target_arch = "wasm32")]
+    core::arch::wasm32::unreachable();
+    #[cfg(not(target_arch = "wasm32"))]
+    std::process::abort();
+}
+
+impl Policy for Hostile {
+    const INFO: PolicyInfo = PolicyInfo::new(
+        "hostile",
+        "0.0.0",
+        "Misbehaves on purpose (tests only).",
+        &[
+            ParamSpec::new("mode", ParamKind::Text, "none", "pull:MODE or push:MODE, MODE one of trap, loop, bomb, panic, release-unknown, admit-unknown, control-stranger; or refuse-state"),
+            ParamSpec::new("after", ParamKind::Uint, "0", "events to behave before misbehaving"),
+        ],
+    );
+
+    fn new(init: &Init) -> Result<Self, String> {
+        Ok(Hostile {
+            mode: init.config.get("mode")?,
+            after: init.config.get("after")?,
+            seen: 0,
+            hoard: Vec::new(),
+        })
+    }
+
+    fn on_start(&mut self, ctx: &mut Ctx<'_>) {
+        ctx.set_update_mode(UpdateMode::Aggregate);
+    }
+
+    fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
+        if self.armed("pull:") {
+            self.misbehave(ctx, pull.id);
+        }
+        Self::bsp(ctx, pull)
+    }
+
+    fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
+        if self.armed("push:") {
+            self.misbehave(ctx, push.id);
+        }
+        PushVerdict::Admit
+    }
+
+    fn export_state(&self) -> Vec<u8> {
+        self.seen.to_le_bytes().to_vec()
+    }
+
+    fn import_state(init: &Init, handoff: &Handoff<'_>) -> Result<Self, String> {
+        let mut me = Self::new(init)?;
+        if me.mode == "refuse-state" && handoff.from_name != "hostile" {
+            return Err(format!("cannot take over from `{}`", handoff.from_name));
+        }
+        if handoff.from_name == "hostile" {
+            if let Ok(bytes) = <[u8; 8]>::try_from(handoff.state) {
+                me.seen = u64::from_le_bytes(bytes);
+            }
+        }
+        Ok(me)
+    }
+}
+
+syncopate_policy_sdk::export_policy!(Hostile);

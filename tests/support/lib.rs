@@ -1,0 +1,120 @@
+//! Support shared by the integration tests and the benchmarks: the real policy modules (built
+//! from source by the build scripts), a recording [`ShardSink`], and small builders.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use syncopate::builtin;
+use syncopate::runtime::{PolicyError, PolicyModule, PolicyRuntime, SandboxLimits};
+use syncopate::shard::{PullReply, ShardSink};
+use syncopate_policy_sdk::abi::{Control, RequestId, WorkerId};
+
+/// The wasm bytes of the hostile test policy, built by `tests/build.rs`.
+pub fn hostile_wasm() -> Vec<u8> {
+    std::fs::read(env!("SYNCOPATE_HOSTILE_WASM"))
+        .expect("the hostile policy module was built by tests/build.rs")
+}
+
+/// A runtime shared by the tests, with a short deadline and a small memory cap so hostile
+/// modules are stopped quickly.
+pub fn runtime() -> &'static PolicyRuntime {
+    static RT: OnceLock<PolicyRuntime> = OnceLock::new();
+    RT.get_or_init(|| {
+        PolicyRuntime::with_limits(SandboxLimits {
+            max_memory_bytes: 16 << 20,
+            call_deadline: std::time::Duration::from_millis(50),
+        })
+        .expect("wasm engine")
+    })
+}
+
+/// A built-in policy module, compiled once per test process.
+pub fn builtin_module(name: &str) -> PolicyModule {
+    static CACHE: OnceLock<Mutex<HashMap<String, PolicyModule>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(name.to_owned())
+        .or_insert_with(|| {
+            let wasm = builtin::wasm(name).unwrap_or_else(|| panic!("no built-in policy {name}"));
+            runtime().compile(&format!("builtin:{name}"), wasm).expect("built-in policies compile")
+        })
+        .clone()
+}
+
+/// The hostile policy module, compiled once per test process.
+pub fn hostile_module() -> PolicyModule {
+    static MODULE: OnceLock<PolicyModule> = OnceLock::new();
+    MODULE
+        .get_or_init(|| runtime().compile("hostile.wasm", &hostile_wasm()).expect("hostile module compiles"))
+        .clone()
+}
+
+/// Turns `[("s", "3")]` into an owned configuration.
+pub fn config(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+/// A served pull, as recorded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Served {
+    /// The pull.
+    pub id: RequestId,
+    /// Who asked.
+    pub worker: WorkerId,
+    /// Its clock when served.
+    pub clock: u64,
+    /// The fewest iterations of any live worker included in the parameters.
+    pub min_applied: u64,
+    /// Time parked.
+    pub waited_ns: u64,
+    /// The first parameter value (tests use one-parameter shards or uniform gradients).
+    pub first_value: f32,
+}
+
+/// A [`ShardSink`] that records everything.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    /// Served pulls in order.
+    pub served: Vec<Served>,
+    /// Acknowledged pushes in order.
+    pub acked: Vec<(RequestId, WorkerId, u64)>,
+    /// Control messages.
+    pub controls: Vec<(WorkerId, Control)>,
+    /// Metrics.
+    pub metrics: Vec<(String, f64)>,
+    /// Policy failures.
+    pub errors: Vec<PolicyError>,
+}
+
+impl Recorder {
+    /// Whether pull `id` has been served.
+    pub fn was_served(&self, id: RequestId) -> bool {
+        self.served.iter().any(|s| s.id == id)
+    }
+}
+
+impl ShardSink for Recorder {
+    fn pull_served(&mut self, r: PullReply<'_>) {
+        self.served.push(Served {
+            id: r.id,
+            worker: r.worker,
+            clock: r.clock,
+            min_applied: r.min_applied,
+            waited_ns: r.waited_ns,
+            first_value: r.values.first().copied().unwrap_or(0.0),
+        });
+    }
+    fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
+        self.acked.push((id, worker, iteration));
+    }
+    fn control(&mut self, worker: WorkerId, control: Control) {
+        self.controls.push((worker, control));
+    }
+    fn metric(&mut self, name: &str, value: f64) {
+        self.metrics.push((name.to_owned(), value));
+    }
+    fn policy_failed(&mut self, error: &PolicyError) {
+        self.errors.push(error.clone());
+    }
+}
