@@ -1,1 +1,149 @@
-fn main() {}
+//! Per-event policy cost, each built-in policy as wasm and as its native build side by side, and
+//! the cost of a hot swap with state handoff.
+//!
+//! `event_round_trip/<policy>/wasm`: encode the envelope, copy it into the guest, call, let the
+//! policy decide, copy the reply out and decode every decision. `.../native`: the same encode,
+//! guest glue and decode, without wasm. Their ratio is the sandbox's price.
+//!
+//! `hot_swap/*`: replace a shard's policy (state exported, new instance created from it, start-up
+//! decisions applied) from an already compiled module, and from precompiled bytes.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use syncopate::runtime::{PolicyInstance, PolicyModule};
+use syncopate::shard::{Shard, ShardConfig};
+use syncopate_policy_sdk::abi::{Decision, Envelope, Event, InitArgs, Pull, ShardView};
+use syncopate_policy_sdk::guest::{Encoder, Guest};
+use syncopate_policy_sdk::Policy;
+use syncopate_suite::{builtin_module, config, runtime, Recorder};
+
+fn envelope(i: u64) -> Envelope {
+    Envelope {
+        now_ns: 1_000_000 + i,
+        random: i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        view: ShardView { min_clock: 40, max_clock: 43, workers: 8 },
+        event: Event::Pull(Pull { id: i, worker: 3, iteration: 42, clock: 42 }),
+    }
+}
+
+fn decode_all(mut bytes: &[u8]) -> usize {
+    let mut n = 0;
+    while !bytes.is_empty() {
+        let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes).expect("decodes");
+        black_box(d);
+        bytes = rest;
+        n += 1;
+    }
+    n
+}
+
+fn init_args<'a>(cfg: &'a [(&'a str, &'a str)]) -> InitArgs<'a> {
+    InitArgs { shard: 0, shards: 1, config: cfg.to_vec() }
+}
+
+/// The native build of a policy, driven through the same guest glue and codec.
+struct Native<P: Policy> {
+    guest: Guest<P>,
+    enc: Encoder,
+}
+
+impl<P: Policy> Native<P> {
+    fn new(cfg: &[(&str, &str)]) -> Self {
+        let mut n = Native { guest: Guest::new(), enc: Encoder::new() };
+        n.enc.push(&init_args(cfg));
+        n.write();
+        n.guest.init(n.enc.as_slice().len());
+        n
+    }
+
+    fn write(&mut self) {
+        let bytes = self.enc.as_slice();
+        let ptr = self.guest.buffer(bytes.len());
+        // SAFETY: `buffer` returned at least `bytes.len()` bytes owned by the guest.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+    }
+
+    fn event(&mut self, env: &Envelope) -> usize {
+        self.enc.clear();
+        self.enc.push(env);
+        self.write();
+        let len = self.enc.as_slice().len();
+        decode_all(self.guest.event(len))
+    }
+}
+
+fn bench_policy<P: Policy>(c: &mut Criterion, name: &str, cfg: &[(&str, &str)]) {
+    let mut group = c.benchmark_group(format!("event_round_trip/{name}"));
+    let module: PolicyModule = builtin_module(name);
+    let (mut inst, _) = PolicyInstance::new(&module, &init_args(cfg)).expect("starts");
+    let mut i = 0u64;
+    group.bench_function("wasm", |b| {
+        b.iter(|| {
+            i += 1;
+            decode_all(inst.on_event(black_box(&envelope(i))).expect("decides"))
+        })
+    });
+    let mut native = Native::<P>::new(cfg);
+    group.bench_function("native", |b| {
+        b.iter(|| {
+            i += 1;
+            native.event(black_box(&envelope(i)))
+        })
+    });
+    group.finish();
+}
+
+fn event_round_trip(c: &mut Criterion) {
+    bench_policy::<syncopate_policy_ssp::Ssp>(c, "ssp", &[("s", "3")]);
+    bench_policy::<syncopate_policy_bsp::Bsp>(c, "bsp", &[]);
+    bench_policy::<syncopate_policy_asp::Asp>(c, "asp", &[]);
+}
+
+fn hot_swap(c: &mut Criterion) {
+    let mut group = c.benchmark_group("hot_swap");
+    let ssp = builtin_module("ssp");
+    let bsp = builtin_module("bsp");
+    let mut rec = Recorder::default();
+    let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 1024], &bsp, &[], &mut rec).expect("starts");
+    for w in 0..8 {
+        shard.join(w, 0, &mut rec).expect("joins");
+    }
+    let ssp_cfg = config(&[("s", "3")]);
+    let mut flip = false;
+    group.bench_function("compiled_module", |b| {
+        b.iter(|| {
+            flip = !flip;
+            let (m, cfg) = if flip { (&ssp, &ssp_cfg[..]) } else { (&bsp, &[][..]) };
+            shard.swap_policy(m, cfg, 0, &mut rec).expect("swaps");
+        })
+    });
+    let ssp_bytes = ssp.precompiled().expect("serializes");
+    let bsp_bytes = bsp.precompiled().expect("serializes");
+    group.bench_function("precompiled_bytes", |b| {
+        b.iter(|| {
+            flip = !flip;
+            let (bytes, digest, cfg) = if flip {
+                (&ssp_bytes, ssp.sha256(), &ssp_cfg[..])
+            } else {
+                (&bsp_bytes, bsp.sha256(), &[][..])
+            };
+            // SAFETY: the bytes were produced by `precompiled` in this process.
+            let m =
+                unsafe { PolicyModule::from_precompiled(runtime(), "bench", bytes, digest) }.expect("loads");
+            shard.swap_policy(&m, cfg, 0, &mut rec).expect("swaps");
+        })
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(40);
+    targets = event_round_trip, hot_swap
+}
+criterion_main!(benches);

@@ -1,7 +1,7 @@
 //! The context a policy handler receives: host time, the seeded random source, the shard's
 //! clocks, and the methods that emit decisions.
 
-use alloc::vec::Vec;
+use crate::guest::Encoder;
 
 use crate::abi::{Control, Decision, RequestId, ShardView, TimerId, UpdateMode, WorkerId};
 
@@ -13,11 +13,11 @@ pub struct Ctx<'a> {
     now_ns: u64,
     random: u64,
     view: ShardView,
-    out: &'a mut Vec<u8>,
+    out: &'a mut Encoder,
 }
 
 impl<'a> Ctx<'a> {
-    pub(crate) fn new(now_ns: u64, random: u64, view: ShardView, out: &'a mut Vec<u8>) -> Self {
+    pub(crate) fn new(now_ns: u64, random: u64, view: ShardView, out: &'a mut Encoder) -> Self {
         Ctx { now_ns, random, view, out }
     }
 
@@ -88,6 +88,6 @@ impl<'a> Ctx<'a> {
     }
 
     pub(crate) fn emit(&mut self, decision: &Decision<'_>) {
-        crate::guest::encode_into(decision, self.out);
+        self.out.push(decision);
     }
 }

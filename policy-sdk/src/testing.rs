@@ -10,7 +10,7 @@ use crate::abi::{
     RequestId, ShardView, TimerId, UpdateMode, WorkerId,
 };
 use crate::clocks::Clocks;
-use crate::guest::{encode_into, Guest};
+use crate::guest::{encode, Guest};
 use crate::{Policy, PullVerdict, PushVerdict};
 
 /// A decision, owned, as recorded by the [`Driver`].
@@ -62,8 +62,7 @@ impl<P: Policy> Driver<P> {
     pub fn new(config: &[(&str, &str)]) -> Result<Self, String> {
         let mut guest = Guest::new();
         let args = InitArgs { shard: 0, shards: 1, config: config.to_vec() };
-        let mut bytes = Vec::new();
-        encode_into(&args, &mut bytes);
+        let bytes = encode(&args);
         write(&mut guest, &bytes);
         let out = guest.init(bytes.len()).to_vec();
         let (res, rest) = postcard::take_from_bytes::<Result<(), String>>(&out)
@@ -180,8 +179,7 @@ impl<P: Policy> Driver<P> {
     ) -> Result<Verdicts, String> {
         self.rng = self.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let env = Envelope { now_ns: self.now_ns, random: self.rng, view, event };
-        let mut bytes = Vec::new();
-        encode_into(&env, &mut bytes);
+        let bytes = encode(&env);
         write(&mut self.guest, &bytes);
         let out = self.guest.event(bytes.len()).to_vec();
         let verdicts = self.apply(&out, request.map(|id| (id, event)))?;

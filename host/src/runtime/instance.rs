@@ -1,7 +1,7 @@
 //! One sandboxed policy instance: the per-event call path and its failure classification.
 
 use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo};
-use syncopate_policy_sdk::guest::encode_into;
+use syncopate_policy_sdk::guest::Encoder;
 use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
 use super::module::root_cause;
@@ -51,7 +51,7 @@ pub struct PolicyInstance {
     last_panic: TypedFunc<(), i64>,
     buf_ptr: u32,
     buf_cap: u32,
-    enc: Vec<u8>,
+    enc: Encoder,
     out: Vec<u8>,
 }
 
@@ -67,7 +67,7 @@ impl PolicyInstance {
     pub fn new(module: &PolicyModule, init: &InitArgs<'_>) -> Result<(Self, Vec<u8>), PolicyError> {
         let mut inst = Self::instantiate(module)?;
         inst.enc.clear();
-        encode_into(init, &mut inst.enc);
+        inst.enc.push(init);
         let start = inst.create(exports::INIT, "its configuration")?;
         Ok((inst, start))
     }
@@ -81,8 +81,8 @@ impl PolicyInstance {
     ) -> Result<(Self, Vec<u8>), PolicyError> {
         let mut inst = Self::instantiate(module)?;
         inst.enc.clear();
-        encode_into(init, &mut inst.enc);
-        encode_into(handoff, &mut inst.enc);
+        inst.enc.push(init);
+        inst.enc.push(handoff);
         let start = inst.create(exports::IMPORT_STATE, "the handed-over state")?;
         Ok((inst, start))
     }
@@ -114,7 +114,7 @@ impl PolicyInstance {
             last_panic,
             buf_ptr: 0,
             buf_cap: 0,
-            enc: Vec::with_capacity(128),
+            enc: Encoder::new(),
             out: Vec::with_capacity(128),
         })
     }
@@ -122,7 +122,7 @@ impl PolicyInstance {
     fn create(&mut self, export: &'static str, what: &'static str) -> Result<Vec<u8>, PolicyError> {
         let f = if export == exports::INIT { self.init.clone() } else { self.import.clone() };
         self.write_input()?;
-        let len = self.enc.len() as u32;
+        let len = self.enc.as_slice().len() as u32;
         let packed = self.call(&f, len, || format!("`{export}`"))?;
         self.read_output(packed, || format!("`{export}`"))?;
         let (result, rest) = postcard::take_from_bytes::<Result<(), String>>(&self.out).map_err(|e| {
@@ -143,9 +143,9 @@ impl PolicyInstance {
     /// This is the per-event hot path: no allocation once the buffers have grown to size.
     pub fn on_event(&mut self, env: &Envelope) -> Result<&[u8], PolicyError> {
         self.enc.clear();
-        encode_into(env, &mut self.enc);
+        self.enc.push(env);
         self.write_input()?;
-        let len = self.enc.len() as u32;
+        let len = self.enc.as_slice().len() as u32;
         let event = self.event.clone();
         let packed = self.call(&event, len, || describe(env))?;
         self.read_output(packed, || describe(env))?;
@@ -170,7 +170,7 @@ impl PolicyInstance {
     }
 
     fn write_input(&mut self) -> Result<(), PolicyError> {
-        let len = self.enc.len() as u32;
+        let len = self.enc.as_slice().len() as u32;
         if len > self.buf_cap {
             let f = self.buffer.clone();
             self.buf_ptr = self.call(&f, len, || "`sp_buffer`".into())?;
@@ -178,9 +178,10 @@ impl PolicyInstance {
         }
         let ptr = self.buf_ptr as usize;
         let mem = self.memory.data_mut(&mut self.store);
-        match mem.get_mut(ptr..ptr + self.enc.len()) {
+        let input = self.enc.as_slice();
+        match mem.get_mut(ptr..ptr + input.len()) {
             Some(dst) => {
-                dst.copy_from_slice(&self.enc);
+                dst.copy_from_slice(input);
                 Ok(())
             }
             None => Err(PolicyError::BadDecision {
