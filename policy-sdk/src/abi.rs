@@ -206,6 +206,8 @@ pub struct Envelope {
     /// Host time in nanoseconds since the shard started (virtual time in the simulator).
     pub now_ns: u64,
     /// A fresh value from the host's seeded random source; the only randomness a policy has.
+    /// Encoded as 8 fixed little-endian bytes (a uniform value would take a 10-byte varint).
+    #[serde(with = "postcard::fixint::le")]
     pub random: u64,
     /// The shard's clocks before the event takes effect.
     pub view: ShardView,

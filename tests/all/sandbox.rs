@@ -178,3 +178,50 @@ fn garbage_info_is_rejected() {
     .unwrap_err();
     assert!(e.to_string().contains("`sp_info` returned a buffer outside its memory"), "{e}");
 }
+
+/// A raw module that passes validation and starts, then answers every event with the `len` bytes
+/// at `ptr` (the data segment at 48 holds `reply`).
+fn raw_policy(reply: &str, ptr: u32, len: u32) -> syncopate::runtime::PolicyModule {
+    let event = (u64::from(ptr) << 32) | u64::from(len);
+    let wat = format!(
+        r#"(module
+            (memory (export "memory") 1)
+            (data (i32.const 16) "\03raw\010\00\00")
+            (data (i32.const 32) "\00")
+            (data (i32.const 48) "{reply}")
+            (func (export "syncopate_abi_v1") (result i32) i32.const 1)
+            (func (export "sp_buffer") (param i32) (result i32) i32.const 1024)
+            (func (export "sp_info") (result i64) i64.const 0x0000001000000008)
+            (func (export "sp_init") (param i32) (result i64) i64.const 0x0000002000000001)
+            (func (export "sp_import_state") (param i32) (result i64) i64.const 0x0000002000000001)
+            (func (export "sp_export_state") (result i64) i64.const 0)
+            (func (export "sp_last_panic") (result i64) i64.const 0)
+            (func (export "sp_event") (param i32) (result i64) i64.const {event}))"#
+    );
+    compile_wat(&wat).expect("the raw module validates")
+}
+
+#[test]
+fn garbage_replies_are_errors_and_requests_still_resolve() {
+    for (reply, ptr, len, says) in [
+        (r"\ff\ff\ff\ff\ff", 48, 5, "undecodable decision"),
+        ("", 48, 0, "got no verdict"),
+        ("", 0xFFFF_0000, 16, "outside its memory"),
+    ] {
+        let module = raw_policy(reply, ptr, len);
+        assert_eq!(module.info().name, "raw");
+        let mut c = Cluster::new(&module, &[], N, ITERATIONS, 1);
+        c.run_to_end();
+        let e = first_error(&c);
+        assert!(e.to_string().contains(says), "{says}: {e}");
+        assert!(e.to_string().contains("policy `raw` 0"), "{e}");
+        // The module fails on every event: quarantined, and the fallback rules (BSP) carry the
+        // run to the end with every push applied once.
+        assert!(c.shard.is_quarantined());
+        assert_eq!(c.rec.acked.len() as u64, c.pushes);
+        assert_eq!(c.shard.values()[0], -(c.pushes as f32) / N as f32);
+        for p in &c.rec.served {
+            assert!(p.min_applied >= p.clock, "fallback keeps BSP's guarantee");
+        }
+    }
+}
