@@ -476,7 +476,7 @@ impl Shard {
         self.timers.clear();
         tracing::info!(shard = self.shard, policy = module.display_name(), "policy swapped");
         if let Err(e) = self.apply_start(&start, now_ns, sink) {
-            self.fail(e, None, now_ns, sink);
+            self.fail(e, now_ns, sink);
         }
         self.requeue_pending();
         self.drain(now_ns, sink);
@@ -535,7 +535,7 @@ impl Shard {
         };
         match called {
             None => self.fallback(now_ns, sink),
-            Some(Err(e)) => self.fail(e, Some(&env), now_ns, sink),
+            Some(Err(e)) => self.fail(e, now_ns, sink),
             Some(Ok(())) => {
                 let bytes = std::mem::take(&mut self.scratch);
                 let applied = self.apply(&bytes, &event, now_ns, sink);
@@ -548,7 +548,7 @@ impl Shard {
                 let clocks = &self.clocks;
                 match result.and_then(|()| self.supervisor.succeeded(fresh, || clocks.workers().collect())) {
                     Ok(()) => {}
-                    Err(e) => self.fail(e, Some(&env), now_ns, sink),
+                    Err(e) => self.fail(e, now_ns, sink),
                 }
             }
         }
@@ -708,11 +708,10 @@ impl Shard {
 
     /// A policy call failed: report it, resolve the event's request by the fallback rules, and
     /// restart or quarantine the policy.
-    fn fail(&mut self, error: PolicyError, env: Option<&Envelope>, now_ns: u64, sink: &mut dyn ShardSink) {
+    fn fail(&mut self, error: PolicyError, now_ns: u64, sink: &mut dyn ShardSink) {
         self.stats.policy_failures += 1;
         tracing::warn!(shard = self.shard, %error, "policy failure");
         sink.policy_failed(&error);
-        let _ = env;
         self.fallback(now_ns, sink);
         match self.supervisor.failed() {
             Recovery::Restarted => self.requeue_pending(),
