@@ -1,7 +1,9 @@
 //! One sandboxed policy instance: the per-event call path and its failure classification.
 
+use std::ops::Range;
 use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo};
 use syncopate_policy_sdk::guest::Encoder;
+
 use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
 use super::module::root_cause;
@@ -52,7 +54,7 @@ pub struct PolicyInstance {
     buf_ptr: u32,
     buf_cap: u32,
     enc: Encoder,
-    out: Vec<u8>,
+    deadline_ticks: u64,
 }
 
 impl std::fmt::Debug for PolicyInstance {
@@ -115,7 +117,7 @@ impl PolicyInstance {
             buf_ptr: 0,
             buf_cap: 0,
             enc: Encoder::new(),
-            out: Vec::with_capacity(128),
+            deadline_ticks: module.inner.runtime.deadline_ticks(),
         })
     }
 
@@ -124,8 +126,8 @@ impl PolicyInstance {
         self.write_input()?;
         let len = self.enc.as_slice().len() as u32;
         let packed = self.call(&f, len, || format!("`{export}`"))?;
-        self.read_output(packed, || format!("`{export}`"))?;
-        let (result, rest) = postcard::take_from_bytes::<Result<(), String>>(&self.out).map_err(|e| {
+        let reply = self.output(self.output_range(packed, || format!("`{export}`"))?).to_vec();
+        let (result, rest) = postcard::take_from_bytes::<Result<(), String>>(&reply).map_err(|e| {
             PolicyError::BadDecision {
                 policy: self.name(),
                 event: format!("`{export}`"),
@@ -148,16 +150,16 @@ impl PolicyInstance {
         let len = self.enc.as_slice().len() as u32;
         let event = self.event.clone();
         let packed = self.call(&event, len, || describe(env))?;
-        self.read_output(packed, || describe(env))?;
-        Ok(&self.out)
+        let range = self.output_range(packed, || describe(env))?;
+        Ok(self.output(range))
     }
 
     /// The policy's exported state.
     pub fn export_state(&mut self) -> Result<Vec<u8>, PolicyError> {
         let f = self.export.clone();
         let packed = self.call(&f, (), || "`export_state`".into())?;
-        self.read_output(packed, || "`export_state`".into())?;
-        Ok(self.out.clone())
+        let range = self.output_range(packed, || "`export_state`".into())?;
+        Ok(self.output(range).to_vec())
     }
 
     /// The module this instance runs.
@@ -192,22 +194,24 @@ impl PolicyInstance {
         }
     }
 
-    fn read_output(&mut self, packed: i64, event: impl Fn() -> String) -> Result<(), PolicyError> {
+    /// Checks that a packed `(ptr, len)` reply lies inside guest memory.
+    fn output_range(&self, packed: i64, event: impl Fn() -> String) -> Result<Range<usize>, PolicyError> {
         let (ptr, len) = abi::unpack_ptr_len(packed);
-        let (ptr, len) = (ptr as usize, len as usize);
-        let mem = self.memory.data(&self.store);
-        match mem.get(ptr..ptr.saturating_add(len)) {
-            Some(src) => {
-                self.out.clear();
-                self.out.extend_from_slice(src);
-                Ok(())
-            }
-            None => Err(PolicyError::BadDecision {
+        let range = ptr as usize..ptr as usize + len as usize;
+        if range.end <= self.memory.data_size(&self.store) {
+            Ok(range)
+        } else {
+            Err(PolicyError::BadDecision {
                 policy: self.module.display_name().to_owned(),
                 event: event(),
                 detail: format!("returned {len} bytes at {ptr:#x}, outside its memory"),
-            }),
+            })
         }
+    }
+
+    /// The guest's reply, read in place (valid until the next call).
+    fn output(&self, range: Range<usize>) -> &[u8] {
+        &self.memory.data(&self.store)[range]
     }
 
     fn call<P: WasmParams, R: WasmResults>(
@@ -216,8 +220,7 @@ impl PolicyInstance {
         args: P,
         event: impl Fn() -> String,
     ) -> Result<R, PolicyError> {
-        let ticks = self.module.inner.runtime.deadline_ticks();
-        self.store.set_epoch_deadline(ticks);
+        self.store.set_epoch_deadline(self.deadline_ticks);
         match f.call(&mut self.store, args) {
             Ok(r) => Ok(r),
             Err(e) => Err(self.classify(&e, event())),
