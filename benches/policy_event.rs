@@ -67,7 +67,7 @@ impl<P: Policy> Native<P> {
 
     fn event(&mut self, env: &Envelope) -> usize {
         self.enc.clear();
-        self.enc.push(env);
+        self.enc.set(&env.to_bytes());
         self.write();
         let len = self.enc.as_slice().len();
         decode_all(self.guest.event(len))

@@ -19,7 +19,7 @@
 //! | `sp_info` | `() -> i64` | - | [`PolicyInfo`] |
 //! | `sp_init` | `(len: i32) -> i64` | [`InitArgs`] | `Result<(), String>` then the start-up [`Decision`]s |
 //! | `sp_import_state` | `(len: i32) -> i64` | [`InitArgs`] + [`Handoff`] | `Result<(), String>` then [`Decision`]s |
-//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] | a run of [`Decision`]s |
+//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] (fixed 72-byte record, not postcard) | a run of [`Decision`]s |
 //! | `sp_export_state` | `() -> i64` | - | opaque state bytes |
 //! | `sp_last_panic` | `() -> i64` | - | UTF-8 panic message, empty if none |
 //!
@@ -201,13 +201,21 @@ pub struct ShardView {
 }
 
 /// One event, as the host sends it to a policy.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// Unlike every other ABI type, an envelope is not postcard: it is the per-event input, so it
+/// travels as a fixed [`ENVELOPE_LEN`]-byte little-endian record ([`Envelope::to_bytes`]), which
+/// encodes and decodes in a few nanoseconds instead of ~90 ns through serde. Layout (offsets in
+/// bytes): `0` now_ns u64, `8` random u64, `16` min_clock u64, `24` max_clock u64, `32` workers
+/// u32, `36` kind u8, `37` sub u8, `38` two zero bytes, `40` a u64, `48` b u32, `52` c u32, `56` d
+/// u64, `64` e u64, with per kind: `0` WorkerJoined {b: worker, a: clock}; `1` WorkerLeft
+/// {b: worker, sub: reason}; `2` Push {a: id, b: worker, c: samples, d: iteration, e: clock};
+/// `3` Pull {a: id, b: worker, d: iteration, e: clock}; `4` IterationFinished {b: worker,
+/// c: samples, d: iteration, e: compute_ns}; `5` Timer {a: timer}. Unused fields are zero.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Envelope {
     /// Host time in nanoseconds since the shard started (virtual time in the simulator).
     pub now_ns: u64,
     /// A fresh value from the host's seeded random source; the only randomness a policy has.
-    /// Encoded as 8 fixed little-endian bytes (a uniform value would take a 10-byte varint).
-    #[serde(with = "postcard::fixint::le")]
     pub random: u64,
     /// The shard's clocks before the event takes effect.
     pub view: ShardView,
@@ -216,7 +224,7 @@ pub struct Envelope {
 }
 
 /// Something that happened on the shard.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Event {
     /// A worker joined; its clock starts at `clock`.
     WorkerJoined {
@@ -423,4 +431,147 @@ pub fn unpack_ptr_len(packed: i64) -> (u32, u32) {
 /// Packs `(ptr, len)` into the `i64` a data-returning export gives back.
 pub fn pack_ptr_len(ptr: u32, len: u32) -> i64 {
     (((ptr as u64) << 32) | len as u64) as i64
+}
+
+/// Size of an encoded [`Envelope`].
+pub const ENVELOPE_LEN: usize = 72;
+
+/// Bytes that are not a valid [`Envelope`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvelopeError(pub &'static str);
+
+impl core::fmt::Display for EnvelopeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+fn put64(b: &mut [u8; ENVELOPE_LEN], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put32(b: &mut [u8; ENVELOPE_LEN], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn get64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+fn get32(b: &[u8], at: usize) -> u32 {
+    let mut x = [0; 4];
+    x.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(x)
+}
+
+impl LeaveReason {
+    fn code(self) -> u8 {
+        match self {
+            LeaveReason::Finished => 0,
+            LeaveReason::TimedOut => 1,
+            LeaveReason::Failed => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => LeaveReason::Finished,
+            1 => LeaveReason::TimedOut,
+            2 => LeaveReason::Failed,
+            _ => return None,
+        })
+    }
+}
+
+impl Envelope {
+    /// The fixed-layout encoding (see the type's docs).
+    pub fn to_bytes(&self) -> [u8; ENVELOPE_LEN] {
+        let mut b = [0u8; ENVELOPE_LEN];
+        put64(&mut b, 0, self.now_ns);
+        put64(&mut b, 8, self.random);
+        put64(&mut b, 16, self.view.min_clock);
+        put64(&mut b, 24, self.view.max_clock);
+        put32(&mut b, 32, self.view.workers);
+        let (kind, sub, a, wb, c, d, e) = match self.event {
+            Event::WorkerJoined { worker, clock } => (0, 0, clock, worker, 0, 0, 0),
+            Event::WorkerLeft { worker, reason } => (1, reason.code(), 0, worker, 0, 0, 0),
+            Event::Push(p) => (2, 0, p.id, p.worker, p.samples, p.iteration, p.clock),
+            Event::Pull(p) => (3, 0, p.id, p.worker, 0, p.iteration, p.clock),
+            Event::IterationFinished(r) => (4, 0, 0, r.worker, r.samples, r.iteration, r.compute_ns),
+            Event::Timer { timer } => (5, 0, timer, 0, 0, 0, 0),
+        };
+        b[36] = kind;
+        b[37] = sub;
+        put64(&mut b, 40, a);
+        put32(&mut b, 48, wb);
+        put32(&mut b, 52, c);
+        put64(&mut b, 56, d);
+        put64(&mut b, 64, e);
+        b
+    }
+
+    /// Decodes the fixed-layout encoding.
+    pub fn from_bytes(b: &[u8]) -> Result<Self, EnvelopeError> {
+        if b.len() != ENVELOPE_LEN {
+            return Err(EnvelopeError("an envelope is exactly 72 bytes"));
+        }
+        let (a, worker, c, d, e) = (get64(b, 40), get32(b, 48), get32(b, 52), get64(b, 56), get64(b, 64));
+        let event = match b[36] {
+            0 => Event::WorkerJoined { worker, clock: a },
+            1 => Event::WorkerLeft {
+                worker,
+                reason: LeaveReason::from_code(b[37]).ok_or(EnvelopeError("unknown leave reason"))?,
+            },
+            2 => Event::Push(Push { id: a, worker, iteration: d, clock: e, samples: c }),
+            3 => Event::Pull(Pull { id: a, worker, iteration: d, clock: e }),
+            4 => {
+                Event::IterationFinished(IterationReport { worker, iteration: d, compute_ns: e, samples: c })
+            }
+            5 => Event::Timer { timer: a },
+            _ => return Err(EnvelopeError("unknown event kind")),
+        };
+        Ok(Envelope {
+            now_ns: get64(b, 0),
+            random: get64(b, 8),
+            view: ShardView { min_clock: get64(b, 16), max_clock: get64(b, 24), workers: get32(b, 32) },
+            event,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_event_kind_round_trips() {
+        let view = ShardView { min_clock: 3, max_clock: u64::MAX, workers: 7 };
+        let events = [
+            Event::WorkerJoined { worker: 1, clock: 9 },
+            Event::WorkerLeft { worker: u32::MAX, reason: LeaveReason::TimedOut },
+            Event::Push(Push { id: 1, worker: 2, iteration: 3, clock: 4, samples: 5 }),
+            Event::Pull(Pull { id: u64::MAX, worker: 2, iteration: 3, clock: 4 }),
+            Event::IterationFinished(IterationReport { worker: 2, iteration: 3, compute_ns: 4, samples: 5 }),
+            Event::Timer { timer: 77 },
+        ];
+        for event in events {
+            let env = Envelope { now_ns: 123, random: u64::MAX - 1, view, event };
+            assert_eq!(Envelope::from_bytes(&env.to_bytes()), Ok(env));
+        }
+    }
+
+    #[test]
+    fn rejects_bad_records() {
+        let mut b =
+            Envelope { now_ns: 0, random: 0, view: ShardView::default(), event: Event::Timer { timer: 1 } }
+                .to_bytes();
+        assert!(Envelope::from_bytes(&b[..71]).is_err());
+        b[36] = 6;
+        assert_eq!(Envelope::from_bytes(&b), Err(EnvelopeError("unknown event kind")));
+        b[36] = 1;
+        b[37] = 9;
+        assert_eq!(Envelope::from_bytes(&b), Err(EnvelopeError("unknown leave reason")));
+    }
 }

@@ -95,7 +95,7 @@ impl<P: Policy> Guest<P> {
     /// bugs, and a panic becomes a trap the host reports.
     pub fn event(&mut self, len: usize) -> &[u8] {
         self.output.clear();
-        let env: Envelope = match postcard::from_bytes(&self.input[..len]) {
+        let env = match Envelope::from_bytes(&self.input[..len]) {
             Ok(env) => env,
             Err(e) => panic!("malformed event from host: {e}"),
         };

@@ -179,7 +179,7 @@ impl<P: Policy> Driver<P> {
     ) -> Result<Verdicts, String> {
         self.rng = self.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let env = Envelope { now_ns: self.now_ns, random: self.rng, view, event };
-        let bytes = encode(&env);
+        let bytes = env.to_bytes();
         write(&mut self.guest, &bytes);
         let out = self.guest.event(bytes.len()).to_vec();
         let verdicts = self.apply(&out, request.map(|id| (id, event)))?;

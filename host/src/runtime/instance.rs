@@ -1,7 +1,7 @@
 //! One sandboxed policy instance: the per-event call path and its failure classification.
 
 use std::ops::Range;
-use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo};
+use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo, ENVELOPE_LEN};
 use syncopate_policy_sdk::guest::Encoder;
 
 use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
@@ -144,10 +144,8 @@ impl PolicyInstance {
     ///
     /// This is the per-event hot path: no allocation once the buffers have grown to size.
     pub fn on_event(&mut self, env: &Envelope) -> Result<&[u8], PolicyError> {
-        self.enc.clear();
-        self.enc.push(env);
-        self.write_input()?;
-        let len = self.enc.as_slice().len() as u32;
+        self.write_envelope(&env.to_bytes())?;
+        let len = ENVELOPE_LEN as u32;
         let event = self.event.clone();
         let packed = self.call(&event, len, || describe(env))?;
         let range = self.output_range(packed, || describe(env))?;
@@ -169,6 +167,26 @@ impl PolicyInstance {
 
     fn name(&self) -> String {
         self.module.display_name().to_owned()
+    }
+
+    fn write_envelope(&mut self, bytes: &[u8; ENVELOPE_LEN]) -> Result<(), PolicyError> {
+        if self.buf_cap < ENVELOPE_LEN as u32 {
+            self.enc.clear();
+            self.enc.set(bytes);
+            return self.write_input();
+        }
+        let ptr = self.buf_ptr as usize;
+        match self.memory.data_mut(&mut self.store).get_mut(ptr..ptr + ENVELOPE_LEN) {
+            Some(dst) => {
+                dst.copy_from_slice(bytes);
+                Ok(())
+            }
+            None => Err(PolicyError::BadDecision {
+                policy: self.module.display_name().to_owned(),
+                event: "`sp_buffer`".into(),
+                detail: format!("returned a buffer at {ptr:#x} outside its memory"),
+            }),
+        }
     }
 
     fn write_input(&mut self) -> Result<(), PolicyError> {
