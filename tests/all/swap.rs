@@ -176,3 +176,41 @@ fn events_sent_during_a_swap_wait_in_line_and_none_is_dropped() {
     assert_eq!(swaps, 20);
     assert_eq!(value, -(pushes as f32) / N as f32, "every push applied exactly once");
 }
+
+#[test]
+fn a_stateful_policy_takes_its_state_across_a_swap() {
+    // The hostile policy counts the pushes and pulls it has seen and exports the count. Armed to
+    // panic on pulls after 21 events, the incoming instance panics on the third event after the
+    // swap only if it inherited the outgoing instance's count of 20.
+    let mut rec = Recorder::default();
+    let cfg = ShardConfig { optimizer: exact_sgd(), ..ShardConfig::default() };
+    let hostile = hostile_module();
+    let mut shard = Shard::new(cfg, vec![0.0], &hostile, &config(&[("mode", "none")]), &mut rec).unwrap();
+    shard.join(0, 0, &mut rec).unwrap();
+    shard.join(1, 0, &mut rec).unwrap();
+    let now = std::cell::Cell::new(0u64);
+    let step = |shard: &mut Shard, rec: &mut Recorder, worker: u32, iteration: u64, push: bool| {
+        now.set(now.get() + 1);
+        let now = now.get();
+        if push {
+            shard.push(PushRequest { worker, iteration, samples: 1, grad: vec![1.0] }, now, rec).unwrap();
+        } else {
+            shard.pull(PullRequest { worker, iteration }, now, rec).unwrap();
+        }
+    };
+    for i in 0..5 {
+        for w in 0..2 {
+            step(&mut shard, &mut rec, w, i, false);
+            step(&mut shard, &mut rec, w, i, true);
+        }
+    }
+    shard
+        .swap_policy(&hostile, &config(&[("mode", "pull:panic"), ("after", "21")]), now.get(), &mut rec)
+        .unwrap();
+    step(&mut shard, &mut rec, 0, 5, false); // event 21
+    step(&mut shard, &mut rec, 0, 5, true); // event 22: a push, not armed
+    assert!(rec.errors.is_empty(), "{:?}", rec.errors);
+    step(&mut shard, &mut rec, 1, 5, false); // event 23: a pull past 21
+    assert_eq!(rec.errors.len(), 1, "the count of 20 came across the swap");
+    assert!(matches!(rec.errors[0], PolicyError::Panic { .. }), "{}", rec.errors[0]);
+}
