@@ -225,3 +225,39 @@ fn garbage_replies_are_errors_and_requests_still_resolve() {
         }
     }
 }
+
+#[test]
+fn quarantine_during_redelivery_keeps_every_queued_pull() {
+    use syncopate::shard::{PullRequest, PushRequest, Shard, ShardConfig, SupervisorConfig};
+    use syncopate_suite::{config, Recorder};
+    // Checkpoint after every event: a restarted instance resumes armed, so it traps again on the
+    // pulls handed back to it, and the third failure in a row lands while pulls are still queued
+    // for re-delivery. Those must be parked under the fallback rule, not dropped.
+    let cfg = ShardConfig {
+        optimizer: crate::harness::exact_sgd(),
+        supervisor: SupervisorConfig { checkpoint_every: 1, max_consecutive_failures: 3 },
+        ..ShardConfig::default()
+    };
+    let mut rec = Recorder::default();
+    let mut shard = Shard::new(
+        cfg,
+        vec![0.0],
+        &hostile_module(),
+        &config(&[("mode", "pull:trap"), ("after", "3")]),
+        &mut rec,
+    )
+    .expect("starts");
+    for w in 0..3 {
+        shard.join(w, 0, &mut rec).expect("joins");
+    }
+    let push = |w| PushRequest { worker: w, iteration: 0, samples: 1, grad: vec![1.0] };
+    shard.push(push(0), 1, &mut rec).expect("push");
+    shard.push(push(1), 2, &mut rec).expect("push");
+    let p0 = shard.pull(PullRequest { worker: 0, iteration: 1 }, 3, &mut rec).expect("pull");
+    let p1 = shard.pull(PullRequest { worker: 1, iteration: 1 }, 4, &mut rec).expect("pull");
+    assert!(shard.is_quarantined(), "three traps in a row: {:?}", rec.errors);
+    assert_eq!(rec.errors.len(), 3);
+    assert_eq!(shard.parked_pulls(), 2, "both pulls wait for the slowest worker");
+    shard.push(push(2), 5, &mut rec).expect("push");
+    assert!(rec.was_served(p0) && rec.was_served(p1), "both released once worker 2 pushed");
+}

@@ -225,6 +225,8 @@ pub struct Shard {
     version: u64,
     mode: UpdateMode,
     aggregates: BTreeMap<u64, Aggregate>,
+    /// Buffers of applied aggregates, reused so aggregate mode does not allocate per iteration.
+    spare_sums: Vec<Vec<f32>>,
     parked: Vec<Parked>,
     held: Vec<Held>,
     incoming: Option<Held>,
@@ -259,6 +261,7 @@ impl Shard {
             version: 0,
             mode: UpdateMode::OnArrival,
             aggregates: BTreeMap::new(),
+            spare_sums: Vec::new(),
             parked: Vec::new(),
             held: Vec::new(),
             incoming: None,
@@ -732,9 +735,7 @@ impl Shard {
                 while let Some(h) = self.held.pop() {
                     self.admit(h, None, sink);
                 }
-                while let Some(Pending::Push(h)) = self.queue.pop_front() {
-                    self.admit(h, None, sink);
-                }
+                // Requests still queued for re-delivery meet the fallback rules in `dispatch`.
             }
         }
     }
@@ -795,10 +796,13 @@ impl Shard {
             }
             UpdateMode::Aggregate => {
                 let len = self.params.len();
-                let agg = self
-                    .aggregates
-                    .entry(push.iteration)
-                    .or_insert_with(|| Aggregate { sum: vec![0.0; len], contributors: Vec::new() });
+                let spare = &mut self.spare_sums;
+                let agg = self.aggregates.entry(push.iteration).or_insert_with(|| {
+                    let mut sum = spare.pop().unwrap_or_default();
+                    sum.clear();
+                    sum.resize(len, 0.0);
+                    Aggregate { sum, contributors: Vec::new() }
+                });
                 for (s, g) in agg.sum.iter_mut().zip(&grad) {
                     *s += weight * g;
                 }
@@ -824,10 +828,13 @@ impl Shard {
 
     fn apply_aggregate(&mut self, agg: Aggregate) {
         self.optimizer.step(&mut self.params, &agg.sum, 1.0);
+        if self.spare_sums.len() < 4 {
+            self.spare_sums.push(agg.sum);
+        }
         self.version += 1;
         self.stats.steps += 1;
-        for w in agg.contributors {
-            if let Some(a) = self.applied.get_mut(w as usize) {
+        for w in &agg.contributors {
+            if let Some(a) = self.applied.get_mut(*w as usize) {
                 *a += 1;
             }
         }
