@@ -170,46 +170,25 @@ impl PolicyInstance {
     }
 
     fn write_envelope(&mut self, bytes: &[u8; ENVELOPE_LEN]) -> Result<(), PolicyError> {
-        if self.buf_cap < ENVELOPE_LEN as u32 {
-            self.enc.clear();
-            self.enc.set(bytes);
-            return self.write_input();
-        }
-        let ptr = self.buf_ptr as usize;
-        match self.memory.data_mut(&mut self.store).get_mut(ptr..ptr + ENVELOPE_LEN) {
-            Some(dst) => {
-                dst.copy_from_slice(bytes);
-                Ok(())
-            }
-            None => Err(PolicyError::BadDecision {
-                policy: self.module.display_name().to_owned(),
-                event: "`sp_buffer`".into(),
-                detail: format!("returned a buffer at {ptr:#x} outside its memory"),
-            }),
-        }
+        let ptr = self.ensure_buffer(ENVELOPE_LEN)?;
+        copy_in(&self.memory, &mut self.store, &self.module, ptr, bytes)
     }
 
     fn write_input(&mut self) -> Result<(), PolicyError> {
-        let len = self.enc.as_slice().len() as u32;
+        let ptr = self.ensure_buffer(self.enc.as_slice().len())?;
+        copy_in(&self.memory, &mut self.store, &self.module, ptr, self.enc.as_slice())
+    }
+
+    /// The guest input buffer's address, asking the guest to grow it when `len` exceeds what it
+    /// last gave (it only moves when it grows).
+    fn ensure_buffer(&mut self, len: usize) -> Result<usize, PolicyError> {
+        let len = len as u32;
         if len > self.buf_cap {
             let f = self.buffer.clone();
             self.buf_ptr = self.call(&f, len, || "`sp_buffer`".into())?;
             self.buf_cap = len;
         }
-        let ptr = self.buf_ptr as usize;
-        let mem = self.memory.data_mut(&mut self.store);
-        let input = self.enc.as_slice();
-        match mem.get_mut(ptr..ptr + input.len()) {
-            Some(dst) => {
-                dst.copy_from_slice(input);
-                Ok(())
-            }
-            None => Err(PolicyError::BadDecision {
-                policy: self.module.display_name().to_owned(),
-                event: "`sp_buffer`".into(),
-                detail: format!("returned a buffer at {ptr:#x} outside its memory"),
-            }),
-        }
+        Ok(self.buf_ptr as usize)
     }
 
     /// Checks that a packed `(ptr, len)` reply lies inside guest memory.
@@ -276,6 +255,27 @@ impl PolicyInstance {
         let bytes = self.memory.data(&self.store).get(ptr as usize..ptr as usize + len as usize)?;
         let msg = String::from_utf8_lossy(bytes).into_owned();
         (!msg.is_empty()).then_some(msg)
+    }
+}
+
+/// Copies `bytes` into guest memory at `ptr`, or reports a buffer the guest placed outside it.
+fn copy_in(
+    memory: &Memory,
+    store: &mut Store<Sandbox>,
+    module: &PolicyModule,
+    ptr: usize,
+    bytes: &[u8],
+) -> Result<(), PolicyError> {
+    match memory.data_mut(store).get_mut(ptr..ptr + bytes.len()) {
+        Some(dst) => {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        }
+        None => Err(PolicyError::BadDecision {
+            policy: module.display_name().to_owned(),
+            event: "`sp_buffer`".into(),
+            detail: format!("returned a buffer at {ptr:#x} outside its memory"),
+        }),
     }
 }
 
