@@ -175,10 +175,9 @@ impl Encoder {
             if self.buf.len() - self.len < 32 {
                 self.grow();
             }
-            let cursor = Cursor { buf: &mut self.buf[self.len..], pos: 0 };
-            match postcard::serialize_with_flavor(value, cursor) {
+            match postcard::to_slice(value, &mut self.buf[self.len..]) {
                 Ok(used) => {
-                    self.len += used;
+                    self.len += used.len();
                     return;
                 }
                 Err(postcard::Error::SerializeBufferFull) => self.grow(),
@@ -205,44 +204,6 @@ impl Encoder {
     fn grow(&mut self) {
         let n = (self.buf.len() * 2).max(256);
         self.buf.resize(n, 0);
-    }
-}
-
-/// A postcard output flavour over a slice that copies short runs (varints) byte by byte instead
-/// of calling `memcpy` for each: a third of the encode time on the per-event path.
-struct Cursor<'a> {
-    buf: &'a mut [u8],
-    pos: usize,
-}
-
-impl postcard::ser_flavors::Flavor for Cursor<'_> {
-    type Output = usize;
-
-    #[inline]
-    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
-        let slot = self.buf.get_mut(self.pos).ok_or(postcard::Error::SerializeBufferFull)?;
-        *slot = data;
-        self.pos += 1;
-        Ok(())
-    }
-
-    #[inline]
-    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
-        let end = self.pos + data.len();
-        let dst = self.buf.get_mut(self.pos..end).ok_or(postcard::Error::SerializeBufferFull)?;
-        if data.len() <= 16 {
-            for (d, s) in dst.iter_mut().zip(data) {
-                *d = *s;
-            }
-        } else {
-            dst.copy_from_slice(data);
-        }
-        self.pos = end;
-        Ok(())
-    }
-
-    fn finalize(self) -> postcard::Result<usize> {
-        Ok(self.pos)
     }
 }
 
