@@ -53,25 +53,23 @@ impl<P: Policy> Native<P> {
     fn new(cfg: &[(&str, &str)]) -> Self {
         let mut n = Native { guest: Guest::new(), enc: Encoder::new() };
         n.enc.push(&init_args(cfg));
-        n.write();
-        n.guest.init(n.enc.as_slice().len());
+        let len = write(&mut n.guest, n.enc.as_slice());
+        n.guest.init(len);
         n
     }
 
-    fn write(&mut self) {
-        let bytes = self.enc.as_slice();
-        let ptr = self.guest.buffer(bytes.len());
-        // SAFETY: `buffer` returned at least `bytes.len()` bytes owned by the guest.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
-    }
-
     fn event(&mut self, env: &Envelope) -> usize {
-        self.enc.clear();
-        self.enc.set(&env.to_bytes());
-        self.write();
-        let len = self.enc.as_slice().len();
+        let len = write(&mut self.guest, &env.to_bytes());
         decode_all(self.guest.event(len))
     }
+}
+
+/// Copies `bytes` into the guest's input buffer, as the host does for a wasm module.
+fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) -> usize {
+    let ptr = guest.buffer(bytes.len());
+    // SAFETY: `buffer` returned at least `bytes.len()` bytes owned by the guest.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+    bytes.len()
 }
 
 fn bench_policy<P: Policy>(c: &mut Criterion, name: &str, cfg: &[(&str, &str)]) {
