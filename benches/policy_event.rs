@@ -40,7 +40,7 @@ fn decode_all(mut bytes: &[u8]) -> usize {
 }
 
 fn init_args<'a>(cfg: &'a [(&'a str, &'a str)]) -> InitArgs<'a> {
-    InitArgs { shard: 0, shards: 1, config: cfg.to_vec() }
+    InitArgs { shard: 0, shards: 1, now_ns: 0, config: cfg.to_vec() }
 }
 
 /// The native build of a policy, driven through the same guest glue and codec.

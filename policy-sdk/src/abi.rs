@@ -158,6 +158,8 @@ pub struct InitArgs<'a> {
     pub shard: u32,
     /// How many shards the model is split into.
     pub shards: u32,
+    /// Host time at creation: 0 when the shard starts, later for a hot swap or a restart.
+    pub now_ns: u64,
     /// Configuration as `(name, value)` pairs, validated against [`PolicyInfo::params`].
     #[serde(borrow)]
     pub config: Vec<(&'a str, &'a str)>,

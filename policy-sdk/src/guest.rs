@@ -55,7 +55,7 @@ impl<P: Policy> Guest<P> {
             .map_err(|e| alloc::format!("malformed init arguments: {e}"))
             .and_then(|args| {
                 let init = make_init::<P>(&args)?;
-                P::new(&init)
+                P::new(&init).map(|p| (p, args.now_ns))
             });
         self.start(created)
     }
@@ -70,16 +70,18 @@ impl<P: Policy> Guest<P> {
                 let handoff = postcard::from_bytes::<Handoff<'_>>(rest)
                     .map_err(|e| alloc::format!("malformed handoff: {e}"))?;
                 let init = make_init::<P>(&args)?;
-                P::import_state(&init, &handoff)
+                P::import_state(&init, &handoff).map(|p| (p, args.now_ns))
             });
         self.start(created)
     }
 
-    fn start(&mut self, created: Result<P, String>) -> &[u8] {
+    /// Answers a creation: `Ok` and the decisions `on_start` makes at host time `now_ns`, or
+    /// the refusal.
+    fn start(&mut self, created: Result<(P, u64), String>) -> &[u8] {
         match created {
-            Ok(mut policy) => {
+            Ok((mut policy, now_ns)) => {
                 self.output.push(&Ok::<(), String>(()));
-                let mut ctx = Ctx::new(0, 0, Default::default(), &mut self.output);
+                let mut ctx = Ctx::new(now_ns, 0, Default::default(), &mut self.output);
                 policy.on_start(&mut ctx);
                 self.policy = Some(policy);
             }

@@ -61,7 +61,7 @@ impl<P: Policy> Driver<P> {
     /// Creates the policy for shard 0 of 1 with the given configuration.
     pub fn new(config: &[(&str, &str)]) -> Result<Self, String> {
         let mut guest = Guest::new();
-        let args = InitArgs { shard: 0, shards: 1, config: config.to_vec() };
+        let args = InitArgs { shard: 0, shards: 1, now_ns: 0, config: config.to_vec() };
         let bytes = encode(&args);
         write(&mut guest, &bytes);
         let out = guest.init(bytes.len()).to_vec();

@@ -204,9 +204,11 @@ fn a_stateful_policy_takes_its_state_across_a_swap() {
             step(&mut shard, &mut rec, w, i, true);
         }
     }
+    assert_eq!(rec.metrics, vec![("started_at_ns".to_owned(), 0.0)], "a shard starts at time 0");
     shard
         .swap_policy(&hostile, &config(&[("mode", "pull:panic"), ("after", "21")]), now.get(), &mut rec)
         .unwrap();
+    assert_eq!(rec.metrics[1], ("started_at_ns".to_owned(), 20.0), "on_start sees the swap's time");
     step(&mut shard, &mut rec, 0, 5, false); // event 21
     step(&mut shard, &mut rec, 0, 5, true); // event 22: a push, not armed
     assert!(rec.errors.is_empty(), "{:?}", rec.errors);

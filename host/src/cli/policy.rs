@@ -34,6 +34,7 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
             let args = InitArgs {
                 shard: 0,
                 shards: 1,
+                now_ns: 0,
                 config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
             };
             PolicyInstance::new(&module, &args).context("the module loads but does not start")?;

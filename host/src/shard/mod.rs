@@ -474,7 +474,7 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), PolicyError> {
-        let start = self.supervisor.swap(module, config, self.clocks.workers().collect())?;
+        let start = self.supervisor.swap(module, config, self.clocks.workers().collect(), now_ns)?;
         self.stats.swaps += 1;
         self.timers.clear();
         tracing::info!(shard = self.shard, policy = module.display_name(), "policy swapped");
@@ -716,7 +716,7 @@ impl Shard {
         tracing::warn!(shard = self.shard, %error, "policy failure");
         sink.policy_failed(&error);
         self.fallback(now_ns, sink);
-        match self.supervisor.failed() {
+        match self.supervisor.failed(now_ns) {
             Recovery::Restarted => self.requeue_pending(),
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {

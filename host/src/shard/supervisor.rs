@@ -57,8 +57,8 @@ impl std::fmt::Debug for Supervisor {
     }
 }
 
-fn init_args<'a>(shard: u32, shards: u32, config: &'a [(String, String)]) -> InitArgs<'a> {
-    InitArgs { shard, shards, config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect() }
+fn init_args<'a>(shard: u32, shards: u32, now_ns: u64, config: &'a [(String, String)]) -> InitArgs<'a> {
+    InitArgs { shard, shards, now_ns, config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect() }
 }
 
 impl Supervisor {
@@ -70,7 +70,7 @@ impl Supervisor {
         module: &PolicyModule,
         config: &[(String, String)],
     ) -> Result<(Self, Vec<u8>), PolicyError> {
-        let (mut instance, start) = PolicyInstance::new(module, &init_args(shard, shards, config))?;
+        let (mut instance, start) = PolicyInstance::new(module, &init_args(shard, shards, 0, config))?;
         let checkpoint = instance.export_state()?;
         let sup = Supervisor {
             cfg,
@@ -127,7 +127,7 @@ impl Supervisor {
     }
 
     /// After a failure: restart from the last checkpoint, or quarantine.
-    pub(crate) fn failed(&mut self) -> Recovery {
+    pub(crate) fn failed(&mut self, now_ns: u64) -> Recovery {
         self.failures_in_a_row += 1;
         self.instance = None;
         if self.failures_in_a_row >= self.cfg.max_consecutive_failures {
@@ -140,7 +140,7 @@ impl Supervisor {
             state: &self.checkpoint,
             workers: self.checkpoint_workers.clone(),
         };
-        let args = init_args(self.shard, self.shards, &self.config);
+        let args = init_args(self.shard, self.shards, now_ns, &self.config);
         match PolicyInstance::import(&self.module, &args, &handoff) {
             Ok((instance, _start)) => {
                 // The start-up decisions were applied when the module first started; the shard's
@@ -159,6 +159,7 @@ impl Supervisor {
         module: &PolicyModule,
         config: &[(String, String)],
         workers: Vec<WorkerClock>,
+        now_ns: u64,
     ) -> Result<Vec<u8>, PolicyError> {
         let state = match self.instance.as_mut() {
             Some(old) => old.export_state().unwrap_or_else(|_| self.checkpoint.clone()),
@@ -172,7 +173,7 @@ impl Supervisor {
             workers: workers.clone(),
         };
         let (mut instance, start) =
-            PolicyInstance::import(module, &init_args(self.shard, self.shards, config), &handoff)?;
+            PolicyInstance::import(module, &init_args(self.shard, self.shards, now_ns, config), &handoff)?;
         self.checkpoint = instance.export_state()?;
         self.checkpoint_workers = workers;
         self.instance = Some(instance);

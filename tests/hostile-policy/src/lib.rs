@@ -82,6 +82,7 @@ impl Policy for Hostile {
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::Aggregate);
+        ctx.metric("started_at_ns", ctx.now_ns() as f64);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
