@@ -52,6 +52,18 @@ pub struct ShardConfig {
     pub optimizer: OptimizerConfig,
     /// Checkpointing and quarantine.
     pub supervisor: SupervisorConfig,
+    /// The weight of a push whose policy admits it without one.
+    pub push_weight: PushWeight,
+}
+
+/// The weight a push gets when its policy admits it without naming one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PushWeight {
+    /// `1 / live workers`: each optimizer step moves by the mean gradient (the usual choice).
+    #[default]
+    Mean,
+    /// 1: gradients are summed (as ps-lite and BytePS servers do); the workers scale them.
+    Sum,
 }
 
 impl Default for ShardConfig {
@@ -62,6 +74,7 @@ impl Default for ShardConfig {
             seed: 0,
             optimizer: OptimizerConfig::default(),
             supervisor: SupervisorConfig::default(),
+            push_weight: PushWeight::Mean,
         }
     }
 }
@@ -168,7 +181,7 @@ pub enum ShardError {
 }
 
 /// Counters a shard keeps.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ShardStats {
     /// Pushes admitted.
     pub pushes_admitted: u64,
@@ -218,6 +231,7 @@ pub struct Shard {
     shard: u32,
     params: Vec<f32>,
     optimizer: Optimizer,
+    push_weight: PushWeight,
     clocks: Clocks,
     floor: u64,
     next_push: Vec<u64>,
@@ -253,6 +267,7 @@ impl Shard {
         let mut shard = Shard {
             shard: cfg.shard,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
+            push_weight: cfg.push_weight,
             params,
             clocks: Clocks::new(),
             floor: 0,
@@ -781,8 +796,10 @@ impl Shard {
 
     fn admit(&mut self, h: Held, weight: Option<f32>, sink: &mut dyn ShardSink) {
         let Held { push, grad } = h;
-        let live = self.clocks.view().workers.max(1);
-        let weight = weight.unwrap_or(1.0 / live as f32);
+        let weight = weight.unwrap_or_else(|| match self.push_weight {
+            PushWeight::Mean => 1.0 / self.clocks.view().workers.max(1) as f32,
+            PushWeight::Sum => 1.0,
+        });
         self.clocks.tick(push.worker);
         self.stats.pushes_admitted += 1;
         match self.mode {
