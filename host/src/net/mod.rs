@@ -1,0 +1,191 @@
+//! The transport: QUIC (quinn) with TLS, one stream per request, postcard headers and raw
+//! tensor payloads.
+//!
+//! - [`wire`]: framing, limits and the message decoder;
+//! - [`proto`]: every message type;
+//! - [`tls`]: certificates, tokens and endpoint configuration;
+//! - this module: the connection handshake (hello with the cluster token) and request helpers
+//!   the coordinator, servers and workers share.
+
+pub mod proto;
+pub mod tls;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{de::DeserializeOwned, Serialize};
+
+use proto::{Hello, Welcome, PROTOCOL_VERSION};
+use wire::{Limits, WireError};
+
+/// Application close codes.
+pub mod close {
+    /// Normal shutdown.
+    pub const DONE: u32 = 0;
+    /// The peer did not authenticate.
+    pub const UNAUTHENTICATED: u32 = 1;
+    /// The peer sent a frame that could not be read.
+    pub const MALFORMED: u32 = 2;
+    /// The peer broke the protocol (wrong role, wrong version).
+    pub const PROTOCOL: u32 = 3;
+    /// The node is shutting down.
+    pub const SHUTDOWN: u32 = 4;
+}
+
+/// How long a peer has to send its hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A networking failure, as a node reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The connection could not be set up.
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect {
+        /// The peer.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// The connection was lost or closed.
+    #[error("connection to {addr} lost: {reason}")]
+    Lost {
+        /// The peer.
+        addr: SocketAddr,
+        /// quinn's account.
+        reason: quinn::ConnectionError,
+    },
+    /// A frame could not be read or written.
+    #[error("{addr}: {error}")]
+    Wire {
+        /// The peer.
+        addr: SocketAddr,
+        /// What was wrong.
+        error: WireError,
+    },
+    /// The peer answered with an error or refused us.
+    #[error("{addr} refused: {reason}")]
+    Refused {
+        /// The peer.
+        addr: SocketAddr,
+        /// Its reason.
+        reason: String,
+    },
+    /// The peer answered with a message that makes no sense here.
+    #[error("{addr} answered out of protocol: {what}")]
+    Unexpected {
+        /// The peer.
+        addr: SocketAddr,
+        /// What came.
+        what: String,
+    },
+    /// No answer in time.
+    #[error("{addr} did not answer within {after:?}")]
+    Timeout {
+        /// The peer.
+        addr: SocketAddr,
+        /// How long we waited.
+        after: Duration,
+    },
+}
+
+/// Opens a connection to `addr`, sends `hello` and returns the connection with the answer.
+pub async fn connect(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    hello: &Hello,
+) -> Result<(quinn::Connection, Welcome), NetError> {
+    let conn = endpoint
+        .connect(addr, server_name)
+        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?
+        .await
+        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
+    let (welcome, _) = request::<_, Welcome>(&conn, hello, &[], &Limits::default()).await?;
+    if let Welcome::Refused(reason) = welcome {
+        return Err(NetError::Refused { addr, reason });
+    }
+    Ok((conn, welcome))
+}
+
+/// Sends one request on a new stream and reads the answer (header and payload bytes).
+pub async fn request<Q: Serialize, A: DeserializeOwned>(
+    conn: &quinn::Connection,
+    req: &Q,
+    payload: &[u8],
+    limits: &Limits,
+) -> Result<(A, Vec<u8>), NetError> {
+    let addr = conn.remote_address();
+    let lost = |reason| NetError::Lost { addr, reason };
+    let wire = |source| wire_or_lost(conn, source);
+    let (mut send, mut recv) = conn.open_bi().await.map_err(lost)?;
+    let mut scratch = Vec::new();
+    wire::write_frame(&mut send, req, payload, &mut scratch).await.map_err(wire)?;
+    wire::read_message::<A>(&mut recv, limits).await.map_err(wire)
+}
+
+/// A stream error, reported as the connection's loss when the connection is what failed.
+pub fn wire_or_lost(conn: &quinn::Connection, source: WireError) -> NetError {
+    let addr = conn.remote_address();
+    match conn.close_reason() {
+        Some(reason) => NetError::Lost { addr, reason },
+        None => NetError::Wire { addr, error: source },
+    }
+}
+
+/// Accepts a connection's hello. On a bad token or version the connection is closed (and the
+/// peer learns nothing else); the caller answers with a [`Welcome`] on the returned stream.
+pub async fn accept_hello(
+    conn: &quinn::Connection,
+    token: &tls::Token,
+    operator_token: Option<&tls::Token>,
+) -> Option<(Hello, quinn::SendStream)> {
+    let addr = conn.remote_address();
+    let first = tokio::time::timeout(HELLO_TIMEOUT, async {
+        let (send, mut recv) = conn.accept_bi().await.ok()?;
+        let limits = Limits { max_header: 4096, max_payload: 0 };
+        match wire::read_message::<Hello>(&mut recv, &limits).await {
+            Ok((hello, _)) => Some((hello, send)),
+            Err(e) => {
+                tracing::warn!(%addr, "bad hello: {e}");
+                conn.close(close::MALFORMED.into(), format!("malformed hello: {e}").as_bytes());
+                None
+            }
+        }
+    })
+    .await;
+    let Ok(Some((hello, send))) = first else {
+        if conn.close_reason().is_none() {
+            tracing::warn!(%addr, "no hello within {HELLO_TIMEOUT:?}; closing");
+            conn.close(close::UNAUTHENTICATED.into(), b"authentication failed");
+        }
+        return None;
+    };
+    let authentic = match hello.role {
+        proto::Role::Operator => operator_token.unwrap_or(token).matches(&hello.token),
+        _ => token.matches(&hello.token),
+    };
+    if !authentic {
+        tracing::warn!(%addr, role = ?hello.role, "rejected a peer with a wrong token");
+        conn.close(close::UNAUTHENTICATED.into(), b"authentication failed");
+        return None;
+    }
+    if hello.protocol != PROTOCOL_VERSION {
+        tracing::warn!(%addr, "peer speaks protocol {}, we speak {PROTOCOL_VERSION}", hello.protocol);
+        let reason =
+            format!("protocol {} is not supported (this node speaks {PROTOCOL_VERSION})", hello.protocol);
+        conn.close(close::PROTOCOL.into(), reason.as_bytes());
+        return None;
+    }
+    Some((hello, send))
+}
+
+/// Sends a single answer frame on `send` and finishes it.
+pub async fn answer<A: Serialize>(
+    send: &mut quinn::SendStream,
+    msg: &A,
+    payload: &[u8],
+) -> Result<(), WireError> {
+    let mut scratch = Vec::new();
+    wire::write_frame(send, msg, payload, &mut scratch).await
+}

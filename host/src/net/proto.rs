@@ -1,0 +1,361 @@
+//! The messages nodes exchange, one place for all of them. Headers are postcard; tensors and
+//! module bytes travel as the frame's payload (see [`super::wire`]).
+//!
+//! Every connection starts with a [`Hello`] on its first stream, carrying the cluster token; a
+//! node answers a bad token by closing the connection, and nothing else. postcard is positional:
+//! never reorder fields or variants; add variants only at the end, and bump
+//! [`PROTOCOL_VERSION`] for anything else.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
+
+use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
+
+/// The protocol version a [`Hello`] carries.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Who is connecting.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Role {
+    /// A server registering with the coordinator; its data plane listens at `data_addr`.
+    Server {
+        /// Where workers reach it.
+        data_addr: SocketAddr,
+    },
+    /// A worker: to the coordinator, with the length of its model; to a server, with its id.
+    Worker {
+        /// Its id: required by a server; asked for from the coordinator (which assigns the
+        /// lowest free id when this is `None`).
+        worker: Option<WorkerId>,
+        /// How many parameters its model has.
+        model_len: u64,
+    },
+    /// An operator (swap, status, shutdown) or a reader of the parameters (evaluator, `local`).
+    Operator,
+}
+
+/// The first message on every connection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`].
+    pub protocol: u32,
+    /// The cluster token (operators may need the operator token).
+    pub token: String,
+    /// Who is connecting.
+    pub role: Role,
+}
+
+/// How the cluster trains: given to every server at registration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterSettings {
+    /// Shards the model is split into.
+    pub shards: u32,
+    /// Servers in the cluster.
+    pub servers: u32,
+    /// The optimizer every shard runs.
+    pub optimizer: OptimizerConfig,
+    /// The weight of a push the policy does not weigh itself.
+    pub push_weight: PushWeight,
+    /// Seed of the policies' random sources.
+    pub seed: u64,
+    /// A silent peer is dropped after this many milliseconds.
+    pub peer_timeout_ms: u64,
+}
+
+/// A policy module as distributed: its bytes travel as the payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyBlob {
+    /// A label for logs (file name or built-in name).
+    pub label: String,
+    /// SHA-256 of the module bytes, checked by every receiver.
+    pub sha256: [u8; 32],
+    /// Configuration for every shard.
+    pub config: Vec<(String, String)>,
+    /// Per-shard overrides of single keys: `(shard, key, value)`.
+    pub overrides: Vec<(u32, String, String)>,
+}
+
+impl PolicyBlob {
+    /// The configuration shard `shard` runs with.
+    pub fn config_for(&self, shard: u32) -> Vec<(String, String)> {
+        let mut config = self.config.clone();
+        for (s, k, v) in &self.overrides {
+            if *s != shard {
+                continue;
+            }
+            match config.iter_mut().find(|(key, _)| key == k) {
+                Some(entry) => entry.1 = v.clone(),
+                None => config.push((k.clone(), v.clone())),
+            }
+        }
+        config
+    }
+}
+
+/// Where a shard lives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardPlace {
+    /// The shard.
+    pub shard: u32,
+    /// Its first parameter (flat index).
+    pub start: u64,
+    /// One past its last parameter.
+    pub end: u64,
+    /// The server holding it.
+    pub server: u32,
+}
+
+/// The coordinator's answer to a [`Hello`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Welcome {
+    /// To a server (the module's bytes are the payload).
+    Server {
+        /// Its id.
+        server: u32,
+        /// How the cluster trains.
+        settings: ClusterSettings,
+        /// The policy in force.
+        policy: PolicyBlob,
+    },
+    /// To a worker.
+    Worker {
+        /// Its id.
+        worker: WorkerId,
+        /// Where each shard lives.
+        shards: Vec<ShardPlace>,
+        /// Data addresses of the servers, by server id.
+        servers: Vec<SocketAddr>,
+        /// A silent peer is dropped after this many milliseconds.
+        peer_timeout_ms: u64,
+    },
+    /// To an operator, or to a worker or reader on a server's data plane.
+    Accepted,
+    /// The hello was understood but cannot be served (wrong model length, cluster full...).
+    Refused(String),
+}
+
+/// Requests to the coordinator, after the hello.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CoordRequest {
+    /// A worker is leaving cleanly.
+    Leaving {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// Swap the cluster's policy (operators only); the module's bytes are the payload.
+    Swap(PolicyBlob),
+    /// What runs where (operators only).
+    Status,
+    /// Stop every server and the coordinator (operators only).
+    Shutdown,
+    /// A worker has joined its shards; answered when training may start (once the cluster's
+    /// expected workers have all joined, so they all start at iteration 0).
+    Ready {
+        /// The worker.
+        worker: WorkerId,
+    },
+}
+
+/// The coordinator's answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CoordResponse {
+    /// Done.
+    Ok,
+    /// The swap took effect on every shard.
+    Swapped {
+        /// The swap's sequence number.
+        swap: u64,
+        /// Shards switched.
+        shards: u32,
+    },
+    /// The cluster's state.
+    Status(ClusterStatus),
+    /// The request failed; nothing changed.
+    Error(String),
+}
+
+/// Commands from the coordinator to a server, on the server's registration connection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ServerCommand {
+    /// Compile and check a module off the hot path (the bytes are the payload).
+    Prepare {
+        /// The swap.
+        swap: u64,
+        /// The module.
+        policy: PolicyBlob,
+    },
+    /// Switch every shard to the prepared module.
+    Commit {
+        /// The swap.
+        swap: u64,
+    },
+    /// Forget a prepared module.
+    Abort {
+        /// The swap.
+        swap: u64,
+    },
+    /// Report the shards' state.
+    Status,
+    /// Stop.
+    Shutdown,
+}
+
+/// A server's answers to [`ServerCommand`]s.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ServerReply {
+    /// Done.
+    Ok,
+    /// The shards' state.
+    Status(ServerStatus),
+    /// The command failed.
+    Error(String),
+}
+
+/// Requests on a server's data plane.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum DataRequest {
+    /// Join a shard. A non-empty payload holds the shard's initial parameters, used only if the
+    /// shard does not exist yet.
+    Join {
+        /// The shard.
+        shard: u32,
+    },
+    /// Push a gradient (the payload).
+    Push {
+        /// The shard.
+        shard: u32,
+        /// The iteration it was computed for.
+        iteration: u64,
+        /// Samples it was computed on.
+        samples: u32,
+    },
+    /// Pull the parameters before computing `iteration`.
+    Pull {
+        /// The shard.
+        shard: u32,
+        /// The iteration.
+        iteration: u64,
+    },
+    /// An iteration is finished.
+    Finished {
+        /// The shard.
+        shard: u32,
+        /// The report.
+        report: IterationReport,
+    },
+    /// Leave a shard cleanly.
+    Leave {
+        /// The shard.
+        shard: u32,
+    },
+    /// Read the parameters without taking part (evaluators, operators): no policy is consulted.
+    Read {
+        /// The shard.
+        shard: u32,
+    },
+}
+
+/// Answers on the data plane.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum DataResponse {
+    /// Joined; the worker starts at this iteration.
+    Joined {
+        /// Its clock.
+        clock: u64,
+    },
+    /// The push was admitted.
+    PushAcked,
+    /// The parameters (payload) as served to a pull.
+    Pulled {
+        /// The worker's clock when served.
+        clock: u64,
+        /// Optimizer steps applied so far.
+        version: u64,
+        /// How long the pull was deferred, in nanoseconds.
+        waited_ns: u64,
+    },
+    /// Done.
+    Ok,
+    /// The parameters (payload) for a read.
+    Values {
+        /// Optimizer steps applied so far.
+        version: u64,
+    },
+    /// The request was refused; the connection stays open.
+    Error(String),
+}
+
+/// A control message from a shard's policy, sent on a unidirectional stream to the worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ControlMessage {
+    /// The shard whose policy sent it.
+    pub shard: u32,
+    /// What the worker should do.
+    pub control: Control,
+}
+
+/// One shard's state, as `syncopate policy status` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardStatus {
+    /// The shard.
+    pub shard: u32,
+    /// The policy's name and version.
+    pub policy: String,
+    /// SHA-256 of its module, hex.
+    pub sha256: String,
+    /// Its configuration.
+    pub config: Vec<(String, String)>,
+    /// Whether it is quarantined (the shard runs on fallback rules).
+    pub quarantined: bool,
+    /// Live workers and their clocks.
+    pub workers: Vec<WorkerClock>,
+    /// Parameters.
+    pub len: u64,
+    /// Counters.
+    pub stats: ShardStats,
+    /// Pulls parked now.
+    pub parked: u32,
+    /// Pushes held now.
+    pub held: u32,
+}
+
+/// One server's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerStatus {
+    /// Its id.
+    pub server: u32,
+    /// Its data address.
+    pub addr: SocketAddr,
+    /// Its shards (those created so far).
+    pub shards: Vec<ShardStatus>,
+}
+
+/// A worker as the coordinator knows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// Its id.
+    pub worker: WorkerId,
+    /// Connected now.
+    pub connected: bool,
+    /// Left cleanly.
+    pub finished: bool,
+}
+
+/// The whole cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The cluster policy's label.
+    pub policy: String,
+    /// SHA-256 of its module, hex.
+    pub sha256: String,
+    /// Its configuration.
+    pub config: Vec<(String, String)>,
+    /// Swaps done.
+    pub swaps: u64,
+    /// Servers.
+    pub servers: Vec<ServerStatus>,
+    /// Workers.
+    pub workers: Vec<WorkerStatus>,
+}

@@ -1,0 +1,270 @@
+//! TLS and QUIC endpoint set-up: certificates (generated for a local cluster, or given for a
+//! real one), the cluster token, and the transport tuning every node shares.
+//!
+//! Servers present a certificate; clients verify it against the cluster's CA file and the
+//! server name (`syncopate` unless told otherwise). Peers are then authenticated by the cluster
+//! token in their [`super::proto::Hello`]: TLS keeps the token secret on the wire.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::{Digest, Sha256};
+
+/// The name servers' certificates are issued for and clients check by default.
+pub const DEFAULT_SERVER_NAME: &str = "syncopate";
+
+/// A TLS or endpoint set-up problem.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What happened.
+        source: std::io::Error,
+    },
+    /// A PEM file holds no usable certificate or key.
+    #[error("{path}: {what}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Config(String),
+    /// The UDP socket could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// What happened.
+        source: std::io::Error,
+    },
+}
+
+/// Where a node finds its certificate, key, and the CA it trusts.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// This node's certificate chain (PEM), presented when it listens.
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA certificate (PEM) that servers' certificates chain to.
+    pub ca: PathBuf,
+    /// The name servers' certificates are checked against.
+    pub server_name: String,
+}
+
+impl TlsFiles {
+    /// The files `generate` writes in `dir`.
+    pub fn in_dir(dir: &Path) -> Self {
+        TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+            ca: dir.join("cert.pem"),
+            server_name: DEFAULT_SERVER_NAME.to_string(),
+        }
+    }
+
+    /// Generates a self-signed certificate for `syncopate` and `localhost` into `dir`: enough
+    /// for a cluster on one machine (the certificate is its own CA). The key file is written
+    /// readable by its owner only.
+    pub fn generate(dir: &Path) -> Result<Self, TlsError> {
+        fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
+            move |source| TlsError::Io { path: path.to_path_buf(), source }
+        }
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let names = vec![DEFAULT_SERVER_NAME.to_string(), "localhost".to_string()];
+        let ck = rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Config(e.to_string()))?;
+        let files = Self::in_dir(dir);
+        std::fs::write(&files.cert, ck.cert.pem()).map_err(io(&files.cert))?;
+        write_private(&files.key, ck.key_pair.serialize_pem().as_bytes()).map_err(io(&files.key))?;
+        Ok(files)
+    }
+
+    fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+        let certs: Vec<_> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| pem_error(path, e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| pem_error(path, e))?;
+        if certs.is_empty() {
+            return Err(TlsError::Pem {
+                path: path.to_path_buf(),
+                what: "no certificate in the file".into(),
+            });
+        }
+        Ok(certs)
+    }
+
+    /// The QUIC server configuration for a listening node.
+    pub fn server_config(&self, timeout: Duration) -> Result<quinn::ServerConfig, TlsError> {
+        let certs = Self::certs(&self.cert)?;
+        let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| pem_error(&self.key, e))?;
+        let mut cfg =
+            quinn::ServerConfig::with_single_cert(certs, key).map_err(|e| TlsError::Config(e.to_string()))?;
+        cfg.transport_config(Arc::new(transport(timeout)));
+        Ok(cfg)
+    }
+
+    /// The QUIC client configuration for a dialing node.
+    pub fn client_config(&self, timeout: Duration) -> Result<quinn::ClientConfig, TlsError> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in Self::certs(&self.ca)? {
+            roots.add(cert).map_err(|e| TlsError::Config(format!("{}: {e}", self.ca.display())))?;
+        }
+        let mut cfg = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        cfg.transport_config(Arc::new(transport(timeout)));
+        Ok(cfg)
+    }
+}
+
+fn pem_error(path: &Path, e: rustls::pki_types::pem::Error) -> TlsError {
+    TlsError::Pem { path: path.to_path_buf(), what: e.to_string() }
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    opts.open(path)?.write_all(bytes)
+}
+
+/// Transport settings every node uses. A peer silent for `timeout` is dropped; keep-alives go
+/// out four times per timeout so only a dead or cut-off peer goes silent. Windows are sized for
+/// tensors of many megabytes; MTU discovery may grow packets up to what the path carries
+/// (64 KB on loopback), which cuts per-packet costs for large tensors.
+pub fn transport(timeout: Duration) -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(timeout)
+        .unwrap_or_else(|_| quinn::IdleTimeout::from(quinn::VarInt::MAX));
+    t.max_idle_timeout(Some(idle));
+    t.keep_alive_interval(Some(timeout / 4));
+    t.max_concurrent_bidi_streams(1024u32.into());
+    t.max_concurrent_uni_streams(256u32.into());
+    t.stream_receive_window((64u32 << 20).into());
+    t.receive_window((256u32 << 20).into());
+    t.send_window(256 << 20);
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(65_000);
+    t.mtu_discovery_config(Some(mtu));
+    t
+}
+
+/// A QUIC endpoint that listens at `addr` (and can dial out).
+pub fn listen(
+    addr: SocketAddr,
+    server: quinn::ServerConfig,
+    client: quinn::ClientConfig,
+) -> Result<quinn::Endpoint, TlsError> {
+    let mut ep = quinn::Endpoint::server(server, addr).map_err(|source| TlsError::Bind { addr, source })?;
+    ep.set_default_client_config(client);
+    Ok(ep)
+}
+
+/// A QUIC endpoint that only dials out.
+pub fn dial_only(client: quinn::ClientConfig) -> Result<quinn::Endpoint, TlsError> {
+    let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
+    let mut ep = quinn::Endpoint::client(addr).map_err(|source| TlsError::Bind { addr, source })?;
+    ep.set_default_client_config(client);
+    Ok(ep)
+}
+
+/// A cluster token: a secret every node presents.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+impl Token {
+    /// A token from its text.
+    pub fn new(secret: impl Into<String>) -> Self {
+        Token(secret.into())
+    }
+
+    /// A fresh random token (256 bits, hex).
+    pub fn random() -> Self {
+        use rand::RngCore;
+        let mut b = [0u8; 32];
+        rand::rng().fill_bytes(&mut b);
+        Token(b.iter().map(|x| format!("{x:02x}")).collect())
+    }
+
+    /// The token's text, to send or store.
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` is this token. Compares digests, so the time taken says nothing
+    /// about how much of the token matched.
+    pub fn matches(&self, presented: &str) -> bool {
+        Sha256::digest(self.0.as_bytes()) == Sha256::digest(presented.as_bytes())
+    }
+}
+
+/// Where a cluster is and how to prove membership: what every client needs.
+#[derive(Clone, Debug)]
+pub struct ClusterAccess {
+    /// The coordinator's address.
+    pub coordinator: SocketAddr,
+    /// Certificates (clients use the CA and the server name).
+    pub tls: TlsFiles,
+    /// The cluster token (or the operator token, for operators).
+    pub token: Token,
+}
+
+/// `cluster.json`, which `syncopate local` writes in its run directory so that operators and
+/// tests can reach the cluster: `syncopate policy status --cluster runs/X/cluster.json`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ClusterFile {
+    /// The coordinator's address.
+    pub coordinator: SocketAddr,
+    /// The cluster token.
+    pub token: String,
+    /// The CA certificate file.
+    pub ca: PathBuf,
+    /// The name servers' certificates carry.
+    pub server_name: String,
+    /// Process ids by role and index (`coordinator`, `server-0`, `worker-2`...).
+    pub pids: Vec<(String, u32)>,
+}
+
+impl ClusterFile {
+    /// Reads a cluster file.
+    pub fn read(path: &Path) -> Result<Self, TlsError> {
+        let bytes =
+            std::fs::read(path).map_err(|source| TlsError::Io { path: path.to_path_buf(), source })?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| TlsError::Pem { path: path.to_path_buf(), what: format!("not a cluster file: {e}") })
+    }
+
+    /// The access it describes.
+    pub fn access(&self) -> ClusterAccess {
+        ClusterAccess {
+            coordinator: self.coordinator,
+            tls: TlsFiles {
+                cert: self.ca.clone(),
+                key: PathBuf::new(),
+                ca: self.ca.clone(),
+                server_name: self.server_name.clone(),
+            },
+            token: Token::new(self.token.clone()),
+        }
+    }
+}
