@@ -65,12 +65,22 @@ impl std::str::FromStr for PolicySpec {
 impl PolicySpec {
     /// Compiles the module this spec names: a built-in, or a file.
     pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {
+        let (label, bytes) = self.bytes()?;
+        rt.compile(&label, &bytes)
+    }
+
+    /// The label and wasm bytes of the module this spec names (to send to a cluster).
+    pub fn bytes(&self) -> Result<(String, Vec<u8>), PolicyError> {
         if let Some(bytes) = wasm(&self.source) {
-            return rt.compile(&format!("builtin:{}", self.source), bytes);
+            return Ok((format!("builtin:{}", self.source), bytes.to_vec()));
         }
         let path = Path::new(&self.source);
         if path.exists() || self.source.ends_with(".wasm") {
-            return rt.load_file(path);
+            let bytes = std::fs::read(path).map_err(|e| PolicyError::Invalid {
+                label: self.source.clone(),
+                reason: format!("cannot read the file: {e}"),
+            })?;
+            return Ok((self.source.clone(), bytes));
         }
         Err(PolicyError::Invalid {
             label: self.source.clone(),

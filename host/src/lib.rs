@@ -4,10 +4,22 @@
 //! - [`runtime`]: loads policy modules into wasmtime and runs them sandboxed;
 //! - [`shard`]: the sans-IO shard engine (parameters, optimizer, clocks, pending requests) that
 //!   consults a policy on every event;
+//! - [`net`]: the QUIC transport, its messages and its TLS set-up;
+//! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
+//! - [`local`]: a whole cluster on this machine, as separate processes;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
 //! - [`cli`]: the `syncopate` command.
 
 pub mod builtin;
 pub mod cli;
+pub mod coordinator;
+pub mod local;
+pub mod net;
+mod node;
+pub mod operator;
 pub mod runtime;
+pub mod server;
 pub mod shard;
+pub mod worker;
+
+pub use node::NodeError;

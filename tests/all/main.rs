@@ -2,7 +2,9 @@
 //! test loads real wasm modules built from `policies/` and `tests/hostile-policy`.
 
 mod cli;
+mod cluster;
 mod harness;
+mod net;
 mod oracles;
 mod sandbox;
 mod swap;

@@ -1,6 +1,9 @@
 //! The `syncopate` command line: argument parsing and the subcommands' implementations.
 
+mod args;
+mod local;
 mod policy;
+mod roles;
 
 use clap::{Parser, Subcommand};
 
@@ -16,7 +19,15 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Inspect and validate policy modules.
+    /// Start a whole cluster on this machine (separate processes on loopback) and train.
+    Local(local::LocalArgs),
+    /// Run the coordinator: membership, the cluster's policy, hot swaps, shutdown.
+    Coordinator(roles::CoordinatorArgs),
+    /// Run a server: hosts shards and their policies, serves pushes and pulls.
+    Server(roles::ServerArgs),
+    /// Run a worker: trains a workload through the cluster.
+    Worker(roles::WorkerArgs),
+    /// Inspect, validate, swap and list policy modules.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
 }
@@ -24,6 +35,10 @@ pub enum Command {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Local(a) => local::run(a),
+        Command::Coordinator(a) => roles::coordinator(a),
+        Command::Server(a) => roles::server(a),
+        Command::Worker(a) => roles::worker(a),
         Command::Policy(cmd) => policy::run(cmd),
     }
 }

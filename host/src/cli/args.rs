@@ -1,0 +1,190 @@
+//! Command-line arguments shared by the cluster's commands: TLS files, tokens, cluster access,
+//! training settings.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+
+use crate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token, DEFAULT_SERVER_NAME};
+use crate::shard::{OptimizerConfig, PushWeight};
+
+/// Where a node finds its certificates.
+#[derive(Debug, Clone, Args)]
+pub struct TlsArgs {
+    /// Directory with `cert.pem` and `key.pem` (as `syncopate local` writes them); the
+    /// certificate is also the CA.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// This node's certificate chain (PEM); overrides --tls-dir.
+    #[arg(long, value_name = "FILE")]
+    pub cert: Option<PathBuf>,
+    /// This node's private key (PEM); overrides --tls-dir.
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// The CA certificate (PEM) servers' certificates chain to; overrides --tls-dir.
+    #[arg(long, value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// The name servers' certificates are issued for.
+    #[arg(long, default_value = DEFAULT_SERVER_NAME)]
+    pub server_name: String,
+}
+
+impl TlsArgs {
+    /// The files, checked to be named.
+    pub fn files(&self) -> anyhow::Result<TlsFiles> {
+        let base = self.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d));
+        let pick = |given: &Option<PathBuf>, from: Option<PathBuf>, what: &str| {
+            given.clone().or(from).with_context(|| format!("no {what}: give --tls-dir or --{what}"))
+        };
+        Ok(TlsFiles {
+            cert: pick(&self.cert, base.as_ref().map(|b| b.cert.clone()), "cert")?,
+            key: pick(&self.key, base.as_ref().map(|b| b.key.clone()), "key")?,
+            ca: pick(&self.ca, base.as_ref().map(|b| b.ca.clone()), "ca")?,
+            server_name: self.server_name.clone(),
+        })
+    }
+
+    /// The files a client needs (the CA).
+    pub fn client_files(&self) -> anyhow::Result<TlsFiles> {
+        let ca = self
+            .ca
+            .clone()
+            .or_else(|| self.tls_dir.as_ref().map(|d| TlsFiles::in_dir(d).ca))
+            .context("no CA certificate: give --ca or --tls-dir")?;
+        Ok(TlsFiles { cert: ca.clone(), key: PathBuf::new(), ca, server_name: self.server_name.clone() })
+    }
+}
+
+/// The cluster token.
+#[derive(Debug, Clone, Args)]
+pub struct TokenArgs {
+    /// The cluster token every node presents (better given in the environment).
+    #[arg(long, env = "SYNCOPATE_TOKEN", hide_env_values = true)]
+    pub token: String,
+}
+
+/// How an operator reaches a cluster: a cluster file, or an address with a CA and a token.
+#[derive(Debug, Clone, Args)]
+pub struct AccessArgs {
+    /// A `cluster.json` written by `syncopate local` (address, CA and token).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["coordinator"])]
+    pub cluster: Option<PathBuf>,
+    /// The coordinator's address.
+    #[arg(long)]
+    pub coordinator: Option<SocketAddr>,
+    /// The operator token (the cluster token unless the coordinator has a separate one).
+    #[arg(long, env = "SYNCOPATE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Certificates.
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+impl AccessArgs {
+    /// The access these arguments describe.
+    pub fn access(&self) -> anyhow::Result<ClusterAccess> {
+        if let Some(path) = &self.cluster {
+            let mut access = ClusterFile::read(path)?.access();
+            if let Some(t) = &self.token {
+                access.token = Token::new(t.clone());
+            }
+            return Ok(access);
+        }
+        let coordinator =
+            self.coordinator.context("give --cluster FILE, or --coordinator ADDR with --ca and a token")?;
+        let token = self.token.clone().context("no token: give --token or set SYNCOPATE_TOKEN")?;
+        Ok(ClusterAccess { coordinator, tls: self.tls.client_files()?, token: Token::new(token) })
+    }
+}
+
+/// How pushes without a policy-given weight are weighed.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum WeightArg {
+    /// Each step moves by the gradient divided by the live workers.
+    Mean,
+    /// Gradients are summed.
+    Sum,
+}
+
+/// Training settings the servers apply.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// Learning rate of the servers' SGD.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// Momentum of the servers' SGD.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// How pushes are weighed when the policy does not say.
+    #[arg(long, value_enum, default_value = "mean")]
+    pub push_weight: WeightArg,
+    /// Seed of the policies' random sources and the initial parameters.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Drop a peer silent for this many milliseconds (a dead worker stops blocking others).
+    #[arg(long, default_value_t = 10_000)]
+    pub peer_timeout_ms: u64,
+}
+
+impl TrainArgs {
+    /// The optimizer.
+    pub fn optimizer(&self) -> OptimizerConfig {
+        OptimizerConfig {
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            nesterov: false,
+        }
+    }
+
+    /// The push weight.
+    pub fn push_weight(&self) -> PushWeight {
+        match self.push_weight {
+            WeightArg::Mean => PushWeight::Mean,
+            WeightArg::Sum => PushWeight::Sum,
+        }
+    }
+
+    /// The peer timeout.
+    pub fn peer_timeout(&self) -> Duration {
+        Duration::from_millis(self.peer_timeout_ms.max(100))
+    }
+
+    /// These settings as command-line arguments again (for child processes).
+    pub fn to_args(&self) -> Vec<String> {
+        let w = match self.push_weight {
+            WeightArg::Mean => "mean",
+            WeightArg::Sum => "sum",
+        };
+        [
+            ("--lr", self.lr.to_string()),
+            ("--momentum", self.momentum.to_string()),
+            ("--weight-decay", self.weight_decay.to_string()),
+            ("--push-weight", w.to_string()),
+            ("--seed", self.seed.to_string()),
+            ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect()
+    }
+}
+
+/// Parses `SHARD:k=v` per-shard overrides.
+pub fn parse_override(s: &str) -> Result<(u32, String, String), String> {
+    let (shard, kv) = s.split_once(':').ok_or("expected SHARD:KEY=VALUE")?;
+    let shard = shard.parse().map_err(|_| format!("`{shard}` is not a shard number"))?;
+    let (k, v) = kv.split_once('=').ok_or("expected SHARD:KEY=VALUE")?;
+    Ok((shard, k.trim().to_string(), v.trim().to_string()))
+}
+
+/// A tokio runtime for a networked command.
+pub fn tokio() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
+}

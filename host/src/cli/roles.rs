@@ -1,0 +1,176 @@
+//! `syncopate coordinator | server | worker`: one cluster role per process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use syncopate_workloads::WorkloadOptions;
+
+use super::args::{parse_override, tokio, TlsArgs, TokenArgs, TrainArgs};
+use crate::builtin::PolicySpec;
+use crate::coordinator::{CoordinatorOptions, PolicySource};
+use crate::net::tls::{ClusterAccess, Token};
+use crate::net::wire::Limits;
+use crate::server::ServerOptions;
+use crate::worker::WorkerOptions;
+
+/// `syncopate coordinator`.
+#[derive(Debug, Args)]
+pub struct CoordinatorArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Servers the cluster has; workers wait until all have registered.
+    #[arg(long, default_value_t = 1)]
+    pub servers: u32,
+    /// Workers to wait for before training starts, so they all start together (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub workers: u32,
+    /// Shards the model is split into (default: one per server).
+    #[arg(long)]
+    pub shards: Option<u32>,
+    /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
+    #[arg(long, default_value = "bsp")]
+    pub policy: PolicySpec,
+    /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
+    #[arg(long = "shard-config", value_parser = parse_override)]
+    pub overrides: Vec<(u32, String, String)>,
+    /// How long workers wait for all servers to register, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub startup_timeout_s: u64,
+    /// Write the bound address to this file once listening.
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+    /// A separate token operators need to swap policies or shut down.
+    #[arg(long, env = "SYNCOPATE_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<String>,
+    #[command(flatten)]
+    pub token: TokenArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// `syncopate server`.
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// The coordinator's address.
+    #[arg(long)]
+    pub coordinator: SocketAddr,
+    /// Address to listen on for workers (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The address to give workers, if not the one listened on.
+    #[arg(long)]
+    pub advertise: Option<SocketAddr>,
+    /// Largest tensor accepted in one message, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub max_tensor_mib: usize,
+    #[command(flatten)]
+    pub token: TokenArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// `syncopate worker`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// The coordinator's address.
+    #[arg(long)]
+    pub coordinator: SocketAddr,
+    /// The worker id to ask for (default: the lowest free one).
+    #[arg(long)]
+    pub id: Option<u32>,
+    /// The workload to train.
+    #[arg(long, default_value = "counter")]
+    pub workload: String,
+    /// Parameters of synthetic workloads (`counter`).
+    #[arg(long, default_value_t = 1024)]
+    pub params: usize,
+    /// Train until this iteration.
+    #[arg(long, default_value_t = 100)]
+    pub iterations: u64,
+    /// Mini-batch size (until a policy sets another).
+    #[arg(long, default_value_t = 32)]
+    pub batch: u32,
+    /// Seed of the initial parameters.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Extra milliseconds per iteration (pacing, or simulating a slow worker).
+    #[arg(long, default_value_t = 0)]
+    pub delay_ms: u64,
+    /// Write a JSON report here when done.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    #[command(flatten)]
+    pub token: TokenArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// Reads the module a spec names, with its overrides.
+pub fn policy_source(
+    spec: &PolicySpec,
+    overrides: Vec<(u32, String, String)>,
+) -> anyhow::Result<PolicySource> {
+    let (label, wasm) = spec.bytes()?;
+    Ok(PolicySource { label, wasm, config: spec.config.clone(), overrides })
+}
+
+/// Runs `syncopate coordinator`.
+pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
+    let opts = CoordinatorOptions {
+        listen: a.listen,
+        tls: a.tls.files()?,
+        token: Token::new(a.token.token),
+        operator_token: a.operator_token.map(Token::new),
+        servers: a.servers,
+        workers: a.workers,
+        shards: a.shards.unwrap_or(a.servers),
+        policy: policy_source(&a.policy, a.overrides)?,
+        optimizer: a.train.optimizer(),
+        push_weight: a.train.push_weight(),
+        seed: a.train.seed,
+        peer_timeout: a.train.peer_timeout(),
+        startup_timeout: Duration::from_secs(a.startup_timeout_s),
+        ready_file: a.ready_file,
+    };
+    tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
+}
+
+/// Runs `syncopate server`.
+pub fn server(a: ServerArgs) -> anyhow::Result<()> {
+    let opts = ServerOptions {
+        coordinator: a.coordinator,
+        listen: a.listen,
+        advertise: a.advertise,
+        tls: a.tls.files()?,
+        token: Token::new(a.token.token),
+        limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
+    };
+    tokio()?.block_on(crate::server::run(opts)).context("server")
+}
+
+/// Runs `syncopate worker`.
+pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let workload = syncopate_workloads::by_name(&a.workload, &WorkloadOptions { params: a.params })?;
+    let opts = WorkerOptions {
+        access: ClusterAccess {
+            coordinator: a.coordinator,
+            tls: a.tls.client_files()?,
+            token: Token::new(a.token.token),
+        },
+        id: a.id,
+        iterations: a.iterations,
+        batch: a.batch,
+        seed: a.seed,
+        extra_delay: Duration::from_millis(a.delay_ms),
+        report: a.report,
+    };
+    let report = tokio()?.block_on(crate::worker::run(opts, workload)).context("worker")?;
+    tracing::info!(worker = report.worker, iterations = report.iterations, "worker done");
+    Ok(())
+}

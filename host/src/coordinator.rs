@@ -1,0 +1,514 @@
+//! The coordinator role (`syncopate coordinator`): membership, the cluster's policy, hot swaps
+//! and shutdown.
+//!
+//! Servers register and get ids, the cluster settings and the policy module; workers register
+//! once every expected server is in and get an id and the map of shards to servers. A worker is
+//! told apart from a lost one by its `Leaving` message: a lost worker (its connection failed or
+//! went silent for the peer timeout) is logged and shown in the status; the servers make it
+//! leave their shards themselves, so no barrier waits for it.
+//!
+//! A hot swap is two-phase: every server prepares the module off the hot path (checks its
+//! sha256, compiles it, starts it on each of its shards' configurations); only if all succeed
+//! does every server commit, each switching its shards when the commit arrives (the agreed
+//! point). If any server cannot load it, all abort and the operator is told which and why.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use syncopate_policy_sdk::abi::WorkerId;
+use tokio::sync::watch;
+
+use crate::net::proto::{
+    ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob, Role, ServerCommand,
+    ServerReply, ShardPlace, Welcome, WorkerStatus,
+};
+use crate::net::tls::{TlsFiles, Token};
+use crate::net::wire::{self, Limits};
+use crate::net::{self, close};
+use crate::runtime::PolicyRuntime;
+use crate::shard::{OptimizerConfig, Partition, PushWeight};
+use crate::NodeError;
+
+/// A policy module with its configuration, as the cluster runs it.
+#[derive(Clone, Debug)]
+pub struct PolicySource {
+    /// A label (file name or `builtin:NAME`).
+    pub label: String,
+    /// The module's bytes.
+    pub wasm: Vec<u8>,
+    /// Configuration for every shard.
+    pub config: Vec<(String, String)>,
+    /// Per-shard overrides `(shard, key, value)`.
+    pub overrides: Vec<(u32, String, String)>,
+}
+
+impl PolicySource {
+    /// The blob that describes it on the wire.
+    pub fn blob(&self) -> PolicyBlob {
+        PolicyBlob {
+            label: self.label.clone(),
+            sha256: Sha256::digest(&self.wasm).into(),
+            config: self.config.clone(),
+            overrides: self.overrides.clone(),
+        }
+    }
+}
+
+/// How to run a coordinator.
+#[derive(Clone, Debug)]
+pub struct CoordinatorOptions {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Certificates.
+    pub tls: TlsFiles,
+    /// The cluster token.
+    pub token: Token,
+    /// The token operators need (the cluster token when `None`).
+    pub operator_token: Option<Token>,
+    /// Servers to wait for before workers may register.
+    pub servers: u32,
+    /// Workers to wait for before training starts (0: no start barrier). Later workers join
+    /// a running cluster.
+    pub workers: u32,
+    /// Shards the model is split into.
+    pub shards: u32,
+    /// The policy to start with.
+    pub policy: PolicySource,
+    /// The servers' optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Weight of pushes the policy does not weigh.
+    pub push_weight: PushWeight,
+    /// Seed of the policies' random sources.
+    pub seed: u64,
+    /// A silent peer is dropped after this long.
+    pub peer_timeout: Duration,
+    /// How long workers wait for all servers to register.
+    pub startup_timeout: Duration,
+    /// Where to write the bound address once listening (for scripts and `local`).
+    pub ready_file: Option<PathBuf>,
+}
+
+struct State {
+    servers: Vec<(SocketAddr, quinn::Connection)>,
+    workers: BTreeMap<WorkerId, WorkerStatus>,
+    model_len: Option<u64>,
+    policy: PolicySource,
+    swaps: u64,
+}
+
+struct Coordinator {
+    opts: CoordinatorOptions,
+    state: Mutex<State>,
+    registered: watch::Sender<u32>,
+    /// Workers that joined their shards, until the start barrier opens.
+    ready: watch::Sender<u32>,
+    swap_lock: tokio::sync::Mutex<()>,
+    shutdown: watch::Sender<bool>,
+    /// Set when a shutdown starts, so departures after it are not reported as losses.
+    stopping: std::sync::atomic::AtomicBool,
+    runtime: PolicyRuntime,
+}
+
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
+const CONTROL_LIMITS: Limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
+
+/// Runs a coordinator until an operator shuts the cluster down.
+pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
+    if opts.servers == 0 || opts.shards == 0 {
+        return Err(NodeError::Protocol("a cluster needs at least one server and one shard".into()));
+    }
+    let runtime = PolicyRuntime::new()?;
+    // Refuse to start with a module the servers would refuse.
+    runtime.compile_async(opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
+    let endpoint = net::tls::listen(
+        opts.listen,
+        opts.tls.server_config(opts.peer_timeout)?,
+        opts.tls.client_config(opts.peer_timeout)?,
+    )?;
+    let bound =
+        endpoint.local_addr().map_err(|source| NodeError::Io { what: "local address".into(), source })?;
+    tracing::info!(%bound, servers = opts.servers, shards = opts.shards, policy = %opts.policy.label, "coordinator listening");
+    if let Some(path) = &opts.ready_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, bound.to_string())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
+    }
+    let (shutdown, mut stop) = watch::channel(false);
+    let coord = Arc::new(Coordinator {
+        state: Mutex::new(State {
+            servers: Vec::new(),
+            workers: BTreeMap::new(),
+            model_len: None,
+            policy: opts.policy.clone(),
+            swaps: 0,
+        }),
+        registered: watch::channel(0).0,
+        ready: watch::channel(0).0,
+        swap_lock: tokio::sync::Mutex::new(()),
+        shutdown,
+        stopping: Default::default(),
+        runtime,
+        opts,
+    });
+    let accept = {
+        let (endpoint, coord) = (endpoint.clone(), coord.clone());
+        tokio::spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                let coord = coord.clone();
+                tokio::spawn(async move {
+                    if let Ok(conn) = incoming.await {
+                        coord.serve(conn).await;
+                    }
+                });
+            }
+        })
+    };
+    let _ = stop.wait_for(|s| *s).await;
+    accept.abort();
+    endpoint.close(close::DONE.into(), b"cluster shut down");
+    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    tracing::info!("coordinator stopped");
+    Ok(())
+}
+
+impl Coordinator {
+    fn settings(&self) -> ClusterSettings {
+        ClusterSettings {
+            shards: self.opts.shards,
+            servers: self.opts.servers,
+            optimizer: self.opts.optimizer,
+            push_weight: self.opts.push_weight,
+            seed: self.opts.seed,
+            peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("coordinator state not poisoned")
+    }
+
+    async fn serve(self: Arc<Self>, conn: quinn::Connection) {
+        let addr = conn.remote_address();
+        let Some((hello, mut send)) =
+            net::accept_hello(&conn, &self.opts.token, self.opts.operator_token.as_ref()).await
+        else {
+            return;
+        };
+        let Hello { role, .. } = hello;
+        match role {
+            Role::Server { data_addr } => {
+                let (welcome, wasm) = {
+                    let mut st = self.lock();
+                    if st.servers.len() as u32 >= self.opts.servers {
+                        (
+                            Welcome::Refused(format!(
+                                "the cluster already has its {} servers",
+                                self.opts.servers
+                            )),
+                            Vec::new(),
+                        )
+                    } else {
+                        st.servers.push((data_addr, conn.clone()));
+                        let id = st.servers.len() as u32 - 1;
+                        tracing::info!(server = id, %data_addr, "server registered");
+                        let welcome = Welcome::Server {
+                            server: id,
+                            settings: self.settings(),
+                            policy: st.policy.blob(),
+                        };
+                        (welcome, st.policy.wasm.clone())
+                    }
+                };
+                let refused = matches!(welcome, Welcome::Refused(_));
+                if net::answer(&mut send, &welcome, &wasm).await.is_err() || refused {
+                    return;
+                }
+                let n = self.lock().servers.len() as u32;
+                self.registered.send_replace(n);
+                let reason = conn.closed().await;
+                if !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    tracing::error!(%data_addr, "server lost: {reason}; its shards are unavailable");
+                }
+            }
+            Role::Worker { worker, model_len } => {
+                let welcome = self.welcome_worker(worker, model_len).await;
+                let id = match &welcome {
+                    Welcome::Worker { worker, .. } => Some(*worker),
+                    _ => None,
+                };
+                if net::answer(&mut send, &welcome, &[]).await.is_err() {
+                    return;
+                }
+                let Some(id) = id else { return };
+                self.worker_loop(&conn, id).await;
+                let mut st = self.lock();
+                if let Some(w) = st.workers.get_mut(&id) {
+                    w.connected = false;
+                    if !w.finished && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                        tracing::warn!(worker = id, %addr, "worker lost: {}", conn.close_reason().map(|r| r.to_string()).unwrap_or_default());
+                    }
+                }
+            }
+            Role::Operator => {
+                if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_err() {
+                    return;
+                }
+                while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                    let (req, payload) = match wire::read_message::<CoordRequest>(&mut recv, &CONTROL_LIMITS)
+                        .await
+                    {
+                        Ok(m) => m,
+                        Err(e) => {
+                            tracing::warn!(%addr, "closing an operator connection that sent a bad frame: {e}");
+                            conn.close(close::MALFORMED.into(), format!("malformed message: {e}").as_bytes());
+                            return;
+                        }
+                    };
+                    let stop = req == CoordRequest::Shutdown;
+                    let answer = self.clone().operate(req, payload).await;
+                    let _ = net::answer(&mut send, &answer, &[]).await;
+                    if stop {
+                        // Let the operator read the answer before the endpoint closes.
+                        let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+                        let _ = self.shutdown.send(true);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn welcome_worker(&self, asked: Option<WorkerId>, model_len: u64) -> Welcome {
+        let mut ready = self.registered.subscribe();
+        let want = self.opts.servers;
+        if tokio::time::timeout(self.opts.startup_timeout, ready.wait_for(|n| *n >= want)).await.is_err() {
+            let have = *ready.borrow();
+            return Welcome::Refused(format!(
+                "only {have} of {want} servers registered within {:?}",
+                self.opts.startup_timeout
+            ));
+        }
+        let mut st = self.lock();
+        if model_len == 0 {
+            return Welcome::Refused("a model needs at least one parameter".into());
+        }
+        match st.model_len {
+            Some(len) if len != model_len => {
+                return Welcome::Refused(format!(
+                    "this cluster trains a model of {len} parameters, the worker's has {model_len}"
+                ));
+            }
+            _ => st.model_len = Some(model_len),
+        }
+        let id = match asked {
+            Some(w) if st.workers.get(&w).is_some_and(|s| s.connected) => {
+                return Welcome::Refused(format!("worker id {w} is taken by a connected worker"));
+            }
+            Some(w) => w,
+            None => (0..).find(|w| !st.workers.contains_key(w)).expect("a free id"),
+        };
+        st.workers.insert(id, WorkerStatus { worker: id, connected: true, finished: false });
+        let partition = Partition::even(model_len as usize, self.opts.shards);
+        let shards = (0..self.opts.shards)
+            .map(|s| {
+                let r = partition.range(s);
+                ShardPlace {
+                    shard: s,
+                    start: r.start as u64,
+                    end: r.end as u64,
+                    server: s % self.opts.servers,
+                }
+            })
+            .collect();
+        tracing::info!(worker = id, "worker registered");
+        Welcome::Worker {
+            worker: id,
+            shards,
+            servers: st.servers.iter().map(|(a, _)| *a).collect(),
+            peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
+        }
+    }
+
+    async fn worker_loop(&self, conn: &quinn::Connection, id: WorkerId) {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let answer = match wire::read_message::<CoordRequest>(
+                &mut recv,
+                &Limits { max_header: 4096, max_payload: 0 },
+            )
+            .await
+            {
+                Ok((CoordRequest::Leaving { worker }, _)) if worker == id => {
+                    if let Some(w) = self.lock().workers.get_mut(&id) {
+                        w.finished = true;
+                    }
+                    tracing::info!(worker = id, "worker finished");
+                    CoordResponse::Ok
+                }
+                Ok((CoordRequest::Ready { worker }, _)) if worker == id => self.start_barrier(id).await,
+                Ok((other, _)) => CoordResponse::Error(format!("a worker may not send {other:?}")),
+                Err(e) => {
+                    tracing::warn!(worker = id, "closing a worker connection that sent a bad frame: {e}");
+                    conn.close(close::MALFORMED.into(), format!("malformed message: {e}").as_bytes());
+                    return;
+                }
+            };
+            let _ = net::answer(&mut send, &answer, &[]).await;
+        }
+    }
+
+    async fn start_barrier(&self, id: WorkerId) -> CoordResponse {
+        let want = self.opts.workers;
+        self.ready.send_modify(|n| *n += 1);
+        let mut rx = self.ready.subscribe();
+        if tokio::time::timeout(self.opts.startup_timeout, rx.wait_for(|n| *n >= want)).await.is_err() {
+            let have = *rx.borrow();
+            tracing::warn!(
+                worker = id,
+                "only {have} of {want} workers joined within {:?}; starting anyway",
+                self.opts.startup_timeout
+            );
+        }
+        CoordResponse::Ok
+    }
+
+    async fn operate(self: Arc<Self>, req: CoordRequest, payload: Vec<u8>) -> CoordResponse {
+        match req {
+            CoordRequest::Swap(blob) => match self.swap(blob, payload).await {
+                Ok((swap, shards)) => CoordResponse::Swapped { swap, shards },
+                Err(e) => CoordResponse::Error(e),
+            },
+            CoordRequest::Status => match self.status().await {
+                Ok(s) => CoordResponse::Status(s),
+                Err(e) => CoordResponse::Error(e),
+            },
+            CoordRequest::Shutdown => {
+                tracing::info!("shutdown requested");
+                let servers: Vec<_> = self.lock().servers.iter().map(|(_, c)| c.clone()).collect();
+                self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+                let stops = servers.iter().map(|c| command(c, &ServerCommand::Shutdown, &[]));
+                for r in futures::future::join_all(stops).await {
+                    if let Err(e) = r {
+                        tracing::warn!("server did not confirm shutdown: {e}");
+                    }
+                }
+                CoordResponse::Ok
+            }
+            CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } => {
+                CoordResponse::Error("that is a worker's request".into())
+            }
+        }
+    }
+
+    async fn swap(&self, blob: PolicyBlob, wasm: Vec<u8>) -> Result<(u64, u32), String> {
+        let _one_at_a_time = self.swap_lock.lock().await;
+        let digest: [u8; 32] = Sha256::digest(&wasm).into();
+        if digest != blob.sha256 {
+            return Err("the module's bytes do not match its sha256".into());
+        }
+        self.runtime.compile_async(blob.label.clone(), wasm.clone()).await.map_err(|e| e.to_string())?;
+        let (servers, swap) = {
+            let st = self.lock();
+            (st.servers.clone(), st.swaps + 1)
+        };
+        if (servers.len() as u32) < self.opts.servers {
+            return Err(format!("only {} of {} servers are registered", servers.len(), self.opts.servers));
+        }
+        let prepare = ServerCommand::Prepare { swap, policy: blob.clone() };
+        let prepared =
+            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &prepare, &wasm))).await;
+        let failed: Vec<String> = prepared
+            .iter()
+            .zip(&servers)
+            .enumerate()
+            .filter_map(|(i, (r, (addr, _)))| r.as_ref().err().map(|e| format!("server {i} ({addr}): {e}")))
+            .collect();
+        if !failed.is_empty() {
+            let abort = ServerCommand::Abort { swap };
+            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &abort, &[]))).await;
+            tracing::warn!(swap, "swap to {} refused: {}", blob.label, failed.join("; "));
+            return Err(format!("no server switched: {}", failed.join("; ")));
+        }
+        let commit = ServerCommand::Commit { swap };
+        let committed =
+            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &commit, &[]))).await;
+        let mut st = self.lock();
+        st.swaps = swap;
+        st.policy = PolicySource {
+            label: blob.label.clone(),
+            wasm,
+            config: blob.config.clone(),
+            overrides: blob.overrides.clone(),
+        };
+        let failed: Vec<String> = committed
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("server {i}: {e}")))
+            .collect();
+        if !failed.is_empty() {
+            // Preparation succeeded everywhere, so only a shard's own refusal (its state) gets here.
+            return Err(format!(
+                "swap {swap} committed, but some shards kept their old policy: {}",
+                failed.join("; ")
+            ));
+        }
+        tracing::info!(swap, policy = %blob.label, "swap done on every server");
+        Ok((swap, self.opts.shards))
+    }
+
+    async fn status(&self) -> Result<ClusterStatus, String> {
+        let (servers, mut status) = {
+            let st = self.lock();
+            let blob = st.policy.blob();
+            let status = ClusterStatus {
+                policy: blob.label,
+                sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
+                config: blob.config,
+                swaps: st.swaps,
+                servers: Vec::new(),
+                workers: st.workers.values().cloned().collect(),
+            };
+            (st.servers.clone(), status)
+        };
+        for (i, (addr, conn)) in servers.iter().enumerate() {
+            match command_status(conn).await {
+                Ok(s) => status.servers.push(s),
+                Err(e) => return Err(format!("server {i} ({addr}) did not report: {e}")),
+            }
+        }
+        Ok(status)
+    }
+}
+
+async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) -> Result<(), String> {
+    match command_reply(conn, cmd, payload).await? {
+        ServerReply::Ok => Ok(()),
+        ServerReply::Error(e) => Err(e),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+async fn command_status(conn: &quinn::Connection) -> Result<crate::net::proto::ServerStatus, String> {
+    match command_reply(conn, &ServerCommand::Status, &[]).await? {
+        ServerReply::Status(s) => Ok(s),
+        ServerReply::Error(e) => Err(e),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+async fn command_reply(
+    conn: &quinn::Connection,
+    cmd: &ServerCommand,
+    payload: &[u8],
+) -> Result<ServerReply, String> {
+    let req = net::request::<_, ServerReply>(conn, cmd, payload, &CONTROL_LIMITS);
+    match tokio::time::timeout(COMMAND_TIMEOUT, req).await {
+        Ok(Ok((reply, _))) => Ok(reply),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {COMMAND_TIMEOUT:?}")),
+    }
+}

@@ -1,0 +1,117 @@
+//! The operator's client: swap the cluster's policy, ask what runs where, read the model, shut
+//! the cluster down. Used by `syncopate policy swap|status`, `syncopate local` and tests.
+
+use std::time::Duration;
+
+use crate::coordinator::PolicySource;
+use crate::net::proto::{
+    ClusterStatus, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, PROTOCOL_VERSION,
+};
+use crate::net::tls::ClusterAccess;
+use crate::net::wire::{self, Limits};
+use crate::net::{self, NetError};
+use crate::NodeError;
+
+/// An authenticated operator connection to the coordinator.
+#[derive(Debug)]
+pub struct Operator {
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    access: ClusterAccess,
+}
+
+const LIMITS: Limits = Limits { max_header: 16 << 20, max_payload: 1 << 30 };
+
+impl Operator {
+    /// Connects to the coordinator as an operator.
+    pub async fn connect(access: &ClusterAccess) -> Result<Self, NodeError> {
+        let endpoint = net::tls::dial_only(access.tls.client_config(Duration::from_secs(60))?)?;
+        let (conn, _) =
+            net::connect(&endpoint, access.coordinator, &access.tls.server_name, &hello(access)).await?;
+        Ok(Operator { endpoint, conn, access: access.clone() })
+    }
+
+    async fn ask(&self, req: &CoordRequest, payload: &[u8]) -> Result<CoordResponse, NodeError> {
+        let (answer, _) = net::request::<_, CoordResponse>(&self.conn, req, payload, &LIMITS).await?;
+        match answer {
+            CoordResponse::Error(reason) => {
+                Err(NetError::Refused { addr: self.access.coordinator, reason }.into())
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Swaps the cluster's policy. Returns the swap's number and how many shards switched.
+    pub async fn swap(&self, policy: &PolicySource) -> Result<(u64, u32), NodeError> {
+        match self.ask(&CoordRequest::Swap(policy.blob()), &policy.wasm).await? {
+            CoordResponse::Swapped { swap, shards } => Ok((swap, shards)),
+            other => Err(NodeError::Protocol(format!("unexpected answer to a swap: {other:?}"))),
+        }
+    }
+
+    /// What runs where.
+    pub async fn status(&self) -> Result<ClusterStatus, NodeError> {
+        match self.ask(&CoordRequest::Status, &[]).await? {
+            CoordResponse::Status(s) => Ok(s),
+            other => Err(NodeError::Protocol(format!("unexpected answer to status: {other:?}"))),
+        }
+    }
+
+    /// Stops every server and the coordinator.
+    pub async fn shutdown(self) -> Result<(), NodeError> {
+        self.ask(&CoordRequest::Shutdown, &[]).await?;
+        self.conn.close(net::close::DONE.into(), b"operator done");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        Ok(())
+    }
+
+    /// Reads the whole model (every shard, in order) without taking part in training. Returns
+    /// the parameters and the fewest optimizer steps of any shard.
+    pub async fn read_model(&self) -> Result<(Vec<f32>, u64), NodeError> {
+        let status = self.status().await?;
+        let mut shards: Vec<_> = status
+            .servers
+            .iter()
+            .flat_map(|s| s.shards.iter().map(move |sh| (sh.shard, sh.len, s.addr)))
+            .collect();
+        shards.sort_unstable_by_key(|s| s.0);
+        let mut conns = Vec::new();
+        let mut model = Vec::new();
+        let mut min_version = u64::MAX;
+        for (shard, _, addr) in shards {
+            let conn = match conns.iter().find(|(a, _)| *a == addr) {
+                Some((_, c)) => c,
+                None => {
+                    let (c, _) = net::connect(
+                        &self.endpoint,
+                        addr,
+                        &self.access.tls.server_name,
+                        &hello(&self.access),
+                    )
+                    .await?;
+                    conns.push((addr, c));
+                    &conns.last().expect("just pushed").1
+                }
+            };
+            match net::request::<_, DataResponse>(conn, &DataRequest::Read { shard }, &[], &LIMITS).await? {
+                (DataResponse::Values { version }, payload) => {
+                    model.extend(
+                        wire::f32_from_bytes(&payload).map_err(|e| NetError::Wire { addr, error: e })?,
+                    );
+                    min_version = min_version.min(version);
+                }
+                (other, _) => {
+                    return Err(NodeError::Protocol(format!("shard {shard} answered a read with {other:?}")))
+                }
+            }
+        }
+        for (_, c) in conns {
+            c.close(net::close::DONE.into(), b"read done");
+        }
+        Ok((model, if min_version == u64::MAX { 0 } else { min_version }))
+    }
+}
+
+fn hello(access: &ClusterAccess) -> Hello {
+    Hello { protocol: PROTOCOL_VERSION, token: access.token.secret().to_string(), role: Role::Operator }
+}

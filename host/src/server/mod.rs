@@ -1,0 +1,488 @@
+//! The server role (`syncopate server`): hosts shards, runs their policy instances, and serves
+//! pushes and pulls over QUIC.
+//!
+//! It registers with the coordinator, which gives it an id, the cluster's settings and the
+//! policy module; shard `k` lives on server `k % servers`. Each shard is a task
+//! ([`shard_task`]); each connection is a task that authenticates the peer, then serves one
+//! request per stream. A worker whose connection fails or goes silent for the peer timeout is
+//! made to leave its shards, so its policy is told and a barrier it held opens. Commands from
+//! the coordinator (prepare / commit a swap, status, shutdown) arrive on the registration
+//! connection.
+
+mod shard_task;
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use syncopate_policy_sdk::abi::{InitArgs, LeaveReason, WorkerId};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::net::proto::{
+    ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, PolicyBlob, Role, ServerCommand,
+    ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
+};
+use crate::net::tls::{TlsFiles, Token};
+use crate::net::wire::{self, Limits, TensorBytes, WireError};
+use crate::net::{self, close, NetError};
+use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
+use crate::shard::{ShardConfig, SupervisorConfig};
+use crate::NodeError;
+use shard_task::{ShardCmd, ShardTask};
+
+/// How to run a server.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The coordinator's address.
+    pub coordinator: SocketAddr,
+    /// Where to listen for workers.
+    pub listen: SocketAddr,
+    /// The address workers should use, when `listen` is a wildcard.
+    pub advertise: Option<SocketAddr>,
+    /// Certificates.
+    pub tls: TlsFiles,
+    /// The cluster token.
+    pub token: Token,
+    /// Largest frame parts accepted.
+    pub limits: Limits,
+}
+
+struct Shared {
+    shards: HashMap<u32, mpsc::Sender<ShardCmd>>,
+    runtime: PolicyRuntime,
+    settings: ClusterSettings,
+    id: u32,
+    addr: SocketAddr,
+    prepared: Mutex<HashMap<u64, (PolicyModule, PolicyBlob)>>,
+    limits: Limits,
+    token: Token,
+    shutdown: watch::Sender<bool>,
+}
+
+/// Runs a server until the coordinator tells it to stop (or is lost).
+pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
+    let bootstrap = Duration::from_secs(30);
+    // Listen before registering, so the advertised address is the one bound; the transport is
+    // re-configured once the coordinator has said what the peer timeout is.
+    let endpoint = crate::net::tls::listen(
+        opts.listen,
+        opts.tls.server_config(bootstrap)?,
+        opts.tls.client_config(bootstrap)?,
+    )?;
+    let bound =
+        endpoint.local_addr().map_err(|source| NodeError::Io { what: "local address".into(), source })?;
+    let advertise = opts.advertise.unwrap_or_else(|| {
+        if bound.ip().is_unspecified() {
+            SocketAddr::new([127, 0, 0, 1].into(), bound.port())
+        } else {
+            bound
+        }
+    });
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        token: opts.token.secret().to_string(),
+        role: Role::Server { data_addr: advertise },
+    };
+    let (coord, welcome) =
+        connect_with_payload(&endpoint, opts.coordinator, &opts.tls.server_name, &hello).await?;
+    let (Welcome::Server { server: id, settings, policy }, wasm) = welcome else {
+        return Err(NodeError::Protocol("the coordinator did not welcome us as a server".into()));
+    };
+    tracing::info!(server = id, %advertise, shards = settings.shards, "registered with the coordinator");
+    let runtime = PolicyRuntime::new()?;
+    let module = prepare(&runtime, &policy, &wasm, &settings, id).await.map_err(NodeError::Protocol)?;
+    let timeout = Duration::from_millis(settings.peer_timeout_ms);
+    endpoint.set_server_config(Some(opts.tls.server_config(timeout)?));
+    let epoch = Instant::now();
+    let mut shards = HashMap::new();
+    for shard in (0..settings.shards).filter(|s| s % settings.servers == id) {
+        let (tx, rx) = mpsc::channel(1024);
+        let task = ShardTask {
+            cfg: ShardConfig {
+                shard,
+                shards: settings.shards,
+                seed: settings.seed,
+                optimizer: settings.optimizer,
+                supervisor: SupervisorConfig::default(),
+                push_weight: settings.push_weight,
+            },
+            module: module.clone(),
+            config: policy.config_for(shard),
+            epoch,
+        };
+        tokio::spawn(task.run(rx));
+        shards.insert(shard, tx);
+    }
+    let (shutdown, mut stop) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        shards,
+        runtime,
+        settings,
+        id,
+        addr: advertise,
+        prepared: Mutex::new(HashMap::new()),
+        limits: opts.limits,
+        token: opts.token.clone(),
+        shutdown,
+    });
+    let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
+    let commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
+    let result = tokio::select! {
+        _ = stop.wait_for(|s| *s) => Ok(()),
+        reason = coord.closed() => match reason {
+            quinn::ConnectionError::ApplicationClosed(c) if c.error_code == close::DONE.into() => Ok(()),
+            reason => Err(NodeError::Lost(format!("the coordinator went away: {reason}"))),
+        },
+    };
+    accept.abort();
+    commands.abort();
+    endpoint.close(close::SHUTDOWN.into(), b"server shutting down");
+    coord.close(close::DONE.into(), b"bye");
+    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    tracing::info!(server = id, "server stopped");
+    result
+}
+
+/// `connect`, keeping the welcome's payload (the policy module).
+async fn connect_with_payload(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    hello: &Hello,
+) -> Result<(quinn::Connection, (Welcome, Vec<u8>)), NetError> {
+    let conn = endpoint
+        .connect(addr, server_name)
+        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?
+        .await
+        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
+    let limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
+    let (welcome, payload) = net::request::<_, Welcome>(&conn, hello, &[], &limits).await?;
+    if let Welcome::Refused(reason) = welcome {
+        return Err(NetError::Refused { addr, reason });
+    }
+    Ok((conn, (welcome, payload)))
+}
+
+/// Checks a distributed module: its hash, that it compiles, and that it starts on each of this
+/// server's shards with their configuration. Runs off the reactor.
+async fn prepare(
+    runtime: &PolicyRuntime,
+    blob: &PolicyBlob,
+    wasm: &[u8],
+    settings: &ClusterSettings,
+    server: u32,
+) -> Result<PolicyModule, String> {
+    let digest: [u8; 32] = Sha256::digest(wasm).into();
+    if digest != blob.sha256 {
+        return Err(format!(
+            "{}: the module's bytes do not match its sha256 (damaged in transit?)",
+            blob.label
+        ));
+    }
+    let module = runtime.compile_async(blob.label.clone(), wasm.to_vec()).await.map_err(|e| e.to_string())?;
+    let (m, b, shards) = (module.clone(), blob.clone(), settings.shards);
+    let mine: Vec<u32> = (0..shards).filter(|s| s % settings.servers == server).collect();
+    tokio::task::spawn_blocking(move || {
+        for shard in mine {
+            let config = b.config_for(shard);
+            let init = InitArgs {
+                shard,
+                shards,
+                now_ns: 0,
+                config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+            };
+            PolicyInstance::new(&m, &init).map_err(|e| format!("shard {shard}: {e}"))?;
+        }
+        Ok::<_, String>(())
+    })
+    .await
+    .map_err(|e| format!("check task failed: {e}"))??;
+    Ok(module)
+}
+
+async fn coordinator_loop(conn: quinn::Connection, shared: Arc<Shared>) {
+    let limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
+    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+        let (cmd, payload) = match wire::read_message::<ServerCommand>(&mut recv, &limits).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!("bad command from the coordinator: {e}");
+                continue;
+            }
+        };
+        let stop = cmd == ServerCommand::Shutdown;
+        let reply = handle_command(&shared, cmd, payload).await;
+        if let Err(e) = net::answer(&mut send, &reply, &[]).await {
+            tracing::warn!("cannot answer the coordinator: {e}");
+        }
+        if stop {
+            // Stop once the coordinator has read the answer.
+            let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+            let _ = shared.shutdown.send(true);
+            return;
+        }
+    }
+}
+
+async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u8>) -> ServerReply {
+    match cmd {
+        ServerCommand::Prepare { swap, policy } => {
+            match prepare(&shared.runtime, &policy, &payload, &shared.settings, shared.id).await {
+                Ok(module) => {
+                    tracing::info!(swap, policy = module.display_name(), "swap prepared");
+                    shared.prepared.lock().expect("not poisoned").insert(swap, (module, policy));
+                    ServerReply::Ok
+                }
+                Err(e) => ServerReply::Error(e),
+            }
+        }
+        ServerCommand::Commit { swap } => {
+            let Some((module, policy)) = shared.prepared.lock().expect("not poisoned").remove(&swap) else {
+                return ServerReply::Error(format!("swap {swap} was not prepared here"));
+            };
+            let mut failed = Vec::new();
+            for (shard, tx) in &shared.shards {
+                let (reply, rx) = oneshot::channel();
+                let cmd = ShardCmd::Swap { module: module.clone(), config: policy.config_for(*shard), reply };
+                let result = match tx.send(cmd).await {
+                    Ok(()) => rx.await.unwrap_or_else(|_| Err("shard task gone".into())),
+                    Err(_) => Err("shard task gone".into()),
+                };
+                if let Err(e) = result {
+                    failed.push(format!("shard {shard}: {e}"));
+                }
+            }
+            if failed.is_empty() {
+                tracing::info!(swap, policy = module.display_name(), "swap committed");
+                ServerReply::Ok
+            } else {
+                ServerReply::Error(failed.join("; "))
+            }
+        }
+        ServerCommand::Abort { swap } => {
+            shared.prepared.lock().expect("not poisoned").remove(&swap);
+            ServerReply::Ok
+        }
+        ServerCommand::Status => {
+            let mut shards = Vec::new();
+            let mut ids: Vec<_> = shared.shards.keys().copied().collect();
+            ids.sort_unstable();
+            for id in ids {
+                let (reply, rx) = oneshot::channel();
+                if shared.shards[&id].send(ShardCmd::Status { reply }).await.is_ok() {
+                    if let Ok(Some(s)) = rx.await {
+                        shards.push(s);
+                    }
+                }
+            }
+            ServerReply::Status(ServerStatus { server: shared.id, addr: shared.addr, shards })
+        }
+        ServerCommand::Shutdown => {
+            tracing::info!("shutdown requested by the coordinator");
+            ServerReply::Ok
+        }
+    }
+}
+
+async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let addr = incoming.remote_address();
+            match incoming.await {
+                Ok(conn) => serve_connection(conn, shared).await,
+                Err(e) => tracing::debug!(%addr, "handshake failed: {e}"),
+            }
+        });
+    }
+}
+
+/// What a connection's streams share.
+struct Peer {
+    worker: Option<WorkerId>,
+    joined: Mutex<BTreeSet<u32>>,
+    controls: mpsc::UnboundedSender<ControlMessage>,
+}
+
+async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
+    let addr = conn.remote_address();
+    let Some((hello, mut send)) = net::accept_hello(&conn, &shared.token, None).await else { return };
+    let worker = match hello.role {
+        Role::Worker { worker: Some(w), .. } => Some(w),
+        Role::Operator => None,
+        other => {
+            let reason = format!("a server's data plane takes workers and readers, not {other:?}");
+            let _ = net::answer(&mut send, &Welcome::Refused(reason.clone()), &[]).await;
+            conn.close(close::PROTOCOL.into(), reason.as_bytes());
+            return;
+        }
+    };
+    if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_err() {
+        return;
+    }
+    tracing::debug!(%addr, ?worker, "peer connected");
+    let (controls, control_rx) = mpsc::unbounded_channel();
+    let peer = Arc::new(Peer { worker, joined: Mutex::new(BTreeSet::new()), controls });
+    let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
+    loop {
+        match conn.accept_bi().await {
+            Ok((send, recv)) => {
+                tokio::spawn(serve_stream(conn.clone(), send, recv, shared.clone(), peer.clone()));
+            }
+            Err(e) => {
+                let reason = match &e {
+                    quinn::ConnectionError::TimedOut => LeaveReason::TimedOut,
+                    quinn::ConnectionError::ApplicationClosed(c) if c.error_code == close::DONE.into() => {
+                        LeaveReason::Finished
+                    }
+                    _ => LeaveReason::Failed,
+                };
+                let left: Vec<u32> =
+                    std::mem::take(&mut *peer.joined.lock().expect("not poisoned")).into_iter().collect();
+                if let (Some(w), false) = (worker, left.is_empty()) {
+                    tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
+                    for shard in left {
+                        if let Some(tx) = shared.shards.get(&shard) {
+                            let _ = tx.send(ShardCmd::Leave { worker: w, reason, reply: None }).await;
+                        }
+                    }
+                }
+                break;
+            }
+        }
+    }
+    writer.abort();
+}
+
+async fn write_controls(conn: quinn::Connection, mut rx: mpsc::UnboundedReceiver<ControlMessage>) {
+    let mut scratch = Vec::new();
+    while let Some(msg) = rx.recv().await {
+        let Ok(mut send) = conn.open_uni().await else { return };
+        if let Err(e) = wire::write_frame(&mut send, &msg, &[], &mut scratch).await {
+            tracing::debug!("control message not delivered: {e}");
+        }
+    }
+}
+
+fn malformed(conn: &quinn::Connection, e: &WireError) {
+    tracing::warn!(addr = %conn.remote_address(), "closing a connection that sent a bad frame: {e}");
+    conn.close(close::MALFORMED.into(), format!("malformed message: {e}").as_bytes());
+}
+
+async fn serve_stream(
+    conn: quinn::Connection,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    shared: Arc<Shared>,
+    peer: Arc<Peer>,
+) {
+    let mut scratch = Vec::new();
+    let head = match wire::read_head::<DataRequest>(&mut recv, &shared.limits, &mut scratch).await {
+        Ok(h) => h,
+        Err(e) => return malformed(&conn, &e),
+    };
+    let payload = match wire::read_payload_f32(&mut recv, head.payload_len).await {
+        Ok(p) => p,
+        Err(e) => return malformed(&conn, &e),
+    };
+    if let Err(e) = wire::expect_end(&mut recv).await {
+        return malformed(&conn, &e);
+    }
+    let (answer, values) = handle_request(&shared, &peer, head.header, payload).await;
+    let result = match values {
+        Some(v) => {
+            wire::write_frame_owned(&mut send, &answer, TensorBytes(v).into_bytes(), &mut scratch).await
+        }
+        None => wire::write_frame(&mut send, &answer, &[], &mut scratch).await,
+    };
+    if let Err(e) = result {
+        tracing::debug!("answer not delivered: {e}");
+    }
+}
+
+async fn ask<T>(
+    tx: &mpsc::Sender<ShardCmd>,
+    make: impl FnOnce(oneshot::Sender<Result<T, String>>) -> ShardCmd,
+) -> Result<T, String> {
+    let (reply, rx) = oneshot::channel();
+    tx.send(make(reply)).await.map_err(|_| "the shard is shutting down".to_string())?;
+    rx.await.map_err(|_| "the request was dropped (the worker left)".to_string())?
+}
+
+async fn handle_request(
+    shared: &Shared,
+    peer: &Peer,
+    req: DataRequest,
+    payload: Vec<f32>,
+) -> (DataResponse, Option<Vec<f32>>) {
+    let shard = match &req {
+        DataRequest::Join { shard }
+        | DataRequest::Push { shard, .. }
+        | DataRequest::Pull { shard, .. }
+        | DataRequest::Finished { shard, .. }
+        | DataRequest::Leave { shard }
+        | DataRequest::Read { shard } => *shard,
+    };
+    let Some(tx) = shared.shards.get(&shard) else {
+        return (DataResponse::Error(format!("shard {shard} is not on server {}", shared.id)), None);
+    };
+    let worker = match (&req, peer.worker) {
+        (DataRequest::Read { .. }, _) => 0,
+        (_, Some(w)) => w,
+        (_, None) => return (DataResponse::Error("readers may only read".into()), None),
+    };
+    let err = |e: String| (DataResponse::Error(e), None);
+    match req {
+        DataRequest::Join { .. } => {
+            let controls = peer.controls.clone();
+            match ask(tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
+                Ok(clock) => {
+                    peer.joined.lock().expect("not poisoned").insert(shard);
+                    (DataResponse::Joined { clock }, None)
+                }
+                Err(e) => err(e),
+            }
+        }
+        DataRequest::Push { iteration, samples, .. } => {
+            match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, grad: payload, reply }).await {
+                Ok(()) => (DataResponse::PushAcked, None),
+                Err(e) => err(e),
+            }
+        }
+        DataRequest::Pull { iteration, .. } => {
+            match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
+                Ok(s) => (
+                    DataResponse::Pulled { clock: s.clock, version: s.version, waited_ns: s.waited_ns },
+                    Some(s.values),
+                ),
+                Err(e) => err(e),
+            }
+        }
+        DataRequest::Finished { report, .. } => {
+            if report.worker != worker {
+                return err(format!("worker {worker} reported for worker {}", report.worker));
+            }
+            let _ = tx.send(ShardCmd::Finished { report }).await;
+            (DataResponse::Ok, None)
+        }
+        DataRequest::Leave { .. } => {
+            peer.joined.lock().expect("not poisoned").remove(&shard);
+            match ask(tx, |reply| ShardCmd::Leave {
+                worker,
+                reason: LeaveReason::Finished,
+                reply: Some(reply),
+            })
+            .await
+            {
+                Ok(()) => (DataResponse::Ok, None),
+                Err(e) => err(e),
+            }
+        }
+        DataRequest::Read { .. } => match ask(tx, |reply| ShardCmd::Read { reply }).await {
+            Ok((version, values)) => (DataResponse::Values { version }, Some(values)),
+            Err(e) => err(e),
+        },
+    }
+}

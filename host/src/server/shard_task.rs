@@ -1,0 +1,275 @@
+//! One shard as a tokio task: it owns a [`Shard`] and takes commands from the connections
+//! through a channel, so the shard engine stays single-threaded and sans-IO. Replies go back on
+//! oneshot channels; policy control messages go to the worker's control stream.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use syncopate_policy_sdk::abi::{Control, IterationReport, LeaveReason, WorkerId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::net::proto::{ControlMessage, ShardStatus};
+use crate::runtime::{PolicyError, PolicyModule};
+use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
+
+/// What a served pull sends back.
+#[derive(Debug)]
+pub(crate) struct Served {
+    pub clock: u64,
+    pub version: u64,
+    pub waited_ns: u64,
+    pub values: Vec<f32>,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, String>>;
+
+/// A command for a shard task.
+#[derive(Debug)]
+pub(crate) enum ShardCmd {
+    Join {
+        worker: WorkerId,
+        init: Vec<f32>,
+        controls: mpsc::UnboundedSender<ControlMessage>,
+        reply: Reply<u64>,
+    },
+    Push {
+        worker: WorkerId,
+        iteration: u64,
+        samples: u32,
+        grad: Vec<f32>,
+        reply: Reply<()>,
+    },
+    Pull {
+        worker: WorkerId,
+        iteration: u64,
+        reply: Reply<Served>,
+    },
+    Finished {
+        report: IterationReport,
+    },
+    Leave {
+        worker: WorkerId,
+        reason: LeaveReason,
+        reply: Option<Reply<()>>,
+    },
+    Read {
+        reply: Reply<(u64, Vec<f32>)>,
+    },
+    Swap {
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        reply: Reply<()>,
+    },
+    Status {
+        reply: oneshot::Sender<Option<ShardStatus>>,
+    },
+}
+
+/// Answers waiting for the shard, keyed by (worker, iteration): a worker has at most one pull
+/// and one push per iteration in flight on a shard.
+#[derive(Default)]
+struct Waiting {
+    shard: u32,
+    pulls: HashMap<(WorkerId, u64), Reply<Served>>,
+    pushes: HashMap<(WorkerId, u64), Reply<()>>,
+    controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
+}
+
+impl ShardSink for Waiting {
+    fn pull_served(&mut self, r: PullReply<'_>) {
+        if let Some(tx) = self.pulls.remove(&(r.worker, r.iteration)) {
+            let served = Served {
+                clock: r.clock,
+                version: r.version,
+                waited_ns: r.waited_ns,
+                values: r.values.to_vec(),
+            };
+            let _ = tx.send(Ok(served));
+        }
+    }
+
+    fn push_acked(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
+        if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
+            let _ = tx.send(Ok(()));
+        }
+    }
+
+    fn control(&mut self, worker: WorkerId, control: Control) {
+        match self.controls.get(&worker) {
+            Some(tx) => {
+                let _ = tx.send(ControlMessage { shard: self.shard, control });
+            }
+            None => {
+                tracing::warn!(shard = self.shard, worker, ?control, "control for a worker not connected")
+            }
+        }
+    }
+
+    fn metric(&mut self, name: &str, value: f64) {
+        tracing::debug!(shard = self.shard, name, value, "policy metric");
+    }
+
+    fn policy_failed(&mut self, error: &PolicyError) {
+        tracing::warn!(shard = self.shard, "policy failed, shard recovered: {error}");
+    }
+}
+
+/// The task's state before and after the shard exists (it is created by the first join, which
+/// carries the initial parameters).
+pub(crate) struct ShardTask {
+    pub cfg: ShardConfig,
+    pub module: PolicyModule,
+    pub config: Vec<(String, String)>,
+    pub epoch: Instant,
+}
+
+impl ShardTask {
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Runs until every sender of `rx` is gone.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
+        let mut shard: Option<Shard> = None;
+        let mut w = Waiting { shard: self.cfg.shard, ..Waiting::default() };
+        loop {
+            let timer = shard.as_ref().and_then(|s| s.next_timer_ns());
+            let cmd = match timer {
+                Some(at) => {
+                    let wait = std::time::Duration::from_nanos(at.saturating_sub(self.now()));
+                    tokio::select! {
+                        cmd = rx.recv() => cmd,
+                        () = tokio::time::sleep(wait) => {
+                            if let Some(s) = shard.as_mut() {
+                                s.advance(self.now(), &mut w);
+                            }
+                            continue;
+                        }
+                    }
+                }
+                None => rx.recv().await,
+            };
+            let Some(cmd) = cmd else { break };
+            self.handle(cmd, &mut shard, &mut w);
+        }
+    }
+
+    fn handle(&mut self, cmd: ShardCmd, slot: &mut Option<Shard>, w: &mut Waiting) {
+        let now = self.now();
+        let id = self.cfg.shard;
+        let not_yet = || format!("shard {id} has no parameters yet (a worker must join with them first)");
+        match cmd {
+            ShardCmd::Join { worker, init, controls, reply } => {
+                let model_len = init.len();
+                if slot.is_none() {
+                    if init.is_empty() {
+                        let _ = reply.send(Err(not_yet()));
+                        return;
+                    }
+                    match Shard::new(self.cfg.clone(), init, &self.module, &self.config, w) {
+                        Ok(s) => {
+                            tracing::info!(shard = id, len = s.values().len(), "shard created");
+                            *slot = Some(s);
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(format!("shard {id} cannot start its policy: {e}")));
+                            return;
+                        }
+                    }
+                }
+                let shard = slot.as_mut().expect("created above");
+                if model_len != 0 && model_len != shard.values().len() {
+                    let _ = reply.send(Err(format!(
+                        "shard {id} holds {} parameters, the worker's slice has {model_len}",
+                        shard.values().len(),
+                    )));
+                    return;
+                }
+                w.controls.insert(worker, controls);
+                let _ = reply.send(shard.join(worker, now, w).map_err(|e| e.to_string()));
+            }
+            ShardCmd::Push { worker, iteration, samples, grad, reply } => {
+                let Some(shard) = slot.as_mut() else {
+                    let _ = reply.send(Err(not_yet()));
+                    return;
+                };
+                w.pushes.insert((worker, iteration), reply);
+                let req = PushRequest { worker, iteration, samples, grad };
+                if let Err(e) = shard.push(req, now, w) {
+                    if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
+                        let _ = reply.send(Err(e.to_string()));
+                    }
+                }
+            }
+            ShardCmd::Pull { worker, iteration, reply } => {
+                let Some(shard) = slot.as_mut() else {
+                    let _ = reply.send(Err(not_yet()));
+                    return;
+                };
+                if w.pulls.contains_key(&(worker, iteration)) {
+                    let _ = reply
+                        .send(Err(format!("worker {worker} already has a pull for {iteration} waiting")));
+                    return;
+                }
+                w.pulls.insert((worker, iteration), reply);
+                if let Err(e) = shard.pull(PullRequest { worker, iteration }, now, w) {
+                    if let Some(reply) = w.pulls.remove(&(worker, iteration)) {
+                        let _ = reply.send(Err(e.to_string()));
+                    }
+                }
+            }
+            ShardCmd::Finished { report } => {
+                if let Some(shard) = slot.as_mut() {
+                    if let Err(e) = shard.iteration_finished(report, now, w) {
+                        tracing::debug!(shard = id, "iteration report ignored: {e}");
+                    }
+                }
+            }
+            ShardCmd::Leave { worker, reason, reply } => {
+                let result = match slot.as_mut() {
+                    Some(shard) => shard.leave(worker, reason, now, w).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                };
+                if result.is_ok() {
+                    tracing::info!(shard = id, worker, ?reason, "worker left");
+                }
+                w.controls.remove(&worker);
+                w.pulls.retain(|(wk, _), _| *wk != worker);
+                if let Some(reply) = reply {
+                    let _ = reply.send(result);
+                }
+            }
+            ShardCmd::Read { reply } => {
+                let _ = reply.send(match slot.as_ref() {
+                    Some(s) => Ok((s.version(), s.values().to_vec())),
+                    None => Err(not_yet()),
+                });
+            }
+            ShardCmd::Swap { module, config, reply } => {
+                let result = match slot.as_mut() {
+                    Some(shard) => shard.swap_policy(&module, &config, now, w).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                };
+                if result.is_ok() {
+                    self.module = module;
+                    self.config = config;
+                }
+                let _ = reply.send(result);
+            }
+            ShardCmd::Status { reply } => {
+                let _ = reply.send(slot.as_ref().map(|s| ShardStatus {
+                    shard: id,
+                    policy: format!("{} {}", s.policy().info().name, s.policy().info().version),
+                    sha256: s.policy().sha256_hex(),
+                    config: s.policy_config().to_vec(),
+                    quarantined: s.is_quarantined(),
+                    workers: s.workers(),
+                    len: s.values().len() as u64,
+                    stats: s.stats(),
+                    parked: s.parked_pulls() as u32,
+                    held: s.held_pushes() as u32,
+                }));
+            }
+        }
+    }
+}

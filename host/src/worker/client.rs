@@ -1,0 +1,295 @@
+//! The worker's client library: what a workload uses to talk to the parameter server.
+//!
+//! The model is one flat `f32` vector whose index space is split into contiguous key ranges,
+//! one per shard (the coordinator's map). [`WorkerClient::push`] and [`WorkerClient::pull`]
+//! take the whole model and split it per shard; requests to different servers (and shards)
+//! go out concurrently, each on its own QUIC stream, so a slow shard does not hold up the
+//! others' transfers. Control messages from the shards' policies arrive on
+//! [`WorkerClient::next_control`].
+
+use std::time::Duration;
+
+use syncopate_policy_sdk::abi::{IterationReport, WorkerId};
+use tokio::sync::mpsc;
+
+use crate::net::proto::{
+    ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, ShardPlace, Welcome,
+    PROTOCOL_VERSION,
+};
+use crate::net::tls::ClusterAccess;
+use crate::net::wire::{self, Limits};
+use crate::net::{self, NetError};
+use crate::NodeError;
+
+/// What a pull returned, across shards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PullStats {
+    /// The longest time any shard deferred the pull, in nanoseconds.
+    pub waited_ns: u64,
+    /// Shards that deferred it.
+    pub deferred_shards: u32,
+    /// The fewest optimizer steps of any shard.
+    pub min_version: u64,
+}
+
+/// A worker's connection to the cluster.
+#[derive(Debug)]
+pub struct WorkerClient {
+    id: WorkerId,
+    endpoint: quinn::Endpoint,
+    coordinator: quinn::Connection,
+    servers: Vec<quinn::Connection>,
+    shards: Vec<ShardPlace>,
+    /// Per shard: how far the shard's clock is behind the worker's iteration numbering.
+    offsets: Vec<u64>,
+    model_len: usize,
+    controls: mpsc::UnboundedReceiver<ControlMessage>,
+    limits: Limits,
+}
+
+fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
+    match what {
+        DataResponse::Error(reason) => NetError::Refused { addr: conn.remote_address(), reason },
+        other => NetError::Unexpected { addr: conn.remote_address(), what: format!("{other:?}") },
+    }
+}
+
+impl WorkerClient {
+    /// Registers with the coordinator (as worker `id`, or the lowest free id) for a model of
+    /// `model_len` parameters, and connects to every server.
+    pub async fn connect(
+        access: &ClusterAccess,
+        id: Option<WorkerId>,
+        model_len: usize,
+    ) -> Result<Self, NodeError> {
+        let bootstrap = Duration::from_secs(30);
+        let mut endpoint = net::tls::dial_only(access.tls.client_config(bootstrap)?)?;
+        let hello = |worker| Hello {
+            protocol: PROTOCOL_VERSION,
+            token: access.token.secret().to_string(),
+            role: Role::Worker { worker, model_len: model_len as u64 },
+        };
+        let name = &access.tls.server_name;
+        let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
+        let Welcome::Worker { worker, shards, servers, peer_timeout_ms } = welcome else {
+            return Err(NodeError::Protocol(format!("the coordinator answered {welcome:?} to a worker")));
+        };
+        // Data connections use the cluster's peer timeout, so servers and we agree on liveness.
+        endpoint.set_default_client_config(access.tls.client_config(Duration::from_millis(peer_timeout_ms))?);
+        let (tx, controls) = mpsc::unbounded_channel();
+        let mut conns = Vec::with_capacity(servers.len());
+        for addr in servers {
+            let (conn, _) = net::connect(&endpoint, addr, name, &hello(Some(worker))).await?;
+            tokio::spawn(read_controls(conn.clone(), tx.clone()));
+            conns.push(conn);
+        }
+        tracing::info!(worker, shards = shards.len(), "connected to the cluster");
+        Ok(WorkerClient {
+            id: worker,
+            endpoint,
+            coordinator,
+            servers: conns,
+            offsets: vec![0; shards.len()],
+            shards,
+            model_len,
+            controls,
+            limits: Limits::default(),
+        })
+    }
+
+    /// This worker's id.
+    pub fn id(&self) -> WorkerId {
+        self.id
+    }
+
+    /// Where each shard lives.
+    pub fn shards(&self) -> &[ShardPlace] {
+        &self.shards
+    }
+
+    /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
+    /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
+    /// with the slowest worker.
+    pub async fn join(&mut self, init: &[f32]) -> Result<u64, NodeError> {
+        assert_eq!(init.len(), self.model_len, "init must be the whole model");
+        let limits = self.limits;
+        let joins = self.shards.iter().map(|p| {
+            let conn = &self.servers[p.server as usize];
+            let values = wire::f32_bytes(&init[p.start as usize..p.end as usize]);
+            async move {
+                match net::request::<_, DataResponse>(
+                    conn,
+                    &DataRequest::Join { shard: p.shard },
+                    values,
+                    &limits,
+                )
+                .await?
+                {
+                    (DataResponse::Joined { clock }, _) => Ok(clock),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            }
+        });
+        let clocks = futures::future::try_join_all(joins).await?;
+        let start = clocks.iter().copied().max().unwrap_or(0);
+        self.offsets = clocks.iter().map(|c| start - c).collect();
+        Ok(start)
+    }
+
+    /// Waits until training may start: the coordinator answers once the cluster's expected
+    /// workers have all joined (at once for a late joiner).
+    pub async fn ready(&self) -> Result<(), NodeError> {
+        let req = CoordRequest::Ready { worker: self.id };
+        match net::request::<_, CoordResponse>(&self.coordinator, &req, &[], &self.limits).await? {
+            (CoordResponse::Ok, _) => Ok(()),
+            (other, _) => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to ready"))),
+        }
+    }
+
+    fn shard_iteration(&self, i: usize, iteration: u64) -> u64 {
+        iteration.saturating_sub(self.offsets[i])
+    }
+
+    /// Pulls the whole model before computing `iteration`, into `out`. Returns when every shard
+    /// has served the pull (its policy may defer it).
+    pub async fn pull(&self, iteration: u64, out: &mut [f32]) -> Result<PullStats, NodeError> {
+        assert_eq!(out.len(), self.model_len, "out must be the whole model");
+        let mut rest = out;
+        let mut pulls = Vec::with_capacity(self.shards.len());
+        for (i, p) in self.shards.iter().enumerate() {
+            let (mine, tail) = rest.split_at_mut((p.end - p.start) as usize);
+            rest = tail;
+            let conn = &self.servers[p.server as usize];
+            let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
+            pulls.push(pull_into(conn, req, mine, self.limits));
+        }
+        let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
+        for (waited_ns, version) in futures::future::try_join_all(pulls).await? {
+            stats.waited_ns = stats.waited_ns.max(waited_ns);
+            stats.deferred_shards += u32::from(waited_ns > 0);
+            stats.min_version = stats.min_version.min(version);
+        }
+        Ok(stats)
+    }
+
+    /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.
+    /// Returns when every shard has admitted it (its policy may hold it).
+    pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<(), NodeError> {
+        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
+        let pushes = self.shards.iter().enumerate().map(|(i, p)| {
+            let conn = &self.servers[p.server as usize];
+            let req =
+                DataRequest::Push { shard: p.shard, iteration: self.shard_iteration(i, iteration), samples };
+            let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
+            async move {
+                match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
+                    (DataResponse::PushAcked, _) => Ok(()),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            }
+        });
+        futures::future::try_join_all(pushes).await?;
+        Ok(())
+    }
+
+    /// Tells every shard's policy that an iteration is finished.
+    pub async fn finished(&self, report: IterationReport) -> Result<(), NodeError> {
+        let reports = self.shards.iter().enumerate().map(|(i, p)| {
+            let conn = &self.servers[p.server as usize];
+            let report = IterationReport { iteration: self.shard_iteration(i, report.iteration), ..report };
+            async move {
+                match net::request::<_, DataResponse>(
+                    conn,
+                    &DataRequest::Finished { shard: p.shard, report },
+                    &[],
+                    &self.limits,
+                )
+                .await?
+                {
+                    (DataResponse::Ok, _) => Ok(()),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            }
+        });
+        futures::future::try_join_all(reports).await?;
+        Ok(())
+    }
+
+    /// The next control message, if one has arrived.
+    pub fn try_control(&mut self) -> Option<ControlMessage> {
+        self.controls.try_recv().ok()
+    }
+
+    /// Waits for the next control message.
+    pub async fn next_control(&mut self) -> Option<ControlMessage> {
+        self.controls.recv().await
+    }
+
+    /// Leaves every shard and tells the coordinator, then closes the connections.
+    pub async fn leave(self) -> Result<(), NodeError> {
+        let leaves = self.shards.iter().map(|p| {
+            let conn = &self.servers[p.server as usize];
+            async move {
+                match net::request::<_, DataResponse>(
+                    conn,
+                    &DataRequest::Leave { shard: p.shard },
+                    &[],
+                    &self.limits,
+                )
+                .await?
+                {
+                    (DataResponse::Ok, _) => Ok(()),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            }
+        });
+        futures::future::try_join_all(leaves).await?;
+        let bye = CoordRequest::Leaving { worker: self.id };
+        match net::request::<_, CoordResponse>(&self.coordinator, &bye, &[], &self.limits).await? {
+            (CoordResponse::Ok, _) => {}
+            (other, _) => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
+        }
+        for c in self.servers.iter().chain([&self.coordinator]) {
+            c.close(net::close::DONE.into(), b"worker done");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        Ok(())
+    }
+}
+
+/// One shard's pull: the answer's payload is read straight into `out`.
+async fn pull_into(
+    conn: &quinn::Connection,
+    req: DataRequest,
+    out: &mut [f32],
+    limits: Limits,
+) -> Result<(u64, u64), NetError> {
+    let addr = conn.remote_address();
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
+    let mut scratch = Vec::new();
+    let wire_err = |e| net::wire_or_lost(conn, e);
+    wire::write_frame(&mut send, &req, &[], &mut scratch).await.map_err(wire_err)?;
+    let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
+    match head.header {
+        DataResponse::Pulled { waited_ns, version, .. } => {
+            wire::read_payload_into(&mut recv, head.payload_len, out).await.map_err(wire_err)?;
+            wire::expect_end(&mut recv).await.map_err(wire_err)?;
+            Ok((waited_ns, version))
+        }
+        other => Err(refused(conn, other)),
+    }
+}
+
+async fn read_controls(conn: quinn::Connection, tx: mpsc::UnboundedSender<ControlMessage>) {
+    let limits = Limits { max_header: 4096, max_payload: 0 };
+    while let Ok(mut recv) = conn.accept_uni().await {
+        match wire::read_message::<ControlMessage>(&mut recv, &limits).await {
+            Ok((msg, _)) => {
+                if tx.send(msg).is_err() {
+                    return;
+                }
+            }
+            Err(e) => tracing::warn!("unreadable control message: {e}"),
+        }
+    }
+}
