@@ -1,0 +1,269 @@
+//! A real cluster: `syncopate local` starts a coordinator, servers and workers as separate
+//! processes talking QUIC on loopback. The `counter` workload pushes known values (worker `w`
+//! pushes `w + 1` everywhere); with SGD at learning rate 1, no momentum and summed pushes, every
+//! parameter ends at exactly minus the sum of everything applied, so a lost or doubled update
+//! shows as a wrong number.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use syncopate::local::LocalReport;
+use syncopate::net::proto::ClusterStatus;
+use syncopate::net::tls::ClusterFile;
+
+use crate::cli::syncopate_bin;
+
+/// Exact counting: lr 1, no momentum, pushes summed.
+const EXACT: &[&str] = &["--lr", "1", "--momentum", "0", "--push-weight", "sum"];
+
+pub struct LocalRun {
+    pub dir: PathBuf,
+    child: Child,
+}
+
+pub fn run_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("syncopate-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+impl LocalRun {
+    pub fn start(name: &str, args: &[&str]) -> Self {
+        let dir = run_dir(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::fs::File::create(dir.join("local.out")).unwrap();
+        let child = Command::new(syncopate_bin())
+            .arg("local")
+            .arg("--run-dir")
+            .arg(&dir)
+            .args(EXACT)
+            .args(args)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("syncopate local starts");
+        LocalRun { dir, child }
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(self.dir.join("local.out")).unwrap_or_default()
+    }
+
+    /// Waits for `cluster.json`, which appears once every process is started.
+    pub fn cluster_file(&mut self) -> PathBuf {
+        let path = self.dir.join("cluster.json");
+        let t = Instant::now();
+        while ClusterFile::read(&path).is_err() {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("local ended before the cluster was up ({status}):\n{}", self.output());
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "no cluster.json after 60 s:\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        path
+    }
+
+    /// Waits for the run to end by itself: a hang fails the test instead of blocking it.
+    pub fn finish(mut self, within: Duration) -> (ExitStatus, Self) {
+        let t = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return (status, self);
+            }
+            if t.elapsed() > within {
+                let _ = self.child.kill();
+                panic!("the cluster did not finish within {within:?}:\n{}", self.output());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn model(&self) -> Vec<f32> {
+        let bytes = std::fs::read(self.dir.join("model.bin")).expect("model.bin written");
+        bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    pub fn report(&self) -> LocalReport {
+        serde_json::from_slice(&std::fs::read(self.dir.join("report.json")).expect("report.json written"))
+            .unwrap()
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.join("logs").join(format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+impl Drop for LocalRun {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn syncopate(args: &[&str], cluster: &Path) -> std::process::Output {
+    Command::new(syncopate_bin())
+        .args(args)
+        .arg("--cluster")
+        .arg(cluster)
+        .stdin(Stdio::null())
+        .output()
+        .expect("syncopate runs")
+}
+
+pub fn status(cluster: &Path) -> ClusterStatus {
+    let out = syncopate(&["policy", "status", "--json"], cluster);
+    assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("status JSON")
+}
+
+fn assert_all(model: &[f32], expected: f32, what: &str) {
+    assert!(!model.is_empty());
+    for (i, v) in model.iter().enumerate() {
+        assert_eq!(*v, expected, "{what}: parameter {i} is {v}, expected {expected}");
+    }
+}
+
+#[test]
+fn bsp_then_ssp_clusters_apply_every_push_exactly_once() {
+    for (name, policy) in [("bsp", "bsp"), ("ssp", "ssp:s=2")] {
+        let run = LocalRun::start(
+            &format!("exact-{name}"),
+            &[
+                "--workers",
+                "3",
+                "--servers",
+                "2",
+                "--shards",
+                "3",
+                "--iterations",
+                "30",
+                "--params",
+                "100",
+                "--policy",
+                policy,
+            ],
+        );
+        let (status, run) = run.finish(Duration::from_secs(120));
+        assert!(status.success(), "{name}: {}", run.output());
+        // Workers 0, 1, 2 push 1, 2, 3 for 30 iterations each.
+        assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 30.0, name);
+        let report = run.report();
+        assert!(report.failed_workers.is_empty());
+        assert_eq!(report.workers.len(), 3);
+        assert!(report.workers.iter().all(|w| w.start == 0 && w.iterations == 30), "all start together");
+        let shards: Vec<_> = report.status.servers.iter().flat_map(|s| &s.shards).collect();
+        assert_eq!(shards.len(), 3, "3 shards over 2 servers");
+        for s in shards {
+            assert_eq!(s.stats.pushes_admitted, 90, "{name}: shard {}", s.shard);
+            assert_eq!(s.stats.pulls_served, 90);
+            assert_eq!(s.policy, format!("{} 0.1.0", &policy[..3]));
+        }
+        // The report's shard split covers the model exactly once.
+        assert_eq!(report.model_len, 100);
+    }
+}
+
+#[test]
+fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
+    let mut run = LocalRun::start(
+        "swap",
+        &["--workers", "3", "--servers", "2", "--iterations", "200", "--delay-ms", "25", "--params", "64"],
+    );
+    let cluster = run.cluster_file();
+    for (policy, label) in [("ssp:s=2", "ssp 0.1.0"), ("asp", "asp 0.1.0")] {
+        std::thread::sleep(Duration::from_millis(500));
+        let out = syncopate(&["policy", "swap", policy], &cluster);
+        assert!(out.status.success(), "swap to {policy}: {}", String::from_utf8_lossy(&out.stderr));
+        let st = status(&cluster);
+        assert!(st.servers.iter().flat_map(|s| &s.shards).all(|s| s.policy == label), "{st:?}");
+        // The swap happened while training: nobody had finished yet.
+        assert!(st.workers.iter().all(|w| w.connected && !w.finished), "run ended before the swap: {st:?}");
+    }
+    // A module no server can start is refused everywhere, and the cluster keeps its policy.
+    let out = syncopate(&["policy", "swap", "ssp:no_such_param=1"], &cluster);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no server switched") && err.contains("no_such_param"), "{err}");
+    assert_eq!(status(&cluster).policy, "builtin:asp");
+
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "after two swaps");
+    let report = run.report();
+    assert_eq!(report.status.swaps, 2);
+    for s in report.status.servers.iter().flat_map(|s| &s.shards) {
+        assert_eq!(s.stats.swaps, 2);
+        assert_eq!(s.stats.pushes_admitted, 600);
+    }
+}
+
+#[test]
+fn a_killed_worker_is_dropped_and_bsp_goes_on() {
+    let mut run = LocalRun::start(
+        "kill",
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--iterations",
+            "60",
+            "--delay-ms",
+            "20",
+            "--params",
+            "32",
+            "--peer-timeout-ms",
+            "1500",
+        ],
+    );
+    let cluster = run.cluster_file();
+    let file = ClusterFile::read(&cluster).unwrap();
+    let pid = file.pids.iter().find(|(name, _)| name == "worker-2").expect("worker-2 pid").1;
+    let t = Instant::now();
+    loop {
+        let st = status(&cluster);
+        let min_clock =
+            st.servers.iter().flat_map(|s| &s.shards).flat_map(|s| &s.workers).map(|w| w.clock).min();
+        if min_clock.is_some_and(|c| c >= 5) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no progress: {st:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(killed.success());
+    // A worker joins late (as id 3, pushing 4s): it starts with the slowest live worker.
+    let late_report = run.dir.join("late-worker.json");
+    let late = Command::new(syncopate_bin())
+        .args(["worker", "--coordinator", &file.coordinator.to_string(), "--id", "3", "--ca"])
+        .arg(&file.ca)
+        // It stops at 40, before the others, so it is done before the model is read.
+        .args(["--params", "32", "--iterations", "40", "--delay-ms", "20", "--report"])
+        .arg(&late_report)
+        .env("SYNCOPATE_TOKEN", &file.token)
+        .output()
+        .unwrap();
+    assert!(late.status.success(), "late worker: {}", String::from_utf8_lossy(&late.stderr));
+    let late: syncopate::worker::WorkerReport =
+        serde_json::from_slice(&std::fs::read(&late_report).unwrap()).unwrap();
+    assert!(late.start >= 5 && late.start + late.iterations == 40, "late joiner: {late:?}");
+
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(!status.success(), "local reports the lost worker");
+    assert!(run.output().contains("worker 2 killed by signal 9"), "{}", run.output());
+    let report = run.report();
+    assert_eq!(report.failed_workers.len(), 1);
+    assert_eq!(report.workers.len(), 2);
+    assert!(report.workers.iter().all(|w| w.iterations == 60), "the survivors finish under BSP");
+    let lost = report.status.workers.iter().find(|w| w.worker == 2).unwrap();
+    assert!(!lost.connected && !lost.finished);
+    // Survivors' pushes all count; the dead worker's count for the iterations it completed.
+    let model = run.model();
+    let survivors = (1.0 + 2.0) * 60.0 + 4.0 * late.iterations as f32;
+    let dead = -model[0] - survivors;
+    assert!((3.0 * 5.0..=3.0 * 60.0).contains(&dead) && dead % 3.0 == 0.0, "worker 2 contributed {dead}");
+    assert_all(&model, model[0], "every shard agrees");
+    let servers = run.log("server-0") + &run.log("server-1");
+    assert!(servers.contains("worker lost"), "the servers noticed: {servers}");
+}

@@ -1,0 +1,141 @@
+//! The transport under attack: wrong tokens, peers that skip the hello, and malformed,
+//! truncated, oversized or unknown messages, each sent to a real server of a running cluster.
+//! Each bad peer gets a clear close reason and nothing else; the cluster keeps training and
+//! its result is still exact. Plus property tests of the frame decoder (the fuzz target's
+//! function, in CI).
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use syncopate::net::proto::{DataRequest, Hello, Role, Welcome, PROTOCOL_VERSION};
+use syncopate::net::tls::{ClusterAccess, ClusterFile, Token};
+use syncopate::net::wire::{self, Limits, WireError};
+use syncopate::net::{self, close};
+use syncopate::operator::Operator;
+use syncopate::worker::WorkerClient;
+
+use crate::cluster::LocalRun;
+
+fn hello(token: &str) -> Hello {
+    Hello { protocol: PROTOCOL_VERSION, token: token.into(), role: Role::Operator }
+}
+
+/// Connects as an authenticated reader and sends `bytes` as one request; returns the close
+/// reason the server gave.
+async fn send_raw(
+    ep: &quinn::Endpoint,
+    access: &ClusterAccess,
+    server: std::net::SocketAddr,
+    bytes: &[u8],
+) -> String {
+    let (conn, welcome) = net::connect(ep, server, &access.tls.server_name, &hello(access.token.secret()))
+        .await
+        .expect("reader connects");
+    assert_eq!(welcome, Welcome::Accepted);
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(bytes).await.unwrap();
+    let _ = send.finish();
+    let _ = recv.read_to_end(1 << 20).await;
+    match tokio::time::timeout(Duration::from_secs(10), conn.closed()).await.expect("the server closes") {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, close::MALFORMED.into());
+            String::from_utf8_lossy(&c.reason).into_owned()
+        }
+        other => panic!("unexpected close: {other}"),
+    }
+}
+
+#[test]
+fn bad_peers_are_refused_and_the_cluster_keeps_training() {
+    let mut run = LocalRun::start(
+        "net",
+        &["--workers", "2", "--servers", "1", "--iterations", "150", "--delay-ms", "20", "--params", "64"],
+    );
+    let file = ClusterFile::read(&run.cluster_file()).unwrap();
+    let access = file.access();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        // Wrong token: as an operator and as a worker. The peer learns only that it failed.
+        let wrong = ClusterAccess { token: Token::new("not-the-token"), ..access.clone() };
+        let err = Operator::connect(&wrong).await.expect_err("wrong token refused").to_string();
+        assert!(err.contains("authentication failed"), "{err}");
+        let err = WorkerClient::connect(&wrong, None, 64).await.expect_err("wrong token refused").to_string();
+        assert!(err.contains("authentication failed"), "{err}");
+
+        let op = Operator::connect(&access).await.expect("the right token works");
+        let server = op.status().await.unwrap().servers[0].addr;
+        let ep = net::tls::dial_only(access.tls.client_config(Duration::from_secs(10)).unwrap()).unwrap();
+
+        // A peer that skips the hello and sends a request straight away.
+        let conn = ep.connect(server, &access.tls.server_name).unwrap().await.unwrap();
+        let (mut send, _recv) = conn.open_bi().await.unwrap();
+        send.write_all(&wire::encode_frame(&DataRequest::Read { shard: 0 }, &[])).await.unwrap();
+        let _ = send.finish();
+        let reason = tokio::time::timeout(Duration::from_secs(15), conn.closed()).await.unwrap();
+        assert!(reason.to_string().contains("malformed hello"), "{reason}");
+
+        // Malformed frames from an authenticated peer.
+        let good = wire::encode_frame(&DataRequest::Read { shard: 0 }, &[]);
+        let mut bad_magic = good.clone();
+        bad_magic[0] = b'X';
+        let truncated = &good[..good.len() - 1];
+        let mut oversized = good.clone();
+        oversized[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut unknown = good.clone();
+        unknown[12] = 200; // no such DataRequest variant
+        let mut misaligned =
+            wire::encode_frame(&DataRequest::Push { shard: 0, iteration: 0, samples: 1 }, &[1, 2, 3]);
+        misaligned.truncate(misaligned.len());
+        for (bytes, expect) in [
+            (&bad_magic[..], "not a Syncopate frame"),
+            (truncated, "truncated"),
+            (&oversized[..], "exceeds the limit"),
+            (&unknown[..], "malformed DataRequest header"),
+            (&misaligned[..], "not a whole number of f32"),
+            (b"\x00".as_slice(), "truncated"),
+        ] {
+            let reason = send_raw(&ep, &access, server, bytes).await;
+            assert!(reason.contains("malformed message") && reason.contains(expect), "{expect}: {reason}");
+        }
+
+        // Good peers are still served.
+        let (model, _) = op.read_model().await.expect("a good reader is served");
+        assert_eq!(model.len(), 64);
+    });
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{}", run.output());
+    let expected = -(1.0 + 2.0) * 150.0;
+    assert!(run.model().iter().all(|v| *v == expected), "training was not disturbed");
+    let logs = run.log("coordinator") + &run.log("server-0");
+    assert!(logs.contains("rejected a peer with a wrong token"), "the rejection is logged");
+    assert!(logs.contains("closing a connection that sent a bad frame"), "bad frames are logged");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn the_decoder_never_panics_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = wire::decode_frame::<DataRequest>(&bytes, &Limits::default());
+    }
+
+    #[test]
+    fn frames_round_trip_and_every_damage_is_an_error(
+        shard in any::<u32>(), iteration in any::<u64>(), samples in any::<u32>(),
+        values in proptest::collection::vec(any::<f32>(), 0..64),
+        cut in any::<prop::sample::Index>(), flip in any::<prop::sample::Index>(),
+    ) {
+        let req = DataRequest::Push { shard, iteration, samples };
+        let frame = wire::encode_frame(&req, wire::f32_bytes(&values));
+        let (back, payload) = wire::decode_frame::<DataRequest>(&frame, &Limits::default()).unwrap();
+        prop_assert_eq!(back, req);
+        prop_assert_eq!(payload, wire::f32_bytes(&values));
+        let n = cut.index(frame.len());
+        let truncated = wire::decode_frame::<DataRequest>(&frame[..n], &Limits::default());
+        prop_assert!(matches!(truncated, Err(WireError::Truncated { .. })), "cut at {}: {:?}", n, truncated);
+        let mut damaged = frame.clone();
+        let i = flip.index(12);
+        damaged[i] ^= 0xff;
+        prop_assert!(i == 3 || wire::decode_frame::<DataRequest>(&damaged, &Limits::default()).is_err());
+    }
+}
