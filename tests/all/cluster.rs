@@ -171,12 +171,19 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
         &["--workers", "3", "--servers", "2", "--iterations", "200", "--delay-ms", "25", "--params", "64"],
     );
     let cluster = run.cluster_file();
-    for (policy, label) in [("ssp:s=2", "ssp 0.1.0"), ("asp", "asp 0.1.0")] {
+    // SSP with s=2 everywhere but shard 1, which gets s=4; then ASP.
+    for (args, label) in [(&["ssp:s=2", "--shard-config", "1:s=4"][..], "ssp 0.1.0"), (&["asp"][..], "asp 0.1.0")] {
         std::thread::sleep(Duration::from_millis(500));
-        let out = syncopate(&["policy", "swap", policy], &cluster);
-        assert!(out.status.success(), "swap to {policy}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = syncopate(&[&["policy", "swap"][..], args].concat(), &cluster);
+        assert!(out.status.success(), "swap to {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         let st = status(&cluster);
         assert!(st.servers.iter().flat_map(|s| &s.shards).all(|s| s.policy == label), "{st:?}");
+        if label.starts_with("ssp") {
+            for s in st.servers.iter().flat_map(|s| &s.shards) {
+                let want = if s.shard == 1 { "4" } else { "2" };
+                assert_eq!(s.config, vec![("s".to_string(), want.to_string())], "shard {}", s.shard);
+            }
+        }
         // The swap happened while training: nobody had finished yet.
         assert!(st.workers.iter().all(|w| w.connected && !w.finished), "run ended before the swap: {st:?}");
     }

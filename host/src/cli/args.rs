@@ -188,3 +188,15 @@ pub fn parse_override(s: &str) -> Result<(u32, String, String), String> {
 pub fn tokio() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
 }
+
+/// A tokio runtime with `threads` worker threads; 0 runs everything on the calling thread.
+pub fn tokio_threads(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut b = if threads == 0 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
+    };
+    b.enable_all().build().context("cannot start the async runtime")
+}

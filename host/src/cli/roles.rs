@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{parse_override, tokio, TlsArgs, TokenArgs, TrainArgs};
+use super::args::{parse_override, tokio, tokio_threads, TlsArgs, TokenArgs, TrainArgs};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, Token};
@@ -69,6 +69,10 @@ pub struct ServerArgs {
     /// Largest tensor accepted in one message, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub max_tensor_mib: usize,
+    /// Runtime threads (0: everything on one thread, which has the lowest latency when the
+    /// machine has few cores; more help a server holding several shards on a large machine).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
@@ -151,7 +155,7 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
         token: Token::new(a.token.token),
         limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
     };
-    tokio()?.block_on(crate::server::run(opts)).context("server")
+    tokio_threads(a.threads)?.block_on(crate::server::run(opts)).context("server")
 }
 
 /// Runs `syncopate worker`.

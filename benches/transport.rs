@@ -1,0 +1,167 @@
+//! Push and pull throughput over the real stack: a coordinator and one server (an ASP shard, so
+//! no request waits on a policy) run as `syncopate` processes, as in a deployment; the workers
+//! are `WorkerClient`s in this process, talking QUIC with TLS on loopback. Build the binary
+//! first: `cargo build --release --bins`. Sizes 1 KiB, 64 KiB, 1 MiB and 16 MiB; synchronous (one request at a time)
+//! and with 8 requests in flight (8 workers, each synchronous). A push includes the server's
+//! SGD step; a pull includes the copy of the shard's parameters. Compare with ps-lite's figures
+//! in the README.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use syncopate::net::tls::{ClusterAccess, TlsFiles, Token};
+use syncopate::worker::WorkerClient;
+
+const SIZES: &[(&str, usize)] =
+    &[("1KiB", 1 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)];
+const IN_FLIGHT: usize = 8;
+
+struct Cluster {
+    workers: Vec<WorkerClient>,
+    iteration: Vec<u64>,
+    procs: Vec<Child>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+    }
+}
+
+/// `target/release/syncopate`, next to this benchmark's directory (`cargo build --release --bins`).
+fn syncopate_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("syncopate");
+    assert!(bin.exists(), "{} is missing: run `cargo build --release --bins` first", bin.display());
+    bin
+}
+
+/// A coordinator and one server (with `threads` runtime threads), as processes, and 8 workers
+/// in this process.
+async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
+    let tls = TlsFiles::generate(dir).unwrap();
+    let token = Token::random();
+    let ready = dir.join(format!("addr-{floats}-{threads}"));
+    let _ = std::fs::remove_file(&ready);
+    let spawn = |args: &[&str]| {
+        Command::new(syncopate_bin())
+            .args(args)
+            .arg("--tls-dir")
+            .arg(dir)
+            .env("SYNCOPATE_TOKEN", token.secret())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let workers = IN_FLIGHT.to_string();
+    let coordinator = spawn(&[
+        "coordinator", "--listen", "127.0.0.1:0", "--servers", "1", "--workers", &workers, "--policy", "asp",
+        "--lr", "0.000001", "--momentum", "0", "--ready-file", ready.to_str().unwrap(),
+    ]);
+    let addr: std::net::SocketAddr = loop {
+        if let Ok(a) = std::fs::read_to_string(&ready) {
+            break a.parse().unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let server = spawn(&["server", "--coordinator", &addr.to_string(), "--threads", &threads.to_string()]);
+    let access = ClusterAccess { coordinator: addr, tls, token };
+    let joins = (0..IN_FLIGHT).map(|_| {
+        let access = access.clone();
+        async move {
+            let mut w = WorkerClient::connect(&access, None, floats).await.unwrap();
+            w.join(&vec![0.0; floats]).await.unwrap();
+            w.ready().await.unwrap();
+            w
+        }
+    });
+    let workers = futures::future::join_all(joins).await;
+    Cluster { iteration: vec![0; workers.len()], workers, procs: vec![server, coordinator] }
+}
+
+fn transport(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let threads: usize = std::env::var("SYNCOPATE_BENCH_SERVER_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("syncopate-bench-{}", std::process::id()));
+    for &(label, bytes) in SIZES {
+        let floats = bytes / 4;
+        let mut cl = rt.block_on(cluster(&dir, floats, threads));
+        let grad = vec![1.0f32; floats];
+        let mut group = c.benchmark_group(format!("transport/{label}"));
+        group.throughput(Throughput::Bytes(bytes as u64));
+        if bytes >= 1 << 20 {
+            group.sample_size(10).measurement_time(Duration::from_secs(4));
+        }
+        group.bench_function(BenchmarkId::new("push", "sync"), |b| {
+            b.iter_custom(|n| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..n {
+                        cl.workers[0].push(cl.iteration[0], &grad, 1).await.unwrap();
+                        cl.iteration[0] += 1;
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+        group.bench_function(BenchmarkId::new("pull", "sync"), |b| {
+            let mut out = vec![0.0f32; floats];
+            b.iter_custom(|n| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..n {
+                        cl.workers[0].pull(cl.iteration[0], &mut out).await.unwrap();
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+        group.bench_function(BenchmarkId::new("push", "8-in-flight"), |b| {
+            b.iter_custom(|n| {
+                rt.block_on(async {
+                    let per = n.div_ceil(IN_FLIGHT as u64);
+                    let t = Instant::now();
+                    let all = cl.workers.iter().zip(cl.iteration.iter_mut()).map(|(w, it)| {
+                        let grad = &grad;
+                        async move {
+                            for _ in 0..per {
+                                w.push(*it, grad, 1).await.unwrap();
+                                *it += 1;
+                            }
+                        }
+                    });
+                    futures::future::join_all(all).await;
+                    t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
+                })
+            })
+        });
+        group.bench_function(BenchmarkId::new("pull", "8-in-flight"), |b| {
+            let mut outs = vec![vec![0.0f32; floats]; IN_FLIGHT];
+            b.iter_custom(|n| {
+                rt.block_on(async {
+                    let per = n.div_ceil(IN_FLIGHT as u64);
+                    let t = Instant::now();
+                    let all = cl.workers.iter().zip(outs.iter_mut()).zip(&cl.iteration).map(
+                        |((w, out), it)| async move {
+                            for _ in 0..per {
+                                w.pull(*it, out).await.unwrap();
+                            }
+                        },
+                    );
+                    futures::future::join_all(all).await;
+                    t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
+                })
+            })
+        });
+        group.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group!(benches, transport);
+criterion_main!(benches);
