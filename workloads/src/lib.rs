@@ -7,8 +7,23 @@
 //!
 //! - [`counter::Counter`]: pushes known values, so a test can check that every update was applied
 //!   exactly once (the final parameters equal minus the sum of everything pushed).
+//! - `fashion-softmax` and `fashion-mlp` ([`Fashion`]): softmax regression and an MLP on
+//!   Fashion-MNIST ([`fashion`]), each worker training on its own partition of the 60,000 images;
+//!   [`Evaluator`] scores a model on the 10,000 test images.
 
 pub mod counter;
+pub mod fashion;
+pub mod model;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+pub use fashion::DataError;
+pub use model::{Model, Score};
 
 /// What one gradient computation reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -43,31 +58,186 @@ pub trait Workload: Send {
     ) -> StepStats;
 }
 
-/// A workload name that is not known.
+/// A workload that cannot be built.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown workload `{0}` (known: {known})", known = NAMES.join(", "))]
-pub struct UnknownWorkload(pub String);
+pub enum WorkloadError {
+    /// No such workload.
+    #[error("unknown workload `{0}` (known: {known})", known = NAMES.join(", "))]
+    Unknown(String),
+    /// Its data cannot be loaded.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// A bad option.
+    #[error("{0}")]
+    Option(String),
+}
 
 /// Options shared by the built-in workloads.
 #[derive(Clone, Debug)]
 pub struct WorkloadOptions {
     /// Parameters of the synthetic workloads.
     pub params: usize,
+    /// Where the Fashion-MNIST files are.
+    pub data_dir: PathBuf,
+    /// Which part of the training set this worker trains on: `(index, parts)`.
+    pub part: (u32, u32),
+    /// Hidden units of the MLP.
+    pub hidden: usize,
+    /// Seed of the data order.
+    pub seed: u64,
 }
 
 impl Default for WorkloadOptions {
     fn default() -> Self {
-        WorkloadOptions { params: 1024 }
+        WorkloadOptions {
+            params: 1024,
+            data_dir: PathBuf::from(fashion::DEFAULT_DIR),
+            part: (0, 1),
+            hidden: 128,
+            seed: 1,
+        }
     }
 }
 
 /// The names of the built-in workloads.
-pub const NAMES: &[&str] = &["counter"];
+pub const NAMES: &[&str] = &["counter", "fashion-softmax", "fashion-mlp"];
+
+fn model_for(name: &str, opts: &WorkloadOptions) -> Option<Model> {
+    match name {
+        "fashion-softmax" => Some(Model::softmax()),
+        "fashion-mlp" => Some(Model::mlp(opts.hidden)),
+        _ => None,
+    }
+}
 
 /// A built-in workload by name.
-pub fn by_name(name: &str, opts: &WorkloadOptions) -> Result<Box<dyn Workload>, UnknownWorkload> {
-    match name {
-        "counter" => Ok(Box::new(counter::Counter::new(opts.params))),
-        other => Err(UnknownWorkload(other.to_string())),
+pub fn by_name(name: &str, opts: &WorkloadOptions) -> Result<Box<dyn Workload>, WorkloadError> {
+    if name == "counter" {
+        return Ok(Box::new(counter::Counter::new(opts.params)));
+    }
+    let model = model_for(name, opts).ok_or_else(|| WorkloadError::Unknown(name.to_string()))?;
+    let (index, parts) = opts.part;
+    if parts == 0 || index >= parts {
+        return Err(WorkloadError::Option(format!("data part {index}/{parts} does not exist")));
+    }
+    let data = fashion::load(&opts.data_dir)?;
+    let n = data.train.len();
+    let (lo, hi) = (n * index as usize / parts as usize, n * (index as usize + 1) / parts as usize);
+    Ok(Box::new(Fashion::new(
+        name,
+        model,
+        Arc::new(data.train),
+        (lo..hi).collect(),
+        opts.seed ^ u64::from(index),
+    )))
+}
+
+/// Scores models on the test set.
+#[derive(Debug)]
+pub struct Evaluator {
+    model: Model,
+    test: fashion::Dataset,
+}
+
+impl Evaluator {
+    /// The evaluator for workload `name`, or `None` for workloads without a test set.
+    pub fn for_workload(name: &str, opts: &WorkloadOptions) -> Result<Option<Self>, WorkloadError> {
+        match model_for(name, opts) {
+            Some(model) => Ok(Some(Evaluator { model, test: fashion::load(&opts.data_dir)?.test })),
+            None if NAMES.contains(&name) => Ok(None),
+            None => Err(WorkloadError::Unknown(name.to_string())),
+        }
+    }
+
+    /// Parameters the model has.
+    pub fn param_len(&self) -> usize {
+        self.model.len()
+    }
+
+    /// Loss and accuracy of `params` on the 10,000 test images.
+    ///
+    /// # Panics
+    /// If `params` is not [`param_len`](Self::param_len) long.
+    pub fn evaluate(&self, params: &[f32]) -> Score {
+        assert_eq!(params.len(), self.model.len(), "parameters of another model");
+        self.model.evaluate(params, &self.test.images, &self.test.labels)
+    }
+}
+
+/// A Fashion-MNIST model trained on one partition of the training set, in shuffled mini-batches
+/// (reshuffled every pass).
+#[derive(Debug)]
+pub struct Fashion {
+    name: String,
+    model: Model,
+    data: Arc<fashion::Dataset>,
+    part: Vec<usize>,
+    cursor: usize,
+    rng: ChaCha8Rng,
+    batch_x: Vec<f32>,
+    batch_y: Vec<u8>,
+}
+
+impl Fashion {
+    /// `model` over the images `part` of `data`.
+    pub fn new(name: &str, model: Model, data: Arc<fashion::Dataset>, part: Vec<usize>, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut part = part;
+        part.shuffle(&mut rng);
+        Fashion {
+            name: name.into(),
+            model,
+            data,
+            part,
+            cursor: 0,
+            rng,
+            batch_x: Vec::new(),
+            batch_y: Vec::new(),
+        }
+    }
+
+    /// Images in this worker's partition.
+    pub fn partition_len(&self) -> usize {
+        self.part.len()
+    }
+}
+
+impl Workload for Fashion {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn param_len(&self) -> usize {
+        self.model.len()
+    }
+
+    fn init_params(&self, seed: u64) -> Vec<f32> {
+        self.model.init(seed)
+    }
+
+    fn gradient(
+        &mut self,
+        _worker: u32,
+        _iteration: u64,
+        batch: u32,
+        params: &[f32],
+        grad: &mut [f32],
+    ) -> StepStats {
+        let batch = (batch as usize).clamp(1, self.part.len().max(1));
+        let mut idx = Vec::with_capacity(batch);
+        while idx.len() < batch {
+            if self.cursor == self.part.len() {
+                self.part.shuffle(&mut self.rng);
+                self.cursor = 0;
+            }
+            idx.push(self.part[self.cursor]);
+            self.cursor += 1;
+        }
+        model::gather(&self.data.images, fashion::PIXELS, &idx, &mut self.batch_x);
+        self.batch_y.clear();
+        self.batch_y.extend(idx.iter().map(|&i| self.data.labels[i]));
+        let x = ndarray::ArrayView2::from_shape((batch, fashion::PIXELS), &self.batch_x).expect("shape");
+        let score = self.model.gradient(params, x, &self.batch_y, grad);
+        StepStats { samples: batch as u32, loss: score.loss }
     }
 }
