@@ -24,7 +24,7 @@ use tokio::sync::watch;
 
 use crate::net::proto::{
     ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob, Role, ServerCommand,
-    ServerReply, ShardPlace, Welcome, WorkerStatus,
+    ServerReply, ShardPlace, Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
@@ -94,6 +94,7 @@ pub struct CoordinatorOptions {
 
 struct State {
     servers: Vec<(SocketAddr, quinn::Connection)>,
+    worker_conns: BTreeMap<WorkerId, quinn::Connection>,
     workers: BTreeMap<WorkerId, WorkerStatus>,
     model_len: Option<u64>,
     policy: PolicySource,
@@ -142,6 +143,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     let coord = Arc::new(Coordinator {
         state: Mutex::new(State {
             servers: Vec::new(),
+            worker_conns: BTreeMap::new(),
             workers: BTreeMap::new(),
             model_len: None,
             policy: opts.policy.clone(),
@@ -245,8 +247,10 @@ impl Coordinator {
                     return;
                 }
                 let Some(id) = id else { return };
+                self.lock().worker_conns.insert(id, conn.clone());
                 self.worker_loop(&conn, id).await;
                 let mut st = self.lock();
+                st.worker_conns.remove(&id);
                 if let Some(w) = st.workers.get_mut(&id) {
                     w.connected = false;
                     if !w.finished && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
@@ -396,6 +400,16 @@ impl Coordinator {
                         tracing::warn!("server did not confirm shutdown: {e}");
                     }
                 }
+                CoordResponse::Ok
+            }
+            CoordRequest::StopTraining => {
+                let conns: Vec<_> = self.lock().worker_conns.values().cloned().collect();
+                tracing::info!(workers = conns.len(), "asking the workers to stop");
+                let notices = conns.iter().map(|c| async move {
+                    let mut send = c.open_uni().await.ok()?;
+                    net::answer(&mut send, &WorkerNotice::Stop, &[]).await.ok()
+                });
+                futures::future::join_all(notices).await;
                 CoordResponse::Ok
             }
             CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } => {

@@ -17,6 +17,7 @@ pub mod local;
 pub mod net;
 mod node;
 pub mod operator;
+mod plots;
 pub mod runtime;
 pub mod server;
 pub mod shard;

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
 
+use syncopate_workloads::{Evaluator, WorkloadOptions};
+
 use crate::net::proto::ClusterStatus;
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
 use crate::operator::Operator;
@@ -37,6 +39,44 @@ pub struct LocalOptions {
     pub worker_args: Vec<String>,
     /// Extra arguments for particular workers (a slow one, say).
     pub per_worker_args: Vec<(u32, Vec<String>)>,
+    /// How to watch the run: test accuracy (for workloads that have a test set) and progress.
+    pub watch: Watch,
+}
+
+/// How `local` watches a run.
+#[derive(Clone, Debug)]
+pub struct Watch {
+    /// The workload, to score pulled models on its test set.
+    pub workload: String,
+    /// Its options (data directory, model size).
+    pub options: WorkloadOptions,
+    /// Pull the model and score it this often (wall clock).
+    pub every: Duration,
+    /// Stop the workers once test accuracy reaches this.
+    pub target_accuracy: Option<f32>,
+    /// Stop the workers after this long.
+    pub time_limit: Option<Duration>,
+    /// Iterations each worker runs, for the progress bar.
+    pub iterations: u64,
+}
+
+/// One look at the cluster during the run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WatchPoint {
+    /// Seconds since the workers started.
+    pub t_s: f64,
+    /// Test accuracy of the model read at that moment (workloads with a test set).
+    pub accuracy: Option<f32>,
+    /// Test loss.
+    pub loss: Option<f32>,
+    /// Slowest and fastest worker's clock on shard 0.
+    pub min_clock: u64,
+    /// The fastest worker's clock.
+    pub max_clock: u64,
+    /// Pulls deferred so far, all shards.
+    pub pulls_deferred: u64,
+    /// Time pulls spent deferred so far, all shards, in seconds.
+    pub deferred_s: f64,
 }
 
 /// What `report.json` holds.
@@ -56,6 +96,19 @@ pub struct LocalReport {
     pub model_version: u64,
     /// Where the model was saved.
     pub model_file: PathBuf,
+    /// When the workers started (Unix seconds), the origin of every time in this report.
+    pub started_unix_s: f64,
+    /// What the watcher saw, in order.
+    pub watch: Vec<WatchPoint>,
+    /// Test accuracy of the final model.
+    pub final_accuracy: Option<f32>,
+    /// Seconds until test accuracy first reached the target.
+    pub time_to_target_s: Option<f64>,
+    /// Admitted pushes by staleness (optimizer steps between the pull a gradient was computed
+    /// from and its admission), summed over shards; the last bucket holds 15 or more.
+    pub staleness: Vec<u64>,
+    /// The plots written next to the report.
+    pub plots: Vec<PathBuf>,
 }
 
 struct Proc {
@@ -183,13 +236,77 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         dir.join("logs").display()
     );
 
+    // One origin for every time in the report: the moment the workers were started.
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let t0 = Instant::now();
+    let operator = Operator::connect(&cluster.access()).await?;
+    let evaluator = {
+        let (w, o) = (opts.watch.workload.clone(), opts.watch.options.clone());
+        let e = tokio::task::spawn_blocking(move || Evaluator::for_workload(&w, &o));
+        e.await
+            .map_err(|e| NodeError::Protocol(e.to_string()))?
+            .map_err(|e| NodeError::Protocol(e.to_string()))?
+    }
+    .map(std::sync::Arc::new);
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let worker_names: Vec<String> = workers.iter().map(|p| p.name.clone()).collect();
+    for (w, p) in workers.into_iter().enumerate() {
+        let mut child = p.child;
+        let tx = done_tx.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            let _ = tx.send((w, status));
+        });
+    }
+    drop(done_tx);
+    let progress = indicatif::ProgressBar::new(0);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} iterations  {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    let interactive = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut points: Vec<WatchPoint> = Vec::new();
+    let mut time_to_target = None;
+    let mut stop_sent = false;
+    let mut ended = Vec::new();
+    let mut tick = tokio::time::interval(opts.watch.every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while ended.len() < worker_names.len() {
+        tokio::select! {
+            Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
+            _ = tick.tick() => {
+                let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64()).await;
+                let Ok(point) = point else { continue };
+                progress.set_length(opts.watch.iterations * worker_names.len() as u64);
+                progress.set_position(point.min_clock * worker_names.len() as u64);
+                let msg = describe_point(&point);
+                if interactive {
+                    progress.set_message(msg);
+                } else {
+                    eprintln!("[{:>6.1} s] clocks {}-{}  {msg}", point.t_s, point.min_clock, point.max_clock);
+                }
+                if let (Some(target), Some(acc), None) = (opts.watch.target_accuracy, point.accuracy, time_to_target) {
+                    if acc >= target {
+                        time_to_target = Some(point.t_s);
+                        progress.println(format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s));
+                    }
+                }
+                let over_time = opts.watch.time_limit.is_some_and(|l| t0.elapsed() >= l);
+                if !stop_sent && (time_to_target.is_some() || over_time) {
+                    stop_sent = true;
+                    operator.stop_training().await?;
+                }
+                points.push(point);
+            }
+            _ = tokio::signal::ctrl_c() => return Err(NodeError::Lost("interrupted; the cluster was stopped".into())),
+        }
+    }
+    progress.finish_and_clear();
+    ended.sort_by_key(|(w, _)| *w);
     let mut failed = Vec::new();
     let mut reports = Vec::new();
-    for (w, p) in workers.iter_mut().enumerate() {
-        let status = tokio::select! {
-            s = p.child.wait() => s.map_err(io("waiting for a worker"))?,
-            _ = tokio::signal::ctrl_c() => return Err(NodeError::Lost("interrupted; the cluster was stopped".into())),
-        };
+    for (w, status) in ended {
         let file = dir.join("workers").join(format!("worker-{w}.json"));
         let report = std::fs::read(&file).ok().and_then(|b| serde_json::from_slice::<WorkerReport>(&b).ok());
         match (status.success(), report) {
@@ -203,7 +320,7 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
             }
             _ => {
                 let how = describe(status);
-                eprintln!("worker {w} {how}; last log lines:\n{}", log_tail(dir, &p.name, 5));
+                eprintln!("worker {w} {how}; last log lines:\n{}", log_tail(dir, &worker_names[w], 5));
                 failed.push((w as u32, how));
             }
         }
@@ -219,8 +336,14 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         }
     }
 
-    let operator = Operator::connect(&cluster.access()).await?;
     let (model, model_version) = operator.read_model().await?;
+    let final_accuracy = match &evaluator {
+        Some(e) if e.param_len() == model.len() => {
+            let (e, m) = (e.clone(), model.clone());
+            tokio::task::spawn_blocking(move || e.evaluate(&m).accuracy).await.ok()
+        }
+        _ => None,
+    };
     let status = operator.status().await?;
     let model_file = dir.join("model.bin");
     std::fs::write(&model_file, crate::net::wire::f32_bytes(&model))
@@ -237,7 +360,10 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
             }
         }
     }
-    let report = LocalReport {
+    let staleness = (0..crate::shard::STALENESS_BUCKETS)
+        .map(|b| status.servers.iter().flat_map(|s| &s.shards).map(|s| s.stats.staleness[b]).sum())
+        .collect();
+    let mut report = LocalReport {
         elapsed_s,
         workers: reports,
         failed_workers: failed,
@@ -245,11 +371,60 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         model_len: model.len(),
         model_version,
         model_file,
+        started_unix_s: started.as_secs_f64(),
+        watch: points,
+        final_accuracy,
+        time_to_target_s: time_to_target,
+        staleness,
+        plots: Vec::new(),
     };
+    match crate::plots::write_all(&report, dir) {
+        Ok(files) => report.plots = files,
+        Err(e) => tracing::warn!("plots not written: {e}"),
+    }
     let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
     let path = dir.join("report.json");
     std::fs::write(&path, json).map_err(io(format!("cannot write {}", path.display())))?;
     Ok(report)
+}
+
+fn describe_point(p: &WatchPoint) -> String {
+    let acc = match (p.accuracy, p.loss) {
+        (Some(a), Some(l)) => format!("test accuracy {:.1}%  loss {l:.3}  ", a * 100.0),
+        _ => String::new(),
+    };
+    format!("{acc}deferred pulls {} ({:.1} s waited)", p.pulls_deferred, p.deferred_s)
+}
+
+/// Reads the cluster's counters and, with an evaluator, the model's test accuracy.
+async fn watch(op: &Operator, evaluator: Option<&Evaluator>, t_s: f64) -> Result<WatchPoint, NodeError> {
+    let status = op.status().await?;
+    let shards: Vec<_> = status.servers.iter().flat_map(|s| &s.shards).collect();
+    let clocks: Vec<u64> = shards
+        .iter()
+        .find(|s| s.shard == 0)
+        .map(|s| s.workers.iter().map(|w| w.clock).collect())
+        .unwrap_or_default();
+    let mut point = WatchPoint {
+        t_s,
+        accuracy: None,
+        loss: None,
+        min_clock: clocks.iter().copied().min().unwrap_or(0),
+        max_clock: clocks.iter().copied().max().unwrap_or(0),
+        pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
+        deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
+    };
+    if let Some(e) = evaluator {
+        let (model, _) = op.read_model().await?;
+        if model.len() != e.param_len() {
+            // Not every shard exists yet (workers are still joining).
+            return Ok(point);
+        }
+        let score = tokio::task::block_in_place(|| e.evaluate(&model));
+        point.accuracy = Some(score.accuracy);
+        point.loss = Some(score.loss);
+    }
+    Ok(point)
 }
 
 fn write_private_json<T: Serialize>(path: &Path, value: &T) -> Result<(), NodeError> {

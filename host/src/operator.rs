@@ -57,6 +57,11 @@ impl Operator {
         }
     }
 
+    /// Asks every worker to finish its iteration and leave.
+    pub async fn stop_training(&self) -> Result<(), NodeError> {
+        self.ask(&CoordRequest::StopTraining, &[]).await.map(|_| ())
+    }
+
     /// Stops every server and the coordinator.
     pub async fn shutdown(self) -> Result<(), NodeError> {
         self.ask(&CoordRequest::Shutdown, &[]).await?;

@@ -15,7 +15,7 @@ use syncopate::net::tls::ClusterFile;
 use crate::cli::syncopate_bin;
 
 /// Exact counting: lr 1, no momentum, pushes summed.
-const EXACT: &[&str] = &["--lr", "1", "--momentum", "0", "--push-weight", "sum"];
+const EXACT: &[&str] = &["--workload", "counter", "--lr", "1", "--momentum", "0", "--push-weight", "sum"];
 
 pub struct LocalRun {
     pub dir: PathBuf,
@@ -29,7 +29,13 @@ pub fn run_dir(name: &str) -> PathBuf {
 }
 
 impl LocalRun {
+    /// `syncopate local` with exact counting (the `counter` workload, lr 1, summed pushes).
     pub fn start(name: &str, args: &[&str]) -> Self {
+        Self::start_plain(name, &[EXACT, args].concat())
+    }
+
+    /// `syncopate local` with `args` only.
+    pub fn start_plain(name: &str, args: &[&str]) -> Self {
         let dir = run_dir(name);
         std::fs::create_dir_all(&dir).unwrap();
         let out = std::fs::File::create(dir.join("local.out")).unwrap();
@@ -37,7 +43,6 @@ impl LocalRun {
             .arg("local")
             .arg("--run-dir")
             .arg(&dir)
-            .args(EXACT)
             .args(args)
             .stdout(out.try_clone().unwrap())
             .stderr(out)
@@ -172,7 +177,9 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     );
     let cluster = run.cluster_file();
     // SSP with s=2 everywhere but shard 1, which gets s=4; then ASP.
-    for (args, label) in [(&["ssp:s=2", "--shard-config", "1:s=4"][..], "ssp 0.1.0"), (&["asp"][..], "asp 0.1.0")] {
+    for (args, label) in
+        [(&["ssp:s=2", "--shard-config", "1:s=4"][..], "ssp 0.1.0"), (&["asp"][..], "asp 0.1.0")]
+    {
         std::thread::sleep(Duration::from_millis(500));
         let out = syncopate(&[&["policy", "swap"][..], args].concat(), &cluster);
         assert!(out.status.success(), "swap to {args:?}: {}", String::from_utf8_lossy(&out.stderr));

@@ -103,7 +103,11 @@ impl Cluster {
                 let iteration = self.iteration[w];
                 let grad = vec![1.0; self.shard.values().len()];
                 self.shard
-                    .push(PushRequest { worker, iteration, samples: 1, grad }, self.now, &mut self.rec)
+                    .push(
+                        PushRequest { worker, iteration, samples: 1, grad, based_on: None },
+                        self.now,
+                        &mut self.rec,
+                    )
                     .expect("push");
                 self.pushes += 1;
                 self.iteration[w] += 1;

@@ -8,3 +8,4 @@ mod net;
 mod oracles;
 mod sandbox;
 mod swap;
+mod training;

@@ -83,9 +83,10 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
         oversized[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
         let mut unknown = good.clone();
         unknown[12] = 200; // no such DataRequest variant
-        let mut misaligned =
-            wire::encode_frame(&DataRequest::Push { shard: 0, iteration: 0, samples: 1 }, &[1, 2, 3]);
-        misaligned.truncate(misaligned.len());
+        let misaligned = wire::encode_frame(
+            &DataRequest::Push { shard: 0, iteration: 0, samples: 1, based_on: None },
+            &[1, 2, 3],
+        );
         for (bytes, expect) in [
             (&bad_magic[..], "not a Syncopate frame"),
             (truncated, "truncated"),
@@ -125,7 +126,7 @@ proptest! {
         values in proptest::collection::vec(any::<f32>(), 0..64),
         cut in any::<prop::sample::Index>(), flip in any::<prop::sample::Index>(),
     ) {
-        let req = DataRequest::Push { shard, iteration, samples };
+        let req = DataRequest::Push { shard, iteration, samples, based_on: Some(iteration ^ 7) };
         let frame = wire::encode_frame(&req, wire::f32_bytes(&values));
         let (back, payload) = wire::decode_frame::<DataRequest>(&frame, &Limits::default()).unwrap();
         prop_assert_eq!(back, req);

@@ -57,7 +57,13 @@ fn swapping_to_a_looser_policy_releases_parked_pulls() {
     let mut shard = Shard::new(cfg, vec![0.0], &builtin_module("bsp"), &[], &mut rec).unwrap();
     shard.join(0, 0, &mut rec).unwrap();
     shard.join(1, 0, &mut rec).unwrap();
-    shard.push(PushRequest { worker: 0, iteration: 0, samples: 1, grad: vec![1.0] }, 1, &mut rec).unwrap();
+    shard
+        .push(
+            PushRequest { worker: 0, iteration: 0, samples: 1, grad: vec![1.0], based_on: None },
+            1,
+            &mut rec,
+        )
+        .unwrap();
     let id = shard.pull(PullRequest { worker: 0, iteration: 1 }, 2, &mut rec).unwrap();
     assert!(!rec.was_served(id), "BSP holds the fast worker");
     assert_eq!(shard.update_mode(), UpdateMode::Aggregate);
@@ -117,7 +123,7 @@ fn events_sent_during_a_swap_wait_in_line_and_none_is_dropped() {
                 Msg::Push(worker, iteration) => {
                     shard
                         .push(
-                            PushRequest { worker, iteration, samples: 1, grad: vec![1.0; 8] },
+                            PushRequest { worker, iteration, samples: 1, grad: vec![1.0; 8], based_on: None },
                             now,
                             &mut rec,
                         )
@@ -193,7 +199,13 @@ fn a_stateful_policy_takes_its_state_across_a_swap() {
         now.set(now.get() + 1);
         let now = now.get();
         if push {
-            shard.push(PushRequest { worker, iteration, samples: 1, grad: vec![1.0] }, now, rec).unwrap();
+            shard
+                .push(
+                    PushRequest { worker, iteration, samples: 1, grad: vec![1.0], based_on: None },
+                    now,
+                    rec,
+                )
+                .unwrap();
         } else {
             shard.pull(PullRequest { worker, iteration }, now, rec).unwrap();
         }

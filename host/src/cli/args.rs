@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 
+use crate::builtin::PolicySpec;
 use crate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token, DEFAULT_SERVER_NAME};
 use crate::shard::{OptimizerConfig, PushWeight};
 
@@ -174,6 +175,17 @@ impl TrainArgs {
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
     }
+}
+
+/// The cluster's policy, as the coordinator and `local` take it.
+#[derive(Debug, Clone, Args)]
+pub struct PolicyArgs {
+    /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
+    #[arg(long, default_value = "bsp")]
+    pub policy: PolicySpec,
+    /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
+    #[arg(long = "shard-config", value_parser = parse_override)]
+    pub overrides: Vec<(u32, String, String)>,
 }
 
 /// Parses `SHARD:k=v` per-shard overrides.

@@ -5,9 +5,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use super::args::{parse_override, tokio, TrainArgs};
-use crate::builtin::PolicySpec;
-use crate::local::LocalOptions;
+use super::args::{tokio, PolicyArgs, TrainArgs};
+use crate::local::{LocalOptions, Watch};
+use std::time::Duration;
+use syncopate_workloads::WorkloadOptions;
 
 /// `syncopate local`.
 #[derive(Debug, Args)]
@@ -21,30 +22,50 @@ pub struct LocalArgs {
     /// Shards (default: one per server).
     #[arg(long)]
     pub shards: Option<u32>,
-    /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
-    #[arg(long, default_value = "bsp")]
-    pub policy: PolicySpec,
-    /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
-    #[arg(long = "shard-config", value_parser = parse_override)]
-    pub overrides: Vec<(u32, String, String)>,
-    /// The workload.
-    #[arg(long, default_value = "counter")]
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// The workload: fashion-mlp, fashion-softmax, or counter (known values, for checking).
+    #[arg(long, default_value = "fashion-mlp")]
     pub workload: String,
-    /// Parameters of synthetic workloads (`counter`).
+    /// Directory with the Fashion-MNIST IDX files.
+    #[arg(long, default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
+    pub data: PathBuf,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 128)]
+    pub hidden: usize,
+    /// Parameters of the `counter` workload.
     #[arg(long, default_value_t = 1024)]
     pub params: usize,
-    /// Iterations per worker.
-    #[arg(long, default_value_t = 100)]
-    pub iterations: u64,
+    /// Passes over each worker's part of the training set (sets the iterations).
+    #[arg(long, default_value_t = 2.0, conflicts_with = "iterations")]
+    pub epochs: f64,
+    /// Iterations per worker (instead of --epochs).
+    #[arg(long)]
+    pub iterations: Option<u64>,
     /// Mini-batch size.
     #[arg(long, default_value_t = 32)]
     pub batch: u32,
+    /// Stop once test accuracy reaches this (0-1).
+    #[arg(long)]
+    pub target_accuracy: Option<f32>,
+    /// Stop after this many seconds of training.
+    #[arg(long)]
+    pub time_limit_s: Option<f64>,
+    /// Score the model on the test set this often, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub eval_every_ms: u64,
     /// Extra milliseconds per iteration on every worker (pacing).
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u64,
-    /// Make worker W slower: `W:MS` adds MS milliseconds per iteration to it (repeatable).
-    #[arg(long = "slow-ms", value_parser = parse_slow)]
-    pub slow: Vec<(u32, u64)>,
+    /// Make worker W compute F times slower: `W:F` (e.g. `0:3`; repeatable).
+    #[arg(long, value_parser = parse_slow)]
+    pub slow: Vec<(u32, f32)>,
+    /// Random delay after each of worker W's iterations, normal: `W:MEAN_MS:SD_MS` (repeatable).
+    #[arg(long, value_parser = parse_triple)]
+    pub jitter: Vec<(u32, f64, f64)>,
+    /// Worker W stalls once: `W:AT_S:FOR_S` (repeatable).
+    #[arg(long, value_parser = parse_triple)]
+    pub stall: Vec<(u32, f64, f64)>,
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
@@ -52,59 +73,104 @@ pub struct LocalArgs {
     pub train: TrainArgs,
 }
 
-fn parse_slow(s: &str) -> Result<(u32, u64), String> {
-    let (w, ms) = s.split_once(':').ok_or("expected WORKER:MS")?;
-    Ok((
-        w.parse().map_err(|_| "bad worker")?,
-        ms.trim_end_matches("ms").parse().map_err(|_| "bad milliseconds")?,
-    ))
+fn parse_slow(s: &str) -> Result<(u32, f32), String> {
+    let (w, f) = s.split_once(':').ok_or("expected WORKER:FACTOR")?;
+    let f: f32 = f.trim_end_matches('x').parse().map_err(|_| format!("`{f}` is not a factor"))?;
+    if f < 1.0 {
+        return Err("a slowdown factor is at least 1".into());
+    }
+    Ok((w.parse().map_err(|_| "bad worker")?, f))
+}
+
+fn parse_triple(s: &str) -> Result<(u32, f64, f64), String> {
+    let mut it = s.split(':');
+    let (Some(w), Some(a), Some(b), None) = (it.next(), it.next(), it.next(), it.next()) else {
+        return Err("expected WORKER:A:B".into());
+    };
+    let num = |x: &str| x.parse::<f64>().map_err(|_| format!("`{x}` is not a number"));
+    Ok((w.parse().map_err(|_| "bad worker")?, num(a)?, num(b)?))
 }
 
 /// Runs `syncopate local`.
 pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    let policy_text = std::iter::once(a.policy.source.clone())
-        .chain(a.policy.config.iter().map(|(k, v)| format!("{k}={v}")))
+    let policy_text = std::iter::once(a.policy.policy.source.clone())
+        .chain(a.policy.policy.config.iter().map(|(k, v)| format!("{k}={v}")))
         .collect::<Vec<_>>();
     let spec = match policy_text.split_first() {
         Some((name, cfg)) if !cfg.is_empty() => format!("{name}:{}", cfg.join(",")),
-        _ => a.policy.source.clone(),
+        _ => a.policy.policy.source.clone(),
     };
     // Fail here, not in a child process, if the policy cannot be found.
-    a.policy.bytes()?;
+    a.policy.policy.bytes()?;
     let run_dir = a.run_dir.unwrap_or_else(|| {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let name =
-            std::path::Path::new(&a.policy.source).file_stem().map(|s| s.to_string_lossy().into_owned());
+        let name = std::path::Path::new(&a.policy.policy.source)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned());
         PathBuf::from("runs").join(format!("{secs}-{}", name.unwrap_or_default()))
     });
     let mut coordinator_args = vec!["--policy".to_string(), spec.clone()];
     if let Some(shards) = a.shards {
         coordinator_args.extend(["--shards".into(), shards.to_string()]);
     }
-    for (shard, k, v) in &a.overrides {
+    for (shard, k, v) in &a.policy.overrides {
         coordinator_args.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
     }
     coordinator_args.extend(a.train.to_args());
+    let iterations = match a.iterations {
+        Some(i) => i,
+        None if a.workload.starts_with("fashion") => {
+            let part = 60_000.0 / f64::from(a.workers.max(1));
+            (a.epochs * part / f64::from(a.batch.max(1))).ceil() as u64
+        }
+        None => 100,
+    };
     let worker_args = [
         ("--workload", a.workload.clone()),
         ("--params", a.params.to_string()),
-        ("--iterations", a.iterations.to_string()),
+        ("--data", a.data.display().to_string()),
+        ("--hidden", a.hidden.to_string()),
+        ("--iterations", iterations.to_string()),
         ("--batch", a.batch.to_string()),
         ("--seed", a.train.seed.to_string()),
+        ("--delay-ms", a.delay_ms.to_string()),
     ]
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
     .collect();
     let per_worker_args = (0..a.workers)
         .map(|w| {
-            let slow: u64 = a.slow.iter().filter(|(s, _)| *s == w).map(|(_, ms)| ms).sum();
-            (w, vec!["--delay-ms".to_string(), (a.delay_ms + slow).to_string()])
+            let mut args = vec!["--part".to_string(), format!("{w}/{}", a.workers)];
+            if let Some((_, f)) = a.slow.iter().find(|(s, _)| *s == w) {
+                args.extend(["--slow-factor".into(), f.to_string()]);
+            }
+            if let Some((_, m, sd)) = a.jitter.iter().find(|(s, ..)| *s == w) {
+                args.extend(["--jitter-ms".into(), format!("{m}:{sd}")]);
+            }
+            if let Some((_, at, len)) = a.stall.iter().find(|(s, ..)| *s == w) {
+                args.extend(["--stall".into(), format!("{at}:{len}")]);
+            }
+            (w, args)
         })
         .collect();
+    let watch = Watch {
+        workload: a.workload.clone(),
+        options: WorkloadOptions {
+            params: a.params,
+            data_dir: a.data.clone(),
+            part: (0, 1),
+            hidden: a.hidden,
+            seed: a.train.seed,
+        },
+        every: Duration::from_millis(a.eval_every_ms.max(50)),
+        target_accuracy: a.target_accuracy,
+        time_limit: a.time_limit_s.map(Duration::from_secs_f64),
+        iterations,
+    };
     let opts = LocalOptions {
         exe,
         run_dir: run_dir.clone(),
@@ -113,6 +179,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         coordinator_args,
         worker_args,
         per_worker_args,
+        watch,
     };
     eprintln!("run directory: {}", run_dir.display());
     let report = tokio()?.block_on(crate::local::run(opts))?;
@@ -134,6 +201,18 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         report.model_version,
         report.model_file.display()
     );
+    if let Some(acc) = report.final_accuracy {
+        println!("accuracy:   {:.2}% on the 10,000 test images", acc * 100.0);
+    }
+    if let Some(target) = a.target_accuracy {
+        match report.time_to_target_s {
+            Some(t) => println!("target:     {:.1}% reached after {t:.1} s", target * 100.0),
+            None => println!("target:     {:.1}% not reached", target * 100.0),
+        }
+    }
+    for p in &report.plots {
+        println!("plot:       {}", p.display());
+    }
     println!("report:     {}", run_dir.join("report.json").display());
     if !report.failed_workers.is_empty() {
         anyhow::bail!(

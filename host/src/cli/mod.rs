@@ -27,6 +27,17 @@ pub enum Command {
     Server(roles::ServerArgs),
     /// Run a worker: trains a workload through the cluster.
     Worker(roles::WorkerArgs),
+    /// Generate a self-signed certificate (cert.pem, key.pem) for a cluster, into DIR: use it
+    /// with --tls-dir DIR on every node.
+    Certs {
+        /// Where to write the files.
+        dir: std::path::PathBuf,
+    },
+    /// Stop a running cluster: every server, then the coordinator (operators only).
+    Shutdown {
+        #[command(flatten)]
+        access: args::AccessArgs,
+    },
     /// Inspect, validate, swap and list policy modules.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
@@ -40,5 +51,21 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Server(a) => roles::server(a),
         Command::Worker(a) => roles::worker(a),
         Command::Policy(cmd) => policy::run(cmd),
+        Command::Shutdown { access } => {
+            let access = access.access()?;
+            args::tokio()?
+                .block_on(async { crate::operator::Operator::connect(&access).await?.shutdown().await })?;
+            println!("cluster at {} shut down", access.coordinator);
+            Ok(())
+        }
+        Command::Certs { dir } => {
+            let files = crate::net::tls::TlsFiles::generate(&dir)?;
+            println!(
+                "wrote {} and {} (valid for the name `syncopate`)",
+                files.cert.display(),
+                files.key.display()
+            );
+            Ok(())
+        }
     }
 }

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{parse_override, tokio, tokio_threads, TlsArgs, TokenArgs, TrainArgs};
+use super::args::{tokio, tokio_threads, PolicyArgs, TlsArgs, TokenArgs, TrainArgs};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, Token};
@@ -31,12 +31,8 @@ pub struct CoordinatorArgs {
     /// Shards the model is split into (default: one per server).
     #[arg(long)]
     pub shards: Option<u32>,
-    /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
-    #[arg(long, default_value = "bsp")]
-    pub policy: PolicySpec,
-    /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
-    #[arg(long = "shard-config", value_parser = parse_override)]
-    pub overrides: Vec<(u32, String, String)>,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
     /// How long workers wait for all servers to register, in seconds.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout_s: u64,
@@ -94,6 +90,15 @@ pub struct WorkerArgs {
     /// Parameters of synthetic workloads (`counter`).
     #[arg(long, default_value_t = 1024)]
     pub params: usize,
+    /// Directory with the Fashion-MNIST IDX files.
+    #[arg(long, default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
+    pub data: PathBuf,
+    /// This worker's part of the training set, `I/N` (default: all of it).
+    #[arg(long, value_parser = parse_part, default_value = "0/1")]
+    pub part: (u32, u32),
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 128)]
+    pub hidden: usize,
     /// Train until this iteration.
     #[arg(long, default_value_t = 100)]
     pub iterations: u64,
@@ -103,9 +108,18 @@ pub struct WorkerArgs {
     /// Seed of the initial parameters.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Extra milliseconds per iteration (pacing, or simulating a slow worker).
+    /// Extra milliseconds per iteration (pacing).
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u64,
+    /// Make this worker F times slower to compute (it sleeps F-1 times its compute time).
+    #[arg(long, default_value_t = 1.0)]
+    pub slow_factor: f32,
+    /// A random delay after each iteration, normal: `MEAN_MS:SD_MS`.
+    #[arg(long, value_parser = parse_pair_f64)]
+    pub jitter_ms: Option<(f64, f64)>,
+    /// Stall once: `AT_S:FOR_S` seconds after the start, for that many seconds.
+    #[arg(long, value_parser = parse_pair_f64)]
+    pub stall: Option<(f64, f64)>,
     /// Write a JSON report here when done.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -113,6 +127,23 @@ pub struct WorkerArgs {
     pub token: TokenArgs,
     #[command(flatten)]
     pub tls: TlsArgs,
+}
+
+/// Parses `A:B` as two numbers.
+pub fn parse_pair_f64(s: &str) -> Result<(f64, f64), String> {
+    let (a, b) = s.split_once(':').ok_or("expected A:B")?;
+    let num = |x: &str| x.trim().parse::<f64>().map_err(|_| format!("`{x}` is not a number"));
+    Ok((num(a)?, num(b)?))
+}
+
+/// Parses `I/N`.
+pub fn parse_part(s: &str) -> Result<(u32, u32), String> {
+    let (i, n) = s.split_once('/').ok_or("expected I/N")?;
+    let (i, n) = (i.parse().map_err(|_| "bad I")?, n.parse().map_err(|_| "bad N")?);
+    if n == 0 || i >= n {
+        return Err(format!("part {i} of {n} does not exist"));
+    }
+    Ok((i, n))
 }
 
 /// Reads the module a spec names, with its overrides.
@@ -134,7 +165,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         servers: a.servers,
         workers: a.workers,
         shards: a.shards.unwrap_or(a.servers),
-        policy: policy_source(&a.policy, a.overrides)?,
+        policy: policy_source(&a.policy.policy, a.policy.overrides)?,
         optimizer: a.train.optimizer(),
         push_weight: a.train.push_weight(),
         seed: a.train.seed,
@@ -160,7 +191,10 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
 
 /// Runs `syncopate worker`.
 pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
-    let workload = syncopate_workloads::by_name(&a.workload, &WorkloadOptions { params: a.params })?;
+    let workload = syncopate_workloads::by_name(
+        &a.workload,
+        &WorkloadOptions { params: a.params, data_dir: a.data, part: a.part, hidden: a.hidden, seed: a.seed },
+    )?;
     let opts = WorkerOptions {
         access: ClusterAccess {
             coordinator: a.coordinator,
@@ -172,6 +206,9 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         batch: a.batch,
         seed: a.seed,
         extra_delay: Duration::from_millis(a.delay_ms),
+        slow_factor: a.slow_factor,
+        jitter_ms: a.jitter_ms,
+        stall: a.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
         report: a.report,
     };
     let report = tokio()?.block_on(crate::worker::run(opts, workload)).context("worker")?;

@@ -156,6 +156,16 @@ pub enum CoordRequest {
         /// The worker.
         worker: WorkerId,
     },
+    /// Ask every worker to finish its current iteration and leave (operators only): the
+    /// target accuracy or the time budget was reached.
+    StopTraining,
+}
+
+/// What the coordinator tells a worker, on a unidirectional stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum WorkerNotice {
+    /// Finish the current iteration and leave.
+    Stop,
 }
 
 /// The coordinator's answers.
@@ -230,6 +240,8 @@ pub enum DataRequest {
         iteration: u64,
         /// Samples it was computed on.
         samples: u32,
+        /// The shard version of the parameters it was computed from (for staleness).
+        based_on: Option<u64>,
     },
     /// Pull the parameters before computing `iteration`.
     Pull {
@@ -330,6 +342,10 @@ pub struct ServerStatus {
     pub addr: SocketAddr,
     /// Its shards (those created so far).
     pub shards: Vec<ShardStatus>,
+    /// Bytes it sent on its data connections (UDP payloads: QUIC and TLS included).
+    pub bytes_sent: u64,
+    /// Bytes it received on them.
+    pub bytes_received: u64,
 }
 
 /// A worker as the coordinator knows it.

@@ -59,6 +59,18 @@ struct Shared {
     limits: Limits,
     token: Token,
     shutdown: watch::Sender<bool>,
+    /// Live data connections, and the bytes of those already closed.
+    traffic: Mutex<(Vec<quinn::Connection>, u64, u64)>,
+}
+
+impl Shared {
+    fn bytes(&self) -> (u64, u64) {
+        let t = self.traffic.lock().expect("not poisoned");
+        t.0.iter().fold((t.1, t.2), |(tx, rx), c| {
+            let s = c.stats();
+            (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
+        })
+    }
 }
 
 /// Runs a server until the coordinator tells it to stop (or is lost).
@@ -126,6 +138,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         limits: opts.limits,
         token: opts.token.clone(),
         shutdown,
+        traffic: Mutex::new((Vec::new(), 0, 0)),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
     let commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
@@ -277,7 +290,14 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     }
                 }
             }
-            ServerReply::Status(ServerStatus { server: shared.id, addr: shared.addr, shards })
+            let (bytes_sent, bytes_received) = shared.bytes();
+            ServerReply::Status(ServerStatus {
+                server: shared.id,
+                addr: shared.addr,
+                shards,
+                bytes_sent,
+                bytes_received,
+            })
         }
         ServerCommand::Shutdown => {
             tracing::info!("shutdown requested by the coordinator");
@@ -323,6 +343,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         return;
     }
     tracing::debug!(%addr, ?worker, "peer connected");
+    shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let (controls, control_rx) = mpsc::unbounded_channel();
     let peer = Arc::new(Peer { worker, joined: Mutex::new(BTreeSet::new()), controls });
     let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
@@ -354,6 +375,11 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         }
     }
     writer.abort();
+    let mut t = shared.traffic.lock().expect("not poisoned");
+    t.0.retain(|c| c.stable_id() != conn.stable_id());
+    let s = conn.stats();
+    t.1 += s.udp_tx.bytes;
+    t.2 += s.udp_rx.bytes;
 }
 
 async fn write_controls(conn: quinn::Connection, mut rx: mpsc::UnboundedReceiver<ControlMessage>) {
@@ -445,8 +471,17 @@ async fn handle_request(
                 Err(e) => err(e),
             }
         }
-        DataRequest::Push { iteration, samples, .. } => {
-            match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, grad: payload, reply }).await {
+        DataRequest::Push { iteration, samples, based_on, .. } => {
+            match ask(tx, |reply| ShardCmd::Push {
+                worker,
+                iteration,
+                samples,
+                based_on,
+                grad: payload,
+                reply,
+            })
+            .await
+            {
                 Ok(()) => (DataResponse::PushAcked, None),
                 Err(e) => err(e),
             }

@@ -36,6 +36,7 @@ pub(crate) enum ShardCmd {
         worker: WorkerId,
         iteration: u64,
         samples: u32,
+        based_on: Option<u64>,
         grad: Vec<f32>,
         reply: Reply<()>,
     },
@@ -188,13 +189,13 @@ impl ShardTask {
                 w.controls.insert(worker, controls);
                 let _ = reply.send(shard.join(worker, now, w).map_err(|e| e.to_string()));
             }
-            ShardCmd::Push { worker, iteration, samples, grad, reply } => {
+            ShardCmd::Push { worker, iteration, samples, based_on, grad, reply } => {
                 let Some(shard) = slot.as_mut() else {
                     let _ = reply.send(Err(not_yet()));
                     return;
                 };
                 w.pushes.insert((worker, iteration), reply);
-                let req = PushRequest { worker, iteration, samples, grad };
+                let req = PushRequest { worker, iteration, samples, grad, based_on };
                 if let Err(e) = shard.push(req, now, w) {
                     if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
                         let _ = reply.send(Err(e.to_string()));

@@ -90,7 +90,13 @@ pub struct PushRequest {
     pub samples: u32,
     /// The gradient for this shard's parameters.
     pub grad: Vec<f32>,
+    /// The shard version (optimizer steps) of the parameters the gradient was computed from,
+    /// when the worker says: the gradient's staleness is counted at admission.
+    pub based_on: Option<u64>,
 }
+
+/// Staleness histogram buckets: 0, 1, ..., 14 steps, and 15 or more.
+pub const STALENESS_BUCKETS: usize = 16;
 
 /// A worker's request for the parameters before computing `iteration`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,6 +203,9 @@ pub struct ShardStats {
     pub policy_failures: u64,
     /// Successful hot swaps.
     pub swaps: u64,
+    /// Admitted pushes by staleness: how many optimizer steps the shard took between the pull
+    /// the gradient was computed from and its admission (last bucket: that many or more).
+    pub staleness: [u64; STALENESS_BUCKETS],
 }
 
 #[derive(Debug, Clone)]
@@ -210,6 +219,7 @@ struct Parked {
 struct Held {
     push: Push,
     grad: Vec<f32>,
+    based_on: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -410,7 +420,7 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
-        let PushRequest { worker, iteration, samples, grad } = req;
+        let PushRequest { worker, iteration, samples, grad, based_on } = req;
         let clock = self.clocks.get(worker).ok_or(ShardError::UnknownWorker(worker, self.shard))?;
         if grad.len() != self.params.len() {
             return Err(ShardError::WrongLength {
@@ -432,7 +442,7 @@ impl Shard {
         self.next_push[worker as usize] = iteration + 1;
         let id = self.id();
         let push = Push { id, worker, iteration, clock, samples };
-        self.incoming = Some(Held { push, grad });
+        self.incoming = Some(Held { push, grad, based_on });
         let view = self.clocks.view();
         self.run(Event::Push(push), view, now_ns, sink);
         Ok(id)
@@ -795,7 +805,11 @@ impl Shard {
     }
 
     fn admit(&mut self, h: Held, weight: Option<f32>, sink: &mut dyn ShardSink) {
-        let Held { push, grad } = h;
+        let Held { push, grad, based_on } = h;
+        if let Some(base) = based_on {
+            let staleness = self.version.saturating_sub(base) as usize;
+            self.stats.staleness[staleness.min(STALENESS_BUCKETS - 1)] += 1;
+        }
         let weight = weight.unwrap_or_else(|| match self.push_weight {
             PushWeight::Mean => 1.0 / self.clocks.view().workers.max(1) as f32,
             PushWeight::Sum => 1.0,

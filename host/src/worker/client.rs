@@ -9,12 +9,15 @@
 
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
 use syncopate_policy_sdk::abi::{IterationReport, WorkerId};
 use tokio::sync::mpsc;
 
 use crate::net::proto::{
     ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, ShardPlace, Welcome,
-    PROTOCOL_VERSION,
+    WorkerNotice, PROTOCOL_VERSION,
 };
 use crate::net::tls::ClusterAccess;
 use crate::net::wire::{self, Limits};
@@ -42,8 +45,11 @@ pub struct WorkerClient {
     shards: Vec<ShardPlace>,
     /// Per shard: how far the shard's clock is behind the worker's iteration numbering.
     offsets: Vec<u64>,
+    /// Per shard: the version of the parameters last pulled (what the next push is based on).
+    pulled: Vec<AtomicU64>,
     model_len: usize,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
+    stop: Arc<AtomicBool>,
     limits: Limits,
 }
 
@@ -83,6 +89,8 @@ impl WorkerClient {
             tokio::spawn(read_controls(conn.clone(), tx.clone()));
             conns.push(conn);
         }
+        let stop = Arc::new(AtomicBool::new(false));
+        tokio::spawn(read_notices(coordinator.clone(), stop.clone()));
         tracing::info!(worker, shards = shards.len(), "connected to the cluster");
         Ok(WorkerClient {
             id: worker,
@@ -90,10 +98,26 @@ impl WorkerClient {
             coordinator,
             servers: conns,
             offsets: vec![0; shards.len()],
+            pulled: shards.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
             shards,
             model_len,
             controls,
+            stop,
             limits: Limits::default(),
+        })
+    }
+
+    /// Whether the coordinator asked the workers to stop (target reached, budget spent).
+    pub fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    /// Bytes sent and received on all this worker's connections (UDP payloads, so QUIC and TLS
+    /// overheads included).
+    pub fn bytes(&self) -> (u64, u64) {
+        self.servers.iter().chain([&self.coordinator]).fold((0, 0), |(tx, rx), c| {
+            let s = c.stats();
+            (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
         })
     }
 
@@ -164,7 +188,8 @@ impl WorkerClient {
             pulls.push(pull_into(conn, req, mine, self.limits));
         }
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
-        for (waited_ns, version) in futures::future::try_join_all(pulls).await? {
+        for (i, (waited_ns, version)) in futures::future::try_join_all(pulls).await?.into_iter().enumerate() {
+            self.pulled[i].store(version, Ordering::Relaxed);
             stats.waited_ns = stats.waited_ns.max(waited_ns);
             stats.deferred_shards += u32::from(waited_ns > 0);
             stats.min_version = stats.min_version.min(version);
@@ -178,8 +203,9 @@ impl WorkerClient {
         assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
         let pushes = self.shards.iter().enumerate().map(|(i, p)| {
             let conn = &self.servers[p.server as usize];
-            let req =
-                DataRequest::Push { shard: p.shard, iteration: self.shard_iteration(i, iteration), samples };
+            let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
+            let iteration = self.shard_iteration(i, iteration);
+            let req = DataRequest::Push { shard: p.shard, iteration, samples, based_on };
             let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
             async move {
                 match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
@@ -194,24 +220,26 @@ impl WorkerClient {
 
     /// Tells every shard's policy that an iteration is finished.
     pub async fn finished(&self, report: IterationReport) -> Result<(), NodeError> {
-        let reports = self.shards.iter().enumerate().map(|(i, p)| {
+        self.on_every_shard(|i, shard| DataRequest::Finished {
+            shard,
+            report: IterationReport { iteration: self.shard_iteration(i, report.iteration), ..report },
+        })
+        .await
+    }
+
+    /// Sends every shard the request `make(index, shard)` builds, at once; each must answer Ok.
+    async fn on_every_shard(&self, make: impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
+        let calls = self.shards.iter().enumerate().map(|(i, p)| {
             let conn = &self.servers[p.server as usize];
-            let report = IterationReport { iteration: self.shard_iteration(i, report.iteration), ..report };
+            let req = make(i, p.shard);
             async move {
-                match net::request::<_, DataResponse>(
-                    conn,
-                    &DataRequest::Finished { shard: p.shard, report },
-                    &[],
-                    &self.limits,
-                )
-                .await?
-                {
+                match net::request::<_, DataResponse>(conn, &req, &[], &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
                     (other, _) => Err(refused(conn, other)),
                 }
             }
         });
-        futures::future::try_join_all(reports).await?;
+        futures::future::try_join_all(calls).await?;
         Ok(())
     }
 
@@ -227,23 +255,7 @@ impl WorkerClient {
 
     /// Leaves every shard and tells the coordinator, then closes the connections.
     pub async fn leave(self) -> Result<(), NodeError> {
-        let leaves = self.shards.iter().map(|p| {
-            let conn = &self.servers[p.server as usize];
-            async move {
-                match net::request::<_, DataResponse>(
-                    conn,
-                    &DataRequest::Leave { shard: p.shard },
-                    &[],
-                    &self.limits,
-                )
-                .await?
-                {
-                    (DataResponse::Ok, _) => Ok(()),
-                    (other, _) => Err(refused(conn, other)),
-                }
-            }
-        });
-        futures::future::try_join_all(leaves).await?;
+        self.on_every_shard(|_, shard| DataRequest::Leave { shard }).await?;
         let bye = CoordRequest::Leaving { worker: self.id };
         match net::request::<_, CoordResponse>(&self.coordinator, &bye, &[], &self.limits).await? {
             (CoordResponse::Ok, _) => {}
@@ -277,6 +289,16 @@ async fn pull_into(
             Ok((waited_ns, version))
         }
         other => Err(refused(conn, other)),
+    }
+}
+
+async fn read_notices(conn: quinn::Connection, stop: Arc<AtomicBool>) {
+    let limits = Limits { max_header: 4096, max_payload: 0 };
+    while let Ok(mut recv) = conn.accept_uni().await {
+        if let Ok((WorkerNotice::Stop, _)) = wire::read_message::<WorkerNotice>(&mut recv, &limits).await {
+            tracing::info!("the coordinator asked us to stop");
+            stop.store(true, Ordering::Relaxed);
+        }
     }
 }
 

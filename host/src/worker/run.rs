@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use rand::SeedableRng;
+use rand_distr::Distribution;
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use syncopate_workloads::Workload;
@@ -25,8 +27,15 @@ pub struct WorkerOptions {
     pub batch: u32,
     /// Seed for the initial parameters.
     pub seed: u64,
-    /// Extra time spent per iteration after computing (pacing, or a simulated slow worker).
+    /// Extra time spent per iteration after computing (pacing).
     pub extra_delay: Duration,
+    /// Heterogeneity: this worker takes `slow_factor` times as long to compute (1: normal).
+    pub slow_factor: f32,
+    /// Heterogeneity: a random delay after each iteration, normal with this mean and standard
+    /// deviation in milliseconds (FluentPS's injection), drawn from a seeded source.
+    pub jitter_ms: Option<(f64, f64)>,
+    /// Heterogeneity: stall once, `at` after the start, `for` this long.
+    pub stall: Option<(Duration, Duration)>,
     /// Where to write the report (JSON) when done.
     pub report: Option<PathBuf>,
 }
@@ -52,6 +61,15 @@ pub struct WorkerReport {
     pub controls: u64,
     /// The last mini-batch's loss.
     pub last_loss: f32,
+    /// Bytes sent and received (UDP payloads: QUIC and TLS included).
+    pub bytes_sent: u64,
+    /// Bytes received.
+    pub bytes_received: u64,
+    /// Whether it stopped early because the coordinator asked (target or budget reached).
+    pub stopped_early: bool,
+    /// Per iteration: start (Unix seconds), time waiting on the pull, time busy (compute,
+    /// injected delays, push) in seconds.
+    pub timeline: Vec<(f64, f32, f32)>,
 }
 
 /// Joins the cluster, trains `workload` for the configured iterations, and leaves.
@@ -66,10 +84,26 @@ pub async fn run(opts: WorkerOptions, mut workload: Box<dyn Workload>) -> Result
     let mut params = vec![0f32; len];
     let mut grad = vec![0f32; len];
     let mut batch = opts.batch;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ (u64::from(worker) << 40) ^ 0x5eed);
+    let jitter = match opts.jitter_ms {
+        Some((mean, sd)) => Some(
+            rand_distr::Normal::new(mean, sd)
+                .map_err(|e| NodeError::Protocol(format!("bad jitter N({mean}, {sd}): {e}")))?,
+        ),
+        None => None,
+    };
+    let mut stall = opts.stall;
     for iteration in start..opts.iterations {
+        if client.stop_requested() {
+            report.stopped_early = true;
+            break;
+        }
+        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let t = Instant::now();
         let stats = client.pull(iteration, &mut params).await?;
-        report.wait_ns += t.elapsed().as_nanos() as u64;
+        let waited = t.elapsed();
+        report.wait_ns += waited.as_nanos() as u64;
+        let busy = Instant::now();
         report.deferred_pulls += u64::from(stats.deferred_shards > 0);
         let t = Instant::now();
         let step =
@@ -77,12 +111,27 @@ pub async fn run(opts: WorkerOptions, mut workload: Box<dyn Workload>) -> Result
         let compute_ns = t.elapsed().as_nanos() as u64;
         report.compute_ns += compute_ns;
         report.last_loss = step.loss;
-        if !opts.extra_delay.is_zero() {
-            tokio::time::sleep(opts.extra_delay).await;
+        let mut delay = opts.extra_delay;
+        if opts.slow_factor > 1.0 {
+            delay += Duration::from_nanos(compute_ns).mul_f32(opts.slow_factor - 1.0);
+        }
+        if let Some(n) = &jitter {
+            delay += Duration::from_secs_f64(n.sample(&mut rng).max(0.0) / 1e3);
+        }
+        if let Some((at, length)) = stall {
+            if began.elapsed() >= at {
+                tracing::info!(worker, ?length, "stalling, as asked");
+                delay += length;
+                stall = None;
+            }
+        }
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
         }
         client.push(iteration, &grad, step.samples).await?;
         report.iterations += 1;
         client.finished(IterationReport { worker, iteration, compute_ns, samples: step.samples }).await?;
+        report.timeline.push((unix.as_secs_f64(), waited.as_secs_f32(), busy.elapsed().as_secs_f32()));
         while let Some(msg) = client.try_control() {
             report.controls += 1;
             match msg.control {
@@ -103,6 +152,7 @@ pub async fn run(opts: WorkerOptions, mut workload: Box<dyn Workload>) -> Result
         tracing::debug!(worker, iteration, waited_ms = stats.waited_ns / 1_000_000, "iteration done");
     }
     report.elapsed_ns = began.elapsed().as_nanos() as u64;
+    (report.bytes_sent, report.bytes_received) = client.bytes();
     client.leave().await?;
     if let Some(path) = &opts.report {
         let json = serde_json::to_vec_pretty(&report).expect("reports serialize");

@@ -1,0 +1,181 @@
+//! The run report's pictures (SVG, so they need no fonts installed): test accuracy against
+//! wall-clock time, each worker's iterations on a timeline with its waits, and deferred pulls
+//! over time.
+
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use crate::local::LocalReport;
+
+type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Writes every plot the report has data for into `dir`; returns their paths.
+pub fn write_all(report: &LocalReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    if report.watch.iter().any(|p| p.accuracy.is_some()) {
+        let path = dir.join("accuracy.svg");
+        accuracy(report, &path)?;
+        files.push(path);
+    }
+    if report.workers.iter().any(|w| !w.timeline.is_empty()) {
+        let path = dir.join("timeline.svg");
+        timeline(report, &path)?;
+        files.push(path);
+    }
+    if !report.watch.is_empty() {
+        let path = dir.join("deferred.svg");
+        deferred(report, &path)?;
+        files.push(path);
+    }
+    if report.staleness.iter().any(|n| *n > 0) {
+        let path = dir.join("staleness.svg");
+        staleness(report, &path)?;
+        files.push(path);
+    }
+    Ok(files)
+}
+
+fn accuracy(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let pts: Vec<(f64, f64)> =
+        report.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
+    let t_max = pts.iter().map(|p| p.0).fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Test accuracy — {}", report.status.policy), ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..100.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("wall-clock time since the workers were started (s)")
+        .y_desc("test accuracy (%)")
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new(pts.iter().copied(), BLUE.stroke_width(2)))?
+        .label(report.status.policy.clone())
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let t0 = report.started_unix_s;
+    let n = report.workers.iter().map(|w| w.worker + 1).max().unwrap_or(1);
+    let t_max = report
+        .workers
+        .iter()
+        .flat_map(|w| w.timeline.last().map(|(s, wait, busy)| s - t0 + f64::from(*wait + *busy)))
+        .fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (1000, 120 + 60 * n)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Worker timeline: pulling, deferrals included (red), and working (blue)", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..t_max * 1.02, -0.5..f64::from(n) - 0.5)?;
+    chart
+        .configure_mesh()
+        .x_desc("wall-clock time since the workers were started (s)")
+        .y_desc("worker")
+        .y_labels(n as usize)
+        .y_label_formatter(&|y| {
+            if (y - y.round()).abs() < 0.01 {
+                format!("{}", y.round() as i64)
+            } else {
+                String::new()
+            }
+        })
+        .draw()?;
+    for w in &report.workers {
+        let y = f64::from(w.worker);
+        let bars = w.timeline.iter().flat_map(|(s, wait, busy)| {
+            let s = s - t0;
+            let (wait, busy) = (f64::from(*wait), f64::from(*busy));
+            [
+                Rectangle::new([(s, y - 0.35), (s + wait, y + 0.35)], RED.mix(0.7).filled()),
+                Rectangle::new([(s + wait, y - 0.35), (s + wait + busy, y + 0.35)], BLUE.mix(0.5).filled()),
+            ]
+        });
+        chart.draw_series(bars)?;
+    }
+    chart
+        .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], RED.mix(0.7).filled())))?
+        .label("pulling (waiting while deferred)")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], RED.mix(0.7).filled()));
+    chart
+        .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], BLUE.mix(0.5).filled())))?
+        .label("computing and pushing")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], BLUE.mix(0.5).filled()));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.9))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn deferred(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let pts: Vec<(f64, f64)> = report.watch.iter().map(|p| (p.t_s, p.pulls_deferred as f64)).collect();
+    let t_max = pts.iter().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = pts.iter().map(|p| p.1).fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Deferred pulls — {}", report.status.policy), ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..y_max * 1.05)?;
+    chart
+        .configure_mesh()
+        .x_desc("wall-clock time since the workers were started (s)")
+        .y_desc("deferred pulls so far (all shards)")
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new(pts, RED.stroke_width(2)))?
+        .label(report.status.policy.clone())
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+fn staleness(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let buckets = report.staleness.len() as u32;
+    let total: u64 = report.staleness.iter().sum();
+    let y_max = report.staleness.iter().map(|n| *n as f64 / total.max(1) as f64 * 100.0).fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Staleness of applied gradients — {}", report.status.policy), ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d((0u32..buckets).into_segmented(), 0.0..y_max * 1.05)?;
+    chart
+        .configure_mesh()
+        .x_desc(format!("optimizer steps between the pull and the push (last bar: {} or more)", buckets - 1))
+        .y_desc("share of pushes (%)")
+        .x_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(b) => b.to_string(),
+            _ => String::new(),
+        })
+        .draw()?;
+    chart.draw_series(report.staleness.iter().enumerate().map(|(b, n)| {
+        let share = *n as f64 / total.max(1) as f64 * 100.0;
+        let b = b as u32;
+        Rectangle::new(
+            [(SegmentValue::Exact(b), 0.0), (SegmentValue::Exact(b + 1), share)],
+            BLUE.mix(0.6).filled(),
+        )
+    }))?;
+    root.present()?;
+    Ok(())
+}

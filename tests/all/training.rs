@@ -1,0 +1,132 @@
+//! Real training through a real cluster: Fashion-MNIST (the 60,000 + 10,000 real images) with
+//! the MLP, workers as processes pulling and pushing over QUIC, test accuracy measured by the
+//! watcher on the 10,000 test images. `scripts/setup.sh` installs the dataset.
+
+use std::time::Duration;
+
+use crate::cluster::LocalRun;
+
+fn train(name: &str, args: &[&str]) -> syncopate::local::LocalReport {
+    let run = LocalRun::start_plain(name, args);
+    let (status, run) = run.finish(Duration::from_secs(600));
+    assert!(status.success(), "{name}: {}", run.output());
+    run.report()
+}
+
+fn best(report: &syncopate::local::LocalReport) -> f32 {
+    report.watch.iter().filter_map(|p| p.accuracy).chain(report.final_accuracy).fold(0.0, f32::max)
+}
+
+#[test]
+fn bsp_mlp_on_four_workers_reaches_84_percent() {
+    let report = train(
+        "bsp-mlp",
+        &[
+            "--workload",
+            "fashion-mlp",
+            "--policy",
+            "bsp",
+            "--workers",
+            "4",
+            "--servers",
+            "2",
+            "--epochs",
+            "6",
+            "--target-accuracy",
+            "0.84",
+            "--eval-every-ms",
+            "500",
+        ],
+    );
+    assert!(report.time_to_target_s.is_some(), "84% not reached: {:?}", report.watch);
+    assert!(best(&report) >= 0.84);
+    let last = report.final_accuracy.expect("scored");
+    assert!(last >= 0.82, "the final model is as good as the watched one: {last}");
+    // Under BSP every gradient is applied in the step after the pull it was computed from.
+    let pushes: u64 = report.staleness.iter().sum();
+    assert!(pushes > 0 && report.staleness[0] == pushes, "BSP staleness: {:?}", report.staleness);
+    // Each iteration moves the whole model (101,770 f32) up and down.
+    for w in &report.workers {
+        let model_bytes = 101_770 * 4 * w.iterations;
+        assert!(w.bytes_sent > model_bytes && w.bytes_received > model_bytes, "{w:?}");
+    }
+    let served: u64 = report.status.servers.iter().map(|s| s.bytes_sent).sum();
+    assert!(
+        served > report.workers.iter().map(|w| w.bytes_received).sum::<u64>() / 2,
+        "server bytes counted"
+    );
+    // The run stopped early, cleanly, because the target was reached.
+    assert!(report.workers.iter().all(|w| w.stopped_early), "{:?}", report.workers);
+    assert!(report.plots.iter().any(|p| p.ends_with("accuracy.svg")));
+    for p in &report.plots {
+        let svg = std::fs::read_to_string(p).unwrap();
+        let axis = if p.ends_with("staleness.svg") {
+            "optimizer steps between the pull and the push"
+        } else {
+            "wall-clock time since the workers were started (s)"
+        };
+        assert!(svg.contains(axis), "{} has a labelled x axis", p.display());
+    }
+}
+
+#[test]
+fn asp_and_ssp_converge_too() {
+    for policy in ["asp", "ssp:s=3"] {
+        let report = train(
+            &format!("converge-{}", &policy[..3]),
+            &[
+                "--workload",
+                "fashion-mlp",
+                "--policy",
+                policy,
+                "--workers",
+                "4",
+                "--servers",
+                "2",
+                "--epochs",
+                "2",
+                "--eval-every-ms",
+                "1000",
+            ],
+        );
+        // Asynchronous updates are noisier (stale gradients under momentum): judge the run by
+        // its best look, and require the final model to stay close to it.
+        let acc = report.final_accuracy.expect("scored");
+        assert!(best(&report) >= 0.80, "{policy}: best {} after two epochs", best(&report));
+        assert!(acc >= 0.75, "{policy}: final {acc} after two epochs");
+        let losses: Vec<f32> = report.watch.iter().filter_map(|p| p.loss).collect();
+        assert!(losses.first() > losses.last(), "{policy}: test loss falls: {losses:?}");
+    }
+}
+
+/// One worker three times slower: SSP (s = 3) lets the others run ahead within the bound, so it
+/// defers far fewer pulls than BSP. (Times are compared in `scripts/compare-slow.sh` and the
+/// README, not asserted here: counts do not depend on how busy the machine is.)
+#[test]
+fn with_a_slow_worker_ssp_defers_fewer_pulls_than_bsp() {
+    let mut deferred = Vec::new();
+    for policy in ["bsp", "ssp:s=3"] {
+        let report = train(
+            &format!("slow-{}", &policy[..3]),
+            &[
+                "--workload",
+                "fashion-mlp",
+                "--policy",
+                policy,
+                "--workers",
+                "4",
+                "--servers",
+                "2",
+                "--iterations",
+                "150",
+                "--slow",
+                "0:3",
+                "--eval-every-ms",
+                "60000",
+            ],
+        );
+        assert!(report.workers.iter().all(|w| w.iterations == 150));
+        deferred.push(report.workers.iter().map(|w| w.deferred_pulls).sum::<u64>());
+    }
+    assert!(deferred[1] < deferred[0], "SSP deferred {} pulls, BSP {}", deferred[1], deferred[0]);
+}
