@@ -60,8 +60,21 @@ async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
     };
     let workers = IN_FLIGHT.to_string();
     let coordinator = spawn(&[
-        "coordinator", "--listen", "127.0.0.1:0", "--servers", "1", "--workers", &workers, "--policy", "asp",
-        "--lr", "0.000001", "--momentum", "0", "--ready-file", ready.to_str().unwrap(),
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--servers",
+        "1",
+        "--workers",
+        &workers,
+        "--policy",
+        "asp",
+        "--lr",
+        "0.000001",
+        "--momentum",
+        "0",
+        "--ready-file",
+        ready.to_str().unwrap(),
     ]);
     let addr: std::net::SocketAddr = loop {
         if let Ok(a) = std::fs::read_to_string(&ready) {
@@ -86,7 +99,8 @@ async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
 
 fn transport(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let threads: usize = std::env::var("SYNCOPATE_BENCH_SERVER_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0);
+    let threads: usize =
+        std::env::var("SYNCOPATE_BENCH_SERVER_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("syncopate-bench-{}", std::process::id()));
     for &(label, bytes) in SIZES {
         let floats = bytes / 4;
