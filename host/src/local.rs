@@ -77,6 +77,8 @@ pub struct WatchPoint {
     pub pulls_deferred: u64,
     /// Time pulls spent deferred so far, all shards, in seconds.
     pub deferred_s: f64,
+    /// Per live worker: seconds its pulls have waited so far (the longest of any shard).
+    pub worker_waits_s: Vec<(u32, f64)>,
 }
 
 /// What `report.json` holds.
@@ -393,7 +395,8 @@ fn describe_point(p: &WatchPoint) -> String {
         (Some(a), Some(l)) => format!("test accuracy {:.1}%  loss {l:.3}  ", a * 100.0),
         _ => String::new(),
     };
-    format!("{acc}deferred pulls {} ({:.1} s waited)", p.pulls_deferred, p.deferred_s)
+    let waits: Vec<String> = p.worker_waits_s.iter().map(|(w, s)| format!("w{w} {s:.1}s")).collect();
+    format!("{acc}deferred pulls {}  waited: {}", p.pulls_deferred, waits.join(" "))
 }
 
 /// Reads the cluster's counters and, with an evaluator, the model's test accuracy.
@@ -413,7 +416,14 @@ async fn watch(op: &Operator, evaluator: Option<&Evaluator>, t_s: f64) -> Result
         max_clock: clocks.iter().copied().max().unwrap_or(0),
         pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
         deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
+        worker_waits_s: Vec::new(),
     };
+    let mut waits = std::collections::BTreeMap::<u32, u64>::new();
+    for (w, ns) in shards.iter().flat_map(|s| &s.waited_ns) {
+        let e = waits.entry(*w).or_default();
+        *e = (*e).max(*ns);
+    }
+    point.worker_waits_s = waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect();
     if let Some(e) = evaluator {
         let (model, _) = op.read_model().await?;
         if model.len() != e.param_len() {

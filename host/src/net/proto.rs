@@ -331,6 +331,8 @@ pub struct ShardStatus {
     pub parked: u32,
     /// Pushes held now.
     pub held: u32,
+    /// Per live worker: nanoseconds its pulls have spent deferred here.
+    pub waited_ns: Vec<(WorkerId, u64)>,
 }
 
 /// One server's state.

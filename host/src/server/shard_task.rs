@@ -269,6 +269,7 @@ impl ShardTask {
                     stats: s.stats(),
                     parked: s.parked_pulls() as u32,
                     held: s.held_pushes() as u32,
+                    waited_ns: s.worker_waits(),
                 }));
             }
         }

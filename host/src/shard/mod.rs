@@ -246,6 +246,8 @@ pub struct Shard {
     floor: u64,
     next_push: Vec<u64>,
     applied: Vec<u64>,
+    /// Per worker: nanoseconds its pulls spent deferred.
+    waited: Vec<u64>,
     version: u64,
     mode: UpdateMode,
     aggregates: BTreeMap<u64, Aggregate>,
@@ -283,6 +285,7 @@ impl Shard {
             floor: 0,
             next_push: Vec::new(),
             applied: Vec::new(),
+            waited: Vec::new(),
             version: 0,
             mode: UpdateMode::OnArrival,
             aggregates: BTreeMap::new(),
@@ -321,6 +324,14 @@ impl Shard {
     /// The live workers and their clocks.
     pub fn workers(&self) -> Vec<WorkerClock> {
         self.clocks.workers().collect()
+    }
+
+    /// Per live worker: nanoseconds its pulls have spent deferred on this shard.
+    pub fn worker_waits(&self) -> Vec<(WorkerId, u64)> {
+        self.clocks
+            .workers()
+            .map(|w| (w.worker, self.waited.get(w.worker as usize).copied().unwrap_or(0)))
+            .collect()
     }
 
     /// Counters.
@@ -380,6 +391,7 @@ impl Shard {
         if self.next_push.len() <= i {
             self.next_push.resize(i + 1, 0);
             self.applied.resize(i + 1, 0);
+            self.waited.resize(i + 1, 0);
         }
         self.next_push[i] = clock;
         self.applied[i] = clock;
@@ -792,6 +804,9 @@ impl Shard {
         self.stats.pulls_served += 1;
         self.stats.deferred_ns += waited_ns;
         let min_applied = self.clocks.workers().map(|w| self.applied[w.worker as usize]).min().unwrap_or(0);
+        if let Some(w) = self.waited.get_mut(p.pull.worker as usize) {
+            *w += waited_ns;
+        }
         sink.pull_served(PullReply {
             id: p.pull.id,
             worker: p.pull.worker,

@@ -134,6 +134,10 @@ impl WorkerClient {
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
     /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
     /// with the slowest worker.
+    ///
+    /// # Panics
+    /// If `init` is not the whole model (the length given to [`connect`](Self::connect)); the
+    /// same holds for `pull`'s `out` and `push`'s `grad`.
     pub async fn join(&mut self, init: &[f32]) -> Result<u64, NodeError> {
         assert_eq!(init.len(), self.model_len, "init must be the whole model");
         let limits = self.limits;
