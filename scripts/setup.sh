@@ -22,7 +22,8 @@ if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx
   echo "setup: installing Debian's dataset-fashion-mnist (the training data)"
   sudo=""
   if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-  if ! { $sudo apt-get install -y dataset-fashion-mnist || { $sudo apt-get update && $sudo apt-get install -y dataset-fashion-mnist; }; }; then
+  apt() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@"; }
+  if ! { apt install dataset-fashion-mnist || { apt update && apt install dataset-fashion-mnist; }; }; then
     echo "error: could not install dataset-fashion-mnist; put the four Fashion-MNIST IDX files in a" >&2
     echo "       directory and pass it with --data DIR" >&2
     exit 1
