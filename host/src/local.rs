@@ -104,6 +104,8 @@ pub struct LocalReport {
     pub watch: Vec<WatchPoint>,
     /// Test accuracy of the final model.
     pub final_accuracy: Option<f32>,
+    /// The best test accuracy the watcher saw; that model is saved as `model-best.bin`.
+    pub best_accuracy: Option<f32>,
     /// Seconds until test accuracy first reached the target.
     pub time_to_target_s: Option<f64>,
     /// Admitted pushes by staleness (optimizer steps between the pull a gradient was computed
@@ -271,6 +273,7 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
     let mut points: Vec<WatchPoint> = Vec::new();
     let mut time_to_target = None;
     let mut stop_sent = false;
+    let mut best: Option<(f32, Vec<f32>)> = None;
     let mut ended = Vec::new();
     let mut tick = tokio::time::interval(opts.watch.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -279,7 +282,12 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
             Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
             _ = tick.tick() => {
                 let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64()).await;
-                let Ok(point) = point else { continue };
+                let Ok((point, scored)) = point else { continue };
+                if let (Some(acc), Some(model)) = (point.accuracy, scored) {
+                    if best.as_ref().is_none_or(|(b, _)| acc > *b) {
+                        best = Some((acc, model));
+                    }
+                }
                 progress.set_length(opts.watch.iterations * worker_names.len() as u64);
                 progress.set_position(point.min_clock * worker_names.len() as u64);
                 let msg = describe_point(&point);
@@ -314,7 +322,7 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         match (status.success(), report) {
             (true, Some(r)) => {
                 eprintln!(
-                    "worker {w} finished: {} iterations, waited {:.2} s",
+                    "worker {w} finished: {} iterations, {:.2} s in pulls",
                     r.iterations,
                     r.wait_ns as f64 / 1e9
                 );
@@ -350,6 +358,11 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
     let model_file = dir.join("model.bin");
     std::fs::write(&model_file, crate::net::wire::f32_bytes(&model))
         .map_err(io(format!("cannot write {}", model_file.display())))?;
+    if let Some((_, params)) = &best {
+        let path = dir.join("model-best.bin");
+        std::fs::write(&path, crate::net::wire::f32_bytes(params))
+            .map_err(io(format!("cannot write {}", path.display())))?;
+    }
     let elapsed_s = began.elapsed().as_secs_f64();
     operator.shutdown().await?;
     for p in std::iter::once(&mut coordinator).chain(servers.iter_mut()) {
@@ -376,6 +389,7 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         started_unix_s: started.as_secs_f64(),
         watch: points,
         final_accuracy,
+        best_accuracy: best.as_ref().map(|(a, _)| *a),
         time_to_target_s: time_to_target,
         staleness,
         plots: Vec::new(),
@@ -396,11 +410,16 @@ fn describe_point(p: &WatchPoint) -> String {
         _ => String::new(),
     };
     let waits: Vec<String> = p.worker_waits_s.iter().map(|(w, s)| format!("w{w} {s:.1}s")).collect();
-    format!("{acc}deferred pulls {}  waited: {}", p.pulls_deferred, waits.join(" "))
+    format!("{acc}deferred pulls {}  deferred wait: {}", p.pulls_deferred, waits.join(" "))
 }
 
-/// Reads the cluster's counters and, with an evaluator, the model's test accuracy.
-async fn watch(op: &Operator, evaluator: Option<&Evaluator>, t_s: f64) -> Result<WatchPoint, NodeError> {
+/// Reads the cluster's counters and, with an evaluator, scores the model; returns the point and
+/// the model it scored.
+async fn watch(
+    op: &Operator,
+    evaluator: Option<&Evaluator>,
+    t_s: f64,
+) -> Result<(WatchPoint, Option<Vec<f32>>), NodeError> {
     let status = op.status().await?;
     let shards: Vec<_> = status.servers.iter().flat_map(|s| &s.shards).collect();
     let clocks: Vec<u64> = shards
@@ -428,13 +447,14 @@ async fn watch(op: &Operator, evaluator: Option<&Evaluator>, t_s: f64) -> Result
         let (model, _) = op.read_model().await?;
         if model.len() != e.param_len() {
             // Not every shard exists yet (workers are still joining).
-            return Ok(point);
+            return Ok((point, None));
         }
         let score = tokio::task::block_in_place(|| e.evaluate(&model));
         point.accuracy = Some(score.accuracy);
         point.loss = Some(score.loss);
+        return Ok((point, Some(model)));
     }
-    Ok(point)
+    Ok((point, None))
 }
 
 fn write_private_json<T: Serialize>(path: &Path, value: &T) -> Result<(), NodeError> {

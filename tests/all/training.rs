@@ -40,6 +40,10 @@ fn bsp_mlp_on_four_workers_reaches_84_percent() {
     );
     assert!(report.time_to_target_s.is_some(), "84% not reached: {:?}", report.watch);
     assert!(best(&report) >= 0.84);
+    // The best model the watcher scored is saved whole.
+    assert!(report.best_accuracy.is_some_and(|a| a >= 0.84));
+    let best_file = report.model_file.with_file_name("model-best.bin");
+    assert_eq!(std::fs::metadata(&best_file).map(|m| m.len()).ok(), Some(101_770 * 4));
     let last = report.final_accuracy.expect("scored");
     // SGD with momentum wanders by a point or two between looks; the final model stays close.
     assert!(last >= 0.80, "the final model stays close to the watched one: {last}");

@@ -187,7 +187,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     println!("elapsed:    {:.2} s", report.elapsed_s);
     for w in &report.workers {
         println!(
-            "worker {:<3} {:>6} iterations  {:>8.2} it/s  waited {:>7.2} s  deferred pulls {:>5}",
+            "worker {:<3} {:>6} iterations  {:>8.2} it/s  in pulls {:>7.2} s  deferred pulls {:>5}",
             w.worker,
             w.iterations,
             w.iterations as f64 / (w.elapsed_ns as f64 / 1e9).max(1e-9),
@@ -202,7 +202,14 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         report.model_file.display()
     );
     if let Some(acc) = report.final_accuracy {
-        println!("accuracy:   {:.2}% on the 10,000 test images", acc * 100.0);
+        println!("accuracy:   {:.2}% on the 10,000 test images (final model)", acc * 100.0);
+    }
+    if let Some(acc) = report.best_accuracy {
+        println!(
+            "best:       {:.2}% seen while training; that model is {}",
+            acc * 100.0,
+            run_dir.join("model-best.bin").display()
+        );
     }
     if let Some(target) = a.target_accuracy {
         match report.time_to_target_s {
