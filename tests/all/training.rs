@@ -6,8 +6,10 @@ use std::time::Duration;
 
 use crate::cluster::LocalRun;
 
-fn train(name: &str, args: &[&str]) -> syncopate::local::LocalReport {
-    let run = LocalRun::start_plain(name, args);
+/// The MLP under `policy` on 4 workers and 2 servers, plus `extra` arguments.
+fn train(name: &str, policy: &str, extra: &[&str]) -> syncopate::local::LocalReport {
+    let common = ["--workload", "fashion-mlp", "--policy", policy, "--workers", "4", "--servers", "2"];
+    let run = LocalRun::start_plain(name, &[&common[..], extra].concat());
     let (status, run) = run.finish(Duration::from_secs(600));
     assert!(status.success(), "{name}: {}", run.output());
     run.report()
@@ -19,25 +21,8 @@ fn best(report: &syncopate::local::LocalReport) -> f32 {
 
 #[test]
 fn bsp_mlp_on_four_workers_reaches_84_percent() {
-    let report = train(
-        "bsp-mlp",
-        &[
-            "--workload",
-            "fashion-mlp",
-            "--policy",
-            "bsp",
-            "--workers",
-            "4",
-            "--servers",
-            "2",
-            "--epochs",
-            "6",
-            "--target-accuracy",
-            "0.84",
-            "--eval-every-ms",
-            "500",
-        ],
-    );
+    let report =
+        train("bsp-mlp", "bsp", &["--epochs", "6", "--target-accuracy", "0.84", "--eval-every-ms", "500"]);
     assert!(report.time_to_target_s.is_some(), "84% not reached: {:?}", report.watch);
     assert!(best(&report) >= 0.84);
     // The best model the watcher scored is saved whole.
@@ -79,20 +64,8 @@ fn asp_and_ssp_converge_too() {
     for policy in ["asp", "ssp:s=3"] {
         let report = train(
             &format!("converge-{}", &policy[..3]),
-            &[
-                "--workload",
-                "fashion-mlp",
-                "--policy",
-                policy,
-                "--workers",
-                "4",
-                "--servers",
-                "2",
-                "--epochs",
-                "2",
-                "--eval-every-ms",
-                "1000",
-            ],
+            policy,
+            &["--epochs", "2", "--eval-every-ms", "1000"],
         );
         // Asynchronous updates are noisier (stale gradients under momentum): judge the run by
         // its best look, and require the final model to stay close to it.
@@ -113,22 +86,8 @@ fn with_a_slow_worker_ssp_defers_fewer_pulls_than_bsp() {
     for policy in ["bsp", "ssp:s=3"] {
         let report = train(
             &format!("slow-{}", &policy[..3]),
-            &[
-                "--workload",
-                "fashion-mlp",
-                "--policy",
-                policy,
-                "--workers",
-                "4",
-                "--servers",
-                "2",
-                "--iterations",
-                "150",
-                "--slow",
-                "0:3",
-                "--eval-every-ms",
-                "60000",
-            ],
+            policy,
+            &["--iterations", "150", "--slow", "0:3", "--eval-every-ms", "60000"],
         );
         assert!(report.workers.iter().all(|w| w.iterations == 150));
         deferred.push(report.workers.iter().map(|w| w.deferred_pulls).sum::<u64>());

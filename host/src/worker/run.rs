@@ -153,11 +153,12 @@ pub async fn run(opts: WorkerOptions, mut workload: Box<dyn Workload>) -> Result
     }
     report.elapsed_ns = began.elapsed().as_nanos() as u64;
     (report.bytes_sent, report.bytes_received) = client.bytes();
-    client.leave().await?;
+    // The report is written before leaving, so a failed goodbye loses no record of the work.
     if let Some(path) = &opts.report {
         let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
         std::fs::write(path, json)
             .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
     }
+    client.leave().await?;
     Ok(report)
 }
