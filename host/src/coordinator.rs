@@ -226,8 +226,10 @@ impl Coordinator {
                         (welcome, st.policy.wasm.clone())
                     }
                 };
-                let refused = matches!(welcome, Welcome::Refused(_));
-                if net::answer(&mut send, &welcome, &wasm).await.is_err() || refused {
+                if let Welcome::Refused(reason) = welcome {
+                    return net::refuse(&mut send, reason).await;
+                }
+                if net::answer(&mut send, &welcome, &wasm).await.is_err() {
                     return;
                 }
                 let n = self.lock().servers.len() as u32;
@@ -243,6 +245,9 @@ impl Coordinator {
                     Welcome::Worker { worker, .. } => Some(*worker),
                     _ => None,
                 };
+                if let Welcome::Refused(reason) = welcome {
+                    return net::refuse(&mut send, reason).await;
+                }
                 if net::answer(&mut send, &welcome, &[]).await.is_err() {
                     return;
                 }

@@ -281,3 +281,68 @@ fn a_killed_worker_is_dropped_and_bsp_goes_on() {
     let servers = run.log("server-0") + &run.log("server-1");
     assert!(servers.contains("worker lost"), "the servers noticed: {servers}");
 }
+
+/// Start-up never hangs silently: a worker of a cluster whose servers do not all come up is
+/// told so after the start-up timeout, and the half-started cluster still shuts down cleanly.
+#[test]
+fn a_missing_server_gives_workers_a_clear_error() {
+    let dir = run_dir("missing-server");
+    let tls = dir.join("tls");
+    let out = Command::new(syncopate_bin()).arg("certs").arg(&tls).output().unwrap();
+    assert!(out.status.success());
+    let ready = dir.join("addr");
+    let spawn = |args: &[&str]| {
+        Command::new(syncopate_bin())
+            .args(args)
+            .env("SYNCOPATE_TOKEN", "t0ken")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let tls_dir = tls.to_str().unwrap();
+    let mut coordinator = spawn(&[
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--servers",
+        "2",
+        "--startup-timeout-s",
+        "1",
+        "--tls-dir",
+        tls_dir,
+        "--ready-file",
+        ready.to_str().unwrap(),
+    ]);
+    let t = Instant::now();
+    let addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&ready) {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "the coordinator did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut server = spawn(&["server", "--coordinator", &addr, "--tls-dir", tls_dir]);
+    let ca = tls.join("cert.pem");
+    let worker = Command::new(syncopate_bin())
+        .args(["worker", "--coordinator", &addr, "--workload", "counter", "--ca", ca.to_str().unwrap()])
+        .env("SYNCOPATE_TOKEN", "t0ken")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&worker.stderr);
+    assert!(!worker.status.success());
+    assert!(err.contains("only 1 of 2 servers registered within 1s"), "{err}");
+    let out = Command::new(syncopate_bin())
+        .args(["shutdown", "--coordinator", &addr, "--ca", ca.to_str().unwrap()])
+        .env("SYNCOPATE_TOKEN", "t0ken")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for child in [&mut coordinator, &mut server] {
+        let t = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(15), "a process did not stop after shutdown");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}

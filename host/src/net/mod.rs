@@ -180,6 +180,14 @@ pub async fn accept_hello(
     Some((hello, send))
 }
 
+/// Sends a refusal and waits (briefly) until the peer has read it, so that closing the
+/// connection afterwards does not swallow the reason.
+pub async fn refuse(send: &mut quinn::SendStream, reason: String) {
+    if answer(send, &Welcome::Refused(reason), &[]).await.is_ok() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    }
+}
+
 /// Sends a single answer frame on `send` and finishes it.
 pub async fn answer<A: Serialize>(
     send: &mut quinn::SendStream,

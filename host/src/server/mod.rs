@@ -334,7 +334,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         Role::Operator => None,
         other => {
             let reason = format!("a server's data plane takes workers and readers, not {other:?}");
-            let _ = net::answer(&mut send, &Welcome::Refused(reason.clone()), &[]).await;
+            net::refuse(&mut send, reason.clone()).await;
             conn.close(close::PROTOCOL.into(), reason.as_bytes());
             return;
         }
