@@ -36,30 +36,47 @@ pub fn write_all(report: &LocalReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn accuracy(report: &LocalReport, path: &Path) -> PlotResult<()> {
-    let pts: Vec<(f64, f64)> =
-        report.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
+/// Time on x; the time axis's label.
+const TIME_AXIS: &str = "wall-clock time since the workers were started (s)";
+
+/// One line over time, labelled with the run's policy.
+fn time_line(
+    report: &LocalReport,
+    path: &Path,
+    title: &str,
+    y_desc: &str,
+    pts: Vec<(f64, f64)>,
+    y_max: f64,
+    color: RGBColor,
+) -> PlotResult<()> {
     let t_max = pts.iter().map(|p| p.0).fold(1.0, f64::max);
     let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Test accuracy — {}", report.status.policy), ("sans-serif", 22))
+        .caption(format!("{title} — {}", report.status.policy), ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(45)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..100.0)?;
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..y_max)?;
+    chart.configure_mesh().x_desc(TIME_AXIS).y_desc(y_desc).draw()?;
     chart
-        .configure_mesh()
-        .x_desc("wall-clock time since the workers were started (s)")
-        .y_desc("test accuracy (%)")
-        .draw()?;
-    chart
-        .draw_series(LineSeries::new(pts.iter().copied(), BLUE.stroke_width(2)))?
+        .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
         .label(report.status.policy.clone())
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
     root.present()?;
     Ok(())
+}
+
+fn accuracy(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let pts = report.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
+    time_line(report, path, "Test accuracy", "test accuracy (%)", pts, 100.0, BLUE)
+}
+
+fn deferred(report: &LocalReport, path: &Path) -> PlotResult<()> {
+    let pts: Vec<(f64, f64)> = report.watch.iter().map(|p| (p.t_s, p.pulls_deferred as f64)).collect();
+    let y_max = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.05;
+    time_line(report, path, "Deferred pulls", "deferred pulls so far (all shards)", pts, y_max, RED)
 }
 
 fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
@@ -80,7 +97,7 @@ fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
         .build_cartesian_2d(0.0..t_max * 1.02, -0.5..f64::from(n) - 0.5)?;
     chart
         .configure_mesh()
-        .x_desc("wall-clock time since the workers were started (s)")
+        .x_desc(TIME_AXIS)
         .y_desc("worker")
         .y_labels(n as usize)
         .y_label_formatter(&|y| {
@@ -117,32 +134,6 @@ fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
         .border_style(BLACK)
         .background_style(WHITE.mix(0.9))
         .draw()?;
-    root.present()?;
-    Ok(())
-}
-
-fn deferred(report: &LocalReport, path: &Path) -> PlotResult<()> {
-    let pts: Vec<(f64, f64)> = report.watch.iter().map(|p| (p.t_s, p.pulls_deferred as f64)).collect();
-    let t_max = pts.iter().map(|p| p.0).fold(1.0, f64::max);
-    let y_max = pts.iter().map(|p| p.1).fold(1.0, f64::max);
-    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Deferred pulls — {}", report.status.policy), ("sans-serif", 22))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..y_max * 1.05)?;
-    chart
-        .configure_mesh()
-        .x_desc("wall-clock time since the workers were started (s)")
-        .y_desc("deferred pulls so far (all shards)")
-        .draw()?;
-    chart
-        .draw_series(LineSeries::new(pts, RED.stroke_width(2)))?
-        .label(report.status.policy.clone())
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
-    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
     root.present()?;
     Ok(())
 }
