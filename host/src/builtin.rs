@@ -62,6 +62,17 @@ impl std::str::FromStr for PolicySpec {
     }
 }
 
+/// Writes the spec back as it is parsed: `source[:k=v,k=v]`.
+impl std::fmt::Display for PolicySpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.source)?;
+        for (i, (k, v)) in self.config.iter().enumerate() {
+            write!(f, "{}{k}={v}", if i == 0 { ':' } else { ',' })?;
+        }
+        Ok(())
+    }
+}
+
 impl PolicySpec {
     /// Compiles the module this spec names: a built-in, or a file.
     pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {
@@ -111,5 +122,8 @@ mod tests {
                 || "ssp:s".parse::<PolicySpec>().unwrap().source == "ssp:s"
         );
         assert!(":s=1".parse::<PolicySpec>().is_err());
+        for text in ["ssp:s=3", "/tmp/p.wasm:a=1,b=x", "bsp"] {
+            assert_eq!(text.parse::<PolicySpec>().unwrap().to_string(), text);
+        }
     }
 }

@@ -94,13 +94,7 @@ fn parse_triple(s: &str) -> Result<(u32, f64, f64), String> {
 /// Runs `syncopate local`.
 pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    let policy_text = std::iter::once(a.policy.policy.source.clone())
-        .chain(a.policy.policy.config.iter().map(|(k, v)| format!("{k}={v}")))
-        .collect::<Vec<_>>();
-    let spec = match policy_text.split_first() {
-        Some((name, cfg)) if !cfg.is_empty() => format!("{name}:{}", cfg.join(",")),
-        _ => a.policy.policy.source.clone(),
-    };
+    let spec = a.policy.policy.to_string();
     // Fail here, not in a child process, if the policy cannot be found.
     a.policy.policy.bytes()?;
     let run_dir = a.run_dir.unwrap_or_else(|| {
