@@ -135,12 +135,14 @@ pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Encoder) {
             ctx.emit(&decision);
         }
         Event::Push(push) => {
-            let decision = match policy.on_push(&mut ctx, push) {
+            let verdict = policy.on_push(&mut ctx, push);
+            let decision = match verdict {
                 PushVerdict::Admit => Decision::AdmitPush { push: push.id, weight: None },
                 PushVerdict::AdmitWeighted(w) => Decision::AdmitPush { push: push.id, weight: Some(w) },
                 PushVerdict::Hold => Decision::HoldPush { push: push.id },
             };
             ctx.emit(&decision);
+            policy.after_push(&mut ctx, push, verdict);
         }
         Event::WorkerJoined { worker, clock } => policy.on_worker_joined(&mut ctx, *worker, *clock),
         Event::WorkerLeft { worker, reason } => policy.on_worker_left(&mut ctx, *worker, *reason),

@@ -63,6 +63,7 @@ pub mod config;
 mod ctx;
 #[doc(hidden)]
 pub mod guest;
+pub mod shares;
 pub mod testing;
 
 use alloc::string::String;
@@ -142,6 +143,11 @@ pub trait Policy: Sized + 'static {
     fn on_push(&mut self, _ctx: &mut Ctx<'_>, _push: &Push) -> PushVerdict {
         PushVerdict::Admit
     }
+
+    /// Called right after a push's verdict took effect. Decisions emitted here come after the
+    /// verdict: admit held pushes that this one unblocks (R²SP's rotation does), so the host
+    /// applies them in that order.
+    fn after_push(&mut self, _ctx: &mut Ctx<'_>, _push: &Push, _verdict: PushVerdict) {}
 
     /// A worker joined with the given starting clock.
     fn on_worker_joined(&mut self, _ctx: &mut Ctx<'_>, _worker: WorkerId, _clock: u64) {}

@@ -1,10 +1,13 @@
 //! A deterministic cluster of simulated workers around one real [`Shard`]: each worker pulls,
-//! waits until its pull is served, "computes", and pushes a gradient of all ones. A seeded
-//! scheduler picks which worker moves next, so the interleaving is random but reproducible.
+//! waits until its pull is served, "computes", pushes a gradient of all ones, waits for the
+//! push's acknowledgement (a policy may hold it), and reports the iteration. A seeded scheduler
+//! picks which worker moves next, each with a chance proportional to its speed, so the
+//! interleaving is random but reproducible. Policy timers fire as time advances, and batch-size
+//! control messages are obeyed.
 
 use syncopate::runtime::PolicyModule;
 use syncopate::shard::{OptimizerConfig, PullRequest, PushRequest, Shard, ShardConfig};
-use syncopate_policy_sdk::abi::RequestId;
+use syncopate_policy_sdk::abi::{Control, IterationReport, RequestId, ShardView};
 use syncopate_suite::{config, Recorder};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,7 +15,17 @@ enum State {
     Idle,
     Waiting(RequestId),
     Ready,
+    Acking(RequestId),
     Done,
+}
+
+/// One pull as the policy saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullSeen {
+    pub worker: u32,
+    pub clock: u64,
+    pub view: ShardView,
+    pub deferred: bool,
 }
 
 /// Workers plus the shard they share.
@@ -25,8 +38,17 @@ pub struct Cluster {
     iterations: u64,
     rng: u64,
     pub pushes: u64,
-    /// (step, worker, deferred?) for every pull, for comparing decisions across policies.
+    /// (worker, deferred?) for every pull, for comparing decisions across policies.
     pub pull_log: Vec<(u32, bool)>,
+    /// Every pull with the clocks it was decided on.
+    pub pulls: Vec<PullSeen>,
+    /// Relative speeds: a worker is picked with a chance proportional to its speed.
+    speeds: Vec<u64>,
+    /// Per worker: its batch size and its compute cost per sample (ns).
+    pub batch: Vec<u32>,
+    cost: Vec<u64>,
+    based_on: Vec<Option<u64>>,
+    controls_seen: usize,
 }
 
 /// SGD with learning rate 1 and no momentum: every push of ones at weight 1/N moves the parameter
@@ -60,7 +82,31 @@ impl Cluster {
             rng: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
             pushes: 0,
             pull_log: Vec::new(),
+            pulls: Vec::new(),
+            speeds: vec![1; workers as usize],
+            batch: vec![32; workers as usize],
+            cost: vec![1_000; workers as usize],
+            based_on: vec![None; workers as usize],
+            controls_seen: 0,
         }
+    }
+
+    /// Worker `w` is picked `speeds[w]` times as often, and its compute per sample costs
+    /// proportionally less (as reported in its iteration reports).
+    pub fn with_speeds(mut self, speeds: &[u64]) -> Self {
+        assert_eq!(speeds.len(), self.state.len());
+        self.speeds = speeds.to_vec();
+        self.cost = speeds.iter().map(|s| 12_000 / s.max(&1)).collect();
+        self
+    }
+
+    fn obey_controls(&mut self) {
+        for (w, c) in &self.rec.controls[self.controls_seen..] {
+            if let Control::SetBatchSize { samples } = c {
+                self.batch[*w as usize] = *samples;
+            }
+        }
+        self.controls_seen = self.rec.controls.len();
     }
 
     fn next_rand(&mut self) -> u64 {
@@ -76,24 +122,37 @@ impl Cluster {
 
     /// Moves worker `w` one step. Returns whether it made progress.
     pub fn step(&mut self, w: usize) -> bool {
-        self.now += 1_000;
+        self.now += 100_000;
+        self.shard.advance(self.now, &mut self.rec);
+        self.obey_controls();
         let worker = w as u32;
         match self.state[w] {
             State::Done => false,
             State::Idle => {
                 let iteration = self.iteration[w];
+                let (view, clock) = (self.shard.view(), self.shard.workers()[w].clock);
                 let id = self
                     .shard
                     .pull(PullRequest { worker, iteration }, self.now, &mut self.rec)
                     .expect("pull");
-                let served = self.rec.was_served(id);
-                self.pull_log.push((worker, !served));
-                self.state[w] = if served { State::Ready } else { State::Waiting(id) };
+                let served = self.rec.served(id).map(|s| s.version);
+                self.pull_log.push((worker, served.is_none()));
+                self.pulls.push(PullSeen { worker, clock, view, deferred: served.is_none() });
+                self.based_on[w] = served;
+                self.state[w] = if served.is_some() { State::Ready } else { State::Waiting(id) };
                 true
             }
-            State::Waiting(id) => {
-                if self.rec.was_served(id) {
+            State::Waiting(id) => match self.rec.served(id) {
+                Some(s) => {
+                    self.based_on[w] = Some(s.version);
                     self.state[w] = State::Ready;
+                    true
+                }
+                None => false,
+            },
+            State::Acking(id) => {
+                if self.rec.was_acked(id) {
+                    self.finish_iteration(w);
                     true
                 } else {
                     false
@@ -102,25 +161,41 @@ impl Cluster {
             State::Ready => {
                 let iteration = self.iteration[w];
                 let grad = vec![1.0; self.shard.values().len()];
-                self.shard
-                    .push(
-                        PushRequest { worker, iteration, samples: 1, grad, based_on: None },
-                        self.now,
-                        &mut self.rec,
-                    )
+                let (samples, based_on) = (self.batch[w], self.based_on[w]);
+                let id = self
+                    .shard
+                    .push(PushRequest { worker, iteration, samples, grad, based_on }, self.now, &mut self.rec)
                     .expect("push");
                 self.pushes += 1;
-                self.iteration[w] += 1;
-                self.state[w] = if self.iteration[w] == self.iterations { State::Done } else { State::Idle };
+                if self.rec.was_acked(id) {
+                    self.finish_iteration(w);
+                } else {
+                    self.state[w] = State::Acking(id);
+                }
                 true
             }
         }
     }
 
+    fn finish_iteration(&mut self, w: usize) {
+        let (worker, iteration, samples) = (w as u32, self.iteration[w], self.batch[w]);
+        let report =
+            IterationReport { worker, iteration, compute_ns: self.cost[w] * u64::from(samples), samples };
+        self.shard.iteration_finished(report, self.now, &mut self.rec).expect("report");
+        self.iteration[w] += 1;
+        self.state[w] = if self.iteration[w] == self.iterations { State::Done } else { State::Idle };
+    }
+
     /// Moves a randomly chosen worker one step; panics if every unfinished worker is blocked.
     pub fn step_random(&mut self) {
         let n = self.state.len();
-        let start = (self.next_rand() % n as u64) as usize;
+        let total: u64 = self.speeds.iter().sum();
+        let mut pick = self.next_rand() % total;
+        let mut start = 0;
+        while pick >= self.speeds[start] {
+            pick -= self.speeds[start];
+            start += 1;
+        }
         for k in 0..n {
             if self.step((start + k) % n) {
                 return;

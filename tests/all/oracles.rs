@@ -1,9 +1,10 @@
-//! The paradigms' oracles on the real wasm builds of BSP, SSP and ASP, over random interleavings.
+//! The paradigms' oracles (from `paradigms.md`) on the real wasm builds of the built-in policies,
+//! over random interleavings, homogeneous and with mixed-speed workers.
 
 use proptest::prelude::*;
 use syncopate_suite::builtin_module;
 
-use crate::harness::Cluster;
+use crate::harness::{Cluster, PullSeen};
 
 const N: u32 = 4;
 
@@ -71,6 +72,109 @@ fn ssp_with_zero_staleness_decides_exactly_as_bsp() {
         let order = |c: &Cluster| c.rec.served.iter().map(|s| (s.id, s.worker, s.clock)).collect::<Vec<_>>();
         assert_eq!(order(&bsp), order(&ssp), "seed {seed}: same pulls served in the same order");
     }
+}
+
+#[test]
+fn dssp_with_equal_bounds_decides_exactly_as_ssp() {
+    for (s, seed) in [(0u64, 1u64), (2, 2), (3, 3)] {
+        let bound = s.to_string();
+        let run = |name: &str, cfg: &[(&str, &str)]| {
+            let mut c = Cluster::new(&builtin_module(name), cfg, N, 20, seed).with_speeds(&[5, 1, 2, 1]);
+            c.run_to_end();
+            c
+        };
+        let ssp = run("ssp", &[("s", &bound)]);
+        let dssp = run("dssp", &[("s_lo", &bound), ("s_hi", &bound)]);
+        assert_eq!(ssp.pull_log, dssp.pull_log, "s={s}: same pulls deferred");
+        let order = |c: &Cluster| c.rec.served.iter().map(|p| (p.id, p.worker, p.clock)).collect::<Vec<_>>();
+        assert_eq!(order(&ssp), order(&dssp), "s={s}: same pulls served in the same order");
+    }
+}
+
+#[test]
+fn dssp_extends_the_fast_worker_but_never_beyond_s_hi() {
+    let mut extended = 0;
+    for seed in 0..6 {
+        let mut c = Cluster::new(&builtin_module("dssp"), &[("s_lo", "1"), ("s_hi", "5")], N, 40, seed)
+            .with_speeds(&[6, 1, 1, 1]);
+        c.run_to_end();
+        for p in &c.rec.served {
+            assert!(p.clock <= p.min_applied + 5, "seed {seed}: served at gap {}", p.clock - p.min_applied);
+            extended += usize::from(p.clock > p.min_applied + 1);
+        }
+        assert_every_push_counted_once(&c);
+    }
+    assert!(extended > 0, "the controller never granted an extension beyond s_lo");
+}
+
+#[test]
+fn fluentps_with_p_zero_never_defers_and_with_p_one_pauses_only_the_fastest() {
+    for seed in 0..4 {
+        let mut c = Cluster::new(&builtin_module("fluentps"), &[("s", "0"), ("p", "0")], N, 30, seed)
+            .with_speeds(&[4, 1, 1, 2]);
+        c.run_to_end();
+        assert_eq!(c.shard.stats().pulls_deferred, 0, "p = 0 is ASP");
+        assert_every_push_counted_once(&c);
+
+        let s = 2;
+        let mut c = Cluster::new(&builtin_module("fluentps"), &[("s", "2"), ("p", "1")], N, 30, seed)
+            .with_speeds(&[4, 1, 1, 2]);
+        c.run_to_end();
+        for p in &c.pulls {
+            let PullSeen { clock, view, deferred, .. } = *p;
+            let gap = clock - view.min_clock;
+            let pause = clock == view.max_clock && gap >= s && gap >= 1;
+            assert_eq!(deferred, pause, "seed {seed}: {p:?}");
+        }
+        assert!(c.pulls.iter().any(|p| p.deferred), "seed {seed}: the fastest worker was never paused");
+        assert_every_push_counted_once(&c);
+    }
+}
+
+#[test]
+fn r2sp_admits_syncs_in_rotation_with_staleness_n_minus_1() {
+    let mut c = Cluster::new(&builtin_module("r2sp"), &[], N, 12, 9);
+    // Homogeneous: everyone pulls at the start; then, as identical machines would, each worker
+    // in turn finishes computing and syncs (push, then pull) while the others compute.
+    for w in 0..N as usize {
+        c.step(w);
+    }
+    while !c.done() {
+        for w in 0..N as usize {
+            c.step(w);
+            c.step(w);
+        }
+    }
+    let order: Vec<u32> = c.rec.acked.iter().map(|a| a.1).collect();
+    let rotation: Vec<u32> = (0..order.len() as u32).map(|i| i % N).collect();
+    assert_eq!(order, rotation, "pushes are admitted in rotation");
+    let stale = c.shard.stats().staleness;
+    let first_round: u64 = stale[..N as usize - 1].iter().sum();
+    assert_eq!(first_round, u64::from(N) - 1, "only the first round is fresher: {stale:?}");
+    assert_eq!(stale[N as usize - 1], c.pushes - first_round, "every other gradient is N-1 stale: {stale:?}");
+    assert_every_push_counted_once(&c);
+
+    // Random interleavings keep the rotation, and no gradient is ever more than N-1 stale.
+    let mut c = Cluster::new(&builtin_module("r2sp"), &[], N, 15, 4).with_speeds(&[1, 3, 1, 2]);
+    c.run_to_end();
+    let order: Vec<u32> = c.rec.acked.iter().map(|a| a.1).collect();
+    assert_eq!(order, (0..order.len() as u32).map(|i| i % N).collect::<Vec<_>>());
+    assert!(c.shard.stats().staleness[N as usize..].iter().all(|n| *n == 0));
+}
+
+#[test]
+fn r2sp_batch_sizes_converge_to_throughput_shares() {
+    let speeds = [4u64, 4, 2, 1];
+    let cfg = [("global_batch", "128"), ("min_batch", "8"), ("retune_ms", "1")];
+    let mut c = Cluster::new(&builtin_module("r2sp"), &cfg, N, 60, 5).with_speeds(&speeds);
+    c.run_to_end();
+    let total: u64 = speeds.iter().sum();
+    for (w, v) in speeds.iter().enumerate() {
+        let exact = 8.0 + (128.0 - 32.0) * *v as f64 / total as f64;
+        let got = f64::from(c.batch[w]);
+        assert!((got - exact).abs() <= 1.5, "worker {w}: batch {got}, share {exact:.1} ({:?})", c.batch);
+    }
+    assert_eq!(c.batch.iter().sum::<u32>(), 128);
 }
 
 proptest! {

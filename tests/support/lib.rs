@@ -70,6 +70,8 @@ pub struct Served {
     pub waited_ns: u64,
     /// The first parameter value (tests use one-parameter shards or uniform gradients).
     pub first_value: f32,
+    /// The shard version (optimizer steps) served.
+    pub version: u64,
 }
 
 /// A [`ShardSink`] that records everything.
@@ -90,7 +92,17 @@ pub struct Recorder {
 impl Recorder {
     /// Whether pull `id` has been served.
     pub fn was_served(&self, id: RequestId) -> bool {
-        self.served.iter().any(|s| s.id == id)
+        self.served(id).is_some()
+    }
+
+    /// The record of pull `id`, once served.
+    pub fn served(&self, id: RequestId) -> Option<&Served> {
+        self.served.iter().rev().find(|s| s.id == id)
+    }
+
+    /// Whether push `id` has been acknowledged.
+    pub fn was_acked(&self, id: RequestId) -> bool {
+        self.acked.iter().rev().any(|a| a.0 == id)
     }
 }
 
@@ -103,6 +115,7 @@ impl ShardSink for Recorder {
             min_applied: r.min_applied,
             waited_ns: r.waited_ns,
             first_value: r.values.first().copied().unwrap_or(0.0),
+            version: r.version,
         });
     }
     fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
