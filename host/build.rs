@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-const BUILTIN: &[&str] = &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp"];
+const BUILTIN: &[&str] = &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp"];
 
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");

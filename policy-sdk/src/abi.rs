@@ -212,7 +212,10 @@ pub struct ShardView {
 /// u64, `64` e u64, with per kind: `0` WorkerJoined {b: worker, a: clock}; `1` WorkerLeft
 /// {b: worker, sub: reason}; `2` Push {a: id, b: worker, c: samples, d: iteration, e: clock};
 /// `3` Pull {a: id, b: worker, d: iteration, e: clock}; `4` IterationFinished {b: worker,
-/// c: samples, d: iteration, e: compute_ns}; `5` Timer {a: timer}. Unused fields are zero.
+/// c: samples, d: iteration, e: compute_ns}; `5` Timer {a: timer}; `6` ControlApplied {b: worker,
+/// d: iteration, sub: control kind (0 Pause {e: for_ns}, 1 Resume, 2 SetBatchSize {c: samples},
+/// 3 SetTaskShare {c: tasks}, 4 MoveTasks {a: from, c: first, e: count; its iteration is d})}.
+/// Unused fields are zero.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Envelope {
     /// Host time in nanoseconds since the shard started (virtual time in the simulator).
@@ -253,6 +256,23 @@ pub enum Event {
         /// The policy's identifier for the timer.
         timer: TimerId,
     },
+    /// A worker acknowledged a control message this shard's policy sent: it took effect.
+    ControlApplied(Applied),
+}
+
+/// A worker's acknowledgement of a control message.
+///
+/// For [`Control::MoveTasks`] the acknowledgement comes when the tasks' owner has handed them
+/// over, and `control` names the tasks that actually moved (those the owner had not started;
+/// `count` may be 0). For the other controls `control` is the message as sent.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Applied {
+    /// The worker that applied it (for a move: the worker computing the moved tasks).
+    pub worker: WorkerId,
+    /// The control as it took effect.
+    pub control: Control,
+    /// The first iteration it applies to (for a move: the owner's iteration).
+    pub iteration: u64,
 }
 
 /// Why a worker left.
@@ -342,13 +362,19 @@ pub enum Control {
         /// Samples per iteration.
         samples: u32,
     },
-    /// Compute this many of the iteration's tasks (sample shards) from now on.
+    /// Split each mini-batch into this many tasks (equal sample shards) from the next iteration
+    /// on: tasks are what [`Control::MoveTasks`] moves. 1 (the default) is a whole batch.
     SetTaskShare {
-        /// Tasks per iteration.
+        /// Tasks per iteration (1 to 64).
         tasks: u32,
     },
-    /// Compute tasks `first..first + count` of worker `from`'s iteration `iteration` and push
-    /// them counted towards that iteration.
+    /// Sent to a worker that would otherwise wait: compute tasks `first..first + count` of worker
+    /// `from`'s iteration `iteration` and push them counted towards that iteration.
+    ///
+    /// The host first asks `from` to hand the tasks over; only tasks `from` has not started move,
+    /// so every task is computed exactly once. The host's task accounting completes `from`'s
+    /// iteration when all its tasks have arrived, whoever computed them; the policy then sees one
+    /// push for it. The outcome comes back as [`Event::ControlApplied`].
     MoveTasks {
         /// The worker whose tasks move.
         from: WorkerId,
@@ -503,6 +529,15 @@ impl Envelope {
             Event::Pull(p) => (3, 0, p.id, p.worker, 0, p.iteration, p.clock),
             Event::IterationFinished(r) => (4, 0, 0, r.worker, r.samples, r.iteration, r.compute_ns),
             Event::Timer { timer } => (5, 0, timer, 0, 0, 0, 0),
+            Event::ControlApplied(Applied { worker, control, iteration }) => match control {
+                Control::Pause { for_ns } => (6, 0, 0, worker, 0, iteration, for_ns),
+                Control::Resume => (6, 1, 0, worker, 0, iteration, 0),
+                Control::SetBatchSize { samples } => (6, 2, 0, worker, samples, iteration, 0),
+                Control::SetTaskShare { tasks } => (6, 3, 0, worker, tasks, iteration, 0),
+                Control::MoveTasks { from, first, count, .. } => {
+                    (6, 4, u64::from(from), worker, first, iteration, u64::from(count))
+                }
+            },
         };
         b[36] = kind;
         b[37] = sub;
@@ -532,6 +567,22 @@ impl Envelope {
                 Event::IterationFinished(IterationReport { worker, iteration: d, compute_ns: e, samples: c })
             }
             5 => Event::Timer { timer: a },
+            6 => {
+                let control = match b[37] {
+                    0 => Control::Pause { for_ns: e },
+                    1 => Control::Resume,
+                    2 => Control::SetBatchSize { samples: c },
+                    3 => Control::SetTaskShare { tasks: c },
+                    4 => Control::MoveTasks {
+                        from: u32::try_from(a).map_err(|_| EnvelopeError("worker id out of range"))?,
+                        iteration: d,
+                        first: c,
+                        count: u32::try_from(e).map_err(|_| EnvelopeError("task count out of range"))?,
+                    },
+                    _ => return Err(EnvelopeError("unknown control kind")),
+                };
+                Event::ControlApplied(Applied { worker, control, iteration: d })
+            }
             _ => return Err(EnvelopeError("unknown event kind")),
         };
         Ok(Envelope {
@@ -557,6 +608,17 @@ mod tests {
             Event::Pull(Pull { id: u64::MAX, worker: 2, iteration: 3, clock: 4 }),
             Event::IterationFinished(IterationReport { worker: 2, iteration: 3, compute_ns: 4, samples: 5 }),
             Event::Timer { timer: 77 },
+            Event::ControlApplied(Applied {
+                worker: 3,
+                control: Control::MoveTasks { from: 1, iteration: 9, first: 4, count: 2 },
+                iteration: 9,
+            }),
+            Event::ControlApplied(Applied {
+                worker: 3,
+                control: Control::SetBatchSize { samples: 48 },
+                iteration: 12,
+            }),
+            Event::ControlApplied(Applied { worker: 0, control: Control::Pause { for_ns: 5 }, iteration: 1 }),
         ];
         for event in events {
             let env = Envelope { now_ns: 123, random: u64::MAX - 1, view, event };
@@ -570,7 +632,7 @@ mod tests {
             Envelope { now_ns: 0, random: 0, view: ShardView::default(), event: Event::Timer { timer: 1 } }
                 .to_bytes();
         assert!(Envelope::from_bytes(&b[..71]).is_err());
-        b[36] = 6;
+        b[36] = 7;
         assert_eq!(Envelope::from_bytes(&b), Err(EnvelopeError("unknown event kind")));
         b[36] = 1;
         b[37] = 9;

@@ -148,6 +148,7 @@ pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Encoder) {
         Event::WorkerLeft { worker, reason } => policy.on_worker_left(&mut ctx, *worker, *reason),
         Event::IterationFinished(report) => policy.on_iteration_finished(&mut ctx, report),
         Event::Timer { timer } => policy.on_timer(&mut ctx, *timer),
+        Event::ControlApplied(applied) => policy.on_control_applied(&mut ctx, applied),
     }
 }
 

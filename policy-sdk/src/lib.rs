@@ -70,8 +70,8 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 pub use abi::{
-    Control, Handoff, IterationReport, LeaveReason, ModuleInfo, ParamInfo, ParamKind, ParamSpec, PolicyInfo,
-    Pull, Push, Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+    Applied, Control, Handoff, IterationReport, LeaveReason, ModuleInfo, ParamInfo, ParamKind, ParamSpec,
+    PolicyInfo, Pull, Push, Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
 };
 pub use config::{Config, ConfigError};
 pub use ctx::Ctx;
@@ -80,8 +80,8 @@ pub use testing::Driver;
 /// Everything a policy author usually needs, in one import.
 pub mod prelude {
     pub use crate::abi::{
-        Control, Handoff, IterationReport, LeaveReason, ParamKind, ParamSpec, PolicyInfo, Pull, Push,
-        Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+        Applied, Control, Handoff, IterationReport, LeaveReason, ParamKind, ParamSpec, PolicyInfo, Pull,
+        Push, Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
     };
     pub use crate::testing::Driver;
     pub use crate::{Ctx, Init, Policy, PullVerdict, PushVerdict};
@@ -160,6 +160,10 @@ pub trait Policy: Sized + 'static {
 
     /// A timer set with [`Ctx::set_timer`] fired.
     fn on_timer(&mut self, _ctx: &mut Ctx<'_>, _timer: TimerId) {}
+
+    /// A worker acknowledged a control message this instance sent (for a task move: which tasks
+    /// actually moved).
+    fn on_control_applied(&mut self, _ctx: &mut Ctx<'_>, _applied: &Applied) {}
 
     /// The instance's state, for checkpoints and hot swaps. Stateless policies keep the default.
     ///

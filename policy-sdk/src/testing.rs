@@ -6,7 +6,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 use crate::abi::{
-    Control, Decision, Envelope, Event, InitArgs, IterationReport, LeaveReason, Pull, Push, Release,
+    Applied, Control, Decision, Envelope, Event, InitArgs, IterationReport, LeaveReason, Pull, Push, Release,
     RequestId, ShardView, TimerId, UpdateMode, WorkerId,
 };
 use crate::clocks::Clocks;
@@ -158,6 +158,17 @@ impl<P: Policy> Driver<P> {
         let view = self.clocks.view();
         let report = IterationReport { worker, iteration, compute_ns, samples: 1 };
         self.send(view, Event::IterationFinished(report), None).map(|_| ())
+    }
+
+    /// A worker acknowledges a control message (see [`Applied`]).
+    pub fn control_applied(
+        &mut self,
+        worker: WorkerId,
+        control: Control,
+        iteration: u64,
+    ) -> Result<(), String> {
+        let view = self.clocks.view();
+        self.send(view, Event::ControlApplied(Applied { worker, control, iteration }), None).map(|_| ())
     }
 
     /// Fires a timer.

@@ -170,6 +170,47 @@ fn bsp_then_ssp_clusters_apply_every_push_exactly_once() {
 }
 
 #[test]
+fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
+    let run = LocalRun::start(
+        "epsp-moves",
+        &[
+            "--workers",
+            "4",
+            "--servers",
+            "2",
+            "--shards",
+            "3",
+            "--iterations",
+            "30",
+            "--params",
+            "100",
+            "--delay-ms",
+            "20",
+            "--slow",
+            "0:3",
+            "--policy",
+            "epsp:elastic=false,tasks=8",
+        ],
+    );
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{}", run.output());
+    // Worker w's iterations push w + 1 whoever computed their tasks: each of the 30 iterations
+    // of each worker reaches the model exactly once, whole.
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0 + 4.0) * 30.0, "epsp");
+    let report = run.report();
+    let given: u64 = report.workers.iter().map(|w| w.tasks_given).sum();
+    let helped: u64 = report.workers.iter().map(|w| w.tasks_helped).sum();
+    let straggler = report.workers.iter().find(|w| w.worker == 0).expect("worker 0 finished");
+    assert!(straggler.tasks_given > 0, "the 3x slower worker was helped: {report:?}");
+    assert_eq!(given, straggler.tasks_given, "only the straggler gave tasks away");
+    assert_eq!(helped, given, "every moved task was computed exactly once");
+    for s in report.status.servers.iter().flat_map(|s| &s.shards) {
+        assert_eq!(s.stats.pushes_admitted, 120, "shard {}: one push per worker iteration", s.shard);
+        assert_eq!(s.stats.policy_failures, 0);
+    }
+}
+
+#[test]
 fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     let mut run = LocalRun::start(
         "swap",

@@ -164,7 +164,11 @@ impl Cluster {
                 let (samples, based_on) = (self.batch[w], self.based_on[w]);
                 let id = self
                     .shard
-                    .push(PushRequest { worker, iteration, samples, grad, based_on }, self.now, &mut self.rec)
+                    .push(
+                        PushRequest { worker, iteration, samples, grad, based_on, tasks: None },
+                        self.now,
+                        &mut self.rec,
+                    )
                     .expect("push");
                 self.pushes += 1;
                 if self.rec.was_acked(id) {

@@ -59,7 +59,7 @@ fn swapping_to_a_looser_policy_releases_parked_pulls() {
     shard.join(1, 0, &mut rec).unwrap();
     shard
         .push(
-            PushRequest { worker: 0, iteration: 0, samples: 1, grad: vec![1.0], based_on: None },
+            PushRequest { worker: 0, iteration: 0, samples: 1, grad: vec![1.0], based_on: None, tasks: None },
             1,
             &mut rec,
         )
@@ -123,7 +123,14 @@ fn events_sent_during_a_swap_wait_in_line_and_none_is_dropped() {
                 Msg::Push(worker, iteration) => {
                     shard
                         .push(
-                            PushRequest { worker, iteration, samples: 1, grad: vec![1.0; 8], based_on: None },
+                            PushRequest {
+                                worker,
+                                iteration,
+                                samples: 1,
+                                grad: vec![1.0; 8],
+                                based_on: None,
+                                tasks: None,
+                            },
                             now,
                             &mut rec,
                         )
@@ -201,7 +208,14 @@ fn a_stateful_policy_takes_its_state_across_a_swap() {
         if push {
             shard
                 .push(
-                    PushRequest { worker, iteration, samples: 1, grad: vec![1.0], based_on: None },
+                    PushRequest {
+                        worker,
+                        iteration,
+                        samples: 1,
+                        grad: vec![1.0],
+                        based_on: None,
+                        tasks: None,
+                    },
                     now,
                     rec,
                 )

@@ -48,6 +48,22 @@ impl Workload for Counter {
         grad.fill(Self::value(worker));
         StepStats { samples: batch, loss: 0.0 }
     }
+
+    /// The tasks of part `part` push part `part`'s value, whoever computes them: a moved task
+    /// counts exactly as its owner's would.
+    fn task_gradient(
+        &mut self,
+        part: u32,
+        _iteration: u64,
+        batch: u32,
+        tasks: std::ops::Range<u32>,
+        total: u32,
+        _params: &[f32],
+        grad: &mut [f32],
+    ) -> Option<StepStats> {
+        grad.fill(Self::value(part));
+        Some(StepStats { samples: crate::task_samples(batch, &tasks, total).len() as u32, loss: 0.0 })
+    }
 }
 
 #[cfg(test)]

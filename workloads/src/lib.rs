@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub use fashion::DataError;
@@ -56,6 +56,33 @@ pub trait Workload: Send {
         params: &[f32],
         grad: &mut [f32],
     ) -> StepStats;
+
+    /// Task support, for policies that move work between workers: computes into `grad` the
+    /// mean gradient over tasks `tasks` of the `total` equal tasks that the mini-batch of
+    /// `batch` samples, drawn from data part `part` for `iteration`, splits into. The samples
+    /// must be a function of these numbers only, so that any worker holding the data computes
+    /// exactly the samples the part's owner would have. `None`: the workload cannot split its
+    /// iterations (the default); its workers then keep their iterations whole.
+    #[allow(clippy::too_many_arguments)]
+    fn task_gradient(
+        &mut self,
+        _part: u32,
+        _iteration: u64,
+        _batch: u32,
+        _tasks: std::ops::Range<u32>,
+        _total: u32,
+        _params: &[f32],
+        _grad: &mut [f32],
+    ) -> Option<StepStats> {
+        None
+    }
+}
+
+/// The samples of tasks `tasks` (of `total`) of a batch of `batch`: their index range.
+pub fn task_samples(batch: u32, tasks: &std::ops::Range<u32>, total: u32) -> std::ops::Range<usize> {
+    let total = total.max(1) as usize;
+    let at = |t: u32| batch as usize * (t as usize).min(total) / total;
+    at(tasks.start)..at(tasks.end)
 }
 
 /// A workload that cannot be built.
@@ -123,13 +150,11 @@ pub fn by_name(name: &str, opts: &WorkloadOptions) -> Result<Box<dyn Workload>, 
     let data = fashion::load(&opts.data_dir)?;
     let n = data.train.len();
     let (lo, hi) = (n * index as usize / parts as usize, n * (index as usize + 1) / parts as usize);
-    Ok(Box::new(Fashion::new(
-        name,
-        model,
-        Arc::new(data.train),
-        (lo..hi).collect(),
-        opts.seed ^ u64::from(index),
-    )))
+    let mut w =
+        Fashion::new(name, model, Arc::new(data.train), (lo..hi).collect(), opts.seed ^ u64::from(index));
+    w.parts = parts;
+    w.task_seed = opts.seed;
+    Ok(Box::new(w))
 }
 
 /// Scores models on the test set.
@@ -176,6 +201,11 @@ pub struct Fashion {
     rng: ChaCha8Rng,
     batch_x: Vec<f32>,
     batch_y: Vec<u8>,
+    idx: Vec<usize>,
+    /// How many parts the training set is split into (for tasks of other parts).
+    parts: u32,
+    /// The seed shared by every worker, from which tasks' samples are drawn.
+    task_seed: u64,
 }
 
 impl Fashion {
@@ -193,7 +223,20 @@ impl Fashion {
             rng,
             batch_x: Vec::new(),
             batch_y: Vec::new(),
+            idx: Vec::new(),
+            parts: 1,
+            task_seed: seed,
         }
+    }
+
+    fn gradient_on_idx(&mut self, params: &[f32], grad: &mut [f32]) -> StepStats {
+        let batch = self.idx.len();
+        model::gather(&self.data.images, fashion::PIXELS, &self.idx, &mut self.batch_x);
+        self.batch_y.clear();
+        self.batch_y.extend(self.idx.iter().map(|&i| self.data.labels[i]));
+        let x = ndarray::ArrayView2::from_shape((batch, fashion::PIXELS), &self.batch_x).expect("shape");
+        let score = self.model.gradient(params, x, &self.batch_y, grad);
+        StepStats { samples: batch as u32, loss: score.loss }
     }
 
     /// Images in this worker's partition.
@@ -224,20 +267,49 @@ impl Workload for Fashion {
         grad: &mut [f32],
     ) -> StepStats {
         let batch = (batch as usize).clamp(1, self.part.len().max(1));
-        let mut idx = Vec::with_capacity(batch);
-        while idx.len() < batch {
+        self.idx.clear();
+        while self.idx.len() < batch {
             if self.cursor == self.part.len() {
                 self.part.shuffle(&mut self.rng);
                 self.cursor = 0;
             }
-            idx.push(self.part[self.cursor]);
+            self.idx.push(self.part[self.cursor]);
             self.cursor += 1;
         }
-        model::gather(&self.data.images, fashion::PIXELS, &idx, &mut self.batch_x);
-        self.batch_y.clear();
-        self.batch_y.extend(idx.iter().map(|&i| self.data.labels[i]));
-        let x = ndarray::ArrayView2::from_shape((batch, fashion::PIXELS), &self.batch_x).expect("shape");
-        let score = self.model.gradient(params, x, &self.batch_y, grad);
-        StepStats { samples: batch as u32, loss: score.loss }
+        self.gradient_on_idx(params, grad)
+    }
+
+    /// Tasks draw their batch with replacement from the part's images, from a generator seeded
+    /// by (shared seed, part, iteration): any worker draws the same samples.
+    fn task_gradient(
+        &mut self,
+        part: u32,
+        iteration: u64,
+        batch: u32,
+        tasks: std::ops::Range<u32>,
+        total: u32,
+        params: &[f32],
+        grad: &mut [f32],
+    ) -> Option<StepStats> {
+        let n = self.data.len();
+        let parts = self.parts.max(1) as usize;
+        if part as usize >= parts || tasks.is_empty() || tasks.end > total {
+            return None;
+        }
+        let (lo, hi) = (n * part as usize / parts, n * (part as usize + 1) / parts);
+        let key = self.task_seed ^ (u64::from(part) << 48) ^ iteration.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut rng = ChaCha8Rng::seed_from_u64(key);
+        let range = task_samples(batch, &tasks, total);
+        self.idx.clear();
+        for i in 0..range.end {
+            let pick = lo + rng.random_range(0..(hi - lo).max(1));
+            if i >= range.start {
+                self.idx.push(pick);
+            }
+        }
+        if self.idx.is_empty() {
+            return None;
+        }
+        Some(self.gradient_on_idx(params, grad))
     }
 }

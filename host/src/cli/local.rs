@@ -54,7 +54,7 @@ pub struct LocalArgs {
     /// Score the model on the test set this often, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub eval_every_ms: u64,
-    /// Extra milliseconds per iteration on every worker (pacing).
+    /// Extra compute milliseconds per iteration on every worker (pacing; --slow stretches it).
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u64,
     /// Make worker W compute F times slower: `W:F` (e.g. `0:3`; repeatable).

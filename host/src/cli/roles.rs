@@ -108,7 +108,7 @@ pub struct WorkerArgs {
     /// Seed of the initial parameters.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Extra milliseconds per iteration (pacing).
+    /// Extra compute milliseconds per iteration (pacing; stretched by --slow-factor).
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u64,
     /// Make this worker F times slower to compute (it sleeps F-1 times its compute time).
@@ -204,6 +204,7 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         id: a.id,
         iterations: a.iterations,
         batch: a.batch,
+        part: a.part.0,
         seed: a.seed,
         extra_delay: Duration::from_millis(a.delay_ms),
         slow_factor: a.slow_factor,

@@ -267,6 +267,54 @@ pub enum DataRequest {
         /// The shard.
         shard: u32,
     },
+    /// Push some of the tasks of worker `owner`'s iteration (the payload: their gradient, the
+    /// mean over their samples): the pusher's own tasks, or tasks a policy moved to it.
+    /// Acknowledged as soon as the shard has counted them.
+    PushTasks {
+        /// The shard.
+        shard: u32,
+        /// The worker whose iteration the tasks belong to.
+        owner: WorkerId,
+        /// That worker's iteration (its own numbering on this shard).
+        iteration: u64,
+        /// Samples the tasks covered.
+        samples: u32,
+        /// The shard version of the parameters the gradient was computed from.
+        based_on: Option<u64>,
+        /// Which tasks: bit `t` is task `t` of `total`.
+        mask: u64,
+        /// Tasks in the iteration.
+        total: u32,
+    },
+    /// The answer to a move request: this worker hands tasks `first..first + count` of its
+    /// iteration over to worker `to` (`count` 0: it had started them all).
+    TasksYielded {
+        /// The shard whose policy asked.
+        shard: u32,
+        /// The worker that gets the tasks.
+        to: WorkerId,
+        /// The iteration.
+        iteration: u64,
+        /// First task handed over.
+        first: u32,
+        /// How many.
+        count: u32,
+        /// Tasks in the iteration.
+        total: u32,
+        /// The iteration's batch size (all tasks together).
+        batch: u32,
+        /// The data partition the iteration's samples come from.
+        part: u32,
+    },
+    /// A control message from this shard's policy took effect at `iteration`.
+    ControlApplied {
+        /// The shard whose policy sent it.
+        shard: u32,
+        /// The control, as applied.
+        control: Control,
+        /// The first iteration it applies to.
+        iteration: u64,
+    },
 }
 
 /// Answers on the data plane.
@@ -306,6 +354,30 @@ pub struct ControlMessage {
     pub shard: u32,
     /// What the worker should do.
     pub control: Control,
+    /// For [`Control::MoveTasks`] sent to the tasks' owner: the worker that asks for them. The
+    /// owner answers with [`DataRequest::TasksYielded`].
+    pub yield_to: Option<WorkerId>,
+    /// For [`Control::MoveTasks`] sent to the worker that computes them: how the owner split
+    /// its iteration.
+    pub moved: Option<MovedTasks>,
+}
+
+/// How a moved iteration is split, so its new worker computes exactly the owner's samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedTasks {
+    /// Tasks in the iteration.
+    pub total: u32,
+    /// The iteration's batch size.
+    pub batch: u32,
+    /// The owner's data partition.
+    pub part: u32,
+}
+
+impl ControlMessage {
+    /// A plain control message from `shard`.
+    pub fn plain(shard: u32, control: Control) -> Self {
+        ControlMessage { shard, control, yield_to: None, moved: None }
+    }
 }
 
 /// One shard's state, as `syncopate policy status` shows it.

@@ -348,5 +348,8 @@ pub(crate) fn describe(env: &Envelope) -> String {
         Event::WorkerLeft { worker, .. } => format!("worker {worker} leaving"),
         Event::IterationFinished(r) => format!("worker {}'s report of iteration {}", r.worker, r.iteration),
         Event::Timer { timer } => format!("timer {timer}"),
+        Event::ControlApplied(a) => {
+            format!("worker {} applied {:?} at iteration {}", a.worker, a.control, a.iteration)
+        }
     }
 }

@@ -17,18 +17,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use syncopate_policy_sdk::abi::{InitArgs, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, InitArgs, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::net::proto::{
-    ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, PolicyBlob, Role, ServerCommand,
-    ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
+    ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, MovedTasks, PolicyBlob, Role,
+    ServerCommand, ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, TensorBytes, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
-use crate::shard::{ShardConfig, SupervisorConfig};
+use crate::shard::{ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
 use shard_task::{ShardCmd, ShardTask};
 
@@ -449,7 +449,10 @@ async fn handle_request(
         | DataRequest::Pull { shard, .. }
         | DataRequest::Finished { shard, .. }
         | DataRequest::Leave { shard }
-        | DataRequest::Read { shard } => *shard,
+        | DataRequest::Read { shard }
+        | DataRequest::PushTasks { shard, .. }
+        | DataRequest::TasksYielded { shard, .. }
+        | DataRequest::ControlApplied { shard, .. } => *shard,
     };
     let Some(tx) = shared.shards.get(&shard) else {
         return (DataResponse::Error(format!("shard {shard} is not on server {}", shared.id)), None);
@@ -478,6 +481,7 @@ async fn handle_request(
                 samples,
                 based_on,
                 grad: payload,
+                tasks: None,
                 reply,
             })
             .await
@@ -485,6 +489,39 @@ async fn handle_request(
                 Ok(()) => (DataResponse::PushAcked, None),
                 Err(e) => err(e),
             }
+        }
+        DataRequest::PushTasks { owner, iteration, samples, based_on, mask, total, .. } => {
+            let tasks = Some((owner, TaskPart { mask, total }));
+            match ask(tx, |reply| ShardCmd::Push {
+                worker,
+                iteration,
+                samples,
+                based_on,
+                grad: payload,
+                tasks,
+                reply,
+            })
+            .await
+            {
+                Ok(()) => (DataResponse::PushAcked, None),
+                Err(e) => err(e),
+            }
+        }
+        DataRequest::TasksYielded { to, iteration, first, count, total, batch, part, .. } => {
+            if count > 0 && (first.saturating_add(count) > total || total > 64) {
+                return err(format!(
+                    "tasks {first}..{} of {total} do not exist",
+                    first.saturating_add(count)
+                ));
+            }
+            let moved = MovedTasks { total, batch, part };
+            let _ = tx.send(ShardCmd::Yielded { owner: worker, to, iteration, first, count, moved }).await;
+            (DataResponse::Ok, None)
+        }
+        DataRequest::ControlApplied { control, iteration, .. } => {
+            let applied = Applied { worker, control, iteration };
+            let _ = tx.send(ShardCmd::Applied { applied }).await;
+            (DataResponse::Ok, None)
         }
         DataRequest::Pull { iteration, .. } => {
             match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {

@@ -1,16 +1,21 @@
 //! One shard as a tokio task: it owns a [`Shard`] and takes commands from the connections
 //! through a channel, so the shard engine stays single-threaded and sans-IO. Replies go back on
 //! oneshot channels; policy control messages go to the worker's control stream.
+//!
+//! Task moves are a handshake the task runs for any policy: a [`Control::MoveTasks`] for worker
+//! `to` first goes to the tasks' owner as a request; the owner answers with the tasks it had not
+//! started ([`ShardCmd::Yielded`]); only those are forwarded to `to`, and the policy hears the
+//! outcome as an `Event::ControlApplied`. So no task is computed twice.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
-use syncopate_policy_sdk::abi::{Control, IterationReport, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::net::proto::{ControlMessage, ShardStatus};
+use crate::net::proto::{ControlMessage, MovedTasks, ShardStatus};
 use crate::runtime::{PolicyError, PolicyModule};
-use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
+use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
 
 /// What a served pull sends back.
 #[derive(Debug)]
@@ -38,7 +43,23 @@ pub(crate) enum ShardCmd {
         samples: u32,
         based_on: Option<u64>,
         grad: Vec<f32>,
+        /// Some tasks only: the owner of the iteration and which of its tasks. Acknowledged as
+        /// soon as they are counted.
+        tasks: Option<(WorkerId, TaskPart)>,
         reply: Reply<()>,
+    },
+    /// The owner of moved tasks handed them over.
+    Yielded {
+        owner: WorkerId,
+        to: WorkerId,
+        iteration: u64,
+        first: u32,
+        count: u32,
+        moved: MovedTasks,
+    },
+    /// A worker applied a control message.
+    Applied {
+        applied: Applied,
     },
     Pull {
         worker: WorkerId,
@@ -76,6 +97,17 @@ struct Waiting {
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
 }
 
+impl Waiting {
+    fn send_control(&self, worker: WorkerId, msg: ControlMessage) {
+        match self.controls.get(&worker) {
+            Some(tx) => {
+                let _ = tx.send(msg);
+            }
+            None => tracing::warn!(shard = self.shard, worker, ?msg, "control for a worker not connected"),
+        }
+    }
+}
+
 impl ShardSink for Waiting {
     fn pull_served(&mut self, r: PullReply<'_>) {
         if let Some(tx) = self.pulls.remove(&(r.worker, r.iteration)) {
@@ -96,14 +128,15 @@ impl ShardSink for Waiting {
     }
 
     fn control(&mut self, worker: WorkerId, control: Control) {
-        match self.controls.get(&worker) {
-            Some(tx) => {
-                let _ = tx.send(ControlMessage { shard: self.shard, control });
-            }
-            None => {
-                tracing::warn!(shard = self.shard, worker, ?control, "control for a worker not connected")
-            }
-        }
+        // A move goes to the tasks' owner first; it hands over what it has not started.
+        let (to, msg) = match control {
+            Control::MoveTasks { from, .. } => (
+                from,
+                ControlMessage { yield_to: Some(worker), ..ControlMessage::plain(self.shard, control) },
+            ),
+            _ => (worker, ControlMessage::plain(self.shard, control)),
+        };
+        self.send_control(to, msg);
     }
 
     fn metric(&mut self, name: &str, value: f64) {
@@ -189,13 +222,63 @@ impl ShardTask {
                 w.controls.insert(worker, controls);
                 let _ = reply.send(shard.join(worker, now, w).map_err(|e| e.to_string()));
             }
-            ShardCmd::Push { worker, iteration, samples, based_on, grad, reply } => {
+            ShardCmd::Push {
+                worker,
+                iteration,
+                samples,
+                based_on,
+                grad,
+                tasks: Some((owner, part)),
+                reply,
+            } => {
+                let Some(shard) = slot.as_mut() else {
+                    let _ = reply.send(Err(not_yet()));
+                    return;
+                };
+                let req =
+                    PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
+                let result = shard.push(req, now, w).map(|_| ()).map_err(|e| e.to_string());
+                if owner != worker {
+                    tracing::debug!(
+                        shard = id,
+                        worker,
+                        owner,
+                        iteration,
+                        mask = part.mask,
+                        "moved tasks pushed"
+                    );
+                }
+                let _ = reply.send(result);
+            }
+            ShardCmd::Yielded { owner, to, iteration, first, count, moved } => {
+                let control = Control::MoveTasks { from: owner, iteration, first, count };
+                if count > 0 {
+                    w.send_control(
+                        to,
+                        ControlMessage { moved: Some(moved), ..ControlMessage::plain(id, control) },
+                    );
+                }
+                if let Some(shard) = slot.as_mut() {
+                    let applied = Applied { worker: to, control, iteration };
+                    if let Err(e) = shard.control_applied(applied, now, w) {
+                        tracing::debug!(shard = id, "task hand-over not reported: {e}");
+                    }
+                }
+            }
+            ShardCmd::Applied { applied } => {
+                if let Some(shard) = slot.as_mut() {
+                    if let Err(e) = shard.control_applied(applied, now, w) {
+                        tracing::debug!(shard = id, "control acknowledgement ignored: {e}");
+                    }
+                }
+            }
+            ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks: None, reply } => {
                 let Some(shard) = slot.as_mut() else {
                     let _ = reply.send(Err(not_yet()));
                     return;
                 };
                 w.pushes.insert((worker, iteration), reply);
-                let req = PushRequest { worker, iteration, samples, grad, based_on };
+                let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
                 if let Err(e) = shard.push(req, now, w) {
                     if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
                         let _ = reply.send(Err(e.to_string()));

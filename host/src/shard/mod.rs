@@ -17,6 +17,14 @@
 //!   fallback rules alone until a swap.
 //! - A hot swap hands the old policy's state to the new one; if the new one refuses, nothing
 //!   changes. Pending requests are handed to the new policy as fresh events; none is dropped.
+//!
+//! # Task accounting
+//! A push may cover only some of an iteration's tasks ([`TaskPart`]): the rest come from other
+//! workers a policy moved them to ([`Control::MoveTasks`]). The shard keeps, per (worker,
+//! iteration), the tasks that have arrived and their samples-weighted gradient sum; each task is
+//! accepted once. When all tasks of the worker's next iteration are in, the policy sees one push
+//! for it, exactly as if the worker had computed it alone. Later iterations that arrive meanwhile
+//! wait their turn, so a worker's iterations still complete in order.
 
 mod layout;
 mod optimizer;
@@ -93,7 +101,43 @@ pub struct PushRequest {
     /// The shard version (optimizer steps) of the parameters the gradient was computed from,
     /// when the worker says: the gradient's staleness is counted at admission.
     pub based_on: Option<u64>,
+    /// Which of the iteration's tasks the gradient covers; `None` is the whole iteration.
+    pub tasks: Option<TaskPart>,
 }
+
+/// Some of an iteration's tasks: bit `t` of `mask` is task `t` of `total` (at most 64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TaskPart {
+    /// The tasks covered.
+    pub mask: u64,
+    /// How many tasks the iteration has.
+    pub total: u32,
+}
+
+impl TaskPart {
+    /// Every task of an iteration of `total` tasks.
+    pub fn full_mask(total: u32) -> u64 {
+        if total >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << total) - 1
+        }
+    }
+
+    /// Tasks `first..first + count` of `total`.
+    pub fn range(first: u32, count: u32, total: u32) -> Self {
+        let mask = if count == 0 { 0 } else { Self::full_mask(count) << first };
+        TaskPart { mask: mask & Self::full_mask(total), total }
+    }
+
+    /// Whether it covers the whole iteration.
+    pub fn is_whole(&self) -> bool {
+        self.mask == Self::full_mask(self.total)
+    }
+}
+
+/// How far ahead of its oldest incomplete iteration a worker's parts may run.
+const MAX_OPEN_ITERATIONS: u64 = 64;
 
 /// Staleness histogram buckets: 0, 1, ..., 14 steps, and 15 or more.
 pub const STALENESS_BUCKETS: usize = 16;
@@ -174,6 +218,18 @@ pub enum ShardError {
         /// The next iteration the shard expects from it.
         expected: u64,
     },
+    /// Some of the pushed tasks had already arrived, or the task split is not the iteration's.
+    #[error("tasks {mask:#x} of worker {worker}'s iteration {iteration}: {reason}")]
+    BadTasks {
+        /// The worker whose iteration it is.
+        worker: WorkerId,
+        /// The iteration.
+        iteration: u64,
+        /// The tasks pushed.
+        mask: u64,
+        /// What is wrong.
+        reason: String,
+    },
     /// The push skips iterations.
     #[error("push from worker {worker} for iteration {iteration} skips ahead (next expected: {expected})")]
     OutOfOrder {
@@ -222,6 +278,20 @@ struct Held {
     based_on: Option<u64>,
 }
 
+/// The tasks of one (worker, iteration) received so far.
+#[derive(Debug)]
+struct Partial {
+    worker: WorkerId,
+    iteration: u64,
+    id: RequestId,
+    total: u32,
+    mask: u64,
+    /// Sum of each part's gradient times its samples.
+    sum: Vec<f32>,
+    samples: u32,
+    based_on: Option<u64>,
+}
+
 #[derive(Debug)]
 struct Aggregate {
     sum: Vec<f32>,
@@ -255,6 +325,7 @@ pub struct Shard {
     spare_sums: Vec<Vec<f32>>,
     parked: Vec<Parked>,
     held: Vec<Held>,
+    partials: Vec<Partial>,
     incoming: Option<Held>,
     undecided_pull: Option<Parked>,
     timers: Vec<(TimerId, u64)>,
@@ -292,6 +363,7 @@ impl Shard {
             spare_sums: Vec::new(),
             parked: Vec::new(),
             held: Vec::new(),
+            partials: Vec::new(),
             incoming: None,
             undecided_pull: None,
             timers: Vec::new(),
@@ -369,6 +441,12 @@ impl Shard {
         self.held.len()
     }
 
+    /// (worker, iteration) pairs whose tasks have partly arrived, or that wait for an earlier
+    /// incomplete iteration of the same worker.
+    pub fn open_iterations(&self) -> Vec<(WorkerId, u64)> {
+        self.partials.iter().map(|p| (p.worker, p.iteration)).collect()
+    }
+
     /// When the next policy timer is due, if any.
     pub fn next_timer_ns(&self) -> Option<u64> {
         self.timers.iter().map(|t| t.1).min()
@@ -411,6 +489,16 @@ impl Shard {
         if !self.clocks.is_live(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
+        let before = self.partials.len();
+        self.partials.retain(|p| p.worker != worker);
+        if self.partials.len() < before {
+            tracing::warn!(
+                shard = self.shard,
+                worker,
+                dropped = before - self.partials.len(),
+                "worker left with incomplete iterations; their partial gradients are dropped"
+            );
+        }
         while let Some(pos) = self.held.iter().position(|h| h.push.worker == worker) {
             let h = self.held.remove(pos);
             self.admit(h, None, sink);
@@ -432,8 +520,10 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
-        let PushRequest { worker, iteration, samples, grad, based_on } = req;
-        let clock = self.clocks.get(worker).ok_or(ShardError::UnknownWorker(worker, self.shard))?;
+        let PushRequest { worker, iteration, samples, grad, based_on, tasks } = req;
+        if !self.clocks.is_live(worker) {
+            return Err(ShardError::UnknownWorker(worker, self.shard));
+        }
         if grad.len() != self.params.len() {
             return Err(ShardError::WrongLength {
                 shard: self.shard,
@@ -445,19 +535,138 @@ impl Shard {
         if iteration < expected {
             return Err(ShardError::Duplicate { worker, iteration, expected });
         }
-        if iteration > expected {
+        let partial =
+            tasks.is_some_and(|t| !t.is_whole()) || self.partials.iter().any(|p| p.worker == worker);
+        if iteration > expected && (!partial || iteration - expected >= MAX_OPEN_ITERATIONS) {
             return Err(ShardError::OutOfOrder { worker, iteration, expected });
         }
         if !grad.iter().all(|g| g.is_finite()) {
             return Err(ShardError::NonFinite(worker, iteration));
         }
-        self.next_push[worker as usize] = iteration + 1;
+        if partial {
+            let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
+            return self.push_part(worker, iteration, samples, grad, based_on, part, now_ns, sink);
+        }
         let id = self.id();
+        self.offer(id, worker, iteration, samples, grad, based_on, now_ns, sink);
+        Ok(id)
+    }
+
+    /// Hands the policy worker `worker`'s next iteration, complete.
+    #[allow(clippy::too_many_arguments)]
+    fn offer(
+        &mut self,
+        id: RequestId,
+        worker: WorkerId,
+        iteration: u64,
+        samples: u32,
+        grad: Vec<f32>,
+        based_on: Option<u64>,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) {
+        let clock = self.clocks.get(worker).unwrap_or(0);
+        self.next_push[worker as usize] = iteration + 1;
         let push = Push { id, worker, iteration, clock, samples };
         self.incoming = Some(Held { push, grad, based_on });
         let view = self.clocks.view();
         self.run(Event::Push(push), view, now_ns, sink);
+    }
+
+    /// Adds some tasks of an iteration to its accounting; offers every iteration that is now
+    /// complete and next in line. Returns the id the iteration's push will have.
+    #[allow(clippy::too_many_arguments)]
+    fn push_part(
+        &mut self,
+        worker: WorkerId,
+        iteration: u64,
+        samples: u32,
+        grad: Vec<f32>,
+        based_on: Option<u64>,
+        part: TaskPart,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<RequestId, ShardError> {
+        let bad = |reason: String| ShardError::BadTasks { worker, iteration, mask: part.mask, reason };
+        if part.total == 0
+            || part.total > 64
+            || part.mask == 0
+            || part.mask & !TaskPart::full_mask(part.total) != 0
+        {
+            return Err(bad(format!("not a set of tasks out of {}", part.total)));
+        }
+        let pos = match self.partials.iter().position(|p| p.worker == worker && p.iteration == iteration) {
+            Some(pos) => {
+                let p = &self.partials[pos];
+                if p.total != part.total {
+                    return Err(bad(format!("the iteration has {} tasks, not {}", p.total, part.total)));
+                }
+                if p.mask & part.mask != 0 {
+                    return Err(bad(format!("tasks {:#x} have already arrived", p.mask & part.mask)));
+                }
+                pos
+            }
+            None => {
+                let id = self.id();
+                self.partials.push(Partial {
+                    worker,
+                    iteration,
+                    id,
+                    total: part.total,
+                    mask: 0,
+                    sum: vec![0.0; self.params.len()],
+                    samples: 0,
+                    based_on: None,
+                });
+                self.partials.len() - 1
+            }
+        };
+        let p = &mut self.partials[pos];
+        let w = samples.max(1) as f32;
+        for (s, g) in p.sum.iter_mut().zip(&grad) {
+            *s += w * g;
+        }
+        p.mask |= part.mask;
+        p.samples += samples.max(1);
+        p.based_on = match (p.based_on, based_on) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let id = p.id;
+        self.complete_parts(worker, now_ns, sink);
         Ok(id)
+    }
+
+    /// Offers, in order, every complete iteration of `worker` that is next in line.
+    fn complete_parts(&mut self, worker: WorkerId, now_ns: u64, sink: &mut dyn ShardSink) {
+        while self.clocks.is_live(worker) {
+            let next = self.next_push[worker as usize];
+            let Some(pos) = self.partials.iter().position(|p| {
+                p.worker == worker && p.iteration == next && p.mask == TaskPart::full_mask(p.total)
+            }) else {
+                return;
+            };
+            let mut p = self.partials.swap_remove(pos);
+            // Division, not a reciprocal: (n * g) / n is exactly g.
+            let n = p.samples as f32;
+            p.sum.iter_mut().for_each(|g| *g /= n);
+            self.offer(p.id, worker, p.iteration, p.samples, p.sum, p.based_on, now_ns, sink);
+        }
+    }
+
+    /// A worker acknowledged a control message this shard's policy sent.
+    pub fn control_applied(
+        &mut self,
+        applied: syncopate_policy_sdk::abi::Applied,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(applied.worker) {
+            return Err(ShardError::UnknownWorker(applied.worker, self.shard));
+        }
+        let view = self.clocks.view();
+        self.run(Event::ControlApplied(applied), view, now_ns, sink);
+        Ok(())
     }
 
     /// A worker asks for the parameters. Returns the request id; the reply goes to the sink when
@@ -693,9 +902,23 @@ impl Shard {
                 if !self.clocks.is_live(worker) {
                     return Err(format!("sent a control message to worker {worker}, which is not live"));
                 }
-                if let Control::MoveTasks { from, .. } = control {
+                if let Control::MoveTasks { from, first, count, .. } = control {
                     if !self.clocks.is_live(from) {
                         return Err(format!("moved tasks of worker {from}, which is not live"));
+                    }
+                    if from == worker {
+                        return Err(format!("moved tasks of worker {from} to itself"));
+                    }
+                    if first.saturating_add(count) > 64 || count == 0 {
+                        return Err(format!(
+                            "moved tasks {first}..{}, not within 1 to 64 tasks",
+                            first + count
+                        ));
+                    }
+                }
+                if let Control::SetTaskShare { tasks } = control {
+                    if !(1..=64).contains(&tasks) {
+                        return Err(format!("split iterations into {tasks} tasks (1 to 64 allowed)"));
                     }
                 }
                 sink.control(worker, control);

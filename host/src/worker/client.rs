@@ -12,7 +12,7 @@ use std::time::Duration;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use syncopate_policy_sdk::abi::{IterationReport, WorkerId};
+use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use tokio::sync::mpsc;
 
 use crate::net::proto::{
@@ -220,6 +220,94 @@ impl WorkerClient {
         });
         futures::future::try_join_all(pushes).await?;
         Ok(())
+    }
+
+    /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
+    /// own partial iteration, or tasks moved to it. `grad` is their mean gradient over `samples`.
+    /// Returns when every shard has counted them.
+    ///
+    /// Another worker's iteration is numbered as that worker numbers it; moves are only made
+    /// between workers that joined before training started, whose numbering every shard shares.
+    pub async fn push_tasks(
+        &self,
+        owner: WorkerId,
+        iteration: u64,
+        mask: u64,
+        total: u32,
+        grad: &[f32],
+        samples: u32,
+    ) -> Result<(), NodeError> {
+        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
+        let pushes = self.shards.iter().enumerate().map(|(i, p)| {
+            let conn = &self.servers[p.server as usize];
+            let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
+            let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
+            let req =
+                DataRequest::PushTasks { shard: p.shard, owner, iteration, samples, based_on, mask, total };
+            let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
+            async move {
+                match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
+                    (DataResponse::PushAcked, _) => Ok(()),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            }
+        });
+        futures::future::try_join_all(pushes).await?;
+        Ok(())
+    }
+
+    /// Whether every shard numbers this worker's iterations as it does (it joined before
+    /// training started, or when all shards were level): only then can its tasks move.
+    pub fn numbering_shared(&self) -> bool {
+        self.offsets.iter().all(|o| *o == 0)
+    }
+
+    /// Sends one request to the server holding `shard`; it must answer Ok.
+    async fn on_shard(&self, shard: u32, req: DataRequest) -> Result<(), NodeError> {
+        let place = self.shards.iter().find(|p| p.shard == shard).ok_or_else(|| {
+            NodeError::Protocol(format!("a control message named shard {shard}, which we do not use"))
+        })?;
+        let conn = &self.servers[place.server as usize];
+        match net::request::<_, DataResponse>(conn, &req, &[], &self.limits).await? {
+            (DataResponse::Ok, _) => Ok(()),
+            (other, _) => Err(refused(conn, other).into()),
+        }
+    }
+
+    /// Answers a move request from `shard`'s policy: tasks `first..first + count` of this
+    /// worker's iteration go to worker `to` (`count` 0: none could).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn tasks_yielded(
+        &self,
+        shard: u32,
+        to: WorkerId,
+        iteration: u64,
+        (first, count): (u32, u32),
+        total: u32,
+        batch: u32,
+        part: u32,
+    ) -> Result<(), NodeError> {
+        let req = DataRequest::TasksYielded { shard, to, iteration, first, count, total, batch, part };
+        self.on_shard(shard, req).await
+    }
+
+    /// Acknowledges a control message from `shard`'s policy: it applies from `iteration` on.
+    pub async fn control_applied(
+        &self,
+        shard: u32,
+        control: Control,
+        iteration: u64,
+    ) -> Result<(), NodeError> {
+        let index = self.shards.iter().position(|p| p.shard == shard).unwrap_or(0);
+        let iteration = self.shard_iteration(index, iteration);
+        self.on_shard(shard, DataRequest::ControlApplied { shard, control, iteration }).await
+    }
+
+    /// Takes the stream of control messages, so a training loop can wait on it alongside its
+    /// requests; [`try_control`](Self::try_control) and [`next_control`](Self::next_control) see
+    /// nothing afterwards.
+    pub fn take_controls(&mut self) -> mpsc::UnboundedReceiver<ControlMessage> {
+        std::mem::replace(&mut self.controls, mpsc::unbounded_channel().1)
     }
 
     /// Tells every shard's policy that an iteration is finished.
