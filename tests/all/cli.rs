@@ -78,7 +78,11 @@ fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for name in ["asp", "bsp", "ssp"] {
+    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps"] {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
+    // Each with a one-line description and its parameters, defaults and meaning.
+    assert!(stdout.contains("s_hi       uint   default 15"), "{stdout}");
+    assert!(stdout.contains("mode       text   default enforced"), "{stdout}");
+    assert_eq!(stdout.matches("description: ").count(), 7, "{stdout}");
 }

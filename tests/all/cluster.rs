@@ -211,6 +211,57 @@ fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
 }
 
 #[test]
+fn a_users_policy_module_uses_every_host_mechanism() {
+    // `policies/example-deadline`, built to wasm by tests/build.rs and loaded from its file.
+    let policy = format!("{}:s=3,deadline_ms=40,tasks=8", env!("SYNCOPATE_EXAMPLE_WASM"));
+    let run = LocalRun::start(
+        "example-deadline",
+        &[
+            "--workers",
+            "4",
+            "--servers",
+            "2",
+            "--shards",
+            "2",
+            "--iterations",
+            "30",
+            "--params",
+            "64",
+            "--delay-ms",
+            "20",
+            "--slow",
+            "0:3",
+            "--policy",
+            &policy,
+            "--shard-config",
+            "0:s=0",
+        ],
+    );
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0 + 4.0) * 30.0, "deadline");
+    let report = run.report();
+    let shard =
+        |i| report.status.servers.iter().flat_map(|s| &s.shards).find(|s| s.shard == i).expect("shard");
+    let (strict, loose) = (shard(0), shard(1));
+    for s in [strict, loose] {
+        assert_eq!(s.policy, "deadline 0.1.0");
+        assert_eq!(s.stats.policy_failures, 0);
+    }
+    // Per-shard configuration: shard 0 bounds staleness at 0, shard 1 at 3.
+    assert!(strict.config.contains(&("s".into(), "0".into())), "{:?}", strict.config);
+    assert!(loose.config.contains(&("s".into(), "3".into())), "{:?}", loose.config);
+    assert!(strict.stats.pushes_held > loose.stats.pushes_held, "push admission holds more at s = 0");
+    let given: u64 = report.workers.iter().map(|w| w.tasks_given).sum();
+    let helped: u64 = report.workers.iter().map(|w| w.tasks_helped).sum();
+    assert!(given > 0, "the deadline timer moved the straggler's tasks");
+    assert_eq!(helped, given, "each moved task computed exactly once");
+    let straggler = report.workers.iter().find(|w| w.worker == 0).expect("worker 0");
+    // Its task split, batch-size changes and hand-overs all came over the control channel.
+    assert!(straggler.controls >= 3, "controls received: {}", straggler.controls);
+}
+
+#[test]
 fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     let mut run = LocalRun::start(
         "swap",

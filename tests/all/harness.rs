@@ -183,8 +183,8 @@ impl Cluster {
 
     fn finish_iteration(&mut self, w: usize) {
         let (worker, iteration, samples) = (w as u32, self.iteration[w], self.batch[w]);
-        let report =
-            IterationReport { worker, iteration, compute_ns: self.cost[w] * u64::from(samples), samples };
+        let compute_ns = self.cost[w] * u64::from(samples);
+        let report = IterationReport { worker, iteration, compute_ns, samples };
         self.shard.iteration_finished(report, self.now, &mut self.rec).expect("report");
         self.iteration[w] += 1;
         self.state[w] = if self.iteration[w] == self.iterations { State::Done } else { State::Idle };

@@ -259,6 +259,8 @@ pub struct ShardStats {
     pub policy_failures: u64,
     /// Successful hot swaps.
     pub swaps: u64,
+    /// Times the policy held a push before admitting it.
+    pub pushes_held: u64,
     /// Admitted pushes by staleness: how many optimizer steps the shard took between the pull
     /// the gradient was computed from and its admission (last bucket: that many or more).
     pub staleness: [u64; STALENESS_BUCKETS],
@@ -795,7 +797,11 @@ impl Shard {
                     detail,
                 });
                 let clocks = &self.clocks;
-                match result.and_then(|()| self.supervisor.succeeded(fresh, || clocks.workers().collect())) {
+                // Only a request answered clears the failure count: a module that fails on every
+                // push must not be kept alive by the reports and timers in between.
+                let answered = fresh && matches!(event, Event::Push(_) | Event::Pull(_));
+                match result.and_then(|()| self.supervisor.succeeded(answered, || clocks.workers().collect()))
+                {
                     Ok(()) => {}
                     Err(e) => self.fail(e, now_ns, sink),
                 }
@@ -894,6 +900,7 @@ impl Shard {
                     return Err(not_this("hold", push));
                 }
                 if let Some(h) = self.incoming.take() {
+                    self.stats.pushes_held += 1;
                     self.held.push(h);
                 }
             }

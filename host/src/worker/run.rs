@@ -1,8 +1,8 @@
 //! The training loop of `syncopate worker`: pull, compute, push, report, obey the policies'
 //! control messages (acknowledging each), and leave cleanly.
 //!
-//! Control messages are handled between tasks, after each push, and while a pull waits, so a
-//! worker a policy holds back can still be given work: when a policy moves tasks of a slow
+//! Control messages are handled between tasks, while a pull or a push waits, and after each
+//! iteration, so a worker a policy holds back can still be given work: when a policy moves tasks of a slow
 //! worker's iteration to this one, the slow worker hands over the tasks it has not started and
 //! this worker computes them (on the model it last pulled) and pushes them counted towards the
 //! slow worker's iteration. An iteration split into tasks is computed task by task in order, so
@@ -379,11 +379,21 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
             let c = me.cur;
             me.cur.next = c.total;
             if let Some((samples, loss, compute)) = done {
-                if c.given == 0 {
-                    client.push(iteration, &grad, samples).await?;
-                } else {
-                    let mask = TaskPart::full_mask(c.total) & !c.given;
-                    client.push_tasks(id, iteration, mask, c.total, &grad, samples).await?;
+                // A policy may hold the push: meanwhile, this worker can be given tasks.
+                let push = async {
+                    if c.given == 0 {
+                        client.push(iteration, &grad, samples).await
+                    } else {
+                        let mask = TaskPart::full_mask(c.total) & !c.given;
+                        client.push_tasks(id, iteration, mask, c.total, &grad, samples).await
+                    }
+                };
+                tokio::pin!(push);
+                loop {
+                    tokio::select! {
+                        r = &mut push => break r?,
+                        Some(msg) = controls.recv() => me.handle(&client, msg, iteration + 1).await?,
+                    }
                 }
                 me.report.compute_ns += compute.as_nanos() as u64;
                 me.report.last_loss = loss;
