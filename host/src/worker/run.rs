@@ -116,6 +116,8 @@ struct Worker {
     tasks: u32,
     cur: Current,
     can_split: bool,
+    /// Emulated compute time owed (negative: overslept), in nanoseconds.
+    debt_ns: i64,
 }
 
 impl Worker {
@@ -130,6 +132,18 @@ impl Worker {
             Duration::ZERO
         };
         paced - compute + stretch
+    }
+
+    /// Spends `extra` emulated compute time. Timers have about a millisecond's resolution, so
+    /// short waits (one per task) are owed and paid together, and an overslept wait is credited
+    /// against the next: the total matches the emulated device however finely work is split.
+    async fn pace(&mut self, extra: Duration) {
+        self.debt_ns += extra.as_nanos() as i64;
+        if self.debt_ns >= 2_000_000 {
+            let t = Instant::now();
+            tokio::time::sleep(Duration::from_nanos(self.debt_ns as u64)).await;
+            self.debt_ns -= t.elapsed().as_nanos() as i64;
+        }
     }
 
     /// Acts on one control message; `next` is the first iteration a setting can apply to.
@@ -190,9 +204,7 @@ impl Worker {
                     )));
                 };
                 let slow = self.slowdown(t.elapsed(), f64::from(count) / f64::from(moved.total.max(1)));
-                if !slow.is_zero() {
-                    tokio::time::sleep(slow).await;
-                }
+                self.pace(slow).await;
                 let mask = TaskPart::range(first, count, moved.total).mask;
                 client.push_tasks(from, iteration, mask, moved.total, &self.help_grad, step.samples).await?;
                 self.report.tasks_helped += u64::from(count);
@@ -255,9 +267,7 @@ impl Worker {
             });
             let compute = t.elapsed();
             let slow = self.slowdown(compute, 1.0);
-            if !slow.is_zero() {
-                tokio::time::sleep(slow).await;
-            }
+            self.pace(slow).await;
             return Ok(Some((step.samples, step.loss, compute + slow)));
         }
         grad.fill(0.0);
@@ -276,9 +286,7 @@ impl Worker {
             let Some(step) = step else { continue };
             let compute = t.elapsed();
             let slow = self.slowdown(compute, 1.0 / f64::from(total));
-            if !slow.is_zero() {
-                tokio::time::sleep(slow).await;
-            }
+            self.pace(slow).await;
             busy += compute + slow;
             let w = step.samples as f32;
             for (g, x) in grad.iter_mut().zip(task_grad.iter()) {
@@ -335,6 +343,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
             tasks: 1,
             cur: Current::default(),
             can_split: ok,
+            debt_ns: 0,
         };
         for iteration in start..iterations {
             if client.stop_requested() {

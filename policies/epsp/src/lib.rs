@@ -35,7 +35,7 @@ const SHARES: TimerId = 1;
 struct Worker {
     live: bool,
     clock: u64,
-    /// When its current iteration started (its last push), host ns.
+    /// When its current iteration started (its last push, or its pull if served later), host ns.
     started_ns: u64,
     /// Its batch size, as last reported or set.
     batch: u32,
@@ -104,12 +104,28 @@ impl Epsp {
         (sum > 0 && live.clone().all(|w| w.batch > 0)).then_some(sum)
     }
 
-    /// Pioneer `p` would block: move part of the slowest worker's iteration to it.
+    /// Tasks per second worker `w` completes (1 until it has reported).
+    fn task_rate(&self, w: WorkerId) -> f64 {
+        let per_task = f64::from(self.workers[w as usize].batch.max(1)) / f64::from(self.tasks);
+        self.speed.rate(w).map_or(1.0, |r| r / per_task)
+    }
+
+    /// The projected finish time (host ns) of worker `w`'s current iteration.
+    fn projected_finish(&self, w: WorkerId) -> f64 {
+        let st = &self.workers[w as usize];
+        let own = if st.hi_iteration == st.clock { st.hi } else { self.tasks };
+        st.started_ns as f64 + f64::from(own) / self.task_rate(w) * 1e9
+    }
+
+    /// Pioneer `p` would block: move part of the straggler's iteration to it. The straggler is
+    /// the worker with the smallest clock projected to finish its iteration last.
     fn move_to(&mut self, ctx: &mut Ctx<'_>, p: WorkerId) {
         let now = ctx.now_ns();
-        let Some(s) = (0..self.workers.len() as u32)
-            .filter(|w| *w != p && self.workers[*w as usize].live)
-            .min_by_key(|w| (self.workers[*w as usize].clock, self.workers[*w as usize].started_ns))
+        let live = (0..self.workers.len() as u32).filter(|w| *w != p && self.workers[*w as usize].live);
+        let Some(min) = live.clone().map(|w| self.workers[w as usize].clock).min() else { return };
+        let Some(s) = live
+            .filter(|w| self.workers[*w as usize].clock == min)
+            .max_by(|a, b| self.projected_finish(*a).total_cmp(&self.projected_finish(*b)))
         else {
             return;
         };
@@ -119,11 +135,7 @@ impl Epsp {
             return;
         }
         let hi = if st.hi_iteration == st.clock { st.hi } else { self.tasks };
-        let per_task = (st.batch.max(1) as f64) / self.tasks as f64;
-        let (r_s, r_p) = match (self.speed.rate(s), self.speed.rate(p)) {
-            (Some(a), Some(b)) => (a / per_task, b / per_task),
-            _ => (1.0, 1.0),
-        };
+        let (r_s, r_p) = (self.task_rate(s), self.task_rate(p));
         let done = (now.saturating_sub(st.started_ns) as f64 / 1e9 * r_s).floor() as u32;
         let remaining = hi.saturating_sub(done);
         let k = (remaining as f64 * r_p / (r_s + r_p)).round() as u32;
@@ -238,6 +250,10 @@ impl Policy for Epsp {
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
         self.worker(pull.worker).helping = false;
         let verdict = self.gate(pull.clock, ctx.view());
+        if verdict == PullVerdict::Serve {
+            // Served at once: its next iteration starts computing now.
+            self.worker(pull.worker).started_ns = ctx.now_ns();
+        }
         if verdict != PullVerdict::Serve && self.moves && self.lead {
             self.move_to(ctx, pull.worker);
         }
