@@ -3,7 +3,8 @@
 # run of each, one after the other on this machine. Default scenario: 4 workers, 2 servers,
 # worker 0 three times slower, 300 iterations per worker. Prints each run's summary, then a table
 # from the reports (runs/policies-*/report.json). Change the scenario with environment variables:
-#   WORKERS=4  ITERATIONS=300  SCENARIO="--slow 0:3"  EXTRA="--delay-ms 20 --time-limit-s 15"
+#   WORKERS=4  ITERATIONS=300  SCENARIO="--slow 0:3"  EVAL_MS=5000
+#   EXTRA="--delay-ms 20 --time-limit-s 15" (more `syncopate local` flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -19,7 +20,7 @@ for policy in "${policies[@]}"; do
   # shellcheck disable=SC2086
   target/release/syncopate local --policy "$policy" --workers "${WORKERS:-4}" --servers 2 \
       --workload fashion-mlp --iterations "${ITERATIONS:-300}" ${SCENARIO---slow 0:3} \
-      --eval-every-ms 5000 --run-dir "$dir" ${EXTRA:-} 2>/dev/null \
+      --eval-every-ms "${EVAL_MS:-5000}" --run-dir "$dir" ${EXTRA:-} 2>/dev/null \
     | grep -E '^(elapsed|accuracy)'
 done
 echo

@@ -39,8 +39,8 @@ pub struct WorkerOptions {
     pub part: u32,
     /// Seed for the initial parameters.
     pub seed: u64,
-    /// Extra compute time per iteration (pacing; spread over its tasks and stretched by
-    /// `slow_factor`, as a slower device would be).
+    /// Extra compute time per iteration of `batch` samples (pacing; proportional to the samples
+    /// actually computed, and stretched by `slow_factor`, as a slower device would be).
     pub extra_delay: Duration,
     /// Heterogeneity: this worker takes `slow_factor` times as long to compute, pacing included
     /// (1: normal).
@@ -121,10 +121,11 @@ struct Worker {
 }
 
 impl Worker {
-    /// The time to add to `compute` (spent on `fraction` of an iteration) so that it takes as
-    /// long as this worker's emulated device would: the pacing delay's share, and all of it
-    /// stretched by the slow factor.
-    fn slowdown(&self, compute: Duration, fraction: f64) -> Duration {
+    /// The time to add to `compute` (spent on `samples` samples) so that it takes as long as this
+    /// worker's emulated device would: the pacing delay is per iteration of the starting batch
+    /// size, so its share is `samples / batch`; all of it is stretched by the slow factor.
+    fn slowdown(&self, compute: Duration, samples: u32) -> Duration {
+        let fraction = f64::from(samples) / f64::from(self.opts.batch.max(1));
         let paced = compute + self.opts.extra_delay.mul_f64(fraction);
         let stretch = if self.opts.slow_factor > 1.0 {
             paced.mul_f32(self.opts.slow_factor - 1.0)
@@ -203,7 +204,7 @@ impl Worker {
                         self.workload.name()
                     )));
                 };
-                let slow = self.slowdown(t.elapsed(), f64::from(count) / f64::from(moved.total.max(1)));
+                let slow = self.slowdown(t.elapsed(), step.samples);
                 self.pace(slow).await;
                 let mask = TaskPart::range(first, count, moved.total).mask;
                 client.push_tasks(from, iteration, mask, moved.total, &self.help_grad, step.samples).await?;
@@ -266,7 +267,7 @@ impl Worker {
                 self.workload.gradient(worker, iteration, batch, params, grad)
             });
             let compute = t.elapsed();
-            let slow = self.slowdown(compute, 1.0);
+            let slow = self.slowdown(compute, step.samples);
             self.pace(slow).await;
             return Ok(Some((step.samples, step.loss, compute + slow)));
         }
@@ -285,7 +286,7 @@ impl Worker {
             });
             let Some(step) = step else { continue };
             let compute = t.elapsed();
-            let slow = self.slowdown(compute, 1.0 / f64::from(total));
+            let slow = self.slowdown(compute, step.samples);
             self.pace(slow).await;
             busy += compute + slow;
             let w = step.samples as f32;
