@@ -95,9 +95,52 @@ struct Waiting {
     pulls: HashMap<(WorkerId, u64), Reply<Served>>,
     pushes: HashMap<(WorkerId, u64), Reply<()>>,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
+    /// Tasks handed over and not yet pushed by the worker that took them.
+    moved: Vec<Moved>,
+}
+
+/// Tasks `first..first + count` of `owner`'s `iteration`, handed to worker `to`.
+#[derive(Debug, Clone, Copy)]
+struct Moved {
+    owner: WorkerId,
+    to: WorkerId,
+    iteration: u64,
+    first: u32,
+    count: u32,
+    split: MovedTasks,
+}
+
+impl Moved {
+    /// The tasks, as a message for whoever computes them.
+    fn message(&self, shard: u32) -> ControlMessage {
+        let control = Control::MoveTasks {
+            from: self.owner,
+            iteration: self.iteration,
+            first: self.first,
+            count: self.count,
+        };
+        ControlMessage { moved: Some(self.split), ..ControlMessage::plain(shard, control) }
+    }
 }
 
 impl Waiting {
+    /// Worker `gone` left: tasks it took and never pushed go back to their owners, who compute
+    /// them themselves, so no iteration is left incomplete.
+    fn return_tasks(&mut self, gone: WorkerId) {
+        let (back, keep): (Vec<Moved>, Vec<Moved>) =
+            self.moved.drain(..).filter(|m| m.owner != gone).partition(|m| m.to == gone);
+        self.moved = keep;
+        for m in back {
+            tracing::warn!(
+                shard = self.shard,
+                owner = m.owner,
+                helper = gone,
+                "moved tasks returned to their owner"
+            );
+            self.send_control(m.owner, m.message(self.shard));
+        }
+    }
+
     fn send_control(&self, worker: WorkerId, msg: ControlMessage) {
         match self.controls.get(&worker) {
             Some(tx) => {
@@ -235,6 +278,13 @@ impl ShardTask {
                     let _ = reply.send(Err(not_yet()));
                     return;
                 };
+                w.moved.retain(|m| {
+                    let mask = TaskPart::range(m.first, m.count, 64).mask;
+                    !(m.owner == owner
+                        && m.to == worker
+                        && m.iteration == iteration
+                        && mask & !part.mask == 0)
+                });
                 let req =
                     PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
                 let result = shard.push(req, now, w).map(|_| ()).map_err(|e| e.to_string());
@@ -251,13 +301,19 @@ impl ShardTask {
                 let _ = reply.send(result);
             }
             ShardCmd::Yielded { owner, to, iteration, first, count, moved } => {
+                let m = Moved { owner, to, iteration, first, count, split: moved };
+                // If the helper has gone meanwhile, the owner keeps its tasks (and computes them).
+                let count = if count > 0 && w.controls.contains_key(&to) {
+                    w.send_control(to, m.message(id));
+                    w.moved.push(m);
+                    count
+                } else {
+                    if count > 0 {
+                        w.send_control(owner, m.message(id));
+                    }
+                    0
+                };
                 let control = Control::MoveTasks { from: owner, iteration, first, count };
-                if count > 0 {
-                    w.send_control(
-                        to,
-                        ControlMessage { moved: Some(moved), ..ControlMessage::plain(id, control) },
-                    );
-                }
                 if let Some(shard) = slot.as_mut() {
                     let applied = Applied { worker: to, control, iteration };
                     if let Err(e) = shard.control_applied(applied, now, w) {
@@ -319,6 +375,7 @@ impl ShardTask {
                 }
                 w.controls.remove(&worker);
                 w.pulls.retain(|(wk, _), _| *wk != worker);
+                w.return_tasks(worker);
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
                 }

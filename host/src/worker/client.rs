@@ -204,22 +204,13 @@ impl WorkerClient {
     /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.
     /// Returns when every shard has admitted it (its policy may hold it).
     pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<(), NodeError> {
-        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
-        let pushes = self.shards.iter().enumerate().map(|(i, p)| {
-            let conn = &self.servers[p.server as usize];
-            let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            let iteration = self.shard_iteration(i, iteration);
-            let req = DataRequest::Push { shard: p.shard, iteration, samples, based_on };
-            let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
-            async move {
-                match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
-                    (DataResponse::PushAcked, _) => Ok(()),
-                    (other, _) => Err(refused(conn, other)),
-                }
-            }
-        });
-        futures::future::try_join_all(pushes).await?;
-        Ok(())
+        self.push_slices(grad, |i, shard, based_on| DataRequest::Push {
+            shard,
+            iteration: self.shard_iteration(i, iteration),
+            samples,
+            based_on,
+        })
+        .await
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -237,13 +228,25 @@ impl WorkerClient {
         grad: &[f32],
         samples: u32,
     ) -> Result<(), NodeError> {
+        self.push_slices(grad, |i, shard, based_on| {
+            let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
+            DataRequest::PushTasks { shard, owner, iteration, samples, based_on, mask, total }
+        })
+        .await
+    }
+
+    /// Sends every shard its slice of `grad` with the request `make(index, shard, based_on)`
+    /// builds, at once; each must acknowledge.
+    async fn push_slices(
+        &self,
+        grad: &[f32],
+        make: impl Fn(usize, u32, Option<u64>) -> DataRequest,
+    ) -> Result<(), NodeError> {
         assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
         let pushes = self.shards.iter().enumerate().map(|(i, p)| {
             let conn = &self.servers[p.server as usize];
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
-            let req =
-                DataRequest::PushTasks { shard: p.shard, owner, iteration, samples, based_on, mask, total };
+            let req = make(i, p.shard, based_on);
             let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
             async move {
                 match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {

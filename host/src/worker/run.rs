@@ -207,8 +207,17 @@ impl Worker {
                 let slow = self.slowdown(t.elapsed(), step.samples);
                 self.pace(slow).await;
                 let mask = TaskPart::range(first, count, moved.total).mask;
-                client.push_tasks(from, iteration, mask, moved.total, &self.help_grad, step.samples).await?;
-                self.report.tasks_helped += u64::from(count);
+                // The owner may have left meanwhile (its iteration is void): not this worker's error.
+                let pushed =
+                    client.push_tasks(from, iteration, mask, moved.total, &self.help_grad, step.samples);
+                if let Err(e) = pushed.await {
+                    tracing::warn!(worker, from, iteration, "moved tasks not taken: {e}");
+                } else if from == worker {
+                    // Our own tasks, returned because the worker that took them left.
+                    self.report.tasks_given -= u64::from(count);
+                } else {
+                    self.report.tasks_helped += u64::from(count);
+                }
                 tracing::debug!(worker, from, iteration, first, count, "computed moved tasks");
             }
             (control, _, _) => {
