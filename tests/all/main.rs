@@ -8,4 +8,5 @@ mod net;
 mod oracles;
 mod sandbox;
 mod swap;
+mod tasks;
 mod training;

@@ -131,6 +131,37 @@ fn fluentps_with_p_zero_never_defers_and_with_p_one_pauses_only_the_fastest() {
     }
 }
 
+/// Under SSP no worker gets more than `s + 1` ahead, so every pull SSP defers is already at
+/// the maximum clock: FluentPS's "fastest only" changes nothing at P = 1, and FluentPS(s + 1)
+/// (which pauses at `k >= s + 1`, releasing at the next min-clock advance) decides exactly as
+/// SSP(s). Its savings come from P < 1; with the sigmoid they grow with the cluster.
+#[test]
+fn fluentps_at_p_one_is_ssp_shifted_by_one_and_its_sigmoid_defers_less_at_scale() {
+    for (s, seed) in [(0u64, 1u64), (2, 2), (3, 3)] {
+        let run = |name: &str, cfg: &[(&str, &str)]| {
+            let mut c = Cluster::new(&builtin_module(name), cfg, 8, 20, seed);
+            c.run_to_end();
+            c
+        };
+        let ssp = run("ssp", &[("s", &s.to_string())]);
+        let fluent = run("fluentps", &[("s", &(s + 1).to_string()), ("p", "1")]);
+        assert_eq!(ssp.pull_log, fluent.pull_log, "s={s}: same pulls deferred");
+        let order = |c: &Cluster| c.rec.served.iter().map(|p| (p.id, p.worker, p.clock)).collect::<Vec<_>>();
+        assert_eq!(order(&ssp), order(&fluent), "s={s}: same pulls served in the same order");
+    }
+    let (mut ssp, mut sigmoid) = (0, 0);
+    for seed in 0..3 {
+        let mut a = Cluster::new(&builtin_module("ssp"), &[("s", "2")], 32, 30, seed);
+        a.run_to_end();
+        let mut b =
+            Cluster::new(&builtin_module("fluentps"), &[("s", "2"), ("mode", "sigmoid")], 32, 30, seed);
+        b.run_to_end();
+        ssp += a.shard.stats().pulls_deferred;
+        sigmoid += b.shard.stats().pulls_deferred;
+    }
+    assert!(sigmoid * 3 < ssp * 2, "32 workers: sigmoid FluentPS deferred {sigmoid}, SSP {ssp}");
+}
+
 #[test]
 fn r2sp_admits_syncs_in_rotation_with_staleness_n_minus_1() {
     let mut c = Cluster::new(&builtin_module("r2sp"), &[], N, 12, 9);
