@@ -7,9 +7,12 @@
 //! - [`net`]: the QUIC transport, its messages and its TLS set-up;
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
 //! - [`local`]: a whole cluster on this machine, as separate processes;
+//! - [`scenario`], [`ab`]: scenarios as TOML files, and one scenario under several policies with
+//!   a comparison report;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
 //! - [`cli`]: the `syncopate` command.
 
+pub mod ab;
 pub mod builtin;
 pub mod cli;
 pub mod coordinator;
@@ -19,6 +22,7 @@ mod node;
 pub mod operator;
 mod plots;
 pub mod runtime;
+pub mod scenario;
 pub mod server;
 pub mod shard;
 pub mod worker;

@@ -149,7 +149,7 @@ fn staleness(report: &LocalReport, path: &Path) -> PlotResult<()> {
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(60)
-        .build_cartesian_2d((0u32..buckets).into_segmented(), 0.0..y_max * 1.05)?;
+        .build_cartesian_2d((0u32..buckets.saturating_sub(1)).into_segmented(), 0.0..y_max * 1.05)?;
     chart
         .configure_mesh()
         .x_desc(format!("optimizer steps between the pull and the push (last bar: {} or more)", buckets - 1))
@@ -169,4 +169,99 @@ fn staleness(report: &LocalReport, path: &Path) -> PlotResult<()> {
     }))?;
     root.present()?;
     Ok(())
+}
+
+/// Colours for the policies of a comparison, in order.
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+/// The pictures of a `syncopate ab` comparison: every policy's test accuracy against time on one
+/// chart, and bars of the share of time workers spent waiting.
+pub fn comparison(
+    rows: &[crate::ab::AbRow],
+    reports: &[LocalReport],
+    scenario: &crate::scenario::Scenario,
+    dir: &Path,
+) -> PlotResult<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    if reports.iter().any(|r| r.watch.iter().any(|p| p.accuracy.is_some())) {
+        let path = dir.join("accuracy.svg");
+        let t_max = reports.iter().flat_map(|r| r.watch.iter().map(|p| p.t_s)).fold(1.0, f64::max);
+        let root = SVGBackend::new(&path, (1000, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(format!("Test accuracy — scenario `{}`", scenario.name), ("sans-serif", 22))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..t_max * 1.02, 0.0..100.0)?;
+        chart.configure_mesh().x_desc(TIME_AXIS).y_desc("test accuracy (%)").draw()?;
+        for (i, (row, r)) in rows.iter().zip(reports).enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let pts: Vec<(f64, f64)> =
+                r.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+                .label(row.policy.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        }
+        if let Some(t) = scenario.target_accuracy {
+            let y = f64::from(t) * 100.0;
+            chart
+                .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
+                .label("target");
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.9))
+            .draw()?;
+        root.present()?;
+        drop(chart);
+        drop(root);
+        files.push(path);
+    }
+    let path = dir.join("waits.svg");
+    let n = rows.len() as u32;
+    let root = SVGBackend::new(&path, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Time workers spent waiting for pulls — scenario `{}`", scenario.name),
+            ("sans-serif", 22),
+        )
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d((0u32..n.saturating_sub(1)).into_segmented(), 0.0..100.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("policy")
+        .y_desc("share of the run spent waiting, mean over workers (%)")
+        .x_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => rows.get(*i as usize).map(|r| r.policy.clone()).unwrap_or_default(),
+            _ => String::new(),
+        })
+        .draw()?;
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
+        let i = i as u32;
+        Rectangle::new(
+            [(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), r.wait_share * 100.0)],
+            PALETTE[i as usize % PALETTE.len()].mix(0.7).filled(),
+        )
+    }))?;
+    root.present()?;
+    drop(chart);
+    drop(root);
+    files.push(path);
+    Ok(files)
 }

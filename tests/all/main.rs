@@ -1,6 +1,7 @@
 //! The integration-test binary: one binary (so wasmtime links once), a module per topic. Every
 //! test loads real wasm modules built from `policies/` and `tests/hostile-policy`.
 
+mod ab;
 mod cli;
 mod cluster;
 mod harness;

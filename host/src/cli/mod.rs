@@ -21,6 +21,9 @@ pub struct Cli {
 pub enum Command {
     /// Start a whole cluster on this machine (separate processes on loopback) and train.
     Local(local::LocalArgs),
+    /// Run one scenario (a TOML file) under several policies and compare them: a table and
+    /// plots with every policy.
+    Ab(AbArgs),
     /// Run the coordinator: membership, the cluster's policy, hot swaps, shutdown.
     Coordinator(roles::CoordinatorArgs),
     /// Run a server: hosts shards and their policies, serves pushes and pulls.
@@ -47,6 +50,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Local(a) => local::run(a),
+        Command::Ab(a) => ab(a),
         Command::Coordinator(a) => roles::coordinator(a),
         Command::Server(a) => roles::server(a),
         Command::Worker(a) => roles::worker(a),
@@ -68,4 +72,66 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `syncopate ab`.
+#[derive(Debug, clap::Args)]
+pub struct AbArgs {
+    /// The scenario file (see `scenarios/`).
+    #[arg(long)]
+    pub scenario: std::path::PathBuf,
+    /// The policies, comma-separated; a `k=v` item without a colon continues the previous
+    /// policy's configuration: `bsp,ssp:s=3,dssp:s_lo=3,s_hi=15,epsp`.
+    #[arg(long, value_parser = crate::ab::parse_policies)]
+    pub policies: std::vec::Vec<crate::builtin::PolicySpec>,
+    /// Where the runs and the comparison go (default: runs/ab-<scenario>-<time>).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Directory with the Fashion-MNIST IDX files.
+    #[arg(long)]
+    pub data: Option<std::path::PathBuf>,
+    /// Run in the deterministic simulator instead of real processes (not available yet).
+    #[arg(long)]
+    pub simulate: bool,
+}
+
+fn ab(a: AbArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let scenario = crate::scenario::Scenario::load(&a.scenario)?;
+    if a.simulate {
+        anyhow::bail!(
+            "--simulate: the deterministic simulator is not built yet; run without it for real clusters"
+        );
+    }
+    if let Some(mbit) = scenario.bandwidth_mbit {
+        anyhow::bail!(
+            "scenario `{}` limits bandwidth to {mbit} Mbit/s, which a loopback cluster cannot enforce; \
+             run it by hand with the network-namespace recipe in docs/bandwidth.md",
+            scenario.name
+        );
+    }
+    // Every policy must load and accept its configuration before the first run starts.
+    let rt = crate::runtime::PolicyRuntime::new()?;
+    for spec in &a.policies {
+        let module = spec.load(&rt).with_context(|| format!("policy `{spec}`"))?;
+        let args = syncopate_policy_sdk::abi::InitArgs {
+            shard: 0,
+            shards: 1,
+            now_ns: 0,
+            config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+        };
+        crate::runtime::PolicyInstance::new(&module, &args)
+            .with_context(|| format!("policy `{spec}` does not start"))?;
+    }
+    let out = a.out.unwrap_or_else(|| crate::ab::default_out(&scenario));
+    let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
+    let opts = crate::ab::AbOptions { exe, scenario, policies: a.policies, out: out.clone(), data: a.data };
+    let comparison = crate::ab::run(&opts).context("ab")?;
+    println!();
+    print!("{}", crate::ab::table(&comparison.scenario, &comparison.rows));
+    for f in &comparison.files {
+        println!("wrote:      {}", f.display());
+    }
+    println!("wrote:      {}", out.join("comparison.json").display());
+    Ok(())
 }

@@ -1,0 +1,219 @@
+//! `syncopate ab`: one scenario under several policies, one run after the other on this machine,
+//! and one comparison report: a table (time to the target accuracy, final and best accuracy,
+//! iterations per second, waiting, deferred pulls, bytes moved, staleness, moved tasks) as
+//! Markdown and JSON, and two pictures with every policy on them (test accuracy against time,
+//! and the share of time workers spent waiting).
+//!
+//! Each run is a real `syncopate local` cluster (processes over QUIC) in its own folder under
+//! the output folder, with its full report and plots.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+use crate::builtin::PolicySpec;
+use crate::local::LocalReport;
+use crate::scenario::Scenario;
+use crate::NodeError;
+
+/// How to run a comparison.
+#[derive(Clone, Debug)]
+pub struct AbOptions {
+    /// The `syncopate` executable (each run is `syncopate local`).
+    pub exe: PathBuf,
+    /// The scenario.
+    pub scenario: Scenario,
+    /// The policies, in order.
+    pub policies: Vec<PolicySpec>,
+    /// Where the runs and the comparison go.
+    pub out: PathBuf,
+    /// The Fashion-MNIST directory, when not the default.
+    pub data: Option<PathBuf>,
+}
+
+/// One policy's row of the comparison.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AbRow {
+    /// The policy, as given.
+    pub policy: String,
+    /// Wall-clock seconds of the run.
+    pub elapsed_s: f64,
+    /// Seconds until test accuracy first reached the target.
+    pub time_to_target_s: Option<f64>,
+    /// Test accuracy of the final model.
+    pub final_accuracy: Option<f32>,
+    /// The best test accuracy the watcher saw.
+    pub best_accuracy: Option<f32>,
+    /// Iterations per second, mean over workers.
+    pub iterations_per_s: f64,
+    /// Seconds each worker spent waiting for pulls, mean over workers.
+    pub wait_s: f64,
+    /// The share of the run workers spent waiting, mean over workers (0-1).
+    pub wait_share: f64,
+    /// Pulls any shard deferred, all workers.
+    pub deferred_pulls: u64,
+    /// Bytes the workers sent and received.
+    pub bytes_moved: u64,
+    /// Mean staleness of the applied gradients (optimizer steps between pull and admission).
+    pub mean_staleness: f64,
+    /// Tasks moved from one worker to another.
+    pub tasks_moved: u64,
+    /// Where the run's own report is.
+    pub run_dir: PathBuf,
+}
+
+/// What `comparison.json` holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Comparison {
+    /// The scenario as run.
+    pub scenario: Scenario,
+    /// One row per policy, in the order run.
+    pub rows: Vec<AbRow>,
+    /// The written files.
+    pub files: Vec<PathBuf>,
+}
+
+/// Parses a `--policies` list: specs separated by commas, where a `k=v` item without a colon
+/// continues the previous policy's configuration (`dssp:s_lo=3,s_hi=15,bsp` is two policies).
+pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
+    let mut specs: Vec<String> = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        match specs.last_mut() {
+            Some(last) if item.contains('=') && !item.contains(':') => {
+                last.push(',');
+                last.push_str(item);
+            }
+            _ => specs.push(item.to_owned()),
+        }
+    }
+    if specs.is_empty() {
+        return Err("no policies given".into());
+    }
+    specs.iter().map(|s| s.parse::<PolicySpec>().map_err(|e| e.to_string())).collect()
+}
+
+/// A folder name for a policy spec.
+fn slug(spec: &PolicySpec) -> String {
+    spec.to_string().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+}
+
+impl AbRow {
+    fn from_report(policy: String, r: &LocalReport, run_dir: PathBuf) -> Self {
+        let n = r.workers.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&crate::worker::WorkerReport) -> f64| r.workers.iter().map(f).sum::<f64>() / n;
+        let stale_n: u64 = r.staleness.iter().sum();
+        let stale_sum: u64 = r.staleness.iter().enumerate().map(|(i, c)| i as u64 * c).sum();
+        AbRow {
+            policy,
+            elapsed_s: r.elapsed_s,
+            time_to_target_s: r.time_to_target_s,
+            final_accuracy: r.final_accuracy,
+            best_accuracy: r.best_accuracy,
+            iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
+            wait_s: mean(&|w| w.wait_ns as f64 / 1e9),
+            wait_share: mean(&|w| w.wait_ns as f64 / w.elapsed_ns.max(1) as f64),
+            deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
+            bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
+            mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
+            tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
+            run_dir,
+        }
+    }
+}
+
+/// Runs the scenario under every policy and writes the comparison into `opts.out`.
+pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
+    let io = |what: String| move |source| NodeError::Io { what, source };
+    std::fs::create_dir_all(&opts.out).map_err(io(format!("cannot create {}", opts.out.display())))?;
+    let mut rows = Vec::new();
+    let mut reports = Vec::new();
+    let total = opts.policies.len();
+    for (i, spec) in opts.policies.iter().enumerate() {
+        let dir = opts.out.join(slug(spec));
+        let _ = std::fs::remove_dir_all(&dir);
+        println!("[{}/{total}] {} — scenario `{}`", i + 1, spec, opts.scenario.name);
+        let mut cmd = Command::new(&opts.exe);
+        cmd.arg("local").arg("--policy").arg(spec.to_string()).arg("--run-dir").arg(&dir);
+        cmd.args(opts.scenario.local_args());
+        if let Some(data) = &opts.data {
+            cmd.arg("--data").arg(data);
+        }
+        let status = cmd.status().map_err(io(format!("cannot start {}", opts.exe.display())))?;
+        if !status.success() {
+            return Err(NodeError::Protocol(format!(
+                "the run under {spec} failed ({status}); its logs are in {}",
+                dir.join("logs").display()
+            )));
+        }
+        let path = dir.join("report.json");
+        let bytes = std::fs::read(&path).map_err(io(format!("cannot read {}", path.display())))?;
+        let report: LocalReport = serde_json::from_slice(&bytes)
+            .map_err(|e| NodeError::Protocol(format!("{} is not a run report: {e}", path.display())))?;
+        rows.push(AbRow::from_report(spec.to_string(), &report, dir));
+        reports.push(report);
+    }
+    let mut files = Vec::new();
+    let md = opts.out.join("comparison.md");
+    std::fs::write(&md, table(&opts.scenario, &rows))
+        .map_err(io(format!("cannot write {}", md.display())))?;
+    files.push(md);
+    match crate::plots::comparison(&rows, &reports, &opts.scenario, &opts.out) {
+        Ok(mut plots) => files.append(&mut plots),
+        Err(e) => tracing::warn!("comparison plots not written: {e}"),
+    }
+    let comparison = Comparison { scenario: opts.scenario.clone(), rows, files };
+    let json = opts.out.join("comparison.json");
+    std::fs::write(&json, serde_json::to_vec_pretty(&comparison).expect("serializes"))
+        .map_err(io(format!("cannot write {}", json.display())))?;
+    Ok(comparison)
+}
+
+/// The comparison as a Markdown table, with the scenario above it.
+pub fn table(scenario: &Scenario, rows: &[AbRow]) -> String {
+    let mut t = format!("# Scenario `{}`\n\n{}\n\n", scenario.name, scenario.description);
+    let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
+    t.push_str(&format!(
+        "| policy | time to {target} | final acc | best acc | it/s per worker | wait (share) | deferred pulls | MB moved | mean staleness | tasks moved |\n"
+    ));
+    t.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
+    for r in rows {
+        t.push_str(&format!(
+            "| {} | {} | {} | {} | {:.1} | {:.2} s ({:.0}%) | {} | {:.0} | {:.2} | {} |\n",
+            r.policy,
+            r.time_to_target_s.map_or("not reached".into(), |s| format!("{s:.1} s")),
+            pct(r.final_accuracy),
+            pct(r.best_accuracy),
+            r.iterations_per_s,
+            r.wait_s,
+            r.wait_share * 100.0,
+            r.deferred_pulls,
+            r.bytes_moved as f64 / 1e6,
+            r.mean_staleness,
+            r.tasks_moved,
+        ));
+    }
+    t
+}
+
+/// Where `ab` puts a comparison by default: `runs/ab-<scenario>-<time>`.
+pub fn default_out(scenario: &Scenario) -> PathBuf {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    Path::new("runs").join(format!("ab-{}-{secs}", scenario.name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_lists_keep_each_policys_configuration() {
+        let p = parse_policies("bsp, dssp:s_lo=3,s_hi=15,ssp:s=2,./my.wasm:k=1").unwrap();
+        let shown: Vec<String> = p.iter().map(ToString::to_string).collect();
+        assert_eq!(shown, ["bsp", "dssp:s_lo=3,s_hi=15", "ssp:s=2", "./my.wasm:k=1"]);
+        assert!(parse_policies(" , ").is_err());
+        assert_eq!(slug(&p[1]), "dssp-s_lo-3-s_hi-15".replace('_', "-"));
+    }
+}

@@ -1,0 +1,270 @@
+//! Scenarios as data: a TOML file naming the workload, the cluster's size, each worker's speed
+//! (slowdowns, jitter, stalls), the emulated compute time, the target accuracy and the budget.
+//! `syncopate ab` runs one scenario under several policies; `scenarios/` ships the papers'
+//! conditions.
+//!
+//! ```toml
+//! name = "straggler"
+//! description = "One worker of four computes 3x slower."
+//! workload = "fashion-mlp"
+//! workers = 4
+//! servers = 2
+//! compute_ms = 20          # emulated compute per iteration at the starting batch size
+//! target_accuracy = 0.80
+//! time_limit_s = 40
+//!
+//! [[slow]]
+//! worker = 0
+//! factor = 3.0
+//!
+//! [[jitter]]               # FluentPS's injection: sleep N(mean, sd) ms after every iteration
+//! worker = 1
+//! mean_ms = 30.0
+//! sd_ms = 10.0
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A scenario file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Short name, used for output folders.
+    pub name: String,
+    /// What the scenario reproduces.
+    #[serde(default)]
+    pub description: String,
+    /// The workload: `fashion-mlp`, `fashion-softmax` or `counter`.
+    #[serde(default = "default_workload")]
+    pub workload: String,
+    /// Worker processes.
+    pub workers: u32,
+    /// Server processes.
+    #[serde(default = "default_servers")]
+    pub servers: u32,
+    /// Shards (default: one per server).
+    pub shards: Option<u32>,
+    /// Mini-batch size per worker.
+    #[serde(default = "default_batch")]
+    pub batch: u32,
+    /// Emulated compute per iteration at the starting batch size, in ms (0: the real compute
+    /// only). Slow workers' compute is stretched by their factor.
+    #[serde(default)]
+    pub compute_ms: u64,
+    /// Stop once test accuracy reaches this (0-1).
+    pub target_accuracy: Option<f32>,
+    /// Stop after this many seconds of training.
+    pub time_limit_s: Option<f64>,
+    /// Iterations per worker (default: unbounded; `time_limit_s` ends the run).
+    pub iterations: Option<u64>,
+    /// How often the watcher scores the model, in ms.
+    #[serde(default = "default_eval")]
+    pub eval_every_ms: u64,
+    /// Seed of the initial parameters, the data order and the policies' random source.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Link bandwidth per node, in Mbit/s. Loopback clusters cannot enforce it: `syncopate ab`
+    /// refuses such a scenario and names the recipe (docs/bandwidth.md) that can.
+    pub bandwidth_mbit: Option<f64>,
+    /// Workers that compute slower.
+    #[serde(default)]
+    pub slow: Vec<Slow>,
+    /// Workers that sleep a random time after every iteration.
+    #[serde(default)]
+    pub jitter: Vec<Jitter>,
+    /// Workers that stall once.
+    #[serde(default)]
+    pub stall: Vec<Stall>,
+}
+
+/// A worker `factor` times slower.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Slow {
+    /// The worker.
+    pub worker: u32,
+    /// How many times slower (at least 1).
+    pub factor: f32,
+}
+
+/// A worker that sleeps `N(mean_ms, sd_ms)` ms after every iteration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Jitter {
+    /// The worker.
+    pub worker: u32,
+    /// Mean delay, ms.
+    pub mean_ms: f64,
+    /// Standard deviation, ms.
+    pub sd_ms: f64,
+}
+
+/// A worker that stalls once, `at_s` seconds in, for `for_s` seconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stall {
+    /// The worker.
+    pub worker: u32,
+    /// When, in seconds after the start.
+    pub at_s: f64,
+    /// How long, in seconds.
+    pub for_s: f64,
+}
+
+fn default_workload() -> String {
+    "fashion-mlp".into()
+}
+fn default_servers() -> u32 {
+    2
+}
+fn default_batch() -> u32 {
+    32
+}
+fn default_eval() -> u64 {
+    1000
+}
+fn default_seed() -> u64 {
+    1
+}
+
+/// A scenario that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The file cannot be read.
+    #[error("cannot read scenario {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a valid scenario.
+    #[error("scenario {path} is not valid: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong (TOML errors name the line).
+        reason: String,
+    },
+}
+
+impl Scenario {
+    /// Reads and checks a scenario file.
+    pub fn load(path: &Path) -> Result<Self, ScenarioError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ScenarioError::Read { path: path.into(), source })?;
+        let invalid = |reason: String| ScenarioError::Invalid { path: path.into(), reason };
+        let s: Scenario = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        s.check().map_err(invalid)?;
+        Ok(s)
+    }
+
+    /// Checks the values make sense together.
+    pub fn check(&self) -> Result<(), String> {
+        if self.workers == 0 || self.servers == 0 || self.batch == 0 {
+            return Err("workers, servers and batch must be at least 1".into());
+        }
+        if self.name.is_empty()
+            || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(format!("name `{}` must be letters, digits, - and _", self.name));
+        }
+        let named = self.slow.iter().map(|s| s.worker).chain(self.jitter.iter().map(|j| j.worker));
+        if let Some(w) = named.chain(self.stall.iter().map(|s| s.worker)).find(|w| *w >= self.workers) {
+            return Err(format!("worker {w} does not exist (the scenario has {} workers)", self.workers));
+        }
+        if let Some(s) = self.slow.iter().find(|s| !(s.factor >= 1.0 && s.factor.is_finite())) {
+            return Err(format!("worker {}'s slow factor {} must be at least 1", s.worker, s.factor));
+        }
+        if let Some(j) = self.jitter.iter().find(|j| !(j.mean_ms >= 0.0 && j.sd_ms >= 0.0)) {
+            return Err(format!("worker {}'s jitter needs a non-negative mean and sd", j.worker));
+        }
+        if let Some(a) = self.target_accuracy.filter(|a| !(0.0..=1.0).contains(a)) {
+            return Err(format!("target_accuracy {a} is not between 0 and 1"));
+        }
+        if self.iterations.is_none() && self.time_limit_s.is_none() {
+            return Err("give a budget, iterations or time_limit_s: a run must end".into());
+        }
+        Ok(())
+    }
+
+    /// The `syncopate local` flags that run this scenario (the policy and run directory
+    /// excepted).
+    pub fn local_args(&self) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "--workload".into(),
+            self.workload.clone(),
+            "--workers".into(),
+            self.workers.to_string(),
+            "--servers".into(),
+            self.servers.to_string(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--delay-ms".into(),
+            self.compute_ms.to_string(),
+            "--eval-every-ms".into(),
+            self.eval_every_ms.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+            "--iterations".into(),
+            self.iterations.unwrap_or(u64::MAX / 4).to_string(),
+        ];
+        if let Some(s) = self.shards {
+            a.extend(["--shards".into(), s.to_string()]);
+        }
+        if let Some(t) = self.target_accuracy {
+            a.extend(["--target-accuracy".into(), t.to_string()]);
+        }
+        if let Some(t) = self.time_limit_s {
+            a.extend(["--time-limit-s".into(), t.to_string()]);
+        }
+        for s in &self.slow {
+            a.extend(["--slow".into(), format!("{}:{}", s.worker, s.factor)]);
+        }
+        for j in &self.jitter {
+            a.extend(["--jitter".into(), format!("{}:{}:{}", j.worker, j.mean_ms, j.sd_ms)]);
+        }
+        for s in &self.stall {
+            a.extend(["--stall".into(), format!("{}:{}:{}", s.worker, s.at_s, s.for_s)]);
+        }
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Scenario, String> {
+        let s: Scenario = toml::from_str(text).map_err(|e| e.to_string())?;
+        s.check()?;
+        Ok(s)
+    }
+
+    #[test]
+    fn a_full_scenario_parses_into_local_flags() {
+        let s = parse(
+            "name = \"x\"\nworkers = 4\ncompute_ms = 20\ntime_limit_s = 10\n\
+             [[slow]]\nworker = 0\nfactor = 3.0\n[[jitter]]\nworker = 1\nmean_ms = 30.0\nsd_ms = 10.0\n",
+        )
+        .unwrap();
+        let flags = s.local_args().join(" ");
+        assert!(flags.contains("--slow 0:3"), "{flags}");
+        assert!(flags.contains("--jitter 1:30:10"), "{flags}");
+        assert!(flags.contains("--delay-ms 20"), "{flags}");
+        assert!(flags.contains("--time-limit-s 10"), "{flags}");
+    }
+
+    #[test]
+    fn mistakes_are_named() {
+        let e = parse("name = \"x\"\nworkers = 2\niterations = 5\n[[slow]]\nworker = 2\nfactor = 3.0\n")
+            .unwrap_err();
+        assert!(e.contains("worker 2 does not exist"), "{e}");
+        let e = parse("name = \"x\"\nworkers = 2\n").unwrap_err();
+        assert!(e.contains("must end"), "{e}");
+        let e = parse("name = \"x\"\nworkers = 2\niterations = 5\nspeed = 3\n").unwrap_err();
+        assert!(e.contains("unknown field `speed`"), "{e}");
+    }
+}
