@@ -1,0 +1,56 @@
+//! The end-to-end A/B group: the same short scenario on a real local cluster (processes over
+//! QUIC) under each built-in policy, timed by criterion, so `cargo bench --bench ab` compares the
+//! policies with criterion's statistics and HTML reports (`target/criterion/ab-straggler/`).
+//!
+//! Scenario: 4 workers, 2 servers, the `counter` workload (no data to load), 40 iterations each,
+//! 10 ms of emulated compute per iteration, worker 0 three times slower. One sample is one whole
+//! run, start-up and shutdown included (about 0.5 s of each sample); the measured time is the
+//! run's wall-clock. Build the binary first: `cargo build --release --bins`.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+
+const POLICIES: &[&str] = &["bsp", "ssp:s=3", "dssp:s_lo=3,s_hi=15", "fluentps:s=3", "r2sp", "epsp", "asp"];
+
+/// `target/release/syncopate`, next to this benchmark's directory.
+fn syncopate_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("syncopate");
+    assert!(bin.exists(), "{} is missing: run `cargo build --release --bins` first", bin.display());
+    bin
+}
+
+fn run(policy: &str, dir: &std::path::Path) -> Duration {
+    let _ = std::fs::remove_dir_all(dir);
+    let t = Instant::now();
+    let status = Command::new(syncopate_bin())
+        .args(["local", "--workload", "counter", "--params", "4096", "--workers", "4", "--servers", "2"])
+        .args(["--iterations", "40", "--delay-ms", "10", "--slow", "0:3", "--eval-every-ms", "60000"])
+        .args(["--policy", policy, "--run-dir"])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("syncopate local starts");
+    assert!(status.success(), "{policy}: the run failed; see {}", dir.display());
+    t.elapsed()
+}
+
+fn ab(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join(format!("syncopate-bench-ab-{}", std::process::id()));
+    let mut g = c.benchmark_group("ab-straggler");
+    g.sample_size(10).warm_up_time(Duration::from_millis(100)).measurement_time(Duration::from_secs(20));
+    for policy in POLICIES {
+        g.bench_with_input(BenchmarkId::from_parameter(policy), policy, |b, p| {
+            b.iter_custom(|iters| (0..iters).map(|_| run(p, &dir)).sum());
+        });
+    }
+    g.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group!(benches, ab);
+criterion_main!(benches);
