@@ -213,7 +213,7 @@ fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
 #[test]
 fn a_users_policy_module_uses_every_host_mechanism() {
     // `policies/example-deadline`, built to wasm by tests/build.rs and loaded from its file.
-    let policy = format!("{}:s=3,deadline_ms=40,tasks=8", env!("SYNCOPATE_EXAMPLE_WASM"));
+    let policy = format!("{}:s=3,deadline_ms=10,tasks=8", env!("SYNCOPATE_EXAMPLE_WASM"));
     let run = LocalRun::start(
         "example-deadline",
         &[

@@ -97,6 +97,8 @@ struct Waiting {
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
     /// Tasks handed over and not yet pushed by the worker that took them.
     moved: Vec<Moved>,
+    /// Workers that said goodbye while tasks of theirs were still being computed elsewhere.
+    leaving: Vec<(WorkerId, Option<Reply<()>>)>,
 }
 
 /// Tasks `first..first + count` of `owner`'s `iteration`, handed to worker `to`.
@@ -285,6 +287,8 @@ impl ShardTask {
                         && m.iteration == iteration
                         && mask & !part.mask == 0)
                 });
+                let done =
+                    w.leaving.iter().any(|(o, _)| *o == owner) && !w.moved.iter().any(|m| m.owner == owner);
                 let req =
                     PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
                 let result = shard.push(req, now, w).map(|_| ()).map_err(|e| e.to_string());
@@ -299,6 +303,9 @@ impl ShardTask {
                     );
                 }
                 let _ = reply.send(result);
+                if done {
+                    finish_leaves(slot, w, now);
+                }
             }
             ShardCmd::Yielded { owner, to, iteration, first, count, moved } => {
                 let m = Moved { owner, to, iteration, first, count, split: moved };
@@ -366,19 +373,13 @@ impl ShardTask {
                 }
             }
             ShardCmd::Leave { worker, reason, reply } => {
-                let result = match slot.as_mut() {
-                    Some(shard) => shard.leave(worker, reason, now, w).map_err(|e| e.to_string()),
-                    None => Ok(()),
-                };
-                if result.is_ok() {
-                    tracing::info!(shard = id, worker, ?reason, "worker left");
+                if reason == LeaveReason::Finished && w.moved.iter().any(|m| m.owner == worker) {
+                    // Its last iterations wait for tasks other workers are computing: it leaves
+                    // when they are in, so nothing it trained is lost.
+                    w.leaving.push((worker, reply));
+                    return;
                 }
-                w.controls.remove(&worker);
-                w.pulls.retain(|(wk, _), _| *wk != worker);
-                w.return_tasks(worker);
-                if let Some(reply) = reply {
-                    let _ = reply.send(result);
-                }
+                leave(slot, w, worker, reason, reply, now);
             }
             ShardCmd::Read { reply } => {
                 let _ = reply.send(match slot.as_ref() {
@@ -413,5 +414,39 @@ impl ShardTask {
                 }));
             }
         }
+    }
+}
+
+/// Removes `worker` from the shard and from every table of pending answers.
+fn leave(
+    slot: &mut Option<Shard>,
+    w: &mut Waiting,
+    worker: WorkerId,
+    reason: LeaveReason,
+    reply: Option<Reply<()>>,
+    now: u64,
+) {
+    let result = match slot.as_mut() {
+        Some(shard) => shard.leave(worker, reason, now, w).map_err(|e| e.to_string()),
+        None => Ok(()),
+    };
+    if result.is_ok() {
+        tracing::info!(shard = w.shard, worker, ?reason, "worker left");
+    }
+    w.controls.remove(&worker);
+    w.pulls.retain(|(wk, _), _| *wk != worker);
+    w.return_tasks(worker);
+    if let Some(reply) = reply {
+        let _ = reply.send(result);
+    }
+    finish_leaves(slot, w, now);
+}
+
+/// Completes the goodbyes of workers none of whose tasks are still out (pushed, or returned to
+/// a worker that is itself leaving and so dropped).
+fn finish_leaves(slot: &mut Option<Shard>, w: &mut Waiting, now: u64) {
+    while let Some(pos) = w.leaving.iter().position(|(o, _)| !w.moved.iter().any(|m| m.owner == *o)) {
+        let (worker, reply) = w.leaving.swap_remove(pos);
+        leave(slot, w, worker, LeaveReason::Finished, reply, now);
     }
 }
