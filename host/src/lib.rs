@@ -8,7 +8,7 @@
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
 //! - [`local`]: a whole cluster on this machine, as separate processes;
 //! - [`scenario`], [`ab`]: scenarios as TOML files, and one scenario under several policies with
-//!   a comparison report;
+//!   a comparison report; [`sim`]: the deterministic simulator behind `ab --simulate`;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
 //! - [`cli`]: the `syncopate` command.
 
@@ -25,6 +25,7 @@ pub mod runtime;
 pub mod scenario;
 pub mod server;
 pub mod shard;
+pub mod sim;
 pub mod worker;
 
 pub use node::NodeError;

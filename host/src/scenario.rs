@@ -65,6 +65,10 @@ pub struct Scenario {
     /// Seed of the initial parameters, the data order and the policies' random source.
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// One-way latency of every message in the simulator, in microseconds (real clusters have
+    /// their own). 250 µs is what a request costs on this project's loopback clusters.
+    #[serde(default = "default_latency")]
+    pub latency_us: u64,
     /// Link bandwidth per node, in Mbit/s. Loopback clusters cannot enforce it: `syncopate ab`
     /// refuses such a scenario and names the recipe (docs/bandwidth.md) that can.
     pub bandwidth_mbit: Option<f64>,
@@ -127,6 +131,9 @@ fn default_eval() -> u64 {
 }
 fn default_seed() -> u64 {
     1
+}
+fn default_latency() -> u64 {
+    250
 }
 
 /// A scenario that cannot be used.

@@ -8,6 +8,7 @@ mod harness;
 mod net;
 mod oracles;
 mod sandbox;
+mod sim;
 mod swap;
 mod tasks;
 mod training;

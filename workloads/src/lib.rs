@@ -157,6 +157,49 @@ pub fn by_name(name: &str, opts: &WorkloadOptions) -> Result<Box<dyn Workload>, 
     Ok(Box::new(w))
 }
 
+/// How many parameters workload `name` has, without loading any data.
+pub fn param_len(name: &str, opts: &WorkloadOptions) -> Option<usize> {
+    match name {
+        "counter" => Some(opts.params),
+        _ => model_for(name, opts).map(|m| m.len()),
+    }
+}
+
+/// Workload `name` for each of `parts` data parts, sharing one copy of the data (the
+/// simulator runs many workers in one process). `opts.part` is ignored.
+pub fn for_parts(
+    name: &str,
+    opts: &WorkloadOptions,
+    parts: u32,
+) -> Result<Vec<Box<dyn Workload>>, WorkloadError> {
+    if name == "counter" {
+        return Ok((0..parts)
+            .map(|_| Box::new(counter::Counter::new(opts.params)) as Box<dyn Workload>)
+            .collect());
+    }
+    let model = model_for(name, opts).ok_or_else(|| WorkloadError::Unknown(name.to_string()))?;
+    if parts == 0 {
+        return Err(WorkloadError::Option("no data parts".into()));
+    }
+    let train = Arc::new(fashion::load(&opts.data_dir)?.train);
+    let n = train.len();
+    Ok((0..parts)
+        .map(|index| {
+            let (lo, hi) = (n * index as usize / parts as usize, n * (index as usize + 1) / parts as usize);
+            let mut w = Fashion::new(
+                name,
+                model.clone(),
+                train.clone(),
+                (lo..hi).collect(),
+                opts.seed ^ u64::from(index),
+            );
+            w.parts = parts;
+            w.task_seed = opts.seed;
+            Box::new(w) as Box<dyn Workload>
+        })
+        .collect())
+}
+
 /// Scores models on the test set.
 #[derive(Debug)]
 pub struct Evaluator {

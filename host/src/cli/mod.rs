@@ -90,23 +90,23 @@ pub struct AbArgs {
     /// Directory with the Fashion-MNIST IDX files.
     #[arg(long)]
     pub data: Option<std::path::PathBuf>,
-    /// Run in the deterministic simulator instead of real processes (not available yet).
+    /// Run in the deterministic simulator (virtual time, the real shard engine and policies)
+    /// instead of as real local clusters: for clusters larger than this machine holds.
     #[arg(long)]
     pub simulate: bool,
+    /// With --simulate: decisions only, no gradients or accuracy (for thousands of workers).
+    #[arg(long, requires = "simulate")]
+    pub no_gradients: bool,
 }
 
 fn ab(a: AbArgs) -> anyhow::Result<()> {
     use anyhow::Context;
     let scenario = crate::scenario::Scenario::load(&a.scenario)?;
-    if a.simulate {
-        anyhow::bail!(
-            "--simulate: the deterministic simulator is not built yet; run without it for real clusters"
-        );
-    }
-    if let Some(mbit) = scenario.bandwidth_mbit {
+    if let (Some(mbit), false) = (scenario.bandwidth_mbit, a.simulate) {
         anyhow::bail!(
             "scenario `{}` limits bandwidth to {mbit} Mbit/s, which a loopback cluster cannot enforce; \
-             run it by hand with the network-namespace recipe in docs/bandwidth.md",
+             run it with --simulate (which models link bandwidth), or by hand with the \
+             network-namespace recipe in docs/bandwidth.md",
             scenario.name
         );
     }
@@ -125,7 +125,15 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
     }
     let out = a.out.unwrap_or_else(|| crate::ab::default_out(&scenario));
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    let opts = crate::ab::AbOptions { exe, scenario, policies: a.policies, out: out.clone(), data: a.data };
+    let opts = crate::ab::AbOptions {
+        exe,
+        scenario,
+        policies: a.policies,
+        out: out.clone(),
+        data: a.data,
+        simulate: a.simulate,
+        gradients: !a.no_gradients,
+    };
     let comparison = crate::ab::run(&opts).context("ab")?;
     println!();
     print!("{}", crate::ab::table(&comparison.scenario, &comparison.rows));
