@@ -6,12 +6,19 @@
 //! 10 ms of emulated compute per iteration, worker 0 three times slower. One sample is one whole
 //! run, start-up and shutdown included (about 0.5 s of each sample); the measured time is the
 //! run's wall-clock. Build the binary first: `cargo build --release --bins`.
+//!
+//! A second group, `sim-1000-workers`, times the simulator deciding for 1,000 workers on 4 shards
+//! (50 iterations each, no gradients) under each policy: the scale a policy-only study needs.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use syncopate::builtin::PolicySpec;
+use syncopate::runtime::PolicyRuntime;
+use syncopate::scenario::Scenario;
+use syncopate::sim::{simulate, SimOptions};
 
 const POLICIES: &[&str] = &["bsp", "ssp:s=3", "dssp:s_lo=3,s_hi=15", "fluentps:s=3", "r2sp", "epsp", "asp"];
 
@@ -52,5 +59,28 @@ fn ab(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-criterion_group!(benches, ab);
+fn sim_scale(c: &mut Criterion) {
+    let scenario: Scenario = toml::from_str(
+        "name = \"scale\"\nworkers = 1000\nservers = 4\ncompute_ms = 20\niterations = 50\n\
+         [[slow]]\nworker = 0\nfactor = 3.0\n[[jitter]]\nworker = 1\nmean_ms = 10.0\nsd_ms = 5.0\n",
+    )
+    .expect("scenario");
+    let rt = PolicyRuntime::new().expect("wasm engine");
+    let mut g = c.benchmark_group("sim-1000-workers");
+    g.sample_size(10);
+    for policy in POLICIES {
+        let opts = SimOptions {
+            scenario: scenario.clone(),
+            policy: policy.parse::<PolicySpec>().expect("policy"),
+            gradients: false,
+            data: None,
+        };
+        g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
+            b.iter(|| simulate(o, &rt).expect("simulates"));
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, ab, sim_scale);
 criterion_main!(benches);

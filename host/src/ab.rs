@@ -57,6 +57,9 @@ pub struct AbRow {
     pub wait_share: f64,
     /// Pulls any shard deferred, all workers.
     pub deferred_pulls: u64,
+    /// Iterations all workers completed (runs that stop at a target differ in length: compare
+    /// deferred pulls per iteration).
+    pub iterations: u64,
     /// Bytes the workers sent and received.
     pub bytes_moved: u64,
     /// Mean staleness of the applied gradients (optimizer steps between pull and admission).
@@ -118,6 +121,7 @@ impl AbRow {
             wait_s: mean(&|w| w.wait_ns as f64 / 1e9),
             wait_share: mean(&|w| w.wait_ns as f64 / w.elapsed_ns.max(1) as f64),
             deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
+            iterations: r.workers.iter().map(|w| w.iterations).sum(),
             bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
             mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
             tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
@@ -210,13 +214,13 @@ pub fn table(scenario: &Scenario, rows: &[AbRow]) -> String {
     let mut t = format!("# Scenario `{}`\n\n{}\n\n", scenario.name, scenario.description);
     let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
     t.push_str(&format!(
-        "| policy | time to {target} | final acc | best acc | it/s per worker | wait (share) | deferred pulls | MB moved | mean staleness | tasks moved |\n"
+        "| policy | time to {target} | final acc | best acc | it/s per worker | wait (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n"
     ));
     t.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
     let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
     for r in rows {
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.2} s ({:.0}%) | {} | {:.0} | {:.2} | {} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
             r.policy,
             match (scenario.target_accuracy, r.time_to_target_s) {
                 (None, _) => "-".into(),
@@ -229,6 +233,7 @@ pub fn table(scenario: &Scenario, rows: &[AbRow]) -> String {
             r.wait_s,
             r.wait_share * 100.0,
             r.deferred_pulls,
+            r.deferred_pulls as f64 * 100.0 / r.iterations.max(1) as f64,
             r.bytes_moved as f64 / 1e6,
             r.mean_staleness,
             r.tasks_moved,

@@ -217,7 +217,8 @@ pub fn comparison(
             let y = f64::from(t) * 100.0;
             chart
                 .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
-                .label("target");
+                .label("target")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.4)));
         }
         chart
             .configure_series_labels()

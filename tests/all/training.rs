@@ -98,8 +98,8 @@ fn with_a_slow_worker_ssp_defers_fewer_pulls_than_bsp() {
 /// DSSP, FluentPS, R²SP (with its heterogeneous extension) and EPSP each train the MLP with one
 /// worker three times slower, each iteration emulating 20 ms of compute (the MLP's own is under
 /// a millisecond, so without pacing moving the model dominates and a straggler's tasks are not
-/// worth moving). Their side-by-side speed is measured by `scripts/compare-policies.sh`
-/// and reported in docs/policies.md, not asserted here.
+/// worth moving). Their side-by-side speed is measured with `syncopate ab` and reported in
+/// docs/results.md, not asserted here.
 #[test]
 fn every_paradigm_converges_with_a_slow_worker() {
     for policy in ["dssp:s_lo=3,s_hi=15", "fluentps:s=3", "r2sp:global_batch=128,retune_ms=500", "epsp"] {
