@@ -558,23 +558,10 @@ impl Sim {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let stats = s.stats();
-                for (b, c) in staleness.iter_mut().zip(stats.staleness) {
+                for (b, c) in staleness.iter_mut().zip(s.stats().staleness) {
                     *b += c;
                 }
-                ShardStatus {
-                    shard: i as u32,
-                    policy: format!("{} {}", s.policy().info().name, s.policy().info().version),
-                    sha256: s.policy().sha256_hex(),
-                    config: s.policy_config().to_vec(),
-                    quarantined: s.is_quarantined(),
-                    workers: s.workers(),
-                    len: s.values().len() as u64,
-                    stats,
-                    parked: s.parked_pulls() as u32,
-                    held: s.held_pushes() as u32,
-                    waited_ns: s.worker_waits(),
-                }
+                ShardStatus::of(i as u32, s)
             })
             .collect();
         let servers = (0..self.opts.scenario.servers)

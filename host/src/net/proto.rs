@@ -407,6 +407,26 @@ pub struct ShardStatus {
     pub waited_ns: Vec<(WorkerId, u64)>,
 }
 
+impl ShardStatus {
+    /// The state of `shard`, which serves shard number `id`.
+    pub fn of(id: u32, shard: &crate::shard::Shard) -> Self {
+        let info = shard.policy().info();
+        ShardStatus {
+            shard: id,
+            policy: format!("{} {}", info.name, info.version),
+            sha256: shard.policy().sha256_hex(),
+            config: shard.policy_config().to_vec(),
+            quarantined: shard.is_quarantined(),
+            workers: shard.workers(),
+            len: shard.values().len() as u64,
+            stats: shard.stats(),
+            parked: shard.parked_pulls() as u32,
+            held: shard.held_pushes() as u32,
+            waited_ns: shard.worker_waits(),
+        }
+    }
+}
+
 /// One server's state.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ServerStatus {

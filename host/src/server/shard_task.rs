@@ -399,19 +399,7 @@ impl ShardTask {
                 let _ = reply.send(result);
             }
             ShardCmd::Status { reply } => {
-                let _ = reply.send(slot.as_ref().map(|s| ShardStatus {
-                    shard: id,
-                    policy: format!("{} {}", s.policy().info().name, s.policy().info().version),
-                    sha256: s.policy().sha256_hex(),
-                    config: s.policy_config().to_vec(),
-                    quarantined: s.is_quarantined(),
-                    workers: s.workers(),
-                    len: s.values().len() as u64,
-                    stats: s.stats(),
-                    parked: s.parked_pulls() as u32,
-                    held: s.held_pushes() as u32,
-                    waited_ns: s.worker_waits(),
-                }));
+                let _ = reply.send(slot.as_ref().map(|s| ShardStatus::of(id, s)));
             }
         }
     }
