@@ -97,6 +97,30 @@ fn event_round_trip(c: &mut Criterion) {
     bench_policy::<syncopate_policy_ssp::Ssp>(c, "ssp", &[("s", "3")]);
     bench_policy::<syncopate_policy_bsp::Bsp>(c, "bsp", &[]);
     bench_policy::<syncopate_policy_asp::Asp>(c, "asp", &[]);
+    bench_policy::<syncopate_policy_dssp::Dssp>(c, "dssp", &[("s_lo", "3"), ("s_hi", "15")]);
+    bench_policy::<syncopate_policy_fluentps::FluentPs>(
+        c,
+        "fluentps",
+        &[("s", "3"), ("p", "1.0"), ("mode", "constant")],
+    );
+    bench_policy::<syncopate_policy_r2sp::R2sp>(
+        c,
+        "r2sp",
+        &[("global_batch", "0"), ("min_batch", "8"), ("retune_ms", "2000")],
+    );
+    bench_policy::<syncopate_policy_epsp::Epsp>(
+        c,
+        "epsp",
+        &[
+            ("mode", "enforced"),
+            ("s", "3"),
+            ("tasks", "8"),
+            ("moves", "true"),
+            ("elastic", "true"),
+            ("global_batch", "0"),
+            ("share_ms", "2000"),
+        ],
+    );
 }
 
 fn hot_swap(c: &mut Criterion) {
