@@ -29,7 +29,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::Distribution;
-use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, RequestId, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, RequestId, WorkerId};
 use syncopate_workloads::{Evaluator, Workload, WorkloadOptions};
 
 use crate::builtin::PolicySpec;
@@ -264,11 +264,21 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, Si
         sim.at(0, Ev::Start(w));
     }
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
+    let mut stopped_at = None;
     while let Some(Reverse((t, _, ev))) = sim.queue.pop() {
         sim.now = t;
         sim.handle(ev)?;
         if sim.workers.iter().all(|w| w.done) {
             break;
+        }
+        // A policy that never answers a worker would keep the run going: after the budget, give
+        // the stragglers a minute of virtual time to finish, then end the run as it stands.
+        if sim.stopping {
+            let since = *stopped_at.get_or_insert(t);
+            if t.saturating_sub(since) > 60_000_000_000 {
+                tracing::warn!("simulation ended a minute after its budget with workers still waiting");
+                break;
+            }
         }
     }
     Ok(sim.report())
@@ -364,6 +374,10 @@ impl Sim {
                     wk.done = true;
                     wk.report.stopped_early = self.stopping;
                     wk.report.elapsed_ns = self.now;
+                    // It leaves, as a real worker does: no one waits on it any more.
+                    for s in 0..shards {
+                        self.call(s, |sh, now, sink| sh.leave(w, LeaveReason::Finished, now, sink))?;
+                    }
                     return Ok(());
                 }
                 wk.replies = 0;
@@ -450,6 +464,10 @@ impl Sim {
             }
             Ev::Report(w, s) => {
                 let wk = &self.workers[w as usize];
+                if wk.done {
+                    // It stopped and left before its last report arrived.
+                    return Ok(());
+                }
                 let (iteration, samples) = (wk.iteration.saturating_sub(1), wk.batch);
                 let report =
                     IterationReport { worker: w, iteration, compute_ns: self.compute_ns(w), samples };
