@@ -474,34 +474,15 @@ async fn handle_request(
                 Err(e) => err(e),
             }
         }
-        DataRequest::Push { iteration, samples, based_on, .. } => {
-            match ask(tx, |reply| ShardCmd::Push {
-                worker,
-                iteration,
-                samples,
-                based_on,
-                grad: payload,
-                tasks: None,
-                reply,
-            })
-            .await
-            {
-                Ok(()) => (DataResponse::PushAcked, None),
-                Err(e) => err(e),
-            }
-        }
-        DataRequest::PushTasks { owner, iteration, samples, based_on, mask, total, .. } => {
-            let tasks = Some((owner, TaskPart { mask, total }));
-            match ask(tx, |reply| ShardCmd::Push {
-                worker,
-                iteration,
-                samples,
-                based_on,
-                grad: payload,
-                tasks,
-                reply,
-            })
-            .await
+        DataRequest::Push { iteration, samples, based_on, .. }
+        | DataRequest::PushTasks { iteration, samples, based_on, .. } => {
+            let tasks = match req {
+                DataRequest::PushTasks { owner, mask, total, .. } => Some((owner, TaskPart { mask, total })),
+                _ => None,
+            };
+            let grad = payload;
+            match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, reply })
+                .await
             {
                 Ok(()) => (DataResponse::PushAcked, None),
                 Err(e) => err(e),
