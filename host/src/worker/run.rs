@@ -242,6 +242,24 @@ impl Worker {
         Ok(())
     }
 
+    /// Waits for `request` (a pull or a push, which a policy may hold back), handling control
+    /// messages meanwhile: a waiting worker can still be given tasks.
+    async fn meanwhile<T>(
+        &mut self,
+        client: &WorkerClient,
+        controls: &mut mpsc::UnboundedReceiver<ControlMessage>,
+        next: u64,
+        request: impl std::future::Future<Output = Result<T, NodeError>>,
+    ) -> Result<T, NodeError> {
+        tokio::pin!(request);
+        loop {
+            tokio::select! {
+                r = &mut request => return r,
+                Some(msg) = controls.recv() => self.handle(client, msg, next).await?,
+            }
+        }
+    }
+
     /// Handles every control message already waiting.
     async fn drain(
         &mut self,
@@ -364,17 +382,12 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
             let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let t = Instant::now();
             // Wait for the pull, handling control messages (task moves above all) meanwhile.
-            let stats = {
-                let pull = client.pull(iteration, &mut params);
-                tokio::pin!(pull);
-                loop {
-                    tokio::select! {
-                        r = &mut pull => break r?,
-                        Some(msg) = controls.recv() => me.handle(&client, msg, iteration + 1).await?,
-                    }
-                }
-            };
-            me.model.copy_from_slice(&params);
+            let stats = me
+                .meanwhile(&client, &mut controls, iteration + 1, client.pull(iteration, &mut params))
+                .await?;
+            if me.can_split {
+                me.model.copy_from_slice(&params);
+            }
             let waited = t.elapsed();
             me.report.wait_ns += waited.as_nanos() as u64;
             me.report.deferred_pulls += u64::from(stats.deferred_shards > 0);
@@ -407,13 +420,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                         client.push_tasks(id, iteration, mask, c.total, &grad, samples).await
                     }
                 };
-                tokio::pin!(push);
-                loop {
-                    tokio::select! {
-                        r = &mut push => break r?,
-                        Some(msg) = controls.recv() => me.handle(&client, msg, iteration + 1).await?,
-                    }
-                }
+                me.meanwhile(&client, &mut controls, iteration + 1, push).await?;
                 me.report.compute_ns += compute.as_nanos() as u64;
                 me.report.last_loss = loss;
                 let report =
