@@ -173,6 +173,13 @@ fn transport(c: &mut Criterion) {
             })
         });
         group.finish();
+        // What QUIC saw on worker 0's connection: a low MTU or many losses explain a slow row.
+        for (addr, st) in cl.workers[0].connection_stats() {
+            eprintln!(
+                "transport/{label}: {addr}: path MTU {} B, RTT {:?}, lost {} of {} packets, {} congestion events",
+                st.path.current_mtu, st.path.rtt, st.path.lost_packets, st.path.sent_packets, st.path.congestion_events
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

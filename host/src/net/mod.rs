@@ -4,11 +4,13 @@
 //! - [`wire`]: framing, limits and the message decoder;
 //! - [`proto`]: every message type;
 //! - [`tls`]: certificates, tokens and endpoint configuration;
+//! - [`udp`]: the UDP socket under each endpoint (buffers, segmentation offload);
 //! - this module: the connection handshake (hello with the cluster token) and request helpers
 //!   the coordinator, servers and workers share.
 
 pub mod proto;
 pub mod tls;
+pub mod udp;
 pub mod wire;
 
 use std::net::SocketAddr;

@@ -142,6 +142,12 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     opts.open(path)?.write_all(bytes)
 }
 
+/// The largest UDP payload an endpoint accepts and MTU discovery may probe for. quinn's default
+/// (1,472 bytes, Ethernet's) also caps what the peer may send, so discovery never went further;
+/// loopback carries 64 KB and jumbo-frame links 9 KB, and every packet costs a system call, an
+/// encryption set-up and an acknowledgement whatever its size.
+pub const MAX_UDP_PAYLOAD: u16 = 65_000;
+
 /// Transport settings every node uses. A peer silent for `timeout` is dropped; keep-alives go
 /// out four times per timeout so only a dead or cut-off peer goes silent. Windows are sized for
 /// tensors of many megabytes; MTU discovery may grow packets up to what the path carries
@@ -158,9 +164,43 @@ pub fn transport(timeout: Duration) -> quinn::TransportConfig {
     t.receive_window((256u32 << 20).into());
     t.send_window(256 << 20);
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(65_000);
+    mtu.upper_bound(MAX_UDP_PAYLOAD);
     t.mtu_discovery_config(Some(mtu));
+    t.congestion_controller_factory(Arc::new(initial_window()));
     t
+}
+
+/// Congestion control: quinn's CUBIC with an initial window of [`INITIAL_WINDOW`].
+///
+/// quinn's default initial window (14,720 bytes) is smaller than one MTU probe on a
+/// large-packet path, so right after a handshake the window is full of probes. quinn 0.11
+/// also holds a CONNECTION_CLOSE back while the window is full (quinn issue #2785, fixed
+/// upstream after 0.11.19): a peer refused just after its handshake (a wrong token, no hello)
+/// then never heard why and got a stateless reset instead. A window that holds the probes
+/// keeps the close on the wire.
+fn initial_window() -> quinn::congestion::CubicConfig {
+    let mut cubic = quinn::congestion::CubicConfig::default();
+    cubic.initial_window(INITIAL_WINDOW);
+    cubic
+}
+
+/// The initial congestion window: ten of the largest packets. Sized for cluster links
+/// (loopback, a data-centre fabric), where a first burst of this size is routine; CUBIC adapts
+/// from there.
+pub const INITIAL_WINDOW: u64 = 10 * MAX_UDP_PAYLOAD as u64;
+
+fn endpoint(addr: SocketAddr, server: Option<quinn::ServerConfig>) -> Result<quinn::Endpoint, TlsError> {
+    let runtime = quinn::default_runtime()
+        .ok_or_else(|| TlsError::Config("QUIC endpoints need a tokio runtime".into()))?;
+    let socket = super::udp::bind(addr)
+        .and_then(|s| runtime.wrap_udp_socket(s))
+        .map_err(|source| TlsError::Bind { addr, source })?;
+    let socket = Arc::new(super::udp::CappedGso::new(socket));
+    let mut config = quinn::EndpointConfig::default();
+    // Let MTU discovery (see [`transport`]) find large packets where the path carries them.
+    config.max_udp_payload_size(MAX_UDP_PAYLOAD).expect("within QUIC bounds");
+    quinn::Endpoint::new_with_abstract_socket(config, server, socket, runtime)
+        .map_err(|source| TlsError::Bind { addr, source })
 }
 
 /// A QUIC endpoint that listens at `addr` (and can dial out).
@@ -169,7 +209,7 @@ pub fn listen(
     server: quinn::ServerConfig,
     client: quinn::ClientConfig,
 ) -> Result<quinn::Endpoint, TlsError> {
-    let mut ep = quinn::Endpoint::server(server, addr).map_err(|source| TlsError::Bind { addr, source })?;
+    let mut ep = endpoint(addr, Some(server))?;
     ep.set_default_client_config(client);
     Ok(ep)
 }
@@ -177,7 +217,7 @@ pub fn listen(
 /// A QUIC endpoint that only dials out.
 pub fn dial_only(client: quinn::ClientConfig) -> Result<quinn::Endpoint, TlsError> {
     let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
-    let mut ep = quinn::Endpoint::client(addr).map_err(|source| TlsError::Bind { addr, source })?;
+    let mut ep = endpoint(addr, None)?;
     ep.set_default_client_config(client);
     Ok(ep)
 }

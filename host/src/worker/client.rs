@@ -112,6 +112,13 @@ impl WorkerClient {
         self.stop.load(Ordering::Relaxed)
     }
 
+    /// QUIC statistics of each server connection (path MTU, round-trip time, lost packets,
+    /// congestion events), by server address: what to look at when transfers are slower than
+    /// the link.
+    pub fn connection_stats(&self) -> Vec<(std::net::SocketAddr, quinn::ConnectionStats)> {
+        self.servers.iter().map(|c| (c.remote_address(), c.stats())).collect()
+    }
+
     /// Bytes sent and received on all this worker's connections (UDP payloads, so QUIC and TLS
     /// overheads included).
     pub fn bytes(&self) -> (u64, u64) {
