@@ -210,12 +210,17 @@ pub async fn read_head<H: DeserializeOwned>(
     Ok(Incoming { header, payload_len })
 }
 
-/// Reads a payload of `len` bytes as a new tensor.
-pub async fn read_payload_f32(recv: &mut quinn::RecvStream, len: usize) -> Result<Vec<f32>, WireError> {
+/// How many `f32` values a payload of `len` bytes holds.
+pub fn f32_count(len: usize) -> Result<usize, WireError> {
     if !len.is_multiple_of(4) {
         return Err(WireError::Misaligned(len));
     }
-    let mut v = vec![0f32; len / 4];
+    Ok(len / 4)
+}
+
+/// Reads a payload of `len` bytes as a new tensor.
+pub async fn read_payload_f32(recv: &mut quinn::RecvStream, len: usize) -> Result<Vec<f32>, WireError> {
+    let mut v = vec![0f32; f32_count(len)?];
     recv.read_exact(bytemuck::cast_slice_mut(&mut v)).await.map_err(read_err)?;
     Ok(v)
 }
@@ -295,23 +300,6 @@ pub async fn write_frame_owned<H: Serialize>(
         send.write_chunk(payload).await.map_err(|e| WireError::Stream(e.to_string()))?;
     }
     send.finish().map_err(|e| WireError::Stream(e.to_string()))
-}
-
-/// An owned tensor whose bytes can be handed to QUIC without a copy.
-#[derive(Debug)]
-pub struct TensorBytes(pub Vec<f32>);
-
-impl AsRef<[u8]> for TensorBytes {
-    fn as_ref(&self) -> &[u8] {
-        f32_bytes(&self.0)
-    }
-}
-
-impl TensorBytes {
-    /// The tensor as a zero-copy [`bytes::Bytes`].
-    pub fn into_bytes(self) -> bytes::Bytes {
-        bytes::Bytes::from_owner(self)
-    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,10 @@
 //! the coordinator (prepare / commit a swap, status, shutdown) arrive on the registration
 //! connection.
 
+mod pool;
 mod shard_task;
+
+pub use pool::TensorPool;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -25,7 +28,7 @@ use crate::net::proto::{
     ServerCommand, ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
-use crate::net::wire::{self, Limits, TensorBytes, WireError};
+use crate::net::wire::{self, Limits, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{ShardConfig, SupervisorConfig, TaskPart};
@@ -61,6 +64,8 @@ struct Shared {
     shutdown: watch::Sender<bool>,
     /// Live data connections, and the bytes of those already closed.
     traffic: Mutex<(Vec<quinn::Connection>, u64, u64)>,
+    /// Tensor buffers for payloads in and answers out.
+    pool: TensorPool,
 }
 
 impl Shared {
@@ -108,6 +113,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let timeout = Duration::from_millis(settings.peer_timeout_ms);
     endpoint.set_server_config(Some(opts.tls.server_config(timeout)?));
     let epoch = Instant::now();
+    let pool = TensorPool::default();
     let mut shards = HashMap::new();
     for shard in (0..settings.shards).filter(|s| s % settings.servers == id) {
         let (tx, rx) = mpsc::channel(1024);
@@ -123,6 +129,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
             module: module.clone(),
             config: policy.config_for(shard),
             epoch,
+            pool: pool.clone(),
         };
         tokio::spawn(task.run(rx));
         shards.insert(shard, tx);
@@ -139,6 +146,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         token: opts.token.clone(),
         shutdown,
         traffic: Mutex::new((Vec::new(), 0, 0)),
+        pool,
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
     let commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
@@ -409,8 +417,14 @@ async fn serve_stream(
         Ok(h) => h,
         Err(e) => return malformed(&conn, &e),
     };
-    let payload = match wire::read_payload_f32(&mut recv, head.payload_len).await {
-        Ok(p) => p,
+    let payload = match wire::f32_count(head.payload_len) {
+        Ok(n) => {
+            let mut payload = shared.pool.take(n);
+            match wire::read_payload_into(&mut recv, head.payload_len, &mut payload).await {
+                Ok(()) => payload,
+                Err(e) => return malformed(&conn, &e),
+            }
+        }
         Err(e) => return malformed(&conn, &e),
     };
     if let Err(e) = wire::expect_end(&mut recv).await {
@@ -418,9 +432,7 @@ async fn serve_stream(
     }
     let (answer, values) = handle_request(&shared, &peer, head.header, payload).await;
     let result = match values {
-        Some(v) => {
-            wire::write_frame_owned(&mut send, &answer, TensorBytes(v).into_bytes(), &mut scratch).await
-        }
+        Some(v) => wire::write_frame_owned(&mut send, &answer, shared.pool.send_bytes(v), &mut scratch).await,
         None => wire::write_frame(&mut send, &answer, &[], &mut scratch).await,
     };
     if let Err(e) = result {

@@ -13,6 +13,7 @@ use std::time::Instant;
 use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot};
 
+use super::TensorPool;
 use crate::net::proto::{ControlMessage, MovedTasks, ShardStatus};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
@@ -92,6 +93,7 @@ pub(crate) enum ShardCmd {
 #[derive(Default)]
 struct Waiting {
     shard: u32,
+    pool: TensorPool,
     pulls: HashMap<(WorkerId, u64), Reply<Served>>,
     pushes: HashMap<(WorkerId, u64), Reply<()>>,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
@@ -160,7 +162,11 @@ impl ShardSink for Waiting {
                 clock: r.clock,
                 version: r.version,
                 waited_ns: r.waited_ns,
-                values: r.values.to_vec(),
+                values: {
+                    let mut values = self.pool.take(r.values.len());
+                    values.copy_from_slice(r.values);
+                    values
+                },
             };
             let _ = tx.send(Ok(served));
         }
@@ -191,6 +197,10 @@ impl ShardSink for Waiting {
     fn policy_failed(&mut self, error: &PolicyError) {
         tracing::warn!(shard = self.shard, "policy failed, shard recovered: {error}");
     }
+
+    fn recycle(&mut self, buffer: Vec<f32>) {
+        self.pool.give(buffer);
+    }
 }
 
 /// The task's state before and after the shard exists (it is created by the first join, which
@@ -200,6 +210,8 @@ pub(crate) struct ShardTask {
     pub module: PolicyModule,
     pub config: Vec<(String, String)>,
     pub epoch: Instant,
+    /// The server's tensor buffers: pull answers are taken from it, spent gradients go back.
+    pub pool: TensorPool,
 }
 
 impl ShardTask {
@@ -210,7 +222,7 @@ impl ShardTask {
     /// Runs until every sender of `rx` is gone.
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
         let mut shard: Option<Shard> = None;
-        let mut w = Waiting { shard: self.cfg.shard, ..Waiting::default() };
+        let mut w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), ..Waiting::default() };
         loop {
             let timer = shard.as_ref().and_then(|s| s.next_timer_ns());
             let cmd = match timer {

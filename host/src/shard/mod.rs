@@ -184,6 +184,8 @@ pub trait ShardSink {
     fn metric(&mut self, _name: &str, _value: f64) {}
     /// The policy failed; the shard recovered as described in the module docs.
     fn policy_failed(&mut self, _error: &PolicyError) {}
+    /// A gradient buffer the shard is done with, for the host to reuse (dropped by default).
+    fn recycle(&mut self, _buffer: Vec<f32>) {}
 }
 
 /// A request the shard refused before any policy saw it.
@@ -616,7 +618,12 @@ impl Shard {
                     id,
                     total: part.total,
                     mask: 0,
-                    sum: vec![0.0; self.params.len()],
+                    sum: {
+                        let mut sum = self.spare_sums.pop().unwrap_or_default();
+                        sum.clear();
+                        sum.resize(self.params.len(), 0.0);
+                        sum
+                    },
                     samples: 0,
                     based_on: None,
                 });
@@ -628,6 +635,7 @@ impl Shard {
         for (s, g) in p.sum.iter_mut().zip(&grad) {
             *s += w * g;
         }
+        sink.recycle(grad);
         p.mask |= part.mask;
         p.samples += samples.max(1);
         p.based_on = match (p.based_on, based_on) {
@@ -1086,6 +1094,7 @@ impl Shard {
                 self.complete_aggregates();
             }
         }
+        sink.recycle(grad);
         sink.push_acked(push.id, push.worker, push.iteration);
     }
 
