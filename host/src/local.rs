@@ -130,15 +130,28 @@ impl Proc {
         let log = dir.join("logs").join(format!("{name}.log"));
         let out = std::fs::File::create(&log).map_err(io(format!("cannot create {}", log.display())))?;
         let err = out.try_clone().map_err(io("log file"))?;
-        let child = Command::new(exe)
-            .args(args)
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
             .env("SYNCOPATE_TOKEN", token.secret())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(io(format!("cannot start {} {name}", exe.display())))?;
+            .kill_on_drop(true);
+        // kill_on_drop covers every way out of this process but SIGKILL; for that one the
+        // kernel ends the children, so no half cluster outlives `local`.
+        #[cfg(target_os = "linux")]
+        // SAFETY: the closure runs between fork and exec and calls only prctl, which is
+        // async-signal-safe; it touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        let child = cmd.spawn().map_err(io(format!("cannot start {} {name}", exe.display())))?;
         Ok(Proc { name: name.to_string(), child })
     }
 

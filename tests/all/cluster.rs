@@ -438,3 +438,58 @@ fn a_missing_server_gives_workers_a_clear_error() {
         }
     }
 }
+
+/// The processes whose parent is `pid` and that have not exited (zombies count as gone).
+#[cfg(target_os = "linux")]
+fn live_children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // After the command's closing parenthesis: state, then the parent's pid.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+        let mut fields = rest.split_whitespace();
+        let (state, ppid) = (fields.next(), fields.next().and_then(|p| p.parse::<u32>().ok()));
+        if ppid == Some(pid) && state != Some("Z") && state != Some("X") {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// `syncopate local` killed outright (SIGKILL: no handler runs, nothing is dropped) takes its
+/// coordinator, servers and workers with it, instead of leaving a half cluster running.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_local_takes_its_whole_cluster_with_it() {
+    let mut run =
+        LocalRun::start("killed-local", &["--workers", "2", "--iterations", "100000", "--delay-ms", "20"]);
+    run.cluster_file();
+    let local = run.child.id();
+    let children = live_children(local);
+    let roles: Vec<String> = children
+        .iter()
+        .map(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " "))
+        .collect();
+    for role in [" coordinator ", " server ", " worker "] {
+        assert!(roles.iter().any(|r| r.contains(role)), "no{role}process among {roles:?}");
+    }
+    run.child.kill().unwrap();
+    run.child.wait().unwrap();
+    let t = Instant::now();
+    let alive = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !matches!(s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X"))
+            })
+            .unwrap_or(false)
+    };
+    while children.iter().any(alive) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "still running after local was killed: {:?}",
+            children.iter().filter(|p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
