@@ -2,7 +2,7 @@
 //! worker work in proportion to its speed", used by the R²SP and EPSP policies and open to any
 //! policy.
 //!
-//! Feed it every [`IterationReport`](crate::abi::IterationReport) (samples and compute time) and
+//! Feed it every [`crate::abi::IterationReport`] (samples and compute time) and
 //! ask for shares of a total: `share_i = total * v_i / sum_j v_j`, rounded so the shares add up to
 //! the total exactly and no live worker gets less than `min_share`.
 

@@ -84,7 +84,7 @@ pub struct AbArgs {
     /// policy's configuration: `bsp,ssp:s=3,dssp:s_lo=3,s_hi=15,epsp`.
     #[arg(long, value_parser = crate::ab::parse_policies)]
     pub policies: std::vec::Vec<crate::builtin::PolicySpec>,
-    /// Where the runs and the comparison go (default: runs/ab-<scenario>-<time>).
+    /// Where the runs and the comparison go (default: `runs/ab-<scenario>-<time>`).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// Directory with the Fashion-MNIST IDX files.

@@ -7,7 +7,7 @@
 //! Every length is checked against [`Limits`] before any buffer is allocated.
 //!
 //! [`decode_frame`] is the pure decoder over a whole buffer (fuzzed, and used in tests);
-//! [`read_frame`] does the same checks while reading from a stream.
+//! [`read_head`] and the `read_payload_*` functions do the same checks while reading from a stream.
 
 use serde::{de::DeserializeOwned, Serialize};
 

@@ -3,7 +3,7 @@
 //!
 //! It registers with the coordinator, which gives it an id, the cluster's settings and the
 //! policy module; shard `k` lives on server `k % servers`. Each shard is a task
-//! ([`shard_task`]); each connection is a task that authenticates the peer, then serves one
+//! (`shard_task.rs`); each connection is a task that authenticates the peer, then serves one
 //! request per stream. A worker whose connection fails or goes silent for the peer timeout is
 //! made to leave its shards, so its policy is told and a barrier it held opens. Commands from
 //! the coordinator (prepare / commit a swap, status, shutdown) arrive on the registration
