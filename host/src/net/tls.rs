@@ -107,8 +107,16 @@ impl TlsFiles {
     pub fn server_config(&self, timeout: Duration) -> Result<quinn::ServerConfig, TlsError> {
         let certs = Self::certs(&self.cert)?;
         let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| pem_error(&self.key, e))?;
-        let mut cfg =
-            quinn::ServerConfig::with_single_cert(certs, key).map_err(|e| TlsError::Config(e.to_string()))?;
+        let config = |e: rustls::Error| TlsError::Config(e.to_string());
+        let tls = rustls::ServerConfig::builder_with_provider(crypto())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(config)?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .map_err(config)?;
+        let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
         cfg.transport_config(Arc::new(transport(timeout)));
         Ok(cfg)
     }
@@ -119,11 +127,30 @@ impl TlsFiles {
         for cert in Self::certs(&self.ca)? {
             roots.add(cert).map_err(|e| TlsError::Config(format!("{}: {e}", self.ca.display())))?;
         }
-        let mut cfg = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
+        let tls = rustls::ClientConfig::builder_with_provider(crypto())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
             .map_err(|e| TlsError::Config(e.to_string()))?;
+        let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
         cfg.transport_config(Arc::new(transport(timeout)));
         Ok(cfg)
     }
+}
+
+/// The TLS cryptography every node uses: *ring*'s, with AES-128-GCM preferred. Every tensor
+/// byte is sealed and opened once, and AES-128 (10 rounds) costs less per byte than the default
+/// first choice AES-256 (14 rounds); both are TLS 1.3 suites QUIC requires or allows.
+fn crypto() -> Arc<rustls::crypto::CryptoProvider> {
+    use rustls::crypto::ring::cipher_suite::{
+        TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
+    };
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites =
+        vec![TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256];
+    Arc::new(provider)
 }
 
 fn pem_error(path: &Path, e: rustls::pki_types::pem::Error) -> TlsError {
