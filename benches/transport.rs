@@ -7,12 +7,11 @@
 //! in the README.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use syncopate::net::tls::{ClusterAccess, TlsFiles, Token};
 use syncopate::worker::WorkerClient;
+use syncopate_suite::ProcessCluster;
 
 const SIZES: &[(&str, usize)] =
     &[("1KiB", 1 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)];
@@ -21,16 +20,7 @@ const IN_FLIGHT: usize = 8;
 struct Cluster {
     workers: Vec<WorkerClient>,
     iteration: Vec<u64>,
-    procs: Vec<Child>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for p in &mut self.procs {
-            let _ = p.kill();
-            let _ = p.wait();
-        }
-    }
+    _procs: ProcessCluster,
 }
 
 /// `target/release/syncopate`, next to this benchmark's directory (`cargo build --release --bins`).
@@ -44,46 +34,9 @@ fn syncopate_bin() -> PathBuf {
 /// A coordinator and one server (with `threads` runtime threads), as processes, and 8 workers
 /// in this process.
 async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
-    let tls = TlsFiles::generate(dir).unwrap();
-    let token = Token::random();
-    let ready = dir.join(format!("addr-{floats}-{threads}"));
-    let _ = std::fs::remove_file(&ready);
-    let spawn = |args: &[&str]| {
-        Command::new(syncopate_bin())
-            .args(args)
-            .arg("--tls-dir")
-            .arg(dir)
-            .env("SYNCOPATE_TOKEN", token.secret())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let workers = IN_FLIGHT.to_string();
-    let coordinator = spawn(&[
-        "coordinator",
-        "--listen",
-        "127.0.0.1:0",
-        "--servers",
-        "1",
-        "--workers",
-        &workers,
-        "--policy",
-        "asp",
-        "--lr",
-        "0.000001",
-        "--momentum",
-        "0",
-        "--ready-file",
-        ready.to_str().unwrap(),
-    ]);
-    let addr: std::net::SocketAddr = loop {
-        if let Ok(a) = std::fs::read_to_string(&ready) {
-            break a.parse().unwrap();
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
-    let server = spawn(&["server", "--coordinator", &addr.to_string(), "--threads", &threads.to_string()]);
-    let access = ClusterAccess { coordinator: addr, tls, token };
+    let threads = threads.to_string();
+    let procs = ProcessCluster::start(&syncopate_bin(), dir, IN_FLIGHT, 0.000001, &["--threads", &threads]);
+    let access = procs.access.clone();
     let joins = (0..IN_FLIGHT).map(|_| {
         let access = access.clone();
         async move {
@@ -94,7 +47,7 @@ async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
         }
     });
     let workers = futures::future::join_all(joins).await;
-    Cluster { iteration: vec![0; workers.len()], workers, procs: vec![server, coordinator] }
+    Cluster { iteration: vec![0; workers.len()], workers, _procs: procs }
 }
 
 fn transport(c: &mut Criterion) {

@@ -4,12 +4,11 @@
 //! its result is still exact. Plus property tests of the frame decoder (the fuzz target's
 //! function, in CI).
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use proptest::prelude::*;
 use syncopate::net::proto::{DataRequest, Hello, Role, Welcome, PROTOCOL_VERSION};
-use syncopate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token};
+use syncopate::net::tls::{ClusterAccess, ClusterFile, Token};
 use syncopate::net::wire::{self, Limits, WireError};
 use syncopate::net::{self, close};
 use syncopate::operator::Operator;
@@ -17,6 +16,7 @@ use syncopate::worker::WorkerClient;
 
 use crate::cli::syncopate_bin;
 use crate::cluster::{run_dir, LocalRun};
+use syncopate_suite::ProcessCluster;
 
 fn hello(token: &str) -> Hello {
     Hello { protocol: PROTOCOL_VERSION, token: token.into(), role: Role::Operator }
@@ -114,18 +114,6 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
     assert!(logs.contains("closing a connection that sent a bad frame"), "bad frames are logged");
 }
 
-/// Kills the processes it holds when the test ends, passed or not.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for p in &mut self.0 {
-            let _ = p.kill();
-            let _ = p.wait();
-        }
-    }
-}
-
 /// Large tensors travel in large QUIC packets and arrive bit for bit: MTU discovery grows past
 /// Ethernet's 1,472 bytes on loopback, the segmentation-offload batches of such packets are
 /// split to what the kernel accepts (before, each batch was dropped whole and every transfer
@@ -136,55 +124,16 @@ impl Drop for Procs {
 fn large_tensors_cross_in_large_packets_bit_for_bit() {
     let dir = run_dir("large-tensors");
     std::fs::create_dir_all(&dir).unwrap();
-    let tls = TlsFiles::generate(&dir).unwrap();
-    let token = Token::random();
-    let ready = dir.join("addr");
-    let spawn = |args: &[&str]| {
-        Command::new(syncopate_bin())
-            .args(args)
-            .arg("--tls-dir")
-            .arg(&dir)
-            .env("SYNCOPATE_TOKEN", token.secret())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let ready_file = ready.to_str().unwrap();
-    let mut procs = Procs(vec![spawn(&[
-        "coordinator",
-        "--listen",
-        "127.0.0.1:0",
-        "--servers",
-        "1",
-        "--workers",
-        "1",
-        "--policy",
-        "asp",
-        "--lr",
-        "1",
-        "--momentum",
-        "0",
-        "--ready-file",
-        ready_file,
-    ])]);
-    let t = Instant::now();
-    let addr: std::net::SocketAddr = loop {
-        if let Ok(a) = std::fs::read_to_string(&ready) {
-            break a.parse().unwrap();
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "the coordinator did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    procs.0.push(spawn(&["server", "--coordinator", &addr.to_string()]));
+    let cluster = ProcessCluster::start(&syncopate_bin(), &dir, 1, 1.0, &[]);
+    let access = &cluster.access;
     let floats = 1 << 20;
-    let access = ClusterAccess { coordinator: addr, tls, token };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let mut w = WorkerClient::connect(&access, None, floats).await.unwrap();
+        let mut w = WorkerClient::connect(access, None, floats).await.unwrap();
         w.join(&vec![0.0; floats]).await.unwrap();
         w.ready().await.unwrap();
-        // Every value distinct and exactly representable, so any misplaced byte shows.
+        // Values repeat only every 65,521 (a prime) positions and are exact in f32, so a byte or
+        // a chunk of any power-of-two size out of place shows.
         let grad: Vec<f32> = (0..floats).map(|i| (i % 65_521) as f32 - 30_000.0).collect();
         let mut model = vec![0.0f32; floats];
         for it in 0..6u64 {
@@ -212,7 +161,7 @@ fn large_tensors_cross_in_large_packets_bit_for_bit() {
             );
         }
     });
-    drop(procs);
+    drop(cluster);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

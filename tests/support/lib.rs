@@ -131,3 +131,85 @@ impl ShardSink for Recorder {
         self.errors.push(error.clone());
     }
 }
+
+/// A coordinator and one server run as `syncopate` processes on loopback, as in a deployment,
+/// for clients in the calling process: one ASP shard (no request waits on a policy), plain SGD
+/// with learning rate `lr`, waiting for `workers` workers. Both processes are killed on drop.
+#[derive(Debug)]
+pub struct ProcessCluster {
+    /// How clients reach it.
+    pub access: syncopate::net::tls::ClusterAccess,
+    procs: Vec<std::process::Child>,
+}
+
+impl ProcessCluster {
+    /// Starts the coordinator, waits for its address, then starts the server with
+    /// `server_args` added. `bin` is the `syncopate` binary; `dir` holds the TLS files.
+    pub fn start(
+        bin: &std::path::Path,
+        dir: &std::path::Path,
+        workers: usize,
+        lr: f32,
+        server_args: &[&str],
+    ) -> Self {
+        use std::process::{Command, Stdio};
+        use std::time::{Duration, Instant};
+        use syncopate::net::tls::{ClusterAccess, TlsFiles, Token};
+        let tls = TlsFiles::generate(dir).expect("TLS files");
+        let token = Token::random();
+        let ready = dir.join("coordinator-addr");
+        let _ = std::fs::remove_file(&ready);
+        let spawn = |args: &[&str]| {
+            Command::new(bin)
+                .args(args)
+                .arg("--tls-dir")
+                .arg(dir)
+                .env("SYNCOPATE_TOKEN", token.secret())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
+        };
+        let (workers, lr) = (workers.to_string(), lr.to_string());
+        let mut cluster = ProcessCluster {
+            access: ClusterAccess { coordinator: ([127, 0, 0, 1], 0).into(), tls, token: token.clone() },
+            procs: vec![spawn(&[
+                "coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--servers",
+                "1",
+                "--workers",
+                &workers,
+                "--policy",
+                "asp",
+                "--lr",
+                &lr,
+                "--momentum",
+                "0",
+                "--ready-file",
+                ready.to_str().expect("a UTF-8 path"),
+            ])],
+        };
+        let t = Instant::now();
+        cluster.access.coordinator = loop {
+            if let Some(addr) = std::fs::read_to_string(&ready).ok().and_then(|a| a.parse().ok()) {
+                break addr;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "the coordinator did not start");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let coordinator = cluster.access.coordinator.to_string();
+        cluster.procs.push(spawn(&[&["server", "--coordinator", &coordinator], server_args].concat()));
+        cluster
+    }
+}
+
+impl Drop for ProcessCluster {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+    }
+}
