@@ -193,8 +193,8 @@ fn read_err(e: quinn::ReadExactError) -> WireError {
 }
 
 /// Reads a frame's prefix and header from `recv`. `scratch` is reused for the header bytes. The
-/// payload is read next with [`read_payload_f32`], [`read_payload_into`] or [`read_payload_bytes`],
-/// then [`expect_end`].
+/// payload is read next with [`read_payload_into`] (sized by [`f32_count`]) or
+/// [`read_payload_bytes`], then [`expect_end`].
 pub async fn read_head<H: DeserializeOwned>(
     recv: &mut quinn::RecvStream,
     limits: &Limits,
@@ -216,13 +216,6 @@ pub fn f32_count(len: usize) -> Result<usize, WireError> {
         return Err(WireError::Misaligned(len));
     }
     Ok(len / 4)
-}
-
-/// Reads a payload of `len` bytes as a new tensor.
-pub async fn read_payload_f32(recv: &mut quinn::RecvStream, len: usize) -> Result<Vec<f32>, WireError> {
-    let mut v = vec![0f32; f32_count(len)?];
-    recv.read_exact(bytemuck::cast_slice_mut(&mut v)).await.map_err(read_err)?;
-    Ok(v)
 }
 
 /// Reads a payload of `len` bytes straight into `out`, which must be exactly as long.
