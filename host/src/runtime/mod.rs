@@ -43,8 +43,8 @@ impl Default for SandboxLimits {
 /// How often the epoch ticker advances: a tenth of the call deadline, between 1 and 10 ms. A
 /// call's deadline is a whole number of ticks, so it is enforced to within one tick (10%); the
 /// default 100 ms deadline ticks every 10 ms. Each tick wakes a thread, which on a small
-/// machine is CPU taken from the transfers (1 ms ticks cost 2-3% of a 2-core machine's time
-/// during a transport benchmark).
+/// machine is CPU taken from the transfers (1 ms ticks cost each process about 0.5% of a
+/// 2-core machine's time during a transport benchmark).
 fn epoch_tick(limits: &SandboxLimits) -> Duration {
     (limits.call_deadline / 10).clamp(Duration::from_millis(1), Duration::from_millis(10))
 }
