@@ -125,6 +125,28 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
     move |source| NodeError::Io { what, source }
 }
 
+/// Makes the process `cmd` starts receive SIGKILL when the process that started it dies, however
+/// it dies (Linux; elsewhere nothing). For node processes a launcher owns: `local`, tests and
+/// benchmarks, so that none outlives them. The kernel ties this to the thread that spawns the
+/// child: spawn from a thread that lives as long as the child should.
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: the closure runs between fork and exec and calls only prctl, which is
+    // async-signal-safe; it touches no memory of the parent.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 impl Proc {
     fn spawn(exe: &Path, dir: &Path, name: &str, args: &[String], token: &Token) -> Result<Self, NodeError> {
         let log = dir.join("logs").join(format!("{name}.log"));
@@ -139,18 +161,7 @@ impl Proc {
             .kill_on_drop(true);
         // kill_on_drop covers every way out of this process but SIGKILL; for that one the
         // kernel ends the children, so no half cluster outlives `local`.
-        #[cfg(target_os = "linux")]
-        // SAFETY: the closure runs between fork and exec and calls only prctl, which is
-        // async-signal-safe; it touches no memory of the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
-            });
-        }
+        die_with_parent(cmd.as_std_mut());
         let child = cmd.spawn().map_err(io(format!("cannot start {} {name}", exe.display())))?;
         Ok(Proc { name: name.to_string(), child })
     }

@@ -160,15 +160,17 @@ impl ProcessCluster {
         let ready = dir.join("coordinator-addr");
         let _ = std::fs::remove_file(&ready);
         let spawn = |args: &[&str]| {
-            Command::new(bin)
-                .args(args)
+            let mut cmd = Command::new(bin);
+            cmd.args(args)
                 .arg("--tls-dir")
                 .arg(dir)
                 .env("SYNCOPATE_TOKEN", token.secret())
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
+                .stderr(Stdio::null());
+            // Killed on drop, and by the kernel if this process dies first (a benchmark or
+            // test killed mid-run leaves no nodes behind to skew the next).
+            syncopate::local::die_with_parent(&mut cmd);
+            cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
         };
         let (workers, lr) = (workers.to_string(), lr.to_string());
         let mut cluster = ProcessCluster {
