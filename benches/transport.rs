@@ -5,6 +5,10 @@
 //! and with 8 requests in flight (8 workers, each synchronous). A push includes the server's
 //! SGD step; a pull includes the copy of the shard's parameters. Compare with ps-lite's figures
 //! in the README.
+//!
+//! Environment: `SYNCOPATE_BENCH_SPIN_US` sets how long clients and server spin before they
+//! sleep (default: the nodes' default, [`syncopate::net::spin::DEFAULT_SPIN`]; 0 turns it off);
+//! `SYNCOPATE_BENCH_SERVER_THREADS` the server's runtime threads (default 0, one thread).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -31,11 +35,12 @@ fn syncopate_bin() -> PathBuf {
     bin
 }
 
-/// A coordinator and one server (with `threads` runtime threads), as processes, and 8 workers
-/// in this process.
-async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
-    let threads = threads.to_string();
-    let procs = ProcessCluster::start(&syncopate_bin(), dir, IN_FLIGHT, 0.000001, &["--threads", &threads]);
+/// A coordinator and one server (with `threads` runtime threads, spinning up to `spin_us`), as
+/// processes, and 8 workers in this process.
+async fn cluster(dir: &Path, floats: usize, threads: usize, spin_us: u64) -> Cluster {
+    let (threads, spin_us) = (threads.to_string(), spin_us.to_string());
+    let server_args = ["--threads", &threads, "--spin-us", &spin_us];
+    let procs = ProcessCluster::start(&syncopate_bin(), dir, IN_FLIGHT, 0.000001, &server_args);
     let access = procs.access.clone();
     let joins = (0..IN_FLIGHT).map(|_| {
         let access = access.clone();
@@ -51,13 +56,18 @@ async fn cluster(dir: &Path, floats: usize, threads: usize) -> Cluster {
 }
 
 fn transport(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // Clients and server spin as `syncopate` nodes do by default (`net::spin`), or as this says.
+    let spin_us: u64 = std::env::var("SYNCOPATE_BENCH_SPIN_US")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(syncopate::net::spin::DEFAULT_SPIN.as_micros() as u64);
+    let rt = syncopate::net::spin::runtime_builder(0, Duration::from_micros(spin_us)).build().unwrap();
     let threads: usize =
         std::env::var("SYNCOPATE_BENCH_SERVER_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("syncopate-bench-{}", std::process::id()));
     for &(label, bytes) in SIZES {
         let floats = bytes / 4;
-        let mut cl = rt.block_on(cluster(&dir, floats, threads));
+        let mut cl = rt.block_on(cluster(&dir, floats, threads, spin_us));
         let grad = vec![1.0f32; floats];
         let mut group = c.benchmark_group(format!("transport/{label}"));
         group.throughput(Throughput::Bytes(bytes as u64));

@@ -35,6 +35,8 @@ pub struct LocalOptions {
     pub workers: u32,
     /// Arguments for the coordinator (policy, shards, training settings).
     pub coordinator_args: Vec<String>,
+    /// Arguments every server gets.
+    pub server_args: Vec<String>,
     /// Arguments every worker gets (workload, iterations...).
     pub worker_args: Vec<String>,
     /// Extra arguments for particular workers (a slow one, say).
@@ -225,8 +227,9 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
     };
     let mut servers = Vec::new();
     for s in 0..opts.servers {
-        let args: Vec<String> =
+        let mut args: Vec<String> =
             vec!["server".into(), "--coordinator".into(), addr.clone(), "--tls-dir".into(), tls_dir.clone()];
+        args.extend(opts.server_args.iter().cloned());
         servers.push(Proc::spawn(&opts.exe, dir, &format!("server-{s}"), &args, &token)?);
     }
     let mut workers = Vec::new();

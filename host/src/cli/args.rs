@@ -110,6 +110,29 @@ pub enum WeightArg {
     Sum,
 }
 
+/// How long an idle node polls its sockets before it sleeps (servers and workers).
+#[derive(Debug, Clone, Copy, Args)]
+pub struct SpinArgs {
+    /// Microseconds an idle node keeps polling its sockets before its threads sleep, at most
+    /// (the budget adapts: it shrinks to nothing while the node waits long). Saves waking a
+    /// sleeping core per message, most of a small request's round trip on virtual machines;
+    /// costs at most that much CPU each time the node goes idle. 0: never spin.
+    #[arg(long, default_value_t = crate::net::spin::DEFAULT_SPIN.as_micros() as u64)]
+    pub spin_us: u64,
+}
+
+impl SpinArgs {
+    /// The most a thread spins.
+    pub fn max(self) -> Duration {
+        Duration::from_micros(self.spin_us)
+    }
+
+    /// As command-line arguments, for child processes.
+    pub fn to_args(self) -> [String; 2] {
+        ["--spin-us".into(), self.spin_us.to_string()]
+    }
+}
+
 /// Training settings the servers apply.
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
@@ -201,14 +224,8 @@ pub fn tokio() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
 }
 
-/// A tokio runtime with `threads` worker threads; 0 runs everything on the calling thread.
-pub fn tokio_threads(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
-    let mut b = if threads == 0 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        b.worker_threads(threads);
-        b
-    };
-    b.enable_all().build().context("cannot start the async runtime")
+/// A tokio runtime with `threads` worker threads (0 runs everything on the calling thread)
+/// whose threads spin as `spin` says before they sleep.
+pub fn tokio_threads(threads: usize, spin: SpinArgs) -> anyhow::Result<tokio::runtime::Runtime> {
+    crate::net::spin::runtime_builder(threads, spin.max()).build().context("cannot start the async runtime")
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use super::args::{tokio, PolicyArgs, TrainArgs};
+use super::args::{tokio, PolicyArgs, SpinArgs, TrainArgs};
 use crate::local::{LocalOptions, Watch};
 use std::time::Duration;
 use syncopate_workloads::WorkloadOptions;
@@ -71,6 +71,8 @@ pub struct LocalArgs {
     pub run_dir: Option<PathBuf>,
     #[command(flatten)]
     pub train: TrainArgs,
+    #[command(flatten)]
+    pub spin: SpinArgs,
 }
 
 fn parse_slow(s: &str) -> Result<(u32, f32), String> {
@@ -135,6 +137,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     ]
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
+    .chain(a.spin.to_args())
     .collect();
     let per_worker_args = (0..a.workers)
         .map(|w| {
@@ -171,6 +174,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         servers: a.servers,
         workers: a.workers,
         coordinator_args,
+        server_args: a.spin.to_args().to_vec(),
         worker_args,
         per_worker_args,
         watch,

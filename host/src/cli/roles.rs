@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{tokio, tokio_threads, PolicyArgs, TlsArgs, TokenArgs, TrainArgs};
+use super::args::{tokio, tokio_threads, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, Token};
@@ -70,6 +70,8 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     #[command(flatten)]
+    pub spin: SpinArgs,
+    #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
     pub tls: TlsArgs,
@@ -123,6 +125,8 @@ pub struct WorkerArgs {
     /// Write a JSON report here when done.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    #[command(flatten)]
+    pub spin: SpinArgs,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
@@ -186,7 +190,7 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
         token: Token::new(a.token.token),
         limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
     };
-    tokio_threads(a.threads)?.block_on(crate::server::run(opts)).context("server")
+    tokio_threads(a.threads, a.spin)?.block_on(crate::server::run(opts)).context("server")
 }
 
 /// Runs `syncopate worker`.
@@ -212,7 +216,11 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         stall: a.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
         report: a.report,
     };
-    let report = tokio()?.block_on(crate::worker::run(opts, workload)).context("worker")?;
+    // A multi-thread runtime (compute steps leave it through block_in_place, which needs one)
+    // with a thread per core, tokio's default.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let report =
+        tokio_threads(threads, a.spin)?.block_on(crate::worker::run(opts, workload)).context("worker")?;
     tracing::info!(worker = report.worker, iterations = report.iterations, "worker done");
     Ok(())
 }

@@ -5,10 +5,12 @@
 //! - [`proto`]: every message type;
 //! - [`tls`]: certificates, tokens and endpoint configuration;
 //! - [`udp`]: the UDP socket under each endpoint (buffers, segmentation offload);
+//! - [`spin`]: runtimes that poll their sockets briefly before they sleep;
 //! - this module: the connection handshake (hello with the cluster token) and request helpers
 //!   the coordinator, servers and workers share.
 
 pub mod proto;
+pub mod spin;
 pub mod tls;
 pub mod udp;
 pub mod wire;

@@ -219,10 +219,12 @@ pub const INITIAL_WINDOW: u64 = 10 * MAX_UDP_PAYLOAD as u64;
 fn endpoint(addr: SocketAddr, server: Option<quinn::ServerConfig>) -> Result<quinn::Endpoint, TlsError> {
     let runtime = quinn::default_runtime()
         .ok_or_else(|| TlsError::Config("QUIC endpoints need a tokio runtime".into()))?;
-    let socket = super::udp::bind(addr)
-        .and_then(|s| runtime.wrap_udp_socket(s))
-        .map_err(|source| TlsError::Bind { addr, source })?;
-    let socket = Arc::new(super::udp::CappedGso::new(socket));
+    let bind = |addr| {
+        let socket = super::udp::bind(addr)?;
+        let watch = super::spin::watch(&socket);
+        Ok::<_, std::io::Error>(super::udp::CappedGso::new(runtime.wrap_udp_socket(socket)?, watch))
+    };
+    let socket = Arc::new(bind(addr).map_err(|source| TlsError::Bind { addr, source })?);
     let mut config = quinn::EndpointConfig::default();
     // Let MTU discovery (see [`transport`]) find large packets where the path carries them.
     config.max_udp_payload_size(MAX_UDP_PAYLOAD).expect("within QUIC bounds");

@@ -59,12 +59,14 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
 /// several sends of whole segments. Everything else is the wrapped socket's.
 pub struct CappedGso {
     inner: Arc<dyn AsyncUdpSocket>,
+    /// The socket is watched by spinning runtime threads ([`super::spin`]) while it lives.
+    _watch: super::spin::Watch,
 }
 
 impl CappedGso {
-    /// Wraps a runtime's socket.
-    pub fn new(inner: Arc<dyn AsyncUdpSocket>) -> Self {
-        CappedGso { inner }
+    /// Wraps a runtime's socket; `watch` is the socket's registration for spinning.
+    pub fn new(inner: Arc<dyn AsyncUdpSocket>, watch: super::spin::Watch) -> Self {
+        CappedGso { inner, _watch: watch }
     }
 }
 
