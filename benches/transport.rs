@@ -3,7 +3,7 @@
 //! are `WorkerClient`s in this process, talking QUIC with TLS on loopback. Build the binary
 //! first: `cargo build --release --bins`. Sizes 1 KiB, 64 KiB, 1 MiB and 16 MiB; synchronous (one request at a time)
 //! and with 8 requests in flight (8 workers, each synchronous). A push includes the server's
-//! SGD step; a pull includes the copy of the shard's parameters. Compare with ps-lite's figures
+//! SGD step; a pull sends the shard's parameters (shared, not copied). Compare with ps-lite's figures
 //! in the README.
 //!
 //! Environment: `SYNCOPATE_BENCH_SPIN_US` sets how long clients and server spin before they

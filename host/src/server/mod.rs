@@ -432,7 +432,9 @@ async fn serve_stream(
     }
     let (answer, values) = handle_request(&shared, &peer, head.header, payload).await;
     let result = match values {
-        Some(v) => wire::write_frame_owned(&mut send, &answer, shared.pool.send_bytes(v), &mut scratch).await,
+        Some(v) => {
+            wire::write_frame_owned(&mut send, &answer, shared.pool.send_shared(v), &mut scratch).await
+        }
         None => wire::write_frame(&mut send, &answer, &[], &mut scratch).await,
     };
     if let Err(e) = result {
@@ -454,7 +456,7 @@ async fn handle_request(
     peer: &Peer,
     req: DataRequest,
     payload: Vec<f32>,
-) -> (DataResponse, Option<Vec<f32>>) {
+) -> (DataResponse, Option<Arc<Vec<f32>>>) {
     let shard = match &req {
         DataRequest::Join { shard }
         | DataRequest::Push { shard, .. }

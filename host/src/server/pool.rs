@@ -1,10 +1,11 @@
 //! Reused tensor buffers: the server's per-request memory.
 //!
-//! Every push brings a gradient and every pull sends the parameters back, each as large as a
-//! shard. Allocating them fresh costs, per request, a zero-fill (pushes) or fresh pages from
-//! the kernel (both), which on a 16 MiB shard is several percent of a request's time. Buffers
-//! the shard is done with (applied gradients, pull answers QUIC has sent) come back here and
-//! serve the next request of that size.
+//! Every push brings a gradient as large as its shard, and a pull sends the shard's parameters
+//! without copying them (QUIC holds them, shared; the shard copies them before its next step if
+//! a pull still holds them then). Allocating such buffers fresh costs a zero-fill or fresh pages
+//! from the kernel, which on a 16 MiB shard is several percent of a request's time. Buffers the
+//! shard is done with (applied gradients, parameters the last pull holding them has sent) come
+//! back here and serve the next push's payload or the shard's next copy.
 
 use std::sync::{Arc, Mutex};
 
@@ -41,28 +42,31 @@ impl TensorPool {
         }
     }
 
-    /// A buffer whose bytes QUIC can send without a copy and which comes back to this pool once
-    /// they are sent.
-    pub fn send_bytes(&self, values: Vec<f32>) -> bytes::Bytes {
-        bytes::Bytes::from_owner(Pooled { values, pool: self.clone() })
+    /// Bytes of a shared tensor (a shard's parameters as a pull served them) that QUIC sends
+    /// without a copy. When QUIC is done with them and nobody else holds the tensor (the shard
+    /// has moved on to a copy), its buffer comes back to this pool.
+    pub fn send_shared(&self, values: Arc<Vec<f32>>) -> bytes::Bytes {
+        bytes::Bytes::from_owner(Lent { values: Some(values), pool: self.clone() })
     }
 }
 
-/// A tensor lent to QUIC; returns to its pool when QUIC drops it.
-struct Pooled {
-    values: Vec<f32>,
+/// A tensor lent to QUIC; returns to its pool when QUIC drops it, if it was the last holder.
+struct Lent {
+    values: Option<Arc<Vec<f32>>>,
     pool: TensorPool,
 }
 
-impl AsRef<[u8]> for Pooled {
+impl AsRef<[u8]> for Lent {
     fn as_ref(&self) -> &[u8] {
-        crate::net::wire::f32_bytes(&self.values)
+        crate::net::wire::f32_bytes(self.values.as_deref().map_or(&[], |v| v.as_slice()))
     }
 }
 
-impl Drop for Pooled {
+impl Drop for Lent {
     fn drop(&mut self) {
-        self.pool.give(std::mem::take(&mut self.values));
+        if let Some(Ok(buffer)) = self.values.take().map(Arc::try_unwrap) {
+            self.pool.give(buffer);
+        }
     }
 }
 
@@ -80,11 +84,16 @@ mod tests {
         assert_eq!(pool.take(999).len(), 999, "another size is a fresh buffer");
         let b = pool.take(1000);
         assert_eq!(b.as_ptr(), ptr, "the spare buffer is reused");
-        let bytes = pool.send_bytes(b);
+        let shared = Arc::new(b);
+        let bytes = pool.send_shared(Arc::clone(&shared));
         assert_eq!(bytes.len(), 4000);
+        assert_eq!(bytes[..4], 7.0f32.to_le_bytes(), "the tensor's own bytes, not a copy");
+        drop(bytes);
+        assert!(pool.spare.lock().unwrap().is_empty(), "still held elsewhere: not reused");
+        let bytes = pool.send_shared(shared);
         drop(bytes);
         let c = pool.take(1000);
-        assert_eq!(c.as_ptr(), ptr, "sent bytes come back once dropped");
+        assert_eq!(c.as_ptr(), ptr, "sent bytes come back once their last holder drops");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! outcome as an `Event::ControlApplied`. So no task is computed twice.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerId};
@@ -24,7 +25,8 @@ pub(crate) struct Served {
     pub clock: u64,
     pub version: u64,
     pub waited_ns: u64,
-    pub values: Vec<f32>,
+    /// The shard's parameters as they were when served, shared (no copy).
+    pub values: Arc<Vec<f32>>,
 }
 
 type Reply<T> = oneshot::Sender<Result<T, String>>;
@@ -76,7 +78,7 @@ pub(crate) enum ShardCmd {
         reply: Option<Reply<()>>,
     },
     Read {
-        reply: Reply<(u64, Vec<f32>)>,
+        reply: Reply<(u64, Arc<Vec<f32>>)>,
     },
     Swap {
         module: PolicyModule,
@@ -162,11 +164,7 @@ impl ShardSink for Waiting {
                 clock: r.clock,
                 version: r.version,
                 waited_ns: r.waited_ns,
-                values: {
-                    let mut values = self.pool.take(r.values.len());
-                    values.copy_from_slice(r.values);
-                    values
-                },
+                values: Arc::clone(r.values),
             };
             let _ = tx.send(Ok(served));
         }
@@ -200,6 +198,10 @@ impl ShardSink for Waiting {
 
     fn recycle(&mut self, buffer: Vec<f32>) {
         self.pool.give(buffer);
+    }
+
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        self.pool.take(len)
     }
 }
 
@@ -395,7 +397,7 @@ impl ShardTask {
             }
             ShardCmd::Read { reply } => {
                 let _ = reply.send(match slot.as_ref() {
-                    Some(s) => Ok((s.version(), s.values().to_vec())),
+                    Some(s) => Ok((s.version(), Arc::clone(s.shared_values()))),
                     None => Err(not_yet()),
                 });
             }

@@ -35,6 +35,7 @@ pub use optimizer::{Optimizer, OptimizerConfig};
 pub use supervisor::SupervisorConfig;
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -168,8 +169,10 @@ pub struct PullReply<'a> {
     pub min_applied: u64,
     /// How long the pull was parked, in host nanoseconds.
     pub waited_ns: u64,
-    /// The parameters.
-    pub values: &'a [f32],
+    /// The parameters, shared: a sink that keeps them (to send them, say) clones the `Arc`,
+    /// which copies nothing; the shard copies its parameters before it next changes them if a
+    /// clone is still alive then.
+    pub values: &'a Arc<Vec<f32>>,
 }
 
 /// Where a shard reports what happened. The network layer sends these to workers; tests record.
@@ -186,6 +189,11 @@ pub trait ShardSink {
     fn policy_failed(&mut self, _error: &PolicyError) {}
     /// A gradient buffer the shard is done with, for the host to reuse (dropped by default).
     fn recycle(&mut self, _buffer: Vec<f32>) {}
+    /// A buffer of `len` values, which the shard overwrites: where it copies its parameters
+    /// when a served pull still holds them and they are about to change.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
 }
 
 /// A request the shard refused before any policy saw it.
@@ -313,7 +321,8 @@ enum Pending {
 #[derive(Debug)]
 pub struct Shard {
     shard: u32,
-    params: Vec<f32>,
+    /// Shared with the pulls being sent; copied on write (see [`unshare`]).
+    params: Arc<Vec<f32>>,
     optimizer: Optimizer,
     push_weight: PushWeight,
     clocks: Clocks,
@@ -341,6 +350,17 @@ pub struct Shard {
     stats: ShardStats,
 }
 
+/// The parameters, for writing: copied first (into a buffer from `sink`) when a served pull
+/// still shares them, so what a pull sent is what the parameters were when it was served.
+fn unshare<'a>(params: &'a mut Arc<Vec<f32>>, sink: &mut dyn ShardSink) -> &'a mut [f32] {
+    if Arc::get_mut(params).is_none() {
+        let mut copy = sink.buffer(params.len());
+        copy.copy_from_slice(params);
+        *params = Arc::new(copy);
+    }
+    Arc::get_mut(params).expect("unshared just above")
+}
+
 impl Shard {
     /// A shard holding `params`, run by `policy` with `config`.
     pub fn new(
@@ -355,7 +375,7 @@ impl Shard {
             shard: cfg.shard,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
             push_weight: cfg.push_weight,
-            params,
+            params: Arc::new(params),
             clocks: Clocks::new(),
             floor: 0,
             next_push: Vec::new(),
@@ -384,6 +404,12 @@ impl Shard {
 
     /// The current parameters.
     pub fn values(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// The current parameters, to keep without a copy: the shard copies them before its next
+    /// change while a clone is alive, so a clone never changes.
+    pub fn shared_values(&self) -> &Arc<Vec<f32>> {
         &self.params
     }
 
@@ -511,7 +537,7 @@ impl Shard {
         let view = self.clocks.view();
         self.clocks.leave(worker);
         self.floor = self.floor.max(self.clocks.view().min_clock);
-        self.complete_aggregates();
+        self.complete_aggregates(sink);
         self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
         Ok(())
     }
@@ -912,7 +938,7 @@ impl Shard {
                     self.held.push(h);
                 }
             }
-            Decision::SetUpdateMode(mode) => self.set_mode(mode),
+            Decision::SetUpdateMode(mode) => self.set_mode(mode, sink),
             Decision::Control { worker, control } => {
                 if !self.clocks.is_live(worker) {
                     return Err(format!("sent a control message to worker {worker}, which is not live"));
@@ -1071,7 +1097,7 @@ impl Shard {
         self.stats.pushes_admitted += 1;
         match self.mode {
             UpdateMode::OnArrival => {
-                self.optimizer.step(&mut self.params, &grad, weight);
+                self.optimizer.step(unshare(&mut self.params, sink), &grad, weight);
                 self.version += 1;
                 self.stats.steps += 1;
                 if let Some(a) = self.applied.get_mut(push.worker as usize) {
@@ -1091,7 +1117,7 @@ impl Shard {
                     *s += weight * g;
                 }
                 agg.contributors.push(push.worker);
-                self.complete_aggregates();
+                self.complete_aggregates(sink);
             }
         }
         sink.recycle(grad);
@@ -1100,19 +1126,19 @@ impl Shard {
 
     /// Applies, in iteration order, every aggregate whose iteration all live workers have pushed
     /// (`iteration < min_clock`), whatever mode their pushes arrived in.
-    fn complete_aggregates(&mut self) {
+    fn complete_aggregates(&mut self, sink: &mut dyn ShardSink) {
         let min_clock = self.clocks.view().min_clock;
         while let Some(entry) = self.aggregates.first_entry() {
             if *entry.key() >= min_clock {
                 break;
             }
             let agg = entry.remove();
-            self.apply_aggregate(agg);
+            self.apply_aggregate(agg, sink);
         }
     }
 
-    fn apply_aggregate(&mut self, agg: Aggregate) {
-        self.optimizer.step(&mut self.params, &agg.sum, 1.0);
+    fn apply_aggregate(&mut self, agg: Aggregate, sink: &mut dyn ShardSink) {
+        self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, 1.0);
         if self.spare_sums.len() < 4 {
             self.spare_sums.push(agg.sum);
         }
@@ -1125,11 +1151,11 @@ impl Shard {
         }
     }
 
-    fn set_mode(&mut self, mode: UpdateMode) {
+    fn set_mode(&mut self, mode: UpdateMode, sink: &mut dyn ShardSink) {
         if self.mode == UpdateMode::Aggregate && mode == UpdateMode::OnArrival {
             // Partial aggregates are applied as they stand: each push keeps the weight it had.
             while let Some((_, agg)) = self.aggregates.pop_first() {
-                self.apply_aggregate(agg);
+                self.apply_aggregate(agg, sink);
             }
         }
         self.mode = mode;
@@ -1161,7 +1187,54 @@ fn all_finite(values: &[f32]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::all_finite;
+    use super::*;
+
+    /// Keeps every served pull's parameters, as the server does while QUIC sends them.
+    #[derive(Default)]
+    struct Keep {
+        pulls: Vec<Arc<Vec<f32>>>,
+        buffers_given: usize,
+    }
+
+    impl ShardSink for Keep {
+        fn pull_served(&mut self, r: PullReply<'_>) {
+            self.pulls.push(Arc::clone(r.values));
+        }
+        fn buffer(&mut self, len: usize) -> Vec<f32> {
+            self.buffers_given += 1;
+            vec![0.0; len]
+        }
+    }
+
+    #[test]
+    fn a_served_pull_keeps_what_it_was_served_while_the_shard_moves_on() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let asp = rt.compile("asp", crate::builtin::wasm("asp").unwrap()).unwrap();
+        let optimizer = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+        let mut sink = Keep::default();
+        let cfg = ShardConfig { optimizer, ..ShardConfig::default() };
+        let mut shard = Shard::new(cfg, vec![1.0; 8], &asp, &[], &mut sink).unwrap();
+        shard.join(0, 0, &mut sink).unwrap();
+        let push = |iteration| PushRequest {
+            worker: 0,
+            iteration,
+            samples: 1,
+            grad: vec![0.5; 8],
+            based_on: None,
+            tasks: None,
+        };
+        shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
+        assert!(Arc::ptr_eq(&sink.pulls[0], shard.shared_values()), "served without a copy");
+        shard.push(push(0), 1, &mut sink).unwrap();
+        assert_eq!(*sink.pulls[0], [1.0; 8], "the pull still holds what it was served");
+        assert_eq!(shard.values(), [0.5; 8]);
+        assert_eq!(sink.buffers_given, 1, "the step copied first, into the host's buffer");
+        // Once nobody holds them, the parameters change in place.
+        sink.pulls.clear();
+        shard.push(push(1), 2, &mut sink).unwrap();
+        assert_eq!(shard.values(), [0.0; 8]);
+        assert_eq!(sink.buffers_given, 1);
+    }
 
     #[test]
     fn all_finite_finds_any_nan_or_infinity_anywhere() {
