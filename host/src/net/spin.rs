@@ -49,10 +49,13 @@ pub fn runtime_builder(threads: usize, max_spin: Duration) -> tokio::runtime::Bu
         b.on_thread_park(move || imp::before_sleep(max_spin));
         b.on_thread_unpark(move || imp::after_wake(max_spin));
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = max_spin;
     b
 }
 
 /// The next budget after an idle spell of `idle` with budget `budget` and maximum `max`.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn adapt(budget: Duration, idle: Duration, max: Duration) -> Duration {
     let start = GROW_START.min(max);
     if idle > max {

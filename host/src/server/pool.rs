@@ -64,7 +64,8 @@ impl AsRef<[u8]> for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if let Some(Ok(buffer)) = self.values.take().map(Arc::try_unwrap) {
+        // into_inner, not try_unwrap: of two last holders dropping at once, one gets it.
+        if let Some(buffer) = self.values.take().and_then(Arc::into_inner) {
             self.pool.give(buffer);
         }
     }

@@ -189,7 +189,7 @@ pub trait ShardSink {
     fn policy_failed(&mut self, _error: &PolicyError) {}
     /// A gradient buffer the shard is done with, for the host to reuse (dropped by default).
     fn recycle(&mut self, _buffer: Vec<f32>) {}
-    /// A buffer of `len` values, which the shard overwrites: where it copies its parameters
+    /// A buffer of exactly `len` values, which the shard overwrites: where it copies its parameters
     /// when a served pull still holds them and they are about to change.
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         vec![0.0; len]
