@@ -82,7 +82,7 @@ impl TlsFiles {
         }
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let names = vec![DEFAULT_SERVER_NAME.to_string(), "localhost".to_string()];
-        let ck = rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Config(e.to_string()))?;
+        let ck = rcgen::generate_simple_self_signed(names).map_err(config_error)?;
         let files = Self::in_dir(dir);
         std::fs::write(&files.cert, ck.cert.pem()).map_err(io(&files.cert))?;
         write_private(&files.key, ck.key_pair.serialize_pem().as_bytes()).map_err(io(&files.key))?;
@@ -107,15 +107,13 @@ impl TlsFiles {
     pub fn server_config(&self, timeout: Duration) -> Result<quinn::ServerConfig, TlsError> {
         let certs = Self::certs(&self.cert)?;
         let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| pem_error(&self.key, e))?;
-        let config = |e: rustls::Error| TlsError::Config(e.to_string());
         let tls = rustls::ServerConfig::builder_with_provider(crypto())
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(config)?
+            .map_err(config_error)?
             .with_no_client_auth()
             .with_single_cert(certs, key)
-            .map_err(config)?;
-        let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
-            .map_err(|e| TlsError::Config(e.to_string()))?;
+            .map_err(config_error)?;
+        let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(config_error)?;
         let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
         cfg.transport_config(Arc::new(transport(timeout)));
         Ok(cfg)
@@ -129,11 +127,10 @@ impl TlsFiles {
         }
         let tls = rustls::ClientConfig::builder_with_provider(crypto())
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| TlsError::Config(e.to_string()))?
+            .map_err(config_error)?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
-            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(config_error)?;
         let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
         cfg.transport_config(Arc::new(transport(timeout)));
         Ok(cfg)
@@ -151,6 +148,11 @@ fn crypto() -> Arc<rustls::crypto::CryptoProvider> {
     provider.cipher_suites =
         vec![TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256];
     Arc::new(provider)
+}
+
+/// A TLS set-up failure, as the error nodes report.
+fn config_error(e: impl std::fmt::Display) -> TlsError {
+    TlsError::Config(e.to_string())
 }
 
 fn pem_error(path: &Path, e: rustls::pki_types::pem::Error) -> TlsError {
