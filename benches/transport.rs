@@ -1,10 +1,11 @@
 //! Push and pull throughput over the real stack: a coordinator and one server (an ASP shard, so
 //! no request waits on a policy) run as `syncopate` processes, as in a deployment; the workers
 //! are `WorkerClient`s in this process, talking QUIC with TLS on loopback. Build the binary
-//! first: `cargo build --release --bins`. Sizes 1 KiB, 64 KiB, 1 MiB and 16 MiB; synchronous (one request at a time)
-//! and with 8 requests in flight (8 workers, each synchronous). A push includes the server's
-//! SGD step; a pull sends the shard's parameters (shared, not copied). Compare with ps-lite's figures
-//! in the README.
+//! first: `cargo build --release --bins`. Sizes 1 KiB, 64 KiB, 1 MiB and 16 MiB; synchronous
+//! (one request at a time) and with 8 requests in flight (8 workers, each synchronous). A push
+//! hands its gradient buffer to QUIC (`push_buffer`; `push-borrowed` measures `push(&grad)`,
+//! which QUIC copies) and includes the server's SGD step; a pull sends the shard's parameters
+//! (shared, not copied). Compare with ps-lite's figures in the README.
 //!
 //! Environment: `SYNCOPATE_BENCH_SPIN_US` sets how long clients and server spin before they
 //! sleep (default: the nodes' default, [`syncopate::net::spin::DEFAULT_SPIN`]; 0 turns it off);
@@ -40,7 +41,7 @@ fn syncopate_bin() -> PathBuf {
 async fn cluster(dir: &Path, floats: usize, threads: usize, spin_us: u64) -> Cluster {
     let (threads, spin_us) = (threads.to_string(), spin_us.to_string());
     let server_args = ["--threads", &threads, "--spin-us", &spin_us];
-    let procs = ProcessCluster::start(&syncopate_bin(), dir, IN_FLIGHT, 0.000001, &server_args);
+    let procs = ProcessCluster::start(&syncopate_bin(), dir, IN_FLIGHT, 1, 0.000001, &server_args);
     let access = procs.access.clone();
     let joins = (0..IN_FLIGHT).map(|_| {
         let access = access.clone();
@@ -74,7 +75,23 @@ fn transport(c: &mut Criterion) {
         if bytes >= 1 << 20 {
             group.sample_size(10).measurement_time(Duration::from_secs(4));
         }
+        // Pushes hand QUIC the gradient buffer (`push_buffer`), as a workload that cares about
+        // speed does; its contents are whatever the reused buffer holds (the server checks
+        // them only for being finite). `push-borrowed` is `push(&grad)`, one copy more.
         group.bench_function(BenchmarkId::new("push", "sync"), |b| {
+            b.iter_custom(|n| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..n {
+                        let w = &cl.workers[0];
+                        w.push_buffer(cl.iteration[0], w.gradient_buffer(), 1).await.unwrap();
+                        cl.iteration[0] += 1;
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+        group.bench_function(BenchmarkId::new("push-borrowed", "sync"), |b| {
             b.iter_custom(|n| {
                 rt.block_on(async {
                     let t = Instant::now();
@@ -103,13 +120,10 @@ fn transport(c: &mut Criterion) {
                 rt.block_on(async {
                     let per = n.div_ceil(IN_FLIGHT as u64);
                     let t = Instant::now();
-                    let all = cl.workers.iter().zip(cl.iteration.iter_mut()).map(|(w, it)| {
-                        let grad = &grad;
-                        async move {
-                            for _ in 0..per {
-                                w.push(*it, grad, 1).await.unwrap();
-                                *it += 1;
-                            }
+                    let all = cl.workers.iter().zip(cl.iteration.iter_mut()).map(|(w, it)| async move {
+                        for _ in 0..per {
+                            w.push_buffer(*it, w.gradient_buffer(), 1).await.unwrap();
+                            *it += 1;
                         }
                     });
                     futures::future::join_all(all).await;
@@ -139,8 +153,8 @@ fn transport(c: &mut Criterion) {
         // What QUIC saw on worker 0's connection: a low MTU or many losses explain a slow row.
         for (addr, st) in cl.workers[0].connection_stats() {
             eprintln!(
-                "transport/{label}: {addr}: path MTU {} B, RTT {:?}, lost {} of {} packets, {} congestion events",
-                st.path.current_mtu, st.path.rtt, st.path.lost_packets, st.path.sent_packets, st.path.congestion_events
+                "transport/{label}: {addr}: path MTU {} B, RTT {:?}, lost {} of {} packets, {} congestion events, cwnd {}",
+                st.path.current_mtu, st.path.rtt, st.path.lost_packets, st.path.sent_packets, st.path.congestion_events, st.path.cwnd
             );
         }
     }

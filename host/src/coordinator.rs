@@ -524,7 +524,7 @@ async fn command_reply(
     cmd: &ServerCommand,
     payload: &[u8],
 ) -> Result<ServerReply, String> {
-    let req = net::request::<_, ServerReply>(conn, cmd, payload, &CONTROL_LIMITS);
+    let req = net::request::<_, ServerReply>(conn, cmd, payload.into(), &CONTROL_LIMITS);
     match tokio::time::timeout(COMMAND_TIMEOUT, req).await {
         Ok(Ok((reply, _))) => Ok(reply),
         Ok(Err(e)) => Err(e.to_string()),

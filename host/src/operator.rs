@@ -8,7 +8,7 @@ use crate::net::proto::{
     ClusterStatus, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, PROTOCOL_VERSION,
 };
 use crate::net::tls::ClusterAccess;
-use crate::net::wire::{self, Limits};
+use crate::net::wire::{self, Limits, Payload};
 use crate::net::{self, NetError};
 use crate::NodeError;
 
@@ -32,7 +32,7 @@ impl Operator {
     }
 
     async fn ask(&self, req: &CoordRequest, payload: &[u8]) -> Result<CoordResponse, NodeError> {
-        let (answer, _) = net::request::<_, CoordResponse>(&self.conn, req, payload, &LIMITS).await?;
+        let (answer, _) = net::request::<_, CoordResponse>(&self.conn, req, payload.into(), &LIMITS).await?;
         match answer {
             CoordResponse::Error(reason) => {
                 Err(NetError::Refused { addr: self.access.coordinator, reason }.into())
@@ -98,7 +98,9 @@ impl Operator {
                     &conns.last().expect("just pushed").1
                 }
             };
-            match net::request::<_, DataResponse>(conn, &DataRequest::Read { shard }, &[], &LIMITS).await? {
+            match net::request::<_, DataResponse>(conn, &DataRequest::Read { shard }, Payload::EMPTY, &LIMITS)
+                .await?
+            {
                 (DataResponse::Values { version }, payload) => {
                     model.extend(
                         wire::f32_from_bytes(&payload).map_err(|e| NetError::Wire { addr, error: e })?,

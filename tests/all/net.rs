@@ -118,13 +118,15 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
 /// Ethernet's 1,472 bytes on loopback, the segmentation-offload batches of such packets are
 /// split to what the kernel accepts (before, each batch was dropped whole and every transfer
 /// crawled through loss recovery), and a 4 MiB gradient pushed with lr 1 comes back exactly
-/// negated, pull after pull. A coordinator and a server run as processes; the worker is the
-/// client library in this process.
+/// negated, pull after pull, whether pushed by reference (`push`) or handed to QUIC without a
+/// copy (`push_buffer`), split over three shards. A coordinator and a server run as processes;
+/// the worker is the client library in this process.
 #[test]
 fn large_tensors_cross_in_large_packets_bit_for_bit() {
     let dir = run_dir("large-tensors");
     std::fs::create_dir_all(&dir).unwrap();
-    let cluster = ProcessCluster::start(&syncopate_bin(), &dir, 1, 1.0, &[]);
+    // Three shards: a whole-model push is cut into slices at offsets no packet size divides.
+    let cluster = ProcessCluster::start(&syncopate_bin(), &dir, 1, 3, 1.0, &[]);
     let access = &cluster.access;
     let floats = 1 << 20;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -137,7 +139,14 @@ fn large_tensors_cross_in_large_packets_bit_for_bit() {
         let grad: Vec<f32> = (0..floats).map(|i| (i % 65_521) as f32 - 30_000.0).collect();
         let mut model = vec![0.0f32; floats];
         for it in 0..6u64 {
-            w.push(it, &grad, 1).await.unwrap();
+            if it % 2 == 0 {
+                w.push(it, &grad, 1).await.unwrap();
+            } else {
+                // The buffer QUIC sends without a copy; a reused one still holds an old gradient.
+                let mut buffer = w.gradient_buffer();
+                buffer.copy_from_slice(&grad);
+                w.push_buffer(it, buffer, 1).await.unwrap();
+            }
             w.pull(it + 1, &mut model).await.unwrap();
             let want = |i: usize| -grad[i] * (it + 1) as f32;
             let wrong = (0..floats).filter(|&i| model[i] != want(i)).count();

@@ -133,8 +133,8 @@ impl ShardSink for Recorder {
 }
 
 /// A coordinator and one server run as `syncopate` processes on loopback, as in a deployment,
-/// for clients in the calling process: one ASP shard (no request waits on a policy), plain SGD
-/// with learning rate `lr`, waiting for `workers` workers. Both processes are killed on drop.
+/// for clients in the calling process: `shards` ASP shards (no request waits on a policy), plain
+/// SGD with learning rate `lr`, waiting for `workers` workers. Both processes are killed on drop.
 #[derive(Debug)]
 pub struct ProcessCluster {
     /// How clients reach it.
@@ -149,6 +149,7 @@ impl ProcessCluster {
         bin: &std::path::Path,
         dir: &std::path::Path,
         workers: usize,
+        shards: u32,
         lr: f32,
         server_args: &[&str],
     ) -> Self {
@@ -172,7 +173,7 @@ impl ProcessCluster {
             syncopate::local::die_with_parent(&mut cmd);
             cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
         };
-        let (workers, lr) = (workers.to_string(), lr.to_string());
+        let (workers, shards, lr) = (workers.to_string(), shards.to_string(), lr.to_string());
         let mut cluster = ProcessCluster {
             access: ClusterAccess { coordinator: ([127, 0, 0, 1], 0).into(), tls, token: token.clone() },
             procs: vec![spawn(&[
@@ -183,6 +184,8 @@ impl ProcessCluster {
                 "1",
                 "--workers",
                 &workers,
+                "--shards",
+                &shards,
                 "--policy",
                 "asp",
                 "--lr",

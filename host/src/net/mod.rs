@@ -2,6 +2,7 @@
 //! tensor payloads.
 //!
 //! - [`wire`]: framing, limits and the message decoder;
+//! - [`pool`]: reused tensor buffers, and tensors lent to QUIC without a copy;
 //! - [`proto`]: every message type;
 //! - [`tls`]: certificates, tokens and endpoint configuration;
 //! - [`udp`]: the UDP socket under each endpoint (buffers, segmentation offload);
@@ -9,6 +10,7 @@
 //! - this module: the connection handshake (hello with the cluster token) and request helpers
 //!   the coordinator, servers and workers share.
 
+pub mod pool;
 pub mod proto;
 pub mod spin;
 pub mod tls;
@@ -105,7 +107,7 @@ pub async fn connect(
         .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?
         .await
         .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
-    let (welcome, _) = request::<_, Welcome>(&conn, hello, &[], &Limits::default()).await?;
+    let (welcome, _) = request::<_, Welcome>(&conn, hello, wire::Payload::EMPTY, &Limits::default()).await?;
     if let Welcome::Refused(reason) = welcome {
         return Err(NetError::Refused { addr, reason });
     }
@@ -116,7 +118,7 @@ pub async fn connect(
 pub async fn request<Q: Serialize, A: DeserializeOwned>(
     conn: &quinn::Connection,
     req: &Q,
-    payload: &[u8],
+    payload: wire::Payload<'_>,
     limits: &Limits,
 ) -> Result<(A, Vec<u8>), NetError> {
     let addr = conn.remote_address();
@@ -199,5 +201,5 @@ pub async fn answer<A: Serialize>(
     payload: &[u8],
 ) -> Result<(), WireError> {
     let mut scratch = Vec::new();
-    wire::write_frame(send, msg, payload, &mut scratch).await
+    wire::write_frame(send, msg, payload.into(), &mut scratch).await
 }

@@ -1,11 +1,12 @@
-//! Reused tensor buffers: the server's per-request memory.
+//! Reused tensor buffers, and tensors lent to QUIC without a copy.
 //!
-//! Every push brings a gradient as large as its shard, and a pull sends the shard's parameters
-//! without copying them (QUIC holds them, shared; the shard copies them before its next step if
-//! a pull still holds them then). Allocating such buffers fresh costs a zero-fill or fresh pages
-//! from the kernel, which on a 16 MiB shard is several percent of a request's time. Buffers the
-//! shard is done with (applied gradients, parameters the last pull holding them has sent) come
-//! back here and serve the next push's payload or the shard's next copy.
+//! On a server, every push brings a gradient as large as its shard, and a pull sends the
+//! shard's parameters without copying them (QUIC holds them, shared; the shard copies them
+//! before its next step if a pull still holds them then). On a worker, a gradient pushed with
+//! [`crate::worker::WorkerClient::push_buffer`] goes to QUIC the same way. Allocating such
+//! buffers fresh costs a zero-fill or fresh pages from the kernel, which on a 16 MiB tensor is
+//! several percent of a request's time. Buffers nobody needs any more (applied gradients,
+//! tensors QUIC has sent and the peer acknowledged) come back here and serve the next request.
 
 use std::sync::{Arc, Mutex};
 
@@ -42,9 +43,9 @@ impl TensorPool {
         }
     }
 
-    /// Bytes of a shared tensor (a shard's parameters as a pull served them) that QUIC sends
-    /// without a copy. When QUIC is done with them and nobody else holds the tensor (the shard
-    /// has moved on to a copy), its buffer comes back to this pool.
+    /// Bytes of a shared tensor (a shard's parameters as a pull served them, a worker's
+    /// gradient) that QUIC sends without a copy. When QUIC is done with them and nobody else
+    /// holds the tensor (a shard has moved on to a copy), its buffer comes back to this pool.
     pub fn send_shared(&self, values: Arc<Vec<f32>>) -> bytes::Bytes {
         bytes::Bytes::from_owner(Lent { values: Some(values), pool: self.clone() })
     }

@@ -258,39 +258,72 @@ pub async fn read_message<H: DeserializeOwned>(
     Ok((head.header, payload))
 }
 
-/// Writes a frame (header, then payload without copying it) and finishes the stream.
+/// A frame's payload, as the writer holds it.
+#[derive(Clone, Debug)]
+pub enum Payload<'a> {
+    /// Bytes the caller keeps: QUIC copies them into its send buffer.
+    Borrowed(&'a [u8]),
+    /// A buffer handed over: QUIC sends it as it is and drops it once the peer has it.
+    Shared(bytes::Bytes),
+}
+
+impl Payload<'_> {
+    /// No payload.
+    pub const EMPTY: Payload<'static> = Payload::Borrowed(&[]);
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Borrowed(b) => b,
+            Payload::Shared(b) => b,
+        }
+    }
+
+    /// Bytes `range` of it, shared again rather than copied when it is shared.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Payload<'_> {
+        match self {
+            Payload::Borrowed(b) => Payload::Borrowed(&b[range]),
+            Payload::Shared(b) => Payload::Shared(b.slice(range)),
+        }
+    }
+}
+
+impl<'a> From<&'a [u8]> for Payload<'a> {
+    fn from(bytes: &'a [u8]) -> Self {
+        Payload::Borrowed(bytes)
+    }
+}
+
+impl From<bytes::Bytes> for Payload<'_> {
+    fn from(bytes: bytes::Bytes) -> Self {
+        Payload::Shared(bytes)
+    }
+}
+
+/// Payloads up to this size leave in one write with their header (one copy of a few bytes
+/// beats a second write).
+const COALESCE: usize = 16 * 1024;
+
+/// Writes a frame (header, then payload) and finishes the stream. A shared payload goes to QUIC
+/// without a copy.
 pub async fn write_frame<H: Serialize>(
     send: &mut quinn::SendStream,
     header: &H,
-    payload: &[u8],
+    payload: Payload<'_>,
     scratch: &mut Vec<u8>,
 ) -> Result<(), WireError> {
-    encode_head(header, payload.len(), scratch);
-    if payload.len() <= 16 * 1024 {
-        // Small messages leave in one write.
-        scratch.extend_from_slice(payload);
-        send.write_all(scratch).await.map_err(|e| WireError::Stream(e.to_string()))?;
+    let stream = |e: quinn::WriteError| WireError::Stream(e.to_string());
+    let bytes = payload.as_slice();
+    encode_head(header, bytes.len(), scratch);
+    if bytes.len() <= COALESCE {
+        scratch.extend_from_slice(bytes);
+        send.write_all(scratch).await.map_err(stream)?;
     } else {
-        send.write_all(scratch).await.map_err(|e| WireError::Stream(e.to_string()))?;
-        send.write_all(payload).await.map_err(|e| WireError::Stream(e.to_string()))?;
-    }
-    send.finish().map_err(|e| WireError::Stream(e.to_string()))
-}
-
-/// Writes a frame whose payload is an owned buffer, handed to QUIC without a copy.
-pub async fn write_frame_owned<H: Serialize>(
-    send: &mut quinn::SendStream,
-    header: &H,
-    payload: bytes::Bytes,
-    scratch: &mut Vec<u8>,
-) -> Result<(), WireError> {
-    encode_head(header, payload.len(), scratch);
-    if payload.len() <= 16 * 1024 {
-        scratch.extend_from_slice(&payload);
-        send.write_all(scratch).await.map_err(|e| WireError::Stream(e.to_string()))?;
-    } else {
-        send.write_all(scratch).await.map_err(|e| WireError::Stream(e.to_string()))?;
-        send.write_chunk(payload).await.map_err(|e| WireError::Stream(e.to_string()))?;
+        send.write_all(scratch).await.map_err(stream)?;
+        match payload {
+            Payload::Borrowed(b) => send.write_all(b).await.map_err(stream)?,
+            Payload::Shared(b) => send.write_chunk(b).await.map_err(stream)?,
+        }
     }
     send.finish().map_err(|e| WireError::Stream(e.to_string()))
 }

