@@ -193,9 +193,14 @@ fn simulated(opts: &AbOptions, spec: &PolicySpec, dir: &Path) -> Result<LocalRep
         data: opts.data.clone(),
     };
     let t = std::time::Instant::now();
-    let mut report = crate::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
+    let crate::sim::Simulated { mut report, model } =
+        crate::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
     std::fs::create_dir_all(dir)
         .map_err(|source| NodeError::Io { what: format!("cannot create {}", dir.display()), source })?;
+    report.model_file = dir.join("model.bin");
+    std::fs::write(&report.model_file, crate::net::wire::f32_bytes(&model)).map_err(|source| {
+        NodeError::Io { what: format!("cannot write {}", report.model_file.display()), source }
+    })?;
     report.plots = crate::plots::write_all(&report, dir).unwrap_or_default();
     let path = dir.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report).expect("serializes"))

@@ -124,7 +124,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     }
     let runtime = PolicyRuntime::new()?;
     // Refuse to start with a module the servers would refuse.
-    runtime.compile_async(opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
+    crate::node::compile(&runtime, opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
     let endpoint = net::tls::listen(
         opts.listen,
         opts.tls.server_config(opts.peer_timeout)?,
@@ -429,7 +429,9 @@ impl Coordinator {
         if digest != blob.sha256 {
             return Err("the module's bytes do not match its sha256".into());
         }
-        self.runtime.compile_async(blob.label.clone(), wasm.clone()).await.map_err(|e| e.to_string())?;
+        crate::node::compile(&self.runtime, blob.label.clone(), wasm.clone())
+            .await
+            .map_err(|e| e.to_string())?;
         let (servers, swap) = {
             let st = self.lock();
             (st.servers.clone(), st.swaps + 1)

@@ -13,7 +13,6 @@
 //! - [`cli`]: the `syncopate` command.
 
 pub mod ab;
-pub mod builtin;
 pub mod cli;
 pub mod coordinator;
 pub mod local;
@@ -21,11 +20,10 @@ pub mod net;
 mod node;
 pub mod operator;
 mod plots;
-pub mod runtime;
 pub mod scenario;
 pub mod server;
-pub mod shard;
 pub mod sim;
 pub mod worker;
 
 pub use node::NodeError;
+pub use syncopate_engine::{builtin, runtime, shard, tasks};

@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 
 use syncopate_workloads::{Evaluator, WorkloadOptions};
 
-use crate::net::proto::ClusterStatus;
+use crate::net::proto::{ClusterStatus, ShardStatus};
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
 use crate::operator::Operator;
 use crate::worker::WorkerReport;
@@ -79,8 +79,36 @@ pub struct WatchPoint {
     pub pulls_deferred: u64,
     /// Time pulls spent deferred so far, all shards, in seconds.
     pub deferred_s: f64,
-    /// Per live worker: seconds its pulls have waited so far (the longest of any shard).
+    /// Per live worker: seconds its pulls have spent deferred so far (the longest of any
+    /// shard), the same quantity as [`WorkerReport::deferred_ns`].
     pub worker_waits_s: Vec<(u32, f64)>,
+}
+
+impl WatchPoint {
+    /// What the shards' counters say at `t_s` (accuracy and loss not yet scored): the one
+    /// reading of a cluster's progress, for real runs and simulated ones alike.
+    pub fn of_shards(t_s: f64, shards: &[&ShardStatus]) -> Self {
+        let clocks: Vec<u64> = shards
+            .iter()
+            .find(|s| s.shard == 0)
+            .map(|s| s.workers.iter().map(|w| w.clock).collect())
+            .unwrap_or_default();
+        let mut waits = std::collections::BTreeMap::<u32, u64>::new();
+        for (w, ns) in shards.iter().flat_map(|s| &s.waited_ns) {
+            let e = waits.entry(*w).or_default();
+            *e = (*e).max(*ns);
+        }
+        WatchPoint {
+            t_s,
+            accuracy: None,
+            loss: None,
+            min_clock: clocks.iter().copied().min().unwrap_or(0),
+            max_clock: clocks.iter().copied().max().unwrap_or(0),
+            pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
+            deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
+            worker_waits_s: waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect(),
+        }
+    }
 }
 
 /// What `report.json` holds.
@@ -448,28 +476,8 @@ async fn watch(
     t_s: f64,
 ) -> Result<(WatchPoint, Option<Vec<f32>>), NodeError> {
     let status = op.status().await?;
-    let shards: Vec<_> = status.servers.iter().flat_map(|s| &s.shards).collect();
-    let clocks: Vec<u64> = shards
-        .iter()
-        .find(|s| s.shard == 0)
-        .map(|s| s.workers.iter().map(|w| w.clock).collect())
-        .unwrap_or_default();
-    let mut point = WatchPoint {
-        t_s,
-        accuracy: None,
-        loss: None,
-        min_clock: clocks.iter().copied().min().unwrap_or(0),
-        max_clock: clocks.iter().copied().max().unwrap_or(0),
-        pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
-        deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
-        worker_waits_s: Vec::new(),
-    };
-    let mut waits = std::collections::BTreeMap::<u32, u64>::new();
-    for (w, ns) in shards.iter().flat_map(|s| &s.waited_ns) {
-        let e = waits.entry(*w).or_default();
-        *e = (*e).max(*ns);
-    }
-    point.worker_waits_s = waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect();
+    let shards: Vec<&ShardStatus> = status.servers.iter().flat_map(|s| &s.shards).collect();
+    let mut point = WatchPoint::of_shards(t_s, &shards);
     if let Some(e) = evaluator {
         let (model, _) = op.read_model().await?;
         if model.len() != e.param_len() {

@@ -12,6 +12,10 @@
 //! compute_ms = 20          # emulated compute per iteration at the starting batch size
 //! target_accuracy = 0.80
 //! time_limit_s = 40
+//! lr = 0.05                # the servers' SGD (these four keys are optional: local's defaults)
+//! momentum = 0.9
+//! weight_decay = 0.0
+//! push_weight = "mean"     # or "sum"
 //!
 //! [[slow]]
 //! worker = 0
@@ -26,6 +30,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+use crate::shard::{OptimizerConfig, PushWeight};
 
 /// A scenario file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -72,6 +78,14 @@ pub struct Scenario {
     /// Link bandwidth per node, in Mbit/s. Loopback clusters cannot enforce it: `syncopate ab`
     /// refuses such a scenario and names the recipe (docs/bandwidth.md) that can.
     pub bandwidth_mbit: Option<f64>,
+    /// The servers' SGD learning rate (default 0.05, as `syncopate local`'s).
+    pub lr: Option<f32>,
+    /// The servers' SGD momentum (default 0.9).
+    pub momentum: Option<f32>,
+    /// L2 weight decay (default 0).
+    pub weight_decay: Option<f32>,
+    /// How pushes are weighed when the policy does not say: `mean` (default) or `sum`.
+    pub push_weight: Option<PushWeight>,
     /// Workers that compute slower.
     #[serde(default)]
     pub slow: Vec<Slow>,
@@ -191,10 +205,29 @@ impl Scenario {
         if let Some(a) = self.target_accuracy.filter(|a| !(0.0..=1.0).contains(a)) {
             return Err(format!("target_accuracy {a} is not between 0 and 1"));
         }
+        let o = self.optimizer();
+        let sane = o.lr.is_finite() && o.lr > 0.0 && (0.0..1.0).contains(&o.momentum);
+        if !(sane && o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(format!(
+                "lr {} must be positive, momentum {} in [0, 1), weight_decay {} not negative",
+                o.lr, o.momentum, o.weight_decay
+            ));
+        }
         if self.iterations.is_none() && self.time_limit_s.is_none() {
             return Err("give a budget, iterations or time_limit_s: a run must end".into());
         }
         Ok(())
+    }
+
+    /// The servers' optimizer: the scenario's settings over `syncopate local`'s defaults.
+    pub fn optimizer(&self) -> OptimizerConfig {
+        let d = OptimizerConfig::default();
+        OptimizerConfig {
+            lr: self.lr.unwrap_or(d.lr),
+            momentum: self.momentum.unwrap_or(d.momentum),
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
+            nesterov: false,
+        }
     }
 
     /// The `syncopate local` flags that run this scenario (the policy and run directory
@@ -221,6 +254,14 @@ impl Scenario {
         if let Some(s) = self.shards {
             a.extend(["--shards".into(), s.to_string()]);
         }
+        let o = self.optimizer();
+        a.extend(["--lr".into(), o.lr.to_string(), "--momentum".into(), o.momentum.to_string()]);
+        a.extend(["--weight-decay".into(), o.weight_decay.to_string()]);
+        let weight = match self.push_weight.unwrap_or_default() {
+            PushWeight::Mean => "mean",
+            PushWeight::Sum => "sum",
+        };
+        a.extend(["--push-weight".into(), weight.into()]);
         if let Some(t) = self.target_accuracy {
             a.extend(["--target-accuracy".into(), t.to_string()]);
         }

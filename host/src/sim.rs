@@ -1,23 +1,24 @@
 //! The deterministic cluster simulator behind `syncopate ab --simulate`: clusters larger than
 //! one machine holds, in virtual time, bit for bit reproducible from the scenario's seed.
 //!
-//! What is real: the shard engine ([`Shard`]) and the wasm policy modules, called exactly as the
-//! servers call them; and, unless `gradients` is off, the workload's gradients, computed on the
-//! parameters each worker actually pulled (so staleness costs accuracy as it really would), and
-//! the test-set evaluation. What is modelled:
-//! - time: each worker's compute per iteration is the scenario's `compute_ms` (for its starting
-//!   batch; proportional to the batch it is told to use), times its slow factor, plus its jitter
-//!   and stall, drawn from a generator seeded by the scenario;
+//! What is real: the engine, run exactly as the cluster runs it. Each shard is a [`Shard`] with
+//! its wasm policy module and its task ledger, called as the servers call them; each worker is a
+//! [`WorkerMachine`], the state machine `syncopate worker` drives (pulls, pushes, reports,
+//! control messages, task hand-overs in both directions, the emulated device); and, unless
+//! `gradients` is off, the workload's gradients, computed on the parameters each worker actually
+//! pulled (so staleness costs accuracy as it really would), and the test-set evaluation. What is
+//! modelled:
+//! - time: arithmetic takes no virtual time; each worker's device takes the scenario's
+//!   `compute_ms` per iteration of the starting batch (proportional to the samples it computes),
+//!   times its slow factor, plus its jitter and stall, as the worker machine's [`Device`] says;
 //! - the network: every node (worker or server) has one link of the scenario's bandwidth
 //!   (`bandwidth_mbit`, default 10 Gbit/s) each way, and every message the scenario's latency
 //!   (`latency_us`). A transfer holds the
 //!   sender's uplink and the receiver's downlink for `bytes / bandwidth`, so concurrent transfers
 //!   through one link queue behind each other: at a server that many workers push to at once,
 //!   the syncs contend, as they do on a real link;
-//! - workers: pull every shard, compute, push every shard, wait for the acknowledgements, report
-//!   the iteration; control messages (batch sizes, pauses) take effect and are acknowledged as
-//!   on the cluster. Iterations are not split into tasks here, so a task move is answered with
-//!   "nothing moved" (EPSP's moves need the real cluster).
+//! - messages without tensors (control messages, acknowledgements, hand-overs, iteration
+//!   reports) take the latency alone.
 //!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
@@ -26,18 +27,20 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::net::{Ipv4Addr, SocketAddr};
 
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::Distribution;
-use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, RequestId, WorkerId};
+use syncopate_engine::worker::{
+    Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
+};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, RequestId, WorkerId};
 use syncopate_workloads::{Evaluator, Workload, WorkloadOptions};
 
 use crate::builtin::PolicySpec;
 use crate::local::{LocalReport, WatchPoint};
-use crate::net::proto::{ClusterStatus, ServerStatus, ShardStatus, WorkerStatus};
+use crate::net::proto::{ClusterStatus, ControlMessage, ServerStatus, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
 use crate::scenario::Scenario;
-use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, STALENESS_BUCKETS};
+use crate::shard::{
+    Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, STALENESS_BUCKETS,
+};
 use crate::worker::WorkerReport;
 
 /// How to simulate.
@@ -65,19 +68,33 @@ pub enum SimError {
     /// A shard refused a request the simulated worker made (a simulator bug).
     #[error("shard {0} refused a request: {1}")]
     Refused(u32, String),
+    /// A simulated worker could not go on.
+    #[error("worker {0}: {1}")]
+    Worker(WorkerId, WorkerError),
+}
+
+/// A message without tensors, on its way to a shard.
+#[derive(Clone, Copy, Debug)]
+enum ToShard {
+    Handover(Handover),
+    Applied(Applied),
+    Finished(IterationReport),
+    Goodbye,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
-    Start(u32),
-    PullArrive(u32, u32),
+    /// A worker machine's timer.
+    Wake(u32),
+    PullArrive(u32, u32, u64),
     PullDone(u32, u32),
-    ComputeDone(u32),
-    PushArrive(u32, u32),
-    AckArrive(u32, u32),
-    Report(u32, u32),
-    Control(u32, u32, usize),
-    Applied(u32, u32, usize),
+    /// A push's bytes reach the shard (`true`: tasks computed for another worker).
+    PushArrive(u32, u32, bool),
+    AckArrive(u32, u32, bool),
+    /// Message `i` of `ToShard` from a worker reaches a shard.
+    ToShard(u32, u32, usize),
+    /// Control message `i` reaches a worker.
+    Control(u32, usize),
     Timer(u32),
     Watch,
 }
@@ -86,8 +103,8 @@ enum Ev {
 #[derive(Default)]
 struct Sink {
     served: Vec<(WorkerId, u64, u64)>,
-    acked: Vec<WorkerId>,
-    controls: Vec<(WorkerId, Control)>,
+    acked: Vec<(WorkerId, u64)>,
+    controls: Vec<(WorkerId, ControlMessage)>,
     /// The values each served pull saw, when gradients are on (worker, shard values).
     values: Vec<(WorkerId, Vec<f32>)>,
     keep_values: bool,
@@ -100,31 +117,34 @@ impl ShardSink for Sink {
             self.values.push((r.worker, r.values.to_vec()));
         }
     }
-    fn push_acked(&mut self, _id: RequestId, worker: WorkerId, _iteration: u64) {
-        self.acked.push(worker);
+    fn push_acked(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
+        self.acked.push((worker, iteration));
     }
-    fn control(&mut self, worker: WorkerId, control: Control) {
-        self.controls.push((worker, control));
+    fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
+        self.controls.push((worker, msg));
     }
 }
 
-struct SimWorker {
-    iteration: u64,
-    batch: u32,
-    slow: f32,
-    jitter: Option<rand_distr::Normal<f64>>,
-    stall: Option<(u64, u64)>,
-    pause_ns: u64,
-    replies: u32,
+/// A push on its way: the job and the shards that have acknowledged it.
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    job: PushJob,
     acks: u32,
+    refused: bool,
+}
+
+/// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
+struct SimWorker {
+    machine: WorkerMachine,
+    bufs: Buffers,
+    workload: Option<Box<dyn Workload>>,
+    replies: u32,
     deferred: bool,
-    started_ns: u64,
-    pulled_ns: u64,
+    deferred_ns: u64,
     based_on: Vec<Option<u64>>,
-    params: Vec<f32>,
-    grad: Vec<f32>,
-    report: WorkerReport,
-    done: bool,
+    own: Option<InFlight>,
+    help: Option<InFlight>,
+    wake_at: Option<u64>,
 }
 
 /// One link direction: busy until `free_ns`.
@@ -144,14 +164,13 @@ struct Sim {
     server_of: Vec<u32>,
     sink: Sink,
     workers: Vec<SimWorker>,
-    workloads: Vec<Box<dyn Workload>>,
     evaluator: Option<Evaluator>,
     /// Uplink and downlink of each worker, then of each server.
     up: Vec<Link>,
     down: Vec<Link>,
     timer_at: Vec<Option<u64>>,
-    controls: Vec<(WorkerId, Control)>,
-    rng: ChaCha8Rng,
+    controls: Vec<ControlMessage>,
+    to_shard: Vec<ToShard>,
     watch: Vec<WatchPoint>,
     stopping: bool,
     time_to_target: Option<f64>,
@@ -159,8 +178,17 @@ struct Sim {
     latency_ns: u64,
 }
 
-/// Runs the scenario under the policy; returns the same report a real run writes.
-pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, SimError> {
+/// A finished simulation.
+#[derive(Debug)]
+pub struct Simulated {
+    /// The same report a real run writes (its `model_file` is empty until the model is saved).
+    pub report: LocalReport,
+    /// The final parameters, every shard's in order (one value per shard without gradients).
+    pub model: Vec<f32>,
+}
+
+/// Runs the scenario under the policy.
+pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimError> {
     let sc = &opts.scenario;
     let n = sc.workers;
     let shards_n = sc.shards.unwrap_or(sc.servers).max(1);
@@ -194,39 +222,65 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, Si
     let mut shards = Vec::new();
     for i in 0..ranges.len() {
         let (lo, hi) = held(i);
-        let cfg = ShardConfig { shard: i as u32, shards: shards_n, seed: sc.seed, ..ShardConfig::default() };
+        let cfg = ShardConfig {
+            shard: i as u32,
+            shards: shards_n,
+            seed: sc.seed,
+            optimizer: sc.optimizer(),
+            push_weight: sc.push_weight.unwrap_or_default(),
+            ..ShardConfig::default()
+        };
         let shard = Shard::new(cfg, model[lo..hi].to_vec(), &module, &config, &mut sink)
             .map_err(|e| SimError::Policy(opts.policy.to_string(), e))?;
         shards.push(shard);
     }
-    let workers = (0..n)
-        .map(|w| SimWorker {
-            iteration: 0,
-            batch: sc.batch,
-            slow: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
-            jitter: sc
-                .jitter
-                .iter()
-                .find(|j| j.worker == w)
-                .and_then(|j| rand_distr::Normal::new(j.mean_ms * 1e6, j.sd_ms * 1e6).ok()),
-            stall: sc
+    let mut workloads = workloads.into_iter();
+    let mut workers = Vec::new();
+    for w in 0..n {
+        let mut workload = workloads.next();
+        let tensors = if opts.gradients { len } else { 0 };
+        let mut bufs = Buffers::new(tensors, false);
+        // Without gradients, iterations split as the built-in workloads' do.
+        let can_split = match workload.as_mut() {
+            Some(wl) => wl.task_gradient(w, 0, 2, 0..1, 2, &bufs.params, &mut bufs.task).is_some(),
+            None => true,
+        };
+        let device = Device {
+            compute_ns: sc.compute_ms.max(1) * 1_000_000,
+            slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
+            jitter_ms: sc.jitter.iter().find(|j| j.worker == w).map(|j| (j.mean_ms, j.sd_ms)),
+            stall_ns: sc
                 .stall
                 .iter()
                 .find(|s| s.worker == w)
                 .map(|s| ((s.at_s * 1e9) as u64, (s.for_s * 1e9) as u64)),
-            pause_ns: 0,
+            seed: sc.seed ^ (u64::from(w) << 40) ^ 0x5eed,
+            granularity_ns: 0,
+        };
+        let cfg = WorkerConfig {
+            id: w,
+            start: 0,
+            iterations: sc.iterations.unwrap_or(u64::MAX),
+            batch: sc.batch,
+            part: w,
+            can_split,
+            numbering_shared: true,
+            device,
+        };
+        let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
+        workers.push(SimWorker {
+            machine,
+            bufs: Buffers::new(tensors, can_split && opts.gradients),
+            workload,
             replies: 0,
-            acks: 0,
             deferred: false,
-            started_ns: 0,
-            pulled_ns: 0,
+            deferred_ns: 0,
             based_on: vec![None; shards_n as usize],
-            params: if opts.gradients { model.clone() } else { Vec::new() },
-            grad: if opts.gradients { vec![0.0; len] } else { Vec::new() },
-            report: WorkerReport { worker: w, ..WorkerReport::default() },
-            done: false,
-        })
-        .collect();
+            own: None,
+            help: None,
+            wake_at: None,
+        });
+    }
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
     let mut sim = Sim {
@@ -239,13 +293,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, Si
         ranges,
         sink,
         workers,
-        workloads,
         evaluator,
         up: vec![Link::default(); nodes],
         down: vec![Link::default(); nodes],
         timer_at: vec![None; shards_n as usize],
         controls: Vec::new(),
-        rng: ChaCha8Rng::seed_from_u64(sc.seed ^ 0xA11CE),
+        to_shard: Vec::new(),
         watch: Vec::new(),
         stopping: false,
         time_to_target: None,
@@ -254,21 +307,20 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, Si
     };
     for s in 0..shards_n {
         for w in 0..n {
-            let mut sink = std::mem::take(&mut sim.sink);
-            sim.shards[s as usize].join(w, 0, &mut sink).map_err(|e| SimError::Refused(s, e.to_string()))?;
-            sim.sink = sink;
-            sim.drain(s)?;
+            sim.call(s, |sh, now, sink| sh.join(w, now, sink))?;
         }
     }
     for w in 0..n {
-        sim.at(0, Ev::Start(w));
+        sim.drive(w)?;
     }
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
     while let Some(Reverse((t, _, ev))) = sim.queue.pop() {
         sim.now = t;
         sim.handle(ev)?;
-        if sim.workers.iter().all(|w| w.done) {
+        if sim.workers.iter().all(|w| w.machine.is_done())
+            && sim.shards.iter().all(|s| s.workers().is_empty())
+        {
             break;
         }
         // A policy that never answers a worker would keep the run going: after the budget, give
@@ -281,7 +333,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<LocalReport, Si
             }
         }
     }
-    Ok(sim.report())
+    let model = sim.model();
+    Ok(Simulated { report: sim.report(), model })
 }
 
 impl Sim {
@@ -311,29 +364,35 @@ impl Sim {
     }
 
     /// Schedules what the last call into shard `s` produced.
-    fn drain(&mut self, s: u32) -> Result<(), SimError> {
+    fn drain(&mut self, s: u32) {
         let served = std::mem::take(&mut self.sink.served);
         let mut values = std::mem::take(&mut self.sink.values).into_iter();
         for (w, version, waited) in served {
             let wk = &mut self.workers[w as usize];
             wk.based_on[s as usize] = Some(version);
             wk.deferred |= waited > 0;
+            wk.deferred_ns = wk.deferred_ns.max(waited);
             if let Some((_, v)) = values.next() {
                 let (lo, hi) = self.ranges[s as usize];
-                wk.params[lo..hi].copy_from_slice(&v);
+                wk.bufs.params[lo..hi].copy_from_slice(&v);
             }
             let (from, bytes) = (self.server_node(s), self.shard_bytes(s));
             let t = self.transfer(from, w as usize, bytes);
             self.at(t, Ev::PullDone(w, s));
         }
-        for w in std::mem::take(&mut self.sink.acked) {
-            let t = self.now + self.latency_ns;
-            self.at(t, Ev::AckArrive(w, s));
+        for (w, iteration) in std::mem::take(&mut self.sink.acked) {
+            // Only a whole push waits for its admission; parts are acknowledged when counted.
+            let waiting = self.workers[w as usize]
+                .own
+                .is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration);
+            if waiting {
+                self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, false));
+            }
         }
-        for c in std::mem::take(&mut self.sink.controls) {
-            self.controls.push(c);
+        for (w, msg) in std::mem::take(&mut self.sink.controls) {
+            self.controls.push(msg);
             let t = self.now + self.latency_ns;
-            self.at(t, Ev::Control(c.0, s, self.controls.len() - 1));
+            self.at(t, Ev::Control(w, self.controls.len() - 1));
         }
         if let Some(t) = self.shards[s as usize].next_timer_ns() {
             if self.timer_at[s as usize].is_none_or(|at| t < at) {
@@ -341,7 +400,6 @@ impl Sim {
                 self.at(t.max(self.now), Ev::Timer(s));
             }
         }
-        Ok(())
     }
 
     fn call<T>(
@@ -352,180 +410,183 @@ impl Sim {
         let mut sink = std::mem::take(&mut self.sink);
         let r = f(&mut self.shards[s as usize], self.now, &mut sink);
         self.sink = sink;
-        let r = r.map_err(|e| SimError::Refused(s, e.to_string()))?;
-        self.drain(s)?;
-        Ok(r)
+        self.drain(s);
+        r.map_err(|e| SimError::Refused(s, e.to_string()))
     }
 
-    fn compute_ns(&self, w: u32) -> u64 {
-        let sc = &self.opts.scenario;
-        let wk = &self.workers[w as usize];
-        let base = sc.compute_ms.max(1) as f64 * 1e6 * f64::from(wk.batch) / f64::from(sc.batch.max(1));
-        (base * f64::from(wk.slow)) as u64
+    /// Feeds worker `w`'s machine an input, then carries out its actions.
+    fn feed(&mut self, w: u32, input: Input) -> Result<(), SimError> {
+        self.workers[w as usize].machine.handle(self.now, input).map_err(|e| SimError::Worker(w, e))?;
+        self.drive(w)
+    }
+
+    /// Carries out every action worker `w`'s machine has, and sets its timer.
+    fn drive(&mut self, w: u32) -> Result<(), SimError> {
+        let shards = self.shards.len() as u32;
+        while let Some(action) = self.workers[w as usize].machine.poll_action(self.now) {
+            match action {
+                Action::Pull { iteration } => {
+                    let wk = &mut self.workers[w as usize];
+                    (wk.replies, wk.deferred, wk.deferred_ns) = (0, false, 0);
+                    for s in 0..shards {
+                        let t = self.transfer(w as usize, self.server_node(s), 64);
+                        self.at(t, Ev::PullArrive(w, s, iteration));
+                    }
+                }
+                Action::Compute(job) => {
+                    let wk = &mut self.workers[w as usize];
+                    let workload = wk.workload.as_deref_mut().map(|x| x as &mut dyn Workload);
+                    let step = wk.bufs.compute(w, &job, workload);
+                    wk.machine
+                        .handle(self.now, Input::Computed { step, compute_ns: 0 })
+                        .map_err(|e| SimError::Worker(w, e))?;
+                }
+                Action::Push(job) => {
+                    let wk = &mut self.workers[w as usize];
+                    if self.opts.gradients {
+                        wk.bufs.gradient(&job);
+                    }
+                    let help = job.kind != JobKind::Own;
+                    let slot = if help { &mut wk.help } else { &mut wk.own };
+                    *slot = Some(InFlight { job, acks: 0, refused: false });
+                    for s in 0..shards {
+                        let bytes = self.shard_bytes(s);
+                        let t = self.transfer(w as usize, self.server_node(s), bytes);
+                        self.at(t, Ev::PushArrive(w, s, help));
+                    }
+                }
+                Action::Handover { shard, handover } => self.send(w, shard, ToShard::Handover(handover)),
+                Action::Applied { shard, control, iteration } => {
+                    self.send(w, shard, ToShard::Applied(Applied { worker: w, control, iteration }));
+                }
+                Action::Finished(report) => {
+                    (0..shards).for_each(|s| self.send(w, s, ToShard::Finished(report)))
+                }
+                Action::Leave => (0..shards).for_each(|s| self.send(w, s, ToShard::Goodbye)),
+            }
+        }
+        let wk = &mut self.workers[w as usize];
+        if let Some(t) = wk.machine.poll_timeout() {
+            if wk.wake_at.is_none_or(|at| t < at) {
+                wk.wake_at = Some(t);
+                self.at(t.max(self.now), Ev::Wake(w));
+            }
+        }
+        Ok(())
+    }
+
+    /// A message without tensors from worker `w` to shard `s`: the latency alone.
+    fn send(&mut self, w: u32, s: u32, msg: ToShard) {
+        self.to_shard.push(msg);
+        let i = self.to_shard.len() - 1;
+        self.at(self.now + self.latency_ns, Ev::ToShard(w, s, i));
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
         let shards = self.shards.len() as u32;
         match ev {
-            Ev::Start(w) => {
-                let wk = &mut self.workers[w as usize];
-                let limit = self.opts.scenario.iterations.unwrap_or(u64::MAX);
-                if self.stopping || wk.iteration >= limit {
-                    wk.done = true;
-                    wk.report.stopped_early = self.stopping;
-                    wk.report.elapsed_ns = self.now;
-                    // It leaves, as a real worker does: no one waits on it any more.
-                    for s in 0..shards {
-                        self.call(s, |sh, now, sink| sh.leave(w, LeaveReason::Finished, now, sink))?;
-                    }
-                    return Ok(());
-                }
-                wk.replies = 0;
-                wk.deferred = false;
-                wk.started_ns = self.now;
-                for s in 0..shards {
-                    let t = self.transfer(w as usize, self.server_node(s), 64);
-                    self.at(t, Ev::PullArrive(w, s));
-                }
+            Ev::Wake(w) => {
+                self.workers[w as usize].wake_at = None;
+                self.feed(w, Input::Timer)?;
             }
-            Ev::PullArrive(w, s) => {
-                let iteration = self.workers[w as usize].iteration;
+            Ev::PullArrive(w, s, iteration) => {
                 self.call(s, |sh, now, sink| sh.pull(PullRequest { worker: w, iteration }, now, sink))?;
             }
             Ev::PullDone(w, _) => {
                 let wk = &mut self.workers[w as usize];
                 wk.replies += 1;
                 if wk.replies == shards {
-                    wk.pulled_ns = self.now;
-                    wk.report.wait_ns += self.now - wk.started_ns;
-                    wk.report.deferred_pulls += u64::from(wk.deferred);
-                    let mut dur = self.compute_ns(w);
-                    let wk = &mut self.workers[w as usize];
-                    if let Some((at, len)) = wk.stall {
-                        if self.now >= at {
-                            dur += len;
-                            wk.stall = None;
-                        }
-                    }
-                    wk.report.compute_ns += dur;
-                    if let (Some(workload), true) = (self.workloads.get_mut(w as usize), self.opts.gradients)
-                    {
-                        let step = workload.gradient(w, wk.iteration, wk.batch, &wk.params, &mut wk.grad);
-                        wk.report.last_loss = step.loss;
-                    }
-                    // As on the cluster, injected delays come after computing, before pushing.
-                    if let Some(n) = wk.jitter {
-                        dur += n.sample(&mut self.rng).max(0.0) as u64;
-                    }
-                    self.at(self.now + dur, Ev::ComputeDone(w));
+                    wk.bufs.pulled();
+                    let (deferred, deferred_ns) = (wk.deferred, wk.deferred_ns);
+                    self.feed(w, Input::Pulled { deferred, deferred_ns })?;
                 }
             }
-            Ev::ComputeDone(w) => {
-                self.workers[w as usize].acks = 0;
-                for s in 0..shards {
-                    let bytes = self.shard_bytes(s);
-                    let t = self.transfer(w as usize, self.server_node(s), bytes);
-                    self.at(t, Ev::PushArrive(w, s));
-                }
-            }
-            Ev::PushArrive(w, s) => {
+            Ev::PushArrive(w, s, help) => {
                 let wk = &self.workers[w as usize];
+                let Some(InFlight { job, .. }) = (if help { wk.help } else { wk.own }) else {
+                    return Ok(());
+                };
                 let (lo, hi) = self.ranges[s as usize];
-                let grad = if self.opts.gradients { wk.grad[lo..hi].to_vec() } else { vec![0.0] };
+                let grad = match (self.opts.gradients, help) {
+                    (false, _) => vec![0.0],
+                    (true, false) => wk.bufs.grad[lo..hi].to_vec(),
+                    (true, true) => wk.bufs.help[lo..hi].to_vec(),
+                };
                 let req = PushRequest {
-                    worker: w,
-                    iteration: wk.iteration,
-                    samples: wk.batch,
+                    worker: job.owner,
+                    iteration: job.iteration,
+                    samples: job.samples,
                     grad,
                     based_on: wk.based_on[s as usize],
-                    tasks: None,
+                    tasks: job.tasks,
                 };
-                self.call(s, |sh, now, sink| sh.push(req, now, sink))?;
+                let r = self.call(s, |sh, now, sink| sh.push_by(w, req, now, sink));
+                match (r, job.tasks) {
+                    // Parts are acknowledged (or refused) as soon as they are counted.
+                    (Ok(_), Some(_)) => self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, help)),
+                    (Ok(_), None) => {}
+                    (Err(e), _) if help => {
+                        // The owner left meanwhile: its iteration is void, as on the cluster.
+                        tracing::debug!("moved tasks refused: {e}");
+                        if let Some(p) = self.workers[w as usize].help.as_mut() {
+                            p.refused = true;
+                        }
+                        self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, help));
+                    }
+                    (Err(e), _) => return Err(e),
+                }
             }
-            Ev::AckArrive(w, _) => {
+            Ev::AckArrive(w, _, help) => {
                 let wk = &mut self.workers[w as usize];
-                wk.acks += 1;
-                if wk.acks < shards {
+                let slot = if help { &mut wk.help } else { &mut wk.own };
+                let Some(p) = slot.as_mut() else { return Ok(()) };
+                p.acks += 1;
+                if p.acks < shards {
                     return Ok(());
                 }
-                let (started, busy) = (wk.started_ns, self.now - wk.pulled_ns);
-                wk.report.timeline.push((
-                    started as f64 / 1e9,
-                    (wk.pulled_ns - started) as f32 / 1e9,
-                    busy as f32 / 1e9,
-                ));
-                wk.iteration += 1;
-                wk.report.iterations += 1;
-                let gap = std::mem::take(&mut wk.pause_ns);
-                for s in 0..shards {
-                    self.at(self.now + self.latency_ns, Ev::Report(w, s));
-                }
-                self.at(self.now + gap, Ev::Start(w));
+                let (kind, refused) = (p.job.kind, p.refused);
+                *slot = None;
+                let result = if refused { Err("refused by a shard".to_string()) } else { Ok(()) };
+                self.feed(w, Input::Pushed { kind, result })?;
             }
-            Ev::Report(w, s) => {
-                let wk = &self.workers[w as usize];
-                if wk.done {
-                    // It stopped and left before its last report arrived.
-                    return Ok(());
-                }
-                let (iteration, samples) = (wk.iteration.saturating_sub(1), wk.batch);
-                let report =
-                    IterationReport { worker: w, iteration, compute_ns: self.compute_ns(w), samples };
-                self.call(s, |sh, now, sink| sh.iteration_finished(report, now, sink))?;
-            }
-            Ev::Control(w, s, i) => {
-                let (_, control) = self.controls[i];
-                let wk = &mut self.workers[w as usize];
-                let applied = match control {
-                    Control::SetBatchSize { samples } if samples > 0 => {
-                        wk.batch = samples;
-                        control
-                    }
-                    Control::Pause { for_ns } => {
-                        wk.pause_ns += for_ns;
-                        control
-                    }
-                    // No task granularity here: nothing moves.
-                    Control::MoveTasks { from, iteration, first, .. } => {
-                        Control::MoveTasks { from, iteration, first, count: 0 }
-                    }
-                    other => other,
+            Ev::ToShard(w, s, i) => {
+                // A worker that has left cannot be heard from: the shard says so, and that is
+                // what the cluster's servers do too.
+                let _ = match self.to_shard[i] {
+                    ToShard::Handover(h) => self.call(s, |sh, now, sink| sh.tasks_yielded(h, now, sink)),
+                    ToShard::Applied(a) => self.call(s, |sh, now, sink| sh.control_applied(a, now, sink)),
+                    ToShard::Finished(r) => self.call(s, |sh, now, sink| sh.iteration_finished(r, now, sink)),
+                    ToShard::Goodbye => self.call(s, |sh, now, sink| sh.goodbye(w, now, sink).map(|_| ())),
                 };
-                self.controls[i].1 = applied;
-                self.at(self.now + self.latency_ns, Ev::Applied(w, s, i));
             }
-            Ev::Applied(w, s, i) => {
-                let (_, control) = self.controls[i];
-                let iteration = self.workers[w as usize].iteration + 1;
-                let worker = match control {
-                    Control::MoveTasks { .. } => self.controls[i].0,
-                    _ => w,
-                };
-                let applied = Applied { worker, control, iteration };
-                // A worker that has left cannot acknowledge; the shard says so and it is dropped.
-                let mut sink = std::mem::take(&mut self.sink);
-                let _ = self.shards[s as usize].control_applied(applied, self.now, &mut sink);
-                self.sink = sink;
-                self.drain(s)?;
+            Ev::Control(w, i) => {
+                if !self.workers[w as usize].machine.is_done() {
+                    let msg = self.controls[i].clone();
+                    self.feed(w, Input::Control(msg))?;
+                }
             }
             Ev::Timer(s) => {
                 self.timer_at[s as usize] = None;
                 let mut sink = std::mem::take(&mut self.sink);
                 self.shards[s as usize].advance(self.now, &mut sink);
                 self.sink = sink;
-                self.drain(s)?;
+                self.drain(s);
             }
             Ev::Watch => {
                 self.observe();
-                let sc = &self.opts.scenario;
-                let over = sc.time_limit_s.is_some_and(|l| self.now as f64 / 1e9 >= l);
+                let (limit, every) = (self.opts.scenario.time_limit_s, self.opts.scenario.eval_every_ms);
+                let over = limit.is_some_and(|l| self.now as f64 / 1e9 >= l);
                 let reached = self.time_to_target.is_some();
-                if over || reached {
+                if (over || reached) && !self.stopping {
                     self.stopping = true;
+                    for w in 0..self.workers.len() as u32 {
+                        if !self.workers[w as usize].machine.is_done() {
+                            self.feed(w, Input::Stop)?;
+                        }
+                    }
                 }
-                if !self.workers.iter().all(|w| w.done) {
-                    let every = sc.eval_every_ms.max(1) * 1_000_000;
-                    self.at(self.now + every, Ev::Watch);
+                if !self.workers.iter().all(|w| w.machine.is_done()) {
+                    self.at(self.now + every.max(1) * 1_000_000, Ev::Watch);
                 }
             }
         }
@@ -540,8 +601,6 @@ impl Sim {
         let t_s = self.now as f64 / 1e9;
         let score =
             self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
-        let view = self.shards[0].view();
-        let stats: Vec<_> = self.shards.iter().map(Shard::stats).collect();
         if let (Some(sc), Some(target), None) =
             (score, self.opts.scenario.target_accuracy, self.time_to_target)
         {
@@ -549,20 +608,12 @@ impl Sim {
                 self.time_to_target = Some(t_s);
             }
         }
-        self.watch.push(WatchPoint {
-            t_s,
-            accuracy: score.map(|s| s.accuracy),
-            loss: score.map(|s| s.loss),
-            min_clock: view.min_clock,
-            max_clock: view.max_clock,
-            pulls_deferred: stats.iter().map(|s| s.pulls_deferred).sum(),
-            deferred_s: stats.iter().map(|s| s.deferred_ns).sum::<u64>() as f64 / 1e9,
-            worker_waits_s: self
-                .workers
-                .iter()
-                .map(|w| (w.report.worker, w.report.wait_ns as f64 / 1e9))
-                .collect(),
-        });
+        let status: Vec<ShardStatus> =
+            self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
+        let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
+        point.accuracy = score.map(|s| s.accuracy);
+        point.loss = score.map(|s| s.loss);
+        self.watch.push(point);
     }
 
     fn report(mut self) -> LocalReport {
@@ -610,7 +661,7 @@ impl Sim {
             .iter_mut()
             .enumerate()
             .map(|(i, w)| {
-                let mut r = std::mem::take(&mut w.report);
+                let mut r = w.machine.report().clone();
                 if r.elapsed_ns == 0 {
                     r.elapsed_ns = self.now;
                 }

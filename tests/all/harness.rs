@@ -1,23 +1,21 @@
-//! A deterministic cluster of simulated workers around one real [`Shard`]: each worker pulls,
-//! waits until its pull is served, "computes", pushes a gradient of all ones, waits for the
-//! push's acknowledgement (a policy may hold it), and reports the iteration. A seeded scheduler
-//! picks which worker moves next, each with a chance proportional to its speed, so the
-//! interleaving is random but reproducible. Policy timers fire as time advances, and batch-size
-//! control messages are obeyed.
+//! A deterministic cluster of worker machines around one real [`Shard`]: the test harness is the
+//! third driver of the engine's [`WorkerMachine`] (with `syncopate worker` and the simulator),
+//! so its workers pull, compute, push, report and obey control messages exactly as real ones
+//! do. Each worker's gradient is all ones. A seeded scheduler picks which worker moves next,
+//! each with a chance proportional to its speed, so the interleaving is random but
+//! reproducible; one step is one request to the shard (a pull, or a push and its report), or
+//! noticing that a waiting request was answered. Policy timers fire as time advances.
+//!
+//! Workers stay members of the shard after their last iteration (as in a run whose workers all
+//! stop together), so the oracles see every interleaving up to the end under the policy's rules.
 
 use syncopate::runtime::PolicyModule;
 use syncopate::shard::{OptimizerConfig, PullRequest, PushRequest, Shard, ShardConfig};
-use syncopate_policy_sdk::abi::{Control, IterationReport, RequestId, ShardView};
+use syncopate::worker::WorkerReport;
+use syncopate_engine::worker::{Action, Buffers, Device, Input, JobKind, WorkerConfig, WorkerMachine};
+use syncopate_policy_sdk::abi::{Applied, RequestId, ShardView};
 use syncopate_suite::{config, Recorder};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum State {
-    Idle,
-    Waiting(RequestId),
-    Ready,
-    Acking(RequestId),
-    Done,
-}
+use syncopate_workloads::{StepStats, Workload};
 
 /// One pull as the policy saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,14 +26,49 @@ pub struct PullSeen {
     pub deferred: bool,
 }
 
+/// A gradient of ones, whatever the parameters: every applied push moves each parameter by the
+/// same known amount.
+struct Ones;
+
+impl Workload for Ones {
+    fn name(&self) -> &str {
+        "ones"
+    }
+    fn param_len(&self) -> usize {
+        4
+    }
+    fn init_params(&self, _seed: u64) -> Vec<f32> {
+        vec![0.0; 4]
+    }
+    fn gradient(&mut self, _w: u32, _i: u64, batch: u32, _p: &[f32], grad: &mut [f32]) -> StepStats {
+        grad.fill(1.0);
+        StepStats { samples: batch, loss: 0.0 }
+    }
+}
+
+/// What a worker's driver is waiting for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wait {
+    Nothing,
+    Pull(RequestId),
+    Push(RequestId),
+}
+
+struct Worker {
+    machine: WorkerMachine,
+    bufs: Buffers,
+    wait: Wait,
+    /// An action polled but not yet carried out (the step ended before it).
+    next: Option<Action>,
+    based_on: Option<u64>,
+}
+
 /// Workers plus the shard they share.
 pub struct Cluster {
     pub shard: Shard,
     pub rec: Recorder,
     pub now: u64,
-    state: Vec<State>,
-    iteration: Vec<u64>,
-    iterations: u64,
+    workers: Vec<Worker>,
     rng: u64,
     pub pushes: u64,
     /// (worker, deferred?) for every pull, for comparing decisions across policies.
@@ -44,11 +77,10 @@ pub struct Cluster {
     pub pulls: Vec<PullSeen>,
     /// Relative speeds: a worker is picked with a chance proportional to its speed.
     speeds: Vec<u64>,
-    /// Per worker: its batch size and its compute cost per sample (ns).
+    /// Per worker: its batch size (as its machine last set it) and compute cost per sample (ns).
     pub batch: Vec<u32>,
     cost: Vec<u64>,
-    based_on: Vec<Option<u64>>,
-    controls_seen: usize,
+    messages_seen: usize,
 }
 
 /// SGD with learning rate 1 and no momentum: every push of ones at weight 1/N moves the parameter
@@ -69,44 +101,66 @@ impl Cluster {
         let shard_cfg = ShardConfig { seed, optimizer: exact_sgd(), ..ShardConfig::default() };
         let mut shard =
             Shard::new(shard_cfg, vec![0.0; 4], module, &config(cfg), &mut rec).expect("policy starts");
-        for w in 0..workers {
-            shard.join(w, 0, &mut rec).expect("join");
-        }
+        let workers: Vec<Worker> = (0..workers)
+            .map(|w| {
+                let start = shard.join(w, 0, &mut rec).expect("join");
+                let cfg = WorkerConfig {
+                    id: w,
+                    start,
+                    iterations,
+                    batch: 32,
+                    part: w,
+                    can_split: false,
+                    numbering_shared: true,
+                    device: Device::default(),
+                };
+                let machine = WorkerMachine::new(cfg, 0).expect("worker starts");
+                Worker {
+                    machine,
+                    bufs: Buffers::new(4, false),
+                    wait: Wait::Nothing,
+                    next: None,
+                    based_on: None,
+                }
+            })
+            .collect();
+        let n = workers.len();
         Cluster {
             shard,
             rec,
             now: 0,
-            state: vec![State::Idle; workers as usize],
-            iteration: vec![0; workers as usize],
-            iterations,
+            workers,
             rng: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
             pushes: 0,
             pull_log: Vec::new(),
             pulls: Vec::new(),
-            speeds: vec![1; workers as usize],
-            batch: vec![32; workers as usize],
-            cost: vec![1_000; workers as usize],
-            based_on: vec![None; workers as usize],
-            controls_seen: 0,
+            speeds: vec![1; n],
+            batch: vec![32; n],
+            cost: vec![1_000; n],
+            messages_seen: 0,
         }
     }
 
     /// Worker `w` is picked `speeds[w]` times as often, and its compute per sample costs
     /// proportionally less (as reported in its iteration reports).
     pub fn with_speeds(mut self, speeds: &[u64]) -> Self {
-        assert_eq!(speeds.len(), self.state.len());
+        assert_eq!(speeds.len(), self.workers.len());
         self.speeds = speeds.to_vec();
         self.cost = speeds.iter().map(|s| 12_000 / s.max(&1)).collect();
         self
     }
 
-    fn obey_controls(&mut self) {
-        for (w, c) in &self.rec.controls[self.controls_seen..] {
-            if let Control::SetBatchSize { samples } = c {
-                self.batch[*w as usize] = *samples;
+    /// Hands every control message the shard sent to its worker's machine.
+    fn deliver_controls(&mut self) {
+        while self.messages_seen < self.rec.messages.len() {
+            let (w, msg) = self.rec.messages[self.messages_seen].clone();
+            self.messages_seen += 1;
+            let wk = &mut self.workers[w as usize];
+            if !wk.machine.is_done() {
+                wk.machine.handle(self.now, Input::Control(msg)).expect("control");
+                self.batch[w as usize] = wk.machine.batch();
             }
         }
-        self.controls_seen = self.rec.controls.len();
     }
 
     fn next_rand(&mut self) -> u64 {
@@ -117,82 +171,120 @@ impl Cluster {
     }
 
     pub fn done(&self) -> bool {
-        self.state.iter().all(|s| *s == State::Done)
+        self.workers.iter().all(|w| w.machine.is_done())
+    }
+
+    /// The workers' reports.
+    pub fn reports(&self) -> Vec<WorkerReport> {
+        self.workers.iter().map(|w| w.machine.report().clone()).collect()
     }
 
     /// Moves worker `w` one step. Returns whether it made progress.
     pub fn step(&mut self, w: usize) -> bool {
         self.now += 100_000;
         self.shard.advance(self.now, &mut self.rec);
-        self.obey_controls();
+        self.deliver_controls();
+        match self.workers[w].wait {
+            Wait::Pull(id) => {
+                let Some(s) = self.rec.served(id) else { return false };
+                let (version, waited) = (s.version, s.waited_ns);
+                let wk = &mut self.workers[w];
+                (wk.based_on, wk.wait) = (Some(version), Wait::Nothing);
+                wk.machine
+                    .handle(self.now, Input::Pulled { deferred: true, deferred_ns: waited })
+                    .expect("pulled");
+                true
+            }
+            Wait::Push(id) => {
+                if !self.rec.was_acked(id) {
+                    return false;
+                }
+                self.workers[w].wait = Wait::Nothing;
+                let pushed = Input::Pushed { kind: JobKind::Own, result: Ok(()) };
+                self.workers[w].machine.handle(self.now, pushed).expect("pushed");
+                self.run_actions(w, false);
+                true
+            }
+            Wait::Nothing => self.run_actions(w, true),
+        }
+    }
+
+    /// Carries out worker `w`'s actions up to its next request to the shard, and (when `request`)
+    /// that request. Returns whether it made one.
+    fn run_actions(&mut self, w: usize, mut request: bool) -> bool {
         let worker = w as u32;
-        match self.state[w] {
-            State::Done => false,
-            State::Idle => {
-                let iteration = self.iteration[w];
-                let (view, clock) = (self.shard.view(), self.shard.workers()[w].clock);
-                let id = self
-                    .shard
-                    .pull(PullRequest { worker, iteration }, self.now, &mut self.rec)
-                    .expect("pull");
-                let served = self.rec.served(id).map(|s| s.version);
-                self.pull_log.push((worker, served.is_none()));
-                self.pulls.push(PullSeen { worker, clock, view, deferred: served.is_none() });
-                self.based_on[w] = served;
-                self.state[w] = if served.is_some() { State::Ready } else { State::Waiting(id) };
-                true
-            }
-            State::Waiting(id) => match self.rec.served(id) {
-                Some(s) => {
-                    self.based_on[w] = Some(s.version);
-                    self.state[w] = State::Ready;
-                    true
+        let mut made = false;
+        loop {
+            let now = self.now;
+            let wk = &mut self.workers[w];
+            let Some(action) = wk.next.take().or_else(|| wk.machine.poll_action(now)) else { return made };
+            match action {
+                Action::Compute(job) => {
+                    let step = wk.bufs.compute(worker, &job, Some(&mut Ones));
+                    let compute_ns = self.cost[w] * u64::from(step.map_or(0, |s| s.samples));
+                    wk.machine.handle(now, Input::Computed { step, compute_ns }).expect("computed");
                 }
-                None => false,
-            },
-            State::Acking(id) => {
-                if self.rec.was_acked(id) {
-                    self.finish_iteration(w);
-                    true
-                } else {
-                    false
+                Action::Finished(report) => {
+                    self.shard.iteration_finished(report, now, &mut self.rec).expect("report");
                 }
-            }
-            State::Ready => {
-                let iteration = self.iteration[w];
-                let grad = vec![1.0; self.shard.values().len()];
-                let (samples, based_on) = (self.batch[w], self.based_on[w]);
-                let id = self
-                    .shard
-                    .push(
-                        PushRequest { worker, iteration, samples, grad, based_on, tasks: None },
-                        self.now,
-                        &mut self.rec,
-                    )
-                    .expect("push");
-                self.pushes += 1;
-                if self.rec.was_acked(id) {
-                    self.finish_iteration(w);
-                } else {
-                    self.state[w] = State::Acking(id);
+                Action::Applied { control, iteration, .. } => {
+                    let applied = Applied { worker, control, iteration };
+                    self.shard.control_applied(applied, now, &mut self.rec).expect("acknowledged");
                 }
-                true
+                Action::Handover { handover, .. } => {
+                    self.shard.tasks_yielded(handover, now, &mut self.rec).expect("handed over");
+                }
+                Action::Leave => return made,
+                a @ (Action::Pull { .. } | Action::Push(_)) if !request => {
+                    wk.next = Some(a);
+                    return made;
+                }
+                Action::Pull { iteration } => {
+                    let (view, clock) = (self.shard.view(), self.shard.workers()[w].clock);
+                    let id =
+                        self.shard.pull(PullRequest { worker, iteration }, now, &mut self.rec).expect("pull");
+                    let served = self.rec.served(id).map(|s| s.version);
+                    self.pull_log.push((worker, served.is_none()));
+                    self.pulls.push(PullSeen { worker, clock, view, deferred: served.is_none() });
+                    let wk = &mut self.workers[w];
+                    match served {
+                        Some(version) => {
+                            wk.based_on = Some(version);
+                            let pulled = Input::Pulled { deferred: false, deferred_ns: 0 };
+                            wk.machine.handle(now, pulled).expect("pulled");
+                        }
+                        None => wk.wait = Wait::Pull(id),
+                    }
+                    return true;
+                }
+                Action::Push(job) => {
+                    let grad = wk.bufs.gradient(&job).to_vec();
+                    let req = PushRequest {
+                        worker: job.owner,
+                        iteration: job.iteration,
+                        samples: job.samples,
+                        grad,
+                        based_on: wk.based_on,
+                        tasks: job.tasks,
+                    };
+                    let id = self.shard.push_by(worker, req, now, &mut self.rec).expect("push");
+                    self.pushes += 1;
+                    (request, made) = (false, true);
+                    if self.rec.was_acked(id) {
+                        let pushed = Input::Pushed { kind: job.kind, result: Ok(()) };
+                        self.workers[w].machine.handle(now, pushed).expect("pushed");
+                    } else {
+                        self.workers[w].wait = Wait::Push(id);
+                        return made;
+                    }
+                }
             }
         }
     }
 
-    fn finish_iteration(&mut self, w: usize) {
-        let (worker, iteration, samples) = (w as u32, self.iteration[w], self.batch[w]);
-        let compute_ns = self.cost[w] * u64::from(samples);
-        let report = IterationReport { worker, iteration, compute_ns, samples };
-        self.shard.iteration_finished(report, self.now, &mut self.rec).expect("report");
-        self.iteration[w] += 1;
-        self.state[w] = if self.iteration[w] == self.iterations { State::Done } else { State::Idle };
-    }
-
     /// Moves a randomly chosen worker one step; panics if every unfinished worker is blocked.
     pub fn step_random(&mut self) {
-        let n = self.state.len();
+        let n = self.workers.len();
         let total: u64 = self.speeds.iter().sum();
         let mut pick = self.next_rand() % total;
         let mut start = 0;
@@ -206,9 +298,9 @@ impl Cluster {
             }
         }
         if !self.done() {
+            let waits: Vec<Wait> = self.workers.iter().map(|w| w.wait).collect();
             panic!(
-                "deadlock: every unfinished worker is blocked (states {:?}, view {:?}, parked {})",
-                self.state,
+                "deadlock: every unfinished worker is blocked (waiting {waits:?}, view {:?}, parked {})",
                 self.shard.view(),
                 self.shard.parked_pulls()
             );

@@ -31,6 +31,12 @@ fn bsp_barrier_every_pull_sees_all_updates_of_the_previous_iteration() {
     }
     assert!(c.rec.served.iter().any(|s| s.waited_ns > 0), "some worker had to wait at the barrier");
     assert_every_push_counted_once(&c);
+    // Each worker machine's report says what the shard saw.
+    for r in c.reports() {
+        let deferred = c.pull_log.iter().filter(|(w, d)| *w == r.worker && *d).count() as u64;
+        assert_eq!((r.iterations, r.deferred_pulls), (20, deferred), "worker {}", r.worker);
+        assert_eq!(r.timeline.len(), 20);
+    }
 }
 
 #[test]

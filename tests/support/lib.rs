@@ -81,8 +81,10 @@ pub struct Recorder {
     pub served: Vec<Served>,
     /// Acknowledged pushes in order.
     pub acked: Vec<(RequestId, WorkerId, u64)>,
-    /// Control messages.
+    /// Control messages by recipient (a policy's task move goes to the tasks' owner first).
     pub controls: Vec<(WorkerId, Control)>,
+    /// The same messages whole, for drivers that deliver them to worker machines.
+    pub messages: Vec<(WorkerId, syncopate::tasks::ControlMessage)>,
     /// Metrics.
     pub metrics: Vec<(String, f64)>,
     /// Policy failures.
@@ -121,8 +123,9 @@ impl ShardSink for Recorder {
     fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
         self.acked.push((id, worker, iteration));
     }
-    fn control(&mut self, worker: WorkerId, control: Control) {
-        self.controls.push((worker, control));
+    fn control(&mut self, worker: WorkerId, msg: syncopate::tasks::ControlMessage) {
+        self.controls.push((worker, msg.control));
+        self.messages.push((worker, msg));
     }
     fn metric(&mut self, name: &str, value: f64) {
         self.metrics.push((name.to_owned(), value));

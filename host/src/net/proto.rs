@@ -347,38 +347,9 @@ pub enum DataResponse {
     Error(String),
 }
 
-/// A control message from a shard's policy, sent on a unidirectional stream to the worker.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ControlMessage {
-    /// The shard whose policy sent it.
-    pub shard: u32,
-    /// What the worker should do.
-    pub control: Control,
-    /// For [`Control::MoveTasks`] sent to the tasks' owner: the worker that asks for them. The
-    /// owner answers with [`DataRequest::TasksYielded`].
-    pub yield_to: Option<WorkerId>,
-    /// For [`Control::MoveTasks`] sent to the worker that computes them: how the owner split
-    /// its iteration.
-    pub moved: Option<MovedTasks>,
-}
-
-/// How a moved iteration is split, so its new worker computes exactly the owner's samples.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MovedTasks {
-    /// Tasks in the iteration.
-    pub total: u32,
-    /// The iteration's batch size.
-    pub batch: u32,
-    /// The owner's data partition.
-    pub part: u32,
-}
-
-impl ControlMessage {
-    /// A plain control message from `shard`.
-    pub fn plain(shard: u32, control: Control) -> Self {
-        ControlMessage { shard, control, yield_to: None, moved: None }
-    }
-}
+/// A control message from a shard's policy, sent on a unidirectional stream to the worker
+/// (defined with the task hand-over it carries, in the engine).
+pub use crate::tasks::{ControlMessage, MovedTasks};
 
 /// One shard's state, as `syncopate policy status` shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

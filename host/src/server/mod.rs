@@ -30,7 +30,7 @@ use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
-use crate::shard::{ShardConfig, SupervisorConfig, TaskPart};
+use crate::shard::{Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
 use shard_task::{ShardCmd, ShardTask};
 
@@ -201,7 +201,8 @@ async fn prepare(
             blob.label
         ));
     }
-    let module = runtime.compile_async(blob.label.clone(), wasm.to_vec()).await.map_err(|e| e.to_string())?;
+    let module =
+        crate::node::compile(runtime, blob.label.clone(), wasm.to_vec()).await.map_err(|e| e.to_string())?;
     let (m, b, shards) = (module.clone(), blob.clone(), settings.shards);
     let mine: Vec<u32> = (0..shards).filter(|s| s % settings.servers == server).collect();
     tokio::task::spawn_blocking(move || {
@@ -502,14 +503,15 @@ async fn handle_request(
             }
         }
         DataRequest::TasksYielded { to, iteration, first, count, total, batch, part, .. } => {
-            if count > 0 && (first.saturating_add(count) > total || total > 64) {
+            if count > 0 && (first.saturating_add(count) > total || total > crate::tasks::MAX_TASKS) {
                 return err(format!(
                     "tasks {first}..{} of {total} do not exist",
                     first.saturating_add(count)
                 ));
             }
-            let moved = MovedTasks { total, batch, part };
-            let _ = tx.send(ShardCmd::Yielded { owner: worker, to, iteration, first, count, moved }).await;
+            let split = MovedTasks { total, batch, part };
+            let handover = Handover { owner: worker, to, iteration, first, count, split };
+            let _ = tx.send(ShardCmd::Yielded { handover }).await;
             (DataResponse::Ok, None)
         }
         DataRequest::ControlApplied { control, iteration, .. } => {

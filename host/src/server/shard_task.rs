@@ -1,23 +1,20 @@
 //! One shard as a tokio task: it owns a [`Shard`] and takes commands from the connections
-//! through a channel, so the shard engine stays single-threaded and sans-IO. Replies go back on
-//! oneshot channels; policy control messages go to the worker's control stream.
-//!
-//! Task moves are a handshake the task runs for any policy: a [`Control::MoveTasks`] for worker
-//! `to` first goes to the tasks' owner as a request; the owner answers with the tasks it had not
-//! started ([`ShardCmd::Yielded`]); only those are forwarded to `to`, and the policy hears the
-//! outcome as an `Event::ControlApplied`. So no task is computed twice.
+//! through a channel, so the shard engine stays single-threaded and sans-IO. This task is a
+//! pure driver: replies go back on oneshot channels, control messages (a policy's, and the steps
+//! of task hand-overs, which the engine's ledger runs: [`crate::tasks`]) go to the worker's
+//! control stream, and the shard's timers become tokio sleeps.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::net::pool::TensorPool;
-use crate::net::proto::{ControlMessage, MovedTasks, ShardStatus};
+use crate::net::proto::{ControlMessage, ShardStatus};
 use crate::runtime::{PolicyError, PolicyModule};
-use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
+use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
 
 /// What a served pull sends back.
 #[derive(Debug)]
@@ -53,12 +50,7 @@ pub(crate) enum ShardCmd {
     },
     /// The owner of moved tasks handed them over.
     Yielded {
-        owner: WorkerId,
-        to: WorkerId,
-        iteration: u64,
-        first: u32,
-        count: u32,
-        moved: MovedTasks,
+        handover: Handover,
     },
     /// A worker applied a control message.
     Applied {
@@ -99,62 +91,8 @@ struct Waiting {
     pulls: HashMap<(WorkerId, u64), Reply<Served>>,
     pushes: HashMap<(WorkerId, u64), Reply<()>>,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
-    /// Tasks handed over and not yet pushed by the worker that took them.
-    moved: Vec<Moved>,
-    /// Workers that said goodbye while tasks of theirs were still being computed elsewhere.
-    leaving: Vec<(WorkerId, Option<Reply<()>>)>,
-}
-
-/// Tasks `first..first + count` of `owner`'s `iteration`, handed to worker `to`.
-#[derive(Debug, Clone, Copy)]
-struct Moved {
-    owner: WorkerId,
-    to: WorkerId,
-    iteration: u64,
-    first: u32,
-    count: u32,
-    split: MovedTasks,
-}
-
-impl Moved {
-    /// The tasks, as a message for whoever computes them.
-    fn message(&self, shard: u32) -> ControlMessage {
-        let control = Control::MoveTasks {
-            from: self.owner,
-            iteration: self.iteration,
-            first: self.first,
-            count: self.count,
-        };
-        ControlMessage { moved: Some(self.split), ..ControlMessage::plain(shard, control) }
-    }
-}
-
-impl Waiting {
-    /// Worker `gone` left: tasks it took and never pushed go back to their owners, who compute
-    /// them themselves, so no iteration is left incomplete.
-    fn return_tasks(&mut self, gone: WorkerId) {
-        let (back, keep): (Vec<Moved>, Vec<Moved>) =
-            self.moved.drain(..).filter(|m| m.owner != gone).partition(|m| m.to == gone);
-        self.moved = keep;
-        for m in back {
-            tracing::warn!(
-                shard = self.shard,
-                owner = m.owner,
-                helper = gone,
-                "moved tasks returned to their owner"
-            );
-            self.send_control(m.owner, m.message(self.shard));
-        }
-    }
-
-    fn send_control(&self, worker: WorkerId, msg: ControlMessage) {
-        match self.controls.get(&worker) {
-            Some(tx) => {
-                let _ = tx.send(msg);
-            }
-            None => tracing::warn!(shard = self.shard, worker, ?msg, "control for a worker not connected"),
-        }
-    }
+    /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
+    goodbyes: HashMap<WorkerId, Reply<()>>,
 }
 
 impl ShardSink for Waiting {
@@ -176,16 +114,22 @@ impl ShardSink for Waiting {
         }
     }
 
-    fn control(&mut self, worker: WorkerId, control: Control) {
-        // A move goes to the tasks' owner first; it hands over what it has not started.
-        let (to, msg) = match control {
-            Control::MoveTasks { from, .. } => (
-                from,
-                ControlMessage { yield_to: Some(worker), ..ControlMessage::plain(self.shard, control) },
-            ),
-            _ => (worker, ControlMessage::plain(self.shard, control)),
-        };
-        self.send_control(to, msg);
+    fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
+        match self.controls.get(&worker) {
+            Some(tx) => {
+                let _ = tx.send(msg);
+            }
+            None => tracing::warn!(shard = self.shard, worker, ?msg, "control for a worker not connected"),
+        }
+    }
+
+    fn left(&mut self, worker: WorkerId) {
+        tracing::info!(shard = self.shard, worker, "worker left");
+        self.controls.remove(&worker);
+        self.pulls.retain(|(wk, _), _| *wk != worker);
+        if let Some(reply) = self.goodbyes.remove(&worker) {
+            let _ = reply.send(Ok(()));
+        }
     }
 
     fn metric(&mut self, name: &str, value: f64) {
@@ -294,18 +238,9 @@ impl ShardTask {
                     let _ = reply.send(Err(not_yet()));
                     return;
                 };
-                w.moved.retain(|m| {
-                    let mask = TaskPart::range(m.first, m.count, 64).mask;
-                    !(m.owner == owner
-                        && m.to == worker
-                        && m.iteration == iteration
-                        && mask & !part.mask == 0)
-                });
-                let done =
-                    w.leaving.iter().any(|(o, _)| *o == owner) && !w.moved.iter().any(|m| m.owner == owner);
                 let req =
                     PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
-                let result = shard.push(req, now, w).map(|_| ()).map_err(|e| e.to_string());
+                let result = shard.push_by(worker, req, now, w).map(|_| ()).map_err(|e| e.to_string());
                 if owner != worker {
                     tracing::debug!(
                         shard = id,
@@ -317,27 +252,10 @@ impl ShardTask {
                     );
                 }
                 let _ = reply.send(result);
-                if done {
-                    finish_leaves(slot, w, now);
-                }
             }
-            ShardCmd::Yielded { owner, to, iteration, first, count, moved } => {
-                let m = Moved { owner, to, iteration, first, count, split: moved };
-                // If the helper has gone meanwhile, the owner keeps its tasks (and computes them).
-                let count = if count > 0 && w.controls.contains_key(&to) {
-                    w.send_control(to, m.message(id));
-                    w.moved.push(m);
-                    count
-                } else {
-                    if count > 0 {
-                        w.send_control(owner, m.message(id));
-                    }
-                    0
-                };
-                let control = Control::MoveTasks { from: owner, iteration, first, count };
+            ShardCmd::Yielded { handover } => {
                 if let Some(shard) = slot.as_mut() {
-                    let applied = Applied { worker: to, control, iteration };
-                    if let Err(e) = shard.control_applied(applied, now, w) {
+                    if let Err(e) = shard.tasks_yielded(handover, now, w) {
                         tracing::debug!(shard = id, "task hand-over not reported: {e}");
                     }
                 }
@@ -387,13 +305,28 @@ impl ShardTask {
                 }
             }
             ShardCmd::Leave { worker, reason, reply } => {
-                if reason == LeaveReason::Finished && w.moved.iter().any(|m| m.owner == worker) {
-                    // Its last iterations wait for tasks other workers are computing: it leaves
-                    // when they are in, so nothing it trained is lost.
-                    w.leaving.push((worker, reply));
-                    return;
+                let result = match slot.as_mut() {
+                    // A goodbye waits for the worker's tasks still out (its last iterations are
+                    // incomplete without them), so nothing it trained is lost.
+                    Some(shard) if reason == LeaveReason::Finished => shard.goodbye(worker, now, w),
+                    Some(shard) => shard.leave(worker, reason, now, w).map(|()| true),
+                    None => Ok(true),
+                };
+                match (result, reply) {
+                    (Ok(false), Some(reply)) => {
+                        w.goodbyes.insert(worker, reply);
+                    }
+                    (Ok(_), Some(reply)) => {
+                        let _ = reply.send(Ok(()));
+                    }
+                    (Err(e), Some(reply)) => {
+                        let _ = reply.send(Err(e.to_string()));
+                    }
+                    (_, None) => {}
                 }
-                leave(slot, w, worker, reason, reply, now);
+                if slot.is_none() {
+                    w.left(worker);
+                }
             }
             ShardCmd::Read { reply } => {
                 let _ = reply.send(match slot.as_ref() {
@@ -416,39 +349,5 @@ impl ShardTask {
                 let _ = reply.send(slot.as_ref().map(|s| ShardStatus::of(id, s)));
             }
         }
-    }
-}
-
-/// Removes `worker` from the shard and from every table of pending answers.
-fn leave(
-    slot: &mut Option<Shard>,
-    w: &mut Waiting,
-    worker: WorkerId,
-    reason: LeaveReason,
-    reply: Option<Reply<()>>,
-    now: u64,
-) {
-    let result = match slot.as_mut() {
-        Some(shard) => shard.leave(worker, reason, now, w).map_err(|e| e.to_string()),
-        None => Ok(()),
-    };
-    if result.is_ok() {
-        tracing::info!(shard = w.shard, worker, ?reason, "worker left");
-    }
-    w.controls.remove(&worker);
-    w.pulls.retain(|(wk, _), _| *wk != worker);
-    w.return_tasks(worker);
-    if let Some(reply) = reply {
-        let _ = reply.send(result);
-    }
-    finish_leaves(slot, w, now);
-}
-
-/// Completes the goodbyes of workers none of whose tasks are still out (pushed, or returned to
-/// a worker that is itself leaving and so dropped).
-fn finish_leaves(slot: &mut Option<Shard>, w: &mut Waiting, now: u64) {
-    while let Some(pos) = w.leaving.iter().position(|(o, _)| !w.moved.iter().any(|m| m.owner == *o)) {
-        let (worker, reply) = w.leaving.swap_remove(pos);
-        leave(slot, w, worker, LeaveReason::Finished, reply, now);
     }
 }

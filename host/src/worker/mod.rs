@@ -6,4 +6,5 @@ mod run;
 
 pub use crate::net::tls::ClusterAccess;
 pub use client::{PullStats, WorkerClient};
-pub use run::{run, WorkerOptions, WorkerReport};
+pub use run::{run, WorkerOptions};
+pub use syncopate_engine::worker::WorkerReport;

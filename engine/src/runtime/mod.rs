@@ -8,8 +8,8 @@
 //!   guest buffer, call, copy the decisions out. Traps, deadline overruns, memory-cap hits and
 //!   panics come back as [`PolicyError`]s naming the module and the event.
 //!
-//! Compiling is CPU-heavy (tens of milliseconds): do it with [`PolicyRuntime::compile_async`] (a
-//! blocking-pool task) or before the hot path, never on the async reactor.
+//! Compiling is CPU-heavy (tens of milliseconds): do it before the hot path, or on a thread of its
+//! own (the host's drivers use a blocking-pool task), never on an async reactor.
 
 mod error;
 mod instance;
@@ -120,14 +120,6 @@ impl PolicyRuntime {
     /// Validates and compiles a module. `label` names it in errors (a file name, say).
     pub fn compile(&self, label: &str, wasm: &[u8]) -> Result<PolicyModule, PolicyError> {
         PolicyModule::compile(self, label, wasm)
-    }
-
-    /// Like [`compile`](Self::compile), on tokio's blocking pool so the reactor keeps serving.
-    pub async fn compile_async(&self, label: String, wasm: Vec<u8>) -> Result<PolicyModule, PolicyError> {
-        let rt = self.clone();
-        tokio::task::spawn_blocking(move || rt.compile(&label, &wasm))
-            .await
-            .map_err(|e| PolicyError::Host(format!("compile task failed: {e}")))?
     }
 
     /// Reads and compiles a module file.

@@ -6,7 +6,7 @@ const BUILTIN: &[&str] = &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "eps
 
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-    let workspace = Path::new(&manifest).parent().expect("host/ sits in the workspace");
+    let workspace = Path::new(&manifest).parent().expect("engine/ sits in the workspace");
     let packages: Vec<String> = BUILTIN.iter().map(|p| format!("syncopate-policy-{p}")).collect();
     let packages: Vec<&str> = packages.iter().map(String::as_str).collect();
     let built = match syncopate_policy_build::build(workspace, &packages, &["policies", "policy-sdk"]) {

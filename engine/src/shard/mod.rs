@@ -34,6 +34,8 @@ pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use optimizer::{Optimizer, OptimizerConfig};
 pub use supervisor::SupervisorConfig;
 
+pub use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskLedger, TaskPart, MAX_TASKS};
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -67,6 +69,7 @@ pub struct ShardConfig {
 
 /// The weight a push gets when its policy admits it without naming one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PushWeight {
     /// `1 / live workers`: each optimizer step moves by the mean gradient (the usual choice).
     #[default]
@@ -104,37 +107,6 @@ pub struct PushRequest {
     pub based_on: Option<u64>,
     /// Which of the iteration's tasks the gradient covers; `None` is the whole iteration.
     pub tasks: Option<TaskPart>,
-}
-
-/// Some of an iteration's tasks: bit `t` of `mask` is task `t` of `total` (at most 64).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TaskPart {
-    /// The tasks covered.
-    pub mask: u64,
-    /// How many tasks the iteration has.
-    pub total: u32,
-}
-
-impl TaskPart {
-    /// Every task of an iteration of `total` tasks.
-    pub fn full_mask(total: u32) -> u64 {
-        if total >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << total) - 1
-        }
-    }
-
-    /// Tasks `first..first + count` of `total`.
-    pub fn range(first: u32, count: u32, total: u32) -> Self {
-        let mask = if count == 0 { 0 } else { Self::full_mask(count) << first };
-        TaskPart { mask: mask & Self::full_mask(total), total }
-    }
-
-    /// Whether it covers the whole iteration.
-    pub fn is_whole(&self) -> bool {
-        self.mask == Self::full_mask(self.total)
-    }
 }
 
 /// How far ahead of its oldest incomplete iteration a worker's parts may run.
@@ -181,8 +153,12 @@ pub trait ShardSink {
     fn pull_served(&mut self, reply: PullReply<'_>);
     /// A push was admitted (applied or aggregated).
     fn push_acked(&mut self, _id: RequestId, _worker: WorkerId, _iteration: u64) {}
-    /// A policy sends a worker a control message.
-    fn control(&mut self, _worker: WorkerId, _control: Control) {}
+    /// A control message for a worker: a policy's, or a step of a task hand-over (see
+    /// [`crate::tasks`]; a policy's [`Control::MoveTasks`] goes to the tasks' owner first).
+    fn control(&mut self, _worker: WorkerId, _msg: ControlMessage) {}
+    /// A worker has left the shard: it said goodbye (once none of its tasks were still out),
+    /// or it was dropped.
+    fn left(&mut self, _worker: WorkerId) {}
     /// A policy records a metric.
     fn metric(&mut self, _name: &str, _value: f64) {}
     /// The policy failed; the shard recovered as described in the module docs.
@@ -339,6 +315,7 @@ pub struct Shard {
     parked: Vec<Parked>,
     held: Vec<Held>,
     partials: Vec<Partial>,
+    ledger: TaskLedger,
     incoming: Option<Held>,
     undecided_pull: Option<Parked>,
     timers: Vec<(TimerId, u64)>,
@@ -388,6 +365,7 @@ impl Shard {
             parked: Vec::new(),
             held: Vec::new(),
             partials: Vec::new(),
+            ledger: TaskLedger::default(),
             incoming: None,
             undecided_pull: None,
             timers: Vec::new(),
@@ -539,7 +517,108 @@ impl Shard {
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
         self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
+        sink.left(worker);
+        // Tasks it took and never pushed go back to their owners, who compute them themselves,
+        // so no iteration is left incomplete.
+        for m in self.ledger.left(worker) {
+            tracing::warn!(
+                shard = self.shard,
+                owner = m.owner,
+                helper = worker,
+                "moved tasks returned to their owner"
+            );
+            if self.clocks.is_live(m.owner) {
+                sink.control(m.owner, m.message(self.shard));
+            }
+        }
+        self.finish_goodbyes(now_ns, sink);
         Ok(())
+    }
+
+    /// A worker says goodbye. It leaves at once ([`leave`](Self::leave) with
+    /// [`LeaveReason::Finished`]) unless tasks of its iterations are still being computed by
+    /// other workers: then it leaves when they are in, so nothing it trained is lost. Returns
+    /// whether it left now; the sink hears [`ShardSink::left`] either way when it does.
+    pub fn goodbye(
+        &mut self,
+        worker: WorkerId,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<bool, ShardError> {
+        if !self.clocks.is_live(worker) {
+            return Err(ShardError::UnknownWorker(worker, self.shard));
+        }
+        if self.ledger.has_out(worker) {
+            self.ledger.wait_to_leave(worker);
+            return Ok(false);
+        }
+        self.leave(worker, LeaveReason::Finished, now_ns, sink)?;
+        Ok(true)
+    }
+
+    /// Completes the goodbyes that waited for tasks which are now all in.
+    fn finish_goodbyes(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        while let Some(owner) = self.ledger.next_ready_to_leave() {
+            if self.leave(owner, LeaveReason::Finished, now_ns, sink).is_err() {
+                self.ledger.left(owner);
+            }
+        }
+    }
+
+    /// The tasks in flight between workers.
+    pub fn ledger(&self) -> &TaskLedger {
+        &self.ledger
+    }
+
+    /// The owner of tasks a policy moved answers the move ([`crate::tasks`]): the tasks it
+    /// hands over go to the helper (or, if the helper has gone, back to the owner), and the
+    /// policy hears how many moved as an `Event::ControlApplied` for the helper.
+    pub fn tasks_yielded(
+        &mut self,
+        h: Handover,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(h.owner) {
+            return Err(ShardError::UnknownWorker(h.owner, self.shard));
+        }
+        if h.first.saturating_add(h.count) > MAX_TASKS || h.split.total == 0 || h.split.total > MAX_TASKS {
+            let mask = TaskPart::range(h.first, h.count, MAX_TASKS).mask;
+            let reason =
+                format!("a hand-over of tasks {}..{} of {}", h.first, h.first + h.count, h.split.total);
+            return Err(ShardError::BadTasks { worker: h.owner, iteration: h.iteration, mask, reason });
+        }
+        let count = if h.count > 0 && self.clocks.is_live(h.to) {
+            sink.control(h.to, h.message(self.shard));
+            self.ledger.handed(h);
+            h.count
+        } else {
+            if h.count > 0 {
+                // The helper has gone: the owner keeps its tasks and computes them.
+                sink.control(h.owner, h.message(self.shard));
+            }
+            0
+        };
+        let control = Control::MoveTasks { from: h.owner, iteration: h.iteration, first: h.first, count };
+        let applied = syncopate_policy_sdk::abi::Applied { worker: h.to, control, iteration: h.iteration };
+        self.control_applied(applied, now_ns, sink)
+    }
+
+    /// Worker `by` pushes: its own iteration (as [`push`](Self::push)), or tasks of
+    /// `req.worker`'s iteration that were moved to it, which completes their hand-over.
+    pub fn push_by(
+        &mut self,
+        by: WorkerId,
+        req: PushRequest,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<RequestId, ShardError> {
+        if let Some(part) = req.tasks {
+            self.ledger.pushed(by, req.worker, req.iteration, part.mask);
+        }
+        let result = self.push(req, now_ns, sink);
+        self.finish_goodbyes(now_ns, sink);
+        result
     }
 
     /// A worker pushes a gradient. Returns the request id; the acknowledgement goes to the sink
@@ -618,11 +697,7 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
         let bad = |reason: String| ShardError::BadTasks { worker, iteration, mask: part.mask, reason };
-        if part.total == 0
-            || part.total > 64
-            || part.mask == 0
-            || part.mask & !TaskPart::full_mask(part.total) != 0
-        {
+        if !part.is_valid() {
             return Err(bad(format!("not a set of tasks out of {}", part.total)));
         }
         let pos = match self.partials.iter().position(|p| p.worker == worker && p.iteration == iteration) {
@@ -950,19 +1025,28 @@ impl Shard {
                     if from == worker {
                         return Err(format!("moved tasks of worker {from} to itself"));
                     }
-                    if first.saturating_add(count) > 64 || count == 0 {
+                    if first.saturating_add(count) > MAX_TASKS || count == 0 {
                         return Err(format!(
-                            "moved tasks {first}..{}, not within 1 to 64 tasks",
+                            "moved tasks {first}..{}, not within 1 to {MAX_TASKS} tasks",
                             first + count
                         ));
                     }
+                    // The owner is asked first; it hands over what it has not started.
+                    let ask = ControlMessage {
+                        yield_to: Some(worker),
+                        ..ControlMessage::plain(self.shard, control)
+                    };
+                    sink.control(from, ask);
+                    return Ok(());
                 }
                 if let Control::SetTaskShare { tasks } = control {
-                    if !(1..=64).contains(&tasks) {
-                        return Err(format!("split iterations into {tasks} tasks (1 to 64 allowed)"));
+                    if !(1..=MAX_TASKS).contains(&tasks) {
+                        return Err(format!(
+                            "split iterations into {tasks} tasks (1 to {MAX_TASKS} allowed)"
+                        ));
                     }
                 }
-                sink.control(worker, control);
+                sink.control(worker, ControlMessage::plain(self.shard, control));
             }
             Decision::SetTimer { timer, after_ns } => {
                 let due = now_ns.saturating_add(after_ns);

@@ -1,0 +1,22 @@
+//! # Syncopate engine
+//!
+//! Syncopate's protocol logic, with no I/O: no sockets, no clock, no threads, no randomness of
+//! its own. Every part takes events (each with the time it happened on its driver's clock) and
+//! returns decisions or actions. Drivers own time and I/O: the tokio cluster in the
+//! `syncopate` crate, the deterministic simulator, and the tests. This is the split of
+//! quinn-proto (pure protocol logic) from quinn (its tokio driver); the compiler keeps it, since
+//! this crate depends on neither tokio nor quinn.
+//!
+//! - [`runtime`]: loads policy modules into wasmtime and runs them sandboxed;
+//! - [`shard`]: one shard's parameters, optimizer, clocks and pending requests, consulting its
+//!   policy on every event;
+//! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
+//! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
+//!   hand-over, the emulated device);
+//! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
+
+pub mod builtin;
+pub mod runtime;
+pub mod shard;
+pub mod tasks;
+pub mod worker;

@@ -1,0 +1,113 @@
+//! A worker's tensors and the one place gradients are computed and combined for the worker
+//! machine's [`ComputeJob`]s, whoever drives it: a whole iteration, one task of a split
+//! iteration (summed, samples-weighted, into the iteration's gradient), or tasks moved from
+//! another worker (computed on the model this worker last pulled).
+
+use syncopate_policy_sdk::abi::WorkerId;
+use syncopate_workloads::{StepStats, Workload};
+
+use super::{ComputeJob, JobKind, PushJob};
+
+/// The tensors a worker needs. A driver may take one out (`std::mem::take`) while a transfer
+/// uses it and put it back when the transfer is done.
+#[derive(Debug, Default)]
+pub struct Buffers {
+    /// The parameters the current iteration computes on: what the last pull wrote.
+    pub params: Vec<f32>,
+    /// The model as last pulled, kept for moved tasks (a pull may be writing `params` while
+    /// this worker helps another); empty when the workload cannot split iterations.
+    pub model: Vec<f32>,
+    /// The current iteration's gradient.
+    pub grad: Vec<f32>,
+    /// One task's gradient, before it is added to `grad`.
+    pub task: Vec<f32>,
+    /// The gradient of tasks computed for another worker.
+    pub help: Vec<f32>,
+}
+
+impl Buffers {
+    /// Buffers for a model of `len` parameters (0: no tensors, for decision-only simulation).
+    pub fn new(len: usize, keep_model: bool) -> Self {
+        Buffers {
+            params: vec![0.0; len],
+            model: if keep_model { vec![0.0; len] } else { Vec::new() },
+            grad: vec![0.0; len],
+            task: vec![0.0; len],
+            help: vec![0.0; len],
+        }
+    }
+
+    /// A pull has completed: keeps a copy of the parameters for moved tasks.
+    pub fn pulled(&mut self) {
+        if self.model.len() == self.params.len() {
+            self.model.copy_from_slice(&self.params);
+        }
+    }
+
+    /// Runs `job` on `workload` (`None`: no arithmetic, only the sample count, for
+    /// decision-only simulation). `None` back: the workload cannot split iterations.
+    pub fn compute(
+        &mut self,
+        worker: WorkerId,
+        job: &ComputeJob,
+        workload: Option<&mut dyn Workload>,
+    ) -> Option<StepStats> {
+        let Some(workload) = workload else {
+            let samples = if job.whole {
+                job.batch
+            } else {
+                syncopate_workloads::task_samples(job.batch, &job.tasks, job.total).len() as u32
+            };
+            return Some(StepStats { samples, loss: 0.0 });
+        };
+        match job.kind {
+            JobKind::Own if job.whole => {
+                Some(workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad))
+            }
+            JobKind::Own => {
+                if job.first_of_iteration {
+                    self.grad.fill(0.0);
+                }
+                let step = workload.task_gradient(
+                    job.part,
+                    job.iteration,
+                    job.batch,
+                    job.tasks.clone(),
+                    job.total,
+                    &self.params,
+                    &mut self.task,
+                )?;
+                let w = step.samples as f32;
+                for (g, x) in self.grad.iter_mut().zip(&self.task) {
+                    *g += w * x;
+                }
+                Some(step)
+            }
+            JobKind::Help { .. } => workload.task_gradient(
+                job.part,
+                job.iteration,
+                job.batch,
+                job.tasks.clone(),
+                job.total,
+                &self.model,
+                &mut self.help,
+            ),
+        }
+    }
+
+    /// The gradient `push` sends. A split iteration's sum becomes its mean here: division, not
+    /// a reciprocal, since `(n * g) / n` is exactly `g`, so a split iteration adds up to what
+    /// the whole one would have. Call once per push.
+    pub fn gradient(&mut self, push: &PushJob) -> &[f32] {
+        match push.kind {
+            JobKind::Help { .. } => &self.help,
+            JobKind::Own => {
+                if let Some(n) = push.mean_over {
+                    let n = n as f32;
+                    self.grad.iter_mut().for_each(|g| *g /= n);
+                }
+                &self.grad
+            }
+        }
+    }
+}

@@ -1,0 +1,706 @@
+//! The worker as a sans-IO state machine: everything a data-parallel worker does between its
+//! workload and the shards, with no socket, clock, thread or randomness of its own.
+//!
+//! A [`WorkerMachine`] runs the iteration loop (pull, compute, push, report), obeys the
+//! policies' control messages (pause, batch size, task share) and acknowledges each, takes part
+//! in task moves on both sides (hands over the tasks it has not started; computes tasks moved
+//! to it on the model it last pulled), and emulates its [`Device`] (slow factor, emulated
+//! compute, jitter, stalls). Drivers feed it [`Input`]s, each with the time it happened on the
+//! driver's clock, and carry out the [`Action`]s it asks for; [`WorkerMachine::poll_timeout`]
+//! says when to wake it if nothing else happens. This is the split of quinn-proto from quinn:
+//! the tokio worker (`syncopate worker`), the simulator and the test harness all drive this one
+//! machine, so a simulated worker behaves as a real one does.
+//!
+//! # Rules the machine keeps
+//! - One iteration at a time, its steps in order: pull every shard, compute (whole, or task by
+//!   task when a policy split iterations), the injected delay, push, report.
+//! - One computation at a time: moved tasks are computed between this worker's own tasks, while
+//!   it waits for a pull or a push, or between iterations, never during its injected delay.
+//! - A task is computed once: a hand-over yields only tasks not yet started, and a task handed
+//!   over is never started here.
+//! - A pause delays the start of the worker's next pull by its length from its arrival; it is
+//!   acknowledged at once (as every setting is: "applies from iteration N").
+
+mod buffers;
+mod device;
+mod report;
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
+pub use syncopate_workloads::StepStats;
+
+pub use buffers::Buffers;
+pub use device::Device;
+pub use report::WorkerReport;
+
+use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskPart, MAX_TASKS};
+use device::DeviceState;
+
+/// How a worker is set up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WorkerConfig {
+    /// Its id.
+    pub id: WorkerId,
+    /// The first iteration it computes (what joining the shards returned).
+    pub start: u64,
+    /// Train until this iteration (exclusive).
+    pub iterations: u64,
+    /// Mini-batch size until a policy sets another.
+    pub batch: u32,
+    /// Its data partition (what moved tasks of its iterations are computed on).
+    pub part: u32,
+    /// Whether its workload can compute an iteration task by task.
+    pub can_split: bool,
+    /// Whether every shard numbers its iterations as it does (it joined before training
+    /// started): only then can its tasks move.
+    pub numbering_shared: bool,
+    /// How its device behaves.
+    pub device: Device,
+}
+
+/// Whose work a computation or a push is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobKind {
+    /// This worker's own iteration.
+    Own,
+    /// Tasks moved from `owner`'s iteration (this worker's own, when handed back).
+    Help {
+        /// Whose iteration it is.
+        owner: WorkerId,
+    },
+}
+
+/// A gradient to compute; [`Buffers::compute`] runs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComputeJob {
+    /// Whose work.
+    pub kind: JobKind,
+    /// The iteration (numbered as its owner numbers it).
+    pub iteration: u64,
+    /// The data partition the samples come from.
+    pub part: u32,
+    /// The iteration's batch size.
+    pub batch: u32,
+    /// The tasks, of `total`.
+    pub tasks: Range<u32>,
+    /// Tasks in the iteration.
+    pub total: u32,
+    /// The whole iteration at once (the workload's `gradient`), not a task range.
+    pub whole: bool,
+    /// The first task computed of a split iteration: the iteration's gradient starts at zero.
+    pub first_of_iteration: bool,
+}
+
+/// A push to send to every shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PushJob {
+    /// Whose work.
+    pub kind: JobKind,
+    /// Whose iteration it counts towards.
+    pub owner: WorkerId,
+    /// The iteration.
+    pub iteration: u64,
+    /// Some tasks of it, or `None` for the whole iteration.
+    pub tasks: Option<TaskPart>,
+    /// Samples the gradient was computed on.
+    pub samples: u32,
+    /// A split iteration's summed gradient, to be divided by this many samples before sending
+    /// ([`Buffers::gradient`] does).
+    pub mean_over: Option<u32>,
+}
+
+/// What the driver must do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Pull every shard's parameters for `iteration` (into [`Buffers::params`]); answer with
+    /// [`Input::Pulled`] when every shard has.
+    Pull {
+        /// The iteration about to be computed.
+        iteration: u64,
+    },
+    /// Compute; answer with [`Input::Computed`].
+    Compute(ComputeJob),
+    /// Push to every shard; answer with [`Input::Pushed`] when every shard has acknowledged.
+    Push(PushJob),
+    /// Answer a move request of `shard`'s policy: these tasks go to the helper.
+    Handover {
+        /// The shard that asked.
+        shard: u32,
+        /// What is handed over (`count` 0: nothing could be).
+        handover: Handover,
+    },
+    /// Acknowledge a control message of `shard`'s policy: it applies from `iteration` on.
+    Applied {
+        /// The shard whose policy sent it.
+        shard: u32,
+        /// The control, as applied.
+        control: Control,
+        /// The first iteration it applies to.
+        iteration: u64,
+    },
+    /// Tell every shard an iteration is finished.
+    Finished(IterationReport),
+    /// The worker is done: leave every shard. No action follows.
+    Leave,
+}
+
+/// What happened, for the machine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// Every shard answered the pull. `deferred`: at least one deferred it; `deferred_ns`:
+    /// the longest any did.
+    Pulled {
+        /// Whether any shard deferred it.
+        deferred: bool,
+        /// The longest deferral, in nanoseconds.
+        deferred_ns: u64,
+    },
+    /// The computation finished: what it computed (`None`: the workload cannot split
+    /// iterations) and how long the arithmetic took (0 in virtual time).
+    Computed {
+        /// Samples and loss.
+        step: Option<StepStats>,
+        /// Real compute time, in nanoseconds.
+        compute_ns: u64,
+    },
+    /// The push of `kind` was acknowledged by every shard, or refused.
+    Pushed {
+        /// Whose push.
+        kind: JobKind,
+        /// `Err`: why a shard refused it.
+        result: Result<(), String>,
+    },
+    /// A hand-over was refused: the tasks stay this worker's, and it computes them.
+    HandoverRefused {
+        /// The refused hand-over.
+        handover: Handover,
+        /// Why.
+        error: String,
+    },
+    /// A control message from a shard.
+    Control(ControlMessage),
+    /// The time [`WorkerMachine::poll_timeout`] named has come.
+    Timer,
+    /// Stop after the current iteration (a target or budget was reached).
+    Stop,
+}
+
+/// A worker that cannot go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerError {
+    /// Tasks were moved to a worker whose workload cannot split iterations.
+    #[error("moved tasks of worker {owner} arrived, but the workload cannot split iterations")]
+    CannotSplit {
+        /// Whose tasks.
+        owner: WorkerId,
+    },
+    /// A shard refused this worker's own push.
+    #[error("push for iteration {iteration} refused: {reason}")]
+    PushRefused {
+        /// The iteration.
+        iteration: u64,
+        /// The shard's reason.
+        reason: String,
+    },
+    /// The device settings are invalid.
+    #[error("device: {0}")]
+    Device(String),
+    /// An input came that the machine was not waiting for (a driver bug).
+    #[error("unexpected input {input} while {state}")]
+    Unexpected {
+        /// The input.
+        input: &'static str,
+        /// What the machine was doing.
+        state: String,
+    },
+}
+
+/// Where the worker's own iteration stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Own {
+    /// Between iterations.
+    Start,
+    Pulling,
+    Computing,
+    /// The injected delay after computing, until then.
+    Delaying(u64),
+    Pushing,
+    Done,
+}
+
+/// The iteration being worked on, as far as computing and task moves are concerned.
+#[derive(Clone, Copy, Debug, Default)]
+struct Current {
+    iteration: u64,
+    /// Tasks it is split into.
+    total: u32,
+    batch: u32,
+    /// The next task to start (`total`: all started, or the iteration is done computing).
+    next: u32,
+    /// Tasks handed to other workers.
+    given: u64,
+    /// Whether task gradients were summed into the iteration's gradient.
+    folded: bool,
+    samples: u32,
+    /// Samples-weighted loss sum.
+    loss: f32,
+    /// Compute and emulated device time.
+    busy_ns: u64,
+    started_at: u64,
+    pulled_at: u64,
+}
+
+/// Tasks moved to this worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HelpJob {
+    owner: WorkerId,
+    iteration: u64,
+    first: u32,
+    count: u32,
+    moved: MovedTasks,
+}
+
+/// What follows the emulated device time of a computation.
+#[derive(Clone, Copy, Debug)]
+enum After {
+    OwnTask,
+    Help(HelpJob, u32),
+}
+
+/// The one computation in progress.
+#[derive(Clone, Copy, Debug)]
+enum Busy {
+    Computing(Option<HelpJob>),
+    Pacing { until: u64, from: u64, then: After },
+    HelpPushing(HelpJob),
+}
+
+/// One worker's behaviour; see the module docs.
+#[derive(Debug)]
+pub struct WorkerMachine {
+    cfg: WorkerConfig,
+    device: DeviceState,
+    report: WorkerReport,
+    began: u64,
+    now: u64,
+    /// The current iteration, or the next to start.
+    iteration: u64,
+    batch: u32,
+    tasks: u32,
+    cur: Current,
+    own: Own,
+    busy: Option<Busy>,
+    help: VecDeque<HelpJob>,
+    pause_until: u64,
+    stop: bool,
+    out: VecDeque<Action>,
+}
+
+impl WorkerMachine {
+    /// A worker starting at `now_ns` on the driver's clock.
+    pub fn new(cfg: WorkerConfig, now_ns: u64) -> Result<Self, WorkerError> {
+        let device = DeviceState::new(cfg.device).map_err(WorkerError::Device)?;
+        Ok(WorkerMachine {
+            report: WorkerReport { worker: cfg.id, start: cfg.start, ..WorkerReport::default() },
+            device,
+            began: now_ns,
+            now: now_ns,
+            iteration: cfg.start,
+            batch: cfg.batch.max(1),
+            tasks: 1,
+            cur: Current::default(),
+            own: Own::Start,
+            busy: None,
+            help: VecDeque::new(),
+            pause_until: 0,
+            stop: false,
+            out: VecDeque::new(),
+            cfg,
+        })
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.cfg
+    }
+
+    /// What it has done so far.
+    pub fn report(&self) -> &WorkerReport {
+        &self.report
+    }
+
+    /// Its report, once done.
+    pub fn into_report(self) -> WorkerReport {
+        self.report
+    }
+
+    /// The iteration it is on (or starts next).
+    pub fn iteration(&self) -> u64 {
+        self.iteration
+    }
+
+    /// The batch size its next iteration uses.
+    pub fn batch(&self) -> u32 {
+        self.batch
+    }
+
+    /// Whether it has left.
+    pub fn is_done(&self) -> bool {
+        self.own == Own::Done
+    }
+
+    /// When to call [`handle`](Self::handle) with [`Input::Timer`] if nothing else happens.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let pacing = match self.busy {
+            Some(Busy::Pacing { until, .. }) => Some(until),
+            _ => None,
+        };
+        let delay = match self.own {
+            Own::Delaying(until) => Some(until),
+            _ => None,
+        };
+        let pause = (self.own == Own::Start && self.pause_until > self.now).then_some(self.pause_until);
+        [pacing, delay, pause].into_iter().flatten().min()
+    }
+
+    /// The next thing to do, if any. Call until `None` after every input.
+    pub fn poll_action(&mut self, now_ns: u64) -> Option<Action> {
+        self.now = self.now.max(now_ns);
+        if self.out.is_empty() {
+            self.advance();
+        }
+        self.out.pop_front()
+    }
+
+    /// Something happened at `now_ns`.
+    pub fn handle(&mut self, now_ns: u64, input: Input) -> Result<(), WorkerError> {
+        self.now = self.now.max(now_ns);
+        let now = self.now;
+        match input {
+            Input::Pulled { deferred, deferred_ns } => {
+                self.expect(self.own == Own::Pulling, "Pulled")?;
+                self.cur.pulled_at = now;
+                self.report.wait_ns += now - self.cur.started_at;
+                self.report.deferred_ns += deferred_ns;
+                self.report.deferred_pulls += u64::from(deferred);
+                self.own = Own::Computing;
+            }
+            Input::Computed { step, compute_ns } => {
+                let Some(Busy::Computing(help)) = self.busy else {
+                    return Err(self.unexpected("Computed"));
+                };
+                match help {
+                    None => {
+                        let step = step.unwrap_or_default();
+                        let extra = self.device.extra_ns(compute_ns, step.samples, self.cfg.batch);
+                        self.cur.busy_ns += compute_ns + extra;
+                        self.cur.samples += step.samples;
+                        self.cur.loss += step.samples as f32 * step.loss;
+                        self.pace(extra, After::OwnTask);
+                    }
+                    Some(job) => {
+                        let Some(step) = step else {
+                            return Err(WorkerError::CannotSplit { owner: job.owner });
+                        };
+                        let extra = self.device.extra_ns(compute_ns, step.samples, self.cfg.batch);
+                        self.pace(extra, After::Help(job, step.samples));
+                    }
+                }
+            }
+            Input::Pushed { kind: JobKind::Own, result } => {
+                self.expect(self.own == Own::Pushing, "Pushed")?;
+                if let Err(reason) = result {
+                    return Err(WorkerError::PushRefused { iteration: self.cur.iteration, reason });
+                }
+                let c = self.cur;
+                self.report.compute_ns += c.busy_ns;
+                self.report.last_loss = c.loss / c.samples.max(1) as f32;
+                let report = IterationReport {
+                    worker: self.cfg.id,
+                    iteration: c.iteration,
+                    compute_ns: c.busy_ns,
+                    samples: c.samples,
+                };
+                self.out.push_back(Action::Finished(report));
+                self.end_iteration();
+            }
+            Input::Pushed { kind: JobKind::Help { owner }, result } => {
+                let Some(Busy::HelpPushing(job)) = self.busy else {
+                    return Err(self.unexpected("Pushed (help)"));
+                };
+                self.busy = None;
+                match result {
+                    // The owner may have left meanwhile (its iteration is void): not our error.
+                    Err(e) => tracing::warn!(
+                        worker = self.cfg.id,
+                        owner,
+                        job.iteration,
+                        "moved tasks not taken: {e}"
+                    ),
+                    Ok(()) if owner == self.cfg.id => {
+                        // Our own tasks, returned because the worker that took them left.
+                        self.report.tasks_given =
+                            self.report.tasks_given.saturating_sub(u64::from(job.count));
+                    }
+                    Ok(()) => self.report.tasks_helped += u64::from(job.count),
+                }
+            }
+            Input::HandoverRefused { handover: h, error } => {
+                // The tasks stay ours if the hand-over is refused: nothing is lost.
+                tracing::warn!(worker = self.cfg.id, "task hand-over refused: {error}");
+                if h.iteration == self.cur.iteration {
+                    self.cur.given &= !TaskPart::range(h.first, h.count, self.cur.total.max(1)).mask;
+                    self.cur.next = self.cur.next.min(h.first);
+                }
+                self.report.tasks_given = self.report.tasks_given.saturating_sub(u64::from(h.count));
+            }
+            Input::Control(msg) => self.control(msg),
+            Input::Timer => {
+                if let Some(Busy::Pacing { until, from, then }) = self.busy {
+                    if now >= until {
+                        self.device.debt_ns -= (now - from) as i64;
+                        self.busy = None;
+                        self.paced(then);
+                    }
+                }
+            }
+            Input::Stop => self.stop = true,
+        }
+        Ok(())
+    }
+
+    fn expect(&self, ok: bool, input: &'static str) -> Result<(), WorkerError> {
+        if ok {
+            Ok(())
+        } else {
+            Err(self.unexpected(input))
+        }
+    }
+
+    fn unexpected(&self, input: &'static str) -> WorkerError {
+        WorkerError::Unexpected { input, state: format!("{:?}, {:?}", self.own, self.busy) }
+    }
+
+    /// The first iteration a setting received now can apply to.
+    fn next_applicable(&self) -> u64 {
+        if self.own == Own::Start {
+            self.iteration
+        } else {
+            self.iteration + 1
+        }
+    }
+
+    fn control(&mut self, msg: ControlMessage) {
+        self.report.controls += 1;
+        let me = self.cfg.id;
+        match (msg.control, msg.yield_to, msg.moved) {
+            (Control::MoveTasks { from, iteration, first, count }, Some(to), _) if from == me => {
+                let c = self.cur;
+                let (lo, hi) = (first.max(c.next), first.saturating_add(count).min(c.total));
+                let mut end = lo;
+                while end < hi && c.given & (1 << end) == 0 {
+                    end += 1;
+                }
+                let splittable = self.cfg.can_split && self.cfg.numbering_shared;
+                let (first, count) = if iteration == c.iteration && splittable && end > lo {
+                    (lo, end - lo)
+                } else {
+                    (first, 0)
+                };
+                let total = c.total.max(1);
+                self.cur.given |= TaskPart::range(first, count, total).mask;
+                self.report.tasks_given += u64::from(count);
+                tracing::debug!(worker = me, to, iteration, first, count, "tasks handed over");
+                let split = MovedTasks { total, batch: c.batch, part: self.cfg.part };
+                let handover = Handover { owner: me, to, iteration, first, count, split };
+                self.out.push_back(Action::Handover { shard: msg.shard, handover });
+            }
+            (Control::MoveTasks { from, iteration, first, count }, None, Some(moved)) => {
+                self.help.push_back(HelpJob { owner: from, iteration, first, count, moved });
+            }
+            (control, _, _) => {
+                match control {
+                    Control::Pause { for_ns } => {
+                        tracing::debug!(worker = me, shard = msg.shard, for_ns, "paused by the policy");
+                        self.pause_until = self.pause_until.max(self.now).saturating_add(for_ns);
+                    }
+                    Control::SetBatchSize { samples } if samples > 0 => self.batch = samples,
+                    Control::SetTaskShare { tasks } if (1..=MAX_TASKS).contains(&tasks) => {
+                        self.tasks = if self.cfg.can_split { tasks } else { 1 };
+                    }
+                    Control::Resume => {}
+                    other => {
+                        tracing::warn!(
+                            worker = me,
+                            shard = msg.shard,
+                            ?other,
+                            "control message not understood"
+                        );
+                        return;
+                    }
+                }
+                let iteration = self.next_applicable();
+                self.out.push_back(Action::Applied { shard: msg.shard, control, iteration });
+            }
+        }
+    }
+
+    /// Owes `extra` emulated device time, then goes on with `then`.
+    fn pace(&mut self, extra: u64, then: After) {
+        self.device.debt_ns += extra as i64;
+        let debt = self.device.debt_ns;
+        if debt > 0 && debt >= self.device.device.granularity_ns as i64 {
+            self.busy = Some(Busy::Pacing { until: self.now + debt as u64, from: self.now, then });
+        } else {
+            self.busy = None;
+            self.paced(then);
+        }
+    }
+
+    fn paced(&mut self, then: After) {
+        if let After::Help(job, samples) = then {
+            let tasks = Some(TaskPart::range(job.first, job.count, job.moved.total));
+            let kind = JobKind::Help { owner: job.owner };
+            let push =
+                PushJob { kind, owner: job.owner, iteration: job.iteration, tasks, samples, mean_over: None };
+            self.out.push_back(Action::Push(push));
+            self.busy = Some(Busy::HelpPushing(job));
+        }
+    }
+
+    /// Makes every step that needs no input.
+    fn advance(&mut self) {
+        let now = self.now;
+        loop {
+            let before = self.out.len();
+            match self.own {
+                Own::Start if self.stop || self.iteration >= self.cfg.iterations => self.leave_when_idle(),
+                Own::Start if now >= self.pause_until => {
+                    let total = self.tasks;
+                    self.cur = Current {
+                        iteration: self.iteration,
+                        total,
+                        batch: self.batch,
+                        started_at: now,
+                        ..Current::default()
+                    };
+                    self.own = Own::Pulling;
+                    self.out.push_back(Action::Pull { iteration: self.iteration });
+                }
+                Own::Delaying(until) if now >= until => self.after_delay(),
+                _ => {}
+            }
+            let own_may_compute = !matches!(self.own, Own::Delaying(_) | Own::Done);
+            if self.busy.is_none() && own_may_compute {
+                if let Some(job) = self.help.pop_front() {
+                    self.busy = Some(Busy::Computing(Some(job)));
+                    self.out.push_back(Action::Compute(ComputeJob {
+                        kind: JobKind::Help { owner: job.owner },
+                        iteration: job.iteration,
+                        part: job.moved.part,
+                        batch: job.moved.batch,
+                        tasks: job.first..job.first + job.count,
+                        total: job.moved.total,
+                        whole: false,
+                        first_of_iteration: false,
+                    }));
+                } else if self.own == Own::Computing {
+                    self.next_own_task();
+                }
+            }
+            if self.out.len() == before {
+                return;
+            }
+        }
+    }
+
+    /// Leaves once the computation in progress (moved tasks) is done; no new iteration starts.
+    fn leave_when_idle(&mut self) {
+        if self.busy.is_some() {
+            return;
+        }
+        self.report.stopped_early = self.stop && self.iteration < self.cfg.iterations;
+        self.report.elapsed_ns = self.now - self.began;
+        // Tasks moved to us and not started go back to their owners when we leave.
+        self.help.clear();
+        self.own = Own::Done;
+        self.out.push_back(Action::Leave);
+    }
+
+    /// Starts the next task of the own iteration, or ends its computation.
+    fn next_own_task(&mut self) {
+        let c = self.cur;
+        let job = |tasks: Range<u32>, whole: bool, first: bool| ComputeJob {
+            kind: JobKind::Own,
+            iteration: c.iteration,
+            part: self.cfg.part,
+            batch: c.batch,
+            tasks,
+            total: c.total.max(1),
+            whole,
+            first_of_iteration: first,
+        };
+        if c.next == 0 && c.total <= 1 && c.given == 0 {
+            self.cur.next = 1;
+            self.busy = Some(Busy::Computing(None));
+            self.out.push_back(Action::Compute(job(0..1, true, false)));
+            return;
+        }
+        let task = (c.next..c.total).find(|t| c.given & (1 << t) == 0);
+        match task {
+            Some(t) if c.total > 1 || c.given != 0 => {
+                self.cur.next = t + 1;
+                self.cur.folded = true;
+                self.busy = Some(Busy::Computing(None));
+                self.out.push_back(Action::Compute(job(t..t + 1, false, !c.folded)));
+            }
+            _ => {
+                self.cur.next = c.total;
+                let delay = self.device.delay_ns(self.now - self.began);
+                if delay > 0 {
+                    self.own = Own::Delaying(self.now + delay);
+                } else {
+                    self.after_delay();
+                }
+            }
+        }
+    }
+
+    /// Pushes the own iteration (or ends it, when every task went to other workers).
+    fn after_delay(&mut self) {
+        let c = self.cur;
+        if c.samples == 0 {
+            self.end_iteration();
+            return;
+        }
+        let tasks = (c.given != 0)
+            .then(|| TaskPart { mask: TaskPart::full_mask(c.total) & !c.given, total: c.total });
+        let push = PushJob {
+            kind: JobKind::Own,
+            owner: self.cfg.id,
+            iteration: c.iteration,
+            tasks,
+            samples: c.samples,
+            mean_over: c.folded.then_some(c.samples),
+        };
+        self.own = Own::Pushing;
+        self.out.push_back(Action::Push(push));
+    }
+
+    fn end_iteration(&mut self) {
+        let c = self.cur;
+        self.report.iterations += 1;
+        self.report.timeline.push((
+            c.started_at as f64 / 1e9,
+            (c.pulled_at - c.started_at) as f32 / 1e9,
+            (self.now - c.pulled_at) as f32 / 1e9,
+        ));
+        self.iteration += 1;
+        self.own = Own::Start;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,46 @@
+//! What a worker did: the report every driver of the worker machine produces, real or simulated.
+
+use serde::{Deserialize, Serialize};
+use syncopate_policy_sdk::abi::WorkerId;
+
+/// What a worker did, written as JSON when it finishes. Every time is measured on the driver's
+/// clock: wall-clock time on a cluster, virtual time in the simulator.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerReport {
+    /// Its id.
+    pub worker: WorkerId,
+    /// The iteration it started at (late joiners start later).
+    pub start: u64,
+    /// Iterations it completed (each pushed and admitted, or all its tasks handed to others).
+    pub iterations: u64,
+    /// Time spent in pulls, in nanoseconds: from asking for the parameters until every shard's
+    /// answer has arrived (deferral and transfer).
+    pub wait_ns: u64,
+    /// Of that, the time policies held its pulls back: per pull, the longest any shard
+    /// deferred it, summed. The same quantity as the shards' deferral counters.
+    #[serde(default)]
+    pub deferred_ns: u64,
+    /// Pulls that at least one shard deferred.
+    pub deferred_pulls: u64,
+    /// Time spent computing its own iterations (emulated device time included), in nanoseconds.
+    pub compute_ns: u64,
+    /// Time from start to leaving, in nanoseconds.
+    pub elapsed_ns: u64,
+    /// Control messages received.
+    pub controls: u64,
+    /// Tasks of this worker's iterations that other workers computed.
+    pub tasks_given: u64,
+    /// Tasks of other workers' iterations this worker computed.
+    pub tasks_helped: u64,
+    /// The last mini-batch's loss.
+    pub last_loss: f32,
+    /// Bytes sent (on a cluster: UDP payloads, QUIC and TLS included).
+    pub bytes_sent: u64,
+    /// Bytes received.
+    pub bytes_received: u64,
+    /// Whether it stopped early because it was asked to (target or budget reached).
+    pub stopped_early: bool,
+    /// Per iteration: start (seconds on the driver's clock: Unix time on a cluster), time in the
+    /// pull, time busy (compute, injected delays, push) in seconds.
+    pub timeline: Vec<(f64, f32, f32)>,
+}

@@ -1,0 +1,158 @@
+//! The worker machine on its own: the order of its actions, task hand-overs in both directions,
+//! the emulated device, pauses and stops, driven by hand as any driver would.
+
+use syncopate_policy_sdk::abi::Control;
+
+use super::*;
+
+const MS: u64 = 1_000_000;
+
+fn machine(iterations: u64, device: Device) -> WorkerMachine {
+    let cfg = WorkerConfig {
+        id: 1,
+        start: 0,
+        iterations,
+        batch: 32,
+        part: 1,
+        can_split: true,
+        numbering_shared: true,
+        device,
+    };
+    WorkerMachine::new(cfg, 0).unwrap()
+}
+
+fn actions(m: &mut WorkerMachine, now: u64) -> Vec<Action> {
+    std::iter::from_fn(|| m.poll_action(now)).collect()
+}
+
+fn computed(samples: u32) -> Input {
+    Input::Computed { step: Some(StepStats { samples, loss: 0.5 }), compute_ns: 0 }
+}
+
+fn own_pushed() -> Input {
+    Input::Pushed { kind: JobKind::Own, result: Ok(()) }
+}
+
+fn control(control: Control) -> Input {
+    Input::Control(ControlMessage::plain(0, control))
+}
+
+#[test]
+fn an_iteration_is_pull_compute_push_report_then_the_next_and_finally_leave() {
+    let mut m = machine(2, Device::default());
+    assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
+    m.handle(5, Input::Pulled { deferred: true, deferred_ns: 3 }).unwrap();
+    let a = actions(&mut m, 5);
+    assert!(matches!(&a[..], [Action::Compute(j)] if j.whole && j.kind == JobKind::Own), "{a:?}");
+    m.handle(5, computed(32)).unwrap();
+    let a = actions(&mut m, 5);
+    assert!(matches!(&a[..], [Action::Push(p)] if p.tasks.is_none() && p.samples == 32), "{a:?}");
+    m.handle(9, own_pushed()).unwrap();
+    let a = actions(&mut m, 9);
+    assert!(
+        matches!(&a[..], [Action::Finished(r), Action::Pull { iteration: 1 }] if r.iteration == 0),
+        "{a:?}"
+    );
+    m.handle(10, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    actions(&mut m, 10);
+    m.handle(10, computed(32)).unwrap();
+    actions(&mut m, 10);
+    m.handle(12, own_pushed()).unwrap();
+    let a = actions(&mut m, 12);
+    assert!(matches!(&a[..], [Action::Finished(_), Action::Leave]), "{a:?}");
+    let r = m.report();
+    assert_eq!(
+        (r.iterations, r.deferred_pulls, r.deferred_ns, r.wait_ns),
+        (2, 1, 3, 6),
+        "pulls took 5 and 1"
+    );
+    assert!(m.is_done());
+    // An input it is not waiting for is a driver bug, reported as such.
+    assert!(matches!(m.handle(13, own_pushed()), Err(WorkerError::Unexpected { .. })));
+}
+
+#[test]
+fn a_hand_over_yields_exactly_the_tasks_not_started_and_the_push_covers_the_rest() {
+    let mut m = machine(5, Device::default());
+    m.handle(0, control(Control::SetTaskShare { tasks: 4 })).unwrap();
+    let a = actions(&mut m, 0);
+    assert!(matches!(a[0], Action::Applied { iteration: 0, .. }), "applies from the next iteration: {a:?}");
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    let a = actions(&mut m, 1);
+    assert!(
+        matches!(&a[..], [Action::Compute(j)] if j.tasks == (0..1) && j.first_of_iteration),
+        "task 0 starts: {a:?}"
+    );
+    // While task 0 computes, worker 2 asks for tasks 0..4: only 1..4 are not started.
+    let ask = ControlMessage {
+        yield_to: Some(2),
+        ..ControlMessage::plain(0, Control::MoveTasks { from: 1, iteration: 0, first: 0, count: 4 })
+    };
+    m.handle(2, Input::Control(ask)).unwrap();
+    let a = actions(&mut m, 2);
+    let [Action::Handover { handover: h, .. }] = &a[..] else { panic!("{a:?}") };
+    assert_eq!((h.to, h.first, h.count, h.split.total, h.split.part), (2, 1, 3, 4, 1));
+    m.handle(3, computed(8)).unwrap();
+    let a = actions(&mut m, 3);
+    let [Action::Push(p)] = &a[..] else { panic!("no more tasks of ours to compute: {a:?}") };
+    assert_eq!(p.tasks, Some(TaskPart { mask: 0b0001, total: 4 }));
+    assert_eq!((p.samples, p.mean_over), (8, Some(8)));
+    assert_eq!(m.report().tasks_given, 3);
+}
+
+#[test]
+fn moved_tasks_are_computed_between_own_work_and_pushed_for_their_owner() {
+    let mut m = machine(1, Device { compute_ns: 10 * MS, granularity_ns: 0, ..Device::default() });
+    assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
+    let split = MovedTasks { total: 8, batch: 32, part: 0 };
+    let moved = ControlMessage {
+        moved: Some(split),
+        ..ControlMessage::plain(1, Control::MoveTasks { from: 0, iteration: 3, first: 6, count: 2 })
+    };
+    // It arrives while our pull waits: it is computed at once, on the model last pulled.
+    m.handle(1, Input::Control(moved)).unwrap();
+    let a = actions(&mut m, 1);
+    let [Action::Compute(j)] = &a[..] else { panic!("{a:?}") };
+    assert_eq!(
+        (j.kind, j.iteration, j.part, j.tasks.clone(), j.total),
+        (JobKind::Help { owner: 0 }, 3, 0, 6..8, 8)
+    );
+    m.handle(1, computed(8)).unwrap();
+    // 8 of 32 samples: a quarter of the emulated 10 ms.
+    assert_eq!(actions(&mut m, 1), []);
+    assert_eq!(m.poll_timeout(), Some(1 + 10 * MS / 4));
+    // Our pull is answered meanwhile; our own compute waits for the device.
+    m.handle(2, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    assert_eq!(actions(&mut m, 2), []);
+    m.handle(1 + 10 * MS / 4, Input::Timer).unwrap();
+    let a = actions(&mut m, 1 + 10 * MS / 4);
+    let [Action::Push(p)] = &a[..] else { panic!("{a:?}") };
+    assert_eq!((p.owner, p.iteration, p.tasks), (0, 3, Some(TaskPart { mask: 0b1100_0000, total: 8 })));
+    m.handle(3 * MS, Input::Pushed { kind: JobKind::Help { owner: 0 }, result: Ok(()) }).unwrap();
+    let a = actions(&mut m, 3 * MS);
+    assert!(matches!(&a[..], [Action::Compute(j)] if j.kind == JobKind::Own), "now our own: {a:?}");
+    assert_eq!(m.report().tasks_helped, 2);
+}
+
+#[test]
+fn a_pause_delays_the_next_pull_and_a_stop_ends_after_the_iteration() {
+    let mut m = machine(10, Device { jitter_ms: Some((5.0, 0.0)), ..Device::default() });
+    actions(&mut m, 0);
+    m.handle(0, control(Control::Pause { for_ns: 50 * MS })).unwrap();
+    assert!(matches!(actions(&mut m, 0)[..], [Action::Applied { iteration: 1, .. }]));
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    actions(&mut m, 1);
+    m.handle(1, computed(32)).unwrap();
+    // The jitter (5 ms, no spread) comes after computing, before pushing.
+    assert_eq!(actions(&mut m, 1), []);
+    assert_eq!(m.poll_timeout(), Some(1 + 5 * MS));
+    m.handle(1 + 5 * MS, Input::Timer).unwrap();
+    assert!(matches!(actions(&mut m, 1 + 5 * MS)[..], [Action::Push(_)]));
+    m.handle(6 * MS, own_pushed()).unwrap();
+    assert!(matches!(actions(&mut m, 6 * MS)[..], [Action::Finished(_)]), "paused: no pull yet");
+    assert_eq!(m.poll_timeout(), Some(50 * MS));
+    m.handle(50 * MS, Input::Stop).unwrap();
+    assert_eq!(actions(&mut m, 50 * MS), [Action::Leave]);
+    assert!(m.report().stopped_early);
+    assert_eq!(m.report().iterations, 1);
+}
