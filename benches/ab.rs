@@ -22,12 +22,9 @@ use syncopate::sim::{simulate, SimOptions};
 
 const POLICIES: &[&str] = &["bsp", "ssp:s=3", "dssp:s_lo=3,s_hi=15", "fluentps:s=3", "r2sp", "epsp", "asp"];
 
-/// `target/release/syncopate`, next to this benchmark's directory.
+/// The `syncopate` binary, which cargo builds before this target and names here.
 fn syncopate_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("syncopate");
-    assert!(bin.exists(), "{} is missing: run `cargo build --release --bins` first", bin.display());
-    bin
+    PathBuf::from(env!("CARGO_BIN_EXE_syncopate"))
 }
 
 fn run(policy: &str, dir: &std::path::Path) -> Duration {

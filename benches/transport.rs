@@ -28,12 +28,9 @@ struct Cluster {
     _procs: ProcessCluster,
 }
 
-/// `target/release/syncopate`, next to this benchmark's directory (`cargo build --release --bins`).
+/// The `syncopate` binary, which cargo builds before this target and names here.
 fn syncopate_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("syncopate");
-    assert!(bin.exists(), "{} is missing: run `cargo build --release --bins` first", bin.display());
-    bin
+    PathBuf::from(env!("CARGO_BIN_EXE_syncopate"))
 }
 
 /// A coordinator and one server (with `threads` runtime threads, spinning up to `spin_us`), as

@@ -3,18 +3,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The `syncopate` binary next to this test binary (`target/<profile>/syncopate`), which the
-/// README's test command builds first.
+/// The `syncopate` binary, which cargo builds before this target and names here.
 pub fn syncopate_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/deps");
-    let bin = dir.join("syncopate");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build --bins` (scripts/test.sh does)",
-        bin.display()
-    );
-    bin
+    PathBuf::from(env!("CARGO_BIN_EXE_syncopate"))
 }
 
 fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
