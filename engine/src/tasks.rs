@@ -20,8 +20,7 @@
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, WorkerId};
 
-/// The most tasks an iteration can be split into (task sets are bit masks of a `u64`).
-pub const MAX_TASKS: u32 = 64;
+pub use syncopate_policy_sdk::rules::MAX_TASKS;
 
 /// Some of an iteration's tasks: bit `t` of `mask` is task `t` of `total` (at most
 /// [`MAX_TASKS`]).

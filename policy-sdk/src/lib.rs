@@ -63,6 +63,7 @@ pub mod config;
 mod ctx;
 #[doc(hidden)]
 pub mod guest;
+pub mod rules;
 pub mod shares;
 pub mod testing;
 

@@ -11,6 +11,7 @@ use crate::abi::{
 };
 use crate::clocks::Clocks;
 use crate::guest::{encode, Guest};
+use crate::rules::{DecisionState, EventRules};
 use crate::{Policy, PullVerdict, PushVerdict};
 
 /// A decision, owned, as recorded by the [`Driver`].
@@ -38,7 +39,9 @@ pub enum Recorded {
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
 /// shard's clocks, parks deferred pulls and releases them when their condition holds, and holds
-/// pushes until the policy admits them.
+/// pushes until the policy admits them. Every decision is checked against the same rules the
+/// host's shards enforce ([`crate::rules`]): a decision that breaks one is an `Err` here, as it
+/// is a policy failure on a cluster.
 ///
 /// Each push/pull helper returns the policy's verdict; every decision is also recorded in
 /// [`Driver::log`].
@@ -51,6 +54,7 @@ pub struct Driver<P> {
     next_id: RequestId,
     parked: Vec<(RequestId, WorkerId, Release)>,
     held: Vec<(RequestId, WorkerId)>,
+    timers: Vec<TimerId>,
     /// Every decision the policy made, in order.
     pub log: Vec<Recorded>,
     released: VecDeque<RequestId>,
@@ -76,6 +80,7 @@ impl<P: Policy> Driver<P> {
             next_id: 0,
             parked: Vec::new(),
             held: Vec::new(),
+            timers: Vec::new(),
             log: Vec::new(),
             released: VecDeque::new(),
             mode: None,
@@ -171,8 +176,9 @@ impl<P: Policy> Driver<P> {
         self.send(view, Event::ControlApplied(Applied { worker, control, iteration }), None).map(|_| ())
     }
 
-    /// Fires a timer.
+    /// Fires a timer (as the host does when it is due: it is no longer set).
     pub fn fire_timer(&mut self, timer: TimerId) -> Result<(), String> {
+        self.timers.retain(|t| *t != timer);
         let view = self.clocks.view();
         self.send(view, Event::Timer { timer }, None).map(|_| ())
     }
@@ -198,19 +204,26 @@ impl<P: Policy> Driver<P> {
         Ok(verdicts)
     }
 
+    /// Applies the decisions answering `request` (or none), each checked first by the decision
+    /// rules the host's shards use ([`crate::rules`]).
     fn apply(&mut self, mut bytes: &[u8], request: Option<(RequestId, Event)>) -> Result<Verdicts, String> {
         let mut v = Verdicts::default();
+        let mut rules = match &request {
+            Some((_, event)) => EventRules::new(event),
+            None => EventRules::without_event(),
+        };
         while !bytes.is_empty() {
             let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| alloc::format!("undecodable decision: {e}"))?;
             bytes = rest;
-            let mine = |id: RequestId| request.is_some_and(|(r, _)| r == id);
+            rules.check(&d, &*self)?;
+            let mine = rules.is_verdict(&d);
             match d {
-                Decision::ServePull { pull } if mine(pull) => {
+                Decision::ServePull { pull } => {
                     v.pull = Some(PullVerdict::Serve);
                     self.log.push(Recorded::Served(pull));
                 }
-                Decision::DeferPull { pull, until } if mine(pull) => {
+                Decision::DeferPull { pull, until } => {
                     v.pull = Some(PullVerdict::Defer(until));
                     self.log.push(Recorded::Deferred(pull, until));
                     if let Some((_, Event::Pull(p))) = request {
@@ -218,55 +231,48 @@ impl<P: Policy> Driver<P> {
                     }
                 }
                 Decision::ReleasePull { pull } => {
-                    let pos = self
-                        .parked
-                        .iter()
-                        .position(|p| p.0 == pull)
-                        .ok_or_else(|| alloc::format!("released pull {pull}, which is not parked"))?;
-                    self.parked.remove(pos);
+                    self.parked.retain(|p| p.0 != pull);
                     self.released.push_back(pull);
                     self.log.push(Recorded::Served(pull));
                 }
                 Decision::AdmitPush { push, weight } => {
-                    if mine(push) {
+                    if mine {
                         v.push = Some(weight.map_or(PushVerdict::Admit, PushVerdict::AdmitWeighted));
                         if let Some((_, Event::Push(p))) = request {
                             self.clocks.tick(p.worker);
                         }
-                    } else {
-                        let pos = self
-                            .held
-                            .iter()
-                            .position(|h| h.0 == push)
-                            .ok_or_else(|| alloc::format!("admitted push {push}, which is not held"))?;
+                    } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
                         let (_, worker) = self.held.remove(pos);
                         self.clocks.tick(worker);
                     }
                     self.log.push(Recorded::Admitted(push, weight));
                 }
-                Decision::HoldPush { push } if mine(push) => {
+                Decision::HoldPush { push } => {
                     v.push = Some(PushVerdict::Hold);
                     if let Some((_, Event::Push(p))) = request {
                         self.held.push((push, p.worker));
                     }
                     self.log.push(Recorded::Held(push));
                 }
-                Decision::ServePull { pull } | Decision::DeferPull { pull, .. } => {
-                    return Err(alloc::format!("verdict for pull {pull}, which is not the event's request"));
-                }
-                Decision::HoldPush { push } => {
-                    return Err(alloc::format!("hold for push {push}, which is not the event's request"));
-                }
                 Decision::SetUpdateMode(mode) => {
                     self.mode = Some(mode);
                     self.log.push(Recorded::UpdateMode(mode));
                 }
                 Decision::Control { worker, control } => self.log.push(Recorded::Control(worker, control)),
-                Decision::SetTimer { timer, after_ns } => self.log.push(Recorded::Timer(timer, after_ns)),
-                Decision::CancelTimer { timer } => self.log.push(Recorded::TimerCancelled(timer)),
+                Decision::SetTimer { timer, after_ns } => {
+                    if !self.timers.contains(&timer) {
+                        self.timers.push(timer);
+                    }
+                    self.log.push(Recorded::Timer(timer, after_ns));
+                }
+                Decision::CancelTimer { timer } => {
+                    self.timers.retain(|t| *t != timer);
+                    self.log.push(Recorded::TimerCancelled(timer));
+                }
                 Decision::Metric { name, value } => self.log.push(Recorded::Metric(name.into(), value)),
             }
         }
+        rules.finish()?;
         Ok(v)
     }
 
@@ -280,6 +286,24 @@ impl<P: Policy> Driver<P> {
             }
             !met
         });
+    }
+}
+
+impl<P> DecisionState for Driver<P> {
+    fn is_live(&self, worker: WorkerId) -> bool {
+        self.clocks.is_live(worker)
+    }
+    fn is_parked(&self, pull: RequestId) -> bool {
+        self.parked.iter().any(|p| p.0 == pull)
+    }
+    fn is_held(&self, push: RequestId) -> bool {
+        self.held.iter().any(|h| h.0 == push)
+    }
+    fn has_timer(&self, timer: TimerId) -> bool {
+        self.timers.contains(&timer)
+    }
+    fn timers(&self) -> usize {
+        self.timers.len()
     }
 }
 

@@ -46,6 +46,7 @@ use syncopate_policy_sdk::abi::{
     ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
 };
 use syncopate_policy_sdk::clocks::Clocks;
+use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
 use crate::runtime::{PolicyError, PolicyModule};
 use supervisor::{Recovery, Supervisor};
@@ -325,6 +326,24 @@ pub struct Shard {
     scratch: Vec<u8>,
     queue: VecDeque<Pending>,
     stats: ShardStats,
+}
+
+impl DecisionState for Shard {
+    fn is_live(&self, worker: WorkerId) -> bool {
+        self.clocks.is_live(worker)
+    }
+    fn is_parked(&self, pull: RequestId) -> bool {
+        self.parked.iter().any(|p| p.pull.id == pull)
+    }
+    fn is_held(&self, push: RequestId) -> bool {
+        self.held.iter().any(|h| h.push.id == push)
+    }
+    fn has_timer(&self, timer: TimerId) -> bool {
+        self.timers.iter().any(|t| t.0 == timer)
+    }
+    fn timers(&self) -> usize {
+        self.timers.len()
+    }
 }
 
 /// The parameters, for writing: copied first (into a buffer from `sink`) when a served pull
@@ -919,8 +938,9 @@ impl Shard {
         self.release_ready(now_ns, sink);
     }
 
-    /// Applies one event's decisions. Each decision is checked before it takes effect, so on the
-    /// first nonsense one the shard is still consistent.
+    /// Applies one event's decisions. Each decision is checked against the decision rules
+    /// ([`syncopate_policy_sdk::rules`], shared with the SDK's test driver) before it takes
+    /// effect, so on the first nonsense one the shard is still consistent.
     fn apply(
         &mut self,
         mut bytes: &[u8],
@@ -928,147 +948,76 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), String> {
-        let request = match event {
-            Event::Pull(p) => Some(p.id),
-            Event::Push(p) => Some(p.id),
-            _ => None,
-        };
+        let mut rules = EventRules::new(event);
         while !bytes.is_empty() {
             let (decision, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| format!("undecodable decision: {e}"))?;
             bytes = rest;
-            self.apply_one(decision, request, now_ns, sink)?;
+            rules.check(&decision, &*self)?;
+            let verdict = rules.is_verdict(&decision);
+            self.apply_one(decision, verdict, now_ns, sink);
         }
-        if self.undecided_pull.is_some() {
-            return Err("the pull got no verdict".into());
-        }
-        if self.incoming.is_some() {
-            return Err("the push got no verdict".into());
-        }
-        Ok(())
+        rules.finish()
     }
 
-    fn apply_one(
-        &mut self,
-        d: Decision<'_>,
-        request: Option<RequestId>,
-        now_ns: u64,
-        sink: &mut dyn ShardSink,
-    ) -> Result<(), String> {
-        let not_this = |kind: &str, id: RequestId| {
-            format!("{kind} for request #{id}, which is not this event's (undecided) request")
-        };
+    /// Carries out one decision that [`EventRules::check`] has passed; `verdict`: it is the
+    /// event's verdict on its own request.
+    fn apply_one(&mut self, d: Decision<'_>, verdict: bool, now_ns: u64, sink: &mut dyn ShardSink) {
         match d {
-            Decision::ServePull { pull } => {
-                let p = self.take_undecided_pull(pull, request).ok_or_else(|| not_this("serve", pull))?;
-                self.serve(p, now_ns, sink);
-            }
-            Decision::DeferPull { pull, until } => {
-                let mut p = self.take_undecided_pull(pull, request).ok_or_else(|| not_this("defer", pull))?;
-                if let Release::MinClockAtLeast(c) = until {
-                    if c > p.pull.clock.saturating_add(1 << 32) {
-                        self.undecided_pull = Some(p);
-                        return Err(format!(
-                            "deferred pull #{pull} until min clock {c}, which no run reaches"
-                        ));
-                    }
+            Decision::ServePull { .. } => {
+                if let Some(p) = self.undecided_pull.take() {
+                    self.serve(p, now_ns, sink);
                 }
-                p.until = until;
-                p.since_ns = now_ns;
-                self.stats.pulls_deferred += 1;
-                self.parked.push(p);
+            }
+            Decision::DeferPull { until, .. } => {
+                if let Some(mut p) = self.undecided_pull.take() {
+                    p.until = until;
+                    p.since_ns = now_ns;
+                    self.stats.pulls_deferred += 1;
+                    self.parked.push(p);
+                }
             }
             Decision::ReleasePull { pull } => {
-                let pos = self
-                    .parked
-                    .iter()
-                    .position(|p| p.pull.id == pull)
-                    .ok_or_else(|| format!("released pull #{pull}, which is not parked"))?;
-                let p = self.parked.swap_remove(pos);
-                self.serve(p, now_ns, sink);
+                if let Some(pos) = self.parked.iter().position(|p| p.pull.id == pull) {
+                    let p = self.parked.swap_remove(pos);
+                    self.serve(p, now_ns, sink);
+                }
             }
             Decision::AdmitPush { push, weight } => {
-                if let Some(w) = weight {
-                    if !w.is_finite() || w < 0.0 {
-                        return Err(format!("admitted push #{push} with weight {w}"));
-                    }
+                let held = if verdict {
+                    self.incoming.take()
+                } else {
+                    self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
+                };
+                if let Some(held) = held {
+                    self.admit(held, weight, sink);
                 }
-                let held =
-                    if request == Some(push) && self.incoming.as_ref().is_some_and(|h| h.push.id == push) {
-                        self.incoming.take()
-                    } else {
-                        self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
-                    };
-                let held = held.ok_or_else(|| {
-                    format!("admitted push #{push}, which is neither this event's push nor held")
-                })?;
-                self.admit(held, weight, sink);
             }
-            Decision::HoldPush { push } => {
-                if request != Some(push) || self.incoming.as_ref().is_none_or(|h| h.push.id != push) {
-                    return Err(not_this("hold", push));
-                }
+            Decision::HoldPush { .. } => {
                 if let Some(h) = self.incoming.take() {
                     self.stats.pushes_held += 1;
                     self.held.push(h);
                 }
             }
             Decision::SetUpdateMode(mode) => self.set_mode(mode, sink),
+            Decision::Control { worker, control: control @ Control::MoveTasks { from, .. } } => {
+                // The owner is asked first; it hands over what it has not started.
+                let ask =
+                    ControlMessage { yield_to: Some(worker), ..ControlMessage::plain(self.shard, control) };
+                sink.control(from, ask);
+            }
             Decision::Control { worker, control } => {
-                if !self.clocks.is_live(worker) {
-                    return Err(format!("sent a control message to worker {worker}, which is not live"));
-                }
-                if let Control::MoveTasks { from, first, count, .. } = control {
-                    if !self.clocks.is_live(from) {
-                        return Err(format!("moved tasks of worker {from}, which is not live"));
-                    }
-                    if from == worker {
-                        return Err(format!("moved tasks of worker {from} to itself"));
-                    }
-                    if first.saturating_add(count) > MAX_TASKS || count == 0 {
-                        return Err(format!(
-                            "moved tasks {first}..{}, not within 1 to {MAX_TASKS} tasks",
-                            first + count
-                        ));
-                    }
-                    // The owner is asked first; it hands over what it has not started.
-                    let ask = ControlMessage {
-                        yield_to: Some(worker),
-                        ..ControlMessage::plain(self.shard, control)
-                    };
-                    sink.control(from, ask);
-                    return Ok(());
-                }
-                if let Control::SetTaskShare { tasks } = control {
-                    if !(1..=MAX_TASKS).contains(&tasks) {
-                        return Err(format!(
-                            "split iterations into {tasks} tasks (1 to {MAX_TASKS} allowed)"
-                        ));
-                    }
-                }
-                sink.control(worker, ControlMessage::plain(self.shard, control));
+                sink.control(worker, ControlMessage::plain(self.shard, control))
             }
             Decision::SetTimer { timer, after_ns } => {
                 let due = now_ns.saturating_add(after_ns);
-                if let Some(t) = self.timers.iter_mut().find(|t| t.0 == timer) {
-                    t.1 = due;
-                } else if self.timers.len() < 1024 {
-                    self.timers.push((timer, due));
-                } else {
-                    return Err("set more than 1024 timers".into());
+                match self.timers.iter_mut().find(|t| t.0 == timer) {
+                    Some(t) => t.1 = due,
+                    None => self.timers.push((timer, due)),
                 }
             }
             Decision::CancelTimer { timer } => self.timers.retain(|t| t.0 != timer),
             Decision::Metric { name, value } => sink.metric(name, value),
-        }
-        Ok(())
-    }
-
-    fn take_undecided_pull(&mut self, id: RequestId, request: Option<RequestId>) -> Option<Parked> {
-        if request == Some(id) && self.undecided_pull.as_ref().is_some_and(|p| p.pull.id == id) {
-            self.undecided_pull.take()
-        } else {
-            None
         }
     }
 
@@ -1079,6 +1028,7 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<(), PolicyError> {
         let mut rest = bytes;
+        let mut rules = EventRules::without_event();
         while !rest.is_empty() {
             let policy = self.supervisor.module().display_name().to_owned();
             let bad = |detail: String| PolicyError::BadDecision { policy, event: "start-up".into(), detail };
@@ -1087,9 +1037,10 @@ impl Shard {
                 Err(e) => return Err(bad(format!("undecodable decision: {e}"))),
             };
             rest = r;
-            if let Err(detail) = self.apply_one(d, None, now_ns, sink) {
+            if let Err(detail) = rules.check(&d, &*self) {
                 return Err(bad(detail));
             }
+            self.apply_one(d, false, now_ns, sink);
         }
         Ok(())
     }

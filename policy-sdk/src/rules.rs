@@ -1,0 +1,276 @@
+//! The rules a policy's decisions must obey: the one implementation, used by the host's shards
+//! and by the native [`Driver`](crate::testing::Driver) alike (as [`clocks`](crate::clocks) is
+//! for the clock rules), so a policy that passes its native tests is held to the same rules on
+//! a cluster.
+//!
+//! For each event, [`EventRules::check`] checks every decision before it takes effect, and
+//! [`EventRules::finish`] checks what the event as a whole owed:
+//! - a pull or push event's request gets exactly one verdict (serve or defer; admit or hold), and
+//!   no decision gives a verdict on another event's request;
+//! - only a parked pull can be released, only a held push admitted later;
+//! - control messages go to live workers only, and moved tasks come from another live worker,
+//!   within 1 to [`MAX_TASKS`] tasks; a task share is 1 to [`MAX_TASKS`];
+//! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
+//!   reach; a shard holds at most [`MAX_TIMERS`] timers.
+//!
+//! A policy that breaks a rule is treated like one that crashed.
+
+use alloc::format;
+use alloc::string::String;
+
+use crate::abi::{Control, Decision, Event, Release, RequestId, TimerId, WorkerId};
+
+/// The most tasks an iteration can be split into (task sets are bit masks of a `u64`).
+pub const MAX_TASKS: u32 = 64;
+
+/// The most timers one shard's policy can have set at once.
+pub const MAX_TIMERS: usize = 1024;
+
+/// How far beyond a pull's clock a deferral may wait for the minimum clock (2^32 iterations:
+/// a deferral beyond that can never be released).
+pub const MAX_DEFERRAL: u64 = 1 << 32;
+
+/// What the rules need to know about the state the decisions act on, as it stands when each
+/// decision is checked (earlier decisions of the same event already applied).
+pub trait DecisionState {
+    /// Whether `worker` is a live member.
+    fn is_live(&self, worker: WorkerId) -> bool;
+    /// Whether pull `pull` is parked (deferred and not yet released).
+    fn is_parked(&self, pull: RequestId) -> bool;
+    /// Whether push `push` is held.
+    fn is_held(&self, push: RequestId) -> bool;
+    /// Whether timer `timer` is set.
+    fn has_timer(&self, timer: TimerId) -> bool;
+    /// How many timers are set.
+    fn timers(&self) -> usize;
+}
+
+/// The request an event carries, and whether it has its verdict yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Request {
+    None,
+    Pull { id: RequestId, clock: u64, decided: bool },
+    Push { id: RequestId, decided: bool },
+}
+
+/// The rules for one event's decisions; see the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventRules {
+    request: Request,
+}
+
+impl EventRules {
+    /// The rules for the decisions answering `event`.
+    pub fn new(event: &Event) -> Self {
+        let request = match event {
+            Event::Pull(p) => Request::Pull { id: p.id, clock: p.clock, decided: false },
+            Event::Push(p) => Request::Push { id: p.id, decided: false },
+            _ => Request::None,
+        };
+        EventRules { request }
+    }
+
+    /// The rules for decisions that answer no event (a policy's start-up, a swap).
+    pub fn without_event() -> Self {
+        EventRules { request: Request::None }
+    }
+
+    /// Whether `decision` is this event's verdict on its own request (`true`), or an action on
+    /// an earlier request or none (`false`), once [`check`](Self::check) has passed it.
+    pub fn is_verdict(&self, decision: &Decision<'_>) -> bool {
+        match (*decision, self.request) {
+            (Decision::ServePull { pull } | Decision::DeferPull { pull, .. }, Request::Pull { id, .. }) => {
+                pull == id
+            }
+            (Decision::AdmitPush { push, .. } | Decision::HoldPush { push }, Request::Push { id, .. }) => {
+                push == id
+            }
+            _ => false,
+        }
+    }
+
+    /// Checks `decision` before it takes effect on `state`. On `Ok`, the caller applies it.
+    pub fn check(&mut self, decision: &Decision<'_>, state: &impl DecisionState) -> Result<(), String> {
+        match *decision {
+            Decision::ServePull { pull } => self.verdict_on_pull(pull, "serve")?,
+            Decision::DeferPull { pull, until } => {
+                if let (Release::MinClockAtLeast(c), Request::Pull { id, clock, .. }) = (until, self.request)
+                {
+                    if id == pull && c > clock.saturating_add(MAX_DEFERRAL) {
+                        return Err(format!(
+                            "deferred pull #{pull} until min clock {c}, which no run reaches"
+                        ));
+                    }
+                }
+                self.verdict_on_pull(pull, "defer")?;
+            }
+            Decision::ReleasePull { pull } => {
+                if !state.is_parked(pull) {
+                    return Err(format!("released pull #{pull}, which is not parked"));
+                }
+            }
+            Decision::AdmitPush { push, weight } => {
+                if let Some(w) = weight {
+                    if !w.is_finite() || w < 0.0 {
+                        return Err(format!("admitted push #{push} with weight {w}"));
+                    }
+                }
+                match self.request {
+                    Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                    _ if state.is_held(push) => {}
+                    _ => {
+                        return Err(format!(
+                            "admitted push #{push}, which is neither this event's push nor held"
+                        ))
+                    }
+                }
+            }
+            Decision::HoldPush { push } => match self.request {
+                Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                _ => return Err(not_this("hold", push)),
+            },
+            Decision::Control { worker, control } => {
+                if !state.is_live(worker) {
+                    return Err(format!("sent a control message to worker {worker}, which is not live"));
+                }
+                match control {
+                    Control::MoveTasks { from, first, count, .. } => {
+                        if !state.is_live(from) {
+                            return Err(format!("moved tasks of worker {from}, which is not live"));
+                        }
+                        if from == worker {
+                            return Err(format!("moved tasks of worker {from} to itself"));
+                        }
+                        if first.saturating_add(count) > MAX_TASKS || count == 0 {
+                            let end = first.saturating_add(count);
+                            return Err(format!(
+                                "moved tasks {first}..{end}, not within 1 to {MAX_TASKS} tasks"
+                            ));
+                        }
+                    }
+                    Control::SetTaskShare { tasks } if !(1..=MAX_TASKS).contains(&tasks) => {
+                        return Err(format!(
+                            "split iterations into {tasks} tasks (1 to {MAX_TASKS} allowed)"
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            Decision::SetTimer { timer, .. } => {
+                if !state.has_timer(timer) && state.timers() >= MAX_TIMERS {
+                    return Err(format!("set more than {MAX_TIMERS} timers"));
+                }
+            }
+            Decision::SetUpdateMode(_) | Decision::CancelTimer { .. } | Decision::Metric { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Checks, after the event's last decision, that its request got a verdict.
+    pub fn finish(&self) -> Result<(), String> {
+        match self.request {
+            Request::Pull { decided: false, .. } => Err("the pull got no verdict".into()),
+            Request::Push { decided: false, .. } => Err("the push got no verdict".into()),
+            _ => Ok(()),
+        }
+    }
+
+    fn verdict_on_pull(&mut self, pull: RequestId, kind: &str) -> Result<(), String> {
+        match self.request {
+            Request::Pull { id, ref mut decided, .. } if id == pull && !*decided => {
+                *decided = true;
+                Ok(())
+            }
+            _ => Err(not_this(kind, pull)),
+        }
+    }
+}
+
+fn not_this(kind: &str, id: RequestId) -> String {
+    format!("{kind} for request #{id}, which is not this event's (undecided) request")
+}
+
+#[cfg(test)]
+mod tests {
+    use alloc::vec;
+    use alloc::vec::Vec;
+
+    use super::*;
+    use crate::abi::{Pull, Push};
+
+    #[derive(Default)]
+    struct State {
+        live: Vec<WorkerId>,
+        parked: Vec<RequestId>,
+        held: Vec<RequestId>,
+        timers: usize,
+    }
+
+    impl DecisionState for State {
+        fn is_live(&self, worker: WorkerId) -> bool {
+            self.live.contains(&worker)
+        }
+        fn is_parked(&self, pull: RequestId) -> bool {
+            self.parked.contains(&pull)
+        }
+        fn is_held(&self, push: RequestId) -> bool {
+            self.held.contains(&push)
+        }
+        fn has_timer(&self, timer: TimerId) -> bool {
+            timer < self.timers as u64
+        }
+        fn timers(&self) -> usize {
+            self.timers
+        }
+    }
+
+    fn pull(id: RequestId) -> Event {
+        Event::Pull(Pull { id, worker: 0, iteration: 3, clock: 3 })
+    }
+
+    #[test]
+    fn a_request_gets_exactly_one_verdict() {
+        let s = State::default();
+        let mut r = EventRules::new(&pull(7));
+        assert_eq!(r.finish(), Err("the pull got no verdict".into()));
+        assert!(r.check(&Decision::ServePull { pull: 8 }, &s).is_err(), "another request");
+        r.check(&Decision::ServePull { pull: 7 }, &s).unwrap();
+        assert!(r.is_verdict(&Decision::ServePull { pull: 7 }));
+        assert!(r.check(&Decision::DeferPull { pull: 7, until: Release::Explicit }, &s).is_err(), "twice");
+        r.finish().unwrap();
+        let mut r = EventRules::new(&Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 }));
+        assert!(r.check(&Decision::AdmitPush { push: 2, weight: Some(f32::NAN) }, &s).is_err());
+        r.check(&Decision::HoldPush { push: 2 }, &s).unwrap();
+        assert!(r.check(&Decision::AdmitPush { push: 2, weight: None }, &s).is_err(), "held, not yet decided twice");
+    }
+
+    #[test]
+    fn only_parked_pulls_and_held_pushes_are_released_and_admitted_later() {
+        let s = State { parked: vec![4], held: vec![5], ..State::default() };
+        let mut r = EventRules::without_event();
+        r.check(&Decision::ReleasePull { pull: 4 }, &s).unwrap();
+        r.check(&Decision::AdmitPush { push: 5, weight: Some(0.5) }, &s).unwrap();
+        assert!(r.check(&Decision::ReleasePull { pull: 5 }, &s).is_err());
+        assert!(r.check(&Decision::AdmitPush { push: 4, weight: None }, &s).is_err());
+        let far = Decision::DeferPull { pull: 1, until: Release::MinClockAtLeast(3 + MAX_DEFERRAL + 1) };
+        assert!(EventRules::new(&pull(1)).check(&far, &s).is_err(), "a deferral no run can release");
+    }
+
+    #[test]
+    fn control_messages_go_to_live_workers_and_moves_stay_within_the_task_limit() {
+        let s = State { live: vec![0, 1], timers: MAX_TIMERS, ..State::default() };
+        let mut r = EventRules::without_event();
+        let to = |worker, control| Decision::Control { worker, control };
+        r.check(&to(1, Control::SetBatchSize { samples: 8 }), &s).unwrap();
+        assert!(r.check(&to(2, Control::Resume), &s).is_err(), "worker 2 is not live");
+        let mv = |from, first, count| Control::MoveTasks { from, iteration: 0, first, count };
+        r.check(&to(1, mv(0, 60, 4)), &s).unwrap();
+        for bad in [mv(2, 0, 1), mv(1, 0, 1), mv(0, 61, 4), mv(0, 0, 0)] {
+            assert!(r.check(&to(1, bad), &s).is_err(), "{bad:?}");
+        }
+        assert!(r.check(&to(1, Control::SetTaskShare { tasks: MAX_TASKS + 1 }), &s).is_err());
+        r.check(&Decision::SetTimer { timer: 3, after_ns: 1 }, &s).unwrap();
+        let new_timer = Decision::SetTimer { timer: MAX_TIMERS as u64, after_ns: 1 };
+        assert!(r.check(&new_timer, &s).is_err(), "one timer too many");
+    }
+}
