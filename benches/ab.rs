@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use syncopate::builtin::PolicySpec;
+use syncopate::lab::scenario::Scenario;
+use syncopate::lab::sim::{simulate, SimOptions};
 use syncopate::runtime::PolicyRuntime;
-use syncopate::scenario::Scenario;
-use syncopate::sim::{simulate, SimOptions};
 
 const POLICIES: &[&str] = &["bsp", "ssp:s=3", "dssp:s_lo=3,s_hi=15", "fluentps:s=3", "r2sp", "epsp", "asp"];
 

@@ -6,23 +6,17 @@
 //!   consults a policy on every event;
 //! - [`net`]: the QUIC transport, its messages and its TLS set-up;
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
-//! - [`local`]: a whole cluster on this machine, as separate processes;
-//! - [`scenario`], [`ab`]: scenarios as TOML files, and one scenario under several policies with
-//!   a comparison report; [`sim`]: the deterministic simulator behind `ab --simulate`;
+//! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
 //! - [`cli`]: the `syncopate` command.
 
-pub mod ab;
 pub mod cli;
 pub mod coordinator;
-pub mod local;
+pub mod lab;
 pub mod net;
 mod node;
 pub mod operator;
-mod plots;
-pub mod scenario;
 pub mod server;
-pub mod sim;
 pub mod worker;
 
 pub use node::NodeError;

@@ -238,10 +238,14 @@ mod tests {
         assert!(r.is_verdict(&Decision::ServePull { pull: 7 }));
         assert!(r.check(&Decision::DeferPull { pull: 7, until: Release::Explicit }, &s).is_err(), "twice");
         r.finish().unwrap();
-        let mut r = EventRules::new(&Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 }));
+        let mut r =
+            EventRules::new(&Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 }));
         assert!(r.check(&Decision::AdmitPush { push: 2, weight: Some(f32::NAN) }, &s).is_err());
         r.check(&Decision::HoldPush { push: 2 }, &s).unwrap();
-        assert!(r.check(&Decision::AdmitPush { push: 2, weight: None }, &s).is_err(), "held, not yet decided twice");
+        assert!(
+            r.check(&Decision::AdmitPush { push: 2, weight: None }, &s).is_err(),
+            "held, not yet decided twice"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use syncopate::ab::Comparison;
+use syncopate::lab::report::Comparison;
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -42,11 +42,11 @@ fn ab_compares_policies_side_by_side_with_a_table_and_plots() {
     }
     // Each row summarizes its own run's report.
     for r in &c.rows {
-        let run: syncopate::local::LocalReport =
+        let run: syncopate::lab::report::RunReport =
             serde_json::from_slice(&std::fs::read(r.run_dir.join("report.json")).unwrap()).unwrap();
         assert_eq!(r.deferred_pulls, run.workers.iter().map(|w| w.deferred_pulls).sum::<u64>());
         assert_eq!(r.final_accuracy, run.final_accuracy);
-        assert!(run.status.policy.contains(r.policy.split(':').next().unwrap()), "{}", run.status.policy);
+        assert!(run.policy.contains(r.policy.split(':').next().unwrap()), "{}", run.policy);
     }
     let table = std::fs::read_to_string(dir.join("comparison.md")).unwrap();
     assert!(table.contains("| bsp |") && table.contains("| ssp:s=2 |"), "{table}");

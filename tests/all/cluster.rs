@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use syncopate::local::LocalReport;
+use syncopate::lab::report::RunReport;
 use syncopate::net::proto::ClusterStatus;
 use syncopate::net::tls::ClusterFile;
 
@@ -89,7 +89,7 @@ impl LocalRun {
         bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
     }
 
-    pub fn report(&self) -> LocalReport {
+    pub fn report(&self) -> RunReport {
         serde_json::from_slice(&std::fs::read(self.dir.join("report.json")).expect("report.json written"))
             .unwrap()
     }
@@ -157,7 +157,7 @@ fn bsp_then_ssp_clusters_apply_every_push_exactly_once() {
         assert!(report.failed_workers.is_empty());
         assert_eq!(report.workers.len(), 3);
         assert!(report.workers.iter().all(|w| w.start == 0 && w.iterations == 30), "all start together");
-        let shards: Vec<_> = report.status.servers.iter().flat_map(|s| &s.shards).collect();
+        let shards: Vec<_> = report.servers.iter().flat_map(|s| &s.shards).collect();
         assert_eq!(shards.len(), 3, "3 shards over 2 servers");
         for s in shards {
             assert_eq!(s.stats.pushes_admitted, 90, "{name}: shard {}", s.shard);
@@ -204,7 +204,7 @@ fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
     assert!(straggler.tasks_given > 0, "the 3x slower worker was helped: {report:?}");
     assert_eq!(given, straggler.tasks_given, "only the straggler gave tasks away");
     assert_eq!(helped, given, "every moved task was computed exactly once");
-    for s in report.status.servers.iter().flat_map(|s| &s.shards) {
+    for s in report.servers.iter().flat_map(|s| &s.shards) {
         assert_eq!(s.stats.pushes_admitted, 120, "shard {}: one push per worker iteration", s.shard);
         assert_eq!(s.stats.policy_failures, 0);
     }
@@ -241,8 +241,7 @@ fn a_users_policy_module_uses_every_host_mechanism() {
     assert!(status.success(), "{}", run.output());
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0 + 4.0) * 30.0, "deadline");
     let report = run.report();
-    let shard =
-        |i| report.status.servers.iter().flat_map(|s| &s.shards).find(|s| s.shard == i).expect("shard");
+    let shard = |i| report.servers.iter().flat_map(|s| &s.shards).find(|s| s.shard == i).expect("shard");
     let (strict, loose) = (shard(0), shard(1));
     for s in [strict, loose] {
         assert_eq!(s.policy, "deadline 0.1.0");
@@ -297,8 +296,8 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     assert!(status.success(), "{}", run.output());
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "after two swaps");
     let report = run.report();
-    assert_eq!(report.status.swaps, 2);
-    for s in report.status.servers.iter().flat_map(|s| &s.shards) {
+    assert_eq!(report.swaps, 2);
+    for s in report.servers.iter().flat_map(|s| &s.shards) {
         assert_eq!(s.stats.swaps, 2);
         assert_eq!(s.stats.pushes_admitted, 600);
     }
@@ -362,7 +361,7 @@ fn a_killed_worker_is_dropped_and_bsp_goes_on() {
     assert_eq!(report.failed_workers.len(), 1);
     assert_eq!(report.workers.len(), 2);
     assert!(report.workers.iter().all(|w| w.iterations == 60), "the survivors finish under BSP");
-    let lost = report.status.workers.iter().find(|w| w.worker == 2).unwrap();
+    let lost = report.members.iter().find(|w| w.worker == 2).unwrap();
     assert!(!lost.connected && !lost.finished);
     // Survivors' pushes all count; the dead worker's count for the iterations it completed.
     let model = run.model();

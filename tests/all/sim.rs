@@ -5,9 +5,9 @@
 //! servers.
 
 use syncopate::builtin::PolicySpec;
-use syncopate::local::LocalReport;
-use syncopate::scenario::Scenario;
-use syncopate::sim::{simulate, SimOptions};
+use syncopate::lab::report::RunReport;
+use syncopate::lab::scenario::Scenario;
+use syncopate::lab::sim::{simulate, SimOptions};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -24,7 +24,7 @@ fn scenario(text: &str) -> Scenario {
     s
 }
 
-fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> LocalReport {
+fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
     let opts = SimOptions {
         scenario: scenario.clone(),
         policy: policy.parse::<PolicySpec>().unwrap(),
@@ -34,7 +34,7 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> LocalReport {
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
 }
 
-fn deferred(r: &LocalReport) -> u64 {
+fn deferred(r: &RunReport) -> u64 {
     r.workers.iter().map(|w| w.deferred_pulls).sum()
 }
 
@@ -77,14 +77,14 @@ fn the_simulator_ranks_policies_as_the_real_cluster_does() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let real: Vec<LocalReport> = ["bsp", "ssp-s-3", "asp"]
+    let real: Vec<RunReport> = ["bsp", "ssp-s-3", "asp"]
         .iter()
         .map(|p| {
             serde_json::from_slice(&std::fs::read(dir.join("real").join(p).join("report.json")).unwrap())
                 .unwrap()
         })
         .collect();
-    let simulated: Vec<LocalReport> = ["bsp", "ssp:s=3", "asp"].iter().map(|p| sim(&s, p, true)).collect();
+    let simulated: Vec<RunReport> = ["bsp", "ssp:s=3", "asp"].iter().map(|p| sim(&s, p, true)).collect();
     let (r, m): (Vec<u64>, Vec<u64>) =
         (real.iter().map(deferred).collect(), simulated.iter().map(deferred).collect());
     // The ranking by deferred pulls: BSP far above SSP, ASP never defers.
@@ -146,13 +146,13 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
     assert!(straggler.tasks_given > 0, "the 3x slower worker was helped: {:?}", straggler);
     assert_eq!(given, straggler.tasks_given, "only the straggler gave tasks away");
     assert_eq!(helped, given, "every moved task was computed exactly once");
-    for s in r.status.servers.iter().flat_map(|s| &s.shards) {
+    for s in r.servers.iter().flat_map(|s| &s.shards) {
         assert_eq!(s.stats.pushes_admitted, 120, "shard {}: one push per worker iteration", s.shard);
         assert_eq!(s.stats.policy_failures, 0);
     }
     // Moving tasks makes the straggler's iterations shorter than computing them all would.
     let bsp = sim(&scenario(EPSP), "bsp", true);
-    let time = |r: &LocalReport| r.workers.iter().map(|w| w.elapsed_ns).max().unwrap_or(0);
+    let time = |r: &RunReport| r.workers.iter().map(|w| w.elapsed_ns).max().unwrap_or(0);
     assert!(time(r) < time(&bsp), "EPSP {} ns against BSP {} ns", time(r), time(&bsp));
 }
 
@@ -171,7 +171,7 @@ fn ab_simulate_reports_the_tasks_epsp_moved() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let c: syncopate::ab::Comparison =
+    let c: syncopate::lab::report::Comparison =
         serde_json::from_slice(&std::fs::read(dir.join("out").join("comparison.json")).unwrap()).unwrap();
     let moved: Vec<u64> = c.rows.iter().map(|r| r.tasks_moved).collect();
     assert_eq!(moved[0], 0, "BSP moves nothing");

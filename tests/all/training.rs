@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::cluster::LocalRun;
 
 /// The MLP under `policy` on 4 workers and 2 servers, plus `extra` arguments.
-fn train(name: &str, policy: &str, extra: &[&str]) -> syncopate::local::LocalReport {
+fn train(name: &str, policy: &str, extra: &[&str]) -> syncopate::lab::report::RunReport {
     let common = ["--workload", "fashion-mlp", "--policy", policy, "--workers", "4", "--servers", "2"];
     let run = LocalRun::start_plain(name, &[&common[..], extra].concat());
     let (status, run) = run.finish(Duration::from_secs(600));
@@ -15,7 +15,7 @@ fn train(name: &str, policy: &str, extra: &[&str]) -> syncopate::local::LocalRep
     run.report()
 }
 
-fn best(report: &syncopate::local::LocalReport) -> f32 {
+fn best(report: &syncopate::lab::report::RunReport) -> f32 {
     report.watch.iter().filter_map(|p| p.accuracy).chain(report.final_accuracy).fold(0.0, f32::max)
 }
 
@@ -27,7 +27,7 @@ fn bsp_mlp_on_four_workers_reaches_84_percent() {
     assert!(best(&report) >= 0.84);
     // The best model the watcher scored is saved whole.
     assert!(report.best_accuracy.is_some_and(|a| a >= 0.84));
-    let best_file = report.model_file.with_file_name("model-best.bin");
+    let best_file = report.model_file.as_ref().expect("the model was saved").with_file_name("model-best.bin");
     assert_eq!(std::fs::metadata(&best_file).map(|m| m.len()).ok(), Some(101_770 * 4));
     let last = report.final_accuracy.expect("scored");
     // SGD with momentum wanders by a point or two between looks; the final model stays close.
@@ -40,7 +40,7 @@ fn bsp_mlp_on_four_workers_reaches_84_percent() {
         let model_bytes = 101_770 * 4 * w.iterations;
         assert!(w.bytes_sent > model_bytes && w.bytes_received > model_bytes, "{w:?}");
     }
-    let served: u64 = report.status.servers.iter().map(|s| s.bytes_sent).sum();
+    let served: u64 = report.servers.iter().map(|s| s.bytes_sent).sum();
     assert!(
         served > report.workers.iter().map(|w| w.bytes_received).sum::<u64>() / 2,
         "server bytes counted"
@@ -114,7 +114,7 @@ fn every_paradigm_converges_with_a_slow_worker() {
         assert!(acc >= 0.72, "{policy}: final {acc} after 300 iterations");
         let losses: Vec<f32> = report.watch.iter().filter_map(|p| p.loss).collect();
         assert!(losses.first() > losses.last(), "{policy}: test loss falls: {losses:?}");
-        let shards = report.status.servers.iter().flat_map(|s| &s.shards);
+        let shards = report.servers.iter().flat_map(|s| &s.shards);
         assert!(shards.clone().all(|s| s.stats.policy_failures == 0), "{policy} ran without failures");
         let given: u64 = report.workers.iter().map(|w| w.tasks_given).sum();
         let helped: u64 = report.workers.iter().map(|w| w.tasks_helped).sum();

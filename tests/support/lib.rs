@@ -173,7 +173,7 @@ impl ProcessCluster {
                 .stderr(Stdio::null());
             // Killed on drop, and by the kernel if this process dies first (a benchmark or
             // test killed mid-run leaves no nodes behind to skew the next).
-            syncopate::local::die_with_parent(&mut cmd);
+            syncopate::lab::local::die_with_parent(&mut cmd);
             cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
         };
         let (workers, shards, lr) = (workers.to_string(), shards.to_string(), lr.to_string());

@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::args::{tokio, PolicyArgs, SpinArgs, TrainArgs};
-use crate::local::{LocalOptions, Watch};
+use crate::lab::local::{LocalOptions, Watch};
 use std::time::Duration;
 use syncopate_workloads::WorkloadOptions;
 
@@ -164,8 +164,10 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
             seed: a.train.seed,
         },
         every: Duration::from_millis(a.eval_every_ms.max(50)),
-        target_accuracy: a.target_accuracy,
-        time_limit: a.time_limit_s.map(Duration::from_secs_f64),
+        stop: crate::lab::report::StopRules {
+            target_accuracy: a.target_accuracy,
+            time_limit_s: a.time_limit_s,
+        },
         iterations,
     };
     let opts = LocalOptions {
@@ -180,8 +182,8 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         watch,
     };
     eprintln!("run directory: {}", run_dir.display());
-    let report = tokio()?.block_on(crate::local::run(opts))?;
-    println!("policy:     {} (swaps: {})", report.status.policy, report.status.swaps);
+    let report = tokio()?.block_on(crate::lab::local::run(opts))?;
+    println!("policy:     {} (swaps: {})", report.policy, report.swaps);
     println!("elapsed:    {:.2} s", report.elapsed_s);
     for w in &report.workers {
         println!(
@@ -197,7 +199,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         "model:      {} parameters, {} steps, saved to {}",
         report.model_len,
         report.model_version,
-        report.model_file.display()
+        report.model_file.as_deref().unwrap_or(std::path::Path::new("-")).display()
     );
     if let Some(acc) = report.final_accuracy {
         println!("accuracy:   {:.2}% on the 10,000 test images (final model)", acc * 100.0);

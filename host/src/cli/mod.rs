@@ -82,7 +82,7 @@ pub struct AbArgs {
     pub scenario: std::path::PathBuf,
     /// The policies, comma-separated; a `k=v` item without a colon continues the previous
     /// policy's configuration: `bsp,ssp:s=3,dssp:s_lo=3,s_hi=15,epsp`.
-    #[arg(long, value_parser = crate::ab::parse_policies)]
+    #[arg(long, value_parser = crate::lab::ab::parse_policies)]
     pub policies: std::vec::Vec<crate::builtin::PolicySpec>,
     /// Where the runs and the comparison go (default: `runs/ab-<scenario>-<time>`).
     #[arg(long)]
@@ -101,7 +101,7 @@ pub struct AbArgs {
 
 fn ab(a: AbArgs) -> anyhow::Result<()> {
     use anyhow::Context;
-    let scenario = crate::scenario::Scenario::load(&a.scenario)?;
+    let scenario = crate::lab::scenario::Scenario::load(&a.scenario)?;
     if let (Some(mbit), false) = (scenario.bandwidth_mbit, a.simulate) {
         anyhow::bail!(
             "scenario `{}` limits bandwidth to {mbit} Mbit/s, which a loopback cluster cannot enforce; \
@@ -123,9 +123,9 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
         crate::runtime::PolicyInstance::new(&module, &args)
             .with_context(|| format!("policy `{spec}` does not start"))?;
     }
-    let out = a.out.unwrap_or_else(|| crate::ab::default_out(&scenario));
+    let out = a.out.unwrap_or_else(|| crate::lab::ab::default_out(&scenario));
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    let opts = crate::ab::AbOptions {
+    let opts = crate::lab::ab::AbOptions {
         exe,
         scenario,
         policies: a.policies,
@@ -134,9 +134,9 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
         simulate: a.simulate,
         gradients: !a.no_gradients,
     };
-    let comparison = crate::ab::run(&opts).context("ab")?;
+    let comparison = crate::lab::ab::run(&opts).context("ab")?;
     println!();
-    print!("{}", crate::ab::table(&comparison.scenario, &comparison.rows));
+    print!("{}", crate::lab::ab::table(&comparison.scenario, &comparison.rows));
     for f in &comparison.files {
         println!("wrote:      {}", f.display());
     }

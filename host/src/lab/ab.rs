@@ -10,11 +10,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde::{Deserialize, Serialize};
-
 use crate::builtin::PolicySpec;
-use crate::local::LocalReport;
-use crate::scenario::Scenario;
+use crate::lab::report::{AbRow, Comparison, RunReport};
+use crate::lab::scenario::Scenario;
 use crate::NodeError;
 
 /// How to run a comparison.
@@ -34,51 +32,6 @@ pub struct AbOptions {
     pub simulate: bool,
     /// With `simulate`: compute real gradients and score the model (false: decisions only).
     pub gradients: bool,
-}
-
-/// One policy's row of the comparison.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AbRow {
-    /// The policy, as given.
-    pub policy: String,
-    /// Wall-clock seconds of the run.
-    pub elapsed_s: f64,
-    /// Seconds until test accuracy first reached the target.
-    pub time_to_target_s: Option<f64>,
-    /// Test accuracy of the final model.
-    pub final_accuracy: Option<f32>,
-    /// The best test accuracy the watcher saw.
-    pub best_accuracy: Option<f32>,
-    /// Iterations per second, mean over workers.
-    pub iterations_per_s: f64,
-    /// Seconds each worker spent waiting for pulls, mean over workers.
-    pub wait_s: f64,
-    /// The share of the run workers spent waiting, mean over workers (0-1).
-    pub wait_share: f64,
-    /// Pulls any shard deferred, all workers.
-    pub deferred_pulls: u64,
-    /// Iterations all workers completed (runs that stop at a target differ in length: compare
-    /// deferred pulls per iteration).
-    pub iterations: u64,
-    /// Bytes the workers sent and received.
-    pub bytes_moved: u64,
-    /// Mean staleness of the applied gradients (optimizer steps between pull and admission).
-    pub mean_staleness: f64,
-    /// Tasks moved from one worker to another.
-    pub tasks_moved: u64,
-    /// Where the run's own report is.
-    pub run_dir: PathBuf,
-}
-
-/// What `comparison.json` holds.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Comparison {
-    /// The scenario as run.
-    pub scenario: Scenario,
-    /// One row per policy, in the order run.
-    pub rows: Vec<AbRow>,
-    /// The written files.
-    pub files: Vec<PathBuf>,
 }
 
 /// Parses a `--policies` list: specs separated by commas, where a `k=v` item without a colon
@@ -103,31 +56,6 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
 /// A folder name for a policy spec.
 fn slug(spec: &PolicySpec) -> String {
     spec.to_string().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
-}
-
-impl AbRow {
-    fn from_report(policy: String, r: &LocalReport, run_dir: PathBuf) -> Self {
-        let n = r.workers.len().max(1) as f64;
-        let mean = |f: &dyn Fn(&crate::worker::WorkerReport) -> f64| r.workers.iter().map(f).sum::<f64>() / n;
-        let stale_n: u64 = r.staleness.iter().sum();
-        let stale_sum: u64 = r.staleness.iter().enumerate().map(|(i, c)| i as u64 * c).sum();
-        AbRow {
-            policy,
-            elapsed_s: r.elapsed_s,
-            time_to_target_s: r.time_to_target_s,
-            final_accuracy: r.final_accuracy,
-            best_accuracy: r.best_accuracy,
-            iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
-            wait_s: mean(&|w| w.wait_ns as f64 / 1e9),
-            wait_share: mean(&|w| w.wait_ns as f64 / w.elapsed_ns.max(1) as f64),
-            deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
-            iterations: r.workers.iter().map(|w| w.iterations).sum(),
-            bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
-            mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
-            tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
-            run_dir,
-        }
-    }
 }
 
 /// Runs the scenario under every policy and writes the comparison into `opts.out`.
@@ -162,7 +90,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         }
         let path = dir.join("report.json");
         let bytes = std::fs::read(&path).map_err(io(format!("cannot read {}", path.display())))?;
-        let report: LocalReport = serde_json::from_slice(&bytes)
+        let report: RunReport = serde_json::from_slice(&bytes)
             .map_err(|e| NodeError::Protocol(format!("{} is not a run report: {e}", path.display())))?;
         rows.push(AbRow::from_report(spec.to_string(), &report, dir));
         reports.push(report);
@@ -172,7 +100,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
     std::fs::write(&md, table(&opts.scenario, &rows))
         .map_err(io(format!("cannot write {}", md.display())))?;
     files.push(md);
-    match crate::plots::comparison(&rows, &reports, &opts.scenario, &opts.out) {
+    match crate::lab::plots::comparison(&rows, &reports, &opts.scenario, &opts.out) {
         Ok(mut plots) => files.append(&mut plots),
         Err(e) => tracing::warn!("comparison plots not written: {e}"),
     }
@@ -184,24 +112,24 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
 }
 
 /// One policy in the simulator; writes its report and plots into `dir` as a real run would.
-fn simulated(opts: &AbOptions, spec: &PolicySpec, dir: &Path) -> Result<LocalReport, NodeError> {
+fn simulated(opts: &AbOptions, spec: &PolicySpec, dir: &Path) -> Result<RunReport, NodeError> {
     let rt = crate::runtime::PolicyRuntime::new().map_err(|e| NodeError::Protocol(e.to_string()))?;
-    let sim = crate::sim::SimOptions {
+    let sim = crate::lab::sim::SimOptions {
         scenario: opts.scenario.clone(),
         policy: spec.clone(),
         gradients: opts.gradients,
         data: opts.data.clone(),
     };
     let t = std::time::Instant::now();
-    let crate::sim::Simulated { mut report, model } =
-        crate::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
+    let crate::lab::sim::Simulated { mut report, model } =
+        crate::lab::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
     std::fs::create_dir_all(dir)
         .map_err(|source| NodeError::Io { what: format!("cannot create {}", dir.display()), source })?;
-    report.model_file = dir.join("model.bin");
-    std::fs::write(&report.model_file, crate::net::wire::f32_bytes(&model)).map_err(|source| {
-        NodeError::Io { what: format!("cannot write {}", report.model_file.display()), source }
-    })?;
-    report.plots = crate::plots::write_all(&report, dir).unwrap_or_default();
+    let model_file = dir.join("model.bin");
+    std::fs::write(&model_file, crate::net::wire::f32_bytes(&model))
+        .map_err(|source| NodeError::Io { what: format!("cannot write {}", model_file.display()), source })?;
+    report.model_file = Some(model_file);
+    report.plots = crate::lab::plots::write_all(&report, dir).unwrap_or_default();
     let path = dir.join("report.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report).expect("serializes"))
         .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;

@@ -11,12 +11,13 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::process::{Child, Command};
 
 use syncopate_workloads::{Evaluator, WorkloadOptions};
 
-use crate::net::proto::{ClusterStatus, ShardStatus};
+use crate::lab::report::{RunReport, StopRules, WatchPoint};
+use crate::net::proto::ShardStatus;
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
 use crate::operator::Operator;
 use crate::worker::WorkerReport;
@@ -54,95 +55,10 @@ pub struct Watch {
     pub options: WorkloadOptions,
     /// Pull the model and score it this often (wall clock).
     pub every: Duration,
-    /// Stop the workers once test accuracy reaches this.
-    pub target_accuracy: Option<f32>,
-    /// Stop the workers after this long.
-    pub time_limit: Option<Duration>,
+    /// When to ask the workers to stop (target accuracy reached, time limit passed).
+    pub stop: StopRules,
     /// Iterations each worker runs, for the progress bar.
     pub iterations: u64,
-}
-
-/// One look at the cluster during the run.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct WatchPoint {
-    /// Seconds since the workers started.
-    pub t_s: f64,
-    /// Test accuracy of the model read at that moment (workloads with a test set).
-    pub accuracy: Option<f32>,
-    /// Test loss.
-    pub loss: Option<f32>,
-    /// Slowest and fastest worker's clock on shard 0.
-    pub min_clock: u64,
-    /// The fastest worker's clock.
-    pub max_clock: u64,
-    /// Pulls deferred so far, all shards.
-    pub pulls_deferred: u64,
-    /// Time pulls spent deferred so far, all shards, in seconds.
-    pub deferred_s: f64,
-    /// Per live worker: seconds its pulls have spent deferred so far (the longest of any
-    /// shard), the same quantity as [`WorkerReport::deferred_ns`].
-    pub worker_waits_s: Vec<(u32, f64)>,
-}
-
-impl WatchPoint {
-    /// What the shards' counters say at `t_s` (accuracy and loss not yet scored): the one
-    /// reading of a cluster's progress, for real runs and simulated ones alike.
-    pub fn of_shards(t_s: f64, shards: &[&ShardStatus]) -> Self {
-        let clocks: Vec<u64> = shards
-            .iter()
-            .find(|s| s.shard == 0)
-            .map(|s| s.workers.iter().map(|w| w.clock).collect())
-            .unwrap_or_default();
-        let mut waits = std::collections::BTreeMap::<u32, u64>::new();
-        for (w, ns) in shards.iter().flat_map(|s| &s.waited_ns) {
-            let e = waits.entry(*w).or_default();
-            *e = (*e).max(*ns);
-        }
-        WatchPoint {
-            t_s,
-            accuracy: None,
-            loss: None,
-            min_clock: clocks.iter().copied().min().unwrap_or(0),
-            max_clock: clocks.iter().copied().max().unwrap_or(0),
-            pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
-            deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
-            worker_waits_s: waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect(),
-        }
-    }
-}
-
-/// What `report.json` holds.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct LocalReport {
-    /// Wall-clock seconds from start to the model being read.
-    pub elapsed_s: f64,
-    /// Reports of the workers that finished.
-    pub workers: Vec<WorkerReport>,
-    /// Workers that did not finish, with how they ended.
-    pub failed_workers: Vec<(u32, String)>,
-    /// The cluster's state at the end (policy, shards, counters).
-    pub status: ClusterStatus,
-    /// Parameters in the model.
-    pub model_len: usize,
-    /// The fewest optimizer steps of any shard.
-    pub model_version: u64,
-    /// Where the model was saved.
-    pub model_file: PathBuf,
-    /// When the workers started (Unix seconds), the origin of every time in this report.
-    pub started_unix_s: f64,
-    /// What the watcher saw, in order.
-    pub watch: Vec<WatchPoint>,
-    /// Test accuracy of the final model.
-    pub final_accuracy: Option<f32>,
-    /// The best test accuracy the watcher saw; that model is saved as `model-best.bin`.
-    pub best_accuracy: Option<f32>,
-    /// Seconds until test accuracy first reached the target.
-    pub time_to_target_s: Option<f64>,
-    /// Admitted pushes by staleness (optimizer steps between the pull a gradient was computed
-    /// from and its admission), summed over shards; the last bucket holds 15 or more.
-    pub staleness: Vec<u64>,
-    /// The plots written next to the report.
-    pub plots: Vec<PathBuf>,
 }
 
 struct Proc {
@@ -219,7 +135,7 @@ fn describe(status: ExitStatus) -> String {
 
 /// Runs a local cluster to the end: every worker finishes (or fails), the model is read and
 /// saved, the cluster shuts down. Progress goes to stderr.
-pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
+pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let began = Instant::now();
     let dir = &opts.run_dir;
     for sub in ["logs", "workers", "tls"] {
@@ -351,14 +267,12 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
                 } else {
                     eprintln!("[{:>6.1} s] clocks {}-{}  {msg}", point.t_s, point.min_clock, point.max_clock);
                 }
-                if let (Some(target), Some(acc), None) = (opts.watch.target_accuracy, point.accuracy, time_to_target) {
-                    if acc >= target {
-                        time_to_target = Some(point.t_s);
-                        progress.println(format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s));
-                    }
+                if time_to_target.is_none() && opts.watch.stop.reached(&point) {
+                    time_to_target = Some(point.t_s);
+                    let target = opts.watch.stop.target_accuracy.unwrap_or_default();
+                    progress.println(format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s));
                 }
-                let over_time = opts.watch.time_limit.is_some_and(|l| t0.elapsed() >= l);
-                if !stop_sent && (time_to_target.is_some() || over_time) {
+                if !stop_sent && opts.watch.stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
                     stop_sent = true;
                     operator.stop_training().await?;
                 }
@@ -430,17 +344,21 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
             }
         }
     }
-    let staleness = (0..crate::shard::STALENESS_BUCKETS)
-        .map(|b| status.servers.iter().flat_map(|s| &s.shards).map(|s| s.stats.staleness[b]).sum())
-        .collect();
-    let mut report = LocalReport {
+    let staleness = RunReport::staleness_of(status.servers.iter().flat_map(|s| &s.shards));
+    let mut report = RunReport {
+        simulated: false,
         elapsed_s,
         workers: reports,
         failed_workers: failed,
-        status,
+        policy: status.policy,
+        sha256: status.sha256,
+        config: status.config,
+        swaps: status.swaps,
+        servers: status.servers.into_iter().map(Into::into).collect(),
+        members: status.workers,
         model_len: model.len(),
         model_version,
-        model_file,
+        model_file: Some(model_file),
         started_unix_s: started.as_secs_f64(),
         watch: points,
         final_accuracy,
@@ -449,7 +367,7 @@ pub async fn run(opts: LocalOptions) -> Result<LocalReport, NodeError> {
         staleness,
         plots: Vec::new(),
     };
-    match crate::plots::write_all(&report, dir) {
+    match crate::lab::plots::write_all(&report, dir) {
         Ok(files) => report.plots = files,
         Err(e) => tracing::warn!("plots not written: {e}"),
     }

@@ -6,12 +6,21 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::local::LocalReport;
+use crate::lab::report::{AbRow, RunReport};
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Writes every plot the report has data for into `dir`; returns their paths.
-pub fn write_all(report: &LocalReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
+/// The run's policy, as plots name it.
+fn label(report: &RunReport) -> String {
+    if report.simulated {
+        format!("{} (simulated)", report.policy)
+    } else {
+        report.policy.clone()
+    }
+}
+
+pub fn write_all(report: &RunReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
     let mut files = Vec::new();
     if report.watch.iter().any(|p| p.accuracy.is_some()) {
         let path = dir.join("accuracy.svg");
@@ -41,7 +50,7 @@ const TIME_AXIS: &str = "wall-clock time since the workers were started (s)";
 
 /// One line over time, labelled with the run's policy.
 fn time_line(
-    report: &LocalReport,
+    report: &RunReport,
     path: &Path,
     title: &str,
     y_desc: &str,
@@ -53,7 +62,7 @@ fn time_line(
     let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{title} — {}", report.status.policy), ("sans-serif", 22))
+        .caption(format!("{title} — {}", label(report)), ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
@@ -61,25 +70,25 @@ fn time_line(
     chart.configure_mesh().x_desc(TIME_AXIS).y_desc(y_desc).draw()?;
     chart
         .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-        .label(report.status.policy.clone())
+        .label(label(report))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
     root.present()?;
     Ok(())
 }
 
-fn accuracy(report: &LocalReport, path: &Path) -> PlotResult<()> {
+fn accuracy(report: &RunReport, path: &Path) -> PlotResult<()> {
     let pts = report.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
     time_line(report, path, "Test accuracy", "test accuracy (%)", pts, 100.0, BLUE)
 }
 
-fn deferred(report: &LocalReport, path: &Path) -> PlotResult<()> {
+fn deferred(report: &RunReport, path: &Path) -> PlotResult<()> {
     let pts: Vec<(f64, f64)> = report.watch.iter().map(|p| (p.t_s, p.pulls_deferred as f64)).collect();
     let y_max = pts.iter().map(|p| p.1).fold(1.0, f64::max) * 1.05;
     time_line(report, path, "Deferred pulls", "deferred pulls so far (all shards)", pts, y_max, RED)
 }
 
-fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
+fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
     let t0 = report.started_unix_s;
     let n = report.workers.iter().map(|w| w.worker + 1).max().unwrap_or(1);
     let t_max = report
@@ -138,14 +147,14 @@ fn timeline(report: &LocalReport, path: &Path) -> PlotResult<()> {
     Ok(())
 }
 
-fn staleness(report: &LocalReport, path: &Path) -> PlotResult<()> {
+fn staleness(report: &RunReport, path: &Path) -> PlotResult<()> {
     let buckets = report.staleness.len() as u32;
     let total: u64 = report.staleness.iter().sum();
     let y_max = report.staleness.iter().map(|n| *n as f64 / total.max(1) as f64 * 100.0).fold(1.0, f64::max);
     let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Staleness of applied gradients — {}", report.status.policy), ("sans-serif", 22))
+        .caption(format!("Staleness of applied gradients — {}", label(report)), ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(60)
@@ -186,9 +195,9 @@ const PALETTE: [RGBColor; 8] = [
 /// The pictures of a `syncopate ab` comparison: every policy's test accuracy against time on one
 /// chart, and bars of the share of time workers spent waiting.
 pub fn comparison(
-    rows: &[crate::ab::AbRow],
-    reports: &[LocalReport],
-    scenario: &crate::scenario::Scenario,
+    rows: &[AbRow],
+    reports: &[RunReport],
+    scenario: &crate::lab::scenario::Scenario,
     dir: &Path,
 ) -> PlotResult<Vec<PathBuf>> {
     let mut files = Vec::new();

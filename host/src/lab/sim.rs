@@ -25,7 +25,6 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::net::{Ipv4Addr, SocketAddr};
 
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
@@ -34,13 +33,11 @@ use syncopate_policy_sdk::abi::{Applied, IterationReport, RequestId, WorkerId};
 use syncopate_workloads::{Evaluator, Workload, WorkloadOptions};
 
 use crate::builtin::PolicySpec;
-use crate::local::{LocalReport, WatchPoint};
-use crate::net::proto::{ClusterStatus, ControlMessage, ServerStatus, ShardStatus, WorkerStatus};
+use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
+use crate::lab::scenario::Scenario;
+use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
-use crate::scenario::Scenario;
-use crate::shard::{
-    Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, STALENESS_BUCKETS,
-};
+use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
 use crate::worker::WorkerReport;
 
 /// How to simulate.
@@ -182,7 +179,7 @@ struct Sim {
 #[derive(Debug)]
 pub struct Simulated {
     /// The same report a real run writes (its `model_file` is empty until the model is saved).
-    pub report: LocalReport,
+    pub report: RunReport,
     /// The final parameters, every shard's in order (one value per shard without gradients).
     pub model: Vec<f32>,
 }
@@ -574,10 +571,10 @@ impl Sim {
             }
             Ev::Watch => {
                 self.observe();
-                let (limit, every) = (self.opts.scenario.time_limit_s, self.opts.scenario.eval_every_ms);
-                let over = limit.is_some_and(|l| self.now as f64 / 1e9 >= l);
-                let reached = self.time_to_target.is_some();
-                if (over || reached) && !self.stopping {
+                let every = self.opts.scenario.eval_every_ms;
+                let stop =
+                    self.stop_rules().should_stop(self.now as f64 / 1e9, self.time_to_target.is_some());
+                if stop && !self.stopping {
                     self.stopping = true;
                     for w in 0..self.workers.len() as u32 {
                         if !self.workers[w as usize].machine.is_done() {
@@ -593,6 +590,11 @@ impl Sim {
         Ok(())
     }
 
+    fn stop_rules(&self) -> StopRules {
+        let sc = &self.opts.scenario;
+        StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
+    }
+
     fn model(&self) -> Vec<f32> {
         self.shards.iter().flat_map(|s| s.values().iter().copied()).collect()
     }
@@ -601,49 +603,31 @@ impl Sim {
         let t_s = self.now as f64 / 1e9;
         let score =
             self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
-        if let (Some(sc), Some(target), None) =
-            (score, self.opts.scenario.target_accuracy, self.time_to_target)
-        {
-            if sc.accuracy >= target {
-                self.time_to_target = Some(t_s);
-            }
-        }
         let status: Vec<ShardStatus> =
             self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
+        if self.time_to_target.is_none() && self.stop_rules().reached(&point) {
+            self.time_to_target = Some(t_s);
+        }
         self.watch.push(point);
     }
 
-    fn report(mut self) -> LocalReport {
+    fn report(mut self) -> RunReport {
         self.observe();
         let n = self.workers.len();
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-        let policy = format!("{} (simulated)", self.opts.policy);
-        let mut staleness = vec![0u64; STALENESS_BUCKETS];
-        let shards: Vec<ShardStatus> = self
-            .shards
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                for (b, c) in staleness.iter_mut().zip(s.stats().staleness) {
-                    *b += c;
-                }
-                ShardStatus::of(i as u32, s)
-            })
-            .collect();
+        let shards: Vec<ShardStatus> =
+            self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
+        let staleness = RunReport::staleness_of(shards.iter());
         let servers = (0..self.opts.scenario.servers)
             .map(|id| {
                 let node = n + id as usize;
-                ServerStatus {
+                let mine =
+                    shards.iter().filter(|s| self.server_of[s.shard as usize] == id).cloned().collect();
+                ServerRecord {
                     server: id,
-                    addr,
-                    shards: shards
-                        .iter()
-                        .filter(|s| self.server_of[s.shard as usize] == id)
-                        .cloned()
-                        .collect(),
+                    shards: mine,
                     bytes_sent: self.up[node].bytes,
                     bytes_received: self.down[node].bytes,
                 }
@@ -656,36 +640,43 @@ impl Sim {
             .iter()
             .filter_map(|p| p.accuracy)
             .fold(None, |b: Option<f32>, a| Some(b.map_or(a, |b| b.max(a))));
+        let members = self
+            .workers
+            .iter()
+            .map(|w| WorkerStatus {
+                worker: w.machine.config().id,
+                connected: false,
+                finished: w.machine.is_done(),
+            })
+            .collect();
         let workers: Vec<WorkerReport> = self
             .workers
-            .iter_mut()
+            .iter()
             .enumerate()
             .map(|(i, w)| {
                 let mut r = w.machine.report().clone();
-                if r.elapsed_ns == 0 {
+                if !w.machine.is_done() {
+                    // Still waiting when the run was ended: it ran until then.
                     r.elapsed_ns = self.now;
                 }
                 (r.bytes_sent, r.bytes_received) = (self.up[i].bytes, self.down[i].bytes);
                 r
             })
             .collect();
-        LocalReport {
+        RunReport {
+            simulated: true,
             elapsed_s: self.now as f64 / 1e9,
             workers,
             failed_workers: Vec::new(),
-            status: ClusterStatus {
-                policy,
-                sha256: shards.first().map(|s| s.sha256.clone()).unwrap_or_default(),
-                config: self.opts.policy.config.clone(),
-                swaps: 0,
-                servers,
-                workers: (0..n as u32)
-                    .map(|worker| WorkerStatus { worker, connected: false, finished: true })
-                    .collect(),
-            },
+            policy: self.opts.policy.to_string(),
+            sha256: shards.first().map(|s| s.sha256.clone()).unwrap_or_default(),
+            config: self.opts.policy.config.clone(),
+            swaps: 0,
+            servers,
+            members,
             model_len: model.len(),
             model_version: self.shards.iter().map(Shard::version).min().unwrap_or(0),
-            model_file: std::path::PathBuf::new(),
+            model_file: None,
             started_unix_s: 0.0,
             watch: self.watch,
             final_accuracy: final_score.map(|s| s.accuracy),

@@ -1,0 +1,21 @@
+//! The lab: what users run to try policies under realistic conditions, above the cluster.
+//!
+//! - [`scenario`]: scenarios as TOML files (workload, cluster size, heterogeneity, optimizer,
+//!   budget), the one typed specification of a run that both drivers accept;
+//! - [`local`]: a real cluster on this machine, as processes over QUIC (`syncopate local`);
+//! - [`sim`]: the deterministic simulator, which runs the engine's shards and worker machines in
+//!   virtual time (`syncopate ab --simulate`);
+//! - [`report`]: what a run (real or simulated) reports, and the watcher's readings and stop
+//!   rules, shared by both;
+//! - [`ab`]: one scenario under several policies, compared;
+//! - [`plots`]: the SVG plots of a run and of a comparison.
+//!
+//! Dependencies run one way: `report` depends on no other lab module; `plots` on `report`;
+//! `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of them.
+
+pub mod ab;
+pub mod local;
+pub mod plots;
+pub mod report;
+pub mod scenario;
+pub mod sim;

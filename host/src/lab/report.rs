@@ -1,0 +1,239 @@
+//! What runs report, real or simulated: the run report (`report.json`), the watcher's readings
+//! and stop rules, and the rows of an A/B comparison. Both drivers of a run (the local cluster
+//! and the simulator) fill these types with what they measured, and every reader (plots, `ab`,
+//! tests) reads only these.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::lab::scenario::Scenario;
+use crate::net::proto::{ServerStatus, ShardStatus, WorkerStatus};
+use crate::shard::STALENESS_BUCKETS;
+use crate::worker::WorkerReport;
+
+/// One look at the cluster during the run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WatchPoint {
+    /// Seconds since the workers started.
+    pub t_s: f64,
+    /// Test accuracy of the model read at that moment (workloads with a test set).
+    pub accuracy: Option<f32>,
+    /// Test loss.
+    pub loss: Option<f32>,
+    /// Slowest and fastest worker's clock on shard 0.
+    pub min_clock: u64,
+    /// The fastest worker's clock.
+    pub max_clock: u64,
+    /// Pulls deferred so far, all shards.
+    pub pulls_deferred: u64,
+    /// Time pulls spent deferred so far, all shards, in seconds.
+    pub deferred_s: f64,
+    /// Per live worker: seconds its pulls have spent deferred so far (the longest of any
+    /// shard), the same quantity as [`WorkerReport::deferred_ns`].
+    pub worker_waits_s: Vec<(u32, f64)>,
+}
+
+impl WatchPoint {
+    /// What the shards' counters say at `t_s` (accuracy and loss not yet scored): the one
+    /// reading of a cluster's progress, for real runs and simulated ones alike.
+    pub fn of_shards(t_s: f64, shards: &[&ShardStatus]) -> Self {
+        let clocks: Vec<u64> = shards
+            .iter()
+            .find(|s| s.shard == 0)
+            .map(|s| s.workers.iter().map(|w| w.clock).collect())
+            .unwrap_or_default();
+        let mut waits = std::collections::BTreeMap::<u32, u64>::new();
+        for (w, ns) in shards.iter().flat_map(|s| &s.waited_ns) {
+            let e = waits.entry(*w).or_default();
+            *e = (*e).max(*ns);
+        }
+        WatchPoint {
+            t_s,
+            accuracy: None,
+            loss: None,
+            min_clock: clocks.iter().copied().min().unwrap_or(0),
+            max_clock: clocks.iter().copied().max().unwrap_or(0),
+            pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
+            deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
+            worker_waits_s: waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect(),
+        }
+    }
+}
+
+/// What `report.json` holds: one run, on a real cluster or in the simulator. Every field means
+/// the same in both, and neither fills in a value it does not have.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunReport {
+    /// Whether the run was simulated (times are then virtual).
+    pub simulated: bool,
+    /// Seconds from start to the model being read (virtual seconds when simulated).
+    pub elapsed_s: f64,
+    /// Reports of the workers that finished.
+    pub workers: Vec<WorkerReport>,
+    /// Workers that did not finish, with how they ended.
+    pub failed_workers: Vec<(u32, String)>,
+    /// The policy running at the end (name and version).
+    pub policy: String,
+    /// SHA-256 of its module, hex.
+    pub sha256: String,
+    /// Its configuration.
+    pub config: Vec<(String, String)>,
+    /// Hot swaps during the run.
+    pub swaps: u64,
+    /// Each server's shards at the end (policy, clocks, counters) and its traffic.
+    pub servers: Vec<ServerRecord>,
+    /// Every worker the cluster knew, and how it ended (connected, finished cleanly).
+    pub members: Vec<WorkerStatus>,
+    /// Parameters in the model.
+    pub model_len: usize,
+    /// The fewest optimizer steps of any shard.
+    pub model_version: u64,
+    /// Where the final model was saved (little-endian `f32`), once it is.
+    pub model_file: Option<PathBuf>,
+    /// When the workers started (Unix seconds; 0 when simulated), the origin of every time in
+    /// this report.
+    pub started_unix_s: f64,
+    /// What the watcher saw, in order.
+    pub watch: Vec<WatchPoint>,
+    /// Test accuracy of the final model.
+    pub final_accuracy: Option<f32>,
+    /// The best test accuracy the watcher saw; that model is saved as `model-best.bin`.
+    pub best_accuracy: Option<f32>,
+    /// Seconds until test accuracy first reached the target.
+    pub time_to_target_s: Option<f64>,
+    /// Admitted pushes by staleness (optimizer steps between the pull a gradient was computed
+    /// from and its admission), summed over shards; the last bucket holds 15 or more.
+    pub staleness: Vec<u64>,
+    /// The plots written next to the report.
+    pub plots: Vec<PathBuf>,
+}
+
+/// One server at the end of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerRecord {
+    /// Its id.
+    pub server: u32,
+    /// Its shards.
+    pub shards: Vec<ShardStatus>,
+    /// Bytes it sent to workers (on a cluster: UDP payloads, QUIC and TLS included).
+    pub bytes_sent: u64,
+    /// Bytes it received.
+    pub bytes_received: u64,
+}
+
+impl RunReport {
+    /// Every shard, in server order.
+    pub fn shards(&self) -> impl Iterator<Item = &ShardStatus> {
+        self.servers.iter().flat_map(|s| &s.shards)
+    }
+
+    /// Admitted pushes by staleness, summed over `shards`.
+    pub fn staleness_of<'a>(shards: impl Iterator<Item = &'a ShardStatus> + Clone) -> Vec<u64> {
+        (0..STALENESS_BUCKETS).map(|b| shards.clone().map(|s| s.stats.staleness[b]).sum()).collect()
+    }
+}
+
+impl From<ServerStatus> for ServerRecord {
+    fn from(s: ServerStatus) -> Self {
+        ServerRecord {
+            server: s.server,
+            shards: s.shards,
+            bytes_sent: s.bytes_sent,
+            bytes_received: s.bytes_received,
+        }
+    }
+}
+
+/// When a run stops: once test accuracy reaches the target, or the time limit has passed. The
+/// watcher of a real run and the simulator apply the same rules.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StopRules {
+    /// Stop once test accuracy reaches this.
+    pub target_accuracy: Option<f32>,
+    /// Stop after this many seconds.
+    pub time_limit_s: Option<f64>,
+}
+
+impl StopRules {
+    /// Whether `point` reaches the target accuracy.
+    pub fn reached(&self, point: &WatchPoint) -> bool {
+        matches!((self.target_accuracy, point.accuracy), (Some(t), Some(a)) if a >= t)
+    }
+
+    /// Whether a run at `t_s` seconds, with the target reached or not, should stop.
+    pub fn should_stop(&self, t_s: f64, target_reached: bool) -> bool {
+        target_reached || self.time_limit_s.is_some_and(|l| t_s >= l)
+    }
+}
+
+/// One policy's row of the comparison.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AbRow {
+    /// The policy, as given.
+    pub policy: String,
+    /// Wall-clock seconds of the run.
+    pub elapsed_s: f64,
+    /// Seconds until test accuracy first reached the target.
+    pub time_to_target_s: Option<f64>,
+    /// Test accuracy of the final model.
+    pub final_accuracy: Option<f32>,
+    /// The best test accuracy the watcher saw.
+    pub best_accuracy: Option<f32>,
+    /// Iterations per second, mean over workers.
+    pub iterations_per_s: f64,
+    /// Seconds each worker spent waiting for pulls, mean over workers.
+    pub wait_s: f64,
+    /// The share of the run workers spent waiting, mean over workers (0-1).
+    pub wait_share: f64,
+    /// Pulls any shard deferred, all workers.
+    pub deferred_pulls: u64,
+    /// Iterations all workers completed (runs that stop at a target differ in length: compare
+    /// deferred pulls per iteration).
+    pub iterations: u64,
+    /// Bytes the workers sent and received.
+    pub bytes_moved: u64,
+    /// Mean staleness of the applied gradients (optimizer steps between pull and admission).
+    pub mean_staleness: f64,
+    /// Tasks moved from one worker to another.
+    pub tasks_moved: u64,
+    /// Where the run's own report is.
+    pub run_dir: PathBuf,
+}
+
+/// What `comparison.json` holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Comparison {
+    /// The scenario as run.
+    pub scenario: Scenario,
+    /// One row per policy, in the order run.
+    pub rows: Vec<AbRow>,
+    /// The written files.
+    pub files: Vec<PathBuf>,
+}
+
+impl AbRow {
+    /// The row summarizing run report `r`, whose files are in `run_dir`.
+    pub fn from_report(policy: String, r: &RunReport, run_dir: PathBuf) -> Self {
+        let n = r.workers.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&crate::worker::WorkerReport) -> f64| r.workers.iter().map(f).sum::<f64>() / n;
+        let stale_n: u64 = r.staleness.iter().sum();
+        let stale_sum: u64 = r.staleness.iter().enumerate().map(|(i, c)| i as u64 * c).sum();
+        AbRow {
+            policy,
+            elapsed_s: r.elapsed_s,
+            time_to_target_s: r.time_to_target_s,
+            final_accuracy: r.final_accuracy,
+            best_accuracy: r.best_accuracy,
+            iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
+            wait_s: mean(&|w| w.wait_ns as f64 / 1e9),
+            wait_share: mean(&|w| w.wait_ns as f64 / w.elapsed_ns.max(1) as f64),
+            deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
+            iterations: r.workers.iter().map(|w| w.iterations).sum(),
+            bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
+            mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
+            tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
+            run_dir,
+        }
+    }
+}
