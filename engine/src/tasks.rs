@@ -113,6 +113,14 @@ pub struct Handover {
 }
 
 impl Handover {
+    /// Whether the tasks handed over exist: within the split's tasks, which number 1 to
+    /// [`MAX_TASKS`] (nothing handed over is always valid).
+    pub fn is_valid(&self) -> bool {
+        self.count == 0
+            || ((1..=MAX_TASKS).contains(&self.split.total)
+                && self.first.saturating_add(self.count) <= self.split.total)
+    }
+
     /// The tasks, as a message for whoever computes them.
     pub fn message(&self, shard: u32) -> ControlMessage {
         let control = Control::MoveTasks {
@@ -193,6 +201,17 @@ mod tests {
         assert!(TaskPart::range(0, 4, 4).is_whole());
         assert!(!TaskPart { mask: 0b10000, total: 4 }.is_valid());
         assert!(!TaskPart { mask: 1, total: MAX_TASKS + 1 }.is_valid());
+        let split = |total| MovedTasks { total, batch: 32, part: 0 };
+        let h = |first, count, total| Handover {
+            owner: 0,
+            to: 1,
+            iteration: 0,
+            first,
+            count,
+            split: split(total),
+        };
+        assert!(h(2, 2, 4).is_valid() && h(9, 0, 0).is_valid(), "in range, or nothing handed over");
+        assert!(!h(3, 2, 4).is_valid() && !h(0, 1, 0).is_valid() && !h(0, 1, MAX_TASKS + 1).is_valid());
     }
 
     #[test]

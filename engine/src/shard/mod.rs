@@ -584,11 +584,6 @@ impl Shard {
         }
     }
 
-    /// The tasks in flight between workers.
-    pub fn ledger(&self) -> &TaskLedger {
-        &self.ledger
-    }
-
     /// The owner of tasks a policy moved answers the move ([`crate::tasks`]): the tasks it
     /// hands over go to the helper (or, if the helper has gone, back to the owner), and the
     /// policy hears how many moved as an `Event::ControlApplied` for the helper.
@@ -601,7 +596,7 @@ impl Shard {
         if !self.clocks.is_live(h.owner) {
             return Err(ShardError::UnknownWorker(h.owner, self.shard));
         }
-        if h.first.saturating_add(h.count) > MAX_TASKS || h.split.total == 0 || h.split.total > MAX_TASKS {
+        if !h.is_valid() {
             let mask = TaskPart::range(h.first, h.count, MAX_TASKS).mask;
             let reason =
                 format!("a hand-over of tasks {}..{} of {}", h.first, h.first + h.count, h.split.total);

@@ -37,6 +37,19 @@ impl Buffers {
         }
     }
 
+    /// Buffers for `workload`'s model, and whether the workload can split iterations into tasks
+    /// (asked by computing one task of part `part`). With no workload (decision-only
+    /// simulation), no tensors, and iterations split as every built-in workload's do.
+    pub fn for_workload(workload: Option<&mut dyn Workload>, part: u32) -> (Self, bool) {
+        let Some(workload) = workload else { return (Buffers::default(), true) };
+        let mut bufs = Buffers::new(workload.param_len(), false);
+        let can_split = workload.task_gradient(part, 0, 2, 0..1, 2, &bufs.params, &mut bufs.task).is_some();
+        if can_split {
+            bufs.model = vec![0.0; bufs.params.len()];
+        }
+        (bufs, can_split)
+    }
+
     /// A pull has completed: keeps a copy of the parameters for moved tasks.
     pub fn pulled(&mut self) {
         if self.model.len() == self.params.len() {

@@ -235,13 +235,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut workers = Vec::new();
     for w in 0..n {
         let mut workload = workloads.next();
-        let tensors = if opts.gradients { len } else { 0 };
-        let mut bufs = Buffers::new(tensors, false);
-        // Without gradients, iterations split as the built-in workloads' do.
-        let can_split = match workload.as_mut() {
-            Some(wl) => wl.task_gradient(w, 0, 2, 0..1, 2, &bufs.params, &mut bufs.task).is_some(),
-            None => true,
-        };
+        let (bufs, can_split) =
+            Buffers::for_workload(workload.as_deref_mut().map(|x| x as &mut dyn Workload), w);
         let device = Device {
             compute_ns: sc.compute_ms.max(1) * 1_000_000,
             slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
@@ -267,7 +262,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
         workers.push(SimWorker {
             machine,
-            bufs: Buffers::new(tensors, can_split && opts.gradients),
+            bufs,
             workload,
             replies: 0,
             deferred: false,

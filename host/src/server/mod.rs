@@ -503,14 +503,14 @@ async fn handle_request(
             }
         }
         DataRequest::TasksYielded { to, iteration, first, count, total, batch, part, .. } => {
-            if count > 0 && (first.saturating_add(count) > total || total > crate::tasks::MAX_TASKS) {
+            let split = MovedTasks { total, batch, part };
+            let handover = Handover { owner: worker, to, iteration, first, count, split };
+            if !handover.is_valid() {
                 return err(format!(
                     "tasks {first}..{} of {total} do not exist",
                     first.saturating_add(count)
                 ));
             }
-            let split = MovedTasks { total, batch, part };
-            let handover = Handover { owner: worker, to, iteration, first, count, split };
             let _ = tx.send(ShardCmd::Yielded { handover }).await;
             (DataResponse::Ok, None)
         }

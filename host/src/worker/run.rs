@@ -106,11 +106,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     let mut controls = client.take_controls();
     let id = client.id();
     let mut workload = workload;
-    let mut bufs = Buffers::new(len, false);
-    let can_split = workload.task_gradient(opts.part, 0, 2, 0..1, 2, &bufs.params, &mut bufs.task).is_some();
-    if can_split {
-        bufs = Buffers::new(len, true);
-    }
+    let (mut bufs, can_split) = Buffers::for_workload(Some(workload.as_mut()), opts.part);
     let cfg = WorkerConfig {
         id,
         start,
@@ -151,14 +147,16 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     m.handle(clock.now(), Input::Computed { step, compute_ns })?;
                 }
                 Action::Push(job) if job.kind == JobKind::Own => {
+                    // Makes a split iteration's sum its mean; the push then owns the buffer.
                     bufs.gradient(&job);
                     let grad = std::mem::take(&mut bufs.grad);
                     inflight.push(Box::pin(async move {
+                        let (iteration, samples) = (job.iteration, job.samples);
                         let r = match job.tasks {
-                            None => client_ref.push(job.iteration, &grad, job.samples).await,
+                            None => client_ref.push(iteration, &grad, samples).await,
                             Some(t) => {
-                                let c = client_ref;
-                                c.push_tasks(job.owner, job.iteration, t.mask, t.total, &grad, job.samples)
+                                client_ref
+                                    .push_tasks(job.owner, iteration, t.mask, t.total, &grad, samples)
                                     .await
                             }
                         };
