@@ -49,6 +49,9 @@ struct Worker {
     moving: bool,
     /// It waits on a pull and has been given tasks.
     helping: bool,
+    /// The last iteration of its from which tasks moved to other workers: that iteration's
+    /// report counts only the samples it kept, so it does not tell its batch size.
+    gave_away: Option<u64>,
 }
 
 /// Elastic-parallelism synchronous parallel.
@@ -263,8 +266,9 @@ impl Policy for Epsp {
     fn on_iteration_finished(&mut self, _ctx: &mut Ctx<'_>, report: &IterationReport) {
         self.speed.record(report);
         let w = self.worker(report.worker);
-        // A report covers the worker's own tasks only; its batch is what it started with.
-        if w.batch == 0 {
+        // A report covers the worker's own tasks only: its batch is learnt from an iteration
+        // none of whose tasks moved away.
+        if w.batch == 0 && w.gave_away != Some(report.iteration) {
             w.batch = report.samples;
         }
     }
@@ -279,6 +283,9 @@ impl Policy for Epsp {
                 let tasks = self.tasks;
                 let w = self.worker(from);
                 w.moving = false;
+                if count > 0 {
+                    w.gave_away = Some(iteration);
+                }
                 if w.hi_iteration == iteration {
                     // Tasks the owner had started stay with it.
                     w.hi = if count > 0 { first } else { tasks.min(w.hi.max(first + count)) };
