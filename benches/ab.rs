@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use syncopate::builtin::PolicySpec;
-use syncopate::lab::scenario::Scenario;
+use syncopate::lab::scenario::{RunSpec, Scenario};
 use syncopate::lab::sim::{simulate, SimOptions};
 use syncopate::runtime::PolicyRuntime;
 
@@ -67,8 +67,7 @@ fn sim_scale(c: &mut Criterion) {
     g.sample_size(10);
     for policy in POLICIES {
         let opts = SimOptions {
-            scenario: scenario.clone(),
-            policy: policy.parse::<PolicySpec>().expect("policy"),
+            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
             gradients: false,
             data: None,
         };

@@ -73,6 +73,23 @@ impl std::fmt::Display for PolicySpec {
     }
 }
 
+/// The configuration shard `shard` runs with: `config`, with the overrides `(shard, key, value)`
+/// naming this shard applied over it (a key the configuration lacks is added).
+pub fn shard_config(
+    config: &[(String, String)],
+    overrides: &[(u32, String, String)],
+    shard: u32,
+) -> Vec<(String, String)> {
+    let mut config = config.to_vec();
+    for (_, k, v) in overrides.iter().filter(|(s, ..)| *s == shard) {
+        match config.iter_mut().find(|(key, _)| key == k) {
+            Some(entry) => entry.1 = v.clone(),
+            None => config.push((k.clone(), v.clone())),
+        }
+    }
+    config
+}
+
 impl PolicySpec {
     /// Compiles the module this spec names: a built-in, or a file.
     pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {

@@ -6,7 +6,7 @@
 
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
-use syncopate::lab::scenario::Scenario;
+use syncopate::lab::scenario::{RunSpec, Scenario};
 use syncopate::lab::sim::{simulate, SimOptions};
 
 use crate::cli::syncopate_bin;
@@ -26,8 +26,7 @@ fn scenario(text: &str) -> Scenario {
 
 fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
     let opts = SimOptions {
-        scenario: scenario.clone(),
-        policy: policy.parse::<PolicySpec>().unwrap(),
+        run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients,
         data: None,
     };
@@ -120,7 +119,8 @@ fn the_simulator_ranks_policies_as_the_real_cluster_does() {
 }
 
 /// Counter pushes of exactly known values, straggler at 3x: the cluster test's EPSP set-up.
-const EPSP: &str = "name = \"epsp-sim\"\nworkers = 4\nservers = 2\nshards = 3\nworkload = \"counter\"\n\
+const EPSP: &str =
+    "name = \"epsp-sim\"\nworkers = 4\nservers = 2\nshards = 3\nworkload = \"counter\"\nparams = 64\n\
     compute_ms = 20\niterations = 30\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
     [[slow]]\nworker = 0\nfactor = 3.0\n";
 
@@ -128,8 +128,7 @@ const EPSP: &str = "name = \"epsp-sim\"\nworkers = 4\nservers = 2\nshards = 3\nw
 fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
     let s = scenario(EPSP);
     let opts = SimOptions {
-        scenario: s,
-        policy: "epsp:elastic=false,tasks=8".parse::<PolicySpec>().unwrap(),
+        run: RunSpec::new(s, "epsp:elastic=false,tasks=8".parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
     };
@@ -180,5 +179,5 @@ fn ab_simulate_reports_the_tasks_epsp_moved() {
     assert!(table.contains(&format!(" {} |", moved[1])), "the table shows the moved tasks:\n{table}");
     // The simulated run keeps its model, as a real run does.
     let model = std::fs::read(dir.join("out").join("epsp").join("model.bin")).unwrap();
-    assert_eq!(model.len(), 64 * 4);
+    assert_eq!(model.len(), 64 * 4, "the scenario's 64 parameters, 4 bytes each");
 }

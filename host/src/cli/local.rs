@@ -6,9 +6,8 @@ use anyhow::Context;
 use clap::Args;
 
 use super::args::{tokio, PolicyArgs, SpinArgs, TrainArgs};
-use crate::lab::local::{LocalOptions, Watch};
-use std::time::Duration;
-use syncopate_workloads::WorkloadOptions;
+use crate::lab::local::LocalOptions;
+use crate::lab::scenario::{Jitter, RunSpec, Scenario, Slow, Stall};
 
 /// `syncopate local`.
 #[derive(Debug, Args)]
@@ -93,13 +92,9 @@ fn parse_triple(s: &str) -> Result<(u32, f64, f64), String> {
     Ok((w.parse().map_err(|_| "bad worker")?, num(a)?, num(b)?))
 }
 
-/// Runs `syncopate local`.
-pub fn run(a: LocalArgs) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    let spec = a.policy.policy.to_string();
-    // Fail here, not in a child process, if the policy cannot be found.
-    a.policy.policy.bytes()?;
-    let run_dir = a.run_dir.unwrap_or_else(|| {
+/// The typed run these flags describe, and the launcher's settings.
+fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
+    let run_dir = a.run_dir.clone().unwrap_or_else(|| {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -109,14 +104,6 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
             .map(|s| s.to_string_lossy().into_owned());
         PathBuf::from("runs").join(format!("{secs}-{}", name.unwrap_or_default()))
     });
-    let mut coordinator_args = vec!["--policy".to_string(), spec.clone()];
-    if let Some(shards) = a.shards {
-        coordinator_args.extend(["--shards".into(), shards.to_string()]);
-    }
-    for (shard, k, v) in &a.policy.overrides {
-        coordinator_args.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
-    }
-    coordinator_args.extend(a.train.to_args());
     let iterations = match a.iterations {
         Some(i) => i,
         None if a.workload.starts_with("fashion") => {
@@ -125,62 +112,49 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         }
         None => 100,
     };
-    let worker_args = [
-        ("--workload", a.workload.clone()),
-        ("--params", a.params.to_string()),
-        ("--data", a.data.display().to_string()),
-        ("--hidden", a.hidden.to_string()),
-        ("--iterations", iterations.to_string()),
-        ("--batch", a.batch.to_string()),
-        ("--seed", a.train.seed.to_string()),
-        ("--delay-ms", a.delay_ms.to_string()),
-    ]
-    .into_iter()
-    .flat_map(|(k, v)| [k.to_string(), v])
-    .chain(a.spin.to_args())
-    .collect();
-    let per_worker_args = (0..a.workers)
-        .map(|w| {
-            let mut args = vec!["--part".to_string(), format!("{w}/{}", a.workers)];
-            if let Some((_, f)) = a.slow.iter().find(|(s, _)| *s == w) {
-                args.extend(["--slow-factor".into(), f.to_string()]);
-            }
-            if let Some((_, m, sd)) = a.jitter.iter().find(|(s, ..)| *s == w) {
-                args.extend(["--jitter-ms".into(), format!("{m}:{sd}")]);
-            }
-            if let Some((_, at, len)) = a.stall.iter().find(|(s, ..)| *s == w) {
-                args.extend(["--stall".into(), format!("{at}:{len}")]);
-            }
-            (w, args)
-        })
-        .collect();
-    let watch = Watch {
+    let scenario = Scenario {
+        name: "local".into(),
+        description: String::new(),
         workload: a.workload.clone(),
-        options: WorkloadOptions {
-            params: a.params,
-            data_dir: a.data.clone(),
-            part: (0, 1),
-            hidden: a.hidden,
-            seed: a.train.seed,
-        },
-        every: Duration::from_millis(a.eval_every_ms.max(50)),
-        stop: crate::lab::report::StopRules {
-            target_accuracy: a.target_accuracy,
-            time_limit_s: a.time_limit_s,
-        },
-        iterations,
-    };
-    let opts = LocalOptions {
-        exe,
-        run_dir: run_dir.clone(),
-        servers: a.servers,
+        hidden: a.hidden,
+        params: a.params,
         workers: a.workers,
-        coordinator_args,
-        server_args: a.spin.to_args().to_vec(),
-        worker_args,
-        per_worker_args,
-        watch,
+        servers: a.servers,
+        shards: a.shards,
+        batch: a.batch,
+        compute_ms: a.delay_ms,
+        target_accuracy: a.target_accuracy,
+        time_limit_s: a.time_limit_s,
+        iterations: Some(iterations),
+        eval_every_ms: a.eval_every_ms,
+        seed: a.train.seed,
+        latency_us: crate::lab::scenario::DEFAULT_LATENCY_US,
+        bandwidth_mbit: None,
+        lr: Some(a.train.lr),
+        momentum: Some(a.train.momentum),
+        weight_decay: Some(a.train.weight_decay),
+        push_weight: Some(a.train.push_weight()),
+        slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
+        jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
+        stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
     };
+    scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let run = RunSpec { scenario, policy: a.policy.policy.clone(), overrides: a.policy.overrides.clone() };
+    Ok(LocalOptions {
+        data: a.data.clone(),
+        spin_us: a.spin.spin_us,
+        peer_timeout_ms: a.train.peer_timeout_ms,
+        ..LocalOptions::new(exe, run_dir, run)
+    })
+}
+
+/// Runs `syncopate local`.
+pub fn run(a: LocalArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
+    // Fail here, not in a child process, if the policy cannot be found.
+    a.policy.policy.bytes()?;
+    let opts = options(&a, exe)?;
+    let run_dir = opts.run_dir.clone();
     eprintln!("run directory: {}", run_dir.display());
     let report = tokio()?.block_on(crate::lab::local::run(opts))?;
     println!("policy:     {} (swaps: {})", report.policy, report.swaps);
@@ -235,4 +209,102 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::super::{Cli, Command};
+    use super::*;
+
+    fn parse(args: &[&str]) -> Command {
+        Cli::try_parse_from(std::iter::once("syncopate").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            .command
+    }
+
+    /// `local`'s flags become one typed run, and the flags the launcher gives each role parse
+    /// back, through the roles' own parsers, into the same settings.
+    #[test]
+    fn local_flags_become_a_run_spec_whose_role_flags_parse_back_into_it() {
+        let Command::Local(a) = parse(&[
+            "local",
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--shards",
+            "3",
+            "--policy",
+            "ssp:s=3",
+            "--shard-config",
+            "1:s=5",
+            "--workload",
+            "counter",
+            "--params",
+            "77",
+            "--iterations",
+            "9",
+            "--lr",
+            "0.5",
+            "--momentum",
+            "0",
+            "--push-weight",
+            "sum",
+            "--seed",
+            "7",
+            "--delay-ms",
+            "4",
+            "--slow",
+            "1:2.5",
+            "--jitter",
+            "2:10:5",
+            "--stall",
+            "0:1.5:2",
+            "--spin-us",
+            "0",
+            "--time-limit-s",
+            "30",
+            "--run-dir",
+            "/tmp/x",
+        ]) else {
+            panic!("not local")
+        };
+        let o = options(&a, "syncopate".into()).unwrap();
+        let sc = &o.run.scenario;
+        assert_eq!(
+            (sc.workers, sc.servers, o.run.shards(), sc.iterations, sc.compute_ms),
+            (3, 2, 3, Some(9), 4)
+        );
+        assert_eq!(o.run.shard_config(1), [("s".to_string(), "5".to_string())]);
+        assert_eq!(sc.slow, [Slow { worker: 1, factor: 2.5 }]);
+
+        let mut coord = vec!["coordinator", "--token", "t"];
+        let args = o.coordinator_args();
+        coord.extend(args.iter().map(String::as_str));
+        let Command::Coordinator(c) = parse(&coord) else { panic!("not a coordinator") };
+        assert_eq!(c.policy.policy.to_string(), "ssp:s=3");
+        assert_eq!(c.policy.overrides, [(1, "s".to_string(), "5".to_string())]);
+        assert_eq!((c.shards, c.train.lr, c.train.momentum, c.train.seed), (Some(3), 0.5, 0.0, 7));
+        assert_eq!(c.train.push_weight(), crate::shard::PushWeight::Sum);
+
+        let worker = |w: u32| {
+            let args = o.worker_args(w);
+            let mut all = vec!["worker", "--coordinator", "127.0.0.1:1", "--token", "t"];
+            all.extend(args.iter().map(String::as_str));
+            let Command::Worker(r) = parse(&all) else { panic!("not a worker") };
+            r
+        };
+        let (w0, w1, w2) = (worker(0), worker(1), worker(2));
+        assert_eq!((w1.workload.as_str(), w1.params, w1.iterations, w1.seed), ("counter", 77, 9, 7));
+        assert_eq!((w1.part, w1.delay_ms, w1.slow_factor, w1.spin.spin_us), ((1, 3), 4, 2.5, 0));
+        assert_eq!((w0.slow_factor, w0.stall, w0.jitter_ms), (1.0, Some((1.5, 2.0)), None));
+        assert_eq!((w2.jitter_ms, w2.stall), (Some((10.0, 5.0)), None));
+
+        // A device for a worker the cluster does not have is refused, not ignored.
+        let Command::Local(bad) = parse(&["local", "--workers", "2", "--slow", "2:3"]) else { panic!() };
+        let e = options(&bad, "syncopate".into()).unwrap_err().to_string();
+        assert!(e.contains("worker 2 does not exist"), "{e}");
+    }
 }

@@ -4,21 +4,22 @@
 //! Markdown and JSON, and two pictures with every policy on them (test accuracy against time,
 //! and the share of time workers spent waiting).
 //!
-//! Each run is a real `syncopate local` cluster (processes over QUIC) in its own folder under
-//! the output folder, with its full report and plots.
+//! Each run is a real local cluster (processes over QUIC, started by [`crate::lab::local`] from
+//! the scenario and the policy as one [`RunSpec`]) or, with `simulate`, the same `RunSpec` in the
+//! simulator; each in its own folder under the output folder, with its full report and plots.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::builtin::PolicySpec;
+use crate::lab::local::LocalOptions;
 use crate::lab::report::{AbRow, Comparison, RunReport};
-use crate::lab::scenario::Scenario;
+use crate::lab::scenario::{RunSpec, Scenario};
 use crate::NodeError;
 
 /// How to run a comparison.
 #[derive(Clone, Debug)]
 pub struct AbOptions {
-    /// The `syncopate` executable (each run is `syncopate local`).
+    /// The `syncopate` executable each cluster role runs.
     pub exe: PathBuf,
     /// The scenario.
     pub scenario: Scenario,
@@ -62,6 +63,10 @@ fn slug(spec: &PolicySpec) -> String {
 pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
     let io = |what: String| move |source| NodeError::Io { what, source };
     std::fs::create_dir_all(&opts.out).map_err(io(format!("cannot create {}", opts.out.display())))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(io("cannot start the async runtime".into()))?;
     let mut rows = Vec::new();
     let mut reports = Vec::new();
     let total = opts.policies.len();
@@ -69,29 +74,31 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         let dir = opts.out.join(slug(spec));
         let _ = std::fs::remove_dir_all(&dir);
         println!("[{}/{total}] {} — scenario `{}`", i + 1, spec, opts.scenario.name);
+        let run = RunSpec::new(opts.scenario.clone(), spec.clone());
         if opts.simulate {
-            let report = simulated(opts, spec, &dir)?;
+            let report = simulated(opts, run, &dir)?;
             rows.push(AbRow::from_report(spec.to_string(), &report, dir));
             reports.push(report);
             continue;
         }
-        let mut cmd = Command::new(&opts.exe);
-        cmd.arg("local").arg("--policy").arg(spec.to_string()).arg("--run-dir").arg(&dir);
-        cmd.args(opts.scenario.local_args());
+        let mut local = LocalOptions::new(opts.exe.clone(), dir.clone(), run);
         if let Some(data) = &opts.data {
-            cmd.arg("--data").arg(data);
+            local.data = data.clone();
         }
-        let status = cmd.status().map_err(io(format!("cannot start {}", opts.exe.display())))?;
-        if !status.success() {
+        let report = rt.block_on(crate::lab::local::run(local)).map_err(|e| {
+            NodeError::Protocol(format!(
+                "the run under {spec} failed: {e}; its logs are in {}",
+                dir.join("logs").display()
+            ))
+        })?;
+        if !report.failed_workers.is_empty() {
             return Err(NodeError::Protocol(format!(
-                "the run under {spec} failed ({status}); its logs are in {}",
+                "under {spec}, {} of {} workers did not finish; their logs are in {}",
+                report.failed_workers.len(),
+                opts.scenario.workers,
                 dir.join("logs").display()
             )));
         }
-        let path = dir.join("report.json");
-        let bytes = std::fs::read(&path).map_err(io(format!("cannot read {}", path.display())))?;
-        let report: RunReport = serde_json::from_slice(&bytes)
-            .map_err(|e| NodeError::Protocol(format!("{} is not a run report: {e}", path.display())))?;
         rows.push(AbRow::from_report(spec.to_string(), &report, dir));
         reports.push(report);
     }
@@ -112,14 +119,9 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
 }
 
 /// One policy in the simulator; writes its report and plots into `dir` as a real run would.
-fn simulated(opts: &AbOptions, spec: &PolicySpec, dir: &Path) -> Result<RunReport, NodeError> {
+fn simulated(opts: &AbOptions, run: RunSpec, dir: &Path) -> Result<RunReport, NodeError> {
     let rt = crate::runtime::PolicyRuntime::new().map_err(|e| NodeError::Protocol(e.to_string()))?;
-    let sim = crate::lab::sim::SimOptions {
-        scenario: opts.scenario.clone(),
-        policy: spec.clone(),
-        gradients: opts.gradients,
-        data: opts.data.clone(),
-    };
+    let sim = crate::lab::sim::SimOptions { run, gradients: opts.gradients, data: opts.data.clone() };
     let t = std::time::Instant::now();
     let crate::lab::sim::Simulated { mut report, model } =
         crate::lab::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;

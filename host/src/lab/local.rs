@@ -14,51 +14,114 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio::process::{Child, Command};
 
-use syncopate_workloads::{Evaluator, WorkloadOptions};
+use syncopate_workloads::Evaluator;
 
 use crate::lab::report::{RunReport, StopRules, WatchPoint};
+use crate::lab::scenario::RunSpec;
 use crate::net::proto::ShardStatus;
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
 use crate::operator::Operator;
+use crate::shard::PushWeight;
 use crate::worker::WorkerReport;
 use crate::NodeError;
 
-/// How to run a local cluster. Role arguments are passed through to the child processes.
+/// How to run a local cluster: the run, typed, and what only a real cluster on this machine
+/// needs besides (where the executable and the data are, the transport's settings).
 #[derive(Clone, Debug)]
 pub struct LocalOptions {
-    /// The `syncopate` executable.
+    /// The `syncopate` executable each role runs.
     pub exe: PathBuf,
     /// Where the run's files go.
     pub run_dir: PathBuf,
-    /// Servers.
-    pub servers: u32,
-    /// Workers.
-    pub workers: u32,
-    /// Arguments for the coordinator (policy, shards, training settings).
-    pub coordinator_args: Vec<String>,
-    /// Arguments every server gets.
-    pub server_args: Vec<String>,
-    /// Arguments every worker gets (workload, iterations...).
-    pub worker_args: Vec<String>,
-    /// Extra arguments for particular workers (a slow one, say).
-    pub per_worker_args: Vec<(u32, Vec<String>)>,
-    /// How to watch the run: test accuracy (for workloads that have a test set) and progress.
-    pub watch: Watch,
+    /// The run: scenario and policy.
+    pub run: RunSpec,
+    /// The Fashion-MNIST directory.
+    pub data: PathBuf,
+    /// Microseconds an idle server or worker polls its sockets before it sleeps.
+    pub spin_us: u64,
+    /// The coordinator and servers drop a peer silent this long, in milliseconds.
+    pub peer_timeout_ms: u64,
 }
 
-/// How `local` watches a run.
-#[derive(Clone, Debug)]
-pub struct Watch {
-    /// The workload, to score pulled models on its test set.
-    pub workload: String,
-    /// Its options (data directory, model size).
-    pub options: WorkloadOptions,
-    /// Pull the model and score it this often (wall clock).
-    pub every: Duration,
-    /// When to ask the workers to stop (target accuracy reached, time limit passed).
-    pub stop: StopRules,
-    /// Iterations each worker runs, for the progress bar.
-    pub iterations: u64,
+impl LocalOptions {
+    /// A run with this machine's defaults: the default data directory, spinning and peer
+    /// timeout.
+    pub fn new(exe: PathBuf, run_dir: PathBuf, run: RunSpec) -> Self {
+        LocalOptions {
+            exe,
+            run_dir,
+            run,
+            data: syncopate_workloads::fashion::DEFAULT_DIR.into(),
+            spin_us: crate::net::spin::DEFAULT_SPIN.as_micros() as u64,
+            peer_timeout_ms: 10_000,
+        }
+    }
+
+    /// The coordinator's flags (besides its address, TLS and ready file): the policy, the
+    /// shards and the servers' training settings.
+    pub fn coordinator_args(&self) -> Vec<String> {
+        let (sc, run) = (&self.run.scenario, &self.run);
+        let mut a = vec!["--policy".to_string(), run.policy.to_string(), "--shards".into()];
+        a.push(run.shards().to_string());
+        for (shard, k, v) in &run.overrides {
+            a.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
+        }
+        let o = sc.optimizer();
+        let weight = match sc.push_weight.unwrap_or_default() {
+            PushWeight::Mean => "mean",
+            PushWeight::Sum => "sum",
+        };
+        let pairs = [
+            ("--lr", o.lr.to_string()),
+            ("--momentum", o.momentum.to_string()),
+            ("--weight-decay", o.weight_decay.to_string()),
+            ("--push-weight", weight.to_string()),
+            ("--seed", sc.seed.to_string()),
+            ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
+        ];
+        a.extend(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]));
+        a
+    }
+
+    /// Every server's flags (besides the coordinator and TLS).
+    pub fn server_args(&self) -> Vec<String> {
+        vec!["--spin-us".into(), self.spin_us.to_string()]
+    }
+
+    /// Worker `w`'s flags (besides the coordinator, id, CA and report): the workload, its part
+    /// of the data, the budget and its device (slowdown, jitter, stall).
+    pub fn worker_args(&self, w: u32) -> Vec<String> {
+        let sc = &self.run.scenario;
+        let pairs = [
+            ("--workload", sc.workload.clone()),
+            ("--params", sc.params.to_string()),
+            ("--data", self.data.display().to_string()),
+            ("--hidden", sc.hidden.to_string()),
+            ("--iterations", sc.iterations_or_unbounded().to_string()),
+            ("--batch", sc.batch.to_string()),
+            ("--seed", sc.seed.to_string()),
+            ("--delay-ms", sc.compute_ms.to_string()),
+            ("--spin-us", self.spin_us.to_string()),
+            ("--part", format!("{w}/{}", sc.workers)),
+        ];
+        let mut a: Vec<String> = pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]).collect();
+        if let Some(s) = sc.slow.iter().find(|s| s.worker == w) {
+            a.extend(["--slow-factor".into(), s.factor.to_string()]);
+        }
+        if let Some(j) = sc.jitter.iter().find(|j| j.worker == w) {
+            a.extend(["--jitter-ms".into(), format!("{}:{}", j.mean_ms, j.sd_ms)]);
+        }
+        if let Some(s) = sc.stall.iter().find(|s| s.worker == w) {
+            a.extend(["--stall".into(), format!("{}:{}", s.at_s, s.for_s)]);
+        }
+        a
+    }
+
+    /// What the launcher scores, how often, and when it stops the run.
+    fn stop_rules(&self) -> StopRules {
+        let sc = &self.run.scenario;
+        StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
+    }
 }
 
 struct Proc {
@@ -148,10 +211,11 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let ready = dir.join("coordinator.addr");
     let _ = std::fs::remove_file(&ready);
     let mut args = vec!["coordinator".into(), "--listen".into(), "127.0.0.1:0".into(), "--servers".into()];
-    args.extend([opts.servers.to_string(), "--workers".into(), opts.workers.to_string()]);
+    let sc = &opts.run.scenario;
+    args.extend([sc.servers.to_string(), "--workers".into(), sc.workers.to_string()]);
     args.extend(["--ready-file".into(), ready.display().to_string()]);
     args.extend(["--tls-dir".into(), tls_dir.clone()]);
-    args.extend(opts.coordinator_args.iter().cloned());
+    args.extend(opts.coordinator_args());
     let mut coordinator = Proc::spawn(&opts.exe, dir, "coordinator", &args, &token)?;
     let addr = loop {
         if let Ok(text) = std::fs::read_to_string(&ready) {
@@ -170,23 +234,20 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let mut servers = Vec::new();
-    for s in 0..opts.servers {
+    for s in 0..sc.servers {
         let mut args: Vec<String> =
             vec!["server".into(), "--coordinator".into(), addr.clone(), "--tls-dir".into(), tls_dir.clone()];
-        args.extend(opts.server_args.iter().cloned());
+        args.extend(opts.server_args());
         servers.push(Proc::spawn(&opts.exe, dir, &format!("server-{s}"), &args, &token)?);
     }
     let mut workers = Vec::new();
-    for w in 0..opts.workers {
+    for w in 0..sc.workers {
         let report = dir.join("workers").join(format!("worker-{w}.json"));
         let mut args: Vec<String> =
             vec!["worker".into(), "--coordinator".into(), addr.clone(), "--id".into()];
         args.extend([w.to_string(), "--ca".into(), tls.ca.display().to_string()]);
         args.extend(["--report".into(), report.display().to_string()]);
-        args.extend(opts.worker_args.iter().cloned());
-        for (_, extra) in opts.per_worker_args.iter().filter(|(i, _)| *i == w) {
-            args.extend(extra.iter().cloned());
-        }
+        args.extend(opts.worker_args(w));
         workers.push(Proc::spawn(&opts.exe, dir, &format!("worker-{w}"), &args, &token)?);
     }
     let cluster = ClusterFile {
@@ -206,8 +267,8 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     write_private_json(&cluster_path, &cluster)?;
     eprintln!(
         "cluster up: coordinator {addr}, {} servers, {} workers (logs in {})",
-        opts.servers,
-        opts.workers,
+        sc.servers,
+        sc.workers,
         dir.join("logs").display()
     );
 
@@ -216,7 +277,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let t0 = Instant::now();
     let operator = Operator::connect(&cluster.access()).await?;
     let evaluator = {
-        let (w, o) = (opts.watch.workload.clone(), opts.watch.options.clone());
+        let (w, o) = (sc.workload.clone(), sc.workload_options(&opts.data));
         let e = tokio::task::spawn_blocking(move || Evaluator::for_workload(&w, &o));
         e.await
             .map_err(|e| NodeError::Protocol(e.to_string()))?
@@ -246,7 +307,9 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let mut stop_sent = false;
     let mut best: Option<(f32, Vec<f32>)> = None;
     let mut ended = Vec::new();
-    let mut tick = tokio::time::interval(opts.watch.every);
+    let stop = opts.stop_rules();
+    let every = Duration::from_millis(sc.eval_every_ms.max(50));
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while ended.len() < worker_names.len() {
         tokio::select! {
@@ -259,7 +322,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                         best = Some((acc, model));
                     }
                 }
-                progress.set_length(opts.watch.iterations * worker_names.len() as u64);
+                progress.set_length(sc.iterations_or_unbounded().saturating_mul(worker_names.len() as u64));
                 progress.set_position(point.min_clock * worker_names.len() as u64);
                 let msg = describe_point(&point);
                 if interactive {
@@ -267,12 +330,12 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 } else {
                     eprintln!("[{:>6.1} s] clocks {}-{}  {msg}", point.t_s, point.min_clock, point.max_clock);
                 }
-                if time_to_target.is_none() && opts.watch.stop.reached(&point) {
+                if time_to_target.is_none() && stop.reached(&point) {
                     time_to_target = Some(point.t_s);
-                    let target = opts.watch.stop.target_accuracy.unwrap_or_default();
+                    let target = stop.target_accuracy.unwrap_or_default();
                     progress.println(format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s));
                 }
-                if !stop_sent && opts.watch.stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
+                if !stop_sent && stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
                     stop_sent = true;
                     operator.stop_training().await?;
                 }

@@ -1,7 +1,9 @@
 //! Scenarios as data: a TOML file naming the workload, the cluster's size, each worker's speed
 //! (slowdowns, jitter, stalls), the emulated compute time, the target accuracy and the budget.
 //! `syncopate ab` runs one scenario under several policies; `scenarios/` ships the papers'
-//! conditions.
+//! conditions. A scenario and a policy make a [`RunSpec`], the one typed description of a run
+//! that the local launcher ([`crate::lab::local`]) and the simulator ([`crate::lab::sim`]) both
+//! take; `syncopate local` builds one from its flags.
 //!
 //! ```toml
 //! name = "straggler"
@@ -9,6 +11,7 @@
 //! workload = "fashion-mlp"
 //! workers = 4
 //! servers = 2
+//! hidden = 128             # the MLP's hidden units (`params` sizes the counter workload)
 //! compute_ms = 20          # emulated compute per iteration at the starting batch size
 //! target_accuracy = 0.80
 //! time_limit_s = 40
@@ -31,6 +34,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use syncopate_workloads::WorkloadOptions;
+
+use crate::builtin::PolicySpec;
 use crate::shard::{OptimizerConfig, PushWeight};
 
 /// A scenario file.
@@ -45,6 +51,12 @@ pub struct Scenario {
     /// The workload: `fashion-mlp`, `fashion-softmax` or `counter`.
     #[serde(default = "default_workload")]
     pub workload: String,
+    /// Hidden units of the `fashion-mlp` workload.
+    #[serde(default = "default_hidden")]
+    pub hidden: usize,
+    /// Parameters of the `counter` workload.
+    #[serde(default = "default_params")]
+    pub params: usize,
     /// Worker processes.
     pub workers: u32,
     /// Server processes.
@@ -134,6 +146,12 @@ pub struct Stall {
 fn default_workload() -> String {
     "fashion-mlp".into()
 }
+fn default_hidden() -> usize {
+    128
+}
+fn default_params() -> usize {
+    1024
+}
 fn default_servers() -> u32 {
     2
 }
@@ -147,8 +165,12 @@ fn default_seed() -> u64 {
     1
 }
 fn default_latency() -> u64 {
-    250
+    DEFAULT_LATENCY_US
 }
+
+/// The simulator's one-way message latency when a scenario names none, in microseconds: what a
+/// request costs on this project's loopback clusters.
+pub const DEFAULT_LATENCY_US: u64 = 250;
 
 /// A scenario that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -230,54 +252,52 @@ impl Scenario {
         }
     }
 
-    /// The `syncopate local` flags that run this scenario (the policy and run directory
-    /// excepted).
-    pub fn local_args(&self) -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "--workload".into(),
-            self.workload.clone(),
-            "--workers".into(),
-            self.workers.to_string(),
-            "--servers".into(),
-            self.servers.to_string(),
-            "--batch".into(),
-            self.batch.to_string(),
-            "--delay-ms".into(),
-            self.compute_ms.to_string(),
-            "--eval-every-ms".into(),
-            self.eval_every_ms.to_string(),
-            "--seed".into(),
-            self.seed.to_string(),
-            "--iterations".into(),
-            self.iterations.unwrap_or(u64::MAX / 4).to_string(),
-        ];
-        if let Some(s) = self.shards {
-            a.extend(["--shards".into(), s.to_string()]);
+    /// The workload's options: its shape and seed from the scenario, the data from `data_dir`.
+    /// Every worker's own options are these with its part of the training set.
+    pub fn workload_options(&self, data_dir: &Path) -> WorkloadOptions {
+        WorkloadOptions {
+            params: self.params,
+            data_dir: data_dir.to_path_buf(),
+            part: (0, 1),
+            hidden: self.hidden,
+            seed: self.seed,
         }
-        let o = self.optimizer();
-        a.extend(["--lr".into(), o.lr.to_string(), "--momentum".into(), o.momentum.to_string()]);
-        a.extend(["--weight-decay".into(), o.weight_decay.to_string()]);
-        let weight = match self.push_weight.unwrap_or_default() {
-            PushWeight::Mean => "mean",
-            PushWeight::Sum => "sum",
-        };
-        a.extend(["--push-weight".into(), weight.into()]);
-        if let Some(t) = self.target_accuracy {
-            a.extend(["--target-accuracy".into(), t.to_string()]);
-        }
-        if let Some(t) = self.time_limit_s {
-            a.extend(["--time-limit-s".into(), t.to_string()]);
-        }
-        for s in &self.slow {
-            a.extend(["--slow".into(), format!("{}:{}", s.worker, s.factor)]);
-        }
-        for j in &self.jitter {
-            a.extend(["--jitter".into(), format!("{}:{}:{}", j.worker, j.mean_ms, j.sd_ms)]);
-        }
-        for s in &self.stall {
-            a.extend(["--stall".into(), format!("{}:{}:{}", s.worker, s.at_s, s.for_s)]);
-        }
-        a
+    }
+
+    /// The iterations each worker runs: the scenario's, or, when only a time limit ends the
+    /// run, as many as it can reach.
+    pub fn iterations_or_unbounded(&self) -> u64 {
+        self.iterations.unwrap_or(u64::MAX / 4)
+    }
+}
+
+/// One run, typed: the conditions and the policy. `syncopate local` builds one from its flags,
+/// `syncopate ab` one per policy from a scenario file; the local launcher and the simulator
+/// both take it, so a run means the same whichever runs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSpec {
+    /// The conditions: cluster, workload, devices, training settings, budget.
+    pub scenario: Scenario,
+    /// The policy, with its configuration.
+    pub policy: PolicySpec,
+    /// Per-shard overrides of single configuration keys, `(shard, key, value)`.
+    pub overrides: Vec<(u32, String, String)>,
+}
+
+impl RunSpec {
+    /// The scenario under `policy`, every shard configured alike.
+    pub fn new(scenario: Scenario, policy: PolicySpec) -> Self {
+        RunSpec { scenario, policy, overrides: Vec::new() }
+    }
+
+    /// The shards this run has (one per server unless the scenario says).
+    pub fn shards(&self) -> u32 {
+        self.scenario.shards.unwrap_or(self.scenario.servers).max(1)
+    }
+
+    /// The policy configuration shard `shard` starts with.
+    pub fn shard_config(&self, shard: u32) -> Vec<(String, String)> {
+        crate::builtin::shard_config(&self.policy.config, &self.overrides, shard)
     }
 }
 
@@ -292,17 +312,25 @@ mod tests {
     }
 
     #[test]
-    fn a_full_scenario_parses_into_local_flags() {
+    fn a_full_scenario_parses_and_unset_keys_take_locals_defaults() {
         let s = parse(
-            "name = \"x\"\nworkers = 4\ncompute_ms = 20\ntime_limit_s = 10\n\
+            "name = \"x\"\nworkers = 4\ncompute_ms = 20\ntime_limit_s = 10\nmomentum = 0.5\n\
              [[slow]]\nworker = 0\nfactor = 3.0\n[[jitter]]\nworker = 1\nmean_ms = 30.0\nsd_ms = 10.0\n",
         )
         .unwrap();
-        let flags = s.local_args().join(" ");
-        assert!(flags.contains("--slow 0:3"), "{flags}");
-        assert!(flags.contains("--jitter 1:30:10"), "{flags}");
-        assert!(flags.contains("--delay-ms 20"), "{flags}");
-        assert!(flags.contains("--time-limit-s 10"), "{flags}");
+        assert_eq!((s.workers, s.servers, s.batch, s.compute_ms), (4, 2, 32, 20));
+        assert_eq!(s.slow, [Slow { worker: 0, factor: 3.0 }]);
+        assert_eq!(s.jitter, [Jitter { worker: 1, mean_ms: 30.0, sd_ms: 10.0 }]);
+        let o = s.optimizer();
+        assert_eq!((o.lr, o.momentum, o.weight_decay), (OptimizerConfig::default().lr, 0.5, 0.0));
+        assert_eq!(s.iterations_or_unbounded(), u64::MAX / 4, "the time limit ends the run");
+        let w = s.workload_options(Path::new("/data"));
+        assert_eq!((w.hidden, w.params, w.seed), (128, 1024, 1));
+        let mut run = RunSpec::new(s, "ssp:s=3".parse().unwrap());
+        run.overrides.push((1, "s".into(), "5".into()));
+        assert_eq!(run.shards(), 2);
+        assert_eq!(run.shard_config(0), [("s".to_string(), "3".to_string())]);
+        assert_eq!(run.shard_config(1), [("s".to_string(), "5".to_string())]);
     }
 
     #[test]

@@ -30,11 +30,10 @@ use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
 use syncopate_policy_sdk::abi::{Applied, IterationReport, RequestId, WorkerId};
-use syncopate_workloads::{Evaluator, Workload, WorkloadOptions};
+use syncopate_workloads::{Evaluator, Workload};
 
-use crate::builtin::PolicySpec;
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
-use crate::lab::scenario::Scenario;
+use crate::lab::scenario::RunSpec;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
 use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
@@ -43,10 +42,8 @@ use crate::worker::WorkerReport;
 /// How to simulate.
 #[derive(Clone, Debug)]
 pub struct SimOptions {
-    /// The scenario (its seed makes the run reproducible).
-    pub scenario: Scenario,
-    /// The policy.
-    pub policy: PolicySpec,
+    /// The run: scenario (its seed makes the run reproducible) and policy.
+    pub run: RunSpec,
     /// Compute real gradients and score the model (false: decisions only, for large clusters).
     pub gradients: bool,
     /// The Fashion-MNIST directory (default: where Debian's package puts it).
@@ -186,17 +183,12 @@ pub struct Simulated {
 
 /// Runs the scenario under the policy.
 pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimError> {
-    let sc = &opts.scenario;
+    let (sc, policy) = (&opts.run.scenario, &opts.run.policy);
     let n = sc.workers;
-    let shards_n = sc.shards.unwrap_or(sc.servers).max(1);
-    let module = opts.policy.load(rt).map_err(|e| SimError::Policy(opts.policy.to_string(), e))?;
-    let wopts = WorkloadOptions {
-        params: 64,
-        data_dir: opts.data.clone().unwrap_or_else(|| syncopate_workloads::fashion::DEFAULT_DIR.into()),
-        part: (0, 1),
-        hidden: 128,
-        seed: sc.seed,
-    };
+    let shards_n = opts.run.shards();
+    let module = policy.load(rt).map_err(|e| SimError::Policy(policy.to_string(), e))?;
+    let data = opts.data.clone().unwrap_or_else(|| syncopate_workloads::fashion::DEFAULT_DIR.into());
+    let wopts = sc.workload_options(&data);
     let (workloads, evaluator) = if opts.gradients {
         let w = syncopate_workloads::for_parts(&sc.workload, &wopts, n)?;
         (w, Evaluator::for_workload(&sc.workload, &wopts)?)
@@ -215,7 +207,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         .collect();
     let held = |i: usize| if opts.gradients { ranges[i] } else { (i, i + 1) };
     let mut sink = Sink { keep_values: opts.gradients, ..Sink::default() };
-    let config: Vec<(String, String)> = opts.policy.config.clone();
     let mut shards = Vec::new();
     for i in 0..ranges.len() {
         let (lo, hi) = held(i);
@@ -227,8 +218,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             push_weight: sc.push_weight.unwrap_or_default(),
             ..ShardConfig::default()
         };
+        let config = opts.run.shard_config(i as u32);
         let shard = Shard::new(cfg, model[lo..hi].to_vec(), &module, &config, &mut sink)
-            .map_err(|e| SimError::Policy(opts.policy.to_string(), e))?;
+            .map_err(|e| SimError::Policy(policy.to_string(), e))?;
         shards.push(shard);
     }
     let mut workloads = workloads.into_iter();
@@ -252,7 +244,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         let cfg = WorkerConfig {
             id: w,
             start: 0,
-            iterations: sc.iterations.unwrap_or(u64::MAX),
+            iterations: sc.iterations_or_unbounded(),
             batch: sc.batch,
             part: w,
             can_split,
@@ -566,7 +558,7 @@ impl Sim {
             }
             Ev::Watch => {
                 self.observe();
-                let every = self.opts.scenario.eval_every_ms;
+                let every = self.opts.run.scenario.eval_every_ms;
                 let stop =
                     self.stop_rules().should_stop(self.now as f64 / 1e9, self.time_to_target.is_some());
                 if stop && !self.stopping {
@@ -586,7 +578,7 @@ impl Sim {
     }
 
     fn stop_rules(&self) -> StopRules {
-        let sc = &self.opts.scenario;
+        let sc = &self.opts.run.scenario;
         StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
     }
 
@@ -615,7 +607,7 @@ impl Sim {
         let shards: Vec<ShardStatus> =
             self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
         let staleness = RunReport::staleness_of(shards.iter());
-        let servers = (0..self.opts.scenario.servers)
+        let servers = (0..self.opts.run.scenario.servers)
             .map(|id| {
                 let node = n + id as usize;
                 let mine =
@@ -663,9 +655,9 @@ impl Sim {
             elapsed_s: self.now as f64 / 1e9,
             workers,
             failed_workers: Vec::new(),
-            policy: self.opts.policy.to_string(),
+            policy: self.opts.run.policy.to_string(),
             sha256: shards.first().map(|s| s.sha256.clone()).unwrap_or_default(),
-            config: self.opts.policy.config.clone(),
+            config: self.opts.run.policy.config.clone(),
             swaps: 0,
             servers,
             members,

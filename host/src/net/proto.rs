@@ -80,17 +80,7 @@ pub struct PolicyBlob {
 impl PolicyBlob {
     /// The configuration shard `shard` runs with.
     pub fn config_for(&self, shard: u32) -> Vec<(String, String)> {
-        let mut config = self.config.clone();
-        for (s, k, v) in &self.overrides {
-            if *s != shard {
-                continue;
-            }
-            match config.iter_mut().find(|(key, _)| key == k) {
-                Some(entry) => entry.1 = v.clone(),
-                None => config.push((k.clone(), v.clone())),
-            }
-        }
-        config
+        crate::builtin::shard_config(&self.config, &self.overrides, shard)
     }
 }
 
