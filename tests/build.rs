@@ -1,5 +1,6 @@
 //! Builds the test suite's hostile policy module from `tests/hostile-policy`, and the example
-//! user policy from `policies/example-deadline`, to wasm32 (neither is built into the host).
+//! user policies from `policies/example-deadline` and `policies/example-backup`, to wasm32
+//! (none is built into the host).
 
 use std::path::Path;
 
@@ -7,13 +8,14 @@ fn main() {
     let workspace = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
     let built = syncopate_policy_build::build(
         Path::new(&workspace),
-        &["syncopate-hostile-policy", "syncopate-policy-example-deadline"],
-        &["tests/hostile-policy", "policies/example-deadline", "policy-sdk"],
+        &["syncopate-hostile-policy", "syncopate-policy-example-deadline", "syncopate-policy-example-backup"],
+        &["tests/hostile-policy", "policies/example-deadline", "policies/example-backup", "policy-sdk"],
     );
     match built {
         Ok(paths) => {
             println!("cargo:rustc-env=SYNCOPATE_HOSTILE_WASM={}", paths[0].display());
             println!("cargo:rustc-env=SYNCOPATE_EXAMPLE_WASM={}", paths[1].display());
+            println!("cargo:rustc-env=SYNCOPATE_BACKUP_WASM={}", paths[2].display());
         }
         Err(e) => {
             eprintln!("error: {e}");

@@ -189,9 +189,12 @@ pub struct WorkerClock {
 
 /// The shard's clocks as the host sees them when it sends an event.
 ///
-/// `clock[w]` is the number of iterations worker `w` has pushed to this shard (admitted pushes;
-/// held pushes do not count until admitted). Only live workers count towards the minimum and the
-/// maximum; with no live worker both are 0.
+/// `clock[w]` is the number of iterations worker `w` has pushed to this shard (admitted or
+/// dropped pushes; held pushes do not count until decided), counted from the clock it joined
+/// with. At a hot swap the host rebases the clocks: every live worker's clock is raised to the
+/// largest, so the incoming policy starts with the workers level instead of making the fast ones
+/// wait while a slow one replays the outgoing policy's drift. Only live workers count towards the
+/// minimum and the maximum; with no live worker both are 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardView {
     /// The smallest clock among live workers.
@@ -342,8 +345,10 @@ pub enum UpdateMode {
     /// Each admitted push runs an optimizer step at once, scaled by its weight
     /// (default `1 / live workers`).
     OnArrival,
-    /// Pushes of one iteration are summed; when every live worker has contributed, their weighted
-    /// mean runs one optimizer step. Needed for stateful optimizers under BSP semantics.
+    /// Pushes of one round (the pushing worker's clock, [`Push::clock`]; the iteration, unless
+    /// clocks were rebased at a swap) are summed with their weights; once every live worker's
+    /// clock has passed the round, the sum runs one optimizer step. Needed for stateful
+    /// optimizers under BSP semantics. [`Decision::CompleteAggregate`] applies a round early.
     Aggregate,
 }
 
@@ -447,6 +452,24 @@ pub enum Decision<'a> {
         name: &'a str,
         /// Its value.
         value: f64,
+    },
+    /// Drop a push (this event's, or a held one): its gradient never reaches the parameters,
+    /// no optimizer step runs, and it counts in neither the steps nor the staleness histogram.
+    /// The worker's clock still advances (its iteration is over) and the worker is acknowledged
+    /// and told the push was dropped. Added after ABI v1's first release; old modules never send it.
+    DropPush {
+        /// The push.
+        push: RequestId,
+    },
+    /// In [`UpdateMode::Aggregate`]: apply the aggregate of round `clock` now, with the
+    /// contributions that are in: one optimizer step on their weighted mean (`sum of w * g`
+    /// divided by `sum of w`). A round is the clock a push had ([`Push::clock`]); pushes for a
+    /// completed round that are admitted later form a new aggregate of the same round (drop them
+    /// to discard late gradients). Nothing happens if the round has no contribution yet. Added
+    /// after ABI v1's first release; old modules never send it.
+    CompleteAggregate {
+        /// The round.
+        clock: u64,
     },
 }
 

@@ -78,6 +78,21 @@ impl Clocks {
         Some(old + 1)
     }
 
+    /// Raises every live worker's clock to the largest (the rebase at a hot swap, see
+    /// [`ShardView`]). Returns how many clocks moved.
+    pub fn rebase_to_max(&mut self) -> u32 {
+        let max = self.max;
+        let mut moved = 0;
+        for c in self.clock.iter_mut().flatten() {
+            if *c < max {
+                *c = max;
+                moved += 1;
+            }
+        }
+        self.recompute();
+        moved
+    }
+
     /// The live workers and their clocks, by worker id.
     pub fn workers(&self) -> impl Iterator<Item = WorkerClock> + '_ {
         self.clock
@@ -129,5 +144,9 @@ mod tests {
         assert_eq!(c.view(), ShardView { min_clock: 3, max_clock: 3, workers: 1 });
         assert!(!c.join(2, 0));
         assert_eq!(c.tick(7), None);
+        c.join(5, 1);
+        assert_eq!(c.rebase_to_max(), 1, "only worker 5 was behind");
+        assert_eq!(c.view(), ShardView { min_clock: 3, max_clock: 3, workers: 2 });
+        assert_eq!(c.get(5), Some(3));
     }
 }

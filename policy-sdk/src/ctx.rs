@@ -62,6 +62,19 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::AdmitPush { push, weight: Some(weight) });
     }
 
+    /// Drop a push that this policy held: its gradient never reaches the parameters (see
+    /// [`PushVerdict::Drop`](crate::PushVerdict::Drop)).
+    pub fn drop_push(&mut self, push: RequestId) {
+        self.emit(&Decision::DropPush { push });
+    }
+
+    /// In aggregate mode, apply round `clock`'s aggregate now with the contributions that are in
+    /// (one optimizer step on their weighted mean); see
+    /// [`Decision::CompleteAggregate`](crate::abi::Decision::CompleteAggregate).
+    pub fn complete_aggregate(&mut self, clock: u64) {
+        self.emit(&Decision::CompleteAggregate { clock });
+    }
+
     /// Choose how admitted gradients are applied from now on.
     pub fn set_update_mode(&mut self, mode: UpdateMode) {
         self.emit(&Decision::SetUpdateMode(mode));

@@ -140,6 +140,7 @@ pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Encoder) {
                 PushVerdict::Admit => Decision::AdmitPush { push: push.id, weight: None },
                 PushVerdict::AdmitWeighted(w) => Decision::AdmitPush { push: push.id, weight: Some(w) },
                 PushVerdict::Hold => Decision::HoldPush { push: push.id },
+                PushVerdict::Drop => Decision::DropPush { push: push.id },
             };
             ctx.emit(&decision);
             policy.after_push(&mut ctx, push, verdict);

@@ -65,6 +65,7 @@ mod ctx;
 pub mod guest;
 pub mod rules;
 pub mod shares;
+pub mod state;
 pub mod testing;
 
 use alloc::string::String;
@@ -117,8 +118,12 @@ pub enum PushVerdict {
     Admit,
     /// Admit it with this weight instead of the default.
     AdmitWeighted(f32),
-    /// Hold it, unacknowledged, until [`Ctx::admit_push`].
+    /// Hold it, unacknowledged, until [`Ctx::admit_push`] or [`Ctx::drop_push`].
     Hold,
+    /// Discard it: the gradient never reaches the parameters (no optimizer step, so momentum
+    /// and weight decay do not move them either), the worker's clock advances and the worker is
+    /// told its push was dropped. Admitting with weight 0 means the same and is treated the same.
+    Drop,
 }
 
 /// A synchronization policy. Implement this, then register it with [`export_policy!`].
@@ -140,7 +145,7 @@ pub trait Policy: Sized + 'static {
     /// A worker asks for the parameters. Serve now or defer.
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict;
 
-    /// A gradient arrived. Admit it (the default) or hold it.
+    /// A gradient arrived. Admit it (the default), hold it or drop it.
     fn on_push(&mut self, _ctx: &mut Ctx<'_>, _push: &Push) -> PushVerdict {
         PushVerdict::Admit
     }

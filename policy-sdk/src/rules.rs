@@ -5,9 +5,10 @@
 //!
 //! For each event, [`EventRules::check`] checks every decision before it takes effect, and
 //! [`EventRules::finish`] checks what the event as a whole owed:
-//! - a pull or push event's request gets exactly one verdict (serve or defer; admit or hold), and
+//! - a pull or push event's request gets exactly one verdict (serve or defer; admit, hold or
+//!   drop), and
 //!   no decision gives a verdict on another event's request;
-//! - only a parked pull can be released, only a held push admitted later;
+//! - only a parked pull can be released, only a held push admitted or dropped later;
 //! - control messages go to live workers only, and moved tasks come from another live worker,
 //!   within 1 to [`MAX_TASKS`] tasks; a task share is 1 to [`MAX_TASKS`];
 //! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
@@ -82,9 +83,10 @@ impl EventRules {
             (Decision::ServePull { pull } | Decision::DeferPull { pull, .. }, Request::Pull { id, .. }) => {
                 pull == id
             }
-            (Decision::AdmitPush { push, .. } | Decision::HoldPush { push }, Request::Push { id, .. }) => {
-                push == id
-            }
+            (
+                Decision::AdmitPush { push, .. } | Decision::HoldPush { push } | Decision::DropPush { push },
+                Request::Push { id, .. },
+            ) => push == id,
             _ => false,
         }
     }
@@ -125,6 +127,13 @@ impl EventRules {
                     }
                 }
             }
+            Decision::DropPush { push } => match self.request {
+                Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                _ if state.is_held(push) => {}
+                _ => {
+                    return Err(format!("dropped push #{push}, which is neither this event's push nor held"))
+                }
+            },
             Decision::HoldPush { push } => match self.request {
                 Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
                 _ => return Err(not_this("hold", push)),
@@ -161,7 +170,10 @@ impl EventRules {
                     return Err(format!("set more than {MAX_TIMERS} timers"));
                 }
             }
-            Decision::SetUpdateMode(_) | Decision::CancelTimer { .. } | Decision::Metric { .. } => {}
+            Decision::SetUpdateMode(_)
+            | Decision::CancelTimer { .. }
+            | Decision::Metric { .. }
+            | Decision::CompleteAggregate { .. } => {}
         }
         Ok(())
     }

@@ -6,8 +6,8 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 use crate::abi::{
-    Applied, Control, Decision, Envelope, Event, InitArgs, IterationReport, LeaveReason, Pull, Push, Release,
-    RequestId, ShardView, TimerId, UpdateMode, WorkerId,
+    Applied, Control, Decision, Envelope, Event, Handoff, InitArgs, IterationReport, LeaveReason, Pull, Push,
+    Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
 };
 use crate::clocks::Clocks;
 use crate::guest::{encode, Guest};
@@ -25,6 +25,10 @@ pub enum Recorded {
     Admitted(RequestId, Option<f32>),
     /// A push was held.
     Held(RequestId),
+    /// A push was dropped (its gradient discarded).
+    Dropped(RequestId),
+    /// A round's aggregate was completed early.
+    AggregateCompleted(u64),
     /// The update mode was set.
     UpdateMode(UpdateMode),
     /// A control message was sent.
@@ -59,6 +63,7 @@ pub struct Driver<P> {
     pub log: Vec<Recorded>,
     released: VecDeque<RequestId>,
     mode: Option<UpdateMode>,
+    config: Vec<(String, String)>,
 }
 
 impl<P: Policy> Driver<P> {
@@ -69,9 +74,7 @@ impl<P: Policy> Driver<P> {
         let bytes = encode(&args);
         write(&mut guest, &bytes);
         let out = guest.init(bytes.len()).to_vec();
-        let (res, rest) = postcard::take_from_bytes::<Result<(), String>>(&out)
-            .map_err(|e| alloc::format!("bad init reply: {e}"))?;
-        res?;
+        let rest = started(&out)?;
         let mut d = Driver {
             guest,
             clocks: Clocks::new(),
@@ -84,9 +87,89 @@ impl<P: Policy> Driver<P> {
             log: Vec::new(),
             released: VecDeque::new(),
             mode: None,
+            config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
         };
         d.apply(rest, None)?;
         Ok(d)
+    }
+
+    /// Hot-swaps to policy `Q` with `config`, as the host does: the clocks are rebased (every
+    /// live worker raised to the largest clock, see [`ShardView`]), `Q` is created from this
+    /// policy's exported state with [`Policy::import_state`], timers are cleared, and every
+    /// parked pull and held push is handed to `Q` again as a fresh event. `Err` if `Q` refuses
+    /// (on a cluster the old policy would keep running).
+    pub fn swap<Q: Policy>(mut self, config: &[(&str, &str)]) -> Result<Driver<Q>, String> {
+        let state = self.guest.export().to_vec();
+        self.clocks.rebase_to_max();
+        let (guest, start) = self.import::<Q>(P::INFO.name, P::INFO.version, &state, config)?;
+        let mut d = Driver {
+            guest,
+            clocks: self.clocks,
+            now_ns: self.now_ns,
+            rng: self.rng,
+            next_id: self.next_id,
+            parked: Vec::new(),
+            held: Vec::new(),
+            timers: Vec::new(),
+            log: self.log,
+            released: self.released,
+            mode: self.mode,
+            config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+        };
+        d.apply(&start, None)?;
+        d.redeliver(self.parked, self.held)?;
+        Ok(d)
+    }
+
+    /// Restarts the policy from its own exported state, as the host does after a failure (from
+    /// its last checkpoint): timers survive, pending requests are handed to it again.
+    pub fn restart(&mut self) -> Result<(), String> {
+        let state = self.guest.export().to_vec();
+        let config: Vec<(String, String)> = self.config.clone();
+        let pairs: Vec<(&str, &str)> = config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        // The start-up decisions were applied when the policy first started.
+        (self.guest, _) = self.import::<P>(P::INFO.name, P::INFO.version, &state, &pairs)?;
+        let (parked, held) = (core::mem::take(&mut self.parked), core::mem::take(&mut self.held));
+        self.redeliver(parked, held)
+    }
+
+    /// A new instance of `Q` created from `state`, its start-up decisions left in its output.
+    fn import<Q: Policy>(
+        &self,
+        from_name: &str,
+        from_version: &str,
+        state: &[u8],
+        config: &[(&str, &str)],
+    ) -> Result<(Guest<Q>, Vec<u8>), String> {
+        let workers: Vec<WorkerClock> = self.clocks.workers().collect();
+        let handoff = Handoff { from_name, from_version, state, workers };
+        let args = InitArgs { shard: 0, shards: 1, now_ns: self.now_ns, config: config.to_vec() };
+        let mut bytes = encode(&args);
+        bytes.extend_from_slice(&encode(&handoff));
+        let mut guest = Guest::<Q>::new();
+        write(&mut guest, &bytes);
+        let out = guest.import(bytes.len()).to_vec();
+        let start = started(&out)?.to_vec();
+        Ok((guest, start))
+    }
+
+    /// Hands pending requests to the policy again as fresh events (pulls first, then pushes).
+    fn redeliver(
+        &mut self,
+        parked: Vec<(RequestId, WorkerId, Release)>,
+        held: Vec<(RequestId, WorkerId)>,
+    ) -> Result<(), String> {
+        for (id, worker, _) in parked {
+            let clock = self.clocks.get(worker).unwrap_or(0);
+            let pull = Pull { id, worker, iteration: clock, clock };
+            self.send(self.clocks.view(), Event::Pull(pull), Some(id))?;
+        }
+        for (id, worker) in held {
+            let clock = self.clocks.get(worker).unwrap_or(0);
+            let push = Push { id, worker, iteration: clock, clock, samples: 1 };
+            self.send(self.clocks.view(), Event::Push(push), Some(id))?;
+        }
+        Ok(())
     }
 
     /// Advances host time.
@@ -140,9 +223,16 @@ impl<P: Policy> Driver<P> {
     /// `worker` pushes its next iteration. Returns the verdict.
     pub fn push(&mut self, worker: WorkerId) -> Result<PushVerdict, String> {
         let clock = self.clocks.get(worker).ok_or("push from a worker that is not live")?;
+        self.push_iteration(worker, clock)
+    }
+
+    /// `worker` pushes a gradient numbered `iteration` (workers number their own iterations; a
+    /// late joiner's or a rebased worker's numbers differ from its clock). Returns the verdict.
+    pub fn push_iteration(&mut self, worker: WorkerId, iteration: u64) -> Result<PushVerdict, String> {
+        let clock = self.clocks.get(worker).ok_or("push from a worker that is not live")?;
         let id = self.id();
         let view = self.clocks.view();
-        let push = Push { id, worker, iteration: clock, clock, samples: 1 };
+        let push = Push { id, worker, iteration, clock, samples: 1 };
         let verdict = self.send(view, Event::Push(push), Some(id))?;
         verdict.push.ok_or_else(|| alloc::format!("push {id} got no verdict"))
     }
@@ -247,6 +337,19 @@ impl<P: Policy> Driver<P> {
                     }
                     self.log.push(Recorded::Admitted(push, weight));
                 }
+                Decision::DropPush { push } => {
+                    if mine {
+                        v.push = Some(PushVerdict::Drop);
+                        if let Some((_, Event::Push(p))) = request {
+                            self.clocks.tick(p.worker);
+                        }
+                    } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
+                        let (_, worker) = self.held.remove(pos);
+                        self.clocks.tick(worker);
+                    }
+                    self.log.push(Recorded::Dropped(push));
+                }
+                Decision::CompleteAggregate { clock } => self.log.push(Recorded::AggregateCompleted(clock)),
                 Decision::HoldPush { push } => {
                     v.push = Some(PushVerdict::Hold);
                     if let Some((_, Event::Push(p))) = request {
@@ -311,6 +414,14 @@ impl<P> DecisionState for Driver<P> {
 struct Verdicts {
     pull: Option<PullVerdict>,
     push: Option<PushVerdict>,
+}
+
+/// Checks a creation reply (`Result<(), String>` then decisions); returns the decisions.
+fn started(out: &[u8]) -> Result<&[u8], String> {
+    let (res, rest) = postcard::take_from_bytes::<Result<(), String>>(out)
+        .map_err(|e| alloc::format!("bad init reply: {e}"))?;
+    res?;
+    Ok(rest)
 }
 
 fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) {

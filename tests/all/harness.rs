@@ -7,10 +7,11 @@
 //! noticing that a waiting request was answered. Policy timers fire as time advances.
 //!
 //! Workers stay members of the shard after their last iteration (as in a run whose workers all
-//! stop together), so the oracles see every interleaving up to the end under the policy's rules.
+//! stop together), so the oracles see every interleaving up to the end under the policy's rules;
+//! [`Cluster::leaving`] makes them say goodbye instead, as real workers do.
 
 use syncopate::runtime::PolicyModule;
-use syncopate::shard::{OptimizerConfig, PullRequest, PushRequest, Shard, ShardConfig};
+use syncopate::shard::{OptimizerConfig, PullRequest, PushRequest, PushWeight, Shard, ShardConfig};
 use syncopate::worker::WorkerReport;
 use syncopate_engine::worker::{Action, Buffers, Device, Input, JobKind, WorkerConfig, WorkerMachine};
 use syncopate_policy_sdk::abi::{Applied, RequestId, ShardView};
@@ -81,6 +82,8 @@ pub struct Cluster {
     pub batch: Vec<u32>,
     cost: Vec<u64>,
     messages_seen: usize,
+    /// Workers say goodbye after their last iteration.
+    leave: bool,
 }
 
 /// SGD with learning rate 1 and no momentum: every push of ones at weight 1/N moves the parameter
@@ -97,8 +100,33 @@ impl Cluster {
         iterations: u64,
         seed: u64,
     ) -> Self {
+        Self::build(module, cfg, workers, iterations, seed, false)
+    }
+
+    /// Workers leave the shard after their last iteration, as real workers do, and pushes are
+    /// summed (weight 1), so the parameter still counts applied pushes exactly however many
+    /// workers are live: each moves it by -1.
+    pub fn leaving(
+        module: &PolicyModule,
+        cfg: &[(&str, &str)],
+        workers: u32,
+        iterations: u64,
+        seed: u64,
+    ) -> Self {
+        Self::build(module, cfg, workers, iterations, seed, true)
+    }
+
+    fn build(
+        module: &PolicyModule,
+        cfg: &[(&str, &str)],
+        workers: u32,
+        iterations: u64,
+        seed: u64,
+        leave: bool,
+    ) -> Self {
         let mut rec = Recorder::default();
-        let shard_cfg = ShardConfig { seed, optimizer: exact_sgd(), ..ShardConfig::default() };
+        let push_weight = if leave { PushWeight::Sum } else { PushWeight::Mean };
+        let shard_cfg = ShardConfig { seed, optimizer: exact_sgd(), push_weight, ..ShardConfig::default() };
         let mut shard =
             Shard::new(shard_cfg, vec![0.0; 4], module, &config(cfg), &mut rec).expect("policy starts");
         let workers: Vec<Worker> = (0..workers)
@@ -138,6 +166,7 @@ impl Cluster {
             batch: vec![32; n],
             cost: vec![1_000; n],
             messages_seen: 0,
+            leave,
         }
     }
 
@@ -200,7 +229,7 @@ impl Cluster {
                     return false;
                 }
                 self.workers[w].wait = Wait::Nothing;
-                let pushed = Input::Pushed { kind: JobKind::Own, result: Ok(()) };
+                let pushed = Input::Pushed { kind: JobKind::Own, result: Ok(0) };
                 self.workers[w].machine.handle(self.now, pushed).expect("pushed");
                 self.run_actions(w, false);
                 true
@@ -234,13 +263,19 @@ impl Cluster {
                 Action::Handover { handover, .. } => {
                     self.shard.tasks_yielded(handover, now, &mut self.rec).expect("handed over");
                 }
-                Action::Leave => return made,
+                Action::Leave => {
+                    if self.leave {
+                        self.shard.goodbye(worker, now, &mut self.rec).expect("goodbye");
+                    }
+                    return made;
+                }
                 a @ (Action::Pull { .. } | Action::Push(_)) if !request => {
                     wk.next = Some(a);
                     return made;
                 }
                 Action::Pull { iteration } => {
-                    let (view, clock) = (self.shard.view(), self.shard.workers()[w].clock);
+                    let view = self.shard.view();
+                    let clock = self.shard.workers().iter().find(|c| c.worker == worker).expect("live").clock;
                     let id =
                         self.shard.pull(PullRequest { worker, iteration }, now, &mut self.rec).expect("pull");
                     let served = self.rec.served(id).map(|s| s.version);
@@ -271,7 +306,7 @@ impl Cluster {
                     self.pushes += 1;
                     (request, made) = (false, true);
                     if self.rec.was_acked(id) {
-                        let pushed = Input::Pushed { kind: job.kind, result: Ok(()) };
+                        let pushed = Input::Pushed { kind: job.kind, result: Ok(0) };
                         self.workers[w].machine.handle(now, pushed).expect("pushed");
                     } else {
                         self.workers[w].wait = Wait::Push(id);

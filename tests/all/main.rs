@@ -12,3 +12,4 @@ mod sim;
 mod swap;
 mod tasks;
 mod training;
+mod vocabulary;

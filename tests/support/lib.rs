@@ -50,6 +50,18 @@ pub fn hostile_module() -> PolicyModule {
         .clone()
 }
 
+/// The example `backup` policy module (`policies/example-backup`, built by `tests/build.rs`),
+/// compiled once per test process.
+pub fn backup_module() -> PolicyModule {
+    static MODULE: OnceLock<PolicyModule> = OnceLock::new();
+    MODULE
+        .get_or_init(|| {
+            let wasm = std::fs::read(env!("SYNCOPATE_BACKUP_WASM")).expect("built by tests/build.rs");
+            runtime().compile("backup.wasm", &wasm).expect("the backup module compiles")
+        })
+        .clone()
+}
+
 /// Turns `[("s", "3")]` into an owned configuration.
 pub fn config(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
@@ -79,8 +91,10 @@ pub struct Served {
 pub struct Recorder {
     /// Served pulls in order.
     pub served: Vec<Served>,
-    /// Acknowledged pushes in order.
+    /// Acknowledged pushes in order (dropped ones included).
     pub acked: Vec<(RequestId, WorkerId, u64)>,
+    /// Pushes the policy dropped, in order.
+    pub dropped: Vec<RequestId>,
     /// Control messages by recipient (a policy's task move goes to the tasks' owner first).
     pub controls: Vec<(WorkerId, Control)>,
     /// The same messages whole, for drivers that deliver them to worker machines.
@@ -121,6 +135,10 @@ impl ShardSink for Recorder {
         });
     }
     fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
+        self.acked.push((id, worker, iteration));
+    }
+    fn push_dropped(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
+        self.dropped.push(id);
         self.acked.push((id, worker, iteration));
     }
     fn control(&mut self, worker: WorkerId, msg: syncopate::tasks::ControlMessage) {

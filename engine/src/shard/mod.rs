@@ -13,8 +13,9 @@
 //!   the fallback verdict — a push is admitted; a pull is deferred under BSP's rule
 //!   (`min_clock >= clock[w]`), the strictest rule, which cannot deadlock while workers push — the
 //!   policy restarts from its last checkpoint, and every pending request is handed to it again.
-//!   After `max_consecutive_failures` in a row the module is quarantined and the shard runs on the
-//!   fallback rules alone until a swap.
+//!   After `max_consecutive_failures` in a row on one kind of event (pushes, pulls, timers...;
+//!   successes on other kinds do not reset the count) the module is quarantined and the shard
+//!   runs on the fallback rules alone until a swap.
 //! - A hot swap hands the old policy's state to the new one; if the new one refuses, nothing
 //!   changes. Pending requests are handed to the new policy as fresh events; none is dropped.
 //!
@@ -49,7 +50,7 @@ use syncopate_policy_sdk::clocks::Clocks;
 use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
 use crate::runtime::{PolicyError, PolicyModule};
-use supervisor::{Recovery, Supervisor};
+use supervisor::{EventKind, Recovery, Supervisor};
 
 /// How to build a shard.
 #[derive(Clone, Debug)]
@@ -154,6 +155,11 @@ pub trait ShardSink {
     fn pull_served(&mut self, reply: PullReply<'_>);
     /// A push was admitted (applied or aggregated).
     fn push_acked(&mut self, _id: RequestId, _worker: WorkerId, _iteration: u64) {}
+    /// A push was dropped by its policy: acknowledged, but its gradient was discarded. By
+    /// default the same as [`push_acked`](Self::push_acked).
+    fn push_dropped(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
+        self.push_acked(id, worker, iteration);
+    }
     /// A control message for a worker: a policy's, or a step of a task hand-over (see
     /// [`crate::tasks`]; a policy's [`Control::MoveTasks`] goes to the tasks' owner first).
     fn control(&mut self, _worker: WorkerId, _msg: ControlMessage) {}
@@ -246,8 +252,17 @@ pub struct ShardStats {
     pub policy_failures: u64,
     /// Successful hot swaps.
     pub swaps: u64,
-    /// Times the policy held a push before admitting it.
+    /// Times the policy held a push before deciding it.
     pub pushes_held: u64,
+    /// Pushes the policy dropped (acknowledged, gradient discarded, no optimizer step).
+    #[serde(default)]
+    pub pushes_dropped: u64,
+    /// Round aggregates the policy completed early (each one optimizer step).
+    #[serde(default)]
+    pub aggregates_completed_early: u64,
+    /// Worker clocks raised at hot swaps (the rebase that levels the workers).
+    #[serde(default)]
+    pub clocks_rebased: u64,
     /// Admitted pushes by staleness: how many optimizer steps the shard took between the pull
     /// the gradient was computed from and its admission (last bucket: that many or more).
     pub staleness: [u64; STALENESS_BUCKETS],
@@ -284,8 +299,26 @@ struct Partial {
 #[derive(Debug)]
 struct Aggregate {
     sum: Vec<f32>,
+    /// The sum of the contributions' weights.
+    weight: f32,
     contributors: Vec<WorkerId>,
 }
+
+/// A metric a policy records, as the shard keeps it: the last value and a running count and sum.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Metric {
+    /// Its name.
+    pub name: String,
+    /// The last value recorded.
+    pub last: f64,
+    /// Samples recorded.
+    pub count: u64,
+    /// Their sum (the mean is `sum / count`).
+    pub sum: f64,
+}
+
+/// The most metric names one shard keeps; samples of further names are counted as dropped.
+pub const MAX_METRICS: usize = 64;
 
 /// A request handed to the policy again after a recovery or a swap.
 #[derive(Debug)]
@@ -326,6 +359,9 @@ pub struct Shard {
     scratch: Vec<u8>,
     queue: VecDeque<Pending>,
     stats: ShardStats,
+    metrics: Vec<Metric>,
+    /// The last policy failure, for operators.
+    last_failure: Option<String>,
 }
 
 impl DecisionState for Shard {
@@ -394,6 +430,8 @@ impl Shard {
             scratch: Vec::with_capacity(256),
             queue: VecDeque::new(),
             stats: ShardStats::default(),
+            metrics: Vec::new(),
+            last_failure: None,
         };
         shard.apply_start(&start, 0, sink)?;
         Ok(shard)
@@ -456,6 +494,16 @@ impl Shard {
     /// Whether the policy is quarantined (the shard runs on fallback rules).
     pub fn is_quarantined(&self) -> bool {
         self.supervisor.is_quarantined()
+    }
+
+    /// The metrics the policy has recorded (at most [`MAX_METRICS`] names).
+    pub fn metrics(&self) -> &[Metric] {
+        &self.metrics
+    }
+
+    /// The last policy failure on this shard, if any.
+    pub fn last_failure(&self) -> Option<&str> {
+        self.last_failure.as_deref()
     }
 
     /// Pulls currently parked.
@@ -835,9 +883,12 @@ impl Shard {
         }
     }
 
-    /// Replaces the policy with `module` and `config`, handing over the old policy's state. On
-    /// error (the module refuses the state or its configuration, or fails to start) the old
-    /// policy keeps running and nothing changes.
+    /// Replaces the policy with `module` and `config`, handing over the old policy's state. The
+    /// live workers' clocks are rebased to the largest (see [`ShardView`]), so a policy with a
+    /// tighter bound does not make the fast workers wait while a slow one replays the drift the
+    /// outgoing policy allowed; aggregates of rounds now passed are applied. On error (the
+    /// module refuses the state or its configuration, or fails to start) the old policy keeps
+    /// running and nothing changes.
     pub fn swap_policy(
         &mut self,
         module: &PolicyModule,
@@ -845,12 +896,19 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), PolicyError> {
-        let start = self.supervisor.swap(module, config, self.clocks.workers().collect(), now_ns)?;
+        // The rebase: the incoming policy starts with the workers level (see `ShardView`), and
+        // its hand-over already shows them so; the clocks move only if the swap succeeds.
+        let level = self.clocks.view().max_clock;
+        let workers = self.clocks.workers().map(|w| WorkerClock { clock: level, ..w }).collect();
+        let start = self.supervisor.swap(module, config, workers, now_ns)?;
         self.stats.swaps += 1;
         self.timers.clear();
+        self.stats.clocks_rebased += u64::from(self.clocks.rebase_to_max());
+        self.floor = self.floor.max(self.clocks.view().min_clock);
+        self.complete_aggregates(sink);
         tracing::info!(shard = self.shard, policy = module.display_name(), "policy swapped");
         if let Err(e) = self.apply_start(&start, now_ns, sink) {
-            self.fail(e, now_ns, sink);
+            self.fail(e, EventKind::Start, now_ns, sink);
         }
         self.requeue_pending();
         self.drain(now_ns, sink);
@@ -878,7 +936,8 @@ impl Shard {
                     self.undecided_pull = Some(parked);
                     self.dispatch(Event::Pull(pull), view, false, now_ns, sink);
                 }
-                Pending::Push(held) => {
+                Pending::Push(mut held) => {
+                    held.push.clock = self.clocks.get(held.push.worker).unwrap_or(held.push.clock);
                     let push = held.push;
                     self.incoming = Some(held);
                     self.dispatch(Event::Push(push), view, false, now_ns, sink);
@@ -898,6 +957,7 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) {
         let env = Envelope { now_ns, random: self.rng.next_u64(), view, event };
+        let kind = EventKind::of(&event);
         let called = match self.supervisor.call(&env) {
             None => None,
             Some(Ok(bytes)) => {
@@ -909,7 +969,7 @@ impl Shard {
         };
         match called {
             None => self.fallback(now_ns, sink),
-            Some(Err(e)) => self.fail(e, now_ns, sink),
+            Some(Err(e)) => self.fail(e, kind, now_ns, sink),
             Some(Ok(())) => {
                 let bytes = std::mem::take(&mut self.scratch);
                 let applied = self.apply(&bytes, &event, now_ns, sink);
@@ -920,13 +980,13 @@ impl Shard {
                     detail,
                 });
                 let clocks = &self.clocks;
-                // Only a request answered clears the failure count: a module that fails on every
-                // push must not be kept alive by the reports and timers in between.
-                let answered = fresh && matches!(event, Event::Push(_) | Event::Pull(_));
-                match result.and_then(|()| self.supervisor.succeeded(answered, || clocks.workers().collect()))
+                // A success clears only its own kind's failure count: a module that fails on
+                // every push must not be kept alive by the pulls, reports and timers in between.
+                match result
+                    .and_then(|()| self.supervisor.succeeded(kind, fresh, || clocks.workers().collect()))
                 {
                     Ok(()) => {}
-                    Err(e) => self.fail(e, now_ns, sink),
+                    Err(e) => self.fail(e, kind, now_ns, sink),
                 }
             }
         }
@@ -984,8 +1044,33 @@ impl Shard {
                 } else {
                     self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
                 };
+                match held {
+                    // Weight 0 is a drop: no optimizer step (momentum and decay would move
+                    // the parameters even for a zero gradient).
+                    Some(held) if weight == Some(0.0) => self.drop_push(held, sink),
+                    Some(held) => self.admit(held, weight, sink),
+                    None => {}
+                }
+            }
+            Decision::DropPush { push } => {
+                let held = if verdict {
+                    self.incoming.take()
+                } else {
+                    self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
+                };
                 if let Some(held) = held {
-                    self.admit(held, weight, sink);
+                    self.drop_push(held, sink);
+                }
+            }
+            Decision::CompleteAggregate { clock } => {
+                if self.mode == UpdateMode::Aggregate {
+                    if let Some(mut agg) = self.aggregates.remove(&clock) {
+                        // The weighted mean of the contributions present.
+                        let scale = 1.0 / agg.weight.max(f32::MIN_POSITIVE);
+                        agg.sum.iter_mut().for_each(|g| *g *= scale);
+                        self.stats.aggregates_completed_early += 1;
+                        self.apply_aggregate(agg, sink);
+                    }
                 }
             }
             Decision::HoldPush { .. } => {
@@ -1012,7 +1097,21 @@ impl Shard {
                 }
             }
             Decision::CancelTimer { timer } => self.timers.retain(|t| t.0 != timer),
-            Decision::Metric { name, value } => sink.metric(name, value),
+            Decision::Metric { name, value } => {
+                self.record_metric(name, value);
+                sink.metric(name, value);
+            }
+        }
+    }
+
+    /// Keeps a policy's metric sample (allocates only for a name not seen before).
+    fn record_metric(&mut self, name: &str, value: f64) {
+        if let Some(m) = self.metrics.iter_mut().find(|m| m.name == name) {
+            m.last = value;
+            m.count += 1;
+            m.sum += value;
+        } else if self.metrics.len() < MAX_METRICS {
+            self.metrics.push(Metric { name: name.to_owned(), last: value, count: 1, sum: value });
         }
     }
 
@@ -1042,12 +1141,13 @@ impl Shard {
 
     /// A policy call failed: report it, resolve the event's request by the fallback rules, and
     /// restart or quarantine the policy.
-    fn fail(&mut self, error: PolicyError, now_ns: u64, sink: &mut dyn ShardSink) {
+    fn fail(&mut self, error: PolicyError, kind: EventKind, now_ns: u64, sink: &mut dyn ShardSink) {
         self.stats.policy_failures += 1;
         tracing::warn!(shard = self.shard, %error, "policy failure");
+        self.last_failure = Some(error.to_string());
         sink.policy_failed(&error);
         self.fallback(now_ns, sink);
-        match self.supervisor.failed(now_ns) {
+        match self.supervisor.failed(kind, now_ns) {
             Recovery::Restarted => self.requeue_pending(),
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {
@@ -1123,6 +1223,7 @@ impl Shard {
             PushWeight::Mean => 1.0 / self.clocks.view().workers.max(1) as f32,
             PushWeight::Sum => 1.0,
         });
+        let round = self.clocks.get(push.worker).unwrap_or(push.clock);
         self.clocks.tick(push.worker);
         self.stats.pushes_admitted += 1;
         match self.mode {
@@ -1137,15 +1238,16 @@ impl Shard {
             UpdateMode::Aggregate => {
                 let len = self.params.len();
                 let spare = &mut self.spare_sums;
-                let agg = self.aggregates.entry(push.iteration).or_insert_with(|| {
+                let agg = self.aggregates.entry(round).or_insert_with(|| {
                     let mut sum = spare.pop().unwrap_or_default();
                     sum.clear();
                     sum.resize(len, 0.0);
-                    Aggregate { sum, contributors: Vec::new() }
+                    Aggregate { sum, weight: 0.0, contributors: Vec::new() }
                 });
                 for (s, g) in agg.sum.iter_mut().zip(&grad) {
                     *s += weight * g;
                 }
+                agg.weight += weight;
                 agg.contributors.push(push.worker);
                 self.complete_aggregates(sink);
             }
@@ -1154,8 +1256,19 @@ impl Shard {
         sink.push_acked(push.id, push.worker, push.iteration);
     }
 
-    /// Applies, in iteration order, every aggregate whose iteration all live workers have pushed
-    /// (`iteration < min_clock`), whatever mode their pushes arrived in.
+    /// Discards a push its policy dropped: the worker's clock advances and it is acknowledged;
+    /// the gradient reaches nothing and counts in no step or staleness figure.
+    fn drop_push(&mut self, h: Held, sink: &mut dyn ShardSink) {
+        let Held { push, grad, .. } = h;
+        self.clocks.tick(push.worker);
+        self.stats.pushes_dropped += 1;
+        sink.recycle(grad);
+        self.complete_aggregates(sink);
+        sink.push_dropped(push.id, push.worker, push.iteration);
+    }
+
+    /// Applies, in round order, every aggregate whose round all live workers have passed
+    /// (`round < min_clock`), whatever mode their pushes arrived in.
     fn complete_aggregates(&mut self, sink: &mut dyn ShardSink) {
         let min_clock = self.clocks.view().min_clock;
         while let Some(entry) = self.aggregates.first_entry() {

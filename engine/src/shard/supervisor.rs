@@ -4,8 +4,13 @@
 //! Recovery and swap are one mechanism: a new instance is created with
 //! [`PolicyInstance::import`] from a [`Handoff`] (the old instance's state for a swap, the last
 //! checkpoint for a recovery), and the shard then hands every pending request to it again as a
-//! fresh event. A module that keeps failing (`max_consecutive_failures` in a row) is quarantined:
-//! the shard stops calling it and applies its fallback rules until an operator swaps in another.
+//! fresh event. A module that keeps failing (`max_consecutive_failures` in a row on one kind of
+//! event) is quarantined: the shard stops calling it and applies its fallback rules until an
+//! operator swaps in another.
+//!
+//! Failures are counted per kind of event (pushes, pulls, timers, ...), and only a success on a
+//! fresh event of the same kind clears a kind's count: a module that fails on every push is
+//! quarantined after `max_consecutive_failures` pushes however many pulls it answers in between.
 
 use syncopate_policy_sdk::abi::{Envelope, Handoff, InitArgs, WorkerClock};
 
@@ -16,7 +21,7 @@ use crate::runtime::{PolicyError, PolicyInstance, PolicyModule};
 pub struct SupervisorConfig {
     /// Events between state checkpoints.
     pub checkpoint_every: u32,
-    /// Failures in a row after which the module is quarantined.
+    /// Failures in a row on one kind of event after which the module is quarantined.
     pub max_consecutive_failures: u32,
 }
 
@@ -45,7 +50,39 @@ pub(crate) struct Supervisor {
     checkpoint: Vec<u8>,
     checkpoint_workers: Vec<WorkerClock>,
     since_checkpoint: u32,
-    failures_in_a_row: u32,
+    /// Per event kind ([`EventKind`]): failures since the last fresh success of that kind.
+    failures_in_a_row: [u32; EventKind::COUNT],
+}
+
+/// What a policy call was about, for counting failures by kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EventKind {
+    Joined,
+    Left,
+    Push,
+    Pull,
+    Finished,
+    Timer,
+    ControlApplied,
+    /// Start-up decisions (after a swap).
+    Start,
+}
+
+impl EventKind {
+    const COUNT: usize = 8;
+
+    pub(crate) fn of(event: &syncopate_policy_sdk::abi::Event) -> Self {
+        use syncopate_policy_sdk::abi::Event;
+        match event {
+            Event::WorkerJoined { .. } => EventKind::Joined,
+            Event::WorkerLeft { .. } => EventKind::Left,
+            Event::Push(_) => EventKind::Push,
+            Event::Pull(_) => EventKind::Pull,
+            Event::IterationFinished(_) => EventKind::Finished,
+            Event::Timer { .. } => EventKind::Timer,
+            Event::ControlApplied(_) => EventKind::ControlApplied,
+        }
+    }
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -82,7 +119,7 @@ impl Supervisor {
             checkpoint,
             checkpoint_workers: Vec::new(),
             since_checkpoint: 0,
-            failures_in_a_row: 0,
+            failures_in_a_row: [0; EventKind::COUNT],
         };
         Ok((sup, start))
     }
@@ -104,16 +141,18 @@ impl Supervisor {
         Some(self.instance.as_mut()?.on_event(env))
     }
 
-    /// Records a successful event; checkpoints every `checkpoint_every` events. Only a `fresh`
-    /// event (not one handed over again after a recovery) clears the failure count: otherwise a
-    /// module that fails every few events could restart forever on its own re-deliveries.
+    /// Records a successful event of `kind`; checkpoints every `checkpoint_every` events. Only
+    /// a `fresh` event (not one handed over again after a recovery) clears its kind's failure
+    /// count: otherwise a module that fails every few events could restart forever on its own
+    /// re-deliveries.
     pub(crate) fn succeeded(
         &mut self,
+        kind: EventKind,
         fresh: bool,
         workers: impl FnOnce() -> Vec<WorkerClock>,
     ) -> Result<(), PolicyError> {
         if fresh {
-            self.failures_in_a_row = 0;
+            self.failures_in_a_row[kind as usize] = 0;
         }
         self.since_checkpoint += 1;
         if self.since_checkpoint >= self.cfg.checkpoint_every {
@@ -126,11 +165,13 @@ impl Supervisor {
         Ok(())
     }
 
-    /// After a failure: restart from the last checkpoint, or quarantine.
-    pub(crate) fn failed(&mut self, now_ns: u64) -> Recovery {
-        self.failures_in_a_row += 1;
+    /// After a failure on an event of `kind`: restart from the last checkpoint, or quarantine.
+    pub(crate) fn failed(&mut self, kind: EventKind, now_ns: u64) -> Recovery {
+        let count = &mut self.failures_in_a_row[kind as usize];
+        *count += 1;
+        let count = *count;
         self.instance = None;
-        if self.failures_in_a_row >= self.cfg.max_consecutive_failures {
+        if count >= self.cfg.max_consecutive_failures {
             return Recovery::Quarantined(None);
         }
         let info = self.module.info();
@@ -180,7 +221,7 @@ impl Supervisor {
         self.module = module.clone();
         self.config = config.to_vec();
         self.since_checkpoint = 0;
-        self.failures_in_a_row = 0;
+        self.failures_in_a_row = [0; EventKind::COUNT];
         Ok(start)
     }
 }

@@ -169,8 +169,9 @@ pub enum Input {
     Pushed {
         /// Whose push.
         kind: JobKind,
-        /// `Err`: why a shard refused it.
-        result: Result<(), String>,
+        /// `Ok`: how many shards' policies dropped it (0: applied everywhere); `Err`: why a
+        /// shard refused it.
+        result: Result<u32, String>,
     },
     /// A hand-over was refused: the tasks stay this worker's, and it computes them.
     HandoverRefused {
@@ -411,8 +412,14 @@ impl WorkerMachine {
             }
             Input::Pushed { kind: JobKind::Own, result } => {
                 self.expect(self.own == Own::Pushing, "Pushed")?;
-                if let Err(reason) = result {
-                    return Err(WorkerError::PushRefused { iteration: self.cur.iteration, reason });
+                let dropped = match result {
+                    Ok(d) => d,
+                    Err(reason) => {
+                        return Err(WorkerError::PushRefused { iteration: self.cur.iteration, reason })
+                    }
+                };
+                if dropped > 0 {
+                    self.report.pushes_dropped += 1;
                 }
                 let c = self.cur;
                 self.report.compute_ns += c.busy_ns;
@@ -439,12 +446,12 @@ impl WorkerMachine {
                         job.iteration,
                         "moved tasks not taken: {e}"
                     ),
-                    Ok(()) if owner == self.cfg.id => {
+                    Ok(_) if owner == self.cfg.id => {
                         // Our own tasks, returned because the worker that took them left.
                         self.report.tasks_given =
                             self.report.tasks_given.saturating_sub(u64::from(job.count));
                     }
-                    Ok(()) => self.report.tasks_helped += u64::from(job.count),
+                    Ok(_) => self.report.tasks_helped += u64::from(job.count),
                 }
             }
             Input::HandoverRefused { handover: h, error } => {

@@ -26,6 +26,10 @@ pub struct WorkerReport {
     pub compute_ns: u64,
     /// Time from start to leaving, in nanoseconds.
     pub elapsed_ns: u64,
+    /// Own iterations whose push at least one shard's policy dropped (the gradient was
+    /// discarded there; the iteration still counts as done).
+    #[serde(default)]
+    pub pushes_dropped: u64,
     /// Control messages received.
     pub controls: u64,
     /// Tasks of this worker's iterations that other workers computed.

@@ -30,7 +30,7 @@ fn computed(samples: u32) -> Input {
 }
 
 fn own_pushed() -> Input {
-    Input::Pushed { kind: JobKind::Own, result: Ok(()) }
+    Input::Pushed { kind: JobKind::Own, result: Ok(0) }
 }
 
 fn control(control: Control) -> Input {
@@ -128,7 +128,7 @@ fn moved_tasks_are_computed_between_own_work_and_pushed_for_their_owner() {
     let a = actions(&mut m, 1 + 10 * MS / 4);
     let [Action::Push(p)] = &a[..] else { panic!("{a:?}") };
     assert_eq!((p.owner, p.iteration, p.tasks), (0, 3, Some(TaskPart { mask: 0b1100_0000, total: 8 })));
-    m.handle(3 * MS, Input::Pushed { kind: JobKind::Help { owner: 0 }, result: Ok(()) }).unwrap();
+    m.handle(3 * MS, Input::Pushed { kind: JobKind::Help { owner: 0 }, result: Ok(0) }).unwrap();
     let a = actions(&mut m, 3 * MS);
     assert!(matches!(&a[..], [Action::Compute(j)] if j.kind == JobKind::Own), "now our own: {a:?}");
     assert_eq!(m.report().tasks_helped, 2);

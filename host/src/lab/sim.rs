@@ -97,7 +97,8 @@ enum Ev {
 #[derive(Default)]
 struct Sink {
     served: Vec<(WorkerId, u64, u64)>,
-    acked: Vec<(WorkerId, u64)>,
+    /// (worker, iteration, dropped by the policy).
+    acked: Vec<(WorkerId, u64, bool)>,
     controls: Vec<(WorkerId, ControlMessage)>,
     /// The values each served pull saw, when gradients are on (worker, shard values).
     values: Vec<(WorkerId, Vec<f32>)>,
@@ -112,7 +113,10 @@ impl ShardSink for Sink {
         }
     }
     fn push_acked(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
-        self.acked.push((worker, iteration));
+        self.acked.push((worker, iteration, false));
+    }
+    fn push_dropped(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
+        self.acked.push((worker, iteration, true));
     }
     fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
         self.controls.push((worker, msg));
@@ -125,6 +129,8 @@ struct InFlight {
     job: PushJob,
     acks: u32,
     refused: bool,
+    /// Shards whose policy dropped it.
+    dropped: u32,
 }
 
 /// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
@@ -364,12 +370,12 @@ impl Sim {
             let t = self.transfer(from, w as usize, bytes);
             self.at(t, Ev::PullDone(w, s));
         }
-        for (w, iteration) in std::mem::take(&mut self.sink.acked) {
+        for (w, iteration, dropped) in std::mem::take(&mut self.sink.acked) {
             // Only a whole push waits for its admission; parts are acknowledged when counted.
-            let waiting = self.workers[w as usize]
-                .own
-                .is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration);
-            if waiting {
+            let own = self.workers[w as usize].own.as_mut();
+            let waiting = own.filter(|p| p.job.tasks.is_none() && p.job.iteration == iteration);
+            if let Some(p) = waiting {
+                p.dropped += u32::from(dropped);
                 self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, false));
             }
         }
@@ -432,7 +438,7 @@ impl Sim {
                     }
                     let help = job.kind != JobKind::Own;
                     let slot = if help { &mut wk.help } else { &mut wk.own };
-                    *slot = Some(InFlight { job, acks: 0, refused: false });
+                    *slot = Some(InFlight { job, acks: 0, refused: false, dropped: 0 });
                     for s in 0..shards {
                         let bytes = self.shard_bytes(s);
                         let t = self.transfer(w as usize, self.server_node(s), bytes);
@@ -528,9 +534,9 @@ impl Sim {
                 if p.acks < shards {
                     return Ok(());
                 }
-                let (kind, refused) = (p.job.kind, p.refused);
+                let (kind, refused, dropped) = (p.job.kind, p.refused, p.dropped);
                 *slot = None;
-                let result = if refused { Err("refused by a shard".to_string()) } else { Ok(()) };
+                let result = if refused { Err("refused by a shard".to_string()) } else { Ok(dropped) };
                 self.feed(w, Input::Pushed { kind, result })?;
             }
             Ev::ToShard(w, s, i) => {

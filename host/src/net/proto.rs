@@ -335,6 +335,8 @@ pub enum DataResponse {
     },
     /// The request was refused; the connection stays open.
     Error(String),
+    /// The push was acknowledged, but its policy dropped it: the gradient was discarded.
+    PushDropped,
 }
 
 /// A control message from a shard's policy, sent on a unidirectional stream to the worker

@@ -498,7 +498,8 @@ async fn handle_request(
             match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, reply })
                 .await
             {
-                Ok(()) => (DataResponse::PushAcked, None),
+                Ok(false) => (DataResponse::PushAcked, None),
+                Ok(true) => (DataResponse::PushDropped, None),
                 Err(e) => err(e),
             }
         }

@@ -46,7 +46,8 @@ pub(crate) enum ShardCmd {
         /// Some tasks only: the owner of the iteration and which of its tasks. Acknowledged as
         /// soon as they are counted.
         tasks: Option<(WorkerId, TaskPart)>,
-        reply: Reply<()>,
+        /// `true`: the policy dropped the push (acknowledged, gradient discarded).
+        reply: Reply<bool>,
     },
     /// The owner of moved tasks handed them over.
     Yielded {
@@ -89,7 +90,7 @@ struct Waiting {
     shard: u32,
     pool: TensorPool,
     pulls: HashMap<(WorkerId, u64), Reply<Served>>,
-    pushes: HashMap<(WorkerId, u64), Reply<()>>,
+    pushes: HashMap<(WorkerId, u64), Reply<bool>>,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
     /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
     goodbyes: HashMap<WorkerId, Reply<()>>,
@@ -110,7 +111,13 @@ impl ShardSink for Waiting {
 
     fn push_acked(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
         if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
-            let _ = tx.send(Ok(()));
+            let _ = tx.send(Ok(false));
+        }
+    }
+
+    fn push_dropped(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
+        if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
+            let _ = tx.send(Ok(true));
         }
     }
 
@@ -240,7 +247,7 @@ impl ShardTask {
                 };
                 let req =
                     PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
-                let result = shard.push_by(worker, req, now, w).map(|_| ()).map_err(|e| e.to_string());
+                let result = shard.push_by(worker, req, now, w).map(|_| false).map_err(|e| e.to_string());
                 if owner != worker {
                     tracing::debug!(
                         shard = id,

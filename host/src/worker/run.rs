@@ -79,7 +79,7 @@ impl Clock {
 /// A request in flight, with the buffer it borrowed.
 enum Done {
     Pulled(Result<PullStats, NodeError>, Vec<f32>),
-    Pushed(PushJob, Result<(), NodeError>, Vec<f32>),
+    Pushed(PushJob, Result<u32, NodeError>, Vec<f32>),
 }
 
 impl WorkerOptions {
