@@ -41,10 +41,20 @@ impl std::str::FromStr for PolicySpec {
 
     fn from_str(spec: &str) -> Result<Self, SpecError> {
         let err = |reason: &str| SpecError { spec: spec.into(), reason: reason.into() };
-        let (source, rest) = match spec.rsplit_once(':') {
-            Some((s, r)) if r.contains('=') || r.is_empty() => (s, r),
-            _ => (spec, ""),
+        // The configuration starts at the first `:` followed by `key=` (or at a trailing `:`), so
+        // values may contain colons (`hostile.wasm:mode=push:panic`).
+        let starts_config = |rest: &str| {
+            rest.is_empty()
+                || rest.split_once('=').is_some_and(|(k, _)| {
+                    !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+                })
         };
+        let (source, rest) = spec
+            .char_indices()
+            .filter(|(_, c)| *c == ':')
+            .map(|(i, _)| (&spec[..i], &spec[i + 1..]))
+            .find(|(_, rest)| starts_config(rest))
+            .unwrap_or((spec, ""));
         if source.is_empty() {
             return Err(err("no policy name or file"));
         }
@@ -134,6 +144,10 @@ mod tests {
         assert_eq!(s.config.len(), 2);
         let s: PolicySpec = "bsp".parse().unwrap();
         assert!(s.config.is_empty());
+        let s: PolicySpec = "./h.wasm:mode=push:panic,after=2".parse().unwrap();
+        assert_eq!(s.source, "./h.wasm");
+        assert_eq!(s.config[0], ("mode".to_owned(), "push:panic".to_owned()));
+        assert_eq!(s.to_string(), "./h.wasm:mode=push:panic,after=2", "written back as parsed");
         assert!(
             "ssp:s".parse::<PolicySpec>().is_err()
                 || "ssp:s".parse::<PolicySpec>().unwrap().source == "ssp:s"

@@ -98,6 +98,8 @@ struct State {
     workers: BTreeMap<WorkerId, WorkerStatus>,
     model_len: Option<u64>,
     policy: PolicySource,
+    /// The policy before the last swap, for a rollback.
+    previous: Option<PolicySource>,
     swaps: u64,
 }
 
@@ -147,6 +149,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             workers: BTreeMap::new(),
             model_len: None,
             policy: opts.policy.clone(),
+            previous: None,
             swaps: 0,
         }),
         registered: watch::channel(0).0,
@@ -417,6 +420,17 @@ impl Coordinator {
                 futures::future::join_all(notices).await;
                 CoordResponse::Ok
             }
+            CoordRequest::Rollback => {
+                let previous = self.lock().previous.clone();
+                let Some(previous) = previous else {
+                    return CoordResponse::Error("no swap to roll back".into());
+                };
+                tracing::warn!(policy = %previous.label, "rolling back to the policy before the last swap");
+                match self.swap(previous.blob(), previous.wasm).await {
+                    Ok((swap, shards)) => CoordResponse::Swapped { swap, shards },
+                    Err(e) => CoordResponse::Error(e),
+                }
+            }
             CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } => {
                 CoordResponse::Error("that is a worker's request".into())
             }
@@ -459,12 +473,13 @@ impl Coordinator {
             futures::future::join_all(servers.iter().map(|(_, c)| command(c, &commit, &[]))).await;
         let mut st = self.lock();
         st.swaps = swap;
-        st.policy = PolicySource {
+        let new = PolicySource {
             label: blob.label.clone(),
             wasm,
             config: blob.config.clone(),
             overrides: blob.overrides.clone(),
         };
+        st.previous = Some(std::mem::replace(&mut st.policy, new));
         let failed: Vec<String> = committed
             .iter()
             .enumerate()

@@ -49,6 +49,14 @@ impl Operator {
         }
     }
 
+    /// Swaps back to the policy that ran before the last swap.
+    pub async fn rollback(&self) -> Result<(u64, u32), NodeError> {
+        match self.ask(&CoordRequest::Rollback, &[]).await? {
+            CoordResponse::Swapped { swap, shards } => Ok((swap, shards)),
+            other => Err(NodeError::Protocol(format!("unexpected answer to a rollback: {other:?}"))),
+        }
+    }
+
     /// What runs where.
     pub async fn status(&self) -> Result<ClusterStatus, NodeError> {
         match self.ask(&CoordRequest::Status, &[]).await? {

@@ -272,8 +272,10 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
         [(&["ssp:s=2", "--shard-config", "1:s=4"][..], "ssp 0.1.0"), (&["asp"][..], "asp 0.1.0")]
     {
         std::thread::sleep(Duration::from_millis(500));
-        let out = syncopate(&[&["policy", "swap"][..], args].concat(), &cluster);
+        let out = syncopate(&[&["policy", "swap", "--watch-s", "0.3"][..], args].concat(), &cluster);
         assert!(out.status.success(), "swap to {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("no failures"), "the swap was watched: {said}");
         let st = status(&cluster);
         assert!(st.servers.iter().flat_map(|s| &s.shards).all(|s| s.policy == label), "{st:?}");
         if label.starts_with("ssp") {
@@ -301,6 +303,35 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
         assert_eq!(s.stats.swaps, 2);
         assert_eq!(s.stats.pushes_admitted, 600);
     }
+}
+
+#[test]
+fn a_swap_to_a_module_failing_on_every_push_exits_non_zero_and_rolls_back_on_request() {
+    let mut run = LocalRun::start(
+        "swap-bad",
+        &["--workers", "2", "--servers", "1", "--iterations", "300", "--delay-ms", "10", "--params", "16"],
+    );
+    let cluster = run.cluster_file();
+    std::thread::sleep(Duration::from_millis(300));
+    let bad = format!("{}:mode=push:panic", env!("SYNCOPATE_HOSTILE_WASM"));
+    let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1"], &cluster);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a failing module's swap exits non-zero");
+    assert!(err.contains("panics on purpose") && err.contains("quarantined on shards 0"), "{err}");
+    assert!(status(&cluster).servers[0].shards[0].quarantined);
+    let out = syncopate(&["policy", "swap", "ssp:s=2", "--watch-s", "0"], &cluster);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1", "--rollback"], &cluster);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("rolled back") && err.contains("builtin:ssp"), "{err}");
+    let st = status(&cluster);
+    assert_eq!(st.policy, "builtin:ssp");
+    assert!(st.servers[0].shards.iter().all(|s| !s.quarantined && s.policy == "ssp 0.1.0"), "{st:?}");
+    assert!(st.workers.iter().all(|w| !w.finished), "all of it happened during training: {st:?}");
+    // The failing pushes were admitted by the fallback rule: nothing was lost or doubled.
+    let (code, run) = run.finish(Duration::from_secs(120));
+    assert!(code.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0) * 300.0, "after a quarantine and a rollback");
 }
 
 #[test]

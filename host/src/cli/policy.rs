@@ -27,13 +27,21 @@ pub enum PolicyCommand {
     /// List the built-in policies with their parameters.
     List,
     /// Swap the policy of a running cluster. Every server prepares the module first; if any
-    /// cannot load it, none switches and this says why.
+    /// cannot load it, none switches and this says why. Then the new policy is watched for a
+    /// few seconds: if it fails on any shard, this exits non-zero naming the error (and, with
+    /// --rollback, swaps the previous policy back in).
     Swap {
         /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
         policy: PolicySpec,
         /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
         #[arg(long = "shard-config", value_parser = super::args::parse_override)]
         overrides: Vec<(u32, String, String)>,
+        /// Seconds to watch the new policy's first events after the swap (0: do not watch).
+        #[arg(long, default_value_t = 3.0)]
+        watch_s: f64,
+        /// If the new policy fails while watched, swap the previous policy back in.
+        #[arg(long)]
+        rollback: bool,
         #[command(flatten)]
         access: AccessArgs,
     },
@@ -50,15 +58,38 @@ pub enum PolicyCommand {
 /// Runs a policy subcommand.
 pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     match cmd {
-        PolicyCommand::Swap { policy, overrides, access } => {
+        PolicyCommand::Swap { policy, overrides, watch_s, rollback, access } => {
             let source = super::roles::policy_source(&policy, overrides)?;
             let access = access.access()?;
-            let (swap, shards) = tokio()?.block_on(async {
+            return tokio()?.block_on(async {
                 let op = Operator::connect(&access).await?;
-                op.swap(&source).await
-            })?;
-            println!("swap {swap}: {} now runs on all {shards} shards", source.label);
-            return Ok(());
+                let before = op.status().await?;
+                let (swap, shards) = op.swap(&source).await?;
+                println!("swap {swap}: {} now runs on all {shards} shards", source.label);
+                if watch_s <= 0.0 {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_secs_f64(watch_s)).await;
+                let after = op.status().await?;
+                let verdict = watched(&before, &after);
+                match verdict.failure {
+                    None => {
+                        println!(
+                            "watched {watch_s} s: no failures in {} events on the new policy",
+                            verdict.events
+                        );
+                        Ok(())
+                    }
+                    Some(failure) if rollback => {
+                        let (back, _) = op.rollback().await?;
+                        anyhow::bail!("{failure}; rolled back (swap {back}) to {}", before.policy)
+                    }
+                    Some(failure) => anyhow::bail!(
+                        "{failure}; the shards run on fallback rules where quarantined: swap \
+                         another policy in, or rerun with --rollback"
+                    ),
+                }
+            });
         }
         PolicyCommand::Status { json, access } => {
             let access = access.access()?;
@@ -101,6 +132,48 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What watching a swapped-in policy found.
+struct Watched {
+    /// Pushes and pulls the shards handled while watched.
+    events: u64,
+    /// What went wrong, if anything.
+    failure: Option<String>,
+}
+
+/// Compares the shards' counters before a swap and a while after it.
+fn watched(before: &ClusterStatus, after: &ClusterStatus) -> Watched {
+    let shards = |s: &ClusterStatus| -> Vec<crate::net::proto::ShardStatus> {
+        s.servers.iter().flat_map(|sv| sv.shards.iter().cloned()).collect()
+    };
+    let (old, new) = (shards(before), shards(after));
+    let mut events = 0;
+    let mut failed = Vec::new();
+    let mut quarantined = Vec::new();
+    for sh in &new {
+        let was = old.iter().find(|o| o.shard == sh.shard);
+        let base = |f: fn(&crate::shard::ShardStats) -> u64| was.map_or(0, |o| f(&o.stats));
+        events += (sh.stats.pushes_admitted + sh.stats.pushes_dropped + sh.stats.pulls_served)
+            .saturating_sub(base(|s| s.pushes_admitted + s.pushes_dropped + s.pulls_served));
+        let failures = sh.stats.policy_failures.saturating_sub(base(|s| s.policy_failures));
+        if failures > 0 {
+            let why = sh.last_failure.as_deref().unwrap_or("no message");
+            failed.push(format!("shard {}: {failures} failures, the last: {why}", sh.shard));
+        }
+        if sh.quarantined {
+            quarantined.push(sh.shard.to_string());
+        }
+    }
+    let failure = (!failed.is_empty() || !quarantined.is_empty()).then(|| {
+        let q = if quarantined.is_empty() {
+            String::new()
+        } else {
+            format!(" (quarantined on shards {})", quarantined.join(", "))
+        };
+        format!("the new policy failed after the swap{q}: {}", failed.join("; "))
+    });
+    Watched { events, failure }
+}
+
 fn print_info(info: &ModuleInfo, indent: &str) {
     println!("{indent}name:        {}", info.name);
     println!("{indent}version:     {}", info.version);
@@ -123,25 +196,54 @@ fn print_status(s: &ClusterStatus) {
         println!("config: {}", cfg.join(","));
     }
     println!(
-        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>9} {:>8} {:>7}",
-        "server", "shard", "policy", "sha256", "workers", "pushes", "pulls", "deferred", "swaps"
+        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>9} {:>8} {:>7} {:>8} {:<11}",
+        "server",
+        "shard",
+        "policy",
+        "sha256",
+        "workers",
+        "pushes",
+        "dropped",
+        "pulls",
+        "deferred",
+        "swaps",
+        "failures",
+        "quarantined"
     );
     for server in &s.servers {
         for sh in &server.shards {
-            let policy =
-                if sh.quarantined { format!("{} (QUARANTINED)", sh.policy) } else { sh.policy.clone() };
             println!(
-                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>9} {:>8} {:>7}",
+                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>9} {:>8} {:>7} {:>8} {:<11}",
                 server.server,
                 sh.shard,
-                policy,
+                sh.policy,
                 &sh.sha256[..12],
                 sh.workers.len(),
                 sh.stats.pushes_admitted,
+                sh.stats.pushes_dropped,
                 sh.stats.pulls_served,
                 sh.stats.pulls_deferred,
-                sh.stats.swaps
+                sh.stats.swaps,
+                sh.stats.policy_failures,
+                if sh.quarantined { "YES" } else { "no" }
             );
+        }
+    }
+    for server in &s.servers {
+        for sh in &server.shards {
+            if let Some(e) = &sh.last_failure {
+                println!("shard {} last failure: {e}", sh.shard);
+            }
+            if !sh.metrics.is_empty() {
+                let m: Vec<String> = sh
+                    .metrics
+                    .iter()
+                    .map(|m| {
+                        format!("{} = {} (mean {:.3} of {})", m.name, m.last, m.sum / m.count as f64, m.count)
+                    })
+                    .collect();
+                println!("shard {} metrics: {}", sh.shard, m.join(", "));
+            }
         }
     }
     let live: Vec<String> = s.workers.iter().filter(|w| w.connected).map(|w| w.worker.to_string()).collect();

@@ -149,6 +149,8 @@ pub enum CoordRequest {
     /// Ask every worker to finish its current iteration and leave (operators only): the
     /// target accuracy or the time budget was reached.
     StopTraining,
+    /// Swap back to the policy that ran before the last swap (operators only).
+    Rollback,
 }
 
 /// What the coordinator tells a worker, on a unidirectional stream.
@@ -368,6 +370,12 @@ pub struct ShardStatus {
     pub held: u32,
     /// Per live worker: nanoseconds its pulls have spent deferred here.
     pub waited_ns: Vec<(WorkerId, u64)>,
+    /// The metrics the policy has recorded (`ctx.metric`).
+    #[serde(default)]
+    pub metrics: Vec<crate::shard::Metric>,
+    /// The last policy failure on this shard.
+    #[serde(default)]
+    pub last_failure: Option<String>,
 }
 
 impl ShardStatus {
@@ -386,6 +394,8 @@ impl ShardStatus {
             parked: shard.parked_pulls() as u32,
             held: shard.held_pushes() as u32,
             waited_ns: shard.worker_waits(),
+            metrics: shard.metrics().to_vec(),
+            last_failure: shard.last_failure().map(str::to_owned),
         }
     }
 }
