@@ -335,6 +335,68 @@ fn a_swap_to_a_module_failing_on_every_push_exits_non_zero_and_rolls_back_on_req
 }
 
 #[test]
+fn a_swap_from_asp_to_bsp_after_drift_levels_the_clocks_and_nobody_waits_for_a_replay() {
+    let mut run = LocalRun::start(
+        "swap-drift",
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "1",
+            "--policy",
+            "asp",
+            "--slow",
+            "0:4",
+            "--delay-ms",
+            "10",
+            "--iterations",
+            "300",
+            "--params",
+            "16",
+            "--eval-every-ms",
+            "100",
+        ],
+    );
+    let cluster = run.cluster_file();
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = status(&cluster);
+    let clocks: Vec<u64> = before.servers[0].shards[0].workers.iter().map(|w| w.clock).collect();
+    let out = syncopate(&["policy", "swap", "bsp", "--watch-s", "0"], &cluster);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (code, run) = run.finish(Duration::from_secs(120));
+    assert!(code.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 300.0, "across the swap");
+    let report = run.report();
+    let drift = clocks.iter().max().unwrap() - clocks.iter().min().unwrap();
+    assert!(drift >= 20, "ASP let the clocks drift apart before the swap: {clocks:?}");
+    let policies: Vec<&str> = report.phases.iter().map(|p| p.policy.as_str()).collect();
+    assert_eq!(policies, ["asp 0.1.0", "bsp 0.1.0"], "{:?}", report.phases);
+    assert!(report.shards().all(|s| s.stats.clocks_rebased >= 1), "the laggard's clock was raised");
+    // No fast worker ever waits in a pull for longer than a few of the slow worker's 40 ms
+    // iterations, the swap included; replaying the drift would take drift x 40 ms.
+    let swap_s = report.phases[1].from_s;
+    for w in report.workers.iter().filter(|w| w.worker != 0) {
+        let after: Vec<f32> = w
+            .timeline
+            .iter()
+            .filter(|(s, wait, _)| s - report.started_unix_s + f64::from(*wait) > swap_s)
+            .map(|(_, wait, _)| *wait)
+            .collect();
+        assert!(after.len() >= 10, "worker {} ran under BSP: {after:?}", w.worker);
+        let longest = after.iter().copied().fold(0.0f32, f32::max);
+        assert!(
+            longest < 0.6,
+            "worker {}: a pull waited {longest:.2} s under BSP (a replay of {drift} iterations would be {:.1} s)",
+            w.worker,
+            drift as f64 * 0.04
+        );
+    }
+    let deferred = std::fs::read_to_string(run.dir.join("deferred.svg")).unwrap();
+    assert!(deferred.contains("swap to bsp"), "the swap is marked on the plot");
+    assert!(run.output().contains("phase:"), "the summary lists the phases:\n{}", run.output());
+}
+
+#[test]
 fn a_killed_worker_is_dropped_and_bsp_goes_on() {
     let mut run = LocalRun::start(
         "kill",

@@ -159,6 +159,14 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     let report = tokio()?.block_on(crate::lab::local::run(opts))?;
     println!("policy:     {} (swaps: {})", report.policy, report.swaps);
     println!("elapsed:    {:.2} s", report.elapsed_s);
+    if report.phases.len() > 1 {
+        for p in &report.phases {
+            println!(
+                "phase:      {:<14} {:>6.1}-{:<6.1} s  {:>8.1} it/s (all workers)  deferred pulls {:>5} ({:.2} s)",
+                p.policy, p.from_s, p.to_s, p.iterations_per_s, p.deferred_pulls, p.deferred_s
+            );
+        }
+    }
     for w in &report.workers {
         println!(
             "worker {:<3} {:>6} iterations  {:>8.2} it/s  in pulls {:>7.2} s  deferred pulls {:>5}",

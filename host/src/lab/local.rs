@@ -423,12 +423,13 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         model_version,
         model_file: Some(model_file),
         started_unix_s: started.as_secs_f64(),
-        watch: points,
+        watch: points.clone(),
         final_accuracy,
         best_accuracy: best.as_ref().map(|(a, _)| *a),
         time_to_target_s: time_to_target,
         staleness,
         plots: Vec::new(),
+        phases: crate::lab::report::phases(&points),
     };
     match crate::lab::plots::write_all(&report, dir) {
         Ok(files) => report.plots = files,
@@ -446,7 +447,7 @@ fn describe_point(p: &WatchPoint) -> String {
         _ => String::new(),
     };
     let waits: Vec<String> = p.worker_waits_s.iter().map(|(w, s)| format!("w{w} {s:.1}s")).collect();
-    format!("{acc}deferred pulls {}  deferred wait: {}", p.pulls_deferred, waits.join(" "))
+    format!("{}  {acc}deferred pulls {}  deferred wait: {}", p.policy, p.pulls_deferred, waits.join(" "))
 }
 
 /// Reads the cluster's counters and, with an evaluator, scores the model; returns the point and

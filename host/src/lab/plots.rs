@@ -1,6 +1,6 @@
 //! The run report's pictures (SVG, so they need no fonts installed): test accuracy against
-//! wall-clock time, each worker's iterations on a timeline with its waits, and deferred pulls
-//! over time.
+//! wall-clock time, each worker's iterations on a timeline with its waits, deferred pulls over
+//! time, and the policy's own metrics over time. Every time plot marks the hot swaps.
 
 use std::path::{Path, PathBuf};
 
@@ -37,6 +37,11 @@ pub fn write_all(report: &RunReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
         deferred(report, &path)?;
         files.push(path);
     }
+    if report.watch.iter().any(|p| !p.metrics.is_empty()) {
+        let path = dir.join("metrics.svg");
+        metrics(report, &path)?;
+        files.push(path);
+    }
     if report.staleness.iter().any(|n| *n > 0) {
         let path = dir.join("staleness.svg");
         staleness(report, &path)?;
@@ -47,6 +52,28 @@ pub fn write_all(report: &RunReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
 
 /// Time on x; the time axis's label.
 const TIME_AXIS: &str = "wall-clock time since the workers were started (s)";
+
+type TimeChart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// Marks every hot swap on a time chart: a grey vertical line from `y0` to `y1` where the next
+/// policy was first seen, labelled with it.
+fn mark_swaps(chart: &mut TimeChart<'_, '_>, report: &RunReport, y0: f64, y1: f64) -> PlotResult<()> {
+    let grey = RGBColor(90, 90, 90);
+    for p in report.phases.iter().skip(1) {
+        let x = p.from_s;
+        chart.draw_series(std::iter::once(PathElement::new(vec![(x, y0), (x, y1)], grey.stroke_width(2))))?;
+        chart.draw_series(std::iter::once(Text::new(
+            format!(" swap to {}", p.policy),
+            (x, y1 - (y1 - y0) * 0.04),
+            ("sans-serif", 14).into_font().color(&grey),
+        )))?;
+    }
+    Ok(())
+}
 
 /// One line over time, labelled with the run's policy.
 fn time_line(
@@ -72,6 +99,47 @@ fn time_line(
         .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
         .label(label(report))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    mark_swaps(&mut chart, report, 0.0, y_max)?;
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// The policy's metrics over time, one line per name (last value, averaged over shards).
+fn metrics(report: &RunReport, path: &Path) -> PlotResult<()> {
+    let mut names: Vec<&str> = Vec::new();
+    for p in &report.watch {
+        for (n, _) in &p.metrics {
+            if !names.contains(&n.as_str()) {
+                names.push(n);
+            }
+        }
+    }
+    let values = || report.watch.iter().flat_map(|p| p.metrics.iter().map(|m| m.1));
+    let (lo, hi) = (values().fold(0.0, f64::min), values().fold(1.0, f64::max));
+    let t_max = report.watch.iter().map(|p| p.t_s).fold(1.0, f64::max);
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Policy metrics — {}", label(report)), ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..t_max * 1.02, lo..hi * 1.05)?;
+    chart.configure_mesh().x_desc(TIME_AXIS).y_desc("value (ctx.metric, last sample)").draw()?;
+    for (i, name) in names.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let pts: Vec<(f64, f64)> = report
+            .watch
+            .iter()
+            .filter_map(|p| p.metrics.iter().find(|m| m.0 == *name).map(|m| (p.t_s, m.1)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    mark_swaps(&mut chart, report, lo, hi * 1.05)?;
     chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
     root.present()?;
     Ok(())
@@ -129,6 +197,8 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
         });
         chart.draw_series(bars)?;
     }
+    // The watcher's times count from the same origin as the timeline's.
+    mark_swaps(&mut chart, report, -0.5, f64::from(n) - 0.5)?;
     chart
         .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], RED.mix(0.7).filled())))?
         .label("pulling (waiting while deferred)")

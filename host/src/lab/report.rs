@@ -32,6 +32,33 @@ pub struct WatchPoint {
     /// Per live worker: seconds its pulls have spent deferred so far (the longest of any
     /// shard), the same quantity as [`WorkerReport::deferred_ns`].
     pub worker_waits_s: Vec<(u32, f64)>,
+    /// The policy running on shard 0 (name and version): a change marks a hot swap.
+    #[serde(default)]
+    pub policy: String,
+    /// Iterations the workers have pushed so far, as shard 0 counts them (admitted or dropped).
+    #[serde(default)]
+    pub iterations: u64,
+    /// The policy's metrics: each name's last value, averaged over the shards that record it.
+    #[serde(default)]
+    pub metrics: Vec<(String, f64)>,
+}
+
+/// A stretch of a run under one policy: between hot swaps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Phase {
+    /// The policy (name and version).
+    pub policy: String,
+    /// When it began (seconds; the first reading that showed it, so within one watch interval
+    /// of the swap).
+    pub from_s: f64,
+    /// When it ended.
+    pub to_s: f64,
+    /// Iterations all workers pushed per second.
+    pub iterations_per_s: f64,
+    /// Pulls deferred during the phase.
+    pub deferred_pulls: u64,
+    /// Seconds pulls spent deferred during it, all shards.
+    pub deferred_s: f64,
 }
 
 impl WatchPoint {
@@ -48,6 +75,14 @@ impl WatchPoint {
             let e = waits.entry(*w).or_default();
             *e = (*e).max(*ns);
         }
+        let first = shards.iter().find(|s| s.shard == 0);
+        let mut metrics: Vec<(String, f64, u32)> = Vec::new();
+        for m in shards.iter().flat_map(|s| &s.metrics) {
+            match metrics.iter_mut().find(|x| x.0 == m.name) {
+                Some(x) => (x.1, x.2) = (x.1 + m.last, x.2 + 1),
+                None => metrics.push((m.name.clone(), m.last, 1)),
+            }
+        }
         WatchPoint {
             t_s,
             accuracy: None,
@@ -57,8 +92,39 @@ impl WatchPoint {
             pulls_deferred: shards.iter().map(|s| s.stats.pulls_deferred).sum(),
             deferred_s: shards.iter().map(|s| s.stats.deferred_ns).sum::<u64>() as f64 / 1e9,
             worker_waits_s: waits.into_iter().map(|(w, ns)| (w, ns as f64 / 1e9)).collect(),
+            policy: first.map(|s| s.policy.clone()).unwrap_or_default(),
+            iterations: first.map_or(0, |s| s.stats.pushes_admitted + s.stats.pushes_dropped),
+            metrics: metrics.into_iter().map(|(n, sum, k)| (n, sum / f64::from(k))).collect(),
         }
     }
+}
+
+/// The run's phases, one per policy between hot swaps, from the watcher's readings.
+pub fn phases(watch: &[WatchPoint]) -> Vec<Phase> {
+    // Readings taken before any shard existed name no policy.
+    let watch: Vec<&WatchPoint> = watch.iter().filter(|p| !p.policy.is_empty()).collect();
+    let mut out: Vec<Phase> = Vec::new();
+    let mut start: Option<&WatchPoint> = None;
+    for (i, p) in watch.iter().copied().enumerate() {
+        let s = *start.get_or_insert(p);
+        let last = i + 1 == watch.len();
+        let next_differs = watch.get(i + 1).is_some_and(|n| n.policy != p.policy);
+        if last || next_differs {
+            // A phase ends where the next begins, so no iteration falls between two phases.
+            let end = if next_differs { watch[i + 1] } else { p };
+            let span = (end.t_s - s.t_s).max(1e-9);
+            out.push(Phase {
+                policy: p.policy.clone(),
+                from_s: s.t_s,
+                to_s: end.t_s,
+                iterations_per_s: end.iterations.saturating_sub(s.iterations) as f64 / span,
+                deferred_pulls: end.pulls_deferred.saturating_sub(s.pulls_deferred),
+                deferred_s: (end.deferred_s - s.deferred_s).max(0.0),
+            });
+            start = if next_differs { Some(end) } else { None };
+        }
+    }
+    out
 }
 
 /// What `report.json` holds: one run, on a real cluster or in the simulator. Every field means
@@ -107,6 +173,9 @@ pub struct RunReport {
     pub staleness: Vec<u64>,
     /// The plots written next to the report.
     pub plots: Vec<PathBuf>,
+    /// The run's phases under each policy, between hot swaps (one phase without swaps).
+    #[serde(default)]
+    pub phases: Vec<Phase>,
 }
 
 /// One server at the end of a run.

@@ -656,6 +656,7 @@ impl Sim {
                 r
             })
             .collect();
+        let phases = crate::lab::report::phases(&self.watch);
         RunReport {
             simulated: true,
             elapsed_s: self.now as f64 / 1e9,
@@ -677,6 +678,7 @@ impl Sim {
             time_to_target_s: self.time_to_target,
             staleness,
             plots: Vec::new(),
+            phases,
         }
     }
 }
