@@ -65,6 +65,33 @@ fn policy_check_rejects_bad_modules_with_one_line_and_status_1() {
 }
 
 #[test]
+fn policy_check_runs_events_through_the_module() {
+    // Every built-in and both examples get through the short run: joins, pulls, pushes, reports,
+    // timers, a hand-over to themselves and leaves.
+    let mut modules: Vec<(String, std::path::PathBuf)> =
+        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp"]
+            .iter()
+            .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
+            .collect();
+    modules.push(("backup".into(), env!("SYNCOPATE_BACKUP_WASM").into()));
+    modules.push(("deadline".into(), env!("SYNCOPATE_EXAMPLE_WASM").into()));
+    for (name, path) in &modules {
+        let out = Command::new(syncopate_bin()).args(["policy", "check"]).arg(path).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{name}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("exercised:   3 workers x 20 iterations"), "{name}: {stdout}");
+    }
+    // A module that loads and starts but panics on its first push fails the check, by name.
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check", env!("SYNCOPATE_HOSTILE_WASM"), "--config", "mode=push:panic"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("fails on a short run") && stderr.contains("panics on purpose"), "{stderr}");
+}
+
+#[test]
 fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());

@@ -16,7 +16,9 @@ use crate::runtime::{PolicyInstance, PolicyRuntime};
 /// Policy subcommands.
 #[derive(Debug, Subcommand)]
 pub enum PolicyCommand {
-    /// Validate a policy module and print its name, version, ABI version and parameters.
+    /// Validate a policy module, print its name, version, ABI version and parameters, and drive
+    /// it through a short run on a real shard (joins, pulls, pushes, reports, timers, a state
+    /// hand-over to itself, leaves): any failure fails the check.
     Check {
         /// The module file.
         file: PathBuf,
@@ -116,9 +118,11 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
                 config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
             };
             PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
+            let events = exercise(&module, &spec.config).context("the module fails on a short run")?;
             println!("ok: {}", file.display());
             println!("  sha256:      {}", module.sha256_hex());
             print_info(module.info(), "  ");
+            println!("  exercised:   {events}");
         }
         PolicyCommand::List => {
             for name in builtin::names() {
@@ -130,6 +134,106 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Drives `module` through a short run on a real shard: three workers join, each pulls, pushes
+/// and reports 20 iterations in turn while time advances (so timers fire), the policy hands its
+/// state over to a fresh instance of itself halfway, and the workers leave. Returns a summary;
+/// `Err` on the first policy failure or on a run that cannot finish (a request never answered).
+fn exercise(module: &crate::runtime::PolicyModule, config: &[(String, String)]) -> anyhow::Result<String> {
+    use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
+    use syncopate_policy_sdk::abi::IterationReport;
+
+    #[derive(Default)]
+    struct Sink {
+        served: Vec<u64>,
+        failure: Option<String>,
+        acked: u64,
+    }
+    impl ShardSink for Sink {
+        fn pull_served(&mut self, r: PullReply<'_>) {
+            self.served.push(r.id);
+        }
+        fn push_acked(&mut self, _id: u64, _w: u32, _i: u64) {
+            self.acked += 1;
+        }
+        fn policy_failed(&mut self, e: &crate::runtime::PolicyError) {
+            self.failure.get_or_insert_with(|| e.to_string());
+        }
+    }
+    const WORKERS: u32 = 3;
+    const ITERATIONS: u64 = 20;
+    let mut sink = Sink::default();
+    let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 4], module, config, &mut sink)?;
+    let mut now = 0u64;
+    for w in 0..WORKERS {
+        shard.join(w, now, &mut sink)?;
+    }
+    // Each worker's pending pull, if deferred.
+    let mut waiting: Vec<Option<u64>> = vec![None; WORKERS as usize];
+    let mut next = vec![0u64; WORKERS as usize];
+    let mut stuck = 0;
+    while next.iter().any(|i| *i < ITERATIONS) {
+        let before = (next.clone(), sink.served.len());
+        for w in 0..WORKERS {
+            let i = w as usize;
+            now += 5_000_000;
+            shard.advance(now, &mut sink);
+            if let Some(id) = waiting[i] {
+                if !sink.served.contains(&id) {
+                    continue;
+                }
+                waiting[i] = None;
+            } else if next[i] < ITERATIONS {
+                let id = shard.pull(PullRequest { worker: w, iteration: next[i] }, now, &mut sink)?;
+                if !sink.served.contains(&id) {
+                    waiting[i] = Some(id);
+                    continue;
+                }
+            } else {
+                continue;
+            }
+            let grad = vec![0.01; 4];
+            let req =
+                PushRequest { worker: w, iteration: next[i], samples: 32, grad, based_on: None, tasks: None };
+            shard.push(req, now, &mut sink)?;
+            let report =
+                IterationReport { worker: w, iteration: next[i], compute_ns: 5_000_000, samples: 32 };
+            shard.iteration_finished(report, now, &mut sink)?;
+            next[i] += 1;
+            if w == 0 && next[i] == ITERATIONS / 2 {
+                shard.swap_policy(module, config, now, &mut sink)?;
+            }
+        }
+        if let Some(f) = &sink.failure {
+            anyhow::bail!("{f}");
+        }
+        stuck = if (next.clone(), sink.served.len()) == before { stuck + 1 } else { 0 };
+        if stuck > 200 {
+            anyhow::bail!(
+                "no progress for 1 s of host time: workers at iterations {next:?}, {} pulls parked, {} pushes held",
+                shard.parked_pulls(),
+                shard.held_pushes()
+            );
+        }
+    }
+    for w in 0..WORKERS {
+        shard.leave(w, syncopate_policy_sdk::abi::LeaveReason::Finished, now, &mut sink)?;
+    }
+    if let Some(f) = &sink.failure {
+        anyhow::bail!("{f}");
+    }
+    let s = shard.stats();
+    Ok(format!(
+        "{WORKERS} workers x {ITERATIONS} iterations and a hand-over: {} pulls ({} deferred), {} pushes admitted, {} dropped, {} held, {} steps, {} metrics",
+        s.pulls_served,
+        s.pulls_deferred,
+        s.pushes_admitted,
+        s.pushes_dropped,
+        s.pushes_held,
+        s.steps,
+        shard.metrics().len()
+    ))
 }
 
 /// What watching a swapped-in policy found.
