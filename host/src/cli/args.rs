@@ -126,11 +126,6 @@ impl SpinArgs {
     pub fn max(self) -> Duration {
         Duration::from_micros(self.spin_us)
     }
-
-    /// As command-line arguments, for child processes.
-    pub fn to_args(self) -> [String; 2] {
-        ["--spin-us".into(), self.spin_us.to_string()]
-    }
 }
 
 /// Training settings the servers apply.
@@ -178,25 +173,6 @@ impl TrainArgs {
     /// The peer timeout.
     pub fn peer_timeout(&self) -> Duration {
         Duration::from_millis(self.peer_timeout_ms.max(100))
-    }
-
-    /// These settings as command-line arguments again (for child processes).
-    pub fn to_args(&self) -> Vec<String> {
-        let w = match self.push_weight {
-            WeightArg::Mean => "mean",
-            WeightArg::Sum => "sum",
-        };
-        [
-            ("--lr", self.lr.to_string()),
-            ("--momentum", self.momentum.to_string()),
-            ("--weight-decay", self.weight_decay.to_string()),
-            ("--push-weight", w.to_string()),
-            ("--seed", self.seed.to_string()),
-            ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(k, v)| [k.to_string(), v])
-        .collect()
     }
 }
 
