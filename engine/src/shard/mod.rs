@@ -1039,12 +1039,7 @@ impl Shard {
                 }
             }
             Decision::AdmitPush { push, weight } => {
-                let held = if verdict {
-                    self.incoming.take()
-                } else {
-                    self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
-                };
-                match held {
+                match self.decided_push(push, verdict) {
                     // Weight 0 is a drop: no optimizer step (momentum and decay would move
                     // the parameters even for a zero gradient).
                     Some(held) if weight == Some(0.0) => self.drop_push(held, sink),
@@ -1053,12 +1048,7 @@ impl Shard {
                 }
             }
             Decision::DropPush { push } => {
-                let held = if verdict {
-                    self.incoming.take()
-                } else {
-                    self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
-                };
-                if let Some(held) = held {
+                if let Some(held) = self.decided_push(push, verdict) {
                     self.drop_push(held, sink);
                 }
             }
@@ -1101,6 +1091,16 @@ impl Shard {
                 self.record_metric(name, value);
                 sink.metric(name, value);
             }
+        }
+    }
+
+    /// The push a verdict (`verdict`: this event's own) or a later decision on held push `push`
+    /// decides, taken out of where it waits.
+    fn decided_push(&mut self, push: RequestId, verdict: bool) -> Option<Held> {
+        if verdict {
+            self.incoming.take()
+        } else {
+            self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
         }
     }
 
