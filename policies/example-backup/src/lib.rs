@@ -43,8 +43,8 @@ pub struct Backup {
     complete: u64,
     /// Gradients in per open round: (round, count).
     arrived: Vec<(u64, u32)>,
-    /// Pulls waiting for a round to complete: (pull, the round it waits for).
-    waiting: Vec<(RequestId, u64)>,
+    /// Pulls waiting for a round to complete: (pull, its worker, the round it waits for).
+    waiting: Vec<(RequestId, WorkerId, u64)>,
     dropped: u64,
 }
 
@@ -67,7 +67,7 @@ impl Backup {
             self.arrived.retain(|a| a.0 != round);
             self.complete = round + 1;
             let complete = self.complete;
-            self.waiting.retain(|&(pull, wants)| {
+            self.waiting.retain(|&(pull, _, wants)| {
                 let ready = wants < complete;
                 if ready {
                     ctx.release_pull(pull);
@@ -140,8 +140,10 @@ impl Policy for Backup {
         self.complete_ready(ctx);
     }
 
-    fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, _worker: WorkerId, _reason: LeaveReason) {
+    fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
         self.live = self.live.saturating_sub(1);
+        // The host drops a leaving worker's parked pulls: there is nothing left to release.
+        self.waiting.retain(|w| w.1 != worker);
         self.complete_ready(ctx);
     }
 
@@ -149,7 +151,7 @@ impl Policy for Backup {
         if pull.clock <= self.complete {
             return PullVerdict::Serve;
         }
-        self.waiting.push((pull.id, pull.clock - 1));
+        self.waiting.push((pull.id, pull.worker, pull.clock - 1));
         PullVerdict::Defer(Release::Explicit)
     }
 
@@ -193,6 +195,24 @@ mod tests {
         assert_eq!(d.push(2).unwrap(), PushVerdict::Drop, "worker 2 lost the race");
         assert_eq!(d.clock(2), Some(1), "its clock moved on all the same");
         assert_eq!(d.pull(2).unwrap(), PullVerdict::Serve);
+    }
+
+    #[test]
+    fn a_leaving_workers_waiting_pull_is_forgotten_not_released() {
+        let mut d = Driver::<Backup>::new(&[("b", "1")]).unwrap();
+        for w in 0..3 {
+            d.join(w);
+        }
+        d.push(0).unwrap();
+        d.push(1).unwrap();
+        d.push(1).unwrap();
+        assert_eq!(d.pull(1).unwrap(), PullVerdict::Defer(Release::Explicit), "round 1 is open");
+        // Worker 1 leaves with its pull parked (the host drops the pull); round 1 then completes
+        // with worker 0's gradient alone, and the policy must not release the dropped pull.
+        d.leave(1, LeaveReason::Finished);
+        d.push(0).unwrap();
+        assert!(d.log.contains(&Recorded::AggregateCompleted(1)));
+        assert!(d.parked().is_empty());
     }
 
     #[test]
