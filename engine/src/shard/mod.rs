@@ -317,7 +317,8 @@ pub struct Metric {
     pub sum: f64,
 }
 
-/// The most metric names one shard keeps; samples of further names are counted as dropped.
+/// The most metric names one shard keeps; samples of further names are not kept (the sink still
+/// hears every sample).
 pub const MAX_METRICS: usize = 64;
 
 /// A request handed to the policy again after a recovery or a swap.
@@ -1054,12 +1055,11 @@ impl Shard {
             }
             Decision::CompleteAggregate { clock } => {
                 if self.mode == UpdateMode::Aggregate {
-                    if let Some(mut agg) = self.aggregates.remove(&clock) {
-                        // The weighted mean of the contributions present.
+                    if let Some(agg) = self.aggregates.remove(&clock) {
+                        // The weighted mean of the contributions present, scaled in the step.
                         let scale = 1.0 / agg.weight.max(f32::MIN_POSITIVE);
-                        agg.sum.iter_mut().for_each(|g| *g *= scale);
                         self.stats.aggregates_completed_early += 1;
-                        self.apply_aggregate(agg, sink);
+                        self.apply_aggregate(agg, scale, sink);
                     }
                 }
             }
@@ -1276,12 +1276,13 @@ impl Shard {
                 break;
             }
             let agg = entry.remove();
-            self.apply_aggregate(agg, sink);
+            self.apply_aggregate(agg, 1.0, sink);
         }
     }
 
-    fn apply_aggregate(&mut self, agg: Aggregate, sink: &mut dyn ShardSink) {
-        self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, 1.0);
+    /// One optimizer step on an aggregate's sum times `scale`.
+    fn apply_aggregate(&mut self, agg: Aggregate, scale: f32, sink: &mut dyn ShardSink) {
+        self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, scale);
         if self.spare_sums.len() < 4 {
             self.spare_sums.push(agg.sum);
         }
@@ -1298,7 +1299,7 @@ impl Shard {
         if self.mode == UpdateMode::Aggregate && mode == UpdateMode::OnArrival {
             // Partial aggregates are applied as they stand: each push keeps the weight it had.
             while let Some((_, agg)) = self.aggregates.pop_first() {
-                self.apply_aggregate(agg, sink);
+                self.apply_aggregate(agg, 1.0, sink);
             }
         }
         self.mode = mode;

@@ -63,10 +63,16 @@ fn slug(spec: &PolicySpec) -> String {
 pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
     let io = |what: String| move |source| NodeError::Io { what, source };
     std::fs::create_dir_all(&opts.out).map_err(io(format!("cannot create {}", opts.out.display())))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(io("cannot start the async runtime".into()))?;
+    // Real runs drive their clusters from this runtime; simulated ones need none.
+    let rt = match opts.simulate {
+        true => None,
+        false => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(io("cannot start the async runtime".into()))?,
+        ),
+    };
     let mut rows = Vec::new();
     let mut reports = Vec::new();
     let total = opts.policies.len();
@@ -85,6 +91,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         if let Some(data) = &opts.data {
             local.data = data.clone();
         }
+        let rt = rt.as_ref().expect("built for real runs");
         let report = rt.block_on(crate::lab::local::run(local)).map_err(|e| {
             NodeError::Protocol(format!(
                 "the run under {spec} failed: {e}; its logs are in {}",
