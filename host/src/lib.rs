@@ -8,8 +8,10 @@
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
 //! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
+//! - [`authoring`]: `policy new` and `policy build` for policy authors;
 //! - [`cli`]: the `syncopate` command.
 
+pub mod authoring;
 pub mod cli;
 pub mod coordinator;
 pub mod lab;

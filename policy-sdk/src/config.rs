@@ -72,7 +72,7 @@ impl Config {
 fn check_kind(p: &ParamSpec, value: &str) -> Result<(), ConfigError> {
     let ok = match p.kind {
         ParamKind::Uint => value.parse::<u64>().is_ok(),
-        ParamKind::Float => value.parse::<f64>().is_ok_and(f64::is_finite),
+        ParamKind::Float => is_finite_decimal(value),
         ParamKind::Bool => value.parse::<bool>().is_ok(),
         ParamKind::Text => true,
     };
@@ -81,6 +81,56 @@ fn check_kind(p: &ParamSpec, value: &str) -> Result<(), ConfigError> {
     } else {
         Err(ConfigError(format!("parameter `{}` must be a {}, got `{value}`", p.name, p.kind.name())))
     }
+}
+
+/// Whether `text` is a decimal number that `f64::from_str` parses to a finite value below 1e308
+/// in magnitude: `[+-]digits[.digits][(e|E)[+-]digits]` with at least one mantissa digit.
+///
+/// Checked by hand rather than by parsing: this is in every module, and the standard float parser
+/// with its tables is about a quarter of a small module. Policies that read a float call
+/// [`Config::get`], which parses it exactly.
+fn is_finite_decimal(text: &str) -> bool {
+    let b = text.as_bytes();
+    let mut i = usize::from(matches!(b.first(), Some(b'+' | b'-')));
+    let digits = |i: &mut usize| {
+        let start = *i;
+        while b.get(*i).is_some_and(u8::is_ascii_digit) {
+            *i += 1;
+        }
+        &b[start..*i]
+    };
+    let whole = digits(&mut i);
+    let frac = if b.get(i) == Some(&b'.') {
+        i += 1;
+        digits(&mut i)
+    } else {
+        &[]
+    };
+    if whole.is_empty() && frac.is_empty() {
+        return false;
+    }
+    let mut exp: i64 = 0;
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        let negative = b.get(i) == Some(&b'-');
+        i += usize::from(matches!(b.get(i), Some(b'+' | b'-')));
+        let e = digits(&mut i);
+        if e.is_empty() {
+            return false;
+        }
+        // Saturate: only whether the magnitude reaches 1e308 matters.
+        exp = e.iter().fold(0i64, |acc, d| (acc * 10 + i64::from(d - b'0')).min(1_000_000));
+        if negative {
+            exp = -exp;
+        }
+    }
+    if i != b.len() {
+        return false;
+    }
+    // The value is below 10^(significant whole digits + exp); zero is always fine.
+    let significant = whole.iter().skip_while(|d| **d == b'0').count() as i64;
+    let nonzero = whole.iter().chain(frac).any(|d| *d != b'0');
+    !nonzero || significant + exp <= 308
 }
 
 #[cfg(test)]
@@ -102,5 +152,19 @@ mod tests {
         assert!(e.0.contains("unknown parameter `x`"), "{e}");
         let e = Config::validate(PARAMS, &[("s", "-1")]).unwrap_err();
         assert!(e.0.contains("must be a uint"), "{e}");
+    }
+
+    #[test]
+    fn floats_are_checked_as_the_standard_parser_reads_them() {
+        for ok in ["0", "1", "-1.5", "+.5", "5.", "1e3", "2.5E-3", "0.000", "9.9e307", "0e999999"] {
+            assert!(is_finite_decimal(ok), "{ok}");
+            assert!(ok.parse::<f64>().is_ok_and(f64::is_finite), "{ok}");
+        }
+        for bad in [
+            "", ".", "-", "e3", "1e", "1e+", "1.2.3", "inf", "NaN", "1e308", "1e309", "99e307", "0x10", " 1",
+            "1 ",
+        ] {
+            assert!(!is_finite_decimal(bad), "{bad}");
+        }
     }
 }

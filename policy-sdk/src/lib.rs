@@ -44,9 +44,11 @@
 //! d.push(0).unwrap();
 //! assert_eq!(d.pull(0).unwrap(), PullVerdict::Defer(Release::MinClockAtLeast(1)));
 //! ```
-//! Build the module with `cargo build --target wasm32-unknown-unknown --release` (crate type
-//! `cdylib`), check it with `syncopate policy check FILE.wasm`, and load it into a cluster. The
-//! guide `docs/writing-a-policy.md` in the repository walks through it.
+//! `syncopate policy new NAME` writes a crate to start from (this SDK vendored, its dependencies
+//! pinned); `syncopate policy build` builds the module (crate type `cdylib`, target
+//! `wasm32-unknown-unknown`, release profile) and checks it; `syncopate policy swap FILE.wasm`
+//! loads it into a running cluster. The guide `docs/writing-a-policy.md` in the repository walks
+//! through it.
 //!
 //! ## What a policy must do
 //! Answer every pull with a [`PullVerdict`] and every push with a [`PushVerdict`]; release what it

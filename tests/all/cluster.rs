@@ -590,3 +590,71 @@ fn a_killed_local_takes_its_whole_cluster_with_it() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// What a policy author does first, from a directory outside this repository: `policy new`
+/// writes a crate whose native test passes with its pinned lockfile, `policy build` makes a
+/// small module and checks it, and `policy swap` hot-loads it into a running cluster.
+#[test]
+fn a_new_policy_crate_builds_outside_the_repository_and_hot_loads_into_a_cluster() {
+    let home = run_dir("policy-new");
+    std::fs::create_dir_all(&home).unwrap();
+    assert!(!home.starts_with(env!("CARGO_MANIFEST_DIR")), "{} is outside the repository", home.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // As in a user's shell: none of this test run's build settings.
+    let clean = |cmd: &mut Command| {
+        for var in ["CARGO_TARGET_DIR", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET"] {
+            cmd.env_remove(var);
+        }
+        cmd.current_dir(&home);
+    };
+    let mut new = Command::new(syncopate_bin());
+    new.args(["policy", "new", "late-ssp"]);
+    clean(&mut new);
+    let out = new.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let krate = home.join("late-ssp");
+    let lock = std::fs::read_to_string(krate.join("Cargo.lock")).unwrap();
+    let mut test = Command::new(&cargo);
+    test.args(["test", "--locked", "--quiet", "--manifest-path"]).arg(krate.join("Cargo.toml"));
+    clean(&mut test);
+    let out = test.output().unwrap();
+    assert!(out.status.success(), "the template's native test: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    let mut build = Command::new(syncopate_bin());
+    build.args(["policy", "build", "late-ssp", "--config", "s=1"]);
+    clean(&mut build);
+    let out = build.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("name:        late-ssp") && said.contains("exercised:"), "{said}");
+    let module =
+        said.lines().find_map(|l| l.strip_prefix("load it with: syncopate policy swap ")).expect(&said);
+    let size = std::fs::metadata(module).unwrap().len();
+    assert!(size <= 64_000, "the template's module is {size} bytes");
+    assert_eq!(
+        std::fs::read_to_string(krate.join("Cargo.lock")).unwrap(),
+        lock,
+        "the lockfile pinned everything"
+    );
+
+    let mut run = LocalRun::start(
+        "policy-new-swap",
+        &["--workers", "3", "--servers", "1", "--iterations", "200", "--delay-ms", "10", "--params", "16"],
+    );
+    let cluster = run.cluster_file();
+    std::thread::sleep(Duration::from_millis(300));
+    let out = syncopate(&["policy", "swap", &format!("{module}:s=1"), "--watch-s", "0.5"], &cluster);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let st = status(&cluster);
+    assert!(st.servers[0].shards.iter().all(|s| s.policy == "late-ssp 0.1.0" && !s.quarantined), "{st:?}");
+    assert!(st.workers.iter().all(|w| !w.finished), "swapped during training: {st:?}");
+    let (code, run) = run.finish(Duration::from_secs(120));
+    assert!(code.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "under the new policy");
+    let _ = std::fs::remove_dir_all(&home);
+}

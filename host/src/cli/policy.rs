@@ -26,6 +26,25 @@ pub enum PolicyCommand {
         #[arg(long = "config", value_name = "K=V", value_delimiter = ',')]
         config: Vec<String>,
     },
+    /// Write a new policy crate to start from: a workspace of its own with the SDK of this
+    /// `syncopate` vendored and its dependencies pinned, a working policy (SSP) and a native test.
+    New {
+        /// The policy's name (also the crate's): lowercase letters, digits, `-` and `_`.
+        name: String,
+        /// Where to write the crate (default: ./NAME). It must not exist or must be empty.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Build a policy crate to a wasm module (release profile, wasm32 target, installed with
+    /// rustup if missing), then check the module as `policy check` does.
+    Build {
+        /// The crate's directory.
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Configuration to check it with, as k=v pairs (defaults are used for the rest).
+        #[arg(long = "config", value_name = "K=V", value_delimiter = ',')]
+        config: Vec<String>,
+    },
     /// List the built-in policies with their parameters.
     List,
     /// Swap the policy of a running cluster. Every server prepares the module first; if any
@@ -108,21 +127,20 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     let rt = PolicyRuntime::new()?;
     match cmd {
         PolicyCommand::Swap { .. } | PolicyCommand::Status { .. } => unreachable!("handled above"),
-        PolicyCommand::Check { file, config } => {
-            let module = rt.load_file(&file)?;
-            let spec: PolicySpec = format!("x:{}", config.join(",")).parse()?;
-            let args = InitArgs {
-                shard: 0,
-                shards: 1,
-                now_ns: 0,
-                config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
-            };
-            PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
-            let events = exercise(&module, &spec.config).context("the module fails on a short run")?;
-            println!("ok: {}", file.display());
-            println!("  sha256:      {}", module.sha256_hex());
-            print_info(module.info(), "  ");
-            println!("  exercised:   {events}");
+        PolicyCommand::Check { file, config } => check(&rt, &file, &config)?,
+        PolicyCommand::New { name, dir } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            crate::authoring::new_policy(&dir, &name)?;
+            println!("wrote the policy crate `{name}` to {}", dir.display());
+            println!("  cd {} && cargo test             # the native tests", dir.display());
+            println!("  syncopate policy build {}        # the wasm module, checked", dir.display());
+        }
+        PolicyCommand::Build { dir, config } => {
+            let module = crate::authoring::build_policy(&dir)?;
+            check(&rt, &module, &config)?;
+            let size = std::fs::metadata(&module).map(|m| m.len()).unwrap_or(0);
+            println!("  size:        {:.1} KB", size as f64 / 1024.0);
+            println!("load it with: syncopate policy swap {}", module.display());
         }
         PolicyCommand::List => {
             for name in builtin::names() {
@@ -133,6 +151,25 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `policy check`: validates the module, starts it, exercises it, and prints what it is.
+fn check(rt: &PolicyRuntime, file: &std::path::Path, config: &[String]) -> anyhow::Result<()> {
+    let module = rt.load_file(file)?;
+    let spec: PolicySpec = format!("x:{}", config.join(",")).parse()?;
+    let args = InitArgs {
+        shard: 0,
+        shards: 1,
+        now_ns: 0,
+        config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+    };
+    PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
+    let events = exercise(&module, &spec.config).context("the module fails on a short run")?;
+    println!("ok: {}", file.display());
+    println!("  sha256:      {}", module.sha256_hex());
+    print_info(module.info(), "  ");
+    println!("  exercised:   {events}");
     Ok(())
 }
 
