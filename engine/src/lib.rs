@@ -13,9 +13,12 @@
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
 //!   hand-over, the emulated device);
+//! - [`recording`] and [`replay`]: a shard's policy events recorded, and fed to any module;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
 
 pub mod builtin;
+pub mod recording;
+pub mod replay;
 pub mod runtime;
 pub mod shard;
 pub mod tasks;

@@ -22,4 +22,4 @@ pub mod server;
 pub mod worker;
 
 pub use node::NodeError;
-pub use syncopate_engine::{builtin, runtime, shard, tasks};
+pub use syncopate_engine::{builtin, recording, replay, runtime, shard, tasks};

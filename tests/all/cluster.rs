@@ -219,6 +219,7 @@ fn epsp_moves_a_stragglers_tasks_and_every_iteration_counts_exactly_once() {
 fn a_users_policy_module_uses_every_host_mechanism() {
     // `policies/example-deadline`, built to wasm by tests/build.rs and loaded from its file.
     let policy = format!("{}:s=3,deadline_ms=10,tasks=8", env!("SYNCOPATE_EXAMPLE_WASM"));
+    let recording = run_dir("example-deadline-recording");
     let run = LocalRun::start(
         "example-deadline",
         &[
@@ -240,6 +241,8 @@ fn a_users_policy_module_uses_every_host_mechanism() {
             &policy,
             "--shard-config",
             "0:s=0",
+            "--record",
+            recording.to_str().expect("a UTF-8 path"),
         ],
     );
     let (status, run) = run.finish(Duration::from_secs(120));
@@ -263,6 +266,52 @@ fn a_users_policy_module_uses_every_host_mechanism() {
     let straggler = report.workers.iter().find(|w| w.worker == 0).expect("worker 0");
     // Its task split, batch-size changes and hand-overs all came over the control channel.
     assert!(straggler.controls >= 3, "controls received: {}", straggler.controls);
+    replays_exactly_and_reports_another_policys_differences(&recording);
+    let _ = std::fs::remove_dir_all(&recording);
+}
+
+/// The run's recording (every shard's policy events), replayed offline through the module that
+/// made it, gives back exactly its decisions (timers, holds, controls and per-shard
+/// configuration included); through ASP, the differences.
+fn replays_exactly_and_reports_another_policys_differences(recording: &Path) {
+    let replay = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = Command::new(syncopate_bin())
+            .args(["policy", "replay", "--json"])
+            .arg(recording)
+            .args(args)
+            .output()
+            .expect("syncopate runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("replay JSON")
+    };
+    let same = replay(&[]);
+    assert_eq!(same.len(), 2, "one recording per shard");
+    for r in &same {
+        assert!(r["events"].as_u64().unwrap() > 100, "{r}");
+        assert_eq!(r["compared"], r["events"], "every event answered, timers included: {r}");
+        assert_eq!(r["identical"], r["compared"], "the same decisions, byte for byte: {r}");
+        assert_eq!(r["differing"], 0, "{r}");
+        assert_eq!(r["recorded"], r["replayed"], "{r}");
+        assert!(r["stopped"].is_null(), "{r}");
+    }
+    let strict = &same[0]["recorded"];
+    assert!(
+        strict["pushes_held"].as_u64().unwrap() > 0 && strict["controls"].as_u64().unwrap() > 0,
+        "{strict}"
+    );
+    assert!(same[0]["recorded_policies"][0].as_str().unwrap().contains("s=0"), "shard 0's own configuration");
+
+    let asp = replay(&["--policy", "asp", "--shard", "0"]);
+    assert_eq!(asp.len(), 1);
+    let r = &asp[0];
+    assert!(r["differing"].as_u64().unwrap() > 0 && r["differences"].as_array().unwrap().len() <= 20, "{r}");
+    assert_eq!(r["replayed"]["pulls_deferred"], 0, "ASP defers nothing: {r}");
+    assert_eq!(r["replayed"]["pushes_held"], 0, "{r}");
+    assert_eq!(
+        r["recorded"], same[0]["recorded"],
+        "the recorded side does not depend on the replayed module"
+    );
+    assert!(r["identical"].as_u64().unwrap() < r["compared"].as_u64().unwrap(), "{r}");
 }
 
 #[test]

@@ -49,6 +49,7 @@ use syncopate_policy_sdk::abi::{
 use syncopate_policy_sdk::clocks::Clocks;
 use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
+use crate::recording::{PolicyStart, StartKind};
 use crate::runtime::{PolicyError, PolicyModule};
 use supervisor::{EventKind, Recovery, Supervisor};
 
@@ -170,6 +171,11 @@ pub trait ShardSink {
     fn metric(&mut self, _name: &str, _value: f64) {}
     /// The policy failed; the shard recovered as described in the module docs.
     fn policy_failed(&mut self, _error: &PolicyError) {}
+    /// A policy instance started: the first, one swapped in, or a restart (for recordings:
+    /// [`crate::recording`]).
+    fn policy_started(&mut self, _start: &PolicyStart<'_>) {}
+    /// The policy answered an event with these decisions, or failed on it (for recordings).
+    fn policy_called(&mut self, _env: &Envelope, _answer: Result<&[u8], &PolicyError>) {}
     /// A gradient buffer the shard is done with, for the host to reuse (dropped by default).
     fn recycle(&mut self, _buffer: Vec<f32>) {}
     /// A buffer of exactly `len` values, which the shard overwrites: where it copies its parameters
@@ -404,6 +410,15 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<Self, PolicyError> {
         let (supervisor, start) = Supervisor::start(cfg.supervisor, cfg.shard, cfg.shards, policy, config)?;
+        sink.policy_started(&PolicyStart {
+            kind: StartKind::First,
+            module: policy,
+            config,
+            shard: cfg.shard,
+            shards: cfg.shards,
+            now_ns: 0,
+            decisions: &start,
+        });
         let mut shard = Shard {
             shard: cfg.shard,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
@@ -902,6 +917,7 @@ impl Shard {
         let level = self.clocks.view().max_clock;
         let workers = self.clocks.workers().map(|w| WorkerClock { clock: level, ..w }).collect();
         let start = self.supervisor.swap(module, config, workers, now_ns)?;
+        self.policy_started(StartKind::Swap, now_ns, &start, sink);
         self.stats.swaps += 1;
         self.timers.clear();
         self.stats.clocks_rebased += u64::from(self.clocks.rebase_to_max());
@@ -914,6 +930,18 @@ impl Shard {
         self.requeue_pending();
         self.drain(now_ns, sink);
         Ok(())
+    }
+
+    fn policy_started(&self, kind: StartKind, now_ns: u64, decisions: &[u8], sink: &mut dyn ShardSink) {
+        sink.policy_started(&PolicyStart {
+            kind,
+            module: self.supervisor.module(),
+            config: self.supervisor.config(),
+            shard: self.shard,
+            shards: self.supervisor.shards(),
+            now_ns,
+            decisions,
+        });
     }
 
     fn id(&mut self) -> RequestId {
@@ -964,9 +992,13 @@ impl Shard {
             Some(Ok(bytes)) => {
                 self.scratch.clear();
                 self.scratch.extend_from_slice(bytes);
+                sink.policy_called(&env, Ok(&self.scratch));
                 Some(Ok(()))
             }
-            Some(Err(e)) => Some(Err(e)),
+            Some(Err(e)) => {
+                sink.policy_called(&env, Err(&e));
+                Some(Err(e))
+            }
         };
         match called {
             None => self.fallback(now_ns, sink),
@@ -1148,7 +1180,10 @@ impl Shard {
         sink.policy_failed(&error);
         self.fallback(now_ns, sink);
         match self.supervisor.failed(kind, now_ns) {
-            Recovery::Restarted => self.requeue_pending(),
+            Recovery::Restarted => {
+                self.policy_started(StartKind::Restart, now_ns, &[], sink);
+                self.requeue_pending();
+            }
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {
                     sink.policy_failed(&e);

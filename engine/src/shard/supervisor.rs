@@ -128,6 +128,10 @@ impl Supervisor {
         &self.module
     }
 
+    pub(crate) fn shards(&self) -> u32 {
+        self.shards
+    }
+
     pub(crate) fn config(&self) -> &[(String, String)] {
         &self.config
     }

@@ -29,6 +29,10 @@ pub struct LocalArgs {
     /// Directory with the Fashion-MNIST IDX files.
     #[arg(long, default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
     pub data: PathBuf,
+    /// Record every shard's policy events into DIR (one file per shard), for
+    /// `syncopate policy replay`.
+    #[arg(long, value_name = "DIR")]
+    pub record: Option<PathBuf>,
     /// Hidden units of the MLP.
     #[arg(long, default_value_t = 128)]
     pub hidden: usize,
@@ -144,6 +148,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         data: a.data.clone(),
         spin_us: a.spin.spin_us,
         peer_timeout_ms: a.train.peer_timeout_ms,
+        record: a.record.as_deref().map(std::path::absolute).transpose()?,
         ..LocalOptions::new(exe, run_dir, run)
     })
 }

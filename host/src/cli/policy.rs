@@ -45,6 +45,23 @@ pub enum PolicyCommand {
         #[arg(long = "config", value_name = "K=V", value_delimiter = ',')]
         config: Vec<String>,
     },
+    /// Feed a recorded run (`syncopate local --record DIR`, or a server's `--record`) to a
+    /// policy module, deterministically, and set its decisions beside the recorded ones: pulls
+    /// served or deferred and how long they would have waited, pushes held or dropped, and the
+    /// first events where the two differ. Test a new rule offline against a real run.
+    Replay {
+        /// The recording: a directory of shard-N.rec files, or one such file.
+        recording: PathBuf,
+        /// The policy to replay through, with its configuration (default: the recorded one).
+        #[arg(long)]
+        policy: Option<PolicySpec>,
+        /// Only this shard.
+        #[arg(long)]
+        shard: Option<u32>,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the built-in policies with their parameters.
     List,
     /// Swap the policy of a running cluster. Every server prepares the module first; if any
@@ -128,6 +145,16 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     match cmd {
         PolicyCommand::Swap { .. } | PolicyCommand::Status { .. } => unreachable!("handled above"),
         PolicyCommand::Check { file, config } => check(&rt, &file, &config)?,
+        PolicyCommand::Replay { recording, policy, shard, json } => {
+            let reports = replay(&rt, &recording, policy.as_ref(), shard)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else {
+                for r in &reports {
+                    print_replay(r);
+                }
+            }
+        }
         PolicyCommand::New { name, dir } => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
             crate::authoring::new_policy(&dir, &name)?;
@@ -152,6 +179,113 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Replays every recording in `path` (a shard's file or a directory of them) through `policy`,
+/// or through the recorded policy where none is given.
+fn replay(
+    rt: &PolicyRuntime,
+    path: &std::path::Path,
+    policy: Option<&PolicySpec>,
+    shard: Option<u32>,
+) -> anyhow::Result<Vec<crate::replay::Report>> {
+    use crate::recording::{self, Entry};
+    let mut files = Vec::new();
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path).with_context(|| format!("reading {}", path.display()))? {
+            let file = entry?.path();
+            if file.extension().is_some_and(|e| e == "rec") {
+                files.push(file);
+            }
+        }
+        files.sort_by_key(|f| {
+            let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+            (stem.trim_start_matches("shard-").parse::<u32>().unwrap_or(u32::MAX), f.clone())
+        });
+        anyhow::ensure!(!files.is_empty(), "{} holds no recordings (shard-N.rec files)", path.display());
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut reports = Vec::new();
+    for file in files {
+        let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+        let entries = recording::read(&bytes).with_context(|| file.display().to_string())?;
+        let Some(Entry::Started { shard: recorded, source, config, .. }) = entries.first() else {
+            anyhow::bail!("{}: the recording is empty", file.display());
+        };
+        if shard.is_some_and(|s| s != *recorded) {
+            continue;
+        }
+        let spec = match policy {
+            Some(p) => p.clone(),
+            None => PolicySpec {
+                source: source.strip_prefix("builtin:").unwrap_or(source).to_string(),
+                config: config.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            },
+        };
+        let module = spec
+            .load(rt)
+            .with_context(|| format!("loading the policy to replay through ({})", spec.source))?;
+        let report = crate::replay::replay(&entries, &module, &spec.config)
+            .with_context(|| format!("replaying {}", file.display()))?;
+        reports.push(report);
+    }
+    anyhow::ensure!(
+        !reports.is_empty(),
+        "no recording of shard {} in {}",
+        shard.unwrap_or(0),
+        path.display()
+    );
+    Ok(reports)
+}
+
+fn print_replay(r: &crate::replay::Report) {
+    let ms = |ns: u64| format!("{:.1}", ns as f64 / 1e6);
+    println!("shard {}: {} events recorded under {}", r.shard, r.events, r.recorded_policies.join(", then "));
+    println!("replayed through {}", r.replayed_policy);
+    let (a, b) = (&r.recorded, &r.replayed);
+    println!("  {:<26} {:>10} {:>10}", "", "recorded", "replayed");
+    let rows: [(&str, String, String); 12] = [
+        ("pulls served at once", a.pulls_served_at_once.to_string(), b.pulls_served_at_once.to_string()),
+        ("pulls deferred", a.pulls_deferred.to_string(), b.pulls_deferred.to_string()),
+        ("  mean wait (ms)", ms(a.mean_wait_ns()), ms(b.mean_wait_ns())),
+        ("  longest wait (ms)", ms(a.pull_wait_max_ns), ms(b.pull_wait_max_ns)),
+        ("  never served", a.pulls_never_served.to_string(), b.pulls_never_served.to_string()),
+        ("pushes admitted", a.pushes_admitted.to_string(), b.pushes_admitted.to_string()),
+        ("pushes held", a.pushes_held.to_string(), b.pushes_held.to_string()),
+        ("pushes dropped", a.pushes_dropped.to_string(), b.pushes_dropped.to_string()),
+        ("rounds completed early", a.aggregates_completed.to_string(), b.aggregates_completed.to_string()),
+        ("control messages", a.controls.to_string(), b.controls.to_string()),
+        ("metric values", a.metrics.to_string(), b.metrics.to_string()),
+        ("policy failures", a.failures.to_string(), b.failures.to_string()),
+    ];
+    for (name, x, y) in rows {
+        println!("  {name:<26} {x:>10} {y:>10}");
+    }
+    let pct = 100.0 * r.identical as f64 / r.compared.max(1) as f64;
+    println!("  identical decisions on {} of {} events answered ({pct:.1}%)", r.identical, r.compared);
+    if let Some(why) = &r.stopped {
+        println!("  the replayed module failed and the replay stopped {why}");
+    }
+    if r.differing == 0 {
+        println!("  every push and pull answered alike");
+    } else {
+        println!(
+            "  {} pushes and pulls answered differently; the first {}:",
+            r.differing,
+            r.differences.len()
+        );
+        for d in &r.differences {
+            println!(
+                "    at {:.3} s, {}: recorded {}, replayed {}",
+                d.now_ns as f64 / 1e9,
+                d.event,
+                d.recorded,
+                d.replayed
+            );
+        }
+    }
+    println!();
 }
 
 /// `policy check`: validates the module, starts it, exercises it, and prints what it is.

@@ -69,6 +69,9 @@ pub struct ServerArgs {
     /// machine has few cores; more help a server holding several shards on a large machine).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Record each shard's policy events into DIR/shard-N.rec, for `syncopate policy replay`.
+    #[arg(long, value_name = "DIR")]
+    pub record: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub spin: SpinArgs,
     #[command(flatten)]
@@ -189,6 +192,7 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
         tls: a.tls.files()?,
         token: Token::new(a.token.token),
         limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
+        record: a.record,
     };
     tokio_threads(a.threads, a.spin)?.block_on(crate::server::run(opts)).context("server")
 }

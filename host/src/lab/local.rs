@@ -41,6 +41,8 @@ pub struct LocalOptions {
     pub spin_us: u64,
     /// The coordinator and servers drop a peer silent this long, in milliseconds.
     pub peer_timeout_ms: u64,
+    /// Record every shard's policy events into this directory (`syncopate policy replay`).
+    pub record: Option<PathBuf>,
 }
 
 impl LocalOptions {
@@ -54,6 +56,7 @@ impl LocalOptions {
             data: syncopate_workloads::fashion::DEFAULT_DIR.into(),
             spin_us: crate::net::spin::DEFAULT_SPIN.as_micros() as u64,
             peer_timeout_ms: 10_000,
+            record: None,
         }
     }
 
@@ -85,7 +88,11 @@ impl LocalOptions {
 
     /// Every server's flags (besides the coordinator and TLS).
     pub fn server_args(&self) -> Vec<String> {
-        vec!["--spin-us".into(), self.spin_us.to_string()]
+        let mut a = vec!["--spin-us".into(), self.spin_us.to_string()];
+        if let Some(dir) = &self.record {
+            a.extend(["--record".into(), dir.display().to_string()]);
+        }
+        a
     }
 
     /// Worker `w`'s flags (besides the coordinator, id, CA and report): the workload, its part

@@ -49,6 +49,8 @@ pub struct ServerOptions {
     pub token: Token,
     /// Largest frame parts accepted.
     pub limits: Limits,
+    /// Record each shard's policy events into this directory.
+    pub record: Option<std::path::PathBuf>,
 }
 
 struct Shared {
@@ -129,6 +131,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
             config: policy.config_for(shard),
             epoch,
             pool: pool.clone(),
+            record: opts.record.as_ref().map(|dir| dir.join(format!("shard-{shard}.rec"))),
         };
         tokio::spawn(task.run(rx));
         shards.insert(shard, tx);

@@ -13,8 +13,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::net::pool::TensorPool;
 use crate::net::proto::{ControlMessage, ShardStatus};
+use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
+use syncopate_policy_sdk::abi::Envelope;
 
 /// What a served pull sends back.
 #[derive(Debug)]
@@ -94,6 +96,21 @@ struct Waiting {
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
     /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
     goodbyes: HashMap<WorkerId, Reply<()>>,
+    /// Where the policy's events are recorded, if they are.
+    recorder: Option<Recorder>,
+}
+
+type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
+
+impl Waiting {
+    fn record(&mut self, write: impl FnOnce(&mut Recorder) -> std::io::Result<()>) {
+        if let Some(r) = self.recorder.as_mut() {
+            if let Err(e) = write(r) {
+                tracing::warn!(shard = self.shard, "recording stopped: {e}");
+                self.recorder = None;
+            }
+        }
+    }
 }
 
 impl ShardSink for Waiting {
@@ -147,6 +164,17 @@ impl ShardSink for Waiting {
         tracing::warn!(shard = self.shard, "policy failed, shard recovered: {error}");
     }
 
+    fn policy_started(&mut self, start: &PolicyStart<'_>) {
+        self.record(|r| r.started(start));
+    }
+
+    fn policy_called(&mut self, env: &Envelope, answer: Result<&[u8], &PolicyError>) {
+        match answer {
+            Ok(bytes) => self.record(|r| r.called(env, Ok(bytes))),
+            Err(e) => self.record(|r| r.called(env, Err(&e.to_string()))),
+        }
+    }
+
     fn recycle(&mut self, buffer: Vec<f32>) {
         self.pool.give(buffer);
     }
@@ -165,6 +193,8 @@ pub(crate) struct ShardTask {
     pub epoch: Instant,
     /// The server's tensor buffers: pull answers are taken from it, spent gradients go back.
     pub pool: TensorPool,
+    /// The file to record the policy's events into, if any.
+    pub record: Option<std::path::PathBuf>,
 }
 
 impl ShardTask {
@@ -176,26 +206,43 @@ impl ShardTask {
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
         let mut shard: Option<Shard> = None;
         let mut w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), ..Waiting::default() };
+        if let Some(path) = &self.record {
+            let file = path
+                .parent()
+                .map_or(Ok(()), std::fs::create_dir_all)
+                .and_then(|()| std::fs::File::create(path));
+            match file.and_then(|f| recording::Writer::new(std::io::BufWriter::with_capacity(1 << 16, f))) {
+                Ok(r) => w.recorder = Some(r),
+                Err(e) => tracing::warn!(shard = self.cfg.shard, "cannot record to {}: {e}", path.display()),
+            }
+        }
         loop {
             let timer = shard.as_ref().and_then(|s| s.next_timer_ns());
             let cmd = match timer {
                 Some(at) => {
                     let wait = std::time::Duration::from_nanos(at.saturating_sub(self.now()));
+                    // Biased: a timer that is due fires before requests that arrive after it.
                     tokio::select! {
-                        cmd = rx.recv() => cmd,
+                        biased;
                         () = tokio::time::sleep(wait) => {
                             if let Some(s) = shard.as_mut() {
                                 s.advance(self.now(), &mut w);
                             }
                             continue;
                         }
+                        cmd = rx.recv() => cmd,
                     }
                 }
                 None => rx.recv().await,
             };
             let Some(cmd) = cmd else { break };
+            // Timers due by now fire before the request (the order a replay assumes).
+            if let Some(s) = shard.as_mut() {
+                s.advance(self.now(), &mut w);
+            }
             self.handle(cmd, &mut shard, &mut w);
         }
+        w.record(recording::Writer::flush);
     }
 
     fn handle(&mut self, cmd: ShardCmd, slot: &mut Option<Shard>, w: &mut Waiting) {
