@@ -65,6 +65,7 @@ pub mod config;
 mod ctx;
 #[doc(hidden)]
 pub mod guest;
+pub mod optimizer;
 pub mod rules;
 pub mod shares;
 pub mod state;

@@ -1,7 +1,7 @@
 //! A native test driver: feed a policy event sequences and check its decisions with plain
 //! `cargo test`, through the same encode/decode path the wasm module uses.
 
-use alloc::collections::VecDeque;
+use alloc::collections::{BTreeMap, VecDeque};
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -11,6 +11,7 @@ use crate::abi::{
 };
 use crate::clocks::Clocks;
 use crate::guest::{encode, Guest};
+use crate::optimizer::{Optimizer, OptimizerConfig};
 use crate::rules::{DecisionState, EventRules};
 use crate::{Policy, PullVerdict, PushVerdict};
 
@@ -57,13 +58,26 @@ pub struct Driver<P> {
     rng: u64,
     next_id: RequestId,
     parked: Vec<(RequestId, WorkerId, Release)>,
-    held: Vec<(RequestId, WorkerId)>,
+    held: Vec<(RequestId, WorkerId, Vec<f32>)>,
     timers: Vec<TimerId>,
     /// Every decision the policy made, in order.
     pub log: Vec<Recorded>,
     released: VecDeque<RequestId>,
     mode: Option<UpdateMode>,
     config: Vec<(String, String)>,
+    model: Option<Model>,
+    /// The gradient of the push being decided.
+    incoming: Vec<f32>,
+}
+
+/// The host's optimizer over a parameter vector, as [`Driver::with_optimizer`] sets it up.
+#[derive(Debug)]
+struct Model {
+    optimizer: Optimizer,
+    params: Vec<f32>,
+    steps: u64,
+    /// Open aggregates by round: the weighted sum and the sum of weights.
+    rounds: BTreeMap<u64, (Vec<f32>, f32)>,
 }
 
 impl<P: Policy> Driver<P> {
@@ -88,9 +102,38 @@ impl<P: Policy> Driver<P> {
             released: VecDeque::new(),
             mode: None,
             config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+            model: None,
+            incoming: Vec::new(),
         };
         d.apply(rest, None)?;
         Ok(d)
+    }
+
+    /// Models the host's optimizer over `params`, as a shard applies pushes: each admitted push
+    /// is one step with the policy's weight (default `1 / live workers`, the host's default) in
+    /// on-arrival mode, or joins its round's aggregate (the pushing worker's clock), applied as
+    /// one step once every live worker has passed the round or the policy completes it early
+    /// (then on the weighted mean). A dropped push reaches nothing. Pushes carry the gradient
+    /// given to [`Driver::push_gradient`] (zeros for [`Driver::push`]), so a test sees what
+    /// momentum and weight decay make of each decision.
+    pub fn with_optimizer(mut self, optimizer: OptimizerConfig, params: Vec<f32>) -> Self {
+        self.model = Some(Model {
+            optimizer: Optimizer::new(optimizer, params.len()),
+            params,
+            steps: 0,
+            rounds: BTreeMap::new(),
+        });
+        self
+    }
+
+    /// The modelled parameters (empty without [`Driver::with_optimizer`]).
+    pub fn params(&self) -> &[f32] {
+        self.model.as_ref().map_or(&[], |m| &m.params)
+    }
+
+    /// Optimizer steps taken on the modelled parameters.
+    pub fn steps(&self) -> u64 {
+        self.model.as_ref().map_or(0, |m| m.steps)
     }
 
     /// Hot-swaps to policy `Q` with `config`, as the host does: the clocks are rebased (every
@@ -115,7 +158,10 @@ impl<P: Policy> Driver<P> {
             released: self.released,
             mode: self.mode,
             config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+            model: self.model,
+            incoming: Vec::new(),
         };
+        d.complete_rounds();
         d.apply(&start, None)?;
         d.redeliver(self.parked, self.held)?;
         Ok(d)
@@ -157,16 +203,17 @@ impl<P: Policy> Driver<P> {
     fn redeliver(
         &mut self,
         parked: Vec<(RequestId, WorkerId, Release)>,
-        held: Vec<(RequestId, WorkerId)>,
+        held: Vec<(RequestId, WorkerId, Vec<f32>)>,
     ) -> Result<(), String> {
         for (id, worker, _) in parked {
             let clock = self.clocks.get(worker).unwrap_or(0);
             let pull = Pull { id, worker, iteration: clock, clock };
             self.send(self.clocks.view(), Event::Pull(pull), Some(id))?;
         }
-        for (id, worker) in held {
+        for (id, worker, grad) in held {
             let clock = self.clocks.get(worker).unwrap_or(0);
             let push = Push { id, worker, iteration: clock, clock, samples: 1 };
+            self.incoming = grad;
             self.send(self.clocks.view(), Event::Push(push), Some(id))?;
         }
         Ok(())
@@ -216,6 +263,7 @@ impl<P: Policy> Driver<P> {
         self.clocks.leave(worker);
         self.parked.retain(|p| p.1 != worker);
         self.held.retain(|h| h.1 != worker);
+        self.complete_rounds();
         self.send(view, Event::WorkerLeft { worker, reason }, None).unwrap_or_else(|e| panic!("{e}"));
         self.release_ready();
     }
@@ -229,7 +277,28 @@ impl<P: Policy> Driver<P> {
     /// `worker` pushes a gradient numbered `iteration` (workers number their own iterations; a
     /// late joiner's or a rebased worker's numbers differ from its clock). Returns the verdict.
     pub fn push_iteration(&mut self, worker: WorkerId, iteration: u64) -> Result<PushVerdict, String> {
+        let zeros = alloc::vec![0.0; self.params().len()];
+        self.push_gradient(worker, iteration, &zeros)
+    }
+
+    /// `worker` pushes `grad` for `iteration` (see [`Driver::with_optimizer`]; without a model
+    /// the gradient is ignored). Returns the verdict.
+    pub fn push_gradient(
+        &mut self,
+        worker: WorkerId,
+        iteration: u64,
+        grad: &[f32],
+    ) -> Result<PushVerdict, String> {
         let clock = self.clocks.get(worker).ok_or("push from a worker that is not live")?;
+        if grad.len() != self.params().len() {
+            return Err(alloc::format!(
+                "a gradient of {} values for {} parameters",
+                grad.len(),
+                self.params().len()
+            ));
+        }
+        self.incoming.clear();
+        self.incoming.extend_from_slice(grad);
         let id = self.id();
         let view = self.clocks.view();
         let push = Push { id, worker, iteration, clock, samples: 1 };
@@ -329,11 +398,12 @@ impl<P: Policy> Driver<P> {
                     if mine {
                         v.push = Some(weight.map_or(PushVerdict::Admit, PushVerdict::AdmitWeighted));
                         if let Some((_, Event::Push(p))) = request {
-                            self.clocks.tick(p.worker);
+                            let grad = core::mem::take(&mut self.incoming);
+                            self.admitted(p.worker, weight, grad);
                         }
                     } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
-                        let (_, worker) = self.held.remove(pos);
-                        self.clocks.tick(worker);
+                        let (_, worker, grad) = self.held.remove(pos);
+                        self.admitted(worker, weight, grad);
                     }
                     self.log.push(Recorded::Admitted(push, weight));
                 }
@@ -344,21 +414,39 @@ impl<P: Policy> Driver<P> {
                             self.clocks.tick(p.worker);
                         }
                     } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
-                        let (_, worker) = self.held.remove(pos);
+                        let (_, worker, _) = self.held.remove(pos);
                         self.clocks.tick(worker);
                     }
+                    self.complete_rounds();
                     self.log.push(Recorded::Dropped(push));
                 }
-                Decision::CompleteAggregate { clock } => self.log.push(Recorded::AggregateCompleted(clock)),
+                Decision::CompleteAggregate { clock } => {
+                    if let Some(m) = self.model.as_mut() {
+                        if let Some((sum, weight)) = m.rounds.remove(&clock) {
+                            m.optimizer.step(&mut m.params, &sum, 1.0 / weight.max(f32::MIN_POSITIVE));
+                            m.steps += 1;
+                        }
+                    }
+                    self.log.push(Recorded::AggregateCompleted(clock));
+                }
                 Decision::HoldPush { push } => {
                     v.push = Some(PushVerdict::Hold);
                     if let Some((_, Event::Push(p))) = request {
-                        self.held.push((push, p.worker));
+                        self.held.push((push, p.worker, core::mem::take(&mut self.incoming)));
                     }
                     self.log.push(Recorded::Held(push));
                 }
                 Decision::SetUpdateMode(mode) => {
                     self.mode = Some(mode);
+                    if mode == UpdateMode::OnArrival {
+                        // As the host does: partial aggregates are applied as they stand.
+                        if let Some(m) = self.model.as_mut() {
+                            for (_, (sum, _)) in core::mem::take(&mut m.rounds) {
+                                m.optimizer.step(&mut m.params, &sum, 1.0);
+                                m.steps += 1;
+                            }
+                        }
+                    }
                     self.log.push(Recorded::UpdateMode(mode));
                 }
                 Decision::Control { worker, control } => self.log.push(Recorded::Control(worker, control)),
@@ -377,6 +465,46 @@ impl<P: Policy> Driver<P> {
         }
         rules.finish()?;
         Ok(v)
+    }
+
+    /// A push admitted with `weight` (default `1 / live workers`): the worker's clock advances
+    /// and the modelled optimizer steps on `grad`, now or with its round's aggregate.
+    fn admitted(&mut self, worker: WorkerId, weight: Option<f32>, grad: Vec<f32>) {
+        let round = self.clocks.get(worker).unwrap_or(0);
+        let weight = weight.unwrap_or(1.0 / self.clocks.view().workers.max(1) as f32);
+        self.clocks.tick(worker);
+        let aggregate = self.mode == Some(UpdateMode::Aggregate);
+        if let Some(m) = self.model.as_mut() {
+            if weight == 0.0 {
+                // Weight 0 is a drop: nothing reaches the parameters.
+            } else if aggregate {
+                let len = m.params.len();
+                let (sum, total) = m.rounds.entry(round).or_insert_with(|| (alloc::vec![0.0; len], 0.0));
+                for (s, g) in sum.iter_mut().zip(&grad) {
+                    *s += weight * g;
+                }
+                *total += weight;
+            } else {
+                m.optimizer.step(&mut m.params, &grad, weight);
+                m.steps += 1;
+            }
+        }
+        self.complete_rounds();
+    }
+
+    /// Applies, in order, every round all live workers have passed.
+    fn complete_rounds(&mut self) {
+        let min_clock = self.clocks.view().min_clock;
+        if let Some(m) = self.model.as_mut() {
+            while let Some(entry) = m.rounds.first_entry() {
+                if *entry.key() >= min_clock {
+                    break;
+                }
+                let (sum, _) = entry.remove();
+                m.optimizer.step(&mut m.params, &sum, 1.0);
+                m.steps += 1;
+            }
+        }
     }
 
     fn release_ready(&mut self) {

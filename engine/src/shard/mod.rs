@@ -28,12 +28,11 @@
 //! wait their turn, so a worker's iterations still complete in order.
 
 mod layout;
-mod optimizer;
 mod supervisor;
 
 pub use layout::{ModelLayout, Partition, TensorSpec};
-pub use optimizer::{Optimizer, OptimizerConfig};
 pub use supervisor::SupervisorConfig;
+pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
 
 pub use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskLedger, TaskPart, MAX_TASKS};
 

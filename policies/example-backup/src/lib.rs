@@ -197,6 +197,27 @@ mod tests {
         assert_eq!(d.pull(2).unwrap(), PullVerdict::Serve);
     }
 
+    /// With momentum 0.9 and weight decay on, as on a cluster: a round is one optimizer step on
+    /// the mean of the gradients present, and the late gradient moves nothing.
+    #[test]
+    fn with_momentum_and_weight_decay_a_round_is_one_step_and_a_drop_moves_nothing() {
+        use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
+        let cfg = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01, nesterov: false };
+        let start = vec![1.0f32, -2.0];
+        let mut d = Driver::<Backup>::new(&[("b", "1")]).unwrap().with_optimizer(cfg, start.clone());
+        for w in 0..3 {
+            d.join(w);
+        }
+        d.push_gradient(0, 0, &[1.0, 1.0]).unwrap();
+        d.push_gradient(1, 0, &[3.0, -1.0]).unwrap();
+        // One step on the mean of the two present, by the same optimizer the shards run.
+        let mut want = start;
+        Optimizer::new(cfg, 2).step(&mut want, &[2.0, 0.0], 1.0);
+        assert_eq!((d.params(), d.steps()), (&want[..], 1));
+        assert_eq!(d.push_gradient(2, 0, &[100.0, 100.0]).unwrap(), PushVerdict::Drop);
+        assert_eq!((d.params(), d.steps()), (&want[..], 1), "the dropped gradient moved nothing");
+    }
+
     #[test]
     fn a_leaving_workers_waiting_pull_is_forgotten_not_released() {
         let mut d = Driver::<Backup>::new(&[("b", "1")]).unwrap();

@@ -1,5 +1,12 @@
 //! The server-side optimizer: SGD with momentum (optionally Nesterov) and weight decay, applied
 //! element-wise to a shard's parameters.
+//!
+//! It lives in the SDK, as the clock and decision rules do, so that the host's shards and the
+//! test [`Driver`](crate::Driver) step parameters with the same code: a policy's native test sees
+//! what its decisions do to a model with momentum and weight decay.
+
+use alloc::vec;
+use alloc::vec::Vec;
 
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +71,8 @@ impl Optimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use alloc::vec;
 
     #[test]
     fn plain_sgd_and_momentum() {
