@@ -390,6 +390,17 @@ pub enum Control {
         /// How many tasks move.
         count: u32,
     },
+    /// Abandon the iteration in progress (its gradient is never pushed) and continue from
+    /// `iteration`, numbered as the worker's pushes to this shard number them (`Push::iteration`).
+    /// The worker tells every shard, which raise its clock by the iterations skipped (the policy
+    /// sees the new clocks); it acknowledges with [`Event::ControlApplied`] once it has. A worker
+    /// already at or past `iteration` ignores it; one whose iteration has tasks out with other
+    /// workers finishes that iteration first; one that joined after training started (its
+    /// shards number its iterations differently) does not skip. Both acknowledge it as well.
+    SkipTo {
+        /// The iteration to continue from.
+        iteration: u64,
+    },
 }
 
 /// One thing a policy asks the host to do.
@@ -560,6 +571,7 @@ impl Envelope {
                 Control::MoveTasks { from, first, count, .. } => {
                     (6, 4, u64::from(from), worker, first, iteration, u64::from(count))
                 }
+                Control::SkipTo { iteration: to } => (6, 5, 0, worker, 0, iteration, to),
             },
         };
         b[36] = kind;
@@ -602,6 +614,7 @@ impl Envelope {
                         first: c,
                         count: u32::try_from(e).map_err(|_| EnvelopeError("task count out of range"))?,
                     },
+                    5 => Control::SkipTo { iteration: e },
                     _ => return Err(EnvelopeError("unknown control kind")),
                 };
                 Event::ControlApplied(Applied { worker, control, iteration: d })
@@ -642,6 +655,11 @@ mod tests {
                 iteration: 12,
             }),
             Event::ControlApplied(Applied { worker: 0, control: Control::Pause { for_ns: 5 }, iteration: 1 }),
+            Event::ControlApplied(Applied {
+                worker: 1,
+                control: Control::SkipTo { iteration: u64::MAX },
+                iteration: 7,
+            }),
         ];
         for event in events {
             let env = Envelope { now_ns: 123, random: u64::MAX - 1, view, event };

@@ -78,6 +78,16 @@ impl Clocks {
         Some(old + 1)
     }
 
+    /// Advances `worker`'s clock by `n` (a skip: iterations it will never push). Returns the new
+    /// clock, or `None` if it is not live.
+    pub fn advance(&mut self, worker: WorkerId, n: u64) -> Option<u64> {
+        let slot = self.clock.get_mut(worker as usize)?.as_mut()?;
+        *slot += n;
+        let new = *slot;
+        self.recompute();
+        Some(new)
+    }
+
     /// Raises every live worker's clock to the largest (the rebase at a hot swap, see
     /// [`ShardView`]). Returns how many clocks moved.
     pub fn rebase_to_max(&mut self) -> u32 {

@@ -707,3 +707,45 @@ fn a_new_policy_crate_builds_outside_the_repository_and_hot_loads_into_a_cluster
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "under the new policy");
     let _ = std::fs::remove_dir_all(&home);
 }
+
+/// A policy's `SkipTo` over the real transport: `backup` with `catch_up` tells the straggler to
+/// skip to the open round; it tells every shard (on two servers), and every iteration is pushed
+/// once or skipped once, on every shard.
+#[test]
+fn a_straggler_skips_ahead_on_a_real_cluster_and_every_iteration_counts_once() {
+    let policy = format!("{}:b=1,catch_up=true", env!("SYNCOPATE_BACKUP_WASM"));
+    let run = LocalRun::start(
+        "skip-ahead",
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--iterations",
+            "60",
+            "--delay-ms",
+            "5",
+            "--slow",
+            "2:6",
+            "--params",
+            "16",
+            "--policy",
+            &policy,
+        ],
+    );
+    let (code, run) = run.finish(Duration::from_secs(120));
+    assert!(code.success(), "{}", run.output());
+    let report = run.report();
+    let straggler = report.workers.iter().find(|w| w.worker == 2).expect("worker 2");
+    assert!(straggler.iterations_skipped > 0, "the straggler skipped ahead: {straggler:?}");
+    for w in &report.workers {
+        assert_eq!(w.iterations + w.iterations_skipped, 60, "done or skipped, once: {w:?}");
+    }
+    let pushed: u64 = report.workers.iter().map(|w| w.iterations).sum();
+    let skipped: u64 = report.workers.iter().map(|w| w.iterations_skipped).sum();
+    for s in report.shards() {
+        assert_eq!(s.stats.pushes_admitted + s.stats.pushes_dropped, pushed, "shard {}", s.shard);
+        assert_eq!(s.stats.iterations_skipped, skipped, "shard {} moved the clock past each skip", s.shard);
+        assert_eq!(s.stats.policy_failures, 0);
+    }
+}

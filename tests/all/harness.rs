@@ -256,6 +256,7 @@ impl Cluster {
                 Action::Finished(report) => {
                     self.shard.iteration_finished(report, now, &mut self.rec).expect("report");
                 }
+                Action::Skip { to, .. } => self.shard.skip(worker, to, now, &mut self.rec).expect("skip"),
                 Action::Applied { control, iteration, .. } => {
                     let applied = Applied { worker, control, iteration };
                     self.shard.control_applied(applied, now, &mut self.rec).expect("acknowledged");

@@ -131,3 +131,43 @@ fn a_module_failing_on_every_push_is_quarantined_whatever_its_pulls_do() {
     );
     assert_eq!(shard.stats().pushes_admitted, 3, "each failing push was admitted by the fallback rule");
 }
+
+#[test]
+fn a_straggler_told_to_skip_ahead_catches_up_and_every_push_still_counts_once() {
+    for seed in [5u64, 23] {
+        // Worker 3 runs 8 times slower: its gradients arrive rounds late and are dropped,
+        // so `catch_up` tells it to skip to the open round.
+        let cfg = [("b", "1"), ("catch_up", "true")];
+        let mut c = Cluster::new(&backup_module(), &cfg, 4, 30, seed).with_speeds(&[8, 8, 8, 1]);
+        c.run_to_end();
+        let s = c.shard.stats();
+        let reports = c.reports();
+        let skipped: u64 = reports.iter().map(|r| r.iterations_skipped).sum();
+        assert!(
+            reports[3].iterations_skipped > 0,
+            "seed {seed}: the straggler skipped ahead: {:?}",
+            reports[3]
+        );
+        for r in &reports {
+            assert_eq!(
+                r.iterations + r.iterations_skipped,
+                30,
+                "seed {seed}: each iteration done or skipped: {r:?}"
+            );
+        }
+        assert_eq!(
+            s.iterations_skipped, skipped,
+            "seed {seed}: the shard moved the clock past each skip once"
+        );
+        assert_eq!(c.rec.acked.len() as u64, c.pushes, "seed {seed}: every push acknowledged once");
+        assert_eq!(s.pushes_admitted + s.pushes_dropped, c.pushes, "seed {seed}: admitted or dropped, once");
+        assert_eq!(
+            c.pushes,
+            reports.iter().map(|r| r.iterations).sum::<u64>(),
+            "seed {seed}: skipped ones never pushed"
+        );
+        assert_eq!((s.steps, c.shard.values()[0]), (30, -30.0), "seed {seed}: each round applied once");
+        let acks = c.rec.errors.len();
+        assert_eq!((s.policy_failures, acks), (0, 0), "seed {seed}: {:?}", c.rec.errors);
+    }
+}

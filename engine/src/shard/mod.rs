@@ -268,6 +268,9 @@ pub struct ShardStats {
     /// Worker clocks raised at hot swaps (the rebase that levels the workers).
     #[serde(default)]
     pub clocks_rebased: u64,
+    /// Iterations workers skipped on a policy's `SkipTo` (their clocks moved past them).
+    #[serde(default)]
+    pub iterations_skipped: u64,
     /// Admitted pushes by staleness: how many optimizer steps the shard took between the pull
     /// the gradient was computed from and its admission (last bucket: that many or more).
     pub staleness: [u64; STALENESS_BUCKETS],
@@ -696,6 +699,33 @@ impl Shard {
         let result = self.push(req, now_ns, sink);
         self.finish_goodbyes(now_ns, sink);
         result
+    }
+
+    /// `worker` skips from its next push to iteration `to` (a policy's `SkipTo`): its clock
+    /// moves past the iterations it will never push, as if each had been dropped, and the rounds
+    /// and pulls that waited on it go on. A skip to an iteration already reached changes
+    /// nothing. The worker sends it only with no push of its in flight.
+    pub fn skip(
+        &mut self,
+        worker: WorkerId,
+        to: u64,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(worker) {
+            return Err(ShardError::UnknownWorker(worker, self.shard));
+        }
+        let next = &mut self.next_push[worker as usize];
+        if to <= *next {
+            return Ok(());
+        }
+        let n = to - *next;
+        *next = to;
+        self.clocks.advance(worker, n);
+        self.stats.iterations_skipped += n;
+        self.complete_aggregates(sink);
+        self.release_ready(now_ns, sink);
+        Ok(())
     }
 
     /// A worker pushes a gradient. Returns the request id; the acknowledgement goes to the sink

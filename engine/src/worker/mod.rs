@@ -20,6 +20,11 @@
 //!   over is never started here.
 //! - A pause delays the start of the worker's next pull by its length from its arrival; it is
 //!   acknowledged at once (as every setting is: "applies from iteration N").
+//! - A skip ([`Control::SkipTo`]) abandons the iteration in progress at its next step (a pull
+//!   that returns is not computed on, a finished computation is not pushed; a push already sent
+//!   completes and counts), tells every shard ([`Action::Skip`]) and is acknowledged once done.
+//!   An iteration with tasks out with other workers is finished first: its tasks are counted
+//!   wherever they are computed.
 
 mod buffers;
 mod device;
@@ -142,6 +147,15 @@ pub enum Action {
     },
     /// Tell every shard an iteration is finished.
     Finished(IterationReport),
+    /// Tell every shard this worker skips from iteration `from` to `to` (the iterations in
+    /// between are never pushed); carry out the actions that follow only once every shard has
+    /// taken it.
+    Skip {
+        /// The first iteration skipped (abandoned, or not yet started).
+        from: u64,
+        /// The iteration it continues from.
+        to: u64,
+    },
     /// The worker is done: leave every shard. No action follows.
     Leave,
 }
@@ -295,6 +309,9 @@ pub struct WorkerMachine {
     busy: Option<Busy>,
     help: VecDeque<HelpJob>,
     pause_until: u64,
+    /// Skips to carry out: (the shard whose policy asked, the iteration to continue from); the
+    /// furthest wins, and each is acknowledged.
+    skips: Vec<(u32, u64)>,
     stop: bool,
     out: VecDeque<Action>,
 }
@@ -316,6 +333,7 @@ impl WorkerMachine {
             busy: None,
             help: VecDeque::new(),
             pause_until: 0,
+            skips: Vec::new(),
             stop: false,
             out: VecDeque::new(),
             cfg,
@@ -387,6 +405,7 @@ impl WorkerMachine {
                 self.report.deferred_ns += deferred_ns;
                 self.report.deferred_pulls += u64::from(deferred);
                 self.own = Own::Computing;
+                self.abandon_for_skip();
             }
             Input::Computed { step, compute_ns } => {
                 let Some(Busy::Computing(help)) = self.busy else {
@@ -538,6 +557,14 @@ impl WorkerMachine {
                         self.tasks = if self.cfg.can_split { tasks } else { 1 };
                     }
                     Control::Resume => {}
+                    Control::SkipTo { iteration: to } => {
+                        if self.cfg.numbering_shared && to > self.iteration {
+                            // Acknowledged once carried out (see `advance`).
+                            self.skips.push((msg.shard, to));
+                            self.abandon_for_skip();
+                            return;
+                        }
+                    }
                     other => {
                         tracing::warn!(
                             worker = me,
@@ -551,6 +578,36 @@ impl WorkerMachine {
                 let iteration = self.next_applicable();
                 self.out.push_back(Action::Applied { shard: msg.shard, control, iteration });
             }
+        }
+    }
+
+    /// Abandons the own iteration for a pending skip where it can be: between its pull and its
+    /// push, with no computation of it running and none of its tasks out with other workers.
+    fn abandon_for_skip(&mut self) {
+        let Some(to) = self.skips.iter().map(|s| s.1).max() else { return };
+        if to <= self.cur.iteration || self.cur.given != 0 {
+            return;
+        }
+        let own_running =
+            matches!(self.busy, Some(Busy::Computing(None) | Busy::Pacing { then: After::OwnTask, .. }));
+        if matches!(self.own, Own::Computing | Own::Delaying(_)) && !own_running {
+            tracing::debug!(worker = self.cfg.id, iteration = self.cur.iteration, to, "iteration abandoned");
+            self.own = Own::Start;
+        }
+    }
+
+    /// Carries out the pending skips between iterations: tells the shards, moves on to the
+    /// furthest, acknowledges each.
+    fn skip_now(&mut self) {
+        let to = self.skips.iter().map(|s| s.1).max().unwrap_or(0);
+        if to > self.iteration {
+            self.report.iterations_skipped += to - self.iteration;
+            self.out.push_back(Action::Skip { from: self.iteration, to });
+            self.iteration = to;
+        }
+        for (shard, to) in std::mem::take(&mut self.skips) {
+            let control = Control::SkipTo { iteration: to };
+            self.out.push_back(Action::Applied { shard, control, iteration: self.iteration });
         }
     }
 
@@ -582,7 +639,9 @@ impl WorkerMachine {
         let now = self.now;
         loop {
             let before = self.out.len();
+            self.abandon_for_skip();
             match self.own {
+                Own::Start if !self.skips.is_empty() => self.skip_now(),
                 Own::Start if self.stop || self.iteration >= self.cfg.iterations => self.leave_when_idle(),
                 Own::Start if now >= self.pause_until => {
                     let total = self.tasks;

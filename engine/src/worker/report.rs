@@ -30,6 +30,10 @@ pub struct WorkerReport {
     /// discarded there; the iteration still counts as done).
     #[serde(default)]
     pub pushes_dropped: u64,
+    /// Iterations it skipped on a policy's [`SkipTo`](syncopate_policy_sdk::abi::Control::SkipTo)
+    /// (an iteration it abandoned included): never pushed, never counted in `iterations`.
+    #[serde(default)]
+    pub iterations_skipped: u64,
     /// Control messages received.
     pub controls: u64,
     /// Tasks of this worker's iterations that other workers computed.

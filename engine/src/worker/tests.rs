@@ -156,3 +156,43 @@ fn a_pause_delays_the_next_pull_and_a_stop_ends_after_the_iteration() {
     assert!(m.report().stopped_early);
     assert_eq!(m.report().iterations, 1);
 }
+
+#[test]
+fn a_skip_abandons_the_computation_in_progress_tells_the_shards_and_is_acknowledged_once_done() {
+    let mut m = machine(10, Device::default());
+    assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    assert!(matches!(actions(&mut m, 1)[..], [Action::Compute(_)]));
+    // The skip arrives mid-computation: the gradient, once computed, is not pushed.
+    m.handle(2, control(Control::SkipTo { iteration: 4 })).unwrap();
+    assert_eq!(actions(&mut m, 2), [], "nothing to do until the computation returns");
+    m.handle(3, computed(32)).unwrap();
+    let a = actions(&mut m, 3);
+    let applied = Action::Applied { shard: 0, control: Control::SkipTo { iteration: 4 }, iteration: 4 };
+    assert_eq!(a, [Action::Skip { from: 0, to: 4 }, applied, Action::Pull { iteration: 4 }], "{a:?}");
+    assert_eq!((m.report().iterations, m.report().iterations_skipped), (0, 4));
+    // A skip to where it already is changes nothing and is acknowledged at once.
+    m.handle(4, control(Control::SkipTo { iteration: 3 })).unwrap();
+    let a = actions(&mut m, 4);
+    assert!(matches!(a[..], [Action::Applied { iteration: 5, .. }]), "{a:?}");
+    assert_eq!(m.report().iterations_skipped, 4);
+}
+
+#[test]
+fn a_push_already_sent_completes_before_the_skip() {
+    let mut m = machine(10, Device::default());
+    actions(&mut m, 0);
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    actions(&mut m, 1);
+    m.handle(2, computed(32)).unwrap();
+    assert!(matches!(actions(&mut m, 2)[..], [Action::Push(_)]));
+    m.handle(3, control(Control::SkipTo { iteration: 6 })).unwrap();
+    assert_eq!(actions(&mut m, 3), []);
+    m.handle(4, own_pushed()).unwrap();
+    let a = actions(&mut m, 4);
+    assert!(
+        matches!(&a[..], [Action::Finished(r), Action::Skip { from: 1, to: 6 }, Action::Applied { .. }, Action::Pull { iteration: 6 }] if r.iteration == 0),
+        "the pushed iteration counts, then the skip: {a:?}"
+    );
+    assert_eq!((m.report().iterations, m.report().iterations_skipped), (1, 5));
+}

@@ -73,6 +73,7 @@ enum ToShard {
     Handover(Handover),
     Applied(Applied),
     Finished(IterationReport),
+    Skip(u64),
     Goodbye,
 }
 
@@ -452,6 +453,7 @@ impl Sim {
                 Action::Finished(report) => {
                     (0..shards).for_each(|s| self.send(w, s, ToShard::Finished(report)))
                 }
+                Action::Skip { to, .. } => (0..shards).for_each(|s| self.send(w, s, ToShard::Skip(to))),
                 Action::Leave => (0..shards).for_each(|s| self.send(w, s, ToShard::Goodbye)),
             }
         }
@@ -546,6 +548,7 @@ impl Sim {
                     ToShard::Handover(h) => self.call(s, |sh, now, sink| sh.tasks_yielded(h, now, sink)),
                     ToShard::Applied(a) => self.call(s, |sh, now, sink| sh.control_applied(a, now, sink)),
                     ToShard::Finished(r) => self.call(s, |sh, now, sink| sh.iteration_finished(r, now, sink)),
+                    ToShard::Skip(to) => self.call(s, |sh, now, sink| sh.skip(w, to, now, sink)),
                     ToShard::Goodbye => self.call(s, |sh, now, sink| sh.goodbye(w, now, sink).map(|_| ())),
                 };
             }

@@ -307,6 +307,14 @@ pub enum DataRequest {
         /// The first iteration it applies to.
         iteration: u64,
     },
+    /// The worker skips to iteration `to` (a policy's `SkipTo`): the iterations before it that
+    /// it has not pushed will never come. Answered once the shard has taken it.
+    Skip {
+        /// The shard.
+        shard: u32,
+        /// The iteration it continues from.
+        to: u64,
+    },
 }
 
 /// Answers on the data plane.

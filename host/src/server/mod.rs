@@ -469,7 +469,8 @@ async fn handle_request(
         | DataRequest::Read { shard }
         | DataRequest::PushTasks { shard, .. }
         | DataRequest::TasksYielded { shard, .. }
-        | DataRequest::ControlApplied { shard, .. } => *shard,
+        | DataRequest::ControlApplied { shard, .. }
+        | DataRequest::Skip { shard, .. } => *shard,
     };
     let Some(tx) = shared.shards.get(&shard) else {
         return (DataResponse::Error(format!("shard {shard} is not on server {}", shared.id)), None);
@@ -523,6 +524,10 @@ async fn handle_request(
             let _ = tx.send(ShardCmd::Applied { applied }).await;
             (DataResponse::Ok, None)
         }
+        DataRequest::Skip { to, .. } => match ask(tx, |reply| ShardCmd::Skip { worker, to, reply }).await {
+            Ok(()) => (DataResponse::Ok, None),
+            Err(e) => err(e),
+        },
         DataRequest::Pull { iteration, .. } => {
             match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
                 Ok(s) => (

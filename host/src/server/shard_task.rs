@@ -59,6 +59,12 @@ pub(crate) enum ShardCmd {
     Applied {
         applied: Applied,
     },
+    /// A worker skips to an iteration.
+    Skip {
+        worker: WorkerId,
+        to: u64,
+        reply: Reply<()>,
+    },
     Pull {
         worker: WorkerId,
         iteration: u64,
@@ -350,6 +356,13 @@ impl ShardTask {
                         let _ = reply.send(Err(e.to_string()));
                     }
                 }
+            }
+            ShardCmd::Skip { worker, to, reply } => {
+                let Some(shard) = slot.as_mut() else {
+                    let _ = reply.send(Err(not_yet()));
+                    return;
+                };
+                let _ = reply.send(shard.skip(worker, to, now, w).map_err(|e| e.to_string()));
             }
             ShardCmd::Finished { report } => {
                 if let Some(shard) = slot.as_mut() {

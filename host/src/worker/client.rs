@@ -348,6 +348,12 @@ impl WorkerClient {
         self.on_shard(shard, DataRequest::ControlApplied { shard, control, iteration }).await
     }
 
+    /// Tells every shard this worker skips to iteration `to` (a policy's `SkipTo`); returns once
+    /// every shard has taken it, so its next push is in order everywhere.
+    pub async fn skip(&self, to: u64) -> Result<(), NodeError> {
+        self.on_every_shard(|i, shard| DataRequest::Skip { shard, to: self.shard_iteration(i, to) }).await
+    }
+
     /// Takes the stream of control messages, so a training loop can wait on it alongside its
     /// requests; [`try_control`](Self::try_control) and [`next_control`](Self::next_control) see
     /// nothing afterwards.

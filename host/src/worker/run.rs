@@ -202,6 +202,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     client_ref.control_applied(shard, control, iteration).await?;
                 }
                 Action::Finished(report) => client_ref.finished(report).await?,
+                Action::Skip { to, .. } => client_ref.skip(to).await?,
                 Action::Leave => break,
             }
             continue;

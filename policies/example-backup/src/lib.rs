@@ -16,6 +16,10 @@
 //!   moment that round completes.
 //! - `late = zero-weight` admits late gradients with weight 0 instead of dropping them, which the
 //!   host treats exactly as a drop (it is kept to show that the two are one thing).
+//! - `catch_up = true` (ours, not the paper's): a worker whose dropped gradient was two or more
+//!   rounds late is told to skip to the open round ([`Control::SkipTo`]), so a straggler stops
+//!   computing gradients that can only be dropped. Shard 0's instance sends it (one instruction
+//!   per worker, not one per shard).
 //!
 //! With `b = 0` this is BSP. At a hot swap the host levels the workers' clocks, so rounds start
 //! again at the common clock; the count of dropped gradients (a metric) is handed over with the
@@ -38,6 +42,8 @@ struct Saved {
 pub struct Backup {
     b: u32,
     zero_weight: bool,
+    catch_up: bool,
+    lead: bool,
     live: u32,
     /// Rounds below this are complete.
     complete: u64,
@@ -96,6 +102,12 @@ impl Policy for Backup {
                 "drop",
                 "late gradients: drop, or zero-weight (the same)",
             ),
+            ParamSpec::new(
+                "catch_up",
+                ParamKind::Bool,
+                "false",
+                "tell a worker two or more rounds late to skip to the open round",
+            ),
         ],
     );
 
@@ -107,6 +119,8 @@ impl Policy for Backup {
         Ok(Backup {
             b: init.config.get("b")?,
             zero_weight: late == "zero-weight",
+            catch_up: init.config.get("catch_up")?,
+            lead: init.shard == 0,
             live: 0,
             complete: 0,
             arrived: Vec::new(),
@@ -159,6 +173,11 @@ impl Policy for Backup {
         if push.clock < self.complete {
             self.dropped += 1;
             ctx.metric("backup.dropped", self.dropped as f64);
+            // After this push the worker's clock is push.clock + 1; the open round is `complete`.
+            let behind = self.complete - push.clock - 1;
+            if self.catch_up && self.lead && behind >= 1 {
+                ctx.control(push.worker, Control::SkipTo { iteration: push.iteration + 1 + behind });
+            }
             return if self.zero_weight { PushVerdict::AdmitWeighted(0.0) } else { PushVerdict::Drop };
         }
         match self.arrived.iter_mut().find(|a| a.0 == push.clock) {
