@@ -181,3 +181,20 @@ fn ab_simulate_reports_the_tasks_epsp_moved() {
     let model = std::fs::read(dir.join("out").join("epsp").join("model.bin")).unwrap();
     assert_eq!(model.len(), 64 * 4, "the scenario's 64 parameters, 4 bytes each");
 }
+
+#[test]
+fn the_simulator_carries_a_skip_ahead_to_every_shard_as_the_cluster_does() {
+    let text = "name = \"skip\"\nworkers = 3\nservers = 2\nworkload = \"counter\"\ncompute_ms = 5\n\
+        iterations = 60\n[[slow]]\nworker = 2\nfactor = 6.0\n";
+    let policy = format!("{}:b=1,catch_up=true", env!("SYNCOPATE_BACKUP_WASM"));
+    let r = sim(&scenario(text), &policy, false);
+    let straggler = r.workers.iter().find(|w| w.worker == 2).expect("worker 2");
+    assert!(straggler.iterations_skipped > 0, "the straggler skipped ahead: {straggler:?}");
+    assert!(r.workers.iter().all(|w| w.iterations + w.iterations_skipped == 60), "{:?}", r.workers);
+    let pushed: u64 = r.workers.iter().map(|w| w.iterations).sum();
+    let skipped: u64 = r.workers.iter().map(|w| w.iterations_skipped).sum();
+    for s in r.shards() {
+        assert_eq!(s.stats.pushes_admitted + s.stats.pushes_dropped, pushed, "shard {}", s.shard);
+        assert_eq!((s.stats.iterations_skipped, s.stats.policy_failures), (skipped, 0), "shard {}", s.shard);
+    }
+}
