@@ -169,5 +169,10 @@ fn a_straggler_told_to_skip_ahead_catches_up_and_every_push_still_counts_once() 
         assert_eq!((s.steps, c.shard.values()[0]), (30, -30.0), "seed {seed}: each round applied once");
         let acks = c.rec.errors.len();
         assert_eq!((s.policy_failures, acks), (0, 0), "seed {seed}: {:?}", c.rec.errors);
+        // A skip no real run could ask for is refused, and changes nothing.
+        let clock = c.shard.view().max_clock;
+        let refused = c.shard.skip(0, u64::MAX, 0, &mut c.rec);
+        assert!(matches!(refused, Err(syncopate::shard::ShardError::SkipTooFar { .. })), "{refused:?}");
+        assert_eq!((c.shard.view().max_clock, c.shard.stats().iterations_skipped), (clock, skipped));
     }
 }

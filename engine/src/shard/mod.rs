@@ -238,6 +238,16 @@ pub enum ShardError {
         /// The next iteration the shard expects from it.
         expected: u64,
     },
+    /// A skip too far ahead to be a real iteration number.
+    #[error("worker {worker} asks to skip from iteration {from} to {to}: more than 2^40 iterations ahead")]
+    SkipTooFar {
+        /// The worker.
+        worker: WorkerId,
+        /// Its next iteration.
+        from: u64,
+        /// Where it asked to go.
+        to: u64,
+    },
 }
 
 /// Counters a shard keeps.
@@ -701,6 +711,9 @@ impl Shard {
         result
     }
 
+    /// The most iterations one skip may jump: far beyond any run, and far from overflowing a clock.
+    const MAX_SKIP: u64 = 1 << 40;
+
     /// `worker` skips from its next push to iteration `to` (a policy's `SkipTo`): its clock
     /// moves past the iterations it will never push, as if each had been dropped, and the rounds
     /// and pulls that waited on it go on. A skip to an iteration already reached changes
@@ -720,6 +733,9 @@ impl Shard {
             return Ok(());
         }
         let n = to - *next;
+        if n > Self::MAX_SKIP {
+            return Err(ShardError::SkipTooFar { worker, from: *next, to });
+        }
         *next = to;
         self.clocks.advance(worker, n);
         self.stats.iterations_skipped += n;
