@@ -306,6 +306,18 @@ impl<P: Policy> Driver<P> {
         verdict.push.ok_or_else(|| alloc::format!("push {id} got no verdict"))
     }
 
+    /// `worker` carries out a [`Control::SkipTo`] to clock `clock` (the Driver numbers iterations
+    /// by clock), as the host sees it: its clock rises to `clock` (if that is ahead), the rounds
+    /// it held up complete and the pulls waiting on it are released. No event reaches the policy;
+    /// send [`Driver::control_applied`] for the worker's acknowledgement.
+    pub fn skip_to(&mut self, worker: WorkerId, clock: u64) -> Result<(), String> {
+        let now = self.clocks.get(worker).ok_or("skip of a worker that is not live")?;
+        self.clocks.advance(worker, clock.saturating_sub(now));
+        self.complete_rounds();
+        self.release_ready();
+        Ok(())
+    }
+
     /// `worker` pulls before computing its next iteration. Returns the verdict.
     pub fn pull(&mut self, worker: WorkerId) -> Result<PullVerdict, String> {
         let clock = self.clocks.get(worker).ok_or("pull from a worker that is not live")?;

@@ -238,6 +238,26 @@ mod tests {
     }
 
     #[test]
+    fn with_catch_up_a_worker_two_rounds_late_is_told_to_skip_to_the_open_round() {
+        let mut d = Driver::<Backup>::new(&[("b", "1"), ("catch_up", "true")]).unwrap();
+        for w in 0..3 {
+            d.join(w);
+        }
+        for _ in 0..3 {
+            d.push(0).unwrap();
+            d.push(1).unwrap();
+        }
+        // Rounds 0..3 are complete without worker 2; its round-0 gradient is dropped, and it is
+        // told to go on from round 3 rather than compute rounds 1 and 2 only to lose them too.
+        assert_eq!(d.push(2).unwrap(), PushVerdict::Drop);
+        assert!(d.log.contains(&Recorded::Control(2, Control::SkipTo { iteration: 3 })), "{:?}", d.log);
+        d.skip_to(2, 3).unwrap();
+        assert_eq!(d.clock(2), Some(3));
+        assert_eq!(d.pull(2).unwrap(), PullVerdict::Serve, "round 2 is complete: it computes round 3");
+        assert_eq!(d.push(2).unwrap(), PushVerdict::Admit, "and its gradient counts again");
+    }
+
+    #[test]
     fn a_leaving_workers_waiting_pull_is_forgotten_not_released() {
         let mut d = Driver::<Backup>::new(&[("b", "1")]).unwrap();
         for w in 0..3 {
