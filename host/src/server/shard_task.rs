@@ -242,10 +242,6 @@ impl ShardTask {
                 None => rx.recv().await,
             };
             let Some(cmd) = cmd else { break };
-            // Timers due by now fire before the request (the order a replay assumes).
-            if let Some(s) = shard.as_mut() {
-                s.advance(self.now(), &mut w);
-            }
             self.handle(cmd, &mut shard, &mut w);
         }
         w.record(recording::Writer::flush);
@@ -253,6 +249,10 @@ impl ShardTask {
 
     fn handle(&mut self, cmd: ShardCmd, slot: &mut Option<Shard>, w: &mut Waiting) {
         let now = self.now();
+        // Timers due by now fire before the request (the order a replay assumes).
+        if let Some(s) = slot.as_mut() {
+            s.advance(now, w);
+        }
         let id = self.cfg.shard;
         let not_yet = || format!("shard {id} has no parameters yet (a worker must join with them first)");
         match cmd {
