@@ -198,3 +198,71 @@ fn the_simulator_carries_a_skip_ahead_to_every_shard_as_the_cluster_does() {
         assert_eq!((s.stats.iterations_skipped, s.stats.policy_failures), (skipped, 0), "shard {}", s.shard);
     }
 }
+
+/// `syncopate ab --simulate --repeat 4` into `out`.
+fn ab_repeat(dir: &std::path::Path, out: &str, extra: &[&str]) -> syncopate::lab::report::Comparison {
+    let file = dir.join("agree.toml");
+    std::fs::write(&file, SCENARIO).unwrap();
+    let out = dir.join(out);
+    let run = std::process::Command::new(syncopate_bin())
+        .args(["ab", "--simulate", "--repeat", "4", "--policies", "bsp,ssp:s=2,asp", "--scenario"])
+        .arg(&file)
+        .args(extra)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_slice(&std::fs::read(out.join("comparison.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn ab_repeat_gives_the_same_intervals_and_verdicts_from_the_same_seeds() {
+    let dir = run_dir("sim-ab-repeat");
+    std::fs::create_dir_all(&dir).unwrap();
+    let a = ab_repeat(&dir, "a", &["--baseline", "ssp:s=2"]);
+    let b = ab_repeat(&dir, "b", &["--baseline", "ssp:s=2"]);
+    assert_eq!(a.repeat, 4);
+    assert_eq!(a.baseline.as_deref(), Some("ssp:s=2"));
+    assert_eq!(a.rows.len(), 12, "3 policies x 4 seeds");
+    for s in &a.summaries {
+        assert_eq!(s.seeds, [1, 2, 3, 4], "{}", s.policy);
+    }
+    assert_eq!(serde_json::to_string(&a.summaries).unwrap(), serde_json::to_string(&b.summaries).unwrap());
+    assert_eq!(serde_json::to_string(&a.verdicts).unwrap(), serde_json::to_string(&b.verdicts).unwrap());
+    // The seeds draw different delays: the runs of one policy differ.
+    let bsp: Vec<u64> = a.rows.iter().filter(|r| r.policy == "bsp").map(|r| r.deferred_pulls).collect();
+    assert!(bsp.windows(2).any(|w| w[0] != w[1]), "four seeds, four runs: {bsp:?}");
+    // Each summary is its runs' median, inside its interval.
+    let ssp = a.summaries.iter().find(|s| s.policy == "ssp:s=2").unwrap();
+    let e = ssp.figure("deferred_per_100_iterations").unwrap();
+    let mut runs: Vec<f64> = a
+        .rows
+        .iter()
+        .filter(|r| r.policy == "ssp:s=2")
+        .map(|r| r.deferred_pulls as f64 * 100.0 / r.iterations as f64)
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    assert_eq!(e.median, Some((runs[1] + runs[2]) / 2.0));
+    assert_eq!((e.lo, e.hi, e.n), (Some(runs[0]), Some(runs[3]), 4));
+    // Against SSP(2), BSP defers more and ASP defers nothing: both detectably so, with 4 runs each.
+    let deferrals = |p: &str| {
+        a.verdicts
+            .iter()
+            .find(|v| v.policy == p && v.figure == "deferred_per_100_iterations")
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(deferrals("bsp").outcome, syncopate::lab::report::Outcome::Worse, "{:?}", deferrals("bsp"));
+    assert_eq!(deferrals("asp").outcome, syncopate::lab::report::Outcome::Better, "{:?}", deferrals("asp"));
+    assert!(a.verdicts.iter().all(|v| v.policy != "ssp:s=2"), "the baseline is not judged against itself");
+    let md = std::fs::read_to_string(dir.join("a").join("comparison.md")).unwrap();
+    assert!(md.contains("## Against `ssp:s=2`") && md.contains("## Every run"), "{md}");
+    assert!(
+        dir.join("a").join("bsp").join("seed-3").join("report.json").exists(),
+        "each run keeps its folder"
+    );
+    let waits = std::fs::read_to_string(dir.join("a").join("waits.svg")).unwrap();
+    assert!(waits.contains("<circle"), "every run is a dot on the waits plot");
+}

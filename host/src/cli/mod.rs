@@ -97,6 +97,14 @@ pub struct AbArgs {
     /// With --simulate: decisions only, no gradients or accuracy (for thousands of workers).
     #[arg(long, requires = "simulate")]
     pub no_gradients: bool,
+    /// Runs per policy, with seeds the scenario's, +1, +2, ...; runs interleave across policies.
+    /// With 2 or more, every figure is reported as a median with a confidence interval, and every
+    /// policy gets a verdict against the baseline (6 or more runs give 95% intervals).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
+    /// The policy every other is judged against (default: the first in --policies).
+    #[arg(long)]
+    pub baseline: Option<crate::builtin::PolicySpec>,
 }
 
 fn ab(a: AbArgs) -> anyhow::Result<()> {
@@ -126,17 +134,17 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
     let out = a.out.unwrap_or_else(|| crate::lab::ab::default_out(&scenario));
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
     let opts = crate::lab::ab::AbOptions {
-        exe,
-        scenario,
-        policies: a.policies,
-        out: out.clone(),
         data: a.data,
         simulate: a.simulate,
         gradients: !a.no_gradients,
+        repeat: a.repeat,
+        baseline: a.baseline,
+        ..crate::lab::ab::AbOptions::new(exe, scenario, a.policies, out.clone())
     };
+    opts.baseline_index().map_err(anyhow::Error::msg)?;
     let comparison = crate::lab::ab::run(&opts).context("ab")?;
     println!();
-    print!("{}", crate::lab::ab::table(&comparison.scenario, &comparison.rows));
+    print!("{}", crate::lab::ab::markdown(&comparison));
     for f in &comparison.files {
         println!("wrote:      {}", f.display());
     }

@@ -1,19 +1,27 @@
 //! `syncopate ab`: one scenario under several policies, one run after the other on this machine,
 //! and one comparison report: a table (time to the target accuracy, final and best accuracy,
 //! iterations per second, waiting, deferred pulls, bytes moved, staleness, moved tasks) as
-//! Markdown and JSON, and two pictures with every policy on them (test accuracy against time,
-//! and the share of time workers spent waiting).
+//! Markdown and JSON, and pictures with every policy on them.
 //!
 //! Each run is a real local cluster (processes over QUIC, started by [`crate::lab::local`] from
 //! the scenario and the policy as one [`RunSpec`]) or, with `simulate`, the same `RunSpec` in the
 //! simulator; each in its own folder under the output folder, with its full report and plots.
+//!
+//! With `repeat` above 1, each policy runs that many times with seeds `seed`, `seed + 1`, ...
+//! (the seed draws the initial model, the data order, the injected delays and the policies'
+//! random source), in the interleaved order of [`schedule`]. Every figure ([`FIGURES`]) is then
+//! reported as the median over the runs with a confidence interval, and every policy gets a
+//! verdict against the baseline on each figure ([`crate::lab::stats`] says how both are computed).
+//! A single run proves nothing about a difference: on this project's machines time to target
+//! moves by 30-50% between identical runs.
 
 use std::path::{Path, PathBuf};
 
 use crate::builtin::PolicySpec;
 use crate::lab::local::LocalOptions;
-use crate::lab::report::{AbRow, Comparison, RunReport};
+use crate::lab::report::{AbRow, Comparison, Outcome, PolicySummary, RunReport, Verdict};
 use crate::lab::scenario::{RunSpec, Scenario};
+use crate::lab::stats::{median_ci, rank_sum_test, ALPHA};
 use crate::NodeError;
 
 /// How to run a comparison.
@@ -33,6 +41,160 @@ pub struct AbOptions {
     pub simulate: bool,
     /// With `simulate`: compute real gradients and score the model (false: decisions only).
     pub gradients: bool,
+    /// Runs per policy, seeds `scenario.seed`, `scenario.seed + 1`, ...
+    pub repeat: u32,
+    /// The policy the others are judged against (default: the first).
+    pub baseline: Option<PolicySpec>,
+}
+
+impl AbOptions {
+    /// A comparison of `policies` under `scenario`, one run each, real clusters, into `out`.
+    pub fn new(exe: PathBuf, scenario: Scenario, policies: Vec<PolicySpec>, out: PathBuf) -> Self {
+        AbOptions {
+            exe,
+            scenario,
+            policies,
+            out,
+            data: None,
+            simulate: false,
+            gradients: true,
+            repeat: 1,
+            baseline: None,
+        }
+    }
+
+    /// The baseline's index in `policies`, or why there is none.
+    pub fn baseline_index(&self) -> Result<usize, String> {
+        match &self.baseline {
+            None => Ok(0),
+            Some(b) => self.policies.iter().position(|p| p.to_string() == b.to_string()).ok_or_else(|| {
+                format!("the baseline `{b}` is not among the policies compared ({})", list(&self.policies))
+            }),
+        }
+    }
+}
+
+fn list(policies: &[PolicySpec]) -> String {
+    policies.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// One figure of a comparison: how to read it from a run's row and which way is better.
+#[derive(Clone, Copy, Debug)]
+pub struct Figure {
+    /// Its key in `comparison.json`.
+    pub key: &'static str,
+    /// Its column heading.
+    pub label: &'static str,
+    /// Whether lower values are better (`None`: neither is, e.g. bytes moved).
+    pub lower_is_better: Option<bool>,
+    /// Words for a significantly lower and a significantly higher value.
+    pub words: (&'static str, &'static str),
+    /// Its value in a run (`None`: the run does not have it; infinity: the target not reached).
+    pub get: fn(&AbRow) -> Option<f64>,
+    /// How to print a value.
+    pub unit: Unit,
+}
+
+/// How a figure prints.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Unit {
+    /// Seconds, one decimal.
+    Seconds,
+    /// A 0-1 share as a percentage, one decimal.
+    Percent,
+    /// A plain number with this many decimals.
+    Plain(usize),
+}
+
+/// Every figure `ab` reports, in table order.
+pub const FIGURES: &[Figure] = &[
+    Figure {
+        key: "time_to_target_s",
+        label: "time to target",
+        lower_is_better: Some(true),
+        words: ("sooner", "later"),
+        get: |r| Some(r.time_to_target_s.unwrap_or(f64::INFINITY)),
+        unit: Unit::Seconds,
+    },
+    Figure {
+        key: "best_accuracy",
+        label: "best acc",
+        lower_is_better: Some(false),
+        words: ("less accurate", "more accurate"),
+        get: |r| r.best_accuracy.map(f64::from),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "final_accuracy",
+        label: "final acc",
+        lower_is_better: Some(false),
+        words: ("less accurate", "more accurate"),
+        get: |r| r.final_accuracy.map(f64::from),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "iterations_per_s",
+        label: "it/s per worker",
+        lower_is_better: Some(false),
+        words: ("slower iterations", "faster iterations"),
+        get: |r| Some(r.iterations_per_s),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "wait_share",
+        label: "wait share",
+        lower_is_better: Some(true),
+        words: ("less waiting", "more waiting"),
+        get: |r| Some(r.wait_share),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "deferred_per_100_iterations",
+        label: "deferred pulls per 100 it",
+        lower_is_better: Some(true),
+        words: ("fewer deferrals", "more deferrals"),
+        get: |r| Some(r.deferred_pulls as f64 * 100.0 / r.iterations.max(1) as f64),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "mb_moved",
+        label: "MB moved",
+        lower_is_better: None,
+        words: ("fewer bytes", "more bytes"),
+        get: |r| Some(r.bytes_moved as f64 / 1e6),
+        unit: Unit::Plain(0),
+    },
+    Figure {
+        key: "mean_staleness",
+        label: "mean staleness",
+        lower_is_better: None,
+        words: ("less stale", "more stale"),
+        get: |r| Some(r.mean_staleness),
+        unit: Unit::Plain(2),
+    },
+    Figure {
+        key: "tasks_moved",
+        label: "tasks moved",
+        lower_is_better: None,
+        words: ("fewer moves", "more moves"),
+        get: |r| Some(r.tasks_moved as f64),
+        unit: Unit::Plain(0),
+    },
+];
+
+/// The figures a verdict table shows, when the runs have them.
+const VERDICT_FIGURES: &[&str] =
+    &["time_to_target_s", "best_accuracy", "iterations_per_s", "wait_share", "deferred_per_100_iterations"];
+
+impl Unit {
+    fn show(self, v: Option<f64>) -> String {
+        match (self, v) {
+            (_, None) => "not reached".into(),
+            (Unit::Seconds, Some(v)) => format!("{v:.1} s"),
+            (Unit::Percent, Some(v)) => format!("{:.1}%", v * 100.0),
+            (Unit::Plain(d), Some(v)) => format!("{v:.d$}"),
+        }
+    }
 }
 
 /// Parses a `--policies` list: specs separated by commas, where a `k=v` item without a colon
@@ -59,9 +221,22 @@ fn slug(spec: &PolicySpec) -> String {
     spec.to_string().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
 }
 
-/// Runs the scenario under every policy and writes the comparison into `opts.out`.
+/// The order of a comparison's runs: repeat by repeat, every policy once per repeat, each
+/// repeat starting one policy later than the one before, so drift on the machine (other load,
+/// thermal state) falls on every policy alike and no policy always runs first.
+/// Returns `(policy index, repeat index)` pairs.
+pub fn schedule(policies: usize, repeat: u32) -> Vec<(usize, u32)> {
+    (0..repeat).flat_map(|r| (0..policies).map(move |j| ((j + r as usize) % policies, r))).collect()
+}
+
+/// Runs the scenario under every policy, `opts.repeat` times each, and writes the comparison
+/// into `opts.out`.
 pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
     let io = |what: String| move |source| NodeError::Io { what, source };
+    let baseline = opts.baseline_index().map_err(NodeError::Protocol)?;
+    if opts.repeat == 0 {
+        return Err(NodeError::Protocol("--repeat must be at least 1".into()));
+    }
     std::fs::create_dir_all(&opts.out).map_err(io(format!("cannot create {}", opts.out.display())))?;
     // Real runs drive their clusters from this runtime; simulated ones need none.
     let rt = match opts.simulate {
@@ -73,56 +248,138 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
                 .map_err(io("cannot start the async runtime".into()))?,
         ),
     };
-    let mut rows = Vec::new();
-    let mut reports = Vec::new();
-    let total = opts.policies.len();
-    for (i, spec) in opts.policies.iter().enumerate() {
-        let dir = opts.out.join(slug(spec));
+    let order = schedule(opts.policies.len(), opts.repeat);
+    let total = order.len();
+    let mut runs: Vec<(usize, AbRow, RunReport)> = Vec::with_capacity(total);
+    for (n, &(i, r)) in order.iter().enumerate() {
+        let spec = &opts.policies[i];
+        let seed = opts.scenario.seed.wrapping_add(u64::from(r));
+        let dir = match opts.repeat {
+            1 => opts.out.join(slug(spec)),
+            _ => opts.out.join(slug(spec)).join(format!("seed-{seed}")),
+        };
         let _ = std::fs::remove_dir_all(&dir);
-        println!("[{}/{total}] {} — scenario `{}`", i + 1, spec, opts.scenario.name);
-        let run = RunSpec::new(opts.scenario.clone(), spec.clone());
-        if opts.simulate {
-            let report = simulated(opts, run, &dir)?;
-            rows.push(AbRow::from_report(spec.to_string(), &report, dir));
-            reports.push(report);
-            continue;
-        }
-        let mut local = LocalOptions::new(opts.exe.clone(), dir.clone(), run);
-        if let Some(data) = &opts.data {
-            local.data = data.clone();
-        }
-        let rt = rt.as_ref().expect("built for real runs");
-        let report = rt.block_on(crate::lab::local::run(local)).map_err(|e| {
-            NodeError::Protocol(format!(
-                "the run under {spec} failed: {e}; its logs are in {}",
-                dir.join("logs").display()
-            ))
-        })?;
-        if !report.failed_workers.is_empty() {
-            return Err(NodeError::Protocol(format!(
-                "under {spec}, {} of {} workers did not finish; their logs are in {}",
-                report.failed_workers.len(),
-                opts.scenario.workers,
-                dir.join("logs").display()
-            )));
-        }
-        rows.push(AbRow::from_report(spec.to_string(), &report, dir));
-        reports.push(report);
+        println!("[{}/{total}] {} — scenario `{}`, seed {seed}", n + 1, spec, opts.scenario.name);
+        let mut scenario = opts.scenario.clone();
+        scenario.seed = seed;
+        let run = RunSpec::new(scenario, spec.clone());
+        let report = match opts.simulate {
+            true => simulated(opts, run, &dir)?,
+            false => real(opts, run, &dir, rt.as_ref().expect("built for real runs"))?,
+        };
+        let row = AbRow { seed, ..AbRow::from_report(spec.to_string(), &report, dir) };
+        runs.push((i, row, report));
     }
-    let mut files = Vec::new();
+    // Rows by policy, then seed: the order a reader looks for them.
+    runs.sort_by_key(|(i, row, _)| (*i, row.seed));
+    let (summaries, verdicts) = summarize(opts, baseline, &runs);
+    let rows: Vec<AbRow> = runs.iter().map(|(_, row, _)| row.clone()).collect();
+    let reports: Vec<RunReport> = runs.into_iter().map(|(_, _, report)| report).collect();
+    let mut comparison = Comparison {
+        scenario: opts.scenario.clone(),
+        rows,
+        repeat: opts.repeat,
+        baseline: Some(opts.policies[baseline].to_string()),
+        summaries,
+        verdicts,
+        files: Vec::new(),
+    };
     let md = opts.out.join("comparison.md");
-    std::fs::write(&md, table(&opts.scenario, &rows))
-        .map_err(io(format!("cannot write {}", md.display())))?;
-    files.push(md);
-    match crate::lab::plots::comparison(&rows, &reports, &opts.scenario, &opts.out) {
-        Ok(mut plots) => files.append(&mut plots),
+    std::fs::write(&md, markdown(&comparison)).map_err(io(format!("cannot write {}", md.display())))?;
+    comparison.files.push(md);
+    match crate::lab::plots::comparison(&comparison, &reports, &opts.out) {
+        Ok(mut plots) => comparison.files.append(&mut plots),
         Err(e) => tracing::warn!("comparison plots not written: {e}"),
     }
-    let comparison = Comparison { scenario: opts.scenario.clone(), rows, files };
     let json = opts.out.join("comparison.json");
     std::fs::write(&json, serde_json::to_vec_pretty(&comparison).expect("serializes"))
         .map_err(io(format!("cannot write {}", json.display())))?;
     Ok(comparison)
+}
+
+/// One policy on a real local cluster; fails when any worker did not finish.
+fn real(
+    opts: &AbOptions,
+    run: RunSpec,
+    dir: &Path,
+    rt: &tokio::runtime::Runtime,
+) -> Result<RunReport, NodeError> {
+    let spec = run.policy.clone();
+    let mut local = LocalOptions::new(opts.exe.clone(), dir.to_path_buf(), run);
+    if let Some(data) = &opts.data {
+        local.data = data.clone();
+    }
+    let report = rt.block_on(crate::lab::local::run(local)).map_err(|e| {
+        NodeError::Protocol(format!(
+            "the run under {spec} failed: {e}; its logs are in {}",
+            dir.join("logs").display()
+        ))
+    })?;
+    if !report.failed_workers.is_empty() {
+        return Err(NodeError::Protocol(format!(
+            "under {spec}, {} of {} workers did not finish; their logs are in {}",
+            report.failed_workers.len(),
+            opts.scenario.workers,
+            dir.join("logs").display()
+        )));
+    }
+    Ok(report)
+}
+
+/// The figures of the runs `runs` (policy index, row, report), per policy, and every policy
+/// against the baseline.
+fn summarize(
+    opts: &AbOptions,
+    baseline: usize,
+    runs: &[(usize, AbRow, RunReport)],
+) -> (Vec<PolicySummary>, Vec<Verdict>) {
+    let samples = |i: usize, f: &Figure| -> Option<Vec<f64>> {
+        runs.iter().filter(|(p, _, _)| *p == i).map(|(_, row, _)| (f.get)(row)).collect()
+    };
+    let has = |f: &Figure| f.key != "time_to_target_s" || opts.scenario.target_accuracy.is_some();
+    let mut summaries = Vec::new();
+    for (i, spec) in opts.policies.iter().enumerate() {
+        let seeds = runs.iter().filter(|(p, _, _)| *p == i).map(|(_, row, _)| row.seed).collect();
+        let figures = FIGURES
+            .iter()
+            .filter(|f| has(f))
+            .filter_map(|f| samples(i, f).map(|xs| (f.key.to_string(), median_ci(&xs))))
+            .collect();
+        summaries.push(PolicySummary { policy: spec.to_string(), seeds, figures });
+    }
+    let mut verdicts = Vec::new();
+    let base_name = opts.policies[baseline].to_string();
+    for (i, spec) in opts.policies.iter().enumerate().filter(|(i, _)| *i != baseline) {
+        for f in FIGURES.iter().filter(|f| has(f)) {
+            let (Some(a), Some(b)) = (samples(i, f), samples(baseline, f)) else { continue };
+            verdicts.push(verdict(spec.to_string(), base_name.clone(), f, &a, &b));
+        }
+    }
+    (summaries, verdicts)
+}
+
+/// Policy runs `a` against baseline runs `b` on figure `f`.
+pub fn verdict(policy: String, baseline: String, f: &Figure, a: &[f64], b: &[f64]) -> Verdict {
+    let test = rank_sum_test(a, b);
+    let (ma, mb) = (median_ci(a).median, median_ci(b).median);
+    let ratio = match (ma, mb) {
+        (Some(x), Some(y)) if y != 0.0 => Some(x / y),
+        _ => None,
+    };
+    let significant = test.p < ALPHA;
+    let outcome = match (significant, f.lower_is_better) {
+        (false, _) => Outcome::Same,
+        (true, None) => Outcome::Same,
+        (true, Some(lower_better)) if test.first_lower == lower_better => Outcome::Better,
+        (true, Some(_)) => Outcome::Worse,
+    };
+    let word = if test.first_lower { f.words.0 } else { f.words.1 };
+    let text = match (significant, test.min_p >= ALPHA) {
+        (true, _) => format!("{word} (p = {:.3})", test.p),
+        (false, true) => format!("too few runs to tell (p ≥ {:.3} at best)", test.min_p),
+        (false, false) => format!("no detectable difference (p = {:.2})", test.p),
+    };
+    Verdict { policy, baseline, figure: f.key.to_string(), ratio, test, outcome, text }
 }
 
 /// One policy in the simulator; writes its report and plots into `dir` as a real run would.
@@ -151,19 +408,102 @@ fn simulated(opts: &AbOptions, run: RunSpec, dir: &Path) -> Result<RunReport, No
     Ok(report)
 }
 
-/// The comparison as a Markdown table, with the scenario above it.
-pub fn table(scenario: &Scenario, rows: &[AbRow]) -> String {
-    let mut t = format!("# Scenario `{}`\n\n{}\n\n", scenario.name, scenario.description);
+/// The comparison in Markdown: the scenario, then with one run per policy a row per policy;
+/// with `--repeat`, the medians with their intervals, the verdicts against the baseline, and
+/// every run's row.
+pub fn markdown(c: &Comparison) -> String {
+    let scenario = &c.scenario;
+    let mut t = format!("# Scenario `{}`\n\n", scenario.name);
+    if !scenario.description.is_empty() {
+        t.push_str(&format!("{}\n\n", scenario.description));
+    }
     let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
+    let label = |f: &Figure| match f.key {
+        "time_to_target_s" => format!("time to {target}"),
+        _ => f.label.to_string(),
+    };
+    if c.repeat <= 1 {
+        t.push_str(&table(scenario, &c.rows, false));
+        return t;
+    }
+    let confidence =
+        c.summaries.iter().flat_map(|s| s.figures.iter().map(|(_, e)| e.confidence)).fold(1.0, f64::min);
     t.push_str(&format!(
-        "| policy | time to {target} | final acc | best acc | it/s per worker | wait (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n"
+        "{} runs per policy (seeds {}), interleaved. Each cell is the median over the runs with its \
+         distribution-free confidence interval [lo, hi] (coverage at least {:.1}%; 95% needs 6 or more \
+         runs). Verdicts: two-sided exact Wilcoxon-Mann-Whitney rank-sum test at p < {ALPHA} against the \
+         baseline, `{}`.\n\n",
+        c.repeat,
+        c.summaries.first().map_or(String::new(), |s| {
+            s.seeds.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        }),
+        confidence * 100.0,
+        c.baseline.as_deref().unwrap_or("-"),
     ));
-    t.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    let shown: Vec<&Figure> =
+        FIGURES.iter().filter(|f| c.summaries.iter().any(|s| s.figure(f.key).is_some())).collect();
+    t.push_str("| policy |");
+    for f in &shown {
+        t.push_str(&format!(" {} |", label(f)));
+    }
+    t.push_str("\n|---|");
+    t.push_str(&"---|".repeat(shown.len()));
+    t.push('\n');
+    for s in &c.summaries {
+        t.push_str(&format!("| {} |", s.policy));
+        for f in &shown {
+            let cell = s.figure(f.key).map_or("-".into(), |e| {
+                format!("{} [{}, {}]", f.unit.show(e.median), f.unit.show(e.lo), f.unit.show(e.hi))
+            });
+            t.push_str(&format!(" {cell} |"));
+        }
+        t.push('\n');
+    }
+    let judged: Vec<&Figure> = shown.iter().copied().filter(|f| VERDICT_FIGURES.contains(&f.key)).collect();
+    if let Some(base) = &c.baseline {
+        t.push_str(&format!("\n## Against `{base}`\n\nRatio of medians, then the verdict.\n\n| policy |"));
+        for f in &judged {
+            t.push_str(&format!(" {} |", label(f)));
+        }
+        t.push_str("\n|---|");
+        t.push_str(&"---|".repeat(judged.len()));
+        t.push('\n');
+        for s in c.summaries.iter().filter(|s| &s.policy != base) {
+            t.push_str(&format!("| {} |", s.policy));
+            for f in &judged {
+                let v = c.verdicts.iter().find(|v| v.policy == s.policy && v.figure == f.key);
+                let cell = v.map_or("-".into(), |v| {
+                    let ratio = v.ratio.map_or("-".into(), |r| format!("{r:.2}x"));
+                    match v.outcome {
+                        Outcome::Same => format!("{ratio}, {}", v.text),
+                        _ => format!("{ratio}, **{}**", v.text),
+                    }
+                });
+                t.push_str(&format!(" {cell} |"));
+            }
+            t.push('\n');
+        }
+    }
+    t.push_str("\n## Every run\n\n");
+    t.push_str(&table(scenario, &c.rows, true));
+    t
+}
+
+/// The runs' rows as a Markdown table (with a seed column when `seeds`).
+pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
+    let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
+    let mut t = format!(
+        "| policy |{} time to {target} | final acc | best acc | it/s per worker | wait (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n",
+        if seeds { " seed |" } else { "" }
+    );
+    t.push_str(if seeds { "|---|---|" } else { "|---|" });
+    t.push_str("---|---|---|---|---|---|---|---|---|\n");
     let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
     for r in rows {
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
+            "| {} |{} {} | {} | {} | {:.1} | {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
             r.policy,
+            if seeds { format!(" {} |", r.seed) } else { String::new() },
             match (scenario.target_accuracy, r.time_to_target_s) {
                 (None, _) => "-".into(),
                 (Some(_), None) => "not reached".into(),
@@ -195,6 +535,49 @@ pub fn default_out(scenario: &Scenario) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_interleave_and_each_repeat_starts_one_policy_later() {
+        assert_eq!(schedule(3, 2), [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (0, 1)]);
+        let order = schedule(4, 5);
+        for p in 0..4 {
+            assert_eq!(order.iter().filter(|(q, _)| *q == p).count(), 5, "every policy runs 5 times");
+        }
+        let firsts: Vec<usize> = order.chunks(4).map(|c| c[0].0).collect();
+        assert_eq!(firsts, [0, 1, 2, 3, 0], "no policy always goes first");
+    }
+
+    #[test]
+    fn verdicts_say_which_way_and_whether_the_runs_can_tell() {
+        let time = FIGURES.iter().find(|f| f.key == "time_to_target_s").unwrap();
+        let v = verdict(
+            "epsp".into(),
+            "bsp".into(),
+            time,
+            &[4.0, 5.0, 4.0, 6.0, 5.0],
+            &[9.0, 12.0, 8.0, 10.0, 11.0],
+        );
+        assert_eq!(v.outcome, Outcome::Better);
+        assert!(v.text.starts_with("sooner (p = 0.008"), "{}", v.text);
+        assert!((v.ratio.unwrap() - 0.5).abs() < 1e-12);
+        let acc = FIGURES.iter().find(|f| f.key == "best_accuracy").unwrap();
+        let v = verdict(
+            "asp".into(),
+            "bsp".into(),
+            acc,
+            &[0.70, 0.71, 0.72, 0.69, 0.70],
+            &[0.8, 0.81, 0.79, 0.8, 0.82],
+        );
+        assert_eq!(v.outcome, Outcome::Worse, "lower accuracy is worse: {}", v.text);
+        let v = verdict("a".into(), "b".into(), time, &[5.0, 7.0, 6.0, 9.0], &[6.0, 8.0, 5.5, 7.5]);
+        assert_eq!(v.outcome, Outcome::Same);
+        assert!(v.text.starts_with("no detectable difference"), "{}", v.text);
+        let v = verdict("a".into(), "b".into(), time, &[1.0, 2.0], &[8.0, 9.0]);
+        assert!(v.text.contains("too few runs"), "2 against 2 can never be significant: {}", v.text);
+        // A policy that never reaches the target is later than one that does.
+        let v = verdict("a".into(), "b".into(), time, &[f64::INFINITY; 5], &[3.0, 4.0, 5.0, 6.0, 7.0]);
+        assert_eq!((v.outcome, v.ratio), (Outcome::Worse, None));
+    }
 
     #[test]
     fn policy_lists_keep_each_policys_configuration() {

@@ -8,9 +8,10 @@
 //! - [`report`]: what a run (real or simulated) reports, and the watcher's readings and stop
 //!   rules, shared by both;
 //! - [`ab`]: one scenario under several policies, compared;
-//! - [`plots`]: the SVG plots of a run and of a comparison.
+//! - [`plots`]: the SVG plots of a run and of a comparison;
+//! - [`stats`]: medians, confidence intervals and rank tests for repeated comparisons.
 //!
-//! Dependencies run one way: `report` depends on no other lab module; `plots` on `report`;
+//! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on `report`;
 //! `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of them.
 
 pub mod ab;
@@ -19,3 +20,4 @@ pub mod plots;
 pub mod report;
 pub mod scenario;
 pub mod sim;
+pub mod stats;

@@ -6,11 +6,10 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::lab::report::{AbRow, RunReport};
+use crate::lab::report::{Comparison, RunReport};
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Writes every plot the report has data for into `dir`; returns their paths.
 /// The run's policy, as plots name it.
 fn label(report: &RunReport) -> String {
     if report.simulated {
@@ -20,6 +19,7 @@ fn label(report: &RunReport) -> String {
     }
 }
 
+/// Writes every plot the report has data for into `dir`; returns their paths.
 pub fn write_all(report: &RunReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
     let mut files = Vec::new();
     if report.watch.iter().any(|p| p.accuracy.is_some()) {
@@ -262,37 +262,52 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(127, 127, 127),
 ];
 
-/// The pictures of a `syncopate ab` comparison: every policy's test accuracy against time on one
-/// chart, and bars of the share of time workers spent waiting.
-pub fn comparison(
-    rows: &[AbRow],
-    reports: &[RunReport],
-    scenario: &crate::lab::scenario::Scenario,
-    dir: &Path,
-) -> PlotResult<Vec<PathBuf>> {
+/// The pictures of a `syncopate ab` comparison (`reports` in the order of `c.rows`):
+/// - `accuracy.svg`: each policy's test accuracy against time; with repeated runs the median
+///   over its runs as a line and the band from the lowest to the highest run;
+/// - `waits.svg`: the share of time workers spent waiting for pulls;
+/// - `time-to-target.svg` (scenarios with a target): each run's time to the target.
+///
+/// The last two draw every run as a dot, the median as a bar and, with repeated runs, the
+/// median's confidence interval as a whisker.
+pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResult<Vec<PathBuf>> {
     let mut files = Vec::new();
+    let policies: Vec<&str> = c.summaries.iter().map(|s| s.policy.as_str()).collect();
+    let runs_of = |p: &str| -> Vec<usize> { (0..c.rows.len()).filter(|i| c.rows[*i].policy == p).collect() };
     if reports.iter().any(|r| r.watch.iter().any(|p| p.accuracy.is_some())) {
         let path = dir.join("accuracy.svg");
         let t_max = reports.iter().flat_map(|r| r.watch.iter().map(|p| p.t_s)).fold(1.0, f64::max);
         let root = SVGBackend::new(&path, (1000, 560)).into_drawing_area();
         root.fill(&WHITE)?;
+        let caption = match c.repeat {
+            1 => format!("Test accuracy — scenario `{}`", c.scenario.name),
+            n => {
+                format!("Test accuracy, median of {n} runs and their range — scenario `{}`", c.scenario.name)
+            }
+        };
         let mut chart = ChartBuilder::on(&root)
-            .caption(format!("Test accuracy — scenario `{}`", scenario.name), ("sans-serif", 22))
+            .caption(caption, ("sans-serif", 22))
             .margin(15)
             .x_label_area_size(45)
             .y_label_area_size(70)
             .build_cartesian_2d(0.0..t_max * 1.02, 0.0..100.0)?;
         chart.configure_mesh().x_desc(TIME_AXIS).y_desc("test accuracy (%)").draw()?;
-        for (i, (row, r)) in rows.iter().zip(reports).enumerate() {
-            let color = PALETTE[i % PALETTE.len()];
-            let pts: Vec<(f64, f64)> =
-                r.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
+        let step = (c.scenario.eval_every_ms as f64 / 1000.0).max(0.05);
+        for (k, p) in policies.iter().enumerate() {
+            let color = PALETTE[k % PALETTE.len()];
+            let runs: Vec<&RunReport> = runs_of(p).into_iter().map(|i| &reports[i]).collect();
+            let (line, band) = accuracy_band(&runs, step);
+            if runs.len() > 1 && band.len() > 1 {
+                let mut poly: Vec<(f64, f64)> = band.iter().map(|(t, lo, _)| (*t, *lo)).collect();
+                poly.extend(band.iter().rev().map(|(t, _, hi)| (*t, *hi)));
+                chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.18).filled())))?;
+            }
             chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-                .label(row.policy.clone())
+                .draw_series(LineSeries::new(line, color.stroke_width(2)))?
+                .label(p.to_string())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         }
-        if let Some(t) = scenario.target_accuracy {
+        if let Some(t) = c.scenario.target_accuracy {
             let y = f64::from(t) * 100.0;
             chart
                 .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
@@ -311,37 +326,123 @@ pub fn comparison(
         files.push(path);
     }
     let path = dir.join("waits.svg");
-    let n = rows.len() as u32;
-    let root = SVGBackend::new(&path, (1000, 560)).into_drawing_area();
+    let title = format!("Time workers spent waiting for pulls — scenario `{}`", c.scenario.name);
+    dots(c, &path, &title, "share of the run spent waiting, mean over workers (%)", "wait_share", 100.0)?;
+    files.push(path);
+    if c.scenario.target_accuracy.is_some() {
+        let path = dir.join("time-to-target.svg");
+        let missed = c.rows.iter().filter(|r| r.time_to_target_s.is_none()).count();
+        let title = match missed {
+            0 => format!("Time to the target accuracy — scenario `{}`", c.scenario.name),
+            n => format!(
+                "Time to the target accuracy ({n} runs did not reach it) — scenario `{}`",
+                c.scenario.name
+            ),
+        };
+        dots(
+            c,
+            &path,
+            &title,
+            "seconds until test accuracy first reached the target",
+            "time_to_target_s",
+            1.0,
+        )?;
+        files.push(path);
+    }
+    Ok(files)
+}
+
+/// `(t, lowest, highest)` of a band around a line.
+type Band = (f64, f64, f64);
+
+/// The median accuracy of `runs` on a grid of `step` seconds, and the `(t, lowest, highest)`
+/// band; each run holds its last reading after it ended.
+fn accuracy_band(runs: &[&RunReport], step: f64) -> (Vec<(f64, f64)>, Vec<Band>) {
+    let readings: Vec<Vec<(f64, f64)>> = runs
+        .iter()
+        .map(|r| r.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect())
+        .collect();
+    if runs.len() == 1 {
+        return (readings.into_iter().next().unwrap_or_default(), Vec::new());
+    }
+    let end = readings.iter().filter_map(|r| r.last().map(|p| p.0)).fold(0.0, f64::max);
+    let (mut line, mut band) = (Vec::new(), Vec::new());
+    let mut t = step;
+    while t <= end + step / 2.0 {
+        let mut at: Vec<f64> = readings
+            .iter()
+            .filter_map(|r| r.iter().take_while(|p| p.0 <= t + 1e-9).last().map(|p| p.1))
+            .collect();
+        if at.len() == runs.len() {
+            at.sort_by(f64::total_cmp);
+            let n = at.len();
+            let median = if n % 2 == 1 { at[n / 2] } else { (at[n / 2 - 1] + at[n / 2]) / 2.0 };
+            line.push((t, median));
+            band.push((t, at[0], at[n - 1]));
+        }
+        t += step;
+    }
+    (line, band)
+}
+
+/// A dot plot of figure `key` (times `scale`): every run a dot, each policy's median a bar and
+/// its confidence interval a whisker.
+fn dots(c: &Comparison, path: &Path, title: &str, y_desc: &str, key: &str, scale: f64) -> PlotResult<()> {
+    let figure = crate::lab::ab::FIGURES.iter().find(|f| f.key == key).expect("a known figure");
+    let values: Vec<(usize, f64)> = c
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let k = c.summaries.iter().position(|s| s.policy == r.policy)?;
+            (figure.get)(r).filter(|v| v.is_finite()).map(|v| (k, v * scale))
+        })
+        .collect();
+    let y_max = values.iter().map(|v| v.1).fold(0.0, f64::max).max(1e-9) * 1.1;
+    let n = c.summaries.len() as u32;
+    let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("Time workers spent waiting for pulls — scenario `{}`", scenario.name),
-            ("sans-serif", 22),
-        )
+        .caption(title, ("sans-serif", 22))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d((0u32..n.saturating_sub(1)).into_segmented(), 0.0..100.0)?;
+        .build_cartesian_2d((0u32..n.saturating_sub(1)).into_segmented(), 0.0..y_max)?;
     chart
         .configure_mesh()
         .x_desc("policy")
-        .y_desc("share of the run spent waiting, mean over workers (%)")
+        .y_desc(y_desc)
         .x_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) => rows.get(*i as usize).map(|r| r.policy.clone()).unwrap_or_default(),
+            SegmentValue::CenterOf(i) => {
+                c.summaries.get(*i as usize).map(|s| s.policy.clone()).unwrap_or_default()
+            }
             _ => String::new(),
         })
         .draw()?;
-    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
-        let i = i as u32;
-        Rectangle::new(
-            [(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), r.wait_share * 100.0)],
-            PALETTE[i as usize % PALETTE.len()].mix(0.7).filled(),
-        )
-    }))?;
+    for (k, s) in c.summaries.iter().enumerate() {
+        let Some(e) = s.figure(key) else { continue };
+        let i = k as u32;
+        let color = PALETTE[k % PALETTE.len()];
+        if let Some(m) = e.median {
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), m * scale)],
+                color.mix(0.35).filled(),
+            )))?;
+        }
+        if e.n > 1 {
+            let lo = e.lo.map_or(0.0, |v| v * scale);
+            let hi = e.hi.map_or(y_max, |v| v * scale);
+            chart.draw_series(std::iter::once(PathElement::new(
+                vec![(SegmentValue::CenterOf(i), lo), (SegmentValue::CenterOf(i), hi)],
+                BLACK.stroke_width(2),
+            )))?;
+        }
+        chart.draw_series(
+            values
+                .iter()
+                .filter(|(p, _)| *p == k)
+                .map(|(_, v)| Circle::new((SegmentValue::CenterOf(i), *v), 4, color.filled())),
+        )?;
+    }
     root.present()?;
-    drop(chart);
-    drop(root);
-    files.push(path);
-    Ok(files)
+    Ok(())
 }

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::lab::scenario::Scenario;
+use crate::lab::stats::{Estimate, RankTest};
 use crate::net::proto::{ServerStatus, ShardStatus, WorkerStatus};
 use crate::shard::STALENESS_BUCKETS;
 use crate::worker::WorkerReport;
@@ -236,11 +237,14 @@ impl StopRules {
     }
 }
 
-/// One policy's row of the comparison.
+/// One run's row of the comparison.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AbRow {
     /// The policy, as given.
     pub policy: String,
+    /// The seed the run used (the scenario's seed plus the repeat's index).
+    #[serde(default)]
+    pub seed: u64,
     /// Wall-clock seconds of the run.
     pub elapsed_s: f64,
     /// Seconds until test accuracy first reached the target.
@@ -273,12 +277,77 @@ pub struct AbRow {
 /// What `comparison.json` holds.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Comparison {
-    /// The scenario as run.
+    /// The scenario as run (its seed is the first run's).
     pub scenario: Scenario,
-    /// One row per policy, in the order run.
+    /// One row per run, in the order run.
     pub rows: Vec<AbRow>,
+    /// Runs per policy.
+    #[serde(default = "one")]
+    pub repeat: u32,
+    /// The policy every other is judged against.
+    #[serde(default)]
+    pub baseline: Option<String>,
+    /// Per policy, the median and confidence interval of every figure over its runs.
+    #[serde(default)]
+    pub summaries: Vec<PolicySummary>,
+    /// Every other policy against the baseline, figure by figure.
+    #[serde(default)]
+    pub verdicts: Vec<Verdict>,
     /// The written files.
     pub files: Vec<PathBuf>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// One policy's figures over its runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicySummary {
+    /// The policy, as given.
+    pub policy: String,
+    /// Its runs' seeds.
+    pub seeds: Vec<u64>,
+    /// `(figure, estimate)` for every figure the runs have ([`crate::lab::ab::FIGURES`] keys).
+    pub figures: Vec<(String, Estimate)>,
+}
+
+impl PolicySummary {
+    /// The estimate of figure `key`, if the runs have it.
+    pub fn figure(&self, key: &str) -> Option<&Estimate> {
+        self.figures.iter().find(|(k, _)| k == key).map(|(_, e)| e)
+    }
+}
+
+/// One policy against the baseline on one figure.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The policy judged.
+    pub policy: String,
+    /// The baseline.
+    pub baseline: String,
+    /// The figure ([`crate::lab::ab::FIGURES`] key).
+    pub figure: String,
+    /// The policy's median over the baseline's (`None` where either is infinite or zero).
+    pub ratio: Option<f64>,
+    /// The rank test of the policy's runs against the baseline's.
+    pub test: RankTest,
+    /// `better`, `worse` or `same` (no detectable difference at [`crate::lab::stats::ALPHA`]).
+    pub outcome: Outcome,
+    /// The outcome in words, with the p-value: `sooner (p = 0.008)`.
+    pub text: String,
+}
+
+/// What a verdict found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Significantly better than the baseline.
+    Better,
+    /// Significantly worse.
+    Worse,
+    /// No detectable difference.
+    Same,
 }
 
 impl AbRow {
@@ -290,6 +359,7 @@ impl AbRow {
         let stale_sum: u64 = r.staleness.iter().enumerate().map(|(i, c)| i as u64 * c).sum();
         AbRow {
             policy,
+            seed: 0,
             elapsed_s: r.elapsed_s,
             time_to_target_s: r.time_to_target_s,
             final_accuracy: r.final_accuracy,
