@@ -97,20 +97,29 @@ fn dssp_with_equal_bounds_decides_exactly_as_ssp() {
     }
 }
 
+/// Capped, the gap never exceeds `s_hi`; in the paper's mode (Algorithm 1) credits are granted
+/// again once spent, so a 6x faster worker gets further ahead than `s_hi`.
 #[test]
-fn dssp_extends_the_fast_worker_but_never_beyond_s_hi() {
-    let mut extended = 0;
+fn dssp_extends_the_fast_worker_capped_never_beyond_s_hi_and_uncapped_in_the_papers_mode() {
+    let (mut extended, mut paper_max) = (0, 0);
     for seed in 0..6 {
-        let mut c = Cluster::new(&builtin_module("dssp"), &[("s_lo", "1"), ("s_hi", "5")], N, 40, seed)
-            .with_speeds(&[6, 1, 1, 1]);
+        let cfg = |mode| [("s_lo", "1"), ("s_hi", "5"), ("mode", mode)];
+        let mut c =
+            Cluster::new(&builtin_module("dssp"), &cfg("capped"), N, 40, seed).with_speeds(&[6, 1, 1, 1]);
         c.run_to_end();
         for p in &c.rec.served {
             assert!(p.clock <= p.min_applied + 5, "seed {seed}: served at gap {}", p.clock - p.min_applied);
             extended += usize::from(p.clock > p.min_applied + 1);
         }
         assert_every_push_counted_once(&c);
+        let mut c =
+            Cluster::new(&builtin_module("dssp"), &cfg("paper"), N, 40, seed).with_speeds(&[6, 1, 1, 1]);
+        c.run_to_end();
+        paper_max = c.rec.served.iter().map(|p| p.clock - p.min_applied).max().unwrap_or(0).max(paper_max);
+        assert_every_push_counted_once(&c);
     }
     assert!(extended > 0, "the controller never granted an extension beyond s_lo");
+    assert!(paper_max > 5, "the paper's mode has no cap at s_hi, yet the gap stayed at {paper_max}");
 }
 
 #[test]
