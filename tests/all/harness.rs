@@ -333,6 +333,11 @@ impl Cluster {
                 return;
             }
         }
+        // Everyone is blocked: a policy timer may be what they wait for. Jump to it.
+        if let Some(due) = self.shard.next_timer_ns().filter(|_| !self.done()) {
+            self.now = self.now.max(due);
+            return;
+        }
         if !self.done() {
             let waits: Vec<Wait> = self.workers.iter().map(|w| w.wait).collect();
             panic!(

@@ -193,7 +193,9 @@ fn fluentps_at_p_one_is_ssp_in_the_authors_terms_and_its_sigmoid_defers_less_at_
 
 #[test]
 fn r2sp_admits_syncs_in_rotation_with_staleness_n_minus_1() {
-    let mut c = Cluster::new(&builtin_module("r2sp"), &[], N, 12, 9);
+    // The rotation alone: no warm-up, no pacing.
+    const ROTATION: &[(&str, &str)] = &[("warmup", "0"), ("pace", "0")];
+    let mut c = Cluster::new(&builtin_module("r2sp"), ROTATION, N, 12, 9);
     // Homogeneous: everyone pulls at the start; then, as identical machines would, each worker
     // in turn finishes computing and syncs (push, then pull) while the others compute.
     for w in 0..N as usize {
@@ -215,17 +217,47 @@ fn r2sp_admits_syncs_in_rotation_with_staleness_n_minus_1() {
     assert_every_push_counted_once(&c);
 
     // Random interleavings keep the rotation, and no gradient is ever more than N-1 stale.
-    let mut c = Cluster::new(&builtin_module("r2sp"), &[], N, 15, 4).with_speeds(&[1, 3, 1, 2]);
+    let mut c = Cluster::new(&builtin_module("r2sp"), ROTATION, N, 15, 4).with_speeds(&[1, 3, 1, 2]);
     c.run_to_end();
     let order: Vec<u32> = c.rec.acked.iter().map(|a| a.1).collect();
     assert_eq!(order, (0..order.len() as u32).map(|i| i % N).collect::<Vec<_>>());
     assert!(c.shard.stats().staleness[N as usize..].iter().all(|n| *n == 0));
 }
 
+/// The authors' code: nothing gated until worker 0 has pushed more than 10 times; from its 11th
+/// push on, the rotation, starting with worker 0, paced but never reordered. Workers leave after
+/// their last iteration, as real ones do (the ungated warm-up lets the fast ones finish first).
+#[test]
+fn r2sp_warms_up_ungated_then_rotates_from_worker_0() {
+    let mut c = Cluster::leaving(&builtin_module("r2sp"), &[], N, 30, 6).with_speeds(&[1, 3, 1, 2]);
+    c.run_to_end();
+    let order: Vec<u32> = c.rec.acked.iter().map(|a| a.1).collect();
+    let eleventh = order.iter().enumerate().filter(|(_, w)| **w == 0).nth(10).map(|(i, _)| i).unwrap();
+    assert!(
+        order[..eleventh].windows(2).any(|w| w[1] != (w[0] + 1) % N),
+        "during the warm-up the faster workers run ahead: {:?}",
+        &order[..eleventh]
+    );
+    // After it, strict rotation from worker 0: each admission goes to the next worker, in id
+    // order, of those that have not finished their 30 iterations.
+    let mut done = vec![0u64; N as usize];
+    for &w in &order[..eleventh] {
+        done[w as usize] += 1;
+    }
+    assert_eq!(order[eleventh], 0, "the rotation starts with worker 0");
+    for pair in order[eleventh..].windows(2) {
+        done[pair[0] as usize] += 1;
+        let next = (1..=N).map(|k| (pair[0] + k) % N).find(|w| done[*w as usize] < 30).unwrap();
+        assert_eq!(pair[1], next, "after {} ({done:?}): {:?}", pair[0], &order[eleventh..]);
+    }
+    assert_eq!(c.rec.acked.len() as u64, c.pushes);
+    assert_eq!(c.shard.values()[0], -(c.pushes as f32), "every push applied once");
+}
+
 #[test]
 fn r2sp_batch_sizes_converge_to_throughput_shares() {
     let speeds = [4u64, 4, 2, 1];
-    let cfg = [("global_batch", "128"), ("min_batch", "8"), ("retune_ms", "1")];
+    let cfg = [("global_batch", "128"), ("min_batch", "8"), ("retune_ms", "1"), ("warmup", "0")];
     let mut c = Cluster::new(&builtin_module("r2sp"), &cfg, N, 60, 5).with_speeds(&speeds);
     c.run_to_end();
     let total: u64 = speeds.iter().sum();

@@ -334,6 +334,23 @@ mod tests {
     }
 
     #[test]
+    fn every_shipped_scenario_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let s = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                path.file_stem().unwrap().to_str(),
+                Some(s.name.as_str()),
+                "file name = scenario name"
+            );
+            n += 1;
+        }
+        assert!(n >= 9, "{n} scenarios in {}", dir.display());
+    }
+
+    #[test]
     fn mistakes_are_named() {
         let e = parse("name = \"x\"\nworkers = 2\niterations = 5\n[[slow]]\nworker = 2\nfactor = 3.0\n")
             .unwrap_err();
