@@ -358,6 +358,10 @@ pub struct Shard {
     floor: u64,
     next_push: Vec<u64>,
     applied: Vec<u64>,
+    /// The fewest iterations any live worker has applied, and how many live workers are there;
+    /// `None` when it must be counted again (a worker joined or left). Kept so that serving a
+    /// pull does not scan every worker: the minimum moves once per round, not once per push.
+    applied_min: Option<(u64, usize)>,
     /// Per worker: nanoseconds its pulls spent deferred.
     waited: Vec<u64>,
     version: u64,
@@ -440,6 +444,7 @@ impl Shard {
             floor: 0,
             next_push: Vec::new(),
             applied: Vec::new(),
+            applied_min: None,
             waited: Vec::new(),
             version: 0,
             mode: UpdateMode::OnArrival,
@@ -576,6 +581,7 @@ impl Shard {
         }
         self.next_push[i] = clock;
         self.applied[i] = clock;
+        self.applied_min = None;
         self.run(Event::WorkerJoined { worker, clock }, view, now_ns, sink);
         Ok(clock)
     }
@@ -609,6 +615,7 @@ impl Shard {
         self.parked.retain(|p| p.pull.worker != worker);
         let view = self.clocks.view();
         self.clocks.leave(worker);
+        self.applied_min = None;
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
         self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
@@ -1277,7 +1284,7 @@ impl Shard {
         };
         self.stats.pulls_served += 1;
         self.stats.deferred_ns += waited_ns;
-        let min_applied = self.clocks.workers().map(|w| self.applied[w.worker as usize]).min().unwrap_or(0);
+        let min_applied = self.min_applied();
         if let Some(w) = self.waited.get_mut(p.pull.worker as usize) {
             *w += waited_ns;
         }
@@ -1311,9 +1318,7 @@ impl Shard {
                 self.optimizer.step(unshare(&mut self.params, sink), &grad, weight);
                 self.version += 1;
                 self.stats.steps += 1;
-                if let Some(a) = self.applied.get_mut(push.worker as usize) {
-                    *a += 1;
-                }
+                self.bump_applied(push.worker);
             }
             UpdateMode::Aggregate => {
                 let len = self.params.len();
@@ -1360,6 +1365,31 @@ impl Shard {
         }
     }
 
+    /// One more of `worker`'s iterations is in the parameters.
+    fn bump_applied(&mut self, worker: WorkerId) {
+        let Some(a) = self.applied.get_mut(worker as usize) else { return };
+        if let Some((min, at_min)) = &mut self.applied_min {
+            if *a == *min && self.clocks.is_live(worker) {
+                *at_min -= 1;
+                if *at_min == 0 {
+                    self.applied_min = None;
+                }
+            }
+        }
+        *a += 1;
+    }
+
+    /// The fewest iterations of any live worker that the parameters include.
+    fn min_applied(&mut self) -> u64 {
+        if self.applied_min.is_none() {
+            let applied = &self.applied;
+            let min = self.clocks.workers().map(|w| applied[w.worker as usize]).min();
+            self.applied_min =
+                min.map(|m| (m, self.clocks.workers().filter(|w| applied[w.worker as usize] == m).count()));
+        }
+        self.applied_min.map_or(0, |m| m.0)
+    }
+
     /// One optimizer step on an aggregate's sum times `scale`.
     fn apply_aggregate(&mut self, agg: Aggregate, scale: f32, sink: &mut dyn ShardSink) {
         self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, scale);
@@ -1368,10 +1398,8 @@ impl Shard {
         }
         self.version += 1;
         self.stats.steps += 1;
-        for w in &agg.contributors {
-            if let Some(a) = self.applied.get_mut(*w as usize) {
-                *a += 1;
-            }
+        for &w in &agg.contributors {
+            self.bump_applied(w);
         }
     }
 
