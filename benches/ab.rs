@@ -9,6 +9,8 @@
 //!
 //! A second group, `sim-1000-workers`, times the simulator deciding for 1,000 workers on 4 shards
 //! (50 iterations each, no gradients) under each policy: the scale a policy-only study needs.
+//! A third, `sim-10000-workers`, times `scenarios/scale-10k.toml` (10,000 workers on 256 shards,
+//! 10 iterations each, no gradients) under SSP and ASP; each sample is a whole simulation.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -78,5 +80,24 @@ fn sim_scale(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, ab, sim_scale);
+fn sim_10k(c: &mut Criterion) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/scale-10k.toml");
+    let scenario = Scenario::load(&path).expect("scenario");
+    let rt = PolicyRuntime::new().expect("wasm engine");
+    let mut g = c.benchmark_group("sim-10000-workers");
+    g.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(60));
+    for policy in ["ssp:s=3", "asp"] {
+        let opts = SimOptions {
+            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
+            gradients: false,
+            data: None,
+        };
+        g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
+            b.iter(|| simulate(o, &rt).expect("simulates"));
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, ab, sim_scale, sim_10k);
 criterion_main!(benches);
