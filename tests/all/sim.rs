@@ -266,3 +266,34 @@ fn ab_repeat_gives_the_same_intervals_and_verdicts_from_the_same_seeds() {
     let waits = std::fs::read_to_string(dir.join("a").join("waits.svg")).unwrap();
     assert!(waits.contains("<circle"), "every run is a dot on the waits plot");
 }
+
+#[test]
+fn a_scenario_can_charge_a_larger_models_bytes_and_every_report_says_so() {
+    let small = scenario(&format!("bandwidth_mbit = 100.0\n{SCENARIO}"));
+    let big = scenario(&format!(
+        "bandwidth_mbit = 100.0\n{SCENARIO}[modelled]\nname = \"ResNet-110 (1.7 MB)\"\nbytes = 1700000\n"
+    ));
+    let (a, b) = (sim(&small, "bsp", true), sim(&big, "bsp", true));
+    let moved = |r: &RunReport| r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum::<u64>();
+    // 1,024 parameters are 4 KB; the modelled model is 415x that.
+    assert!(moved(&b) > 300 * moved(&a), "{} against {} bytes", moved(&b), moved(&a));
+    assert!(b.elapsed_s > 10.0 * a.elapsed_s, "a 1.7 MB sync over 100 Mbit/s takes time: {} s", b.elapsed_s);
+    assert_eq!((a.modelled.as_deref(), b.modelled.as_deref()), (None, Some("ResNet-110 (1.7 MB)")));
+    assert_eq!(
+        a.workers.iter().map(|w| w.iterations).sum::<u64>(),
+        b.workers.iter().map(|w| w.iterations).sum::<u64>()
+    );
+    // A real cluster cannot charge them: `ab` says to simulate.
+    let dir = run_dir("sim-modelled");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("big.toml");
+    std::fs::write(&file, format!("{SCENARIO}[modelled]\nname = \"ResNet-110 (1.7 MB)\"\nbytes = 1700000\n"))
+        .unwrap();
+    let out = std::process::Command::new(syncopate_bin())
+        .args(["ab", "--policies", "bsp", "--scenario"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--simulate") && err.contains("ResNet-110"), "{err}");
+}

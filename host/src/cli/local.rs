@@ -138,6 +138,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         momentum: Some(a.train.momentum),
         weight_decay: Some(a.train.weight_decay),
         push_weight: Some(a.train.push_weight()),
+        modelled: None,
         slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
         jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),

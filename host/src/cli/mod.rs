@@ -118,6 +118,13 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
             scenario.name
         );
     }
+    if let (Some(m), false) = (&scenario.modelled, a.simulate) {
+        anyhow::bail!(
+            "scenario `{}` models the wire costs of {}, which only the simulator can charge; run it with --simulate",
+            scenario.name,
+            m.name
+        );
+    }
     // Every policy must load and accept its configuration before the first run starts.
     let rt = crate::runtime::PolicyRuntime::new()?;
     for spec in &a.policies {

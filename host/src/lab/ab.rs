@@ -417,6 +417,13 @@ pub fn markdown(c: &Comparison) -> String {
     if !scenario.description.is_empty() {
         t.push_str(&format!("{}\n\n", scenario.description));
     }
+    if let Some(m) = &scenario.modelled {
+        t.push_str(&format!(
+            "**Modelled costs:** every transfer moves the bytes of {} ({} bytes a full model), and \
+             each iteration computes for {} ms; gradients and accuracy come from the `{}` workload.\n\n",
+            m.name, m.bytes, scenario.compute_ms, scenario.workload
+        ));
+    }
     let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
     let label = |f: &Figure| match f.key {
         "time_to_target_s" => format!("time to {target}"),

@@ -416,6 +416,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     }
     let staleness = RunReport::staleness_of(status.servers.iter().flat_map(|s| &s.shards));
     let mut report = RunReport {
+        modelled: None,
         simulated: false,
         elapsed_s,
         workers: reports,

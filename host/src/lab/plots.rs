@@ -12,10 +12,10 @@ type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// The run's policy, as plots name it.
 fn label(report: &RunReport) -> String {
-    if report.simulated {
-        format!("{} (simulated)", report.policy)
-    } else {
-        report.policy.clone()
+    match (report.simulated, &report.modelled) {
+        (true, Some(m)) => format!("{} (simulated; wire costs of {m})", report.policy),
+        (true, None) => format!("{} (simulated)", report.policy),
+        _ => report.policy.clone(),
     }
 }
 

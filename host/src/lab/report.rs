@@ -134,6 +134,10 @@ pub fn phases(watch: &[WatchPoint]) -> Vec<Phase> {
 pub struct RunReport {
     /// Whether the run was simulated (times are then virtual).
     pub simulated: bool,
+    /// The model whose wire costs the simulator charged instead of the workload's, if any
+    /// (scenario key `modelled`): the gradients and accuracy are still the workload's.
+    #[serde(default)]
+    pub modelled: Option<String>,
     /// Seconds from start to the model being read (virtual seconds when simulated).
     pub elapsed_s: f64,
     /// Reports of the workers that finished.

@@ -28,6 +28,10 @@
 //! worker = 1
 //! mean_ms = 30.0
 //! sd_ms = 10.0
+//!
+//! [modelled]               # simulator only: charge a larger model's bytes on the wire
+//! name = "ResNet-110 (6.9 MB)"
+//! bytes = 6_900_000
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -98,6 +102,11 @@ pub struct Scenario {
     pub weight_decay: Option<f32>,
     /// How pushes are weighed when the policy does not say: `mean` (default) or `sum`.
     pub push_weight: Option<PushWeight>,
+    /// The costs of a larger model than the workload's, modelled by the simulator: the real
+    /// (small) workload still supplies the gradients and the accuracy, but every transfer moves
+    /// this model's bytes. Set `compute_ms` to its compute time on the device you model. Every
+    /// report of such a run says so.
+    pub modelled: Option<Modelled>,
     /// Workers that compute slower.
     #[serde(default)]
     pub slow: Vec<Slow>,
@@ -107,6 +116,16 @@ pub struct Scenario {
     /// Workers that stall once.
     #[serde(default)]
     pub stall: Vec<Stall>,
+}
+
+/// A model whose wire costs the simulator charges instead of the workload's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Modelled {
+    /// What is modelled, as reports print it: "ResNet-110 (6.9 MB) on a GTX 1080 Ti".
+    pub name: String,
+    /// Bytes of the whole model (a full push or pull moves this much, split over the shards).
+    pub bytes: u64,
 }
 
 /// A worker `factor` times slower.
@@ -234,6 +253,9 @@ impl Scenario {
                 "lr {} must be positive, momentum {} in [0, 1), weight_decay {} not negative",
                 o.lr, o.momentum, o.weight_decay
             ));
+        }
+        if self.modelled.as_ref().is_some_and(|m| m.bytes == 0 || m.name.is_empty()) {
+            return Err("a modelled model needs a name and a positive size in bytes".into());
         }
         if self.iterations.is_none() && self.time_limit_s.is_none() {
             return Err("give a budget, iterations or time_limit_s: a run must end".into());

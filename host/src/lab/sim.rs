@@ -374,7 +374,14 @@ impl Sim {
 
     fn shard_bytes(&self, shard: u32) -> u64 {
         let (lo, hi) = self.ranges[shard as usize];
-        (hi - lo) as u64 * 4 + 64
+        match &self.opts.run.scenario.modelled {
+            // The modelled model's bytes, split over the shards as the workload's are.
+            Some(m) => {
+                let total = self.ranges.last().map_or(1, |r| r.1).max(1) as u64;
+                m.bytes * (hi - lo) as u64 / total + 64
+            }
+            None => (hi - lo) as u64 * 4 + 64,
+        }
     }
 
     /// Schedules what the last call into shard `s` produced.
@@ -685,6 +692,7 @@ impl Sim {
         let phases = crate::lab::report::phases(&self.watch);
         RunReport {
             simulated: true,
+            modelled: self.opts.run.scenario.modelled.as_ref().map(|m| m.name.clone()),
             elapsed_s: self.now as f64 / 1e9,
             workers,
             failed_workers: Vec::new(),
