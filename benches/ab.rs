@@ -58,44 +58,43 @@ fn ab(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Times the simulator deciding `scenario` (no gradients) under each of `policies`, one group.
+fn sim_group(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    scenario: &Scenario,
+    policies: &[&str],
+) {
+    let rt = PolicyRuntime::new().expect("wasm engine");
+    for policy in policies {
+        let opts = SimOptions {
+            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
+            gradients: false,
+            data: None,
+        };
+        g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
+            b.iter(|| simulate(o, &rt).expect("simulates"));
+        });
+    }
+}
+
 fn sim_scale(c: &mut Criterion) {
     let scenario: Scenario = toml::from_str(
         "name = \"scale\"\nworkers = 1000\nservers = 4\ncompute_ms = 20\niterations = 50\n\
          [[slow]]\nworker = 0\nfactor = 3.0\n[[jitter]]\nworker = 1\nmean_ms = 10.0\nsd_ms = 5.0\n",
     )
     .expect("scenario");
-    let rt = PolicyRuntime::new().expect("wasm engine");
     let mut g = c.benchmark_group("sim-1000-workers");
     g.sample_size(10);
-    for policy in POLICIES {
-        let opts = SimOptions {
-            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
-            gradients: false,
-            data: None,
-        };
-        g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
-            b.iter(|| simulate(o, &rt).expect("simulates"));
-        });
-    }
+    sim_group(&mut g, &scenario, POLICIES);
     g.finish();
 }
 
 fn sim_10k(c: &mut Criterion) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/scale-10k.toml");
     let scenario = Scenario::load(&path).expect("scenario");
-    let rt = PolicyRuntime::new().expect("wasm engine");
     let mut g = c.benchmark_group("sim-10000-workers");
     g.sample_size(10).warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(60));
-    for policy in ["ssp:s=3", "asp"] {
-        let opts = SimOptions {
-            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
-            gradients: false,
-            data: None,
-        };
-        g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
-            b.iter(|| simulate(o, &rt).expect("simulates"));
-        });
-    }
+    sim_group(&mut g, &scenario, &["ssp:s=3", "asp"]);
     g.finish();
 }
 
