@@ -212,6 +212,10 @@ impl Policy for R2sp {
         let holder = self.ring.get(self.turn).copied();
         let at = self.ring.partition_point(|w| *w < worker);
         self.ring.insert(at, worker);
+        if at == 0 {
+            // The pacing measures the first worker; a new first worker starts a new measurement.
+            self.reference = Reference::default();
+        }
         if let Some(h) = holder {
             self.turn = self.ring.iter().position(|w| *w == h).unwrap_or(0);
         }
