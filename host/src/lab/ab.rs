@@ -238,7 +238,12 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         return Err(NodeError::Protocol("--repeat must be at least 1".into()));
     }
     std::fs::create_dir_all(&opts.out).map_err(io(format!("cannot create {}", opts.out.display())))?;
-    // Real runs drive their clusters from this runtime; simulated ones need none.
+    // Simulated runs share one policy runtime (one wasm engine for the whole comparison); real
+    // runs drive their clusters from an async runtime.
+    let sim_rt = match opts.simulate {
+        true => Some(crate::runtime::PolicyRuntime::new().map_err(|e| NodeError::Protocol(e.to_string()))?),
+        false => None,
+    };
     let rt = match opts.simulate {
         true => None,
         false => Some(
@@ -264,7 +269,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         scenario.seed = seed;
         let run = RunSpec::new(scenario, spec.clone());
         let report = match opts.simulate {
-            true => simulated(opts, run, &dir)?,
+            true => simulated(opts, run, &dir, sim_rt.as_ref().expect("built for simulated runs"))?,
             false => real(opts, run, &dir, rt.as_ref().expect("built for real runs"))?,
         };
         let row = AbRow { seed, ..AbRow::from_report(spec.to_string(), &report, dir) };
@@ -383,12 +388,16 @@ pub fn verdict(policy: String, baseline: String, f: &Figure, a: &[f64], b: &[f64
 }
 
 /// One policy in the simulator; writes its report and plots into `dir` as a real run would.
-fn simulated(opts: &AbOptions, run: RunSpec, dir: &Path) -> Result<RunReport, NodeError> {
-    let rt = crate::runtime::PolicyRuntime::new().map_err(|e| NodeError::Protocol(e.to_string()))?;
+fn simulated(
+    opts: &AbOptions,
+    run: RunSpec,
+    dir: &Path,
+    rt: &crate::runtime::PolicyRuntime,
+) -> Result<RunReport, NodeError> {
     let sim = crate::lab::sim::SimOptions { run, gradients: opts.gradients, data: opts.data.clone() };
     let t = std::time::Instant::now();
     let crate::lab::sim::Simulated { mut report, model } =
-        crate::lab::sim::simulate(&sim, &rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
+        crate::lab::sim::simulate(&sim, rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
     std::fs::create_dir_all(dir)
         .map_err(|source| NodeError::Io { what: format!("cannot create {}", dir.display()), source })?;
     let model_file = dir.join("model.bin");

@@ -375,10 +375,8 @@ fn accuracy_band(runs: &[&RunReport], step: f64) -> (Vec<(f64, f64)>, Vec<Band>)
             .collect();
         if at.len() == runs.len() {
             at.sort_by(f64::total_cmp);
-            let n = at.len();
-            let median = if n % 2 == 1 { at[n / 2] } else { (at[n / 2 - 1] + at[n / 2]) / 2.0 };
-            line.push((t, median));
-            band.push((t, at[0], at[n - 1]));
+            line.push((t, crate::lab::stats::median_of_sorted(&at)));
+            band.push((t, at[0], at[at.len() - 1]));
         }
         t += step;
     }

@@ -49,6 +49,16 @@ fn sorted(xs: &[f64]) -> Vec<f64> {
     v
 }
 
+/// The median of a sorted, non-empty sample.
+pub fn median_of_sorted(v: &[f64]) -> f64 {
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// `P(B ≤ j)` for `B ~ Binomial(n, 1/2)`.
 fn binomial_cdf_half(n: usize, j: usize) -> f64 {
     let mut c = 1.0f64; // C(n, 0)
@@ -70,7 +80,7 @@ pub fn median_ci(xs: &[f64]) -> Estimate {
     assert!(!xs.is_empty() && xs.iter().all(|x| !x.is_nan()), "samples: {xs:?}");
     let v = sorted(xs);
     let n = v.len();
-    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    let median = median_of_sorted(&v);
     // The largest k (1-based) whose interval still covers with at least 1 - ALPHA.
     let mut k = 1;
     while k < n.div_ceil(2) && 1.0 - 2.0 * binomial_cdf_half(n, k) >= 1.0 - ALPHA {
