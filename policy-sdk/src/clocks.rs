@@ -8,6 +8,9 @@ use crate::abi::{ShardView, WorkerClock, WorkerId};
 /// The clocks of the live workers of one shard, with O(1) minimum and maximum.
 ///
 /// Workers are indexed by id, so ids should be small and dense (as the coordinator assigns them).
+/// Joins, leaves and ticks update the minimum and maximum in O(1) from the counts of workers at
+/// each; only the last worker leaving the minimum (once per round) or the maximum rescans, so a
+/// cluster of N workers joining, ticking and leaving costs O(N) per round, not O(N²).
 #[derive(Clone, Debug, Default)]
 pub struct Clocks {
     clock: Vec<Option<u64>>,
@@ -15,6 +18,7 @@ pub struct Clocks {
     min: u64,
     at_min: u32,
     max: u64,
+    at_max: u32,
 }
 
 impl Clocks {
@@ -49,7 +53,20 @@ impl Clocks {
         }
         self.clock[idx] = Some(clock);
         self.live += 1;
-        self.recompute();
+        if self.live == 1 {
+            (self.min, self.at_min, self.max, self.at_max) = (clock, 1, clock, 1);
+            return true;
+        }
+        if clock < self.min {
+            (self.min, self.at_min) = (clock, 1);
+        } else if clock == self.min {
+            self.at_min += 1;
+        }
+        if clock > self.max {
+            (self.max, self.at_max) = (clock, 1);
+        } else if clock == self.max {
+            self.at_max += 1;
+        }
         true
     }
 
@@ -57,7 +74,15 @@ impl Clocks {
     pub fn leave(&mut self, worker: WorkerId) -> Option<u64> {
         let old = self.clock.get_mut(worker as usize)?.take()?;
         self.live -= 1;
-        self.recompute();
+        if old == self.min {
+            self.at_min -= 1;
+        }
+        if old == self.max {
+            self.at_max -= 1;
+        }
+        if self.live == 0 || self.at_min == 0 || self.at_max == 0 {
+            self.recompute();
+        }
         Some(old)
     }
 
@@ -67,7 +92,9 @@ impl Clocks {
         let old = *slot;
         *slot = old + 1;
         if old + 1 > self.max {
-            self.max = old + 1;
+            (self.max, self.at_max) = (old + 1, 1);
+        } else if old + 1 == self.max {
+            self.at_max += 1;
         }
         if old == self.min {
             self.at_min -= 1;
@@ -115,14 +142,20 @@ impl Clocks {
         let mut min = u64::MAX;
         let mut max = 0;
         let mut at_min = 0;
-        for c in self.clock.iter().flatten() {
-            if *c < min {
-                min = *c;
+        let mut at_max = 0;
+        for &c in self.clock.iter().flatten() {
+            if c < min {
+                min = c;
                 at_min = 1;
-            } else if *c == min {
+            } else if c == min {
                 at_min += 1;
             }
-            max = max.max(*c);
+            if c > max {
+                max = c;
+                at_max = 1;
+            } else if c == max {
+                at_max += 1;
+            }
         }
         if self.live == 0 {
             min = 0;
@@ -130,6 +163,7 @@ impl Clocks {
         self.min = min;
         self.max = max;
         self.at_min = at_min;
+        self.at_max = at_max;
     }
 }
 
@@ -158,5 +192,37 @@ mod tests {
         assert_eq!(c.rebase_to_max(), 1, "only worker 5 was behind");
         assert_eq!(c.view(), ShardView { min_clock: 3, max_clock: 3, workers: 2 });
         assert_eq!(c.get(5), Some(3));
+    }
+
+    /// The incremental minimum and maximum (and their counts) equal a rescan after every one of
+    /// many pseudo-random joins, leaves, ticks and skips.
+    #[test]
+    fn incremental_min_max_match_a_rescan() {
+        let mut c = Clocks::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let worker = (x % 12) as WorkerId;
+            match (x >> 8) % 10 {
+                0 | 1 => {
+                    c.join(worker, (x >> 16) % 6);
+                }
+                2 => {
+                    c.leave(worker);
+                }
+                3 => {
+                    c.advance(worker, (x >> 16) % 3);
+                }
+                _ => {
+                    c.tick(worker);
+                }
+            }
+            let mut fresh = c.clone();
+            fresh.recompute();
+            assert_eq!(c.view(), fresh.view(), "step {step}");
+            assert_eq!((c.at_min, c.at_max), (fresh.at_min, fresh.at_max), "step {step}");
+        }
     }
 }

@@ -235,7 +235,11 @@ fn quarantine_during_redelivery_keeps_every_queued_pull() {
     // for re-delivery. Those must be parked under the fallback rule, not dropped.
     let cfg = ShardConfig {
         optimizer: crate::harness::exact_sgd(),
-        supervisor: SupervisorConfig { checkpoint_every: 1, max_consecutive_failures: 3 },
+        supervisor: SupervisorConfig {
+            checkpoint_every: 1,
+            checkpoint_scales: false,
+            max_consecutive_failures: 3,
+        },
         ..ShardConfig::default()
     };
     let mut rec = Recorder::default();

@@ -100,7 +100,11 @@ fn under_backup_workers_every_push_is_accounted_for_exactly_once() {
 fn a_module_failing_on_every_push_is_quarantined_whatever_its_pulls_do() {
     let cfg = ShardConfig {
         optimizer: crate::harness::exact_sgd(),
-        supervisor: SupervisorConfig { checkpoint_every: 1, max_consecutive_failures: 3 },
+        supervisor: SupervisorConfig {
+            checkpoint_every: 1,
+            checkpoint_scales: false,
+            max_consecutive_failures: 3,
+        },
         ..ShardConfig::default()
     };
     let mut rec = Recorder::default();

@@ -145,9 +145,13 @@ impl PolicyInstance {
     /// This is the per-event hot path: no allocation once the buffers have grown to size.
     pub fn on_event(&mut self, env: &Envelope) -> Result<&[u8], PolicyError> {
         self.write_envelope(&env.to_bytes())?;
-        let len = ENVELOPE_LEN as u32;
-        let event = self.event.clone();
-        let packed = self.call(&event, len, || describe(env))?;
+        // Called in place rather than through `call`: cloning the `TypedFunc` to satisfy the
+        // borrow checker costs two reference-count round trips per event.
+        self.store.set_epoch_deadline(self.deadline_ticks);
+        let packed = match self.event.call(&mut self.store, ENVELOPE_LEN as u32) {
+            Ok(packed) => packed,
+            Err(e) => return Err(self.classify(&e, describe(env))),
+        };
         let range = self.output_range(packed, || describe(env))?;
         Ok(self.output(range))
     }

@@ -28,6 +28,7 @@
 //! wait their turn, so a worker's iterations still complete in order.
 
 mod layout;
+mod parked;
 mod supervisor;
 
 pub use layout::{ModelLayout, Partition, TensorSpec};
@@ -50,6 +51,7 @@ use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
 use crate::recording::{PolicyStart, StartKind};
 use crate::runtime::{PolicyError, PolicyModule};
+use parked::{ParkedPulls, Scan};
 use supervisor::{EventKind, Recovery, Supervisor};
 
 /// How to build a shard.
@@ -369,7 +371,7 @@ pub struct Shard {
     aggregates: BTreeMap<u64, Aggregate>,
     /// Buffers of applied aggregates, reused so aggregate mode does not allocate per iteration.
     spare_sums: Vec<Vec<f32>>,
-    parked: Vec<Parked>,
+    parked: ParkedPulls,
     held: Vec<Held>,
     partials: Vec<Partial>,
     ledger: TaskLedger,
@@ -392,7 +394,7 @@ impl DecisionState for Shard {
         self.clocks.is_live(worker)
     }
     fn is_parked(&self, pull: RequestId) -> bool {
-        self.parked.iter().any(|p| p.pull.id == pull)
+        self.parked.contains(pull)
     }
     fn is_held(&self, push: RequestId) -> bool {
         self.held.iter().any(|h| h.push.id == push)
@@ -450,7 +452,7 @@ impl Shard {
             mode: UpdateMode::OnArrival,
             aggregates: BTreeMap::new(),
             spare_sums: Vec::new(),
-            parked: Vec::new(),
+            parked: ParkedPulls::new(),
             held: Vec::new(),
             partials: Vec::new(),
             ledger: TaskLedger::default(),
@@ -612,7 +614,7 @@ impl Shard {
             let h = self.held.remove(pos);
             self.admit(h, None, sink);
         }
-        self.parked.retain(|p| p.pull.worker != worker);
+        self.parked.forget_worker(worker);
         let view = self.clocks.view();
         self.clocks.leave(worker);
         self.applied_min = None;
@@ -1064,12 +1066,9 @@ impl Shard {
                     event: crate::runtime::describe_event(&env),
                     detail,
                 });
-                let clocks = &self.clocks;
                 // A success clears only its own kind's failure count: a module that fails on
                 // every push must not be kept alive by the pulls, reports and timers in between.
-                match result
-                    .and_then(|()| self.supervisor.succeeded(kind, fresh, || clocks.workers().collect()))
-                {
+                match result.and_then(|()| self.supervisor.succeeded(kind, fresh, &self.clocks)) {
                     Ok(()) => {}
                     Err(e) => self.fail(e, kind, now_ns, sink),
                 }
@@ -1118,8 +1117,7 @@ impl Shard {
                 }
             }
             Decision::ReleasePull { pull } => {
-                if let Some(pos) = self.parked.iter().position(|p| p.pull.id == pull) {
-                    let p = self.parked.swap_remove(pos);
+                if let Some(p) = self.parked.take(pull) {
                     self.serve(p, now_ns, sink);
                 }
             }
@@ -1245,11 +1243,7 @@ impl Shard {
                     policy = self.supervisor.module().display_name(),
                     "policy quarantined; fallback rules in force until a swap"
                 );
-                for p in &mut self.parked {
-                    if p.until == Release::Explicit {
-                        p.until = Release::MinClockAtLeast(p.pull.clock);
-                    }
-                }
+                self.parked.explicit_to_fallback();
                 while let Some(h) = self.held.pop() {
                     self.admit(h, None, sink);
                 }
@@ -1272,7 +1266,7 @@ impl Shard {
     }
 
     fn requeue_pending(&mut self) {
-        self.queue.extend(self.parked.drain(..).map(Pending::Pull));
+        self.queue.extend(self.parked.drain().map(Pending::Pull));
         self.queue.extend(self.held.drain(..).map(Pending::Push));
     }
 
@@ -1415,14 +1409,12 @@ impl Shard {
 
     fn release_ready(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
         let view = self.clocks.view();
-        let mut i = 0;
-        while i < self.parked.len() {
-            if self.parked[i].until.is_met(view) {
-                let p = self.parked.swap_remove(i);
-                self.serve(p, now_ns, sink);
-            } else {
-                i += 1;
-            }
+        if !self.parked.may_be_due(view) {
+            return;
+        }
+        let mut scan = Scan::new();
+        while let Some(p) = self.parked.next_due(view, &mut scan) {
+            self.serve(p, now_ns, sink);
         }
     }
 }

@@ -13,6 +13,7 @@
 //! quarantined after `max_consecutive_failures` pushes however many pulls it answers in between.
 
 use syncopate_policy_sdk::abi::{Envelope, Handoff, InitArgs, WorkerClock};
+use syncopate_policy_sdk::clocks::Clocks;
 
 use crate::runtime::{PolicyError, PolicyInstance, PolicyModule};
 
@@ -21,13 +22,20 @@ use crate::runtime::{PolicyError, PolicyInstance, PolicyModule};
 pub struct SupervisorConfig {
     /// Events between state checkpoints.
     pub checkpoint_every: u32,
+    /// Whether the interval stretches to the number of live workers when there are more. A
+    /// checkpoint copies every worker's clock (and a policy's state usually grows with the
+    /// workers too), so a fixed interval costs O(workers) per event on a large cluster; stretched,
+    /// the cost per event stays O(1). Recovery then replays from further back, which changes
+    /// nothing for the requests (all pending ones are handed over again) and loses only policy
+    /// bookkeeping since the checkpoint, as it always could. On by default.
+    pub checkpoint_scales: bool,
     /// Failures in a row on one kind of event after which the module is quarantined.
     pub max_consecutive_failures: u32,
 }
 
 impl Default for SupervisorConfig {
     fn default() -> Self {
-        SupervisorConfig { checkpoint_every: 256, max_consecutive_failures: 3 }
+        SupervisorConfig { checkpoint_every: 256, checkpoint_scales: true, max_consecutive_failures: 3 }
     }
 }
 
@@ -145,7 +153,8 @@ impl Supervisor {
         Some(self.instance.as_mut()?.on_event(env))
     }
 
-    /// Records a successful event of `kind`; checkpoints every `checkpoint_every` events. Only
+    /// Records a successful event of `kind`; checkpoints every `checkpoint_every` events (or
+    /// every `clocks.view().workers`, if more and [`SupervisorConfig::checkpoint_scales`]). Only
     /// a `fresh` event (not one handed over again after a recovery) clears its kind's failure
     /// count: otherwise a module that fails every few events could restart forever on its own
     /// re-deliveries.
@@ -153,17 +162,22 @@ impl Supervisor {
         &mut self,
         kind: EventKind,
         fresh: bool,
-        workers: impl FnOnce() -> Vec<WorkerClock>,
+        clocks: &Clocks,
     ) -> Result<(), PolicyError> {
         if fresh {
             self.failures_in_a_row[kind as usize] = 0;
         }
         self.since_checkpoint += 1;
-        if self.since_checkpoint >= self.cfg.checkpoint_every {
+        let every = match self.cfg.checkpoint_scales {
+            true => self.cfg.checkpoint_every.max(clocks.view().workers),
+            false => self.cfg.checkpoint_every,
+        };
+        if self.since_checkpoint >= every {
             self.since_checkpoint = 0;
             if let Some(instance) = self.instance.as_mut() {
                 self.checkpoint = instance.export_state()?;
-                self.checkpoint_workers = workers();
+                self.checkpoint_workers.clear();
+                self.checkpoint_workers.extend(clocks.workers());
             }
         }
         Ok(())

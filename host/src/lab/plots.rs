@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 
 use crate::lab::report::{Comparison, RunReport};
+use crate::worker::WorkerReport;
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -156,9 +157,35 @@ fn deferred(report: &RunReport, path: &Path) -> PlotResult<()> {
     time_line(report, path, "Deferred pulls", "deferred pulls so far (all shards)", pts, y_max, RED)
 }
 
+/// The most workers a timeline draws, one lane each.
+const TIMELINE_LANES: usize = 64;
+
+/// The workers a timeline shows, in lane order: all of them, or on a larger cluster
+/// [`TIMELINE_LANES`] spread evenly over the range of their total waits (the least waiting, the
+/// most, and the quantiles between), so that the stragglers and the typical worker both appear.
+fn timeline_lanes(workers: &[WorkerReport]) -> Vec<&WorkerReport> {
+    let mut by_wait: Vec<&WorkerReport> = workers.iter().collect();
+    if by_wait.len() > TIMELINE_LANES {
+        let waited = |w: &WorkerReport| w.timeline.iter().map(|(_, wait, _)| f64::from(*wait)).sum::<f64>();
+        by_wait.sort_by(|a, b| waited(a).total_cmp(&waited(b)).then(a.worker.cmp(&b.worker)));
+        let last = by_wait.len() - 1;
+        by_wait = (0..TIMELINE_LANES).map(|i| by_wait[i * last / (TIMELINE_LANES - 1)]).collect();
+    }
+    by_wait.sort_by_key(|w| w.worker);
+    by_wait
+}
+
 fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
     let t0 = report.started_unix_s;
-    let n = report.workers.iter().map(|w| w.worker + 1).max().unwrap_or(1);
+    let lanes = timeline_lanes(&report.workers);
+    let n = lanes.len().max(1) as u32;
+    let caption = match report.workers.len() {
+        all if all > lanes.len() => format!(
+            "Worker timeline ({} of {all} workers, from the least to the most waiting): pulling, deferrals included (red), and working (blue)",
+            lanes.len()
+        ),
+        _ => "Worker timeline: pulling, deferrals included (red), and working (blue)".to_owned(),
+    };
     let t_max = report
         .workers
         .iter()
@@ -167,7 +194,7 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
     let root = SVGBackend::new(path, (1000, 120 + 60 * n)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("Worker timeline: pulling, deferrals included (red), and working (blue)", ("sans-serif", 20))
+        .caption(caption, ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
@@ -177,16 +204,13 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
         .x_desc(TIME_AXIS)
         .y_desc("worker")
         .y_labels(n as usize)
-        .y_label_formatter(&|y| {
-            if (y - y.round()).abs() < 0.01 {
-                format!("{}", y.round() as i64)
-            } else {
-                String::new()
-            }
+        .y_label_formatter(&|y| match lanes.get(y.round() as usize) {
+            Some(w) if (y - y.round()).abs() < 0.01 => w.worker.to_string(),
+            _ => String::new(),
         })
         .draw()?;
-    for w in &report.workers {
-        let y = f64::from(w.worker);
+    for (lane, w) in lanes.iter().enumerate() {
+        let y = lane as f64;
         let bars = w.timeline.iter().flat_map(|(s, wait, busy)| {
             let s = s - t0;
             let (wait, busy) = (f64::from(*wait), f64::from(*busy));
@@ -443,4 +467,28 @@ fn dots(c: &Comparison, path: &Path, title: &str, y_desc: &str, key: &str, scale
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_large_clusters_timeline_shows_the_least_and_most_waiting_workers_and_the_quantiles_between() {
+        // Worker w waited (w * 7) % 300 seconds in all: the least is worker 0, the most 257.
+        let workers: Vec<WorkerReport> = (0..300u32)
+            .map(|w| WorkerReport {
+                worker: w,
+                timeline: vec![(0.0, ((w * 7) % 300) as f32, 1.0)],
+                ..WorkerReport::default()
+            })
+            .collect();
+        let lanes = timeline_lanes(&workers);
+        let ids: Vec<u32> = lanes.iter().map(|w| w.worker).collect();
+        assert_eq!(ids.len(), TIMELINE_LANES);
+        assert!(ids.windows(2).all(|p| p[0] < p[1]), "lanes in worker order, no repeats: {ids:?}");
+        assert!(ids.contains(&0) && ids.contains(&257), "{ids:?}");
+        let small: Vec<u32> = timeline_lanes(&workers[..10]).iter().map(|w| w.worker).collect();
+        assert_eq!(small, (0..10).collect::<Vec<_>>(), "a small cluster shows every worker");
+    }
 }

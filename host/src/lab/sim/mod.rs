@@ -23,20 +23,21 @@
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
 
-use std::collections::{BTreeMap, VecDeque};
+mod events;
 
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
-use syncopate_policy_sdk::abi::{Applied, IterationReport, RequestId, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, RequestId, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
-use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
+use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
 use crate::worker::WorkerReport;
+use events::{Ev, Mailbox, Queue, ToShard};
 
 /// How to simulate.
 #[derive(Clone, Debug)]
@@ -64,60 +65,6 @@ pub enum SimError {
     /// A simulated worker could not go on.
     #[error("worker {0}: {1}")]
     Worker(WorkerId, WorkerError),
-}
-
-/// A message without tensors, on its way to a shard.
-#[derive(Clone, Copy, Debug)]
-enum ToShard {
-    Handover(Handover),
-    Applied(Applied),
-    Finished(IterationReport),
-    Skip(u64),
-    Goodbye,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Ev {
-    /// A worker machine's timer.
-    Wake(u32),
-    PullArrive(u32, u32, u64),
-    PullDone(u32, u32),
-    /// A push's bytes reach the shard (`true`: tasks computed for another worker).
-    PushArrive(u32, u32, bool),
-    AckArrive(u32, u32, bool),
-    /// Message `i` of `ToShard` from a worker reaches a shard.
-    ToShard(u32, u32, usize),
-    /// Control message `i` reaches a worker.
-    Control(u32, usize),
-    Timer(u32),
-    Watch,
-}
-
-/// The events to come, by time; events due at the same time come out in the order they were
-/// scheduled. A worker's request to every shard is many events due at once, so grouping them by
-/// time keeps the queue small (a binary heap of every event was half of a large run's time).
-#[derive(Default)]
-struct Queue {
-    by_time: BTreeMap<u64, VecDeque<Ev>>,
-    /// Emptied buckets, kept for reuse.
-    spare: Vec<VecDeque<Ev>>,
-}
-
-impl Queue {
-    fn push(&mut self, t: u64, ev: Ev) {
-        let spare = &mut self.spare;
-        self.by_time.entry(t).or_insert_with(|| spare.pop().unwrap_or_default()).push_back(ev);
-    }
-
-    fn pop(&mut self) -> Option<(u64, Ev)> {
-        let mut first = self.by_time.first_entry()?;
-        let t = *first.key();
-        let ev = first.get_mut().pop_front().expect("no bucket is left empty");
-        if first.get().is_empty() {
-            self.spare.push(first.remove());
-        }
-        Some((t, ev))
-    }
 }
 
 /// A shard's answers during one call, collected for the simulator to schedule.
@@ -165,13 +112,17 @@ struct SimWorker {
     machine: WorkerMachine,
     bufs: Buffers,
     workload: Option<Box<dyn Workload>>,
+    /// Pull replies sent for the current pull, and when the latest arrives.
     replies: u32,
+    replies_at: u64,
     deferred: bool,
     deferred_ns: u64,
     based_on: Vec<Option<u64>>,
     own: Option<InFlight>,
     help: Option<InFlight>,
     wake_at: Option<u64>,
+    /// Counted in [`Sim::done`].
+    done: bool,
 }
 
 /// One link direction: busy until `free_ns`.
@@ -195,8 +146,10 @@ struct Sim {
     up: Vec<Link>,
     down: Vec<Link>,
     timer_at: Vec<Option<u64>>,
-    controls: Vec<ControlMessage>,
-    to_shard: Vec<ToShard>,
+    controls: Mailbox<ControlMessage>,
+    to_shard: Mailbox<ToShard>,
+    /// Workers whose machine is done.
+    done: usize,
     watch: Vec<WatchPoint>,
     stopping: bool,
     time_to_target: Option<f64>,
@@ -289,12 +242,14 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             bufs,
             workload,
             replies: 0,
+            replies_at: 0,
             deferred: false,
             deferred_ns: 0,
             based_on: vec![None; shards_n as usize],
             own: None,
             help: None,
             wake_at: None,
+            done: false,
         });
     }
     let nodes = (n + sc.servers) as usize;
@@ -312,8 +267,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         up: vec![Link::default(); nodes],
         down: vec![Link::default(); nodes],
         timer_at: vec![None; shards_n as usize],
-        controls: Vec::new(),
-        to_shard: Vec::new(),
+        controls: Mailbox::default(),
+        to_shard: Mailbox::default(),
+        done: 0,
         watch: Vec::new(),
         stopping: false,
         time_to_target: None,
@@ -333,9 +289,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
         sim.handle(ev)?;
-        if sim.workers.iter().all(|w| w.machine.is_done())
-            && sim.shards.iter().all(|s| s.workers().is_empty())
-        {
+        if sim.done == sim.workers.len() && sim.shards.iter().all(|s| s.view().workers == 0) {
             break;
         }
         // A policy that never answers a worker would keep the run going: after the budget, give
@@ -386,9 +340,10 @@ impl Sim {
 
     /// Schedules what the last call into shard `s` produced.
     fn drain(&mut self, s: u32) {
-        let served = std::mem::take(&mut self.sink.served);
+        // The sink's vectors are taken and put back, so that their capacity is reused.
+        let mut served = std::mem::take(&mut self.sink.served);
         let mut values = std::mem::take(&mut self.sink.values).into_iter();
-        for (w, version, waited) in served {
+        for (w, version, waited) in served.drain(..) {
             let wk = &mut self.workers[w as usize];
             wk.based_on[s as usize] = Some(version);
             wk.deferred |= waited > 0;
@@ -399,27 +354,52 @@ impl Sim {
             }
             let (from, bytes) = (self.server_node(s), self.shard_bytes(s));
             let t = self.transfer(from, w as usize, bytes);
-            self.at(t, Ev::PullDone(w, s));
+            // The worker goes on when the last reply arrives: one event at that time, not one
+            // per shard (a fifth of a large run's events).
+            let wk = &mut self.workers[w as usize];
+            wk.replies += 1;
+            wk.replies_at = wk.replies_at.max(t);
+            if wk.replies == self.shards.len() as u32 {
+                let at = wk.replies_at;
+                self.at(at, Ev::PullDone(w));
+            }
         }
-        for (w, iteration, dropped) in std::mem::take(&mut self.sink.acked) {
+        self.sink.served = served;
+        let mut acked = std::mem::take(&mut self.sink.acked);
+        for (w, iteration, dropped) in acked.drain(..) {
             // Only a whole push waits for its admission; parts are acknowledged when counted.
             let own = self.workers[w as usize].own.as_mut();
             let waiting = own.filter(|p| p.job.tasks.is_none() && p.job.iteration == iteration);
             if let Some(p) = waiting {
                 p.dropped += u32::from(dropped);
-                self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, false));
+                self.ack(w, false);
             }
         }
-        for (w, msg) in std::mem::take(&mut self.sink.controls) {
-            self.controls.push(msg);
-            let t = self.now + self.latency_ns;
-            self.at(t, Ev::Control(w, self.controls.len() - 1));
+        self.sink.acked = acked;
+        let mut controls = std::mem::take(&mut self.sink.controls);
+        for (w, msg) in controls.drain(..) {
+            let i = self.controls.post(msg, 1);
+            self.at(self.now + self.latency_ns, Ev::Control(w, i));
         }
+        self.sink.controls = controls;
         if let Some(t) = self.shards[s as usize].next_timer_ns() {
             if self.timer_at[s as usize].is_none_or(|at| t < at) {
                 self.timer_at[s as usize] = Some(t);
                 self.at(t.max(self.now), Ev::Timer(s));
             }
+        }
+    }
+
+    /// One shard's acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
+    /// way. Every acknowledgement takes the latency alone, so the last one sent is the last to
+    /// arrive: only that one becomes an event.
+    fn ack(&mut self, w: u32, help: bool) {
+        let shards = self.shards.len() as u32;
+        let wk = &mut self.workers[w as usize];
+        let Some(p) = (if help { wk.help.as_mut() } else { wk.own.as_mut() }) else { return };
+        p.acks += 1;
+        if p.acks == shards {
+            self.at(self.now + self.latency_ns, Ev::AckArrive(w, help));
         }
     }
 
@@ -448,7 +428,7 @@ impl Sim {
             match action {
                 Action::Pull { iteration } => {
                     let wk = &mut self.workers[w as usize];
-                    (wk.replies, wk.deferred, wk.deferred_ns) = (0, false, 0);
+                    (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
                     for s in 0..shards {
                         let t = self.transfer(w as usize, self.server_node(s), 64);
                         self.at(t, Ev::PullArrive(w, s, iteration));
@@ -476,18 +456,23 @@ impl Sim {
                         self.at(t, Ev::PushArrive(w, s, help));
                     }
                 }
-                Action::Handover { shard, handover } => self.send(w, shard, ToShard::Handover(handover)),
+                Action::Handover { shard, handover } => {
+                    self.send(w, shard..shard + 1, ToShard::Handover(handover));
+                }
                 Action::Applied { shard, control, iteration } => {
-                    self.send(w, shard, ToShard::Applied(Applied { worker: w, control, iteration }));
+                    let msg = ToShard::Applied(Applied { worker: w, control, iteration });
+                    self.send(w, shard..shard + 1, msg);
                 }
-                Action::Finished(report) => {
-                    (0..shards).for_each(|s| self.send(w, s, ToShard::Finished(report)))
-                }
-                Action::Skip { to, .. } => (0..shards).for_each(|s| self.send(w, s, ToShard::Skip(to))),
-                Action::Leave => (0..shards).for_each(|s| self.send(w, s, ToShard::Goodbye)),
+                Action::Finished(report) => self.send(w, 0..shards, ToShard::Finished(report)),
+                Action::Skip { to, .. } => self.send(w, 0..shards, ToShard::Skip(to)),
+                Action::Leave => self.send(w, 0..shards, ToShard::Goodbye),
             }
         }
         let wk = &mut self.workers[w as usize];
+        if !wk.done && wk.machine.is_done() {
+            wk.done = true;
+            self.done += 1;
+        }
         if let Some(t) = wk.machine.poll_timeout() {
             if wk.wake_at.is_none_or(|at| t < at) {
                 wk.wake_at = Some(t);
@@ -497,11 +482,12 @@ impl Sim {
         Ok(())
     }
 
-    /// A message without tensors from worker `w` to shard `s`: the latency alone.
-    fn send(&mut self, w: u32, s: u32, msg: ToShard) {
-        self.to_shard.push(msg);
-        let i = self.to_shard.len() - 1;
-        self.at(self.now + self.latency_ns, Ev::ToShard(w, s, i));
+    /// A message without tensors from worker `w` to each of `shards`: the latency alone.
+    fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
+        let i = self.to_shard.post(msg, shards.len() as u32);
+        for s in shards {
+            self.at(self.now + self.latency_ns, Ev::ToShard(w, s, i));
+        }
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
@@ -514,14 +500,11 @@ impl Sim {
             Ev::PullArrive(w, s, iteration) => {
                 self.call(s, |sh, now, sink| sh.pull(PullRequest { worker: w, iteration }, now, sink))?;
             }
-            Ev::PullDone(w, _) => {
+            Ev::PullDone(w) => {
                 let wk = &mut self.workers[w as usize];
-                wk.replies += 1;
-                if wk.replies == shards {
-                    wk.bufs.pulled();
-                    let (deferred, deferred_ns) = (wk.deferred, wk.deferred_ns);
-                    self.feed(w, Input::Pulled { deferred, deferred_ns })?;
-                }
+                wk.bufs.pulled();
+                let (deferred, deferred_ns) = (wk.deferred, wk.deferred_ns);
+                self.feed(w, Input::Pulled { deferred, deferred_ns })?;
             }
             Ev::PushArrive(w, s, help) => {
                 let wk = &self.workers[w as usize];
@@ -545,7 +528,7 @@ impl Sim {
                 let r = self.call(s, |sh, now, sink| sh.push_by(w, req, now, sink));
                 match (r, job.tasks) {
                     // Parts are acknowledged (or refused) as soon as they are counted.
-                    (Ok(_), Some(_)) => self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, help)),
+                    (Ok(_), Some(_)) => self.ack(w, help),
                     (Ok(_), None) => {}
                     (Err(e), _) if help => {
                         // The owner left meanwhile: its iteration is void, as on the cluster.
@@ -553,19 +536,15 @@ impl Sim {
                         if let Some(p) = self.workers[w as usize].help.as_mut() {
                             p.refused = true;
                         }
-                        self.at(self.now + self.latency_ns, Ev::AckArrive(w, s, help));
+                        self.ack(w, help);
                     }
                     (Err(e), _) => return Err(e),
                 }
             }
-            Ev::AckArrive(w, _, help) => {
+            Ev::AckArrive(w, help) => {
                 let wk = &mut self.workers[w as usize];
                 let slot = if help { &mut wk.help } else { &mut wk.own };
-                let Some(p) = slot.as_mut() else { return Ok(()) };
-                p.acks += 1;
-                if p.acks < shards {
-                    return Ok(());
-                }
+                let Some(p) = slot.as_mut().filter(|p| p.acks == shards) else { return Ok(()) };
                 let (kind, refused, dropped) = (p.job.kind, p.refused, p.dropped);
                 *slot = None;
                 let result = if refused { Err("refused by a shard".to_string()) } else { Ok(dropped) };
@@ -574,7 +553,7 @@ impl Sim {
             Ev::ToShard(w, s, i) => {
                 // A worker that has left cannot be heard from: the shard says so, and that is
                 // what the cluster's servers do too.
-                let _ = match self.to_shard[i] {
+                let _ = match self.to_shard.deliver(i) {
                     ToShard::Handover(h) => self.call(s, |sh, now, sink| sh.tasks_yielded(h, now, sink)),
                     ToShard::Applied(a) => self.call(s, |sh, now, sink| sh.control_applied(a, now, sink)),
                     ToShard::Finished(r) => self.call(s, |sh, now, sink| sh.iteration_finished(r, now, sink)),
@@ -583,8 +562,8 @@ impl Sim {
                 };
             }
             Ev::Control(w, i) => {
+                let msg = self.controls.deliver(i);
                 if !self.workers[w as usize].machine.is_done() {
-                    let msg = self.controls[i].clone();
                     self.feed(w, Input::Control(msg))?;
                 }
             }
@@ -608,7 +587,7 @@ impl Sim {
                         }
                     }
                 }
-                if !self.workers.iter().all(|w| w.machine.is_done()) {
+                if self.done < self.workers.len() {
                     self.at(self.now + every.max(1) * 1_000_000, Ev::Watch);
                 }
             }
