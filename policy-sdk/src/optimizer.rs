@@ -1,5 +1,6 @@
-//! The server-side optimizer: SGD with momentum (optionally Nesterov) and weight decay, applied
-//! element-wise to a shard's parameters.
+//! The optimizer: SGD with momentum (optionally Nesterov) and weight decay, applied element-wise
+//! to a shard's parameters; or, with the optimizer placed on the workers, momentum and decay on a
+//! worker ([`Optimizer::direction`]) and plain SGD on the servers, as FluentPS's authors ran it.
 //!
 //! It lives in the SDK, as the clock and decision rules do, so that the host's shards and the
 //! test [`Driver`](crate::Driver) step parameters with the same code: a policy's native test sees
@@ -48,6 +49,33 @@ impl Optimizer {
         self.cfg
     }
 
+    /// Turns `grad`, computed at `params`, into the step direction momentum and weight decay give
+    /// (`g + wd * p`, then the velocity, or its Nesterov look-ahead), keeping the velocity. The
+    /// learning rate is not applied. This is the worker's half of the optimizer placed on the
+    /// workers: the servers then run plain SGD (no momentum, no decay) on what the workers push,
+    /// so that one worker's run is bit for bit the run with the whole optimizer on the server.
+    pub fn direction(&mut self, params: &[f32], grad: &mut [f32]) {
+        debug_assert_eq!(params.len(), grad.len());
+        let OptimizerConfig { momentum, weight_decay, nesterov, .. } = self.cfg;
+        if momentum == 0.0 {
+            for (g, p) in grad.iter_mut().zip(params) {
+                *g += weight_decay * *p;
+            }
+            return;
+        }
+        for ((g, p), v) in grad.iter_mut().zip(params).zip(self.velocity.iter_mut()) {
+            let d = *g + weight_decay * *p;
+            *v = momentum * *v + d;
+            *g = if nesterov { d + momentum * *v } else { *v };
+        }
+    }
+
+    /// The same hyper-parameters without momentum or weight decay: the servers' half of an
+    /// optimizer placed on the workers (see [`Optimizer::direction`]).
+    pub fn plain(cfg: OptimizerConfig) -> OptimizerConfig {
+        OptimizerConfig { momentum: 0.0, weight_decay: 0.0, nesterov: false, ..cfg }
+    }
+
     /// One step with gradient `scale * grad`.
     pub fn step(&mut self, params: &mut [f32], grad: &[f32], scale: f32) {
         debug_assert_eq!(params.len(), grad.len());
@@ -87,5 +115,25 @@ mod tests {
         o.step(&mut p, &[1.0], 1.0);
         o.step(&mut p, &[1.0], 1.0);
         assert_eq!(p, vec![-2.5]); // v = 1, then 1.5
+    }
+
+    /// Momentum and decay on the worker, plain SGD on the server: for one worker, the same
+    /// parameters bit for bit as the whole optimizer on the server, Nesterov or not.
+    #[test]
+    fn the_optimizer_split_between_worker_and_server_is_the_whole_optimizer() {
+        for nesterov in [false, true] {
+            let cfg = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01, nesterov };
+            let (mut whole, mut worker) = (Optimizer::new(cfg, 3), Optimizer::new(cfg, 3));
+            let mut server = Optimizer::new(Optimizer::plain(cfg), 3);
+            let (mut a, mut b) = (vec![0.5f32, -1.0, 2.0], vec![0.5f32, -1.0, 2.0]);
+            for step in 0..50 {
+                let grad: Vec<f32> = (0..3).map(|i| ((step * 7 + i * 3) % 11) as f32 / 5.0 - 1.0).collect();
+                whole.step(&mut a, &grad, 1.0);
+                let mut pushed = grad.clone();
+                worker.direction(&b, &mut pushed);
+                server.step(&mut b, &pushed, 1.0);
+                assert_eq!(a, b, "step {step}, nesterov {nesterov}");
+            }
+        }
     }
 }

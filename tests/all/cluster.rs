@@ -129,6 +129,44 @@ fn assert_all(model: &[f32], expected: f32, what: &str) {
     }
 }
 
+/// The optimizer on the workers, on a real cluster: each worker pushes its velocity, the servers
+/// run plain SGD, and every parameter ends where the arithmetic says, exactly.
+#[test]
+fn with_the_optimizer_on_the_workers_each_pushes_its_velocity_and_the_servers_add_them() {
+    let run = LocalRun::start_plain(
+        "momentum-on-workers",
+        &[
+            "--workload",
+            "counter",
+            "--lr",
+            "1",
+            "--push-weight",
+            "sum",
+            "--momentum",
+            "0.5",
+            "--optimizer-on",
+            "worker",
+            "--workers",
+            "2",
+            "--servers",
+            "2",
+            "--iterations",
+            "10",
+            "--params",
+            "10",
+            "--policy",
+            "ssp:s=1",
+        ],
+    );
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{}", run.output());
+    // Worker w's gradient is always w + 1, so at iteration k its velocity is (w + 1)(2 - 2^-k):
+    // over 10 iterations (w + 1)(18 + 2^-9), both workers 3 (18 + 2^-9). Dyadic: exact in f32.
+    // With momentum on the servers instead, every shard would fold both workers' gradients into
+    // one velocity, and the same pushes would sum to something else whenever they interleave.
+    assert_all(&run.model(), -3.0 * (18.0 + 1.0 / 512.0), "velocities summed");
+}
+
 #[test]
 fn bsp_then_ssp_clusters_apply_every_push_exactly_once() {
     for (name, policy) in [("bsp", "bsp"), ("ssp", "ssp:s=2")] {

@@ -6,7 +6,7 @@
 
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
-use syncopate::lab::scenario::{RunSpec, Scenario};
+use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
 use syncopate::lab::sim::{simulate, SimOptions};
 
 use crate::cli::syncopate_bin;
@@ -31,6 +31,17 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
         data: None,
     };
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
+}
+
+/// The final model's bits and the run's final accuracy.
+fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
+    let opts = SimOptions {
+        run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
+        gradients: true,
+        data: None,
+    };
+    let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
+    (out.model.iter().map(|x| x.to_bits()).collect(), out.report.final_accuracy)
 }
 
 fn deferred(r: &RunReport) -> u64 {
@@ -59,6 +70,28 @@ fn the_same_seed_gives_the_same_report_bit_for_bit() {
     // Another seed, another run.
     let c = sim(&Scenario { seed: 2, ..s.clone() }, "ssp:s=2", true);
     assert_ne!(serde_json::to_string(&c).unwrap(), serde_json::to_string(&sim(&s, "ssp:s=2", true)).unwrap());
+}
+
+/// Momentum and weight decay on the workers, plain SGD on the servers: with one worker that is
+/// the whole optimizer on the servers, bit for bit (the same arithmetic, split in two); with four,
+/// each worker keeps its own velocity, a different run that still learns.
+#[test]
+fn the_optimizer_on_the_workers_is_the_servers_with_one_worker_and_its_own_with_four() {
+    let one = scenario(
+        "name = \"one\"\nworkers = 1\nservers = 2\nworkload = \"fashion-softmax\"\ncompute_ms = 10\n\
+         iterations = 30\nweight_decay = 0.001\n",
+    );
+    let on_workers = |s: &Scenario| Scenario { optimizer_on: Placement::Worker, ..s.clone() };
+    for policy in ["bsp", "asp"] {
+        let (server, worker) = (sim_model(&one, policy), sim_model(&on_workers(&one), policy));
+        assert_eq!(server, worker, "{policy}: one worker, either placement");
+    }
+    let four = scenario(
+        &SCENARIO.replace("\"counter\"", "\"fashion-softmax\"").replace("iterations = 60", "iterations = 40"),
+    );
+    let (server, worker) = (sim_model(&four, "ssp:s=3"), sim_model(&on_workers(&four), "ssp:s=3"));
+    assert_ne!(server.0, worker.0, "four velocities are not the servers' one");
+    assert!(worker.1.is_some_and(|acc| acc > 0.5), "it learns (chance is 0.1): {:?}", worker.1);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 //! another worker (computed on the model this worker last pulled).
 
 use syncopate_policy_sdk::abi::WorkerId;
+use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
 use syncopate_workloads::{StepStats, Workload};
 
 use super::{ComputeJob, JobKind, PushJob};
@@ -23,6 +24,9 @@ pub struct Buffers {
     pub task: Vec<f32>,
     /// The gradient of tasks computed for another worker.
     pub help: Vec<f32>,
+    /// Momentum and weight decay run here when the optimizer is placed on the workers
+    /// ([`Buffers::place_optimizer`]); `None`: the servers run the whole optimizer.
+    optimizer: Option<Optimizer>,
 }
 
 impl Buffers {
@@ -34,7 +38,17 @@ impl Buffers {
             grad: vec![0.0; len],
             task: vec![0.0; len],
             help: vec![0.0; len],
+            optimizer: None,
         }
+    }
+
+    /// Places the optimizer's momentum and weight decay on this worker: every push of a whole
+    /// iteration of its own carries [`Optimizer::direction`] of its gradient, and the servers
+    /// must run plain SGD ([`Optimizer::plain`]). The parts of an iteration split by task moves
+    /// (EPSP) go as plain gradients, from the owner and the helpers alike: momentum applies to an
+    /// iteration's whole gradient, which no single worker holds then.
+    pub fn place_optimizer(&mut self, cfg: OptimizerConfig) {
+        self.optimizer = Some(Optimizer::new(cfg, self.grad.len()));
     }
 
     /// Buffers for `workload`'s model, and whether the workload can split iterations into tasks
@@ -75,7 +89,13 @@ impl Buffers {
         };
         match job.kind {
             JobKind::Own if job.whole => {
-                Some(workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad))
+                let step = workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad);
+                // Here, while `params` still holds the parameters the gradient was computed at
+                // (a driver may lend them to the next pull before the push goes out).
+                if let Some(o) = self.optimizer.as_mut() {
+                    o.direction(&self.params, &mut self.grad);
+                }
+                Some(step)
             }
             JobKind::Own => {
                 if job.first_of_iteration {

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 
 use crate::builtin::PolicySpec;
+use crate::lab::scenario::Placement;
 use crate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token, DEFAULT_SERVER_NAME};
 use crate::shard::{OptimizerConfig, PushWeight};
 
@@ -110,6 +111,24 @@ pub enum WeightArg {
     Sum,
 }
 
+/// Where the optimizer's momentum and weight decay run ([`Placement`]).
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PlacementArg {
+    /// On the servers, on every admitted gradient.
+    Server,
+    /// On each worker, on its own gradients; the servers run plain SGD (FluentPS's placement).
+    Worker,
+}
+
+impl From<PlacementArg> for Placement {
+    fn from(p: PlacementArg) -> Self {
+        match p {
+            PlacementArg::Server => Placement::Server,
+            PlacementArg::Worker => Placement::Worker,
+        }
+    }
+}
+
 /// How long an idle node polls its sockets before it sleeps (servers and workers).
 #[derive(Debug, Clone, Copy, Args)]
 pub struct SpinArgs {
@@ -134,7 +153,8 @@ pub struct TrainArgs {
     /// Learning rate of the servers' SGD.
     #[arg(long, default_value_t = 0.05)]
     pub lr: f32,
-    /// Momentum of the servers' SGD.
+    /// Momentum of the SGD (run by the servers, or by the workers with `local --optimizer-on
+    /// worker`).
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f32,
     /// L2 weight decay.

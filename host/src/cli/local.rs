@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use super::args::{tokio, PolicyArgs, SpinArgs, TrainArgs};
+use super::args::{tokio, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
 use crate::lab::local::LocalOptions;
 use crate::lab::scenario::{Jitter, RunSpec, Scenario, Slow, Stall};
 
@@ -72,6 +72,10 @@ pub struct LocalArgs {
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Where momentum and weight decay run: `server` (on every admitted gradient) or `worker`
+    /// (each worker on its own gradients, the servers plain SGD: FluentPS's placement).
+    #[arg(long, value_enum, default_value = "server")]
+    pub optimizer_on: PlacementArg,
     #[command(flatten)]
     pub train: TrainArgs,
     #[command(flatten)]
@@ -137,6 +141,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         lr: Some(a.train.lr),
         momentum: Some(a.train.momentum),
         weight_decay: Some(a.train.weight_decay),
+        optimizer_on: a.optimizer_on.into(),
         push_weight: Some(a.train.push_weight()),
         modelled: None,
         slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
@@ -263,7 +268,9 @@ mod tests {
             "--lr",
             "0.5",
             "--momentum",
-            "0",
+            "0.5",
+            "--optimizer-on",
+            "worker",
             "--push-weight",
             "sum",
             "--seed",
@@ -300,6 +307,7 @@ mod tests {
         let Command::Coordinator(c) = parse(&coord) else { panic!("not a coordinator") };
         assert_eq!(c.policy.policy.to_string(), "ssp:s=3");
         assert_eq!(c.policy.overrides, [(1, "s".to_string(), "5".to_string())]);
+        // The optimizer on the workers: the servers run plain SGD, each worker momentum 0.5.
         assert_eq!((c.shards, c.train.lr, c.train.momentum, c.train.seed), (Some(3), 0.5, 0.0, 7));
         assert_eq!(c.train.push_weight(), crate::shard::PushWeight::Sum);
 
@@ -315,6 +323,7 @@ mod tests {
         assert_eq!((w1.part, w1.delay_ms, w1.slow_factor, w1.spin.spin_us), ((1, 3), 4, 2.5, 0));
         assert_eq!((w0.slow_factor, w0.stall, w0.jitter_ms), (1.0, Some((1.5, 2.0)), None));
         assert_eq!((w2.jitter_ms, w2.stall), (Some((10.0, 5.0)), None));
+        assert_eq!((w2.momentum, w2.weight_decay), (0.5, 0.0));
 
         // A device for a worker the cluster does not have is refused, not ignored.
         let Command::Local(bad) = parse(&["local", "--workers", "2", "--slow", "2:3"]) else { panic!() };

@@ -14,6 +14,7 @@ use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, Token};
 use crate::net::wire::Limits;
 use crate::server::ServerOptions;
+use crate::shard::OptimizerConfig;
 use crate::worker::WorkerOptions;
 
 /// `syncopate coordinator`.
@@ -128,6 +129,13 @@ pub struct WorkerArgs {
     /// Write a JSON report here when done.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Momentum this worker applies to its own gradients before pushing them (the optimizer
+    /// placed on the workers: run the servers without momentum then). 0: push raw gradients.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f32,
+    /// L2 weight decay this worker adds to its own gradients (with the optimizer on the workers).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f32,
     #[command(flatten)]
     pub spin: SpinArgs,
     #[command(flatten)]
@@ -219,6 +227,11 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         jitter_ms: a.jitter_ms,
         stall: a.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
         report: a.report,
+        optimizer: (a.momentum != 0.0 || a.weight_decay != 0.0).then_some(OptimizerConfig {
+            momentum: a.momentum,
+            weight_decay: a.weight_decay,
+            ..OptimizerConfig::default()
+        }),
     };
     // A multi-thread runtime (compute steps leave it through block_in_place, which needs one)
     // with a thread per core, tokio's default.

@@ -69,7 +69,7 @@ impl LocalOptions {
         for (shard, k, v) in &run.overrides {
             a.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
         }
-        let o = sc.optimizer();
+        let o = sc.server_optimizer();
         let weight = match sc.push_weight.unwrap_or_default() {
             PushWeight::Mean => "mean",
             PushWeight::Sum => "sum",
@@ -120,6 +120,10 @@ impl LocalOptions {
         }
         if let Some(s) = sc.stall.iter().find(|s| s.worker == w) {
             a.extend(["--stall".into(), format!("{}:{}", s.at_s, s.for_s)]);
+        }
+        if let Some(o) = sc.worker_optimizer() {
+            a.extend(["--momentum".into(), o.momentum.to_string()]);
+            a.extend(["--weight-decay".into(), o.weight_decay.to_string()]);
         }
         a
     }

@@ -15,9 +15,11 @@
 //! compute_ms = 20          # emulated compute per iteration at the starting batch size
 //! target_accuracy = 0.80
 //! time_limit_s = 40
-//! lr = 0.05                # the servers' SGD (these four keys are optional: local's defaults)
+//! lr = 0.05                # the optimizer (these five keys are optional: local's defaults)
 //! momentum = 0.9
 //! weight_decay = 0.0
+//! optimizer_on = "server"  # or "worker": momentum and decay on the workers, plain SGD on the
+//!                          # servers (FluentPS's placement)
 //! push_weight = "mean"     # or "sum"
 //!
 //! [[slow]]
@@ -41,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_workloads::WorkloadOptions;
 
 use crate::builtin::PolicySpec;
-use crate::shard::{OptimizerConfig, PushWeight};
+use crate::shard::{Optimizer, OptimizerConfig, PushWeight};
 
 /// A scenario file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,6 +102,9 @@ pub struct Scenario {
     pub momentum: Option<f32>,
     /// L2 weight decay (default 0).
     pub weight_decay: Option<f32>,
+    /// Where momentum and weight decay run (default: on the servers).
+    #[serde(default)]
+    pub optimizer_on: Placement,
     /// How pushes are weighed when the policy does not say: `mean` (default) or `sum`.
     pub push_weight: Option<PushWeight>,
     /// The costs of a larger model than the workload's, modelled by the simulator: the real
@@ -116,6 +121,24 @@ pub struct Scenario {
     /// Workers that stall once.
     #[serde(default)]
     pub stall: Vec<Stall>,
+}
+
+/// Where the optimizer's momentum and weight decay run.
+///
+/// On the servers (the default, and MXNet's and TensorFlow's parameter servers' default), every
+/// admitted gradient goes through the shard's momentum: a stale gradient disturbs the velocity
+/// every worker then shares. On the workers (FluentPS's authors' placement: their workers run
+/// momentum and their server only sums scaled updates), each worker keeps its own velocity and
+/// pushes its momentum direction, and the servers run plain SGD with the same learning rate. With
+/// one worker the two are the same run, bit for bit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// The servers run momentum and decay.
+    #[default]
+    Server,
+    /// Each worker runs momentum and decay on its own gradients; the servers, plain SGD.
+    Worker,
 }
 
 /// A model whose wire costs the simulator charges instead of the workload's.
@@ -263,7 +286,21 @@ impl Scenario {
         Ok(())
     }
 
-    /// The servers' optimizer: the scenario's settings over `syncopate local`'s defaults.
+    /// The servers' optimizer: all of [`Scenario::optimizer`], or its plain SGD when the
+    /// optimizer is on the workers.
+    pub fn server_optimizer(&self) -> OptimizerConfig {
+        match self.optimizer_on {
+            Placement::Server => self.optimizer(),
+            Placement::Worker => Optimizer::plain(self.optimizer()),
+        }
+    }
+
+    /// The workers' half of the optimizer, when it is placed on them.
+    pub fn worker_optimizer(&self) -> Option<OptimizerConfig> {
+        (self.optimizer_on == Placement::Worker).then(|| self.optimizer())
+    }
+
+    /// The optimizer: the scenario's settings over `syncopate local`'s defaults, wherever it runs.
     pub fn optimizer(&self) -> OptimizerConfig {
         let d = OptimizerConfig::default();
         OptimizerConfig {

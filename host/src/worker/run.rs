@@ -22,6 +22,7 @@ use syncopate_workloads::Workload;
 
 use super::client::{PullStats, WorkerClient};
 use crate::net::tls::ClusterAccess;
+use crate::shard::OptimizerConfig;
 use crate::NodeError;
 
 /// How to run a worker.
@@ -52,6 +53,9 @@ pub struct WorkerOptions {
     pub stall: Option<(Duration, Duration)>,
     /// Where to write the report (JSON) when done.
     pub report: Option<PathBuf>,
+    /// Momentum and weight decay to run here, on this worker's own gradients (the optimizer
+    /// placed on the workers; the learning rate stays the servers'). `None`: push raw gradients.
+    pub optimizer: Option<OptimizerConfig>,
 }
 
 /// The driver's clock: Unix time in nanoseconds, read from a monotonic clock (so a report's
@@ -107,6 +111,9 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     let id = client.id();
     let mut workload = workload;
     let (mut bufs, can_split) = Buffers::for_workload(Some(workload.as_mut()), opts.part);
+    if let Some(o) = opts.optimizer {
+        bufs.place_optimizer(o);
+    }
     let cfg = WorkerConfig {
         id,
         start,

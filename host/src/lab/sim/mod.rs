@@ -199,7 +199,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             shard: i as u32,
             shards: shards_n,
             seed: sc.seed,
-            optimizer: sc.optimizer(),
+            optimizer: sc.server_optimizer(),
             push_weight: sc.push_weight.unwrap_or_default(),
             ..ShardConfig::default()
         };
@@ -212,8 +212,11 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut workers = Vec::new();
     for w in 0..n {
         let mut workload = workloads.next();
-        let (bufs, can_split) =
+        let (mut bufs, can_split) =
             Buffers::for_workload(workload.as_deref_mut().map(|x| x as &mut dyn Workload), w);
+        if let Some(o) = sc.worker_optimizer() {
+            bufs.place_optimizer(o);
+        }
         let device = Device {
             compute_ns: sc.compute_ms.max(1) * 1_000_000,
             slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
