@@ -29,9 +29,10 @@
 //!   the paused worker's own iteration (`min_clock >= c`), and while such a pause is outstanding,
 //!   every later pull at the same clock queues behind it (the authors' `num_pass_workers != 0`).
 //!
-//! Pushes are acknowledged at once and applied on arrival. What differs from the authors' set-up
-//! lies outside the rule: their workers run the optimizer (momentum on the worker, the server
-//! only sums scaled updates), ours run on the servers unless a scenario says otherwise.
+//! Pushes are acknowledged at once and applied on arrival. The authors' workers run the optimizer
+//! (momentum on the worker, the server only sums scaled updates); that lies outside the policy:
+//! run it so with `optimizer_on = "worker"` in a scenario (`scenarios/fluentps-64.toml` does) or
+//! `syncopate local --optimizer-on worker`. By default momentum runs on the servers.
 //!
 //! **Changed on 2026-11-23:** `s` used to count the gap as `clock - min_clock`, so an older
 //! `fluentps:s=S` is the authors' (and today's) `fluentps:s=S-1`.
