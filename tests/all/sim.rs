@@ -264,6 +264,10 @@ fn ab_repeat_gives_the_same_intervals_and_verdicts_from_the_same_seeds() {
     }
     assert_eq!(serde_json::to_string(&a.summaries).unwrap(), serde_json::to_string(&b.summaries).unwrap());
     assert_eq!(serde_json::to_string(&a.verdicts).unwrap(), serde_json::to_string(&b.verdicts).unwrap());
+    // `--seed` starts a fresh batch: other seeds, other runs.
+    let c = ab_repeat(&dir, "c", &["--baseline", "ssp:s=2", "--seed", "11"]);
+    assert!(c.summaries.iter().all(|s| s.seeds == [11, 12, 13, 14]), "{:?}", c.summaries[0].seeds);
+    assert_ne!(serde_json::to_string(&a.rows).unwrap(), serde_json::to_string(&c.rows).unwrap());
     // The seeds draw different delays: the runs of one policy differ.
     let bsp: Vec<u64> = a.rows.iter().filter(|r| r.policy == "bsp").map(|r| r.deferred_pulls).collect();
     assert!(bsp.windows(2).any(|w| w[0] != w[1]), "four seeds, four runs: {bsp:?}");

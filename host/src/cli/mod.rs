@@ -105,11 +105,16 @@ pub struct AbArgs {
     /// The policy every other is judged against (default: the first in --policies).
     #[arg(long)]
     pub baseline: Option<crate::builtin::PolicySpec>,
+    /// The first run's seed (default: the scenario's): a fresh, independent batch of runs, to
+    /// replicate a comparison without reusing its seeds.
+    #[arg(long)]
+    pub seed: Option<u64>,
 }
 
 fn ab(a: AbArgs) -> anyhow::Result<()> {
     use anyhow::Context;
-    let scenario = crate::lab::scenario::Scenario::load(&a.scenario)?;
+    let mut scenario = crate::lab::scenario::Scenario::load(&a.scenario)?;
+    scenario.seed = a.seed.unwrap_or(scenario.seed);
     if let (Some(mbit), false) = (scenario.bandwidth_mbit, a.simulate) {
         anyhow::bail!(
             "scenario `{}` limits bandwidth to {mbit} Mbit/s, which a loopback cluster cannot enforce; \

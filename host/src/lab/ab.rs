@@ -380,6 +380,7 @@ pub fn verdict(policy: String, baseline: String, f: &Figure, a: &[f64], b: &[f64
     };
     let word = if test.first_lower { f.words.0 } else { f.words.1 };
     let text = match (significant, test.min_p >= ALPHA) {
+        (true, _) if test.p < 0.001 => format!("{word} (p < 0.001)"),
         (true, _) => format!("{word} (p = {:.3})", test.p),
         (false, true) => format!("too few runs to tell (p ≥ {:.3} at best)", test.min_p),
         (false, false) => format!("no detectable difference (p = {:.2})", test.p),
@@ -593,6 +594,11 @@ mod tests {
         // A policy that never reaches the target is later than one that does.
         let v = verdict("a".into(), "b".into(), time, &[f64::INFINITY; 5], &[3.0, 4.0, 5.0, 6.0, 7.0]);
         assert_eq!((v.outcome, v.ratio), (Outcome::Worse, None));
+        // Ten runs a side apart: a p-value three decimals cannot show.
+        let fast: Vec<f64> = (0..10).map(|i| 4.0 + f64::from(i) / 10.0).collect();
+        let slow: Vec<f64> = (0..10).map(|i| 8.0 + f64::from(i) / 10.0).collect();
+        let v = verdict("a".into(), "b".into(), time, &fast, &slow);
+        assert_eq!(v.text, "sooner (p < 0.001)");
     }
 
     #[test]
