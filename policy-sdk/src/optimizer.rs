@@ -24,6 +24,14 @@ pub struct OptimizerConfig {
     pub nesterov: bool,
 }
 
+impl OptimizerConfig {
+    /// The same learning rate without momentum or weight decay: the servers' half of an
+    /// optimizer placed on the workers (see [`Optimizer::direction`]).
+    pub fn plain(self) -> OptimizerConfig {
+        OptimizerConfig { momentum: 0.0, weight_decay: 0.0, nesterov: false, ..self }
+    }
+}
+
 impl Default for OptimizerConfig {
     fn default() -> Self {
         OptimizerConfig { lr: 0.05, momentum: 0.9, weight_decay: 0.0, nesterov: false }
@@ -68,12 +76,6 @@ impl Optimizer {
             *v = momentum * *v + d;
             *g = if nesterov { d + momentum * *v } else { *v };
         }
-    }
-
-    /// The same hyper-parameters without momentum or weight decay: the servers' half of an
-    /// optimizer placed on the workers (see [`Optimizer::direction`]).
-    pub fn plain(cfg: OptimizerConfig) -> OptimizerConfig {
-        OptimizerConfig { momentum: 0.0, weight_decay: 0.0, nesterov: false, ..cfg }
     }
 
     /// One step with gradient `scale * grad`.
@@ -124,7 +126,7 @@ mod tests {
         for nesterov in [false, true] {
             let cfg = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01, nesterov };
             let (mut whole, mut worker) = (Optimizer::new(cfg, 3), Optimizer::new(cfg, 3));
-            let mut server = Optimizer::new(Optimizer::plain(cfg), 3);
+            let mut server = Optimizer::new(cfg.plain(), 3);
             let (mut a, mut b) = (vec![0.5f32, -1.0, 2.0], vec![0.5f32, -1.0, 2.0]);
             for step in 0..50 {
                 let grad: Vec<f32> = (0..3).map(|i| ((step * 7 + i * 3) % 11) as f32 / 5.0 - 1.0).collect();

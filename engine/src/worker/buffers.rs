@@ -44,7 +44,7 @@ impl Buffers {
 
     /// Places the optimizer's momentum and weight decay on this worker: every push of a whole
     /// iteration of its own carries [`Optimizer::direction`] of its gradient, and the servers
-    /// must run plain SGD ([`Optimizer::plain`]). The parts of an iteration split by task moves
+    /// must run plain SGD ([`OptimizerConfig::plain`]). The parts of an iteration split by task moves
     /// (EPSP) go as plain gradients, from the owner and the helpers alike: momentum applies to an
     /// iteration's whole gradient, which no single worker holds then.
     pub fn place_optimizer(&mut self, cfg: OptimizerConfig) {

@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_workloads::WorkloadOptions;
 
 use crate::builtin::PolicySpec;
-use crate::shard::{Optimizer, OptimizerConfig, PushWeight};
+use crate::shard::{OptimizerConfig, PushWeight};
 
 /// A scenario file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -291,7 +291,7 @@ impl Scenario {
     pub fn server_optimizer(&self) -> OptimizerConfig {
         match self.optimizer_on {
             Placement::Server => self.optimizer(),
-            Placement::Worker => Optimizer::plain(self.optimizer()),
+            Placement::Worker => self.optimizer().plain(),
         }
     }
 
