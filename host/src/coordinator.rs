@@ -343,6 +343,7 @@ impl Coordinator {
             shards,
             servers: st.servers.iter().map(|(a, _)| *a).collect(),
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
+            workers: self.opts.workers,
         }
     }
 

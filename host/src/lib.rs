@@ -21,5 +21,5 @@ pub mod operator;
 pub mod server;
 pub mod worker;
 
-pub use node::NodeError;
+pub use node::{ErrorKind, NodeError};
 pub use syncopate_engine::{builtin, recording, replay, runtime, shard, tasks};

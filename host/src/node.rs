@@ -35,6 +35,42 @@ pub enum NodeError {
     },
 }
 
+/// What kind of failure a [`NodeError`] is, for callers that react differently to each (the
+/// Python package raises one exception class per kind).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The peer could not be reached at all (nothing listening, wrong address, TLS refused).
+    Unreachable,
+    /// The peer closed the connection because we did not authenticate (a wrong token).
+    Unauthenticated,
+    /// An established connection was lost (the peer died, was cut off or shut down).
+    Lost,
+    /// The peer answered but refused the request (a wrong model length, a cluster full).
+    Refused,
+    /// Anything else: protocol breaks, policy failures, local files.
+    Other,
+}
+
+impl NodeError {
+    /// Which kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            NodeError::Net(NetError::Connect { .. } | NetError::Timeout { .. }) => ErrorKind::Unreachable,
+            NodeError::Net(NetError::Lost { reason, .. }) => match reason {
+                quinn::ConnectionError::ApplicationClosed(c)
+                    if c.error_code == quinn::VarInt::from_u32(crate::net::close::UNAUTHENTICATED) =>
+                {
+                    ErrorKind::Unauthenticated
+                }
+                _ => ErrorKind::Lost,
+            },
+            NodeError::Net(NetError::Refused { .. }) => ErrorKind::Refused,
+            NodeError::Lost(_) => ErrorKind::Lost,
+            _ => ErrorKind::Other,
+        }
+    }
+}
+
 /// Compiles a policy module on tokio's blocking pool, so the reactor keeps serving meanwhile
 /// (compiling takes tens of milliseconds).
 pub(crate) async fn compile(

@@ -18,7 +18,7 @@ use crate::shard::{OptimizerConfig, PushWeight};
 pub struct TlsArgs {
     /// Directory with `cert.pem` and `key.pem` (as `syncopate local` writes them); the
     /// certificate is also the CA.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", env = "SYNCOPATE_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
     /// This node's certificate chain (PEM); overrides --tls-dir.
     #[arg(long, value_name = "FILE")]
@@ -27,10 +27,10 @@ pub struct TlsArgs {
     #[arg(long, value_name = "FILE")]
     pub key: Option<PathBuf>,
     /// The CA certificate (PEM) servers' certificates chain to; overrides --tls-dir.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "SYNCOPATE_CA")]
     pub ca: Option<PathBuf>,
     /// The name servers' certificates are issued for.
-    #[arg(long, default_value = DEFAULT_SERVER_NAME)]
+    #[arg(long, env = "SYNCOPATE_SERVER_NAME", default_value = DEFAULT_SERVER_NAME)]
     pub server_name: String,
 }
 
@@ -136,7 +136,7 @@ pub struct SpinArgs {
     /// (the budget adapts: it shrinks to nothing while the node waits long). Saves waking a
     /// sleeping core per message, most of a small request's round trip on virtual machines;
     /// costs at most that much CPU each time the node goes idle. 0: never spin.
-    #[arg(long, default_value_t = crate::net::spin::DEFAULT_SPIN.as_micros() as u64)]
+    #[arg(long, env = "SYNCOPATE_SPIN_US", default_value_t = crate::net::spin::DEFAULT_SPIN.as_micros() as u64)]
     pub spin_us: u64,
 }
 

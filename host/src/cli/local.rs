@@ -80,6 +80,12 @@ pub struct LocalArgs {
     pub train: TrainArgs,
     #[command(flatten)]
     pub spin: SpinArgs,
+    /// Run this training script as every worker, instead of a built-in workload: its path,
+    /// then its arguments. Must come last: everything after it is the script's. A `.py` file
+    /// runs under `$SYNCOPATE_PYTHON` (default `python3`). Without --iterations, the script ends
+    /// its own loop.
+    #[arg(long, num_args = 1.., allow_hyphen_values = true, value_name = "SCRIPT [ARGS]...")]
+    pub script: Vec<String>,
 }
 
 fn parse_slow(s: &str) -> Result<(u32, f32), String> {
@@ -114,6 +120,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
     });
     let iterations = match a.iterations {
         Some(i) => i,
+        None if !a.script.is_empty() => u64::MAX / 4,
         None if a.workload.starts_with("fashion") => {
             let part = 60_000.0 / f64::from(a.workers.max(1));
             (a.epochs * part / f64::from(a.batch.max(1))).ceil() as u64
@@ -123,7 +130,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
     let scenario = Scenario {
         name: "local".into(),
         description: String::new(),
-        workload: a.workload.clone(),
+        workload: if a.script.is_empty() { a.workload.clone() } else { "script".into() },
         hidden: a.hidden,
         params: a.params,
         workers: a.workers,
@@ -147,6 +154,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
         jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
+        script: a.script.clone(),
     };
     scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = RunSpec { scenario, policy: a.policy.policy.clone(), overrides: a.policy.overrides.clone() };

@@ -11,7 +11,7 @@ use syncopate_workloads::WorkloadOptions;
 use super::args::{tokio, tokio_threads, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
-use crate::net::tls::{ClusterAccess, Token};
+use crate::net::tls::{ClusterAccess, ClusterFile, Token};
 use crate::net::wire::Limits;
 use crate::server::ServerOptions;
 use crate::shard::OptimizerConfig;
@@ -81,67 +81,128 @@ pub struct ServerArgs {
     pub tls: TlsArgs,
 }
 
-/// `syncopate worker`.
-#[derive(Debug, Args)]
+/// `syncopate worker`. Every setting can also come from the environment, as
+/// `SYNCOPATE_<FLAG>` (`--slow-factor 3` is `SYNCOPATE_SLOW_FACTOR=3`): that is the contract a
+/// user's own training script joins by (`syncopate.init()` in Python reads the same variables,
+/// and `syncopate local --script` sets them). A flag given on the command line wins.
+#[derive(Debug, Clone, Args)]
 pub struct WorkerArgs {
     /// The coordinator's address.
-    #[arg(long)]
-    pub coordinator: SocketAddr,
+    #[arg(long, env = "SYNCOPATE_COORDINATOR", required_unless_present = "cluster")]
+    pub coordinator: Option<SocketAddr>,
+    /// A `cluster.json` written by `syncopate local` (the coordinator's address, the CA and the
+    /// token), instead of --coordinator, --ca and the token.
+    #[arg(long, value_name = "FILE", env = "SYNCOPATE_CLUSTER", conflicts_with = "coordinator")]
+    pub cluster: Option<PathBuf>,
     /// The worker id to ask for (default: the lowest free one).
-    #[arg(long)]
+    #[arg(long, env = "SYNCOPATE_ID")]
     pub id: Option<u32>,
-    /// The workload to train.
-    #[arg(long, default_value = "counter")]
+    /// The workload to train (built-in workers only).
+    #[arg(long, env = "SYNCOPATE_WORKLOAD", default_value = "counter")]
     pub workload: String,
     /// Parameters of synthetic workloads (`counter`).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, env = "SYNCOPATE_PARAMS", default_value_t = 1024)]
     pub params: usize,
     /// Directory with the Fashion-MNIST IDX files.
-    #[arg(long, default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
+    #[arg(long, env = "SYNCOPATE_DATA", default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
     pub data: PathBuf,
     /// This worker's part of the training set, `I/N` (default: all of it).
-    #[arg(long, value_parser = parse_part, default_value = "0/1")]
+    #[arg(long, env = "SYNCOPATE_PART", value_parser = parse_part, default_value = "0/1")]
     pub part: (u32, u32),
     /// Hidden units of the MLP.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "SYNCOPATE_HIDDEN", default_value_t = 128)]
     pub hidden: usize,
     /// Train until this iteration.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "SYNCOPATE_ITERATIONS", default_value_t = 100)]
     pub iterations: u64,
     /// Mini-batch size (until a policy sets another).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "SYNCOPATE_BATCH", default_value_t = 32)]
     pub batch: u32,
     /// Seed of the initial parameters.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "SYNCOPATE_SEED", default_value_t = 1)]
     pub seed: u64,
     /// Extra compute milliseconds per iteration (pacing; stretched by --slow-factor).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "SYNCOPATE_DELAY_MS", default_value_t = 0)]
     pub delay_ms: u64,
     /// Make this worker F times slower to compute (it sleeps F-1 times its compute time).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "SYNCOPATE_SLOW_FACTOR", default_value_t = 1.0)]
     pub slow_factor: f32,
     /// A random delay after each iteration, normal: `MEAN_MS:SD_MS`.
-    #[arg(long, value_parser = parse_pair_f64)]
+    #[arg(long, env = "SYNCOPATE_JITTER_MS", value_parser = parse_pair_f64)]
     pub jitter_ms: Option<(f64, f64)>,
     /// Stall once: `AT_S:FOR_S` seconds after the start, for that many seconds.
-    #[arg(long, value_parser = parse_pair_f64)]
+    #[arg(long, env = "SYNCOPATE_STALL", value_parser = parse_pair_f64)]
     pub stall: Option<(f64, f64)>,
     /// Write a JSON report here when done.
-    #[arg(long)]
+    #[arg(long, env = "SYNCOPATE_REPORT")]
     pub report: Option<PathBuf>,
     /// Momentum this worker applies to its own gradients before pushing them (the optimizer
     /// placed on the workers: run the servers without momentum then). 0: push raw gradients.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "SYNCOPATE_MOMENTUM", default_value_t = 0.0)]
     pub momentum: f32,
     /// L2 weight decay this worker adds to its own gradients (with the optimizer on the workers).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "SYNCOPATE_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f32,
     #[command(flatten)]
     pub spin: SpinArgs,
-    #[command(flatten)]
-    pub token: TokenArgs,
+    /// The cluster token (better given in the environment; a cluster file carries its own).
+    #[arg(long, env = "SYNCOPATE_TOKEN", hide_env_values = true, required_unless_present = "cluster")]
+    pub token: Option<String>,
     #[command(flatten)]
     pub tls: TlsArgs,
+}
+
+/// [`WorkerArgs`] alone, for reading them from the environment.
+#[derive(Debug, clap::Parser)]
+#[command(name = "SYNCOPATE_* environment", no_binary_name = true)]
+struct WorkerEnv {
+    #[command(flatten)]
+    worker: WorkerArgs,
+}
+
+impl WorkerArgs {
+    /// The settings the environment gives (`SYNCOPATE_*`, see the type's docs), each flag's
+    /// default where it gives none.
+    pub fn from_env() -> anyhow::Result<WorkerArgs> {
+        use clap::Parser;
+        WorkerEnv::try_parse_from(std::iter::empty::<String>())
+            .map(|e| e.worker)
+            .map_err(|e| anyhow::anyhow!("{}", e.render().to_string().trim_end()))
+    }
+
+    /// How to reach the cluster: the cluster file, or the address, CA and token.
+    pub fn access(&self) -> anyhow::Result<ClusterAccess> {
+        if let Some(path) = &self.cluster {
+            return Ok(ClusterFile::read(path)?.access());
+        }
+        Ok(ClusterAccess {
+            coordinator: self.coordinator.context("no coordinator: give --coordinator or --cluster")?,
+            tls: self.tls.client_files()?,
+            token: Token::new(self.token.clone().context("no cluster token: set SYNCOPATE_TOKEN")?),
+        })
+    }
+
+    /// The worker's options.
+    pub fn options(&self) -> anyhow::Result<WorkerOptions> {
+        Ok(WorkerOptions {
+            access: self.access()?,
+            id: self.id,
+            iterations: self.iterations,
+            batch: self.batch,
+            part: self.part.0,
+            seed: self.seed,
+            extra_delay: Duration::from_millis(self.delay_ms),
+            slow_factor: self.slow_factor,
+            jitter_ms: self.jitter_ms,
+            stall: self.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
+            report: self.report.clone(),
+            optimizer: (self.momentum != 0.0 || self.weight_decay != 0.0).then_some(OptimizerConfig {
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+                ..OptimizerConfig::default()
+            }),
+        })
+    }
 }
 
 /// Parses `A:B` as two numbers.
@@ -209,30 +270,15 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
 pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     let workload = syncopate_workloads::by_name(
         &a.workload,
-        &WorkloadOptions { params: a.params, data_dir: a.data, part: a.part, hidden: a.hidden, seed: a.seed },
-    )?;
-    let opts = WorkerOptions {
-        access: ClusterAccess {
-            coordinator: a.coordinator,
-            tls: a.tls.client_files()?,
-            token: Token::new(a.token.token),
+        &WorkloadOptions {
+            params: a.params,
+            data_dir: a.data.clone(),
+            part: a.part,
+            hidden: a.hidden,
+            seed: a.seed,
         },
-        id: a.id,
-        iterations: a.iterations,
-        batch: a.batch,
-        part: a.part.0,
-        seed: a.seed,
-        extra_delay: Duration::from_millis(a.delay_ms),
-        slow_factor: a.slow_factor,
-        jitter_ms: a.jitter_ms,
-        stall: a.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
-        report: a.report,
-        optimizer: (a.momentum != 0.0 || a.weight_decay != 0.0).then_some(OptimizerConfig {
-            momentum: a.momentum,
-            weight_decay: a.weight_decay,
-            ..OptimizerConfig::default()
-        }),
-    };
+    )?;
+    let opts = a.options()?;
     // A multi-thread runtime (compute steps leave it through block_in_place, which needs one)
     // with a thread per core, tokio's default.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -169,12 +169,24 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
 
 impl Proc {
     fn spawn(exe: &Path, dir: &Path, name: &str, args: &[String], token: &Token) -> Result<Self, NodeError> {
+        let mut cmd = Command::new(exe);
+        cmd.args(args);
+        Self::start(cmd, dir, name, token)
+    }
+
+    /// Starts `cmd` as the node `name`: its output to `logs/<name>.log`, the token in its
+    /// environment, and no `SYNCOPATE_*` setting of ours leaking into it but those `cmd` sets.
+    fn start(mut cmd: Command, dir: &Path, name: &str, token: &Token) -> Result<Self, NodeError> {
         let log = dir.join("logs").join(format!("{name}.log"));
         let out = std::fs::File::create(&log).map_err(io(format!("cannot create {}", log.display())))?;
         let err = out.try_clone().map_err(io("log file"))?;
-        let mut cmd = Command::new(exe);
-        cmd.args(args)
-            .env("SYNCOPATE_TOKEN", token.secret())
+        let set: Vec<std::ffi::OsString> = cmd.as_std().get_envs().map(|(k, _)| k.to_os_string()).collect();
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("SYNCOPATE_") && k != "SYNCOPATE_PYTHON" && !set.contains(&k) {
+                cmd.env_remove(&k);
+            }
+        }
+        cmd.env("SYNCOPATE_TOKEN", token.secret())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -182,13 +194,47 @@ impl Proc {
         // kill_on_drop covers every way out of this process but SIGKILL; for that one the
         // kernel ends the children, so no half cluster outlives `local`.
         die_with_parent(cmd.as_std_mut());
-        let child = cmd.spawn().map_err(io(format!("cannot start {} {name}", exe.display())))?;
+        let program = cmd.as_std().get_program().to_string_lossy().into_owned();
+        let child = cmd.spawn().map_err(io(format!("cannot start {program} for {name}")))?;
         Ok(Proc { name: name.to_string(), child })
     }
 
     fn pid(&self) -> u32 {
         self.child.id().unwrap_or(0)
     }
+}
+
+/// The command that runs a user's training script (`script[0]`, with the arguments after it)
+/// as a worker with the flags `args`, passed as the environment `syncopate worker` also reads:
+/// `--slow-factor 3` becomes `SYNCOPATE_SLOW_FACTOR=3`.
+pub fn script_command(script: &[String], args: &[String]) -> Command {
+    let path = &script[0];
+    let mut cmd = if path.ends_with(".py") {
+        let python = std::env::var_os("SYNCOPATE_PYTHON").unwrap_or_else(|| "python3".into());
+        let mut c = Command::new(python);
+        c.arg(path);
+        c
+    } else {
+        Command::new(path)
+    };
+    cmd.args(&script[1..]);
+    for (k, v) in flags_as_env(args) {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// `--flag value` pairs as `SYNCOPATE_FLAG=value` variables.
+pub fn flags_as_env(args: &[String]) -> Vec<(String, String)> {
+    args.chunks(2)
+        .filter_map(|pair| match pair {
+            [flag, value] => {
+                let name = flag.trim_start_matches("--").replace('-', "_").to_uppercase();
+                Some((format!("SYNCOPATE_{name}"), value.clone()))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// The last lines of a process's log, for error messages.
@@ -254,12 +300,17 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let mut workers = Vec::new();
     for w in 0..sc.workers {
         let report = dir.join("workers").join(format!("worker-{w}.json"));
-        let mut args: Vec<String> =
-            vec!["worker".into(), "--coordinator".into(), addr.clone(), "--id".into()];
+        let mut args: Vec<String> = vec!["--coordinator".into(), addr.clone(), "--id".into()];
         args.extend([w.to_string(), "--ca".into(), tls.ca.display().to_string()]);
         args.extend(["--report".into(), report.display().to_string()]);
         args.extend(opts.worker_args(w));
-        workers.push(Proc::spawn(&opts.exe, dir, &format!("worker-{w}"), &args, &token)?);
+        let name = format!("worker-{w}");
+        let proc = if sc.script.is_empty() {
+            Proc::spawn(&opts.exe, dir, &name, &[vec!["worker".to_string()], args].concat(), &token)?
+        } else {
+            Proc::start(script_command(&sc.script, &args), dir, &name, &token)?
+        };
+        workers.push(proc);
     }
     let cluster = ClusterFile {
         coordinator: addr
@@ -287,7 +338,10 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let t0 = Instant::now();
     let operator = Operator::connect(&cluster.access()).await?;
-    let evaluator = {
+    // A script's model is the script's: the launcher has no evaluator for it.
+    let evaluator = if !sc.script.is_empty() {
+        None
+    } else {
         let (w, o) = (sc.workload.clone(), sc.workload_options(&opts.data));
         let e = tokio::task::spawn_blocking(move || Evaluator::for_workload(&w, &o));
         e.await

@@ -121,6 +121,14 @@ pub struct Scenario {
     /// Workers that stall once.
     #[serde(default)]
     pub stall: Vec<Stall>,
+    /// A user's training script that every worker runs instead of a built-in workload: its path,
+    /// then its arguments (`["examples/torch/train.py", "--epochs", "2"]`). A `.py` file runs
+    /// under Python (`SYNCOPATE_PYTHON`, or `python3`); anything else is run as it is. The
+    /// script joins through the `SYNCOPATE_*` environment (see `syncopate worker --help`); the
+    /// devices' slowdowns, jitter and stalls, the budget and the batch size reach it there.
+    /// Real clusters only: the simulator cannot run it.
+    #[serde(default)]
+    pub script: Vec<String>,
 }
 
 /// Where the optimizer's momentum and weight decay run.

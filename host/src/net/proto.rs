@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -119,6 +119,8 @@ pub enum Welcome {
         servers: Vec<SocketAddr>,
         /// A silent peer is dropped after this many milliseconds.
         peer_timeout_ms: u64,
+        /// Workers the cluster expects (its start barrier; 0: none).
+        workers: u32,
     },
     /// To an operator, or to a worker or reader on a server's data plane.
     Accepted,

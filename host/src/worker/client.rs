@@ -54,6 +54,8 @@ pub struct WorkerClient {
     /// Per shard: the version of the parameters last pulled (what the next push is based on).
     pulled: Vec<AtomicU64>,
     model_len: usize,
+    /// Workers the cluster expects.
+    workers: u32,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
     stop: Arc<AtomicBool>,
     limits: Limits,
@@ -85,7 +87,7 @@ impl WorkerClient {
         };
         let name = &access.tls.server_name;
         let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
-        let Welcome::Worker { worker, shards, servers, peer_timeout_ms } = welcome else {
+        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers } = welcome else {
             return Err(NodeError::Protocol(format!("the coordinator answered {welcome:?} to a worker")));
         };
         // Data connections use the cluster's peer timeout, so servers and we agree on liveness.
@@ -109,6 +111,7 @@ impl WorkerClient {
             pulled: shards.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
             shards,
             model_len,
+            workers,
             controls,
             stop,
             limits: Limits::default(),
@@ -197,12 +200,22 @@ impl WorkerClient {
     /// Pulls the whole model before computing `iteration`, into `out`. Returns when every shard
     /// has served the pull (its policy may defer it).
     pub async fn pull(&self, iteration: u64, out: &mut [f32]) -> Result<PullStats, NodeError> {
-        assert_eq!(out.len(), self.model_len, "out must be the whole model");
-        let mut rest = out;
+        self.pull_segments(iteration, &mut [out]).await
+    }
+
+    /// [`pull`](Self::pull) into a model held in several pieces (one per tensor): `out` is the
+    /// whole model in order, and each shard's answer is read straight into the pieces its key
+    /// range covers, with no copy in between.
+    ///
+    /// # Panics
+    /// If the pieces do not add up to the whole model.
+    pub async fn pull_segments(&self, iteration: u64, out: &mut [&mut [f32]]) -> Result<PullStats, NodeError> {
+        let total: usize = out.iter().map(|s| s.len()).sum();
+        assert_eq!(total, self.model_len, "out must be the whole model");
+        let mut parts = carve(out, self.shards.iter().map(|p| (p.end - p.start) as usize)).into_iter();
         let mut pulls = Vec::with_capacity(self.shards.len());
         for (i, p) in self.shards.iter().enumerate() {
-            let (mine, tail) = rest.split_at_mut((p.end - p.start) as usize);
-            rest = tail;
+            let mine = parts.next().expect("one part per shard");
             let conn = &self.servers[p.server as usize];
             let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
             pulls.push(pull_into(conn, req, mine, self.limits));
@@ -215,6 +228,34 @@ impl WorkerClient {
             stats.min_version = stats.min_version.min(version);
         }
         Ok(stats)
+    }
+
+    /// The number of parameters: the length of the whole model.
+    pub fn model_len(&self) -> usize {
+        self.model_len
+    }
+
+    /// How many workers the cluster expects (its start barrier; later workers may join).
+    pub fn expected_workers(&self) -> u32 {
+        self.workers
+    }
+
+    /// [`push_buffer`](Self::push_buffer) of a model held in several pieces (one per tensor):
+    /// they are gathered into one of this client's pooled buffers (the one copy QUIC needs),
+    /// which is sent without another.
+    ///
+    /// # Panics
+    /// If the pieces do not add up to the whole model.
+    pub async fn push_segments(&self, iteration: u64, grad: &[&[f32]], samples: u32) -> Result<u32, NodeError> {
+        let total: usize = grad.iter().map(|s| s.len()).sum();
+        assert_eq!(total, self.model_len, "grad must be the whole model");
+        let mut buf = self.gradient_buffer();
+        let mut at = 0;
+        for piece in grad {
+            buf[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+        }
+        self.push_buffer(iteration, buf, samples).await
     }
 
     /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.
@@ -412,11 +453,34 @@ impl WorkerClient {
     }
 }
 
-/// One shard's pull: the answer's payload is read straight into `out`.
+/// Splits the pieces `segs` (a model in order) into consecutive groups of `lens` values each,
+/// cutting pieces where a group ends inside one. The groups must cover the pieces exactly.
+fn carve<'a>(segs: &'a mut [&mut [f32]], lens: impl Iterator<Item = usize>) -> Vec<Vec<&'a mut [f32]>> {
+    let mut pieces = segs.iter_mut().map(|s| &mut **s).filter(|s| !s.is_empty());
+    let mut cur: &'a mut [f32] = &mut [];
+    let mut groups = Vec::new();
+    for mut need in lens {
+        let mut group = Vec::new();
+        while need > 0 {
+            if cur.is_empty() {
+                cur = pieces.next().expect("the pieces cover every group");
+            }
+            let take = need.min(cur.len());
+            let (head, tail) = std::mem::take(&mut cur).split_at_mut(take);
+            group.push(head);
+            cur = tail;
+            need -= take;
+        }
+        groups.push(group);
+    }
+    groups
+}
+
+/// One shard's pull: the answer's payload is read straight into `out`, piece after piece.
 async fn pull_into(
     conn: &quinn::Connection,
     req: DataRequest,
-    out: &mut [f32],
+    out: Vec<&mut [f32]>,
     limits: Limits,
 ) -> Result<(u64, u64), NetError> {
     let addr = conn.remote_address();
@@ -427,7 +491,17 @@ async fn pull_into(
     let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
     match head.header {
         DataResponse::Pulled { waited_ns, version, .. } => {
-            wire::read_payload_into(&mut recv, head.payload_len, out).await.map_err(wire_err)?;
+            let values: usize = out.iter().map(|p| p.len()).sum();
+            if head.payload_len != values * 4 {
+                let e = wire::WireError::Stream(format!(
+                    "expected a tensor of {values} values, got {} bytes",
+                    head.payload_len
+                ));
+                return Err(wire_err(e));
+            }
+            for piece in out {
+                wire::read_payload_into(&mut recv, piece.len() * 4, piece).await.map_err(wire_err)?;
+            }
             wire::expect_end(&mut recv).await.map_err(wire_err)?;
             Ok((waited_ns, version))
         }

@@ -1,10 +1,14 @@
-//! The worker role: the client library workloads use ([`client`]) and the training loop that
-//! `syncopate worker` runs ([`run`]).
+//! The worker role: the client library workloads use ([`client`]), the training loop that
+//! `syncopate worker` runs ([`run`]), and the step-by-step driver a user's own training loop
+//! (the Python package) runs ([`session`]).
 
 pub mod client;
+mod clock;
 mod run;
+pub mod session;
 
 pub use crate::net::tls::ClusterAccess;
 pub use client::{PullStats, WorkerClient};
 pub use run::{run, WorkerOptions};
+pub use session::{Session, SessionError, Step};
 pub use syncopate_engine::worker::WorkerReport;

@@ -21,6 +21,7 @@ use syncopate_policy_sdk::abi::WorkerId;
 use syncopate_workloads::Workload;
 
 use super::client::{PullStats, WorkerClient};
+use super::clock::Clock;
 use crate::net::tls::ClusterAccess;
 use crate::shard::OptimizerConfig;
 use crate::NodeError;
@@ -58,28 +59,6 @@ pub struct WorkerOptions {
     pub optimizer: Option<OptimizerConfig>,
 }
 
-/// The driver's clock: Unix time in nanoseconds, read from a monotonic clock (so a report's
-/// times line up with other processes' and never go backwards).
-struct Clock {
-    origin: Instant,
-    unix_ns: u64,
-}
-
-impl Clock {
-    fn new() -> Self {
-        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        Clock { origin: Instant::now(), unix_ns: unix.as_nanos() as u64 }
-    }
-
-    fn now(&self) -> u64 {
-        self.unix_ns + self.origin.elapsed().as_nanos() as u64
-    }
-
-    fn instant(&self, at_ns: u64) -> tokio::time::Instant {
-        (self.origin + Duration::from_nanos(at_ns.saturating_sub(self.unix_ns))).into()
-    }
-}
-
 /// A request in flight, with the buffer it borrowed.
 enum Done {
     Pulled(Result<PullStats, NodeError>, Vec<f32>),
@@ -87,7 +66,8 @@ enum Done {
 }
 
 impl WorkerOptions {
-    fn device(&self, id: WorkerId) -> Device {
+    /// The emulated device these options describe, for worker `id`.
+    pub(crate) fn device(&self, id: WorkerId) -> Device {
         Device {
             compute_ns: self.extra_delay.as_nanos() as u64,
             slow_factor: self.slow_factor,

@@ -56,6 +56,9 @@ pub enum SimError {
     /// The policy does not load or start.
     #[error("policy `{0}`: {1}")]
     Policy(String, PolicyError),
+    /// The scenario runs a user's script, which only a real cluster can.
+    #[error("the simulator cannot run a training script ({0}); run it on a real cluster (`syncopate ab` without --simulate)")]
+    Script(String),
     /// The workload cannot be built.
     #[error(transparent)]
     Workload(#[from] syncopate_workloads::WorkloadError),
@@ -169,6 +172,9 @@ pub struct Simulated {
 /// Runs the scenario under the policy.
 pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimError> {
     let (sc, policy) = (&opts.run.scenario, &opts.run.policy);
+    if let Some(script) = sc.script.first() {
+        return Err(SimError::Script(script.clone()));
+    }
     let n = sc.workers;
     let shards_n = opts.run.shards();
     let module = policy.load(rt).map_err(|e| SimError::Policy(policy.to_string(), e))?;

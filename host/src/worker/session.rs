@@ -1,0 +1,435 @@
+//! A worker driven step by step from outside: the training loop is the user's (a Python
+//! script), not ours. [`Session`] is the third driver of the engine's [`WorkerMachine`], beside
+//! `syncopate worker` ([`super::run`]) and the simulator: the machine still decides every step
+//! (which iteration comes next, pauses, batch sizes, skips, the emulated device's delays, what
+//! the report counts), and the user's loop answers its `Compute` actions with a gradient.
+//!
+//! The loop is blocking: [`Session::pull`] returns when the model is in the caller's buffers and
+//! the machine wants a gradient; [`Session::push`] returns when every shard has acknowledged the
+//! gradient and the machine has moved on to the next pull (which waits for the next call). A
+//! tokio runtime with its own threads keeps the connections alive while the caller computes,
+//! and carries out what the policies ask meanwhile (acknowledging control messages) while a
+//! pull or push is in flight. Every wait checks `interrupt` about every 50 ms, so a caller can
+//! give up (Ctrl-C) and leave cleanly.
+//!
+//! A session's workload cannot split an iteration into tasks: a policy that moves tasks
+//! (EPSP) gets none of its iterations' tasks ("none could be handed over") and sends it none.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::future::LocalBoxFuture;
+use futures::FutureExt;
+use syncopate_engine::tasks::ControlMessage;
+use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerConfig, WorkerMachine, WorkerReport};
+use tokio::sync::mpsc;
+
+use super::client::WorkerClient;
+use super::clock::Clock;
+use super::run::WorkerOptions;
+use crate::NodeError;
+
+/// How often a wait checks whether the caller wants to give up.
+const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+
+/// Why a session call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// The cluster failed us, or the worker cannot go on.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// The caller's `interrupt` asked to stop waiting.
+    #[error("interrupted")]
+    Interrupted,
+    /// The calls came in an order the loop does not allow (two pulls without a push, a push
+    /// before any pull).
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl From<syncopate_engine::worker::WorkerError> for SessionError {
+    fn from(e: syncopate_engine::worker::WorkerError) -> Self {
+        SessionError::Node(e.into())
+    }
+}
+
+/// The iteration the caller computes next, as [`Session::pull`] returns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// The iteration (the cluster's numbering: a late joiner starts with the slowest worker,
+    /// and a policy may skip iterations).
+    pub iteration: u64,
+    /// Samples to compute it on: the batch size in force (a policy may change it).
+    pub batch: u32,
+}
+
+/// What the machine wants next from the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    /// A pull of this iteration, made when the caller asks for the model.
+    Pull(u64),
+    /// A gradient for this iteration.
+    Compute(Step),
+    /// The gradient computed for this iteration, pushed now.
+    Push { iteration: u64, samples: u32 },
+    /// Training is over.
+    Leave,
+}
+
+/// Where the caller's loop stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the caller's pull of this iteration.
+    Pull(u64),
+    /// The caller computes `step`; its pull returned at `since` (driver time).
+    Computing { step: Step, since: u64 },
+    /// Training is over (the session can only leave).
+    Done,
+}
+
+/// A worker whose training loop is the caller's; see the module docs.
+#[derive(Debug)]
+pub struct Session {
+    rt: tokio::runtime::Runtime,
+    client: Option<WorkerClient>,
+    machine: WorkerMachine,
+    controls: mpsc::UnboundedReceiver<ControlMessage>,
+    clock: Clock,
+    phase: Phase,
+    /// Control messages that arrived since the caller last took them.
+    seen: Vec<ControlMessage>,
+    stop_seen: bool,
+    report_path: Option<PathBuf>,
+}
+
+impl Session {
+    /// Joins the cluster `opts.access` names with a model held in pieces `init` (one per tensor,
+    /// in order): the shards a first worker creates start from these values, and shards that
+    /// exist keep theirs (the first pull brings every worker to them). Waits for the start
+    /// barrier. `threads`: the runtime's threads (1 or 2 leave the cores to the caller's
+    /// computation).
+    pub fn connect(opts: WorkerOptions, init: &[&[f32]], threads: usize) -> Result<Session, SessionError> {
+        let spin = Duration::ZERO;
+        let rt = crate::net::spin::runtime_builder(threads.max(1), spin)
+            .thread_name("syncopate-io")
+            .build()
+            .map_err(|source| NodeError::Io { what: "cannot start the async runtime".into(), source })?;
+        let whole: Vec<f32> = init.concat();
+        let (client, start) = rt.block_on(async {
+            let mut client = WorkerClient::connect(&opts.access, opts.id, whole.len()).await?;
+            let start = client.join(&whole).await?;
+            client.ready().await?;
+            Ok::<_, NodeError>((client, start))
+        })?;
+        let mut client = client;
+        let controls = client.take_controls();
+        let id = client.id();
+        let cfg = WorkerConfig {
+            id,
+            start,
+            iterations: opts.iterations,
+            batch: opts.batch,
+            part: opts.part,
+            can_split: false,
+            numbering_shared: client.numbering_shared(),
+            device: opts.device(id),
+        };
+        let clock = Clock::new();
+        let machine = WorkerMachine::new(cfg, clock.now()).map_err(NodeError::from)?;
+        let mut s = Session {
+            rt,
+            client: Some(client),
+            machine,
+            controls,
+            clock,
+            phase: Phase::Done,
+            seen: Vec::new(),
+            stop_seen: false,
+            report_path: opts.report.clone(),
+        };
+        s.phase = match s.drive(None, &mut || false)? {
+            Next::Pull(it) => Phase::Pull(it),
+            Next::Leave => Phase::Done,
+            other => return Err(SessionError::Usage(format!("the worker began with {other:?}"))),
+        };
+        Ok(s)
+    }
+
+    fn client(&self) -> &WorkerClient {
+        self.client.as_ref().expect("a session has its client until it leaves")
+    }
+
+    /// This worker's id (its rank).
+    pub fn id(&self) -> u32 {
+        self.client().id()
+    }
+
+    /// How many workers the cluster expects.
+    pub fn workers(&self) -> u32 {
+        self.client().expected_workers()
+    }
+
+    /// The number of parameters of the whole model.
+    pub fn model_len(&self) -> usize {
+        self.client().model_len()
+    }
+
+    /// Whether training is over (the iterations done, or the cluster asked the workers to stop).
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// What the worker has done so far (the same report `syncopate worker` writes).
+    pub fn report(&self) -> WorkerReport {
+        let mut r = self.machine.report().clone();
+        (r.bytes_sent, r.bytes_received) = self.client().bytes();
+        r
+    }
+
+    /// The control messages the shards' policies sent since the last call (each already obeyed:
+    /// pauses waited, batch sizes in force from the iteration the machine named).
+    pub fn take_controls(&mut self) -> Vec<ControlMessage> {
+        std::mem::take(&mut self.seen)
+    }
+
+    /// Pulls the model for the next iteration into `out` (the whole model, in pieces), and
+    /// returns that iteration; `None` once training is over. Between a pull and the next, the
+    /// caller must [`push`](Self::push) the gradient computed on what it pulled.
+    pub fn pull(
+        &mut self,
+        out: &mut [&mut [f32]],
+        interrupt: &mut dyn FnMut() -> bool,
+    ) -> Result<Option<Step>, SessionError> {
+        self.check_len(out.iter().map(|s| s.len()).sum(), "pull")?;
+        loop {
+            let iteration = match self.phase {
+                Phase::Pull(it) => it,
+                Phase::Done => return Ok(None),
+                Phase::Computing { step, .. } => {
+                    return Err(SessionError::Usage(format!(
+                        "pull called again before the gradient of iteration {} was pushed",
+                        step.iteration
+                    )))
+                }
+            };
+            let client = self.client.as_ref().expect("a session has its client until it leaves");
+            let into = &mut *out;
+            let op = async move {
+                let r = client.pull_segments(iteration, into).await?;
+                Ok(Input::Pulled { deferred: r.deferred_shards > 0, deferred_ns: r.waited_ns })
+            }
+            .boxed_local();
+            // A skip may abandon the pulled iteration: the machine then pulls again.
+            let next = Self::drive_with(
+                &self.rt,
+                client,
+                &mut self.machine,
+                &mut self.controls,
+                &self.clock,
+                &mut self.seen,
+                &mut self.stop_seen,
+                Some(op),
+                interrupt,
+            );
+            match next? {
+                Next::Compute(step) => {
+                    self.phase = Phase::Computing { step, since: self.clock.now() };
+                    return Ok(Some(step));
+                }
+                Next::Pull(it) => self.phase = Phase::Pull(it),
+                Next::Leave => self.phase = Phase::Done,
+                Next::Push { .. } => return Err(SessionError::Usage("the worker pushed before computing".into())),
+            }
+            // A pull can only be carried out into the caller's buffers once; pull the next
+            // iteration into them too (the caller computes on the latest model).
+            if let Phase::Pull(_) = self.phase {
+                continue;
+            }
+            return Ok(None);
+        }
+    }
+
+    /// Pushes the gradient of the iteration the last [`pull`](Self::pull) returned (the whole
+    /// model, in pieces), computed on `stats.samples` samples with mean loss `stats.loss`.
+    /// Returns how many shards' policies dropped it (0: every shard applied it), or `None` when
+    /// a policy's skip abandoned the iteration and it was not pushed.
+    pub fn push(
+        &mut self,
+        grad: &[&[f32]],
+        stats: StepStats,
+        interrupt: &mut dyn FnMut() -> bool,
+    ) -> Result<Option<u32>, SessionError> {
+        self.check_len(grad.iter().map(|s| s.len()).sum(), "push")?;
+        let Phase::Computing { since, .. } = self.phase else {
+            return Err(SessionError::Usage(match self.phase {
+                Phase::Done => "push after training ended".into(),
+                _ => "push called without a pull first".into(),
+            }));
+        };
+        let now = self.clock.now();
+        self.machine.handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
+        let mut dropped = None;
+        let mut next = self.drive(None, interrupt)?;
+        if let Next::Push { iteration, samples } = next {
+            let client = self.client.as_ref().expect("a session has its client until it leaves");
+            let d = &mut dropped;
+            let op = async move {
+                let r = client.push_segments(iteration, grad, samples).await?;
+                *d = Some(r);
+                Ok(Input::Pushed { kind: JobKind::Own, result: Ok(r) })
+            }
+            .boxed_local();
+            next = Self::drive_with(
+                &self.rt,
+                client,
+                &mut self.machine,
+                &mut self.controls,
+                &self.clock,
+                &mut self.seen,
+                &mut self.stop_seen,
+                Some(op),
+                interrupt,
+            )?;
+        }
+        self.phase = match next {
+            Next::Pull(it) => Phase::Pull(it),
+            Next::Leave => Phase::Done,
+            other => return Err(SessionError::Usage(format!("after a push the worker asked for {other:?}"))),
+        };
+        Ok(dropped)
+    }
+
+    fn check_len(&self, got: usize, what: &str) -> Result<(), SessionError> {
+        let want = self.model_len();
+        if got != want {
+            return Err(SessionError::Usage(format!(
+                "{what}: the tensors hold {got} values, the model {want} (the tensors given when joining)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn drive(
+        &mut self,
+        op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
+        interrupt: &mut dyn FnMut() -> bool,
+    ) -> Result<Next, SessionError> {
+        let client = self.client.as_ref().expect("a session has its client until it leaves");
+        Self::drive_with(
+            &self.rt,
+            client,
+            &mut self.machine,
+            &mut self.controls,
+            &self.clock,
+            &mut self.seen,
+            &mut self.stop_seen,
+            op,
+            interrupt,
+        )
+    }
+
+    /// Runs the machine, carrying out its actions, until it wants something of the caller;
+    /// `op` (a pull or push in flight) completes meanwhile and is fed to it.
+    #[allow(clippy::too_many_arguments)]
+    fn drive_with(
+        rt: &tokio::runtime::Runtime,
+        client: &WorkerClient,
+        m: &mut WorkerMachine,
+        controls: &mut mpsc::UnboundedReceiver<ControlMessage>,
+        clock: &Clock,
+        seen: &mut Vec<ControlMessage>,
+        stop_seen: &mut bool,
+        mut op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
+        interrupt: &mut dyn FnMut() -> bool,
+    ) -> Result<Next, SessionError> {
+        rt.block_on(async {
+            let mut tick = tokio::time::interval(INTERRUPT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                if !*stop_seen && client.stop_requested() {
+                    *stop_seen = true;
+                    m.handle(clock.now(), Input::Stop)?;
+                }
+                while let Ok(msg) = controls.try_recv() {
+                    seen.push(msg.clone());
+                    m.handle(clock.now(), Input::Control(msg))?;
+                }
+                if let Some(action) = m.poll_action(clock.now()) {
+                    match action {
+                        Action::Pull { iteration } => return Ok(Next::Pull(iteration)),
+                        Action::Compute(job) => {
+                            return Ok(Next::Compute(Step { iteration: job.iteration, batch: job.batch }))
+                        }
+                        Action::Push(job) if job.kind == JobKind::Own && job.tasks.is_none() => {
+                            return Ok(Next::Push { iteration: job.iteration, samples: job.samples })
+                        }
+                        Action::Push(job) => {
+                            return Err(SessionError::Usage(format!(
+                                "the worker was asked to push tasks ({job:?}), which a session cannot compute"
+                            )))
+                        }
+                        Action::Handover { shard, handover: h } => {
+                            let s = h.split;
+                            let r = client
+                                .tasks_yielded(shard, h.to, h.iteration, (h.first, h.count), s.total, s.batch, s.part)
+                                .await;
+                            if let Err(e) = r {
+                                m.handle(clock.now(), Input::HandoverRefused { handover: h, error: e.to_string() })?;
+                            }
+                        }
+                        Action::Applied { shard, control, iteration } => {
+                            client.control_applied(shard, control, iteration).await?
+                        }
+                        Action::Finished(report) => client.finished(report).await?,
+                        Action::Skip { to, .. } => client.skip(to).await?,
+                        Action::Leave => return Ok(Next::Leave),
+                    }
+                    continue;
+                }
+                let wake = m.poll_timeout().map(|t| clock.instant(t));
+                tokio::select! {
+                    input = async { op.as_mut().expect("guarded").await }, if op.is_some() => {
+                        op = None;
+                        m.handle(clock.now(), input?)?;
+                    }
+                    Some(msg) = controls.recv() => {
+                        seen.push(msg.clone());
+                        m.handle(clock.now(), Input::Control(msg))?;
+                    }
+                    () = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
+                        m.handle(clock.now(), Input::Timer)?;
+                    }
+                    _ = tick.tick() => {
+                        if interrupt() {
+                            return Err(SessionError::Interrupted);
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// Writes the report (where the options named), leaves every shard and the coordinator, and
+    /// returns the report. Safe at any point: a worker that leaves mid-iteration is dropped from
+    /// the clocks, as a dead one would be, without waiting for it to time out.
+    pub fn leave(mut self) -> Result<WorkerReport, SessionError> {
+        let report = self.report();
+        if let Some(path) = &self.report_path {
+            let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
+            std::fs::write(path, json)
+                .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
+        }
+        let client = self.client.take().expect("a session has its client until it leaves");
+        self.rt.block_on(client.leave())?;
+        Ok(report)
+    }
+}
+
+impl Drop for Session {
+    /// A session dropped without [`leave`](Session::leave) still says goodbye (at most 2 s).
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            let _ = self.rt.block_on(tokio::time::timeout(Duration::from_secs(2), client.leave()));
+        }
+    }
+}
