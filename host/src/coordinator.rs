@@ -344,6 +344,7 @@ impl Coordinator {
             servers: st.servers.iter().map(|(a, _)| *a).collect(),
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             workers: self.opts.workers,
+            optimizer: self.opts.optimizer,
         }
     }
 

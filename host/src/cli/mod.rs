@@ -3,6 +3,7 @@
 mod args;
 mod local;
 mod policy;
+pub use roles::{policy_source, WorkerArgs};
 mod roles;
 
 use clap::{Parser, Subcommand};

@@ -164,8 +164,14 @@ impl WorkerArgs {
     /// The settings the environment gives (`SYNCOPATE_*`, see the type's docs), each flag's
     /// default where it gives none.
     pub fn from_env() -> anyhow::Result<WorkerArgs> {
+        Self::from_env_and(Vec::new())
+    }
+
+    /// [`from_env`](Self::from_env), with `flags` (`--name value`, as `syncopate worker` takes
+    /// them) over the environment's settings.
+    pub fn from_env_and(flags: Vec<String>) -> anyhow::Result<WorkerArgs> {
         use clap::Parser;
-        WorkerEnv::try_parse_from(std::iter::empty::<String>())
+        WorkerEnv::try_parse_from(flags)
             .map(|e| e.worker)
             .map_err(|e| anyhow::anyhow!("{}", e.render().to_string().trim_end()))
     }
@@ -194,7 +200,9 @@ impl WorkerArgs {
             extra_delay: Duration::from_millis(self.delay_ms),
             slow_factor: self.slow_factor,
             jitter_ms: self.jitter_ms,
-            stall: self.stall.map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
+            stall: self
+                .stall
+                .map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
             report: self.report.clone(),
             optimizer: (self.momentum != 0.0 || self.weight_decay != 0.0).then_some(OptimizerConfig {
                 momentum: self.momentum,

@@ -121,6 +121,8 @@ pub enum Welcome {
         peer_timeout_ms: u64,
         /// Workers the cluster expects (its start barrier; 0: none).
         workers: u32,
+        /// The servers' optimizer (what a push of a weight change must be scaled by).
+        optimizer: OptimizerConfig,
     },
     /// To an operator, or to a worker or reader on a server's data plane.
     Accepted,

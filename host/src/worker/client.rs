@@ -56,6 +56,8 @@ pub struct WorkerClient {
     model_len: usize,
     /// Workers the cluster expects.
     workers: u32,
+    /// The servers' optimizer.
+    optimizer: crate::shard::OptimizerConfig,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
     stop: Arc<AtomicBool>,
     limits: Limits,
@@ -87,7 +89,7 @@ impl WorkerClient {
         };
         let name = &access.tls.server_name;
         let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
-        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers } = welcome else {
+        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers, optimizer } = welcome else {
             return Err(NodeError::Protocol(format!("the coordinator answered {welcome:?} to a worker")));
         };
         // Data connections use the cluster's peer timeout, so servers and we agree on liveness.
@@ -112,6 +114,7 @@ impl WorkerClient {
             shards,
             model_len,
             workers,
+            optimizer,
             controls,
             stop,
             limits: Limits::default(),
@@ -209,7 +212,11 @@ impl WorkerClient {
     ///
     /// # Panics
     /// If the pieces do not add up to the whole model.
-    pub async fn pull_segments(&self, iteration: u64, out: &mut [&mut [f32]]) -> Result<PullStats, NodeError> {
+    pub async fn pull_segments(
+        &self,
+        iteration: u64,
+        out: &mut [&mut [f32]],
+    ) -> Result<PullStats, NodeError> {
         let total: usize = out.iter().map(|s| s.len()).sum();
         assert_eq!(total, self.model_len, "out must be the whole model");
         let mut parts = carve(out, self.shards.iter().map(|p| (p.end - p.start) as usize)).into_iter();
@@ -235,6 +242,11 @@ impl WorkerClient {
         self.model_len
     }
 
+    /// The servers' optimizer: what every pushed gradient goes through.
+    pub fn server_optimizer(&self) -> crate::shard::OptimizerConfig {
+        self.optimizer
+    }
+
     /// How many workers the cluster expects (its start barrier; later workers may join).
     pub fn expected_workers(&self) -> u32 {
         self.workers
@@ -246,7 +258,12 @@ impl WorkerClient {
     ///
     /// # Panics
     /// If the pieces do not add up to the whole model.
-    pub async fn push_segments(&self, iteration: u64, grad: &[&[f32]], samples: u32) -> Result<u32, NodeError> {
+    pub async fn push_segments(
+        &self,
+        iteration: u64,
+        grad: &[&[f32]],
+        samples: u32,
+    ) -> Result<u32, NodeError> {
         let total: usize = grad.iter().map(|s| s.len()).sum();
         assert_eq!(total, self.model_len, "grad must be the whole model");
         let mut buf = self.gradient_buffer();

@@ -21,7 +21,9 @@ use std::time::Duration;
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
 use syncopate_engine::tasks::ControlMessage;
-use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerConfig, WorkerMachine, WorkerReport};
+use syncopate_engine::worker::{
+    Action, Input, JobKind, StepStats, WorkerConfig, WorkerMachine, WorkerReport,
+};
 use tokio::sync::mpsc;
 
 use super::client::WorkerClient;
@@ -169,6 +171,11 @@ impl Session {
         self.client().expected_workers()
     }
 
+    /// The servers' optimizer (learning rate, momentum, weight decay).
+    pub fn server_optimizer(&self) -> crate::shard::OptimizerConfig {
+        self.client().server_optimizer()
+    }
+
     /// The number of parameters of the whole model.
     pub fn model_len(&self) -> usize {
         self.client().model_len()
@@ -238,7 +245,9 @@ impl Session {
                 }
                 Next::Pull(it) => self.phase = Phase::Pull(it),
                 Next::Leave => self.phase = Phase::Done,
-                Next::Push { .. } => return Err(SessionError::Usage("the worker pushed before computing".into())),
+                Next::Push { .. } => {
+                    return Err(SessionError::Usage("the worker pushed before computing".into()))
+                }
             }
             // A pull can only be carried out into the caller's buffers once; pull the next
             // iteration into them too (the caller computes on the latest model).
@@ -267,7 +276,8 @@ impl Session {
             }));
         };
         let now = self.clock.now();
-        self.machine.handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
+        self.machine
+            .handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
         let mut dropped = None;
         let mut next = self.drive(None, interrupt)?;
         if let Next::Push { iteration, samples } = next {
@@ -416,8 +426,10 @@ impl Session {
         let report = self.report();
         if let Some(path) = &self.report_path {
             let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
-            std::fs::write(path, json)
-                .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
+            std::fs::write(path, json).map_err(|source| NodeError::Io {
+                what: format!("cannot write {}", path.display()),
+                source,
+            })?;
         }
         let client = self.client.take().expect("a session has its client until it leaves");
         self.rt.block_on(client.leave())?;

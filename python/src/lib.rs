@@ -1,0 +1,337 @@
+//! `syncopate._native`: the extension module behind the `syncopate` Python package.
+//!
+//! It binds three things of the host crate and nothing else: the worker [`Session`] (the
+//! engine's worker machine, driven by the user's training loop), the worker settings read from
+//! the `SYNCOPATE_*` environment (the same ones `syncopate worker` takes), and the operator's
+//! swap and status. Tensors cross as `(address, length)` pairs of `float32` buffers that the
+//! Python half has checked (dtype, contiguity, device, size) and keeps alive for the call: the
+//! buffer protocol is not in the stable ABI before Python 3.11, and this keeps one abi3 wheel
+//! for 3.10 and later. Every wait releases the GIL and checks for signals about every 50 ms, so
+//! Ctrl-C interrupts a pull that a policy defers.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::{create_exception, wrap_pyfunction};
+use syncopate::builtin::PolicySpec;
+use syncopate::cli::{policy_source, WorkerArgs};
+use syncopate::net::tls::ClusterFile;
+use syncopate::operator::Operator;
+use syncopate::worker::{Session, SessionError};
+use syncopate::{ErrorKind, NodeError};
+use syncopate_engine::worker::StepStats;
+
+create_exception!(_native, SyncopateError, PyException, "Anything that went wrong in Syncopate.");
+create_exception!(
+    _native,
+    ConfigError,
+    SyncopateError,
+    "The settings are missing or wrong (no coordinator, an unreadable CA, a bad value)."
+);
+create_exception!(
+    _native,
+    ClusterUnreachable,
+    SyncopateError,
+    "Nothing answered at the coordinator's or a server's address (or its TLS was refused)."
+);
+create_exception!(_native, TokenRefused, SyncopateError, "The cluster refused our token.");
+create_exception!(
+    _native,
+    ServerLost,
+    SyncopateError,
+    "A server or the coordinator went away (died, was cut off, or shut down) mid-training."
+);
+create_exception!(
+    _native,
+    RequestRefused,
+    SyncopateError,
+    "The cluster answered but refused the request (a model of another size, a full cluster)."
+);
+create_exception!(
+    _native,
+    UsageError,
+    SyncopateError,
+    "Calls in an order the training loop does not allow (two pulls without a push)."
+);
+create_exception!(
+    _native,
+    TensorError,
+    SyncopateError,
+    "A tensor of the wrong dtype, shape, device or layout."
+);
+
+/// The Python exception for a host error.
+fn node_err(e: NodeError) -> PyErr {
+    let msg = e.to_string();
+    match e.kind() {
+        ErrorKind::Unreachable => ClusterUnreachable::new_err(msg),
+        ErrorKind::Unauthenticated => {
+            TokenRefused::new_err(format!("{msg} (the cluster closed the connection: a wrong token)"))
+        }
+        ErrorKind::Lost => ServerLost::new_err(msg),
+        ErrorKind::Refused => RequestRefused::new_err(msg),
+        ErrorKind::Other => SyncopateError::new_err(msg),
+    }
+}
+
+/// The Python exception for a session error; `interrupted` is the signal's own exception
+/// (KeyboardInterrupt), raised in its place.
+fn session_err(e: SessionError, interrupted: &mut Option<PyErr>) -> PyErr {
+    match e {
+        SessionError::Node(n) => node_err(n),
+        SessionError::Interrupted => {
+            interrupted.take().unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err(()))
+        }
+        SessionError::Usage(m) => UsageError::new_err(m),
+    }
+}
+
+fn config_err(e: anyhow::Error) -> PyErr {
+    ConfigError::new_err(format!("{e:#}"))
+}
+
+/// Worker settings: the `SYNCOPATE_*` environment, overridden by `flags` (`--name value` pairs).
+fn worker_args(flags: Vec<String>) -> PyResult<WorkerArgs> {
+    WorkerArgs::from_env_and(flags).map_err(config_err)
+}
+
+/// Checks an `(address, length)` list and makes slices of it.
+///
+/// # Safety
+/// Each pair must be a live, writable `float32` buffer of that many values that nothing else
+/// touches until the slices are dropped (the Python half guarantees it).
+unsafe fn slices<'a>(bufs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [f32]>> {
+    bufs.iter()
+        .map(|&(addr, len)| {
+            if len == 0 {
+                return Ok(&mut [][..]);
+            }
+            if addr == 0 || addr % std::mem::align_of::<f32>() != 0 {
+                return Err(TensorError::new_err(format!("a buffer at {addr:#x} is not float32-aligned")));
+            }
+            // SAFETY: the caller's contract.
+            Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, len) })
+        })
+        .collect()
+}
+
+/// A worker joined to a cluster, driven by the caller's loop (`syncopate.Worker` wraps it).
+#[pyclass(module = "syncopate._native")]
+struct NativeSession {
+    inner: Mutex<Option<Session>>,
+}
+
+impl NativeSession {
+    fn with<R>(&self, f: impl FnOnce(&mut Session) -> PyResult<R>) -> PyResult<R> {
+        let mut g = self.inner.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?;
+        let s = g.as_mut().ok_or_else(|| UsageError::new_err("this worker has left the cluster"))?;
+        f(s)
+    }
+}
+
+/// Runs `f` without the GIL, with an interrupt check that takes it back briefly to look for
+/// signals (Ctrl-C), keeping the signal's exception.
+fn detached<R: Send>(
+    py: Python<'_>,
+    f: impl FnOnce(&mut dyn FnMut() -> bool) -> Result<R, SessionError> + Send,
+) -> PyResult<R> {
+    let mut interrupted: Option<PyErr> = None;
+    let slot = &mut interrupted;
+    let r = py.detach(move || {
+        let mut check = || {
+            Python::attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    *slot = Some(e);
+                    true
+                }
+            })
+        };
+        f(&mut check)
+    });
+    r.map_err(|e| session_err(e, &mut interrupted))
+}
+
+#[pymethods]
+impl NativeSession {
+    /// Joins the cluster. `init`: the model's tensors as (address, length) pairs; `flags`:
+    /// settings over the environment's; `threads`: the I/O runtime's threads.
+    #[new]
+    fn new(py: Python<'_>, init: Vec<(usize, usize)>, flags: Vec<String>, threads: usize) -> PyResult<Self> {
+        let opts = worker_args(flags)?.options().map_err(config_err)?;
+        // SAFETY: the Python half's contract (see `slices`); the values are only read.
+        let init = unsafe { slices(&init)? };
+        let init: Vec<&[f32]> = init.into_iter().map(|s| &*s).collect();
+        let session = detached(py, move |_| Session::connect(opts, &init, threads))?;
+        Ok(NativeSession { inner: Mutex::new(Some(session)) })
+    }
+
+    /// This worker's id.
+    #[getter]
+    fn rank(&self) -> PyResult<u32> {
+        self.with(|s| Ok(s.id()))
+    }
+
+    /// Workers the cluster expects.
+    #[getter]
+    fn size(&self) -> PyResult<u32> {
+        self.with(|s| Ok(s.workers()))
+    }
+
+    /// The servers' optimizer: (learning rate, momentum, weight decay).
+    #[getter]
+    fn server_optimizer(&self) -> PyResult<(f32, f32, f32)> {
+        self.with(|s| {
+            let o = s.server_optimizer();
+            Ok((o.lr, o.momentum, o.weight_decay))
+        })
+    }
+
+    /// Parameters in the whole model.
+    #[getter]
+    fn model_len(&self) -> PyResult<usize> {
+        self.with(|s| Ok(s.model_len()))
+    }
+
+    /// Whether training is over.
+    #[getter]
+    fn done(&self) -> PyResult<bool> {
+        self.with(|s| Ok(s.is_done()))
+    }
+
+    /// Pulls into `out`; returns (iteration, batch), or None once training is over.
+    fn pull(&self, py: Python<'_>, out: Vec<(usize, usize)>) -> PyResult<Option<(u64, u32)>> {
+        self.with(|s| {
+            // SAFETY: the Python half's contract (see `slices`).
+            let mut out = unsafe { slices(&out)? };
+            let step = detached(py, move |stop| s.pull(&mut out, stop))?;
+            Ok(step.map(|st| (st.iteration, st.batch)))
+        })
+    }
+
+    /// Pushes `grad`; returns how many shards dropped it, or None if it was not pushed.
+    fn push(
+        &self,
+        py: Python<'_>,
+        grad: Vec<(usize, usize)>,
+        samples: u32,
+        loss: f32,
+    ) -> PyResult<Option<u32>> {
+        self.with(|s| {
+            // SAFETY: the Python half's contract (see `slices`); the values are only read.
+            let grad = unsafe { slices(&grad)? };
+            let grad: Vec<&[f32]> = grad.into_iter().map(|g| &*g).collect();
+            detached(py, move |stop| s.push(&grad, StepStats { samples, loss }, stop))
+        })
+    }
+
+    /// Control messages since the last call, as JSON.
+    fn controls(&self) -> PyResult<String> {
+        self.with(|s| {
+            let msgs: Vec<serde_json::Value> = s
+                .take_controls()
+                .into_iter()
+                .map(|m| serde_json::json!({ "shard": m.shard, "control": m.control }))
+                .collect();
+            Ok(serde_json::Value::Array(msgs).to_string())
+        })
+    }
+
+    /// The worker's report so far, as JSON.
+    fn report(&self) -> PyResult<String> {
+        self.with(|s| Ok(serde_json::to_string(&s.report()).expect("reports serialize")))
+    }
+
+    /// Leaves the cluster (idempotent); returns the final report as JSON, or None if already left.
+    fn leave(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let taken = self.inner.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?.take();
+        let Some(session) = taken else { return Ok(None) };
+        let report = detached(py, move |_| session.leave())?;
+        Ok(Some(serde_json::to_string(&report).expect("reports serialize")))
+    }
+}
+
+/// The settings a worker would join with (environment and flags), as JSON: for checking them
+/// before joining (`syncopate.init`).
+#[pyfunction]
+fn settings(flags: Vec<String>) -> PyResult<String> {
+    let a = worker_args(flags)?;
+    let access = a.access().map_err(config_err)?;
+    Ok(serde_json::json!({
+        "coordinator": access.coordinator.to_string(),
+        "ca": access.tls.ca,
+        "server_name": access.tls.server_name,
+        "id": a.id,
+        "part": [a.part.0, a.part.1],
+        "iterations": a.iterations,
+        "batch": a.batch,
+        "seed": a.seed,
+        "data": a.data,
+        "slow_factor": a.slow_factor,
+        "report": a.report,
+    })
+    .to_string())
+}
+
+fn operator_runtime() -> PyResult<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| SyncopateError::new_err(format!("cannot start the async runtime: {e}")))
+}
+
+fn operator_access(cluster: &str) -> PyResult<syncopate::net::tls::ClusterAccess> {
+    Ok(ClusterFile::read(std::path::Path::new(cluster))
+        .map_err(|e| ConfigError::new_err(e.to_string()))?
+        .access())
+}
+
+/// Swaps the cluster's policy (`"ssp:s=3"`, a built-in name or a .wasm path); returns
+/// (swap number, shards).
+#[pyfunction]
+fn swap(py: Python<'_>, cluster: &str, policy: &str) -> PyResult<(u64, u32)> {
+    let spec: PolicySpec =
+        policy.parse().map_err(|e| ConfigError::new_err(format!("policy `{policy}`: {e}")))?;
+    let source = policy_source(&spec, Vec::new()).map_err(config_err)?;
+    let access = operator_access(cluster)?;
+    let rt = operator_runtime()?;
+    py.detach(|| {
+        rt.block_on(async {
+            let op = Operator::connect(&access).await?;
+            op.swap(&source).await
+        })
+    })
+    .map_err(node_err)
+}
+
+/// The cluster's status (policy per shard, workers, counters), as JSON.
+#[pyfunction]
+fn status(py: Python<'_>, cluster: &str) -> PyResult<String> {
+    let access = operator_access(cluster)?;
+    let rt = operator_runtime()?;
+    let s = py
+        .detach(|| rt.block_on(async { Operator::connect(&access).await?.status().await }))
+        .map_err(node_err)?;
+    Ok(serde_json::to_string(&s).expect("status serializes"))
+}
+
+/// The module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<NativeSession>()?;
+    m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(swap, m)?)?;
+    m.add_function(wrap_pyfunction!(status, m)?)?;
+    m.add("SyncopateError", py.get_type::<SyncopateError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("ClusterUnreachable", py.get_type::<ClusterUnreachable>())?;
+    m.add("TokenRefused", py.get_type::<TokenRefused>())?;
+    m.add("ServerLost", py.get_type::<ServerLost>())?;
+    m.add("RequestRefused", py.get_type::<RequestRefused>())?;
+    m.add("UsageError", py.get_type::<UsageError>())?;
+    m.add("TensorError", py.get_type::<TensorError>())?;
+    m.add("PROTOCOL_VERSION", syncopate::net::proto::PROTOCOL_VERSION)?;
+    Ok(())
+}

@@ -1,0 +1,182 @@
+"""PyTorch on Syncopate: wrap the optimizer, as with Horovod's or BytePS's.
+
+::
+
+    import syncopate.torch as sps
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = sps.DistributedOptimizer(opt, model.named_parameters(), mode="server")
+    sps.broadcast_parameters(opt)          # every worker starts from the same model
+    while not opt.done:
+        x, y = next_batch(opt.batch_size)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step(loss=loss.item())          # push, then pull the next iteration's model
+
+Two modes:
+
+- ``server``: the gradients are pushed and the **servers' optimizer** steps (its learning rate,
+  momentum and weight decay are the cluster's: ``syncopate local --lr --momentum``); the new
+  parameters are pulled into the model. The wrapped optimizer's own ``step`` is not called. This
+  is the parameter server's classic mode, and what the policies' papers measured.
+- ``delta``: the wrapped torch optimizer steps locally (any optimizer: Adam, LAMB, ...), and the
+  **change of the weights** is pushed, scaled so that the servers' plain SGD adds it. The servers
+  must run without momentum or weight decay (``--momentum 0``); with ``mean`` push weighting (the
+  default) each push moves the servers' model by the worker's change divided by the workers, so
+  under BSP the model moves by the mean of the workers' changes.
+
+Every parameter (any shapes, any number) is mapped onto the cluster's flat key space in
+``named_parameters`` order; the user never sees keys. Parameters must be float32 CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import Step, TensorError, UsageError, Worker
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer so that ``step()`` trains through the cluster; see the module docs.
+
+    Joins the cluster on construction, with the parameters' current values (the first worker's
+    values seed the servers). ``named_parameters`` fixes the order of the parameters; the
+    optimizer's parameters must be among them. Settings for joining go in ``settings``
+    (:class:`syncopate.Worker`'s keywords). Attributes: ``worker`` (the :class:`syncopate.Worker`),
+    ``step_info`` (the current :class:`syncopate.Step`), ``done``, ``batch_size``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        mode: str = "server",
+        **settings: Any,
+    ) -> None:
+        if mode not in ("server", "delta"):
+            raise ValueError(f"mode must be 'server' or 'delta', not {mode!r}")
+        self.optimizer = optimizer
+        self.mode = mode
+        named = list(named_parameters)
+        seen: set[int] = set()
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        for name, p in named:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self.names.append(name)
+            self.params.append(p)
+        ours = {id(p) for p in self.params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ours:
+                    raise TensorError("the optimizer has a parameter not in named_parameters")
+        with torch.no_grad():
+            self.worker = Worker([p.data for p in self.params], **settings)
+        lr, momentum, decay = self.worker.server_optimizer
+        if mode == "delta" and (momentum != 0.0 or decay != 0.0):
+            self.worker.leave()
+            raise UsageError(
+                f"delta mode needs plain SGD on the servers, but they run momentum {momentum} "
+                f"and weight decay {decay}: start the cluster with --momentum 0 --weight-decay 0"
+            )
+        self._server_lr = lr
+        self._grads = [torch.zeros_like(p.data) for p in self.params]
+        self._before = [torch.empty_like(p.data) for p in self.params] if mode == "delta" else []
+        self.step_info: Step | None = None
+        self._started = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (for learning-rate schedulers)."""
+        return self.optimizer.param_groups
+
+    @property
+    def done(self) -> bool:
+        """Whether training is over (the budget spent, a target reached, the run stopped)."""
+        if not self._started:
+            self._pull()
+        return self.step_info is None
+
+    @property
+    def batch_size(self) -> int:
+        """Samples the current iteration should be computed on (a policy may change it)."""
+        if not self._started:
+            self._pull()
+        if self.step_info is None:
+            raise UsageError("training is over")
+        return self.step_info.batch
+
+    def _pull(self) -> None:
+        self._started = True
+        with torch.no_grad():
+            self.step_info = self.worker.pull([p.data for p in self.params])
+            if self.mode == "delta" and self.step_info is not None:
+                for b, p in zip(self._before, self.params):
+                    b.copy_(p.data)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients (the wrapped optimizer's ``zero_grad``)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Makes sure the model holds the cluster's parameters for the current iteration (the
+        first call pulls; later ones do nothing). :func:`broadcast_parameters` calls it."""
+        if not self._started:
+            self._pull()
+
+    def step(self, closure: Any = None, *, loss: float | None = None, samples: int | None = None) -> Any:
+        """Pushes this iteration's gradient (``server``) or weight change (``delta``) and pulls
+        the next iteration's model into the parameters. ``loss`` (the batch's mean loss) and
+        ``samples`` go into the run's report. Returns the closure's loss, if one was given."""
+        if not self._started:
+            raise UsageError("step() before the model was pulled: call broadcast_parameters first")
+        if self.step_info is None:
+            raise UsageError("training is over (check .done)")
+        out = None
+        if closure is not None:
+            with torch.enable_grad():
+                out = closure()
+            if loss is None and isinstance(out, torch.Tensor):
+                loss = float(out.detach())
+        with torch.no_grad():
+            if self.mode == "server":
+                for g, p in zip(self._grads, self.params):
+                    if p.grad is None:
+                        g.zero_()
+                    else:
+                        g.copy_(p.grad)
+            else:
+                self.optimizer.step()
+                scale = 1.0 / self._server_lr
+                for g, b, p in zip(self._grads, self._before, self.params):
+                    torch.sub(b, p.data, out=g)
+                    g.mul_(scale)
+        self.worker.push(self._grads, samples=samples, loss=0.0 if loss is None else loss)
+        self._pull()
+        return out
+
+    def leave(self) -> dict[str, Any] | None:
+        """Leaves the cluster; returns this worker's report."""
+        return self.worker.leave()
+
+
+def broadcast_parameters(optimizer: DistributedOptimizer, root_rank: int = 0) -> None:
+    """Makes every worker's model the cluster's: pulls the servers' parameters (seeded by the
+    first worker to join) into the model. ``root_rank`` is accepted for Horovod compatibility;
+    the servers hold the model, so the root is whichever worker joined first."""
+    del root_rank
+    optimizer.synchronize()
+
+
+def local_rank() -> int:
+    """This worker's rank (the ``SYNCOPATE_ID`` the launcher set, or the joined worker's)."""
+    from . import rank
+
+    return rank()

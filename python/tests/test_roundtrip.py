@@ -1,0 +1,103 @@
+"""Pushes and pulls through a real cluster: exact values, many tensors, numpy and torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import syncopate
+
+
+def model() -> list[np.ndarray]:
+    """Tensors of several shapes with integer values (exact in float32 arithmetic)."""
+    rng = np.random.default_rng(7)
+    shapes = [(3, 4), (17,), (5, 5, 5), (1,), (64, 33)]
+    return [rng.integers(-50, 50, size=s).astype(np.float32) for s in shapes]
+
+
+def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(cluster) -> None:
+    c = cluster(workers=1, servers=2, shards=3, lr=1.0)
+    init = model()
+    with syncopate.Worker(init, **c.settings, iterations=3) as w:
+        assert (w.rank, w.size) == (0, 1)
+        assert w.layout == [t.size for t in init]
+        out = [np.zeros_like(t) for t in init]
+        step = w.pull(out)
+        assert step == syncopate.Step(iteration=0, batch=32)
+        for o, t in zip(out, init):
+            np.testing.assert_array_equal(o, t)
+        # lr 1, no momentum, one worker: the servers' model moves by exactly -gradient.
+        rng = np.random.default_rng(8)
+        grads = [rng.integers(-5, 5, size=t.shape).astype(np.float32) for t in init]
+        assert w.push(grads, 0, loss=1.5) == 0
+        step = w.pull(out, 1)
+        assert step is not None and step.iteration == 1
+        for o, t, g in zip(out, init, grads):
+            np.testing.assert_array_equal(o, t - g)
+        # Torch tensors, mixed with numpy ones, work the same way and are written in place.
+        tout = [torch.zeros(t.shape) for t in init[:2]] + out[2:]
+        assert w.push([torch.from_numpy(g) for g in grads]) == 0
+        assert w.pull(tout).iteration == 2
+        for o, t, g in zip(tout, init, grads):
+            np.testing.assert_array_equal(np.asarray(o), t - 2 * g)
+        assert w.push(grads) == 0
+        assert w.pull(out) is None and w.done
+        report = w.leave()
+    assert report is not None and report["iterations"] == 3
+    assert w.leave() is None
+
+
+def test_async_handles_overlap_and_keep_order(cluster) -> None:
+    c = cluster(workers=1, servers=1, lr=1.0)
+    init = [np.arange(1000, dtype=np.float32), np.ones((10, 10), dtype=np.float32)]
+    w = syncopate.Worker(init, **c.settings, iterations=2)
+    out = [np.zeros_like(t) for t in init]
+    h = w.pull_async(out)
+    assert h.wait(30) == syncopate.Step(0, 32)
+    np.testing.assert_array_equal(out[0], init[0])
+    grads = [np.full_like(t, 2.0) for t in init]
+    hp = w.push_async(grads)
+    hl = w.pull_async(out)  # queued behind the push
+    assert hp.wait(30) == 0
+    assert hl.wait(30).iteration == 1
+    np.testing.assert_array_equal(out[1], init[1] - 2.0)
+    w.leave()
+
+
+def test_bad_tensors_raise_tensor_error(cluster) -> None:
+    c = cluster(workers=1, servers=1)
+    init = [np.zeros((4, 4), dtype=np.float32), np.zeros(3, dtype=np.float32)]
+    with pytest.raises(syncopate.TensorError, match="float32"):
+        syncopate.Worker([np.zeros(3)], **c.settings)
+    w = syncopate.Worker(init, **c.settings, iterations=5)
+    good = [np.zeros((4, 4), dtype=np.float32), np.zeros(3, dtype=np.float32)]
+    with pytest.raises(syncopate.UsageError, match="without a pull"):
+        w.push(good)
+    bad_cases = [
+        ([np.zeros((4, 4)), np.zeros(3, dtype=np.float32)], "float32"),
+        ([np.zeros((4, 4), dtype=np.int32), np.zeros(3, dtype=np.float32)], "float32"),
+        ([torch.zeros(4, 4, dtype=torch.float64), torch.zeros(3)], "float32"),
+        ([np.zeros((4, 8), dtype=np.float32)[:, ::2], np.zeros(3, dtype=np.float32)], "contiguous"),
+        ([torch.zeros(4, 8)[:, ::2], torch.zeros(3)], "contiguous"),
+        ([np.zeros((4, 4), dtype=np.float32)], "1 tensors given, the model has 2"),
+        ([np.zeros(16, dtype=np.float32), np.zeros(4, dtype=np.float32)], "has 4 values"),
+        (["not a tensor", np.zeros(3, dtype=np.float32)], "numpy array or a torch tensor"),
+    ]
+    for tensors, message in bad_cases:
+        with pytest.raises(syncopate.TensorError, match=message):
+            w.pull(tensors)
+    ro = np.zeros((4, 4), dtype=np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(syncopate.TensorError, match="read-only"):
+        w.pull([ro, np.zeros(3, dtype=np.float32)])
+    # Nothing above consumed the pull: the loop goes on.
+    assert w.pull(good).iteration == 0
+    with pytest.raises(syncopate.UsageError, match="before the gradient"):
+        w.pull(good)
+    with pytest.raises(syncopate.UsageError, match="last pull was for 0"):
+        w.push(good, 3)
+    w.push(good)
+    w.leave()
+    with pytest.raises(syncopate.UsageError, match="left"):
+        w.pull(good)
