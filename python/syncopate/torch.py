@@ -118,7 +118,7 @@ class DistributedOptimizer:
         with torch.no_grad():
             self.step_info = self.worker.pull([p.data for p in self.params])
             if self.mode == "delta" and self.step_info is not None:
-                for b, p in zip(self._before, self.params):
+                for b, p in zip(self._before, self.params, strict=True):
                     b.copy_(p.data)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -131,7 +131,9 @@ class DistributedOptimizer:
         if not self._started:
             self._pull()
 
-    def step(self, closure: Any = None, *, loss: float | None = None, samples: int | None = None) -> Any:
+    def step(
+        self, closure: Any = None, *, loss: float | None = None, samples: int | None = None
+    ) -> Any:
         """Pushes this iteration's gradient (``server``) or weight change (``delta``) and pulls
         the next iteration's model into the parameters. ``loss`` (the batch's mean loss) and
         ``samples`` go into the run's report. Returns the closure's loss, if one was given."""
@@ -147,7 +149,7 @@ class DistributedOptimizer:
                 loss = float(out.detach())
         with torch.no_grad():
             if self.mode == "server":
-                for g, p in zip(self._grads, self.params):
+                for g, p in zip(self._grads, self.params, strict=True):
                     if p.grad is None:
                         g.zero_()
                     else:
@@ -155,7 +157,7 @@ class DistributedOptimizer:
             else:
                 self.optimizer.step()
                 scale = 1.0 / self._server_lr
-                for g, b, p in zip(self._grads, self._before, self.params):
+                for g, b, p in zip(self._grads, self._before, self.params, strict=True):
                     torch.sub(b, p.data, out=g)
                     g.mul_(scale)
         self.worker.push(self._grads, samples=samples, loss=0.0 if loss is None else loss)

@@ -51,7 +51,9 @@ class Cluster:
         self.tls = tmp / "tls"
         self.procs: list[subprocess.Popen[bytes]] = []
         exe = str(binary())
-        subprocess.run([exe, "certs", str(self.tls)], check=True, env=clean_env(), capture_output=True)
+        subprocess.run(
+            [exe, "certs", str(self.tls)], check=True, env=clean_env(), capture_output=True
+        )
         ready = tmp / "coordinator.addr"
         args = [exe, "coordinator", "--listen", "127.0.0.1:0", "--servers", str(servers)]
         args += ["--workers", str(workers), "--ready-file", str(ready), "--tls-dir", str(self.tls)]
@@ -106,8 +108,12 @@ class Cluster:
             p.wait(timeout=10)
 
 
+ClusterFactory = Callable[..., Cluster]
+"""What the ``cluster`` fixture gives: ``cluster(workers=2, policy="ssp:s=1")`` starts one."""
+
+
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+def cluster(tmp_path: Path) -> Iterator[ClusterFactory]:
     """Starts clusters (`cluster(workers=2, policy="ssp:s=1")`); all are stopped afterwards."""
     started: list[Cluster] = []
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import syncopate
+from conftest import ClusterFactory
 
 
 def model() -> list[np.ndarray]:
@@ -16,7 +17,9 @@ def model() -> list[np.ndarray]:
     return [rng.integers(-50, 50, size=s).astype(np.float32) for s in shapes]
 
 
-def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(cluster) -> None:
+def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(
+    cluster: ClusterFactory,
+) -> None:
     c = cluster(workers=1, servers=2, shards=3, lr=1.0)
     init = model()
     with syncopate.Worker(init, **c.settings, iterations=3) as w:
@@ -25,7 +28,7 @@ def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(cluster) -
         out = [np.zeros_like(t) for t in init]
         step = w.pull(out)
         assert step == syncopate.Step(iteration=0, batch=32)
-        for o, t in zip(out, init):
+        for o, t in zip(out, init, strict=True):
             np.testing.assert_array_equal(o, t)
         # lr 1, no momentum, one worker: the servers' model moves by exactly -gradient.
         rng = np.random.default_rng(8)
@@ -33,13 +36,13 @@ def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(cluster) -
         assert w.push(grads, 0, loss=1.5) == 0
         step = w.pull(out, 1)
         assert step is not None and step.iteration == 1
-        for o, t, g in zip(out, init, grads):
+        for o, t, g in zip(out, init, grads, strict=True):
             np.testing.assert_array_equal(o, t - g)
         # Torch tensors, mixed with numpy ones, work the same way and are written in place.
         tout = [torch.zeros(t.shape) for t in init[:2]] + out[2:]
         assert w.push([torch.from_numpy(g) for g in grads]) == 0
         assert w.pull(tout).iteration == 2
-        for o, t, g in zip(tout, init, grads):
+        for o, t, g in zip(tout, init, grads, strict=True):
             np.testing.assert_array_equal(np.asarray(o), t - 2 * g)
         assert w.push(grads) == 0
         assert w.pull(out) is None and w.done
@@ -48,7 +51,7 @@ def test_first_pull_is_the_first_joiners_model_and_push_pull_is_exact(cluster) -
     assert w.leave() is None
 
 
-def test_async_handles_overlap_and_keep_order(cluster) -> None:
+def test_async_handles_overlap_and_keep_order(cluster: ClusterFactory) -> None:
     c = cluster(workers=1, servers=1, lr=1.0)
     init = [np.arange(1000, dtype=np.float32), np.ones((10, 10), dtype=np.float32)]
     w = syncopate.Worker(init, **c.settings, iterations=2)
@@ -65,7 +68,7 @@ def test_async_handles_overlap_and_keep_order(cluster) -> None:
     w.leave()
 
 
-def test_bad_tensors_raise_tensor_error(cluster) -> None:
+def test_bad_tensors_raise_tensor_error(cluster: ClusterFactory) -> None:
     c = cluster(workers=1, servers=1)
     init = [np.zeros((4, 4), dtype=np.float32), np.zeros(3, dtype=np.float32)]
     with pytest.raises(syncopate.TensorError, match="float32"):

@@ -295,3 +295,33 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
     tracing::info!(worker = report.worker, iterations = report.iterations, "worker done");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::WorkerEnv;
+
+    /// `syncopate local --script` passes every worker flag `--name` as `SYNCOPATE_NAME`: each
+    /// flag of `syncopate worker` must read exactly that variable.
+    #[test]
+    fn every_worker_flag_reads_its_syncopate_variable() {
+        let cmd = WorkerEnv::command();
+        let mut checked = 0;
+        for arg in cmd.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if long == "help" {
+                continue;
+            }
+            let want = format!("SYNCOPATE_{}", long.replace('-', "_").to_uppercase());
+            let got = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            if ["cert", "key"].contains(&long) {
+                assert_eq!(got, None, "--{long} is not for workers");
+                continue;
+            }
+            assert_eq!(got.as_deref(), Some(want.as_str()), "--{long}");
+            checked += 1;
+        }
+        assert!(checked >= 20, "only {checked} flags");
+    }
+}

@@ -553,3 +553,23 @@ fn write_private_json<T: Serialize>(path: &Path, value: &T) -> Result<(), NodeEr
         .and_then(|mut f| f.write_all(&json))
         .map_err(io(format!("cannot write {}", path.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::flags_as_env;
+
+    #[test]
+    fn worker_flags_become_the_environment_syncopate_worker_reads() {
+        let args: Vec<String> = ["--coordinator", "127.0.0.1:9", "--slow-factor", "3", "--jitter-ms", "5:1"]
+            .map(String::from)
+            .into();
+        let env = flags_as_env(&args);
+        let want = [
+            ("SYNCOPATE_COORDINATOR", "127.0.0.1:9"),
+            ("SYNCOPATE_SLOW_FACTOR", "3"),
+            ("SYNCOPATE_JITTER_MS", "5:1"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        assert_eq!(env, want);
+    }
+}

@@ -549,3 +549,31 @@ async fn read_controls(conn: quinn::Connection, tx: mpsc::UnboundedSender<Contro
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::carve;
+
+    #[test]
+    fn carve_cuts_pieces_into_shard_ranges_in_order() {
+        let (mut a, mut b, mut c, mut empty) = ([0f32; 3], [0f32; 5], [0f32; 2], [0f32; 0]);
+        let mut pieces: Vec<&mut [f32]> = vec![&mut a, &mut empty, &mut b, &mut c];
+        {
+            let groups = carve(&mut pieces, [4, 0, 6].into_iter());
+            let lens: Vec<Vec<usize>> = groups.iter().map(|g| g.iter().map(|p| p.len()).collect()).collect();
+            assert_eq!(lens, vec![vec![3, 1], vec![], vec![4, 2]]);
+            let mut n = 0.0;
+            for group in groups {
+                for piece in group {
+                    for v in piece.iter_mut() {
+                        *v = n;
+                        n += 1.0;
+                    }
+                }
+            }
+        }
+        assert_eq!(a, [0.0, 1.0, 2.0]);
+        assert_eq!(b, [3.0, 4.0, 5.0, 6.0, 7.0]);
+        assert_eq!(c, [8.0, 9.0]);
+    }
+}

@@ -421,7 +421,8 @@ impl Session {
 
     /// Writes the report (where the options named), leaves every shard and the coordinator, and
     /// returns the report. Safe at any point: a worker that leaves mid-iteration is dropped from
-    /// the clocks, as a dead one would be, without waiting for it to time out.
+    /// the clocks, as a dead one would be, without waiting for it to time out. A node already
+    /// lost is not an error here (there is no one to tell).
     pub fn leave(mut self) -> Result<WorkerReport, SessionError> {
         let report = self.report();
         if let Some(path) = &self.report_path {
@@ -432,8 +433,15 @@ impl Session {
             })?;
         }
         let client = self.client.take().expect("a session has its client until it leaves");
-        self.rt.block_on(client.leave())?;
-        Ok(report)
+        match self.rt.block_on(client.leave()) {
+            Ok(()) => Ok(report),
+            // A node already gone cannot be told; the others drop us when the connection closes.
+            Err(e) if e.kind() == crate::ErrorKind::Lost => {
+                tracing::warn!("leaving: {e}");
+                Ok(report)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

@@ -1,0 +1,35 @@
+"""A worker script: linear regression y = X @ w_true on synthetic data, trained with numpy
+through whatever cluster the SYNCOPATE_* environment names. Prints the final loss."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import syncopate
+
+DIM = 20
+
+
+def main() -> None:
+    w_true = np.linspace(-1, 1, DIM).astype(np.float32)
+    weights = np.zeros(DIM, dtype=np.float32)
+    rng = np.random.default_rng(
+        syncopate.rank() if "SYNCOPATE_ID" in __import__("os").environ else 0
+    )
+    worker = syncopate.Worker([weights])
+    loss = float("nan")
+    while (step := worker.pull([weights])) is not None:
+        x = rng.standard_normal((step.batch, DIM)).astype(np.float32)
+        err = x @ weights - x @ w_true
+        loss = float(np.mean(err**2))
+        grad = (2.0 / step.batch) * (x.T @ err)
+        worker.push([grad.astype(np.float32)], loss=loss)
+    report = worker.leave()
+    print(f"rank {report['worker']} iterations {report['iterations']} loss {loss:.6f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""`syncopate local --script`: user scripts as the workers of a local cluster, with the
+launcher's heterogeneity injection, reports and hot swap from Python."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import syncopate
+from conftest import ROOT, binary, clean_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "linear.py"
+
+
+def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [str(binary()), "local", "--workers", "2", "--servers", "2", "--policy", "ssp:s=1"]
+    cmd += ["--lr", "0.05", "--momentum", "0", "--iterations", "150", "--delay-ms", "10"]
+    cmd += ["--slow", "1:3", "--run-dir", str(run), "--script", str(SCRIPT)]
+    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        cluster = run / "cluster.json"
+        deadline = time.monotonic() + 60
+        while not cluster.exists():
+            assert p.poll() is None and time.monotonic() < deadline, (
+                p.stdout.read() if p.stdout else ""
+            )
+            time.sleep(0.05)
+        time.sleep(0.5)
+        number, shards = syncopate.swap("asp", cluster=cluster)
+        assert number == 1 and shards == 2
+        status = syncopate.status(cluster)
+        assert status["swaps"] == 1 and "asp" in status["policy"], status
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    report = json.loads((run / "report.json").read_text())
+    assert report["swaps"] == 1
+    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(2)]
+    assert [w["iterations"] for w in workers] == [150, 150]
+    # Worker 1 computes 3x slower (its 10 ms of pacing stretched to 30): worker 0 waits on it
+    # under SSP until the swap.
+    assert workers[0]["deferred_pulls"] > 0
+    logs = (run / "logs" / "worker-0.log").read_text()
+    assert "iterations 150" in logs
