@@ -66,8 +66,28 @@ enum Done {
 }
 
 impl WorkerOptions {
+    /// The machine's configuration for worker `id`, starting at iteration `start`.
+    pub(crate) fn config(
+        &self,
+        id: WorkerId,
+        start: u64,
+        can_split: bool,
+        numbering_shared: bool,
+    ) -> WorkerConfig {
+        WorkerConfig {
+            id,
+            start,
+            iterations: self.iterations,
+            batch: self.batch,
+            part: self.part,
+            can_split,
+            numbering_shared,
+            device: self.device(id),
+        }
+    }
+
     /// The emulated device these options describe, for worker `id`.
-    pub(crate) fn device(&self, id: WorkerId) -> Device {
+    fn device(&self, id: WorkerId) -> Device {
         Device {
             compute_ns: self.extra_delay.as_nanos() as u64,
             slow_factor: self.slow_factor,
@@ -94,16 +114,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     if let Some(o) = opts.optimizer {
         bufs.place_optimizer(o);
     }
-    let cfg = WorkerConfig {
-        id,
-        start,
-        iterations: opts.iterations,
-        batch: opts.batch,
-        part: opts.part,
-        can_split,
-        numbering_shared: client.numbering_shared(),
-        device: opts.device(id),
-    };
+    let cfg = opts.config(id, start, can_split, client.numbering_shared());
     let clock = Clock::new();
     let mut m = WorkerMachine::new(cfg, clock.now())?;
     let client_ref = &client;

@@ -21,9 +21,7 @@ use std::time::Duration;
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
 use syncopate_engine::tasks::ControlMessage;
-use syncopate_engine::worker::{
-    Action, Input, JobKind, StepStats, WorkerConfig, WorkerMachine, WorkerReport,
-};
+use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerMachine, WorkerReport};
 use tokio::sync::mpsc;
 
 use super::client::WorkerClient;
@@ -94,14 +92,20 @@ enum Phase {
 pub struct Session {
     rt: tokio::runtime::Runtime,
     client: Option<WorkerClient>,
+    driver: Driver,
+    phase: Phase,
+    report_path: Option<PathBuf>,
+}
+
+/// The machine and what feeds it, apart from the client (which the operations in flight borrow).
+#[derive(Debug)]
+struct Driver {
     machine: WorkerMachine,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
     clock: Clock,
-    phase: Phase,
     /// Control messages that arrived since the caller last took them.
     seen: Vec<ControlMessage>,
     stop_seen: bool,
-    report_path: Option<PathBuf>,
 }
 
 impl Session {
@@ -126,35 +130,17 @@ impl Session {
         let mut client = client;
         let controls = client.take_controls();
         let id = client.id();
-        let cfg = WorkerConfig {
-            id,
-            start,
-            iterations: opts.iterations,
-            batch: opts.batch,
-            part: opts.part,
-            can_split: false,
-            numbering_shared: client.numbering_shared(),
-            device: opts.device(id),
-        };
+        // A step of the caller's loop cannot be split into tasks.
+        let cfg = opts.config(id, start, false, client.numbering_shared());
         let clock = Clock::new();
         let machine = WorkerMachine::new(cfg, clock.now()).map_err(NodeError::from)?;
-        let mut s = Session {
-            rt,
-            client: Some(client),
-            machine,
-            controls,
-            clock,
-            phase: Phase::Done,
-            seen: Vec::new(),
-            stop_seen: false,
-            report_path: opts.report.clone(),
-        };
-        s.phase = match s.drive(None, &mut || false)? {
+        let mut driver = Driver { machine, controls, clock, seen: Vec::new(), stop_seen: false };
+        let phase = match driver.drive(&rt, &client, None, &mut || false)? {
             Next::Pull(it) => Phase::Pull(it),
             Next::Leave => Phase::Done,
             other => return Err(SessionError::Usage(format!("the worker began with {other:?}"))),
         };
-        Ok(s)
+        Ok(Session { rt, client: Some(client), driver, phase, report_path: opts.report.clone() })
     }
 
     fn client(&self) -> &WorkerClient {
@@ -188,7 +174,7 @@ impl Session {
 
     /// What the worker has done so far (the same report `syncopate worker` writes).
     pub fn report(&self) -> WorkerReport {
-        let mut r = self.machine.report().clone();
+        let mut r = self.driver.machine.report().clone();
         (r.bytes_sent, r.bytes_received) = self.client().bytes();
         r
     }
@@ -196,7 +182,7 @@ impl Session {
     /// The control messages the shards' policies sent since the last call (each already obeyed:
     /// pauses waited, batch sizes in force from the iteration the machine named).
     pub fn take_controls(&mut self) -> Vec<ControlMessage> {
-        std::mem::take(&mut self.seen)
+        std::mem::take(&mut self.driver.seen)
     }
 
     /// Pulls the model for the next iteration into `out` (the whole model, in pieces), and
@@ -227,20 +213,9 @@ impl Session {
             }
             .boxed_local();
             // A skip may abandon the pulled iteration: the machine then pulls again.
-            let next = Self::drive_with(
-                &self.rt,
-                client,
-                &mut self.machine,
-                &mut self.controls,
-                &self.clock,
-                &mut self.seen,
-                &mut self.stop_seen,
-                Some(op),
-                interrupt,
-            );
-            match next? {
+            match self.driver.drive(&self.rt, client, Some(op), interrupt)? {
                 Next::Compute(step) => {
-                    self.phase = Phase::Computing { step, since: self.clock.now() };
+                    self.phase = Phase::Computing { step, since: self.driver.clock.now() };
                     return Ok(Some(step));
                 }
                 Next::Pull(it) => self.phase = Phase::Pull(it),
@@ -275,13 +250,13 @@ impl Session {
                 _ => "push called without a pull first".into(),
             }));
         };
-        let now = self.clock.now();
-        self.machine
-            .handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
+        let now = self.driver.clock.now();
+        let computed = Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) };
+        self.driver.machine.handle(now, computed)?;
         let mut dropped = None;
-        let mut next = self.drive(None, interrupt)?;
+        let client = self.client.as_ref().expect("a session has its client until it leaves");
+        let mut next = self.driver.drive(&self.rt, client, None, interrupt)?;
         if let Next::Push { iteration, samples } = next {
-            let client = self.client.as_ref().expect("a session has its client until it leaves");
             let d = &mut dropped;
             let op = async move {
                 let r = client.push_segments(iteration, grad, samples).await?;
@@ -289,17 +264,7 @@ impl Session {
                 Ok(Input::Pushed { kind: JobKind::Own, result: Ok(r) })
             }
             .boxed_local();
-            next = Self::drive_with(
-                &self.rt,
-                client,
-                &mut self.machine,
-                &mut self.controls,
-                &self.clock,
-                &mut self.seen,
-                &mut self.stop_seen,
-                Some(op),
-                interrupt,
-            )?;
+            next = self.driver.drive(&self.rt, client, Some(op), interrupt)?;
         }
         self.phase = match next {
             Next::Pull(it) => Phase::Pull(it),
@@ -319,39 +284,43 @@ impl Session {
         Ok(())
     }
 
-    fn drive(
-        &mut self,
-        op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
-        interrupt: &mut dyn FnMut() -> bool,
-    ) -> Result<Next, SessionError> {
-        let client = self.client.as_ref().expect("a session has its client until it leaves");
-        Self::drive_with(
-            &self.rt,
-            client,
-            &mut self.machine,
-            &mut self.controls,
-            &self.clock,
-            &mut self.seen,
-            &mut self.stop_seen,
-            op,
-            interrupt,
-        )
+    /// Writes the report (where the options named), leaves every shard and the coordinator, and
+    /// returns the report. Safe at any point: a worker that leaves mid-iteration is dropped from
+    /// the clocks, as a dead one would be, without waiting for it to time out. A node already
+    /// lost is not an error here (there is no one to tell).
+    pub fn leave(mut self) -> Result<WorkerReport, SessionError> {
+        let report = self.report();
+        if let Some(path) = &self.report_path {
+            let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
+            std::fs::write(path, json).map_err(|source| NodeError::Io {
+                what: format!("cannot write {}", path.display()),
+                source,
+            })?;
+        }
+        let client = self.client.take().expect("a session has its client until it leaves");
+        match self.rt.block_on(client.leave()) {
+            Ok(()) => Ok(report),
+            // A node already gone cannot be told; the others drop us when the connection closes.
+            Err(e) if e.kind() == crate::ErrorKind::Lost => {
+                tracing::warn!("leaving: {e}");
+                Ok(report)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
+}
 
+impl Driver {
     /// Runs the machine, carrying out its actions, until it wants something of the caller;
     /// `op` (a pull or push in flight) completes meanwhile and is fed to it.
-    #[allow(clippy::too_many_arguments)]
-    fn drive_with(
+    fn drive(
+        &mut self,
         rt: &tokio::runtime::Runtime,
         client: &WorkerClient,
-        m: &mut WorkerMachine,
-        controls: &mut mpsc::UnboundedReceiver<ControlMessage>,
-        clock: &Clock,
-        seen: &mut Vec<ControlMessage>,
-        stop_seen: &mut bool,
         mut op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
         interrupt: &mut dyn FnMut() -> bool,
     ) -> Result<Next, SessionError> {
+        let Driver { machine: m, controls, clock, seen, stop_seen } = self;
         rt.block_on(async {
             let mut tick = tokio::time::interval(INTERRUPT_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -417,31 +386,6 @@ impl Session {
                 }
             }
         })
-    }
-
-    /// Writes the report (where the options named), leaves every shard and the coordinator, and
-    /// returns the report. Safe at any point: a worker that leaves mid-iteration is dropped from
-    /// the clocks, as a dead one would be, without waiting for it to time out. A node already
-    /// lost is not an error here (there is no one to tell).
-    pub fn leave(mut self) -> Result<WorkerReport, SessionError> {
-        let report = self.report();
-        if let Some(path) = &self.report_path {
-            let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
-            std::fs::write(path, json).map_err(|source| NodeError::Io {
-                what: format!("cannot write {}", path.display()),
-                source,
-            })?;
-        }
-        let client = self.client.take().expect("a session has its client until it leaves");
-        match self.rt.block_on(client.leave()) {
-            Ok(()) => Ok(report),
-            // A node already gone cannot be told; the others drop us when the connection closes.
-            Err(e) if e.kind() == crate::ErrorKind::Lost => {
-                tracing::warn!("leaving: {e}");
-                Ok(report)
-            }
-            Err(e) => Err(e.into()),
-        }
     }
 }
 
