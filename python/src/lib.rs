@@ -159,7 +159,12 @@ impl NativeSession {
     /// settings over the environment's; `threads`: the I/O runtime's threads.
     #[new]
     fn new(py: Python<'_>, init: Vec<(usize, usize)>, flags: Vec<String>, threads: usize) -> PyResult<Self> {
-        let opts = worker_args(flags)?.options().map_err(config_err)?;
+        let args = worker_args(flags)?;
+        let mut opts = args.options().map_err(config_err)?;
+        // The script's own loop ends training unless the settings give a budget.
+        if args.iterations.is_none() {
+            opts.iterations = u64::MAX / 4;
+        }
         // SAFETY: the Python half's contract (see `slices`); the values are only read.
         let init = unsafe { slices(&init)? };
         let init: Vec<&[f32]> = init.into_iter().map(|s| &*s).collect();

@@ -327,7 +327,7 @@ mod tests {
             r
         };
         let (w0, w1, w2) = (worker(0), worker(1), worker(2));
-        assert_eq!((w1.workload.as_str(), w1.params, w1.iterations, w1.seed), ("counter", 77, 9, 7));
+        assert_eq!((w1.workload.as_str(), w1.params, w1.iterations, w1.seed), ("counter", 77, Some(9), 7));
         assert_eq!((w1.part, w1.delay_ms, w1.slow_factor, w1.spin.spin_us), ((1, 3), 4, 2.5, 0));
         assert_eq!((w0.slow_factor, w0.stall, w0.jitter_ms), (1.0, Some((1.5, 2.0)), None));
         assert_eq!((w2.jitter_ms, w2.stall), (Some((10.0, 5.0)), None));

@@ -112,9 +112,10 @@ pub struct WorkerArgs {
     /// Hidden units of the MLP.
     #[arg(long, env = "SYNCOPATE_HIDDEN", default_value_t = 128)]
     pub hidden: usize,
-    /// Train until this iteration.
-    #[arg(long, env = "SYNCOPATE_ITERATIONS", default_value_t = 100)]
-    pub iterations: u64,
+    /// Train until this iteration (default: 100 for a built-in workload; no limit for a user's
+    /// own training loop, which ends itself).
+    #[arg(long, env = "SYNCOPATE_ITERATIONS")]
+    pub iterations: Option<u64>,
     /// Mini-batch size (until a policy sets another).
     #[arg(long, env = "SYNCOPATE_BATCH", default_value_t = 32)]
     pub batch: u32,
@@ -193,7 +194,7 @@ impl WorkerArgs {
         Ok(WorkerOptions {
             access: self.access()?,
             id: self.id,
-            iterations: self.iterations,
+            iterations: self.iterations.unwrap_or(100),
             batch: self.batch,
             part: self.part.0,
             seed: self.seed,
