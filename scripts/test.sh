@@ -8,6 +8,6 @@ scripts/setup.sh
 cargo test --workspace "$@"
 # The Python package (built into .venv by setup): lint, then its tests, which start real
 # clusters of the binary cargo just built and train real numpy and torch models.
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+.venv/bin/ruff check python examples
+.venv/bin/ruff format --check python examples
 SYNCOPATE_BIN="$PWD/target/debug/syncopate" .venv/bin/python -m pytest -q python/tests
