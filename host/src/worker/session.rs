@@ -212,24 +212,22 @@ impl Session {
                 Ok(Input::Pulled { deferred: r.deferred_shards > 0, deferred_ns: r.waited_ns })
             }
             .boxed_local();
-            // A skip may abandon the pulled iteration: the machine then pulls again.
+            // A skip may abandon the pulled iteration: the machine then pulls the next one into
+            // the same buffers, and the caller computes on that.
             match self.driver.drive(&self.rt, client, Some(op), interrupt)? {
                 Next::Compute(step) => {
                     self.phase = Phase::Computing { step, since: self.driver.clock.now() };
                     return Ok(Some(step));
                 }
                 Next::Pull(it) => self.phase = Phase::Pull(it),
-                Next::Leave => self.phase = Phase::Done,
+                Next::Leave => {
+                    self.phase = Phase::Done;
+                    return Ok(None);
+                }
                 Next::Push { .. } => {
                     return Err(SessionError::Usage("the worker pushed before computing".into()))
                 }
             }
-            // A pull can only be carried out into the caller's buffers once; pull the next
-            // iteration into them too (the caller computes on the latest model).
-            if let Phase::Pull(_) = self.phase {
-                continue;
-            }
-            return Ok(None);
         }
     }
 
