@@ -29,29 +29,3 @@ if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx
     exit 1
   fi
 fi
-
-# Python: the package's tests (and the PyTorch example) run in a virtual environment, .venv,
-# with the packages of python/requirements-dev.txt from PyPI, and the `syncopate` package
-# built from source into it by maturin (debug profile, sharing cargo's build of the host).
-py=${SYNCOPATE_SETUP_PYTHON:-python3}
-if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-  echo "error: the Python package needs Python 3.10 or later as $py (set SYNCOPATE_SETUP_PYTHON)" >&2
-  exit 1
-fi
-if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating the Python environment .venv"
-  if ! "$py" -m venv .venv; then
-    sudo=""
-    if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q install python3-venv
-    "$py" -m venv .venv
-  fi
-fi
-stamp=.venv/.requirements-installed
-if [ ! -e "$stamp" ] || [ python/requirements-dev.txt -nt "$stamp" ]; then
-  echo "setup: installing the Python test dependencies into .venv (torch is large: minutes)"
-  .venv/bin/pip install -q -r python/requirements-dev.txt
-  touch "$stamp"
-fi
-echo "setup: building the syncopate Python package into .venv"
-VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin develop -q -m python/Cargo.toml

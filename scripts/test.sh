@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/setup-python.sh
 cargo test --workspace "$@"
-# The Python package (built into .venv by setup): lint, then its tests, which start real
+# The Python package (built into .venv by setup-python.sh): lint, then its tests, which start real
 # clusters of the binary cargo just built and train real numpy and torch models.
 .venv/bin/ruff check python examples
 .venv/bin/ruff format --check python examples
