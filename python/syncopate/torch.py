@@ -175,10 +175,3 @@ def broadcast_parameters(optimizer: DistributedOptimizer, root_rank: int = 0) ->
     the servers hold the model, so the root is whichever worker joined first."""
     del root_rank
     optimizer.synchronize()
-
-
-def local_rank() -> int:
-    """This worker's rank (the ``SYNCOPATE_ID`` the launcher set, or the joined worker's)."""
-    from . import rank
-
-    return rank()

@@ -7,7 +7,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -125,13 +124,3 @@ def cluster(tmp_path: Path) -> Iterator[ClusterFactory]:
     yield start
     for c in started:
         c.stop()
-
-
-def run_script(script: Path, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
-    """Starts a worker script as its own process."""
-    return subprocess.Popen(
-        [sys.executable, str(script), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )

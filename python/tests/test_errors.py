@@ -3,6 +3,7 @@ a server that dies, Ctrl-C in a deferred pull."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -15,11 +16,11 @@ import numpy as np
 import pytest
 
 import syncopate
-from conftest import ClusterFactory, clean_env
+from conftest import ClusterFactory
 
 
 def test_missing_settings_raise_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(__import__("os").environ):
+    for k in list(os.environ):
         if k.startswith("SYNCOPATE_"):
             monkeypatch.delenv(k)
     with pytest.raises(syncopate.ConfigError, match="coordinator"):
@@ -149,4 +150,3 @@ def test_a_killed_worker_does_not_hang_the_others(cluster: ClusterFactory) -> No
         outs.append(out)
     for out in outs:
         assert "iterations 300" in out
-    assert clean_env() is not None

@@ -3,6 +3,7 @@ through whatever cluster the SYNCOPATE_* environment names. Prints the final los
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -15,9 +16,7 @@ DIM = 20
 def main() -> None:
     w_true = np.linspace(-1, 1, DIM).astype(np.float32)
     weights = np.zeros(DIM, dtype=np.float32)
-    rng = np.random.default_rng(
-        syncopate.rank() if "SYNCOPATE_ID" in __import__("os").environ else 0
-    )
+    rng = np.random.default_rng(int(os.environ.get("SYNCOPATE_ID", "0")))
     worker = syncopate.Worker([weights])
     loss = float("nan")
     while (step := worker.pull([weights])) is not None:
