@@ -123,8 +123,25 @@ struct NativeSession {
 }
 
 impl NativeSession {
-    fn with<R>(&self, f: impl FnOnce(&mut Session) -> PyResult<R>) -> PyResult<R> {
-        let mut g = self.inner.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?;
+    /// Locks the session without holding the GIL while waiting: a call in flight on another
+    /// thread looks for signals with the GIL now and then, and must not wait for us while we
+    /// wait for it.
+    fn lock(&self, py: Python<'_>) -> PyResult<std::sync::MutexGuard<'_, Option<Session>>> {
+        loop {
+            match self.inner.try_lock() {
+                Ok(g) => return Ok(g),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    py.detach(|| std::thread::sleep(std::time::Duration::from_millis(1)))
+                }
+                Err(std::sync::TryLockError::Poisoned(_)) => {
+                    return Err(SyncopateError::new_err("the session is poisoned"))
+                }
+            }
+        }
+    }
+
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut Session) -> PyResult<R>) -> PyResult<R> {
+        let mut g = self.lock(py)?;
         let s = g.as_mut().ok_or_else(|| UsageError::new_err("this worker has left the cluster"))?;
         f(s)
     }
@@ -174,20 +191,20 @@ impl NativeSession {
 
     /// This worker's id.
     #[getter]
-    fn rank(&self) -> PyResult<u32> {
-        self.with(|s| Ok(s.id()))
+    fn rank(&self, py: Python<'_>) -> PyResult<u32> {
+        self.with(py, |s| Ok(s.id()))
     }
 
     /// Workers the cluster expects.
     #[getter]
-    fn size(&self) -> PyResult<u32> {
-        self.with(|s| Ok(s.workers()))
+    fn size(&self, py: Python<'_>) -> PyResult<u32> {
+        self.with(py, |s| Ok(s.workers()))
     }
 
     /// The servers' optimizer: (learning rate, momentum, weight decay).
     #[getter]
-    fn server_optimizer(&self) -> PyResult<(f32, f32, f32)> {
-        self.with(|s| {
+    fn server_optimizer(&self, py: Python<'_>) -> PyResult<(f32, f32, f32)> {
+        self.with(py, |s| {
             let o = s.server_optimizer();
             Ok((o.lr, o.momentum, o.weight_decay))
         })
@@ -195,19 +212,19 @@ impl NativeSession {
 
     /// Parameters in the whole model.
     #[getter]
-    fn model_len(&self) -> PyResult<usize> {
-        self.with(|s| Ok(s.model_len()))
+    fn model_len(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.model_len()))
     }
 
     /// Whether training is over.
     #[getter]
-    fn done(&self) -> PyResult<bool> {
-        self.with(|s| Ok(s.is_done()))
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |s| Ok(s.is_done()))
     }
 
     /// Pulls into `out`; returns (iteration, batch), or None once training is over.
     fn pull(&self, py: Python<'_>, out: Vec<(usize, usize)>) -> PyResult<Option<(u64, u32)>> {
-        self.with(|s| {
+        self.with(py, |s| {
             // SAFETY: the Python half's contract (see `slices`).
             let mut out = unsafe { slices(&out)? };
             let step = detached(py, move |stop| s.pull(&mut out, stop))?;
@@ -223,7 +240,7 @@ impl NativeSession {
         samples: u32,
         loss: f32,
     ) -> PyResult<Option<u32>> {
-        self.with(|s| {
+        self.with(py, |s| {
             // SAFETY: the Python half's contract (see `slices`); the values are only read.
             let grad = unsafe { slices(&grad)? };
             let grad: Vec<&[f32]> = grad.into_iter().map(|g| &*g).collect();
@@ -232,8 +249,8 @@ impl NativeSession {
     }
 
     /// Control messages since the last call, as JSON.
-    fn controls(&self) -> PyResult<String> {
-        self.with(|s| {
+    fn controls(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |s| {
             let msgs: Vec<serde_json::Value> = s
                 .take_controls()
                 .into_iter()
@@ -244,13 +261,13 @@ impl NativeSession {
     }
 
     /// The worker's report so far, as JSON.
-    fn report(&self) -> PyResult<String> {
-        self.with(|s| Ok(serde_json::to_string(&s.report()).expect("reports serialize")))
+    fn report(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |s| Ok(serde_json::to_string(&s.report()).expect("reports serialize")))
     }
 
     /// Leaves the cluster (idempotent); returns the final report as JSON, or None if already left.
     fn leave(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        let taken = self.inner.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?.take();
+        let taken = self.lock(py)?.take();
         let Some(session) = taken else { return Ok(None) };
         let report = detached(py, move |_| session.leave())?;
         Ok(Some(serde_json::to_string(&report).expect("reports serialize")))

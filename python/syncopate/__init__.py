@@ -167,7 +167,13 @@ class Worker:
         self._layout = [n for _, n in bufs]
         if sum(self._layout) == 0:
             raise TensorError("join: the model has no values")
-        self._native: NativeSession | None = NativeSession(bufs, _flags(merged), threads)
+        native = NativeSession(bufs, _flags(merged), threads)
+        self._native: NativeSession | None = native
+        # Read once: a call in flight holds the session, and these never change.
+        self._rank: int = native.rank
+        self._size: int = native.size
+        self._server_optimizer: tuple[float, float, float] = native.server_optimizer
+        self._done: bool = native.done
         self._pool: ThreadPoolExecutor | None = None
         self._last: Step | None = None
         _current = weakref.ref(self)
@@ -181,12 +187,12 @@ class Worker:
     @property
     def rank(self) -> int:
         """This worker's id in the cluster."""
-        return self._session().rank
+        return self._rank
 
     @property
     def size(self) -> int:
         """How many workers the cluster expects."""
-        return self._session().size
+        return self._size
 
     @property
     def layout(self) -> list[int]:
@@ -196,12 +202,12 @@ class Worker:
     @property
     def done(self) -> bool:
         """Whether training is over (the iterations done, a target reached, the run stopped)."""
-        return self._native is None or self._session().done
+        return self._native is None or self._done
 
     @property
     def server_optimizer(self) -> tuple[float, float, float]:
         """The servers' optimizer: (learning rate, momentum, weight decay)."""
-        return self._session().server_optimizer
+        return self._server_optimizer
 
     def pull(self, out: Sequence[Any], iteration: int | None = None) -> Step | None:
         """Pulls the model into ``out`` (the model's tensors, written in place) for the next
@@ -214,6 +220,7 @@ class Worker:
         bufs = _tensors.buffers(out, self._layout, writable=True, what="pull")
         got = self._session().pull(bufs)
         step = None if got is None else Step(*got)
+        self._done = step is None
         if step is not None and iteration is not None and step.iteration != iteration:
             self._last = step
             raise UsageError(
@@ -246,7 +253,10 @@ class Worker:
         bufs = _tensors.buffers(grads, self._layout, writable=False, what="push")
         n = self._last.batch if samples is None else int(samples)
         self._last = None
-        return self._session().push(bufs, n, float(loss))
+        session = self._session()
+        dropped = session.push(bufs, n, float(loss))
+        self._done = session.done
+        return dropped
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +107,34 @@ def test_bad_tensors_raise_tensor_error(cluster: ClusterFactory) -> None:
     w.leave()
     with pytest.raises(syncopate.UsageError, match="left"):
         w.pull(good)
+
+
+def test_reading_a_worker_while_its_async_pull_is_deferred_does_not_deadlock(
+    cluster: ClusterFactory,
+) -> None:
+    # BSP with two workers: w0's second pull waits for w1's push. Meanwhile the main thread reads
+    # w0's properties; the background pull must still see w1's push and return.
+    c = cluster(workers=2, servers=1, policy="bsp", lr=1.0)
+    init = [np.zeros(16, dtype=np.float32)]
+    # Joining waits for the start barrier (both workers): join from two threads.
+    with ThreadPoolExecutor(2) as pool:
+        j0, j1 = (
+            pool.submit(syncopate.Worker, init, **c.settings, id=i, iterations=2) for i in (0, 1)
+        )
+        w0, w1 = j0.result(60), j1.result(60)
+    b0, b1 = [np.zeros(16, dtype=np.float32)], [np.zeros(16, dtype=np.float32)]
+    w0.pull(b0)
+    w1.pull(b1)
+    w0.push([np.ones(16, dtype=np.float32)])
+    h = w0.pull_async(b0)
+    seen: list[tuple[int, int, bool]] = []
+    reader = threading.Thread(target=lambda: seen.append((w0.rank, w0.size, w0.done)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert seen == [(0, 2, False)], "reading the worker waited for its deferred pull"
+    assert not h.done()
+    w1.push([np.ones(16, dtype=np.float32)])
+    assert h.wait(30).iteration == 1
+    np.testing.assert_array_equal(b0[0], -np.ones(16, dtype=np.float32))
+    w0.leave()
+    w1.leave()
