@@ -93,7 +93,12 @@ fn config_err(e: anyhow::Error) -> PyErr {
 
 /// Worker settings: the `SYNCOPATE_*` environment, overridden by `flags` (`--name value` pairs).
 fn worker_args(flags: Vec<String>) -> PyResult<WorkerArgs> {
-    WorkerArgs::from_env_and(flags).map_err(config_err)
+    WorkerArgs::from_env_and(flags).map_err(|e| {
+        ConfigError::new_err(format!(
+            "{e:#}\n(each --flag is the SYNCOPATE_FLAG variable or the flag= keyword: give \
+             SYNCOPATE_COORDINATOR, SYNCOPATE_TOKEN and SYNCOPATE_CA, or SYNCOPATE_CLUSTER)"
+        ))
+    })
 }
 
 /// Checks an `(address, length)` list and makes slices of it.
