@@ -12,8 +12,11 @@
 //! pull or push is in flight. Every wait checks `interrupt` about every 50 ms, so a caller can
 //! give up (Ctrl-C) and leave cleanly.
 //!
-//! A session's workload cannot split an iteration into tasks: a policy that moves tasks
-//! (EPSP) gets none of its iterations' tasks ("none could be handed over") and sends it none.
+//! A session's workload cannot split an iteration into tasks: when a policy that moves tasks
+//! (EPSP) asks for some of its iteration, it answers that none could be handed over. Tasks of
+//! a worker that can split (a built-in Rust workload) moved *to* a session stop it with
+//! [`WorkerError::CannotSplit`](syncopate_engine::worker::WorkerError::CannotSplit): EPSP over
+//! a mix of Rust and Python workers is not supported.
 
 use std::path::PathBuf;
 use std::time::Duration;
