@@ -65,7 +65,16 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
         assert!(err.contains("authentication failed"), "{err}");
 
         let op = Operator::connect(&access).await.expect("the right token works");
-        let server = op.status().await.unwrap().servers[0].addr;
+        // cluster.json is written once the servers are started, not registered: wait for one.
+        let mut server = None;
+        for _ in 0..300 {
+            server = op.status().await.unwrap().servers.first().map(|s| s.addr);
+            if server.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let server = server.expect("a server registers within 30 s");
         let ep = net::tls::dial_only(access.tls.client_config(Duration::from_secs(10)).unwrap()).unwrap();
 
         // A peer that skips the hello and sends a request straight away.
