@@ -6,7 +6,9 @@ Run it as every worker of a local cluster::
         --script examples/torch/train.py --epochs 2
 
 Each worker trains on its part of the training set (``SYNCOPATE_PART``, set by the launcher);
-worker 0 scores the model on the test set every ``--eval-every`` iterations and prints it.
+worker 0 scores the model on the test set every ``--eval-every`` iterations, prints it and
+reports it to the cluster (``Worker.score``), so the launcher's ``--target-accuracy`` stops the
+run and its report and plots show the accuracy.
 ``--mode server`` pushes gradients (the servers' SGD steps: the cluster's ``--lr`` and
 ``--momentum``); ``--mode delta`` steps a local Adam and pushes its weight changes (run the
 cluster with ``--lr 1 --momentum 0``).
@@ -70,16 +72,17 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Share of ``x`` classified right."""
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Share of ``x`` classified right, and the mean cross-entropy loss."""
     model.eval()
+    right, loss = 0, 0.0
     with torch.no_grad():
-        right = sum(
-            int((model(x[i : i + 1000]).argmax(1) == y[i : i + 1000]).sum())
-            for i in range(0, len(x), 1000)
-        )
+        for i in range(0, len(x), 1000):
+            out = model(x[i : i + 1000])
+            right += int((out.argmax(1) == y[i : i + 1000]).sum())
+            loss += float(F.cross_entropy(out, y[i : i + 1000], reduction="sum"))
     model.train()
-    return right / len(x)
+    return right / len(x), loss / len(x)
 
 
 def main() -> None:
@@ -140,7 +143,9 @@ def main() -> None:
         seen += b
         it += 1
         if rank == 0 and it % args.eval_every == 0:
-            acc = accuracy(model, tx, ty)
+            acc, test_loss = evaluate(model, tx, ty)
+            # The launcher's watcher records it: its --target-accuracy, plots and report.
+            opt.worker.score(acc, test_loss)
             best = max(best, acc)
             elapsed = time.monotonic() - t0
             print(
@@ -151,7 +156,7 @@ def main() -> None:
             if args.target and acc >= args.target:
                 break
     if rank == 0:
-        acc = accuracy(model, tx, ty)
+        acc, _ = evaluate(model, tx, ty)
         best = max(best, acc)
         elapsed = time.monotonic() - t0
         print(

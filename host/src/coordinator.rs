@@ -23,8 +23,8 @@ use syncopate_policy_sdk::abi::WorkerId;
 use tokio::sync::watch;
 
 use crate::net::proto::{
-    ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob, Role, ServerCommand,
-    ServerReply, ShardPlace, Welcome, WorkerNotice, WorkerStatus,
+    ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob, ReportedScore, Role,
+    ServerCommand, ServerReply, ShardPlace, Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
@@ -101,6 +101,8 @@ struct State {
     /// The policy before the last swap, for a rollback.
     previous: Option<PolicySource>,
     swaps: u64,
+    /// The latest score a worker reported.
+    score: Option<ReportedScore>,
 }
 
 struct Coordinator {
@@ -151,6 +153,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             policy: opts.policy.clone(),
             previous: None,
             swaps: 0,
+            score: None,
         }),
         registered: watch::channel(0).0,
         ready: watch::channel(0).0,
@@ -364,6 +367,24 @@ impl Coordinator {
                     CoordResponse::Ok
                 }
                 Ok((CoordRequest::Ready { worker }, _)) if worker == id => self.start_barrier(id).await,
+                Ok((CoordRequest::Score { worker, score }, _)) if worker == id => {
+                    if !(0.0..=1.0).contains(&score.accuracy) || score.loss.is_some_and(|l| !l.is_finite()) {
+                        CoordResponse::Error(format!(
+                            "a score's accuracy must be within 0..=1 and its loss finite, not {score:?}"
+                        ))
+                    } else {
+                        let mut st = self.lock();
+                        let count = st.score.map_or(0, |s| s.count) + 1;
+                        st.score = Some(ReportedScore { worker: id, score, count });
+                        tracing::info!(
+                            worker = id,
+                            iteration = score.iteration,
+                            accuracy = score.accuracy,
+                            "model scored"
+                        );
+                        CoordResponse::Ok
+                    }
+                }
                 Ok((other, _)) => CoordResponse::Error(format!("a worker may not send {other:?}")),
                 Err(e) => {
                     tracing::warn!(worker = id, "closing a worker connection that sent a bad frame: {e}");
@@ -433,7 +454,7 @@ impl Coordinator {
                     Err(e) => CoordResponse::Error(e),
                 }
             }
-            CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } => {
+            CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } | CoordRequest::Score { .. } => {
                 CoordResponse::Error("that is a worker's request".into())
             }
         }
@@ -509,6 +530,7 @@ impl Coordinator {
                 swaps: st.swaps,
                 servers: Vec::new(),
                 workers: st.workers.values().cloned().collect(),
+                score: st.score,
             };
             (st.servers.clone(), status)
         };

@@ -265,6 +265,12 @@ impl NativeSession {
         })
     }
 
+    /// Reports the model's score on held-out data to the cluster (the launcher's watcher).
+    #[pyo3(signature = (accuracy, loss=None))]
+    fn score(&self, py: Python<'_>, accuracy: f32, loss: Option<f32>) -> PyResult<()> {
+        self.with(py, |s| detached(py, move |_| s.score(accuracy, loss)))
+    }
+
     /// The worker's report so far, as JSON.
     fn report(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |s| Ok(serde_json::to_string(&s.report()).expect("reports serialize")))

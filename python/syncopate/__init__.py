@@ -279,6 +279,16 @@ class Worker:
         ``[{"shard": 0, "control": {"SetBatchSize": {"batch": 64}}}, ...]``."""
         return json.loads(self._session().controls())
 
+    def score(self, accuracy: float, loss: float | None = None) -> None:
+        """Tells the cluster how the model this worker last pulled scores on held-out data:
+        ``accuracy`` from 0 to 1, and the mean test ``loss`` if measured. ``syncopate local``
+        (and ``syncopate ab``) record the latest score as the run's test accuracy: for its
+        ``--target-accuracy``, its plots and its report. One worker scoring is enough."""
+        acc = float(accuracy)
+        if not 0.0 <= acc <= 1.0:
+            raise ValueError(f"accuracy must be within 0 and 1, not {acc}")
+        self._session().score(acc, None if loss is None else float(loss))
+
     def report(self) -> dict[str, Any]:
         """This worker's report so far: iterations, waits, deferred pulls, losses, bytes."""
         return json.loads(self._session().report())

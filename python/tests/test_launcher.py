@@ -51,3 +51,33 @@ def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: 
     assert workers[0]["deferred_pulls"] > 0
     logs = (run / "logs" / "worker-0.log").read_text()
     assert "iterations 150" in logs
+
+
+def test_a_script_reports_its_accuracy_and_the_launcher_stops_at_the_target(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [str(binary()), "local", "--workers", "2", "--servers", "1", "--policy", "bsp"]
+    cmd += ["--lr", "0.05", "--momentum", "0", "--delay-ms", "5", "--eval-every-ms", "100"]
+    cmd += ["--target-accuracy", "0.9", "--run-dir", str(run), "--script", str(SCRIPT)]
+    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
+    # No iteration budget: only the target, which the script's own scores reach, ends the run.
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout
+    assert "target accuracy 90.0% reached" in p.stdout, p.stdout
+    report = json.loads((run / "report.json").read_text())
+    assert report["time_to_target_s"] is not None
+    assert report["final_accuracy"] >= 0.9 and report["best_accuracy"] >= 0.9
+    scored = [w for w in report["watch"] if w["accuracy"] is not None]
+    # The scores rose as the model trained, and the loss came with them.
+    assert scored and scored[0]["accuracy"] < 0.9 <= scored[-1]["accuracy"], scored
+    assert all(w["loss"] is not None for w in scored)
+    status_lines = [ln for ln in p.stdout.splitlines() if "test accuracy" in ln]
+    assert status_lines, p.stdout
+    assert any(f.endswith("accuracy.svg") for f in report["plots"]), report["plots"]

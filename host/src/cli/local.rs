@@ -202,15 +202,25 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         report.model_version,
         report.model_file.as_deref().unwrap_or(std::path::Path::new("-")).display()
     );
-    if let Some(acc) = report.final_accuracy {
-        println!("accuracy:   {:.2}% on the 10,000 test images (final model)", acc * 100.0);
-    }
-    if let Some(acc) = report.best_accuracy {
-        println!(
-            "best:       {:.2}% seen while training; that model is {}",
-            acc * 100.0,
-            run_dir.join("model-best.bin").display()
-        );
+    if !a.script.is_empty() {
+        // The script scores its own model; the launcher only relays what it reported.
+        if let Some(acc) = report.final_accuracy {
+            println!("accuracy:   {:.2}% (the script's last reported score)", acc * 100.0);
+        }
+        if let Some(acc) = report.best_accuracy {
+            println!("best:       {:.2}% reported while training", acc * 100.0);
+        }
+    } else {
+        if let Some(acc) = report.final_accuracy {
+            println!("accuracy:   {:.2}% on the 10,000 test images (final model)", acc * 100.0);
+        }
+        if let Some(acc) = report.best_accuracy {
+            println!(
+                "best:       {:.2}% seen while training; that model is {}",
+                acc * 100.0,
+                run_dir.join("model-best.bin").display()
+            );
+        }
     }
     if let Some(target) = a.target_accuracy {
         match report.time_to_target_s {

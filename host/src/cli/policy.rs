@@ -522,4 +522,14 @@ fn print_status(s: &ClusterStatus) {
         s.workers.iter().filter(|w| !w.connected && !w.finished).map(|w| w.worker.to_string()).collect();
     let done = s.workers.iter().filter(|w| w.finished).count();
     println!("workers: connected [{}], finished {}, lost [{}]", live.join(", "), done, lost.join(", "));
+    if let Some(r) = &s.score {
+        let loss = r.score.loss.map(|l| format!(", loss {l:.4}")).unwrap_or_default();
+        println!(
+            "model score: test accuracy {:.2}%{loss} (worker {}, iteration {}; {} scores reported)",
+            r.score.accuracy * 100.0,
+            r.worker,
+            r.score.iteration,
+            r.count
+        );
+    }
 }

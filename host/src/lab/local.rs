@@ -338,7 +338,8 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let t0 = Instant::now();
     let operator = Operator::connect(&cluster.access()).await?;
-    // A script's model is the script's: the launcher has no evaluator for it.
+    // A script's model is the script's: the launcher has no evaluator for it, and takes the
+    // scores the script reports (`Worker.score` in Python) instead.
     let evaluator = if !sc.script.is_empty() {
         None
     } else {
@@ -370,7 +371,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let mut points: Vec<WatchPoint> = Vec::new();
     let mut time_to_target = None;
     let mut stop_sent = false;
-    let mut best: Option<(f32, Vec<f32>)> = None;
+    let mut best: Option<(f32, Option<Vec<f32>>)> = None;
     let mut ended = Vec::new();
     let stop = opts.stop_rules();
     let every = Duration::from_millis(sc.eval_every_ms.max(50));
@@ -382,9 +383,9 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
             _ = tick.tick() => {
                 let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64()).await;
                 let Ok((point, scored)) = point else { continue };
-                if let (Some(acc), Some(model)) = (point.accuracy, scored) {
+                if let Some(acc) = point.accuracy {
                     if best.as_ref().is_none_or(|(b, _)| acc > *b) {
-                        best = Some((acc, model));
+                        best = Some((acc, scored));
                     }
                 }
                 progress.set_length(sc.iterations_or_unbounded().saturating_mul(worker_names.len() as u64));
@@ -398,7 +399,12 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 if time_to_target.is_none() && stop.reached(&point) {
                     time_to_target = Some(point.t_s);
                     let target = stop.target_accuracy.unwrap_or_default();
-                    progress.println(format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s));
+                    let msg = format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s);
+                    if interactive {
+                        progress.println(msg);
+                    } else {
+                        eprintln!("{msg}");
+                    }
                 }
                 if !stop_sent && stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
                     stop_sent = true;
@@ -444,18 +450,19 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     }
 
     let (model, model_version) = operator.read_model().await?;
+    let status = operator.status().await?;
     let final_accuracy = match &evaluator {
         Some(e) if e.param_len() == model.len() => {
             let (e, m) = (e.clone(), model.clone());
             tokio::task::spawn_blocking(move || e.evaluate(&m).accuracy).await.ok()
         }
-        _ => None,
+        // A script's last score is the final model's, as near as the launcher can know.
+        _ => status.score.map(|r| r.score.accuracy),
     };
-    let status = operator.status().await?;
     let model_file = dir.join("model.bin");
     std::fs::write(&model_file, crate::net::wire::f32_bytes(&model))
         .map_err(io(format!("cannot write {}", model_file.display())))?;
-    if let Some((_, params)) = &best {
+    if let Some((_, Some(params))) = &best {
         let path = dir.join("model-best.bin");
         std::fs::write(&path, crate::net::wire::f32_bytes(params))
             .map_err(io(format!("cannot write {}", path.display())))?;
@@ -526,6 +533,11 @@ async fn watch(
     let status = op.status().await?;
     let shards: Vec<&ShardStatus> = status.servers.iter().flat_map(|s| &s.shards).collect();
     let mut point = WatchPoint::of_shards(t_s, &shards);
+    // A script scores its own model and reports it; the latest report stands for the model now.
+    if let Some(r) = status.score {
+        point.accuracy = Some(r.score.accuracy);
+        point.loss = r.score.loss;
+    }
     if let Some(e) = evaluator {
         let (model, _) = op.read_model().await?;
         if model.len() != e.param_len() {

@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -155,6 +155,36 @@ pub enum CoordRequest {
     StopTraining,
     /// Swap back to the policy that ran before the last swap (operators only).
     Rollback,
+    /// A worker scored the model it computes on (a training script's own evaluation): the
+    /// launcher's watcher reads the latest from the status, for its target and plots.
+    Score {
+        /// The worker.
+        worker: WorkerId,
+        /// The score.
+        score: ModelScore,
+    },
+}
+
+/// A model's score on held-out data, as a worker measured it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelScore {
+    /// The worker's iteration when it scored (the model it last pulled).
+    pub iteration: u64,
+    /// Share of the test set classified right, 0 to 1.
+    pub accuracy: f32,
+    /// Mean test loss, where the worker measured it.
+    pub loss: Option<f32>,
+}
+
+/// The latest [`ModelScore`] the coordinator received.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReportedScore {
+    /// Who sent it.
+    pub worker: WorkerId,
+    /// What it measured.
+    pub score: ModelScore,
+    /// Scores received so far (a new one changes this).
+    pub count: u64,
 }
 
 /// What the coordinator tells a worker, on a unidirectional stream.
@@ -453,4 +483,6 @@ pub struct ClusterStatus {
     pub servers: Vec<ServerStatus>,
     /// Workers.
     pub workers: Vec<WorkerStatus>,
+    /// The latest score a worker reported, if any did.
+    pub score: Option<ReportedScore>,
 }

@@ -22,8 +22,8 @@ use tokio::sync::mpsc;
 
 use crate::net::pool::TensorPool;
 use crate::net::proto::{
-    ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, Role, ShardPlace, Welcome,
-    WorkerNotice, PROTOCOL_VERSION,
+    ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, ModelScore, Role,
+    ShardPlace, Welcome, WorkerNotice, PROTOCOL_VERSION,
 };
 use crate::net::tls::ClusterAccess;
 use crate::net::wire::{self, Limits, Payload};
@@ -452,6 +452,19 @@ impl WorkerClient {
     /// Waits for the next control message.
     pub async fn next_control(&mut self) -> Option<ControlMessage> {
         self.controls.recv().await
+    }
+
+    /// Tells the coordinator how the model this worker computes on scores on held-out data (a
+    /// training script's own evaluation), for the launcher's target and plots.
+    pub async fn score(&self, score: ModelScore) -> Result<(), NodeError> {
+        let req = CoordRequest::Score { worker: self.id, score };
+        match net::request::<_, CoordResponse>(&self.coordinator, &req, Payload::EMPTY, &self.limits).await? {
+            (CoordResponse::Ok, _) => Ok(()),
+            (CoordResponse::Error(e), _) => {
+                Err(NodeError::Protocol(format!("the coordinator refused the score: {e}")))
+            }
+            (other, _) => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to a score"))),
+        }
     }
 
     /// Leaves every shard and tells the coordinator, then closes the connections.

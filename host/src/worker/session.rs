@@ -30,6 +30,7 @@ use tokio::sync::mpsc;
 use super::client::WorkerClient;
 use super::clock::Clock;
 use super::run::WorkerOptions;
+use crate::net::proto::ModelScore;
 use crate::NodeError;
 
 /// How often a wait checks whether the caller wants to give up.
@@ -283,6 +284,24 @@ impl Session {
             )));
         }
         Ok(())
+    }
+
+    /// Tells the cluster how the model this worker last pulled scores on held-out data (the
+    /// caller's own evaluation: accuracy 0 to 1, mean loss where measured). The launcher's
+    /// watcher reads the latest score for its target accuracy, plots and report.
+    pub fn score(&mut self, accuracy: f32, loss: Option<f32>) -> Result<(), SessionError> {
+        if !(0.0..=1.0).contains(&accuracy) || loss.is_some_and(|l| !l.is_finite()) {
+            return Err(SessionError::Usage(format!(
+                "a score's accuracy must be within 0 and 1 and its loss finite (got {accuracy}, {loss:?})"
+            )));
+        }
+        let iteration = match self.phase {
+            Phase::Computing { step, .. } => step.iteration,
+            Phase::Pull(next) => next.saturating_sub(1),
+            Phase::Done => self.driver.machine.report().iterations,
+        };
+        let score = ModelScore { iteration, accuracy, loss };
+        Ok(self.rt.block_on(self.client().score(score))?)
     }
 
     /// Writes the report (where the options named), leaves every shard and the coordinator, and
