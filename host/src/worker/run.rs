@@ -62,7 +62,8 @@ pub struct WorkerOptions {
 /// A request in flight, with the buffer it borrowed.
 enum Done {
     Pulled(Result<PullStats, NodeError>, Vec<f32>),
-    Pushed(PushJob, Result<u32, NodeError>, Vec<f32>),
+    /// The push, its result, and the gradient buffer when the push borrowed it (a part).
+    Pushed(PushJob, Result<u32, NodeError>, Option<Vec<f32>>),
 }
 
 impl WorkerOptions {
@@ -147,18 +148,27 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                 Action::Push(job) if job.kind == JobKind::Own => {
                     // Makes a split iteration's sum its mean; the push then owns the buffer.
                     bufs.gradient(&job);
-                    let grad = std::mem::take(&mut bufs.grad);
+                    // A whole iteration's gradient goes to QUIC without a copy, and the next is
+                    // computed into a buffer the client's pool hands back from an earlier push
+                    // (every workload writes the whole gradient). A part is copied.
+                    let grad = match job.tasks {
+                        None => std::mem::replace(&mut bufs.grad, client_ref.gradient_buffer()),
+                        Some(_) => std::mem::take(&mut bufs.grad),
+                    };
                     inflight.push(Box::pin(async move {
                         let (iteration, samples) = (job.iteration, job.samples);
-                        let r = match job.tasks {
-                            None => client_ref.push(iteration, &grad, samples).await,
-                            Some(t) => {
-                                client_ref
-                                    .push_tasks(job.owner, iteration, t.mask, t.total, &grad, samples)
-                                    .await
+                        match job.tasks {
+                            None => {
+                                let r = client_ref.push_buffer(iteration, grad, samples).await;
+                                Done::Pushed(job, r, None)
                             }
-                        };
-                        Done::Pushed(job, r, grad)
+                            Some(t) => {
+                                let r = client_ref
+                                    .push_tasks(job.owner, iteration, t.mask, t.total, &grad, samples)
+                                    .await;
+                                Done::Pushed(job, r, Some(grad))
+                            }
+                        }
                     }));
                 }
                 Action::Push(job) => {
@@ -216,7 +226,9 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     m.handle(clock.now(), Input::Pulled { deferred, deferred_ns: stats.waited_ns })?;
                 }
                 Done::Pushed(job, r, grad) => {
-                    bufs.grad = grad;
+                    if let Some(grad) = grad {
+                        bufs.grad = grad;
+                    }
                     m.handle(clock.now(), Input::Pushed { kind: job.kind, result: r.map_err(|e| e.to_string()) })?;
                 }
             },
