@@ -9,6 +9,6 @@ scripts/setup-python.sh
 cargo test --workspace "$@"
 # The Python package (built into .venv by setup-python.sh): lint, then its tests, which start real
 # clusters of the binary cargo just built and train real numpy and torch models.
-.venv/bin/ruff check python examples
-.venv/bin/ruff format --check python examples
+.venv/bin/ruff check python examples benches
+.venv/bin/ruff format --check python examples benches
 SYNCOPATE_BIN="$PWD/target/debug/syncopate" .venv/bin/python -m pytest -q python/tests

@@ -366,5 +366,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UsageError", py.get_type::<UsageError>())?;
     m.add("TensorError", py.get_type::<TensorError>())?;
     m.add("PROTOCOL_VERSION", syncopate::net::proto::PROTOCOL_VERSION)?;
+    // A benchmark refuses a debug build of the extension (its copies are 10x slower).
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     Ok(())
 }
