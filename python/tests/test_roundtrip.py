@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -69,6 +70,19 @@ def test_async_handles_overlap_and_keep_order(cluster: ClusterFactory) -> None:
     assert hl.wait(30).iteration == 1
     np.testing.assert_array_equal(out[1], init[1] - 2.0)
     w.leave()
+
+
+def test_a_loop_that_ends_itself_reports_its_time(cluster: ClusterFactory) -> None:
+    c = cluster(workers=1, servers=1)
+    model = np.zeros(10, dtype=np.float32)
+    w = syncopate.Worker([model], **c.settings)  # no budget: the script's loop decides
+    for _ in range(3):
+        assert w.pull([model]) is not None
+        time.sleep(0.01)
+        w.push([np.ones_like(model)])
+    report = w.leave()
+    assert report is not None and report["iterations"] == 3
+    assert report["elapsed_ns"] >= 30_000_000 and report["compute_ns"] >= 30_000_000, report
 
 
 def test_bad_tensors_raise_tensor_error(cluster: ClusterFactory) -> None:

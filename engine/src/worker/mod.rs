@@ -350,6 +350,16 @@ impl WorkerMachine {
         &self.report
     }
 
+    /// Its report so far as of `now`: once it has left, the final one; before, with the time
+    /// elapsed since it started (a driver whose caller ends training itself reports this).
+    pub fn report_at(&self, now: u64) -> WorkerReport {
+        let mut r = self.report.clone();
+        if !matches!(self.own, Own::Done) {
+            r.elapsed_ns = now.saturating_sub(self.began);
+        }
+        r
+    }
+
     /// Its report, once done.
     pub fn into_report(self) -> WorkerReport {
         self.report

@@ -178,7 +178,7 @@ impl Session {
 
     /// What the worker has done so far (the same report `syncopate worker` writes).
     pub fn report(&self) -> WorkerReport {
-        let mut r = self.driver.machine.report().clone();
+        let mut r = self.driver.machine.report_at(self.driver.clock.now());
         (r.bytes_sent, r.bytes_received) = self.client().bytes();
         r
     }
