@@ -12,15 +12,21 @@ run and its report and plots show the accuracy.
 ``--mode server`` pushes gradients (the servers' SGD steps: the cluster's ``--lr`` and
 ``--momentum``); ``--mode delta`` steps a local Adam and pushes its weight changes (run the
 cluster with ``--lr 1 --momentum 0``).
+
+``--backend ddp`` trains the same model with the same loop through
+``torch.nn.parallel.DistributedDataParallel`` over gloo instead (started as torchrun starts
+workers: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), for ``compare.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,12 +91,99 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     return right / len(x), loss / len(x)
 
 
+class Trainer:
+    """What differs between training through Syncopate and through
+    ``torch.nn.parallel.DistributedDataParallel``: joining, the batch size, the step, leaving.
+    The model, the data, the loop and the scoring are the same."""
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module) -> None:
+        self.backend = args.backend
+        self.model = model
+        if args.backend == "ddp":
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel
+
+            dist.init_process_group("gloo")
+            self.dist = dist
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            self.net: nn.Module = DistributedDataParallel(model)  # broadcasts rank 0's model
+            self.opt: Any = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+            self.batch = args.batch
+        else:
+            local = (
+                torch.optim.Adam(model.parameters(), lr=args.local_lr)
+                if args.mode == "delta"
+                else torch.optim.SGD(model.parameters(), lr=0.0)
+            )
+            self.opt = sps.DistributedOptimizer(local, model.named_parameters(), mode=args.mode)
+            sps.broadcast_parameters(self.opt)
+            self.net = model
+            self.rank, self.size = self.opt.worker.rank, self.opt.worker.size
+
+    @property
+    def done(self) -> bool:
+        """Whether the cluster ended training (Syncopate: a target, a budget, an operator)."""
+        return self.backend != "ddp" and self.opt.done
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size in force (a Syncopate policy may change it)."""
+        return self.batch if self.backend == "ddp" else self.opt.batch_size
+
+    def step(self, loss: torch.Tensor, samples: int) -> None:
+        """Backward and the optimizer's step (DDP averages the gradients in backward)."""
+        self.opt.zero_grad()
+        loss.backward()
+        if self.backend == "ddp":
+            self.opt.step()
+        else:
+            self.opt.step(loss=loss.item(), samples=samples)
+
+    def score(self, acc: float, loss: float) -> None:
+        """Reports rank 0's score (to the launcher's watcher, under Syncopate)."""
+        if self.backend != "ddp":
+            self.opt.worker.score(acc, loss)
+
+    def agree_to_stop(self, stop: bool) -> bool:
+        """Under DDP every rank must stop at the same iteration: rank 0 decides."""
+        if self.backend != "ddp":
+            return stop
+        flag = torch.tensor([1 if stop else 0])
+        self.dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def leave(self) -> None:
+        """Leaves the cluster (or the process group) and prints this worker's summary."""
+        if self.backend == "ddp":
+            self.dist.destroy_process_group()
+            return
+        report = self.opt.leave()
+        if report is not None:
+            its, deferred = report["iterations"], report["deferred_pulls"]
+            print(f"worker {self.rank}: {its} iterations, {deferred} deferred pulls", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["resnet", "mlp"], default="resnet")
+    p.add_argument(
+        "--backend",
+        choices=["syncopate", "ddp"],
+        default="syncopate",
+        help="ddp: torch DistributedDataParallel over gloo (torchrun's environment), to compare",
+    )
     p.add_argument("--mode", choices=["server", "delta"], default="server")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over this worker's part")
     p.add_argument("--local-lr", type=float, default=1e-3, help="Adam's learning rate (delta mode)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate (ddp)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (ddp)")
+    p.add_argument("--batch", type=int, default=32, help="batch size per worker (ddp)")
+    p.add_argument(
+        "--slow",
+        default="",
+        help="RANK:FACTOR: that rank sleeps (FACTOR-1)x each step's time (ddp; for Syncopate "
+        "the launcher's --slow does the same)",
+    )
     p.add_argument("--train-limit", type=int, default=0, help="use only this many training images")
     p.add_argument("--test-limit", type=int, default=0, help="score on only this many test images")
     p.add_argument(
@@ -100,14 +193,25 @@ def main() -> None:
         help="iterations between scores (worker 0)",
     )
     p.add_argument("--target", type=float, default=0.0, help="stop once worker 0 scores this")
+    p.add_argument(
+        "--snapshots", default="", help="worker 0 saves its model here at every score, timed"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    part, parts = (int(v) for v in os.environ.get("SYNCOPATE_PART", "0/1").split("/"))
     seed = int(os.environ.get("SYNCOPATE_SEED", "1"))
     torch.manual_seed(seed)
+    model = resnet() if args.model == "resnet" else mlp()
+    t = Trainer(args, model)
+    rank, parts = t.rank, t.size
+    part = rank
+    if args.backend == "syncopate":
+        part, parts = (int(v) for v in os.environ.get("SYNCOPATE_PART", "0/1").split("/"))
+    slow_rank, factor = (
+        (int(args.slow.split(":")[0]), float(args.slow.split(":")[1])) if args.slow else (-1, 1.0)
+    )
     x, y = fashion_mnist.load("train")
     if args.train_limit:
         x, y = x[: args.train_limit], y[: args.train_limit]
@@ -115,45 +219,53 @@ def main() -> None:
     tx, ty = fashion_mnist.load("test")
     if args.test_limit:
         tx, ty = tx[: args.test_limit], ty[: args.test_limit]
+    snapshots = Path(args.snapshots) if args.snapshots and rank == 0 else None
+    if snapshots is not None:
+        snapshots.mkdir(parents=True, exist_ok=True)
 
-    model = resnet() if args.model == "resnet" else mlp()
-    local = (
-        torch.optim.Adam(model.parameters(), lr=args.local_lr)
-        if args.mode == "delta"
-        else torch.optim.SGD(model.parameters(), lr=0.0)
-    )
-    opt = sps.DistributedOptimizer(local, model.named_parameters(), mode=args.mode)
-    sps.broadcast_parameters(opt)
-    rank = opt.worker.rank
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     budget = int(args.epochs * len(x))
     seen, it, best, t0 = 0, 0, 0.0, time.monotonic()
     order = torch.randperm(len(x), generator=gen)
     at = 0
-    while not opt.done and seen < budget:
-        b = opt.batch_size
+    while not t.done and seen < budget:
+        began = time.monotonic()
+        b = t.batch_size
         if at + b > len(x):
             order, at = torch.randperm(len(x), generator=gen), 0
         idx = order[at : at + b]
         at += b
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        opt.step(loss=loss.item(), samples=b)
+        loss = F.cross_entropy(t.net(x[idx]), y[idx])
+        t.step(loss, b)
+        if args.backend == "ddp" and rank == slow_rank:
+            time.sleep((factor - 1.0) * (time.monotonic() - began))
         seen += b
         it += 1
-        if rank == 0 and it % args.eval_every == 0:
-            acc, test_loss = evaluate(model, tx, ty)
-            # The launcher's watcher records it: its --target-accuracy, plots and report.
-            opt.worker.score(acc, test_loss)
-            best = max(best, acc)
-            elapsed = time.monotonic() - t0
-            print(
-                f"iteration {it} time {elapsed:.1f} s loss {loss.item():.4f} "
-                f"test accuracy {acc:.4f}",
-                flush=True,
-            )
-            if args.target and acc >= args.target:
+        if it % args.eval_every == 0:
+            stop = False
+            if rank == 0:
+                acc, test_loss = evaluate(model, tx, ty)
+                # The launcher's watcher records it: its --target-accuracy, plots and report.
+                t.score(acc, test_loss)
+                best = max(best, acc)
+                elapsed = time.monotonic() - t0
+                if snapshots is not None:
+                    torch.save(model.state_dict(), snapshots / f"{it:07d}.pt")
+                    with open(snapshots / "index.jsonl", "a") as f:
+                        row = {
+                            "iteration": it,
+                            "t_s": elapsed,
+                            "accuracy": acc,
+                            "file": f"{it:07d}.pt",
+                        }
+                        f.write(json.dumps(row) + "\n")
+                print(
+                    f"iteration {it} time {elapsed:.1f} s loss {loss.item():.4f} "
+                    f"test accuracy {acc:.4f}",
+                    flush=True,
+                )
+                stop = bool(args.target and acc >= args.target)
+            if t.agree_to_stop(stop):
                 break
     if rank == 0:
         acc, _ = evaluate(model, tx, ty)
@@ -163,10 +275,7 @@ def main() -> None:
             f"final test accuracy {acc:.4f} best {best:.4f} after {it} iterations, {elapsed:.1f} s",
             flush=True,
         )
-    report = opt.leave()
-    if report is not None:
-        its, deferred = report["iterations"], report["deferred_pulls"]
-        print(f"worker {rank}: {its} iterations, {deferred} deferred pulls", flush=True)
+    t.leave()
 
 
 if __name__ == "__main__":
