@@ -226,6 +226,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     budget = int(args.epochs * len(x))
     seen, it, best, t0 = 0, 0, 0.0, time.monotonic()
+    slow_steps: list[float] = []  # the slow DDP rank's measured steps, before each sleep
     order = torch.randperm(len(x), generator=gen)
     at = 0
     while not t.done and seen < budget:
@@ -238,7 +239,9 @@ def main() -> None:
         loss = F.cross_entropy(t.net(x[idx]), y[idx])
         t.step(loss, b)
         if args.backend == "ddp" and rank == slow_rank:
-            time.sleep((factor - 1.0) * (time.monotonic() - began))
+            measured = time.monotonic() - began
+            slow_steps.append(measured)
+            time.sleep((factor - 1.0) * measured)
         seen += b
         it += 1
         if it % args.eval_every == 0:
@@ -275,6 +278,9 @@ def main() -> None:
             f"final test accuracy {acc:.4f} best {best:.4f} after {it} iterations, {elapsed:.1f} s",
             flush=True,
         )
+    if slow_steps:
+        mean_ms = 1000 * sum(slow_steps) / len(slow_steps)
+        print(f"rank {rank}: mean measured step {mean_ms:.1f} ms before its sleep", flush=True)
     t.leave()
 
 
