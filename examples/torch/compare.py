@@ -22,6 +22,9 @@ order that rotates each round. Results go to ``--out`` (``results.json``, a figu
 scenario) and a table is printed: every round, then each arm's median and range.
 
     .venv/bin/python examples/torch/compare.py --rounds 3
+
+``--rounds 0`` prints the table and redraws the figures from ``results.json``. The measured
+figures and what they mean are in docs/python.md.
 """
 
 from __future__ import annotations
@@ -145,8 +148,13 @@ def svg(path: Path, title: str, curves: dict[str, list], target: float) -> None:
         f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
         f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="black"/>',
         f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="black"/>',
-        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">seconds ({tmax:.0f} s wide)</text>',
+        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">seconds of training</text>',
     ]
+    step = next(d for d in (10, 20, 50, 100, 200, 500, 1000) if tmax / d <= 8)
+    for k in range(int(tmax // step) + 1):
+        x = xy(k * step, lo).split(",")[0]
+        parts.append(f'<line x1="{x}" y1="{h - m}" x2="{x}" y2="{h - m + 4}" stroke="black"/>')
+        parts.append(f'<text x="{x}" y="{h - m + 16}" text-anchor="middle">{k * step}</text>')
     for acc in (0.6, 0.7, 0.8, 0.9, 1.0):
         y = xy(0, acc).split(",")[1]
         parts.append(f'<text x="{m - 6}" y="{y}" text-anchor="end">{acc:.0%}</text>')
@@ -218,7 +226,8 @@ def main() -> None:
             shown = ", ".join("-" if t is None else f"{t:.0f}" for t in ts)
             print(f"  {arm:10} median {med:>5}  range {rng:>9}  runs: {shown}")
             curves[arm] = [x for x in rows if x["arm"] == arm][-1]["curve"]
-        title = f"{scenario}: worker 0's score on {a.eval_images} test images (last round)"
+        what = "all workers equal" if scenario == "normal" else "worker 3 three times slower"
+        title = f"{what}: worker 0's score on {a.eval_images} test images (last round)"
         svg(out / f"{scenario}.svg", title, curves, a.target)
 
 
