@@ -4,6 +4,9 @@ loopback, with their own certificates and token. Nothing is mocked."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 
 from syncopate.cluster import Cluster, clean_env
 
-__all__ = ["ROOT", "Cluster", "binary", "clean_env", "cluster_at"]
+__all__ = ["ROOT", "Cluster", "binary", "clean_env", "cluster_at", "run_syncopate", "start_local"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +30,41 @@ def binary() -> Path:
 def cluster_at(tmp: Path, **kw: object) -> Cluster:
     """A coordinator and servers of :func:`binary`, in ``tmp``."""
     return Cluster(tmp, exe=binary(), **kw)  # type: ignore[arg-type]
+
+
+def _env() -> dict[str, str]:
+    """The environment the binary runs in: no inherited SYNCOPATE_* settings, and this Python
+    (with the package and torch) for the worker scripts it starts."""
+    return clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
+
+
+def run_syncopate(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Runs ``syncopate ARGS`` from the checkout to its end; its output is in ``stdout``."""
+    return subprocess.run(
+        [str(binary()), *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_local(run: Path, *args: str) -> subprocess.Popen[str]:
+    """Starts ``syncopate local --run-dir RUN ARGS`` and returns once its cluster is up (its
+    ``cluster.json`` written), for a test to act on the running cluster."""
+    cmd = [str(binary()), "local", "--run-dir", str(run), *args]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not (run / "cluster.json").exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            pytest.fail(f"the cluster did not start: {p.communicate()[0]}")
+        time.sleep(0.05)
+    return p
 
 
 ClusterFactory = Callable[..., Cluster]

@@ -5,13 +5,11 @@ torch, real Fashion-MNIST; the example's MLP on part of the data keeps each run 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import syncopate
-from conftest import ROOT, binary, clean_env
+from conftest import ROOT, run_syncopate, start_local
 
 EXAMPLE = ROOT / "examples" / "torch" / "train.py"
 # 6,000 training images per worker of two, scored on 2,000 test images every 20 iterations.
@@ -21,13 +19,11 @@ SCRIPT_ARGS += ["--test-limit", "2000", "--eval-every", "20"]
 
 def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [str(binary()), "local", "--workers", "2", "--servers", "2", "--policy", "bsp"]
-    cmd += ["--lr", "0.05", "--momentum", "0.9", "--eval-every-ms", "100", "--run-dir", str(run)]
-    cmd += ["--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "1"]
-    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    args = ["--workers", "2", "--servers", "2", "--policy", "bsp", "--lr", "0.05"]
+    args += ["--momentum", "0.9", "--eval-every-ms", "100"]
+    # Three passes over each worker's 6,000 images (about 560 iterations): the swap, compiled
+    # by every server first, lands well inside training even on a loaded machine.
+    p = start_local(run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "3")
     try:
         cluster = run / "cluster.json"
         deadline = time.monotonic() + 120
@@ -36,12 +32,11 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
             assert p.poll() is None and time.monotonic() < deadline, (
                 p.stdout.read() if p.stdout else ""
             )
-            if cluster.exists():
-                try:
-                    if syncopate.status(cluster).get("score"):
-                        break
-                except syncopate.SyncopateError:
-                    pass  # the coordinator is still starting
+            try:
+                if syncopate.status(cluster).get("score"):
+                    break
+            except syncopate.SyncopateError:
+                pass  # the coordinator is still starting
             time.sleep(0.1)
         number, shards = syncopate.swap("ssp:s=2", cluster=cluster)
         assert number == 1 and shards == 2
@@ -51,7 +46,7 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
             p.kill()
     assert p.returncode == 0, out
     report = json.loads((run / "report.json").read_text())
-    assert report["swaps"] == 1
+    assert report["swaps"] == 1, out
     assert "ssp" in report["policy"], report["policy"]
     scored = [(w["policy"], w["accuracy"]) for w in report["watch"] if w["accuracy"] is not None]
     before = [a for policy, a in scored if "bsp" in policy]
@@ -59,10 +54,10 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
     # Scores were seen under both policies, and training went on improving across the swap.
     assert before and after, scored
     assert max(after) > before[0], scored
-    # 6,000 images per worker, batch 32: about 190 iterations each. Chance is 0.10.
+    # Chance is 0.10; three passes gave 0.79-0.81 here.
     assert report["final_accuracy"] > 0.72, scored
     workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(2)]
-    assert all(w["iterations"] >= 180 for w in workers), [w["iterations"] for w in workers]
+    assert all(w["iterations"] >= 540 for w in workers), [w["iterations"] for w in workers]
 
 
 def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:
@@ -89,18 +84,8 @@ def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:
         + "\n"
     )
     out_dir = tmp_path / "ab"
-    cmd = [str(binary()), "ab", "--scenario", str(scenario), "--policies", "bsp,asp"]
-    cmd += ["--out", str(out_dir)]
-    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
-    p = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=400,
-    )
+    args = ["ab", "--scenario", str(scenario), "--policies", "bsp,asp", "--out", str(out_dir)]
+    p = run_syncopate(*args, timeout=400)
     assert p.returncode == 0, p.stdout
     comparison = json.loads((out_dir / "comparison.json").read_text())
     rows = {r["policy"]: r for r in comparison["rows"]}

@@ -4,35 +4,23 @@ launcher's heterogeneity injection, reports and hot swap from Python."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import syncopate
-from conftest import ROOT, binary, clean_env
+from conftest import run_syncopate, start_local
 
 SCRIPT = Path(__file__).parent / "scripts" / "linear.py"
 
 
 def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [str(binary()), "local", "--workers", "2", "--servers", "2", "--policy", "ssp:s=1"]
-    cmd += ["--lr", "0.05", "--momentum", "0", "--iterations", "150", "--delay-ms", "10"]
-    cmd += ["--slow", "1:3", "--run-dir", str(run), "--script", str(SCRIPT)]
-    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    args = ["--workers", "2", "--servers", "2", "--policy", "ssp:s=1", "--lr", "0.05"]
+    args += ["--momentum", "0", "--iterations", "150", "--delay-ms", "10", "--slow", "1:3"]
+    p = start_local(run, *args, "--script", str(SCRIPT))
     try:
-        cluster = run / "cluster.json"
-        deadline = time.monotonic() + 60
-        while not cluster.exists():
-            assert p.poll() is None and time.monotonic() < deadline, (
-                p.stdout.read() if p.stdout else ""
-            )
-            time.sleep(0.05)
         time.sleep(0.5)
+        cluster = run / "cluster.json"
         number, shards = syncopate.swap("asp", cluster=cluster)
         assert number == 1 and shards == 2
         status = syncopate.status(cluster)
@@ -55,20 +43,11 @@ def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: 
 
 def test_a_script_reports_its_accuracy_and_the_launcher_stops_at_the_target(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [str(binary()), "local", "--workers", "2", "--servers", "1", "--policy", "bsp"]
-    cmd += ["--lr", "0.05", "--momentum", "0", "--delay-ms", "5", "--eval-every-ms", "100"]
-    cmd += ["--target-accuracy", "0.9", "--run-dir", str(run), "--script", str(SCRIPT)]
-    env = clean_env() | {"SYNCOPATE_PYTHON": sys.executable}
+    args = ["local", "--workers", "2", "--servers", "1", "--policy", "bsp", "--lr", "0.05"]
+    args += ["--momentum", "0", "--delay-ms", "5", "--eval-every-ms", "100"]
+    args += ["--target-accuracy", "0.9", "--run-dir", str(run), "--script", str(SCRIPT)]
     # No iteration budget: only the target, which the script's own scores reach, ends the run.
-    p = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=120,
-    )
+    p = run_syncopate(*args, timeout=120)
     assert p.returncode == 0, p.stdout
     assert "target accuracy 90.0% reached" in p.stdout, p.stdout
     report = json.loads((run / "report.json").read_text())
