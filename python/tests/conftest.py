@@ -14,7 +14,16 @@ import pytest
 
 from syncopate.cluster import Cluster, clean_env
 
-__all__ = ["ROOT", "Cluster", "binary", "clean_env", "cluster_at", "run_syncopate", "start_local"]
+__all__ = [
+    "ROOT",
+    "Cluster",
+    "binary",
+    "clean_env",
+    "cluster_at",
+    "finish",
+    "run_syncopate",
+    "start_local",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +74,18 @@ def start_local(run: Path, *args: str) -> subprocess.Popen[str]:
             pytest.fail(f"the cluster did not start: {p.communicate()[0]}")
         time.sleep(0.05)
     return p
+
+
+def finish(p: subprocess.Popen[str], timeout: float) -> str:
+    """Waits for a process of :func:`start_local` to end (killing it if the test fails first)
+    and checks it succeeded; returns its output."""
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    return out
 
 
 ClusterFactory = Callable[..., Cluster]

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import syncopate
-from conftest import ROOT, run_syncopate, start_local
+from conftest import ROOT, finish, run_syncopate, start_local
 
 EXAMPLE = ROOT / "examples" / "torch" / "train.py"
 # 6,000 training images per worker of two, scored on 2,000 test images every 20 iterations.
@@ -24,27 +24,22 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
     # Three passes over each worker's 6,000 images (about 560 iterations): the swap, compiled
     # by every server first, lands well inside training even on a loaded machine.
     p = start_local(run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "3")
-    try:
-        cluster = run / "cluster.json"
-        deadline = time.monotonic() + 120
-        # Swap once the example has reported a score under BSP: training is under way.
-        while True:
-            assert p.poll() is None and time.monotonic() < deadline, (
-                p.stdout.read() if p.stdout else ""
-            )
-            try:
-                if syncopate.status(cluster).get("score"):
-                    break
-            except syncopate.SyncopateError:
-                pass  # the coordinator is still starting
-            time.sleep(0.1)
-        number, shards = syncopate.swap("ssp:s=2", cluster=cluster)
-        assert number == 1 and shards == 2
-        out, _ = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 0, out
+    cluster = run / "cluster.json"
+    deadline = time.monotonic() + 120
+    # Swap once the example has reported a score under BSP: training is under way.
+    while True:
+        if p.poll() is not None or time.monotonic() > deadline:
+            finish(p, timeout=1)
+            raise AssertionError("training ended, or no score came, before the swap")
+        try:
+            if syncopate.status(cluster).get("score"):
+                break
+        except syncopate.SyncopateError:
+            pass  # the coordinator is still starting
+        time.sleep(0.1)
+    number, shards = syncopate.swap("ssp:s=2", cluster=cluster)
+    assert number == 1 and shards == 2
+    out = finish(p, timeout=300)
     report = json.loads((run / "report.json").read_text())
     assert report["swaps"] == 1, out
     assert "ssp" in report["policy"], report["policy"]

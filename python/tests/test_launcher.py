@@ -4,11 +4,12 @@ launcher's heterogeneity injection, reports and hot swap from Python."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import syncopate
-from conftest import run_syncopate, start_local
+from conftest import finish, run_syncopate, start_local
 
 SCRIPT = Path(__file__).parent / "scripts" / "linear.py"
 
@@ -18,18 +19,13 @@ def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: 
     args = ["--workers", "2", "--servers", "2", "--policy", "ssp:s=1", "--lr", "0.05"]
     args += ["--momentum", "0", "--iterations", "150", "--delay-ms", "10", "--slow", "1:3"]
     p = start_local(run, *args, "--script", str(SCRIPT))
-    try:
-        time.sleep(0.5)
-        cluster = run / "cluster.json"
-        number, shards = syncopate.swap("asp", cluster=cluster)
-        assert number == 1 and shards == 2
-        status = syncopate.status(cluster)
-        assert status["swaps"] == 1 and "asp" in status["policy"], status
-        out, _ = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 0, out
+    time.sleep(0.5)
+    cluster = run / "cluster.json"
+    number, shards = syncopate.swap("asp", cluster=cluster)
+    assert number == 1 and shards == 2
+    status = syncopate.status(cluster)
+    assert status["swaps"] == 1 and "asp" in status["policy"], status
+    finish(p, timeout=120)
     report = json.loads((run / "report.json").read_text())
     assert report["swaps"] == 1
     workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(2)]
@@ -39,6 +35,9 @@ def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: 
     assert workers[0]["deferred_pulls"] > 0
     logs = (run / "logs" / "worker-0.log").read_text()
     assert "iterations 150" in logs
+    # The launcher shares the cores out among the scripts' math libraries unless told otherwise.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert f"OMP_NUM_THREADS={threads}" in logs, logs
 
 
 def test_a_script_reports_its_accuracy_and_the_launcher_stops_at_the_target(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ def main() -> None:
         worker.push([grad.astype(np.float32)], loss=loss)
     report = worker.leave()
     print(f"rank {report['worker']} iterations {report['iterations']} loss {loss:.6f}")
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     sys.stdout.flush()
 
 
