@@ -135,7 +135,7 @@ impl Handover {
 
 /// A shard's record of the tasks in flight between workers, and of the goodbyes that wait for
 /// them.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskLedger {
     moved: Vec<Handover>,
     leaving: Vec<WorkerId>,

@@ -38,8 +38,9 @@ impl Default for OptimizerConfig {
     }
 }
 
-/// SGD with momentum over one shard's parameters.
-#[derive(Clone, Debug)]
+/// SGD with momentum over one shard's parameters. Serializable, so that a shard's checkpoint
+/// keeps its velocity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Optimizer {
     cfg: OptimizerConfig,
     velocity: Vec<f32>,

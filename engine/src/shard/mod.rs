@@ -29,9 +29,11 @@
 
 mod layout;
 mod parked;
+mod snapshot;
 mod supervisor;
 
 pub use layout::{ModelLayout, Partition, TensorSpec};
+pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
 pub use supervisor::SupervisorConfig;
 pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
 
@@ -288,14 +290,14 @@ pub struct ShardStats {
     pub staleness: [u64; STALENESS_BUCKETS],
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Parked {
     pull: Pull,
     until: Release,
     since_ns: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Held {
     push: Push,
     grad: Vec<f32>,
@@ -303,7 +305,7 @@ struct Held {
 }
 
 /// The tasks of one (worker, iteration) received so far.
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Partial {
     worker: WorkerId,
     iteration: u64,
@@ -316,7 +318,7 @@ struct Partial {
     based_on: Option<u64>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Aggregate {
     sum: Vec<f32>,
     /// The sum of the contributions' weights.
@@ -913,7 +915,8 @@ impl Shard {
     }
 
     /// A worker asks for the parameters. Returns the request id; the reply goes to the sink when
-    /// the pull is served (at once, or when released).
+    /// the pull is served (at once, or when released). Asking again for a pull that is parked
+    /// changes nothing: the parked pull is the answer.
     pub fn pull(
         &mut self,
         req: PullRequest,
@@ -921,6 +924,11 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
         let clock = self.clocks.get(req.worker).ok_or(ShardError::UnknownWorker(req.worker, self.shard))?;
+        if let Some(p) = self.parked.find(req.worker, req.iteration) {
+            // The worker asks again for a pull that is parked (it reconnected after a restore):
+            // the parked one answers it when released; the policy has decided it already.
+            return Ok(p);
+        }
         let id = self.id();
         let pull = Pull { id, worker: req.worker, iteration: req.iteration, clock };
         self.undecided_pull = Some(Parked { pull, until: Release::Explicit, since_ns: now_ns });

@@ -31,6 +31,19 @@ impl ParkedPulls {
         self.pulls.len()
     }
 
+    /// The parked pulls, in their order (for snapshots).
+    pub(super) fn as_slice(&self) -> &[Parked] {
+        &self.pulls
+    }
+
+    /// The id of `worker`'s parked pull for `iteration`, if there is one.
+    pub(super) fn find(&self, worker: WorkerId, iteration: u64) -> Option<RequestId> {
+        self.pulls
+            .iter()
+            .find(|p| p.pull.worker == worker && p.pull.iteration == iteration)
+            .map(|p| p.pull.id)
+    }
+
     pub(super) fn contains(&self, pull: RequestId) -> bool {
         self.pulls.iter().any(|p| p.pull.id == pull)
     }

@@ -132,6 +132,58 @@ impl Supervisor {
         Ok((sup, start))
     }
 
+    /// The running instance's state as of now (the last checkpoint when quarantined), and
+    /// whether the module is quarantined: what a shard snapshot keeps of its policy.
+    pub(crate) fn snapshot(&mut self) -> Result<(Vec<u8>, bool), PolicyError> {
+        match self.instance.as_mut() {
+            Some(instance) => Ok((instance.export_state()?, false)),
+            None => Ok((self.checkpoint.clone(), true)),
+        }
+    }
+
+    /// A supervisor whose instance continues from `state`, exported by the same module from a
+    /// shard whose live workers were `workers` (a snapshot being restored). The module's
+    /// start-up decisions are not returned: the shard's mode and timers come from the snapshot.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn restore(
+        cfg: SupervisorConfig,
+        shard: u32,
+        shards: u32,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        state: Vec<u8>,
+        workers: Vec<WorkerClock>,
+        quarantined: bool,
+        now_ns: u64,
+    ) -> Result<Self, PolicyError> {
+        let instance = if quarantined {
+            None
+        } else {
+            let info = module.info();
+            let handoff = Handoff {
+                from_name: &info.name,
+                from_version: &info.version,
+                state: &state,
+                workers: workers.clone(),
+            };
+            let (instance, _start) =
+                PolicyInstance::import(module, &init_args(shard, shards, now_ns, config), &handoff)?;
+            Some(instance)
+        };
+        Ok(Supervisor {
+            cfg,
+            shard,
+            shards,
+            module: module.clone(),
+            config: config.to_vec(),
+            instance,
+            checkpoint: state,
+            checkpoint_workers: workers,
+            since_checkpoint: 0,
+            failures_in_a_row: [0; EventKind::COUNT],
+        })
+    }
+
     pub(crate) fn module(&self) -> &PolicyModule {
         &self.module
     }
