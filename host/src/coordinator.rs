@@ -90,6 +90,14 @@ pub struct CoordinatorOptions {
     pub startup_timeout: Duration,
     /// Where to write the bound address once listening (for scripts and `local`).
     pub ready_file: Option<PathBuf>,
+    /// Where to write checkpoint rounds ([`crate::checkpoint`]): every `checkpoint_every` and at
+    /// shutdown. `None`: no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Time between checkpoint rounds (`None`: only at shutdown).
+    pub checkpoint_every: Option<Duration>,
+    /// A checkpoint directory to resume from: the newest intact round there restores every
+    /// shard, and its policy (as swapped at the time) replaces `policy`.
+    pub resume: Option<PathBuf>,
 }
 
 struct State {
@@ -103,6 +111,10 @@ struct State {
     swaps: u64,
     /// The latest score a worker reported.
     score: Option<ReportedScore>,
+    /// The next checkpoint round's number.
+    next_round: u64,
+    /// The round the shards were restored from.
+    restore: Option<PathBuf>,
 }
 
 struct Coordinator {
@@ -126,6 +138,11 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     if opts.servers == 0 || opts.shards == 0 {
         return Err(NodeError::Protocol("a cluster needs at least one server and one shard".into()));
     }
+    let mut opts = opts;
+    let resumed = match opts.resume.clone() {
+        Some(dir) => Some(resume_from(&dir, &mut opts)?),
+        None => None,
+    };
     let runtime = PolicyRuntime::new()?;
     // Refuse to start with a module the servers would refuse.
     crate::node::compile(&runtime, opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
@@ -149,11 +166,13 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             servers: Vec::new(),
             worker_conns: BTreeMap::new(),
             workers: BTreeMap::new(),
-            model_len: None,
+            model_len: resumed.as_ref().map(|r| r.manifest.model_len),
             policy: opts.policy.clone(),
             previous: None,
-            swaps: 0,
+            swaps: resumed.as_ref().map_or(0, |r| r.manifest.swaps),
             score: None,
+            next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
+            restore: resumed.map(|r| r.dir),
         }),
         registered: watch::channel(0).0,
         ready: watch::channel(0).0,
@@ -176,7 +195,24 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             }
         })
     };
+    let periodic = coord.opts.checkpoint_every.filter(|_| coord.opts.checkpoint_dir.is_some()).map(|every| {
+        let coord = coord.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if coord.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                if let Err(e) = coord.checkpoint().await {
+                    tracing::warn!("checkpoint not taken: {e}");
+                }
+            }
+        })
+    });
     let _ = stop.wait_for(|s| *s).await;
+    if let Some(p) = periodic {
+        p.abort();
+    }
     accept.abort();
     endpoint.close(close::DONE.into(), b"cluster shut down");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
@@ -184,8 +220,119 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     Ok(())
 }
 
+/// Reads the newest intact round of `dir` and makes `opts` run it: its policy, as swapped at
+/// the time. The shard count must be the round's.
+fn resume_from(
+    dir: &std::path::Path,
+    opts: &mut CoordinatorOptions,
+) -> Result<crate::checkpoint::Round, NodeError> {
+    let round =
+        crate::checkpoint::latest(dir).map_err(|e| NodeError::Protocol(format!("cannot resume: {e}")))?;
+    let m = &round.manifest;
+    if m.shards != opts.shards {
+        return Err(NodeError::Protocol(format!(
+            "cannot resume: checkpoint round {} in {} has {} shards, this cluster is set up for {} (pass --shards {})",
+            m.round,
+            dir.display(),
+            m.shards,
+            opts.shards,
+            m.shards
+        )));
+    }
+    tracing::info!(
+        round = m.round,
+        dir = %round.dir.display(),
+        policy = %m.policy,
+        model_len = m.model_len,
+        "resuming from a checkpoint (its policy replaces --policy)"
+    );
+    opts.policy = PolicySource {
+        label: m.policy.clone(),
+        wasm: round.wasm.clone(),
+        config: m.config.clone(),
+        overrides: m.overrides.clone(),
+    };
+    Ok(round)
+}
+
 impl Coordinator {
-    fn settings(&self) -> ClusterSettings {
+    /// Takes a checkpoint round: every server writes its shards' snapshots into the round's
+    /// folder, then the manifest is written, last, and old rounds are pruned. No swap runs
+    /// meanwhile, so every shard of a round runs the policy the manifest names. Returns the round.
+    async fn checkpoint(&self) -> Result<u64, String> {
+        let Some(dir) = self.opts.checkpoint_dir.clone() else {
+            return Err("no checkpoint directory is set".into());
+        };
+        let _no_swap = self.swap_lock.lock().await;
+        let started = *self.ready.borrow() > 0;
+        let (servers, round, manifest, wasm) = {
+            let mut st = self.lock();
+            let Some(model_len) = st.model_len.filter(|_| started || st.restore.is_some()) else {
+                return Err("training has not started yet".into());
+            };
+            if (st.servers.len() as u32) < self.opts.servers {
+                return Err(format!(
+                    "only {} of {} servers are registered",
+                    st.servers.len(),
+                    self.opts.servers
+                ));
+            }
+            let round = st.next_round;
+            st.next_round += 1;
+            let blob = st.policy.blob();
+            let manifest = crate::checkpoint::Manifest {
+                format: crate::checkpoint::MANIFEST_FORMAT,
+                round,
+                taken_unix_ms: crate::checkpoint::unix_ms(),
+                policy: blob.label,
+                policy_sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
+                config: blob.config,
+                overrides: blob.overrides,
+                swaps: st.swaps,
+                shards: self.opts.shards,
+                model_len,
+            };
+            (st.servers.clone(), round, manifest, st.policy.wasm.clone())
+        };
+        let t = std::time::Instant::now();
+        let folder = crate::checkpoint::round_dir(&dir, round);
+        let prepare = {
+            let folder = folder.clone();
+            tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(&folder)
+                    .map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
+                crate::checkpoint::write_atomic(&folder.join("policy.wasm"), &wasm).map_err(|e| e.to_string())
+            })
+        };
+        prepare.await.map_err(|e| e.to_string())??;
+        let cmd = ServerCommand::Checkpoint { dir: folder.display().to_string() };
+        let results = futures::future::join_all(servers.iter().map(|(_, c)| command(c, &cmd, &[]))).await;
+        let failed: Vec<String> = results
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("server {i}: {e}")))
+            .collect();
+        if !failed.is_empty() {
+            let _ = std::fs::remove_dir_all(&folder);
+            return Err(format!("round {round} abandoned: {}", failed.join("; ")));
+        }
+        let finish = {
+            let (folder, dir) = (folder.clone(), dir.clone());
+            tokio::task::spawn_blocking(move || {
+                let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serializes");
+                crate::checkpoint::write_atomic(&folder.join("manifest.json"), &json)
+                    .map_err(|e| e.to_string())?;
+                crate::checkpoint::prune(&dir);
+                Ok::<_, String>(())
+            })
+        };
+        finish.await.map_err(|e| e.to_string())??;
+        tracing::info!(round, dir = %folder.display(), ms = t.elapsed().as_millis() as u64, "checkpoint taken");
+        Ok(round)
+    }
+
+    /// The settings servers get; `st` is the state, locked by the caller.
+    fn settings(&self, st: &State) -> ClusterSettings {
         ClusterSettings {
             shards: self.opts.shards,
             servers: self.opts.servers,
@@ -193,6 +340,7 @@ impl Coordinator {
             push_weight: self.opts.push_weight,
             seed: self.opts.seed,
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
+            restore: st.restore.as_ref().map(|p| p.display().to_string()),
         }
     }
 
@@ -226,7 +374,7 @@ impl Coordinator {
                         tracing::info!(server = id, %data_addr, "server registered");
                         let welcome = Welcome::Server {
                             server: id,
-                            settings: self.settings(),
+                            settings: self.settings(&st),
                             policy: st.policy.blob(),
                         };
                         (welcome, st.policy.wasm.clone())
@@ -423,6 +571,11 @@ impl Coordinator {
             },
             CoordRequest::Shutdown => {
                 tracing::info!("shutdown requested");
+                if self.opts.checkpoint_dir.is_some() {
+                    if let Err(e) = self.checkpoint().await {
+                        tracing::warn!("no checkpoint at shutdown: {e}");
+                    }
+                }
                 let servers: Vec<_> = self.lock().servers.iter().map(|(_, c)| c.clone()).collect();
                 self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
                 let stops = servers.iter().map(|c| command(c, &ServerCommand::Shutdown, &[]));

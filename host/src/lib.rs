@@ -6,12 +6,14 @@
 //!   consults a policy on every event;
 //! - [`net`]: the QUIC transport, its messages and its TLS set-up;
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
+//! - [`checkpoint`]: rounds of shard snapshots on disk, written crash-safely, for `--resume`;
 //! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
 //! - [`authoring`]: `policy new` and `policy build` for policy authors;
 //! - [`cli`]: the `syncopate` command.
 
 pub mod authoring;
+pub mod checkpoint;
 pub mod cli;
 pub mod coordinator;
 pub mod lab;

@@ -84,6 +84,13 @@ impl LocalRun {
         }
     }
 
+    /// SIGKILL: no handler runs; the cluster's processes die with it (see
+    /// `a_killed_local_takes_its_whole_cluster_with_it`).
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     pub fn model(&self) -> Vec<f32> {
         let bytes = std::fs::read(self.dir.join("model.bin")).expect("model.bin written");
         bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
@@ -122,7 +129,7 @@ pub fn status(cluster: &Path) -> ClusterStatus {
     serde_json::from_slice(&out.stdout).expect("status JSON")
 }
 
-fn assert_all(model: &[f32], expected: f32, what: &str) {
+pub fn assert_all(model: &[f32], expected: f32, what: &str) {
     assert!(!model.is_empty());
     for (i, v) in model.iter().enumerate() {
         assert_eq!(*v, expected, "{what}: parameter {i} is {v}, expected {expected}");

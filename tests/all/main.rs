@@ -2,6 +2,7 @@
 //! test loads real wasm modules built from `policies/` and `tests/hostile-policy`.
 
 mod ab;
+mod checkpoint;
 mod cli;
 mod cluster;
 mod harness;

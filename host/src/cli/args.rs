@@ -225,3 +225,29 @@ pub fn tokio() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn tokio_threads(threads: usize, spin: SpinArgs) -> anyhow::Result<tokio::runtime::Runtime> {
     crate::net::spin::runtime_builder(threads, spin.max()).build().context("cannot start the async runtime")
 }
+
+/// Checkpoints and resume, as the coordinator and `local` take them.
+#[derive(Debug, Clone, Args)]
+pub struct CheckpointArgs {
+    /// Write checkpoint rounds (every shard's parameters, optimizer, clocks, pending requests and
+    /// policy state) into DIR, periodically and at shutdown; the last two complete rounds are
+    /// kept. Every server writes its own shards there, so on several machines DIR must be a
+    /// shared file system.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Seconds between checkpoint rounds (0: only at shutdown).
+    #[arg(long, default_value_t = 30)]
+    pub checkpoint_every_s: u64,
+    /// Resume from the newest intact checkpoint round in DIR (a torn or corrupt round is
+    /// reported and the one before it used): every shard is restored, with the policy that ran
+    /// then, and workers continue where the shards left them.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+impl CheckpointArgs {
+    /// The interval, `None` for only at shutdown.
+    pub fn every(&self) -> Option<Duration> {
+        (self.checkpoint_every_s > 0).then(|| Duration::from_secs(self.checkpoint_every_s))
+    }
+}

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use super::args::{tokio, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
+use super::args::{tokio, CheckpointArgs, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
 use crate::lab::local::LocalOptions;
 use crate::lab::scenario::{Jitter, RunSpec, Scenario, Slow, Stall};
 
@@ -78,6 +78,8 @@ pub struct LocalArgs {
     pub optimizer_on: PlacementArg,
     #[command(flatten)]
     pub train: TrainArgs,
+    #[command(flatten)]
+    pub checkpoints: CheckpointArgs,
     #[command(flatten)]
     pub spin: SpinArgs,
     /// Run this training script as every worker, instead of a built-in workload: its path,
@@ -163,8 +165,24 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         spin_us: a.spin.spin_us,
         peer_timeout_ms: a.train.peer_timeout_ms,
         record: a.record.as_deref().map(std::path::absolute).transpose()?,
+        checkpoint_dir: Some(std::path::absolute(
+            a.checkpoints.checkpoint_dir.clone().unwrap_or_else(|| run_dir.join("checkpoints")),
+        )?),
+        checkpoint_every_s: a.checkpoints.checkpoint_every_s,
+        resume: a.checkpoints.resume.as_deref().map(resume_dir).transpose()?,
         ..LocalOptions::new(exe, run_dir, run)
     })
+}
+
+/// The checkpoint directory `--resume DIR` names: DIR itself, or a run directory's
+/// `checkpoints/` folder, so that `--resume runs/<run>` continues that run.
+fn resume_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let inner = dir.join("checkpoints");
+    let dir = if inner.is_dir() { inner } else { dir.to_path_buf() };
+    if !dir.is_dir() {
+        anyhow::bail!("--resume {}: no such directory", dir.display());
+    }
+    Ok(std::path::absolute(dir)?)
 }
 
 /// Runs `syncopate local`.

@@ -8,7 +8,9 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{tokio, tokio_threads, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs};
+use super::args::{
+    tokio, tokio_threads, CheckpointArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs,
+};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, ClusterFile, Token};
@@ -43,6 +45,8 @@ pub struct CoordinatorArgs {
     /// A separate token operators need to swap policies or shut down.
     #[arg(long, env = "SYNCOPATE_OPERATOR_TOKEN", hide_env_values = true)]
     pub operator_token: Option<String>,
+    #[command(flatten)]
+    pub checkpoints: CheckpointArgs,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
@@ -257,6 +261,9 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         peer_timeout: a.train.peer_timeout(),
         startup_timeout: Duration::from_secs(a.startup_timeout_s),
         ready_file: a.ready_file,
+        checkpoint_every: a.checkpoints.every(),
+        checkpoint_dir: a.checkpoints.checkpoint_dir,
+        resume: a.checkpoints.resume,
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }

@@ -43,6 +43,13 @@ pub struct LocalOptions {
     pub peer_timeout_ms: u64,
     /// Record every shard's policy events into this directory (`syncopate policy replay`).
     pub record: Option<PathBuf>,
+    /// Write checkpoint rounds into this directory (`--checkpoint-dir`), every
+    /// `checkpoint_every_s` seconds (0: only at shutdown). `None`: no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Seconds between checkpoint rounds.
+    pub checkpoint_every_s: u64,
+    /// Resume from the newest intact round in this checkpoint directory.
+    pub resume: Option<PathBuf>,
 }
 
 impl LocalOptions {
@@ -57,6 +64,9 @@ impl LocalOptions {
             spin_us: crate::net::spin::DEFAULT_SPIN.as_micros() as u64,
             peer_timeout_ms: 10_000,
             record: None,
+            checkpoint_dir: None,
+            checkpoint_every_s: 0,
+            resume: None,
         }
     }
 
@@ -81,8 +91,15 @@ impl LocalOptions {
             ("--push-weight", weight.to_string()),
             ("--seed", sc.seed.to_string()),
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
+            ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),
         ];
         a.extend(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]));
+        if let Some(dir) = &self.checkpoint_dir {
+            a.extend(["--checkpoint-dir".into(), dir.display().to_string()]);
+        }
+        if let Some(dir) = &self.resume {
+            a.extend(["--resume".into(), dir.display().to_string()]);
+        }
         a
     }
 
@@ -175,7 +192,8 @@ impl Proc {
     }
 
     /// Starts `cmd` as the node `name`: its output to `logs/<name>.log`, the token in its
-    /// environment, and no `SYNCOPATE_*` setting of ours leaking into it but those `cmd` sets.
+    /// environment, and no `SYNCOPATE_*` setting of ours leaking into it but those `cmd` sets
+    /// and `SYNCOPATE_LOG` (default `info`: the log files say what each node did).
     fn start(mut cmd: Command, dir: &Path, name: &str, token: &Token) -> Result<Self, NodeError> {
         let log = dir.join("logs").join(format!("{name}.log"));
         let out = std::fs::File::create(&log).map_err(io(format!("cannot create {}", log.display())))?;
@@ -185,6 +203,11 @@ impl Proc {
             if k.to_string_lossy().starts_with("SYNCOPATE_") && k != "SYNCOPATE_PYTHON" && !set.contains(&k) {
                 cmd.env_remove(&k);
             }
+        }
+        if !set.iter().any(|k| k == "SYNCOPATE_LOG") {
+            // The node's own log file: what it did (registrations, checkpoints, restores,
+            // failures), at the level the user asked for, `info` by default.
+            cmd.env("SYNCOPATE_LOG", std::env::var("SYNCOPATE_LOG").unwrap_or_else(|_| "info".into()));
         }
         cmd.env("SYNCOPATE_TOKEN", token.secret())
             .stdin(Stdio::null())

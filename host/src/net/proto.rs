@@ -62,6 +62,9 @@ pub struct ClusterSettings {
     pub seed: u64,
     /// A silent peer is dropped after this many milliseconds.
     pub peer_timeout_ms: u64,
+    /// A checkpoint round's folder to restore every shard from (`--resume`), instead of
+    /// creating shards from the first worker's parameters.
+    pub restore: Option<String>,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.
@@ -234,6 +237,13 @@ pub enum ServerCommand {
     },
     /// Report the shards' state.
     Status,
+    /// Write a snapshot of every shard into this round's folder
+    /// ([`crate::checkpoint::shard_file`]).
+    Checkpoint {
+        /// The round's folder (a path every server reaches: on one machine, or a shared file
+        /// system).
+        dir: String,
+    },
     /// Stop.
     Shutdown,
 }
@@ -381,6 +391,15 @@ pub enum DataResponse {
     Error(String),
     /// The push was acknowledged, but its policy dropped it: the gradient was discarded.
     PushDropped,
+    /// The shard already has this iteration from this worker (a retry, or a worker that came
+    /// back after a restore): acknowledged, and not applied a second time.
+    PushDuplicate,
+    /// Joined again a shard that already counted the worker as a member (it was restored from
+    /// a checkpoint): the next iteration the shard expects from it.
+    Rejoined {
+        /// That iteration; earlier ones it pushes are acknowledged as duplicates.
+        next: u64,
+    },
 }
 
 /// A control message from a shard's policy, sent on a unidirectional stream to the worker

@@ -6,8 +6,12 @@
 //! (`shard_task.rs`); each connection is a task that authenticates the peer, then serves one
 //! request per stream. A worker whose connection fails or goes silent for the peer timeout is
 //! made to leave its shards, so its policy is told and a barrier it held opens. Commands from
-//! the coordinator (prepare / commit a swap, status, shutdown) arrive on the registration
-//! connection.
+//! the coordinator (prepare / commit a swap, status, checkpoint, shutdown) arrive on the
+//! registration connection.
+//!
+//! On `--resume` the coordinator names a checkpoint round; the server restores each of its
+//! shards from the round's files before it serves anyone, and refuses to start, saying which
+//! file and why, if one cannot be read.
 
 mod shard_task;
 
@@ -32,7 +36,7 @@ use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
-use shard_task::{ShardCmd, ShardTask};
+use shard_task::{Joined, PushOutcome, ShardCmd, ShardTask};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -116,7 +120,9 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let epoch = Instant::now();
     let pool = TensorPool::default();
     let mut shards = HashMap::new();
-    for shard in (0..settings.shards).filter(|s| s % settings.servers == id) {
+    let mine: Vec<u32> = (0..settings.shards).filter(|s| s % settings.servers == id).collect();
+    let mut restored = restore_shards(settings.restore.as_deref(), &mine).await?;
+    for shard in mine {
         let (tx, rx) = mpsc::channel(1024);
         let task = ShardTask {
             cfg: ShardConfig {
@@ -132,6 +138,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
             epoch,
             pool: pool.clone(),
             record: opts.record.as_ref().map(|dir| dir.join(format!("shard-{shard}.rec"))),
+            restored: restored.remove(&shard),
+            rejoin_grace: timeout,
         };
         tokio::spawn(task.run(rx));
         shards.insert(shard, tx);
@@ -166,6 +174,47 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     tracing::info!(server = id, "server stopped");
     result
+}
+
+/// Reads this server's shards from a checkpoint round's folder, off the reactor.
+async fn restore_shards(
+    dir: Option<&str>,
+    mine: &[u32],
+) -> Result<HashMap<u32, crate::shard::ShardSnapshot>, NodeError> {
+    let Some(dir) = dir else { return Ok(HashMap::new()) };
+    let (dir, mine) = (std::path::PathBuf::from(dir), mine.to_vec());
+    tokio::task::spawn_blocking(move || {
+        mine.into_iter()
+            .map(|shard| {
+                let path = crate::checkpoint::shard_file(&dir, shard);
+                crate::checkpoint::read_snapshot(&path).map(|snap| (shard, snap)).map_err(|e| {
+                    NodeError::Protocol(format!("cannot restore shard {shard} from {}: {e}", path.display()))
+                })
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| NodeError::Protocol(format!("restore task failed: {e}")))?
+}
+
+/// Writes every shard's snapshot into `dir`: each is taken by its shard task (between two
+/// events), then written crash-safely off the reactor.
+async fn checkpoint(shared: &Shared, dir: &str) -> Result<(), String> {
+    let mut ids: Vec<_> = shared.shards.keys().copied().collect();
+    ids.sort_unstable();
+    for shard in ids {
+        let bytes = ask(&shared.shards[&shard], |reply| ShardCmd::Snapshot { reply })
+            .await
+            .map_err(|e| format!("shard {shard}: {e}"))?;
+        let path = crate::checkpoint::shard_file(std::path::Path::new(dir), shard);
+        let len = bytes.len();
+        tokio::task::spawn_blocking(move || crate::checkpoint::write_atomic(&path, &bytes))
+            .await
+            .map_err(|e| format!("write task failed: {e}"))?
+            .map_err(|e| format!("shard {shard}: {e}"))?;
+        tracing::debug!(shard, bytes = len, dir, "shard checkpointed");
+    }
+    Ok(())
 }
 
 /// `connect`, keeping the welcome's payload (the policy module).
@@ -310,6 +359,10 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                 bytes_received,
             })
         }
+        ServerCommand::Checkpoint { dir } => match checkpoint(shared, &dir).await {
+            Ok(()) => ServerReply::Ok,
+            Err(e) => ServerReply::Error(e),
+        },
         ServerCommand::Shutdown => {
             tracing::info!("shutdown requested by the coordinator");
             ServerReply::Ok
@@ -485,9 +538,12 @@ async fn handle_request(
         DataRequest::Join { .. } => {
             let controls = peer.controls.clone();
             match ask(tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
-                Ok(clock) => {
+                Ok(joined) => {
                     peer.joined.lock().expect("not poisoned").insert(shard);
-                    (DataResponse::Joined { clock }, None)
+                    match joined {
+                        Joined::Fresh(clock) => (DataResponse::Joined { clock }, None),
+                        Joined::Rejoined(next) => (DataResponse::Rejoined { next }, None),
+                    }
                 }
                 Err(e) => err(e),
             }
@@ -502,8 +558,9 @@ async fn handle_request(
             match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, reply })
                 .await
             {
-                Ok(false) => (DataResponse::PushAcked, None),
-                Ok(true) => (DataResponse::PushDropped, None),
+                Ok(PushOutcome::Applied) => (DataResponse::PushAcked, None),
+                Ok(PushOutcome::Dropped) => (DataResponse::PushDropped, None),
+                Ok(PushOutcome::Duplicate) => (DataResponse::PushDuplicate, None),
                 Err(e) => err(e),
             }
         }

@@ -3,10 +3,17 @@
 //! pure driver: replies go back on oneshot channels, control messages (a policy's, and the steps
 //! of task hand-overs, which the engine's ledger runs: [`crate::tasks`]) go to the worker's
 //! control stream, and the shard's timers become tokio sleeps.
+//!
+//! A shard restored from a checkpoint (`--resume`) starts with its members of the time; each
+//! rejoins when its worker reconnects, and those that have not come back within the peer
+//! timeout of the first one (or of a minute, if none comes) are made to leave, so a barrier does
+//! not wait for a worker that is gone for good. A push the shard already has (a retry, or an
+//! iteration redone after a restore) is acknowledged as a duplicate, not applied again; if it is
+//! held by the policy, the acknowledgement waits for the policy's decision.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot};
@@ -15,7 +22,10 @@ use crate::net::pool::TensorPool;
 use crate::net::proto::{ControlMessage, ShardStatus};
 use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
-use crate::shard::{Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink, TaskPart};
+use crate::shard::{
+    Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot,
+    TaskPart,
+};
 use syncopate_policy_sdk::abi::Envelope;
 
 /// What a served pull sends back.
@@ -30,6 +40,26 @@ pub(crate) struct Served {
 
 type Reply<T> = oneshot::Sender<Result<T, String>>;
 
+/// What became of a push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PushOutcome {
+    /// Admitted: applied, or counted in its aggregate or its iteration's tasks.
+    Applied,
+    /// Acknowledged, but the policy dropped it.
+    Dropped,
+    /// The shard already had it: acknowledged, not applied again.
+    Duplicate,
+}
+
+/// How a worker joined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Joined {
+    /// A new member, starting at this clock.
+    Fresh(u64),
+    /// A member of a restored shard, back: the next iteration the shard expects from it.
+    Rejoined(u64),
+}
+
 /// A command for a shard task.
 #[derive(Debug)]
 pub(crate) enum ShardCmd {
@@ -37,7 +67,7 @@ pub(crate) enum ShardCmd {
         worker: WorkerId,
         init: Vec<f32>,
         controls: mpsc::UnboundedSender<ControlMessage>,
-        reply: Reply<u64>,
+        reply: Reply<Joined>,
     },
     Push {
         worker: WorkerId,
@@ -48,8 +78,7 @@ pub(crate) enum ShardCmd {
         /// Some tasks only: the owner of the iteration and which of its tasks. Acknowledged as
         /// soon as they are counted.
         tasks: Option<(WorkerId, TaskPart)>,
-        /// `true`: the policy dropped the push (acknowledged, gradient discarded).
-        reply: Reply<bool>,
+        reply: Reply<PushOutcome>,
     },
     /// The owner of moved tasks handed them over.
     Yielded {
@@ -89,6 +118,10 @@ pub(crate) enum ShardCmd {
     Status {
         reply: oneshot::Sender<Option<ShardStatus>>,
     },
+    /// The shard's snapshot, encoded ([`ShardSnapshot::encode`]).
+    Snapshot {
+        reply: Reply<Vec<u8>>,
+    },
 }
 
 /// Answers waiting for the shard, keyed by (worker, iteration): a worker has at most one pull
@@ -98,7 +131,7 @@ struct Waiting {
     shard: u32,
     pool: TensorPool,
     pulls: HashMap<(WorkerId, u64), Reply<Served>>,
-    pushes: HashMap<(WorkerId, u64), Reply<bool>>,
+    pushes: HashMap<(WorkerId, u64), Reply<PushOutcome>>,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
     /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
     goodbyes: HashMap<WorkerId, Reply<()>>,
@@ -134,13 +167,13 @@ impl ShardSink for Waiting {
 
     fn push_acked(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
         if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
-            let _ = tx.send(Ok(false));
+            let _ = tx.send(Ok(PushOutcome::Applied));
         }
     }
 
     fn push_dropped(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
         if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
-            let _ = tx.send(Ok(true));
+            let _ = tx.send(Ok(PushOutcome::Dropped));
         }
     }
 
@@ -201,6 +234,16 @@ pub(crate) struct ShardTask {
     pub pool: TensorPool,
     /// The file to record the policy's events into, if any.
     pub record: Option<std::path::PathBuf>,
+    /// A snapshot to start from (`--resume`) instead of waiting for a worker's parameters.
+    pub restored: Option<ShardSnapshot>,
+    /// How long the members of a restored shard have to come back once the first has.
+    pub rejoin_grace: Duration,
+}
+
+/// Members of a restored shard that have not reconnected yet, and until when they may.
+struct Awaiting {
+    workers: BTreeSet<WorkerId>,
+    deadline: Instant,
 }
 
 impl ShardTask {
@@ -212,6 +255,30 @@ impl ShardTask {
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
         let mut shard: Option<Shard> = None;
         let mut w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), ..Waiting::default() };
+        let mut awaiting = None;
+        if let Some(snap) = self.restored.take() {
+            // The clock goes on from the snapshot's, so parked pulls and timers keep their times.
+            let at = Duration::from_nanos(snap.now_ns());
+            self.epoch = Instant::now().checked_sub(at).unwrap_or(self.epoch);
+            let members: BTreeSet<WorkerId> = snap.workers().iter().map(|c| c.worker).collect();
+            let (version, id) = (snap.version(), self.cfg.shard);
+            match Shard::restore(self.cfg.clone(), snap, &self.module, &mut w) {
+                Ok(s) => {
+                    tracing::info!(
+                        shard = id,
+                        version,
+                        members = members.len(),
+                        "shard restored from its checkpoint"
+                    );
+                    shard = Some(s);
+                    let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
+                    awaiting = Some(Awaiting { workers: members, deadline });
+                }
+                // The server checked every file before starting its shards; this is a module
+                // that refuses its own state.
+                Err(e) => tracing::error!(shard = id, "cannot restore the shard: {e}"),
+            }
+        }
         if let Some(path) = &self.record {
             let file = path
                 .parent()
@@ -224,15 +291,26 @@ impl ShardTask {
         }
         loop {
             let timer = shard.as_ref().and_then(|s| s.next_timer_ns());
-            let cmd = match timer {
-                Some(at) => {
-                    let wait = std::time::Duration::from_nanos(at.saturating_sub(self.now()));
+            let gone = awaiting.as_ref().map(|a: &Awaiting| a.deadline);
+            let wake = match (timer, gone) {
+                (None, None) => None,
+                (t, g) => {
+                    let t = t.map(|at| Duration::from_nanos(at.saturating_sub(self.now())));
+                    let g = g.map(|d| d.saturating_duration_since(Instant::now()));
+                    t.into_iter().chain(g).min()
+                }
+            };
+            let cmd = match wake {
+                Some(wait) => {
                     // Biased: a timer that is due fires before requests that arrive after it.
                     tokio::select! {
                         biased;
                         () = tokio::time::sleep(wait) => {
                             if let Some(s) = shard.as_mut() {
                                 s.advance(self.now(), &mut w);
+                                if let Some(a) = awaiting.take_if(|a| a.deadline <= Instant::now()) {
+                                    self.drop_absent(s, a.workers, &mut w);
+                                }
                             }
                             continue;
                         }
@@ -242,12 +320,31 @@ impl ShardTask {
                 None => rx.recv().await,
             };
             let Some(cmd) = cmd else { break };
-            self.handle(cmd, &mut shard, &mut w);
+            self.handle(cmd, &mut shard, &mut w, &mut awaiting);
         }
         w.record(recording::Writer::flush);
     }
 
-    fn handle(&mut self, cmd: ShardCmd, slot: &mut Option<Shard>, w: &mut Waiting) {
+    /// Members of a restored shard that did not come back leave, as workers whose connection
+    /// timed out do.
+    fn drop_absent(&self, shard: &mut Shard, absent: BTreeSet<WorkerId>, w: &mut Waiting) {
+        for worker in absent {
+            tracing::warn!(
+                shard = self.cfg.shard,
+                worker,
+                "worker did not come back after the restore; it leaves"
+            );
+            let _ = shard.leave(worker, LeaveReason::TimedOut, self.now(), w);
+        }
+    }
+
+    fn handle(
+        &mut self,
+        cmd: ShardCmd,
+        slot: &mut Option<Shard>,
+        w: &mut Waiting,
+        awaiting: &mut Option<Awaiting>,
+    ) {
         let now = self.now();
         // Timers due by now fire before the request (the order a replay assumes).
         if let Some(s) = slot.as_mut() {
@@ -282,8 +379,23 @@ impl ShardTask {
                     )));
                     return;
                 }
+                if let Some(a) = awaiting.as_mut().filter(|a| a.workers.contains(&worker)) {
+                    a.workers.remove(&worker);
+                    if a.workers.is_empty() {
+                        *awaiting = None;
+                    } else {
+                        a.deadline = a.deadline.min(Instant::now() + self.rejoin_grace);
+                    }
+                    w.controls.insert(worker, controls);
+                    let next = shard.rejoin(worker).map_err(|e| e.to_string());
+                    if let Ok(next) = next {
+                        tracing::info!(shard = id, worker, next, "worker rejoined the restored shard");
+                    }
+                    let _ = reply.send(next.map(Joined::Rejoined));
+                    return;
+                }
                 w.controls.insert(worker, controls);
-                let _ = reply.send(shard.join(worker, now, w).map_err(|e| e.to_string()));
+                let _ = reply.send(shard.join(worker, now, w).map(Joined::Fresh).map_err(|e| e.to_string()));
             }
             ShardCmd::Push {
                 worker,
@@ -300,7 +412,11 @@ impl ShardTask {
                 };
                 let req =
                     PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
-                let result = shard.push_by(worker, req, now, w).map(|_| false).map_err(|e| e.to_string());
+                let result = match shard.push_by(worker, req, now, w) {
+                    Ok(_) => Ok(PushOutcome::Applied),
+                    Err(ShardError::Duplicate { .. }) => Ok(PushOutcome::Duplicate),
+                    Err(e) => Err(e.to_string()),
+                };
                 if owner != worker {
                     tracing::debug!(
                         shard = id,
@@ -332,11 +448,32 @@ impl ShardTask {
                     let _ = reply.send(Err(not_yet()));
                     return;
                 };
+                if w.pushes.contains_key(&(worker, iteration)) {
+                    let _ = reply
+                        .send(Err(format!("worker {worker} already has a push for {iteration} waiting")));
+                    return;
+                }
                 w.pushes.insert((worker, iteration), reply);
                 let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
-                if let Err(e) = shard.push(req, now, w) {
-                    if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
-                        let _ = reply.send(Err(e.to_string()));
+                match shard.push(req, now, w) {
+                    Ok(_) => {}
+                    // Held by the policy: the acknowledgement waits for its decision.
+                    Err(ShardError::Duplicate { .. }) if shard.is_push_held(worker, iteration) => {}
+                    Err(ShardError::Duplicate { .. }) => {
+                        tracing::debug!(
+                            shard = id,
+                            worker,
+                            iteration,
+                            "duplicate push acknowledged, not applied"
+                        );
+                        if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
+                            let _ = reply.send(Ok(PushOutcome::Duplicate));
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
+                            let _ = reply.send(Err(e.to_string()));
+                        }
                     }
                 }
             }
@@ -414,6 +551,13 @@ impl ShardTask {
             }
             ShardCmd::Status { reply } => {
                 let _ = reply.send(slot.as_ref().map(|s| ShardStatus::of(id, s)));
+            }
+            ShardCmd::Snapshot { reply } => {
+                let result = match slot.as_mut() {
+                    Some(s) => s.snapshot(now).map(|snap| snap.encode()).map_err(|e| e.to_string()),
+                    None => Err(not_yet()),
+                };
+                let _ = reply.send(result);
             }
         }
     }

@@ -155,7 +155,9 @@ impl WorkerClient {
 
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
     /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
-    /// with the slowest worker.
+    /// with the slowest worker. A worker that comes back to shards restored from a checkpoint,
+    /// which still count it as a member, starts at the earliest iteration any of them expects
+    /// from it; the shards already past it acknowledge those pushes as duplicates.
     ///
     /// # Panics
     /// If `init` is not the whole model (the length given to [`connect`](Self::connect)); the
@@ -175,14 +177,21 @@ impl WorkerClient {
                 )
                 .await?
                 {
-                    (DataResponse::Joined { clock }, _) => Ok(clock),
+                    (DataResponse::Joined { clock }, _) => Ok((clock, false)),
+                    (DataResponse::Rejoined { next }, _) => Ok((next, true)),
                     (other, _) => Err(refused(conn, other)),
                 }
             }
         });
-        let clocks = futures::future::try_join_all(joins).await?;
-        let start = clocks.iter().copied().max().unwrap_or(0);
-        self.offsets = clocks.iter().map(|c| start - c).collect();
+        let joined = futures::future::try_join_all(joins).await?;
+        if joined.iter().any(|j| j.1) {
+            let start = joined.iter().map(|j| j.0).min().unwrap_or(0);
+            self.offsets = vec![0; joined.len()];
+            tracing::info!(worker = self.id, start, "rejoined restored shards");
+            return Ok(start);
+        }
+        let start = joined.iter().map(|j| j.0).max().unwrap_or(0);
+        self.offsets = joined.iter().map(|j| start - j.0).collect();
         Ok(start)
     }
 
@@ -350,7 +359,9 @@ impl WorkerClient {
             let values = grad.slice(p.start as usize * f32s..p.end as usize * f32s);
             async move {
                 match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
-                    (DataResponse::PushAcked, _) => Ok(0),
+                    // A duplicate is an iteration the shard already has (the worker redoes it after a
+                    // restore): acknowledged, applied once.
+                    (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
                     (DataResponse::PushDropped, _) => Ok(1),
                     (other, _) => Err(refused(conn, other)),
                 }
