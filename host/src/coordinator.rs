@@ -98,6 +98,15 @@ pub struct CoordinatorOptions {
     /// A checkpoint directory to resume from: the newest intact round there restores every
     /// shard, and its policy (as swapped at the time) replaces `policy`.
     pub resume: Option<PathBuf>,
+    /// Backups per shard (0 or 1; 1 needs at least two servers).
+    pub replicas: u32,
+}
+
+/// Where a shard lives now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Place {
+    primary: u32,
+    backup: Option<u32>,
 }
 
 struct State {
@@ -115,6 +124,10 @@ struct State {
     next_round: u64,
     /// The round the shards were restored from.
     restore: Option<PathBuf>,
+    /// Per shard: its primary and backup.
+    places: Vec<Place>,
+    /// Per server: when its last lease renewal arrived; `None` once it is failed over.
+    renewed: Vec<Option<std::time::Instant>>,
 }
 
 struct Coordinator {
@@ -123,6 +136,9 @@ struct Coordinator {
     registered: watch::Sender<u32>,
     /// Workers that joined their shards, until the start barrier opens.
     ready: watch::Sender<u32>,
+    /// Every backup is attached (workers are welcomed only then, so a backup sees its shard's
+    /// every op from the creation on).
+    replicated: watch::Sender<bool>,
     swap_lock: tokio::sync::Mutex<()>,
     shutdown: watch::Sender<bool>,
     /// Set when a shutdown starts, so departures after it are not reported as losses.
@@ -173,9 +189,17 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             score: None,
             next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
             restore: resumed.map(|r| r.dir),
+            places: (0..opts.shards)
+                .map(|k| Place {
+                    primary: k % opts.servers,
+                    backup: (opts.replicas > 0 && opts.servers > 1).then_some((k + 1) % opts.servers),
+                })
+                .collect(),
+            renewed: Vec::new(),
         }),
         registered: watch::channel(0).0,
         ready: watch::channel(0).0,
+        replicated: watch::channel(false).0,
         swap_lock: tokio::sync::Mutex::new(()),
         shutdown,
         stopping: Default::default(),
@@ -209,9 +233,13 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             }
         })
     });
+    let monitor = (coord.opts.replicas > 0).then(|| tokio::spawn(coord.clone().monitor()));
     let _ = stop.wait_for(|s| *s).await;
     if let Some(p) = periodic {
         p.abort();
+    }
+    if let Some(m) = monitor {
+        m.abort();
     }
     accept.abort();
     endpoint.close(close::DONE.into(), b"cluster shut down");
@@ -341,7 +369,98 @@ impl Coordinator {
             seed: self.opts.seed,
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             restore: st.restore.as_ref().map(|p| p.display().to_string()),
+            replicas: self.opts.replicas,
         }
+    }
+
+    /// Once every server has registered: each primary starts streaming its shards' ops to their
+    /// backups. Workers are welcomed after this.
+    async fn attach_backups(&self) {
+        let (servers, places) = {
+            let st = self.lock();
+            (st.servers.clone(), st.places.clone())
+        };
+        for (k, place) in places.iter().enumerate() {
+            let Some(b) = place.backup else { continue };
+            let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[b as usize].0 };
+            if let Err(e) = command(&servers[place.primary as usize].1, &cmd, &[]).await {
+                tracing::error!(shard = k, "no backup: {e}");
+                self.lock().places[k].backup = None;
+            }
+        }
+        tracing::info!(shards = places.len(), "backups attached");
+        self.replicated.send_replace(true);
+    }
+
+    /// Fails over every server whose lease has lapsed: checked every 100 ms.
+    async fn monitor(self: Arc<Self>) {
+        let grace = Duration::from_millis(crate::net::proto::LEASE_MS + 300);
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let lapsed: Vec<u32> = {
+                let st = self.lock();
+                st.renewed
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.is_some_and(|t| t.elapsed() > grace))
+                    .map(|(i, _)| i as u32)
+                    .collect()
+            };
+            for server in lapsed {
+                self.fail_over(server).await;
+            }
+        }
+    }
+
+    /// Server `dead` is gone: its shards' backups become their primaries (and the workers are
+    /// told), and the shards it backed up go on without a backup.
+    async fn fail_over(&self, dead: u32) {
+        let t = std::time::Instant::now();
+        let (servers, places) = {
+            let mut st = self.lock();
+            st.renewed[dead as usize] = None;
+            (st.servers.clone(), st.places.clone())
+        };
+        tracing::error!(server = dead, addr = %servers[dead as usize].0, "server lost (its lease lapsed); failing over");
+        for (k, place) in places.iter().enumerate() {
+            let shard = k as u32;
+            if place.primary == dead {
+                let Some(b) = place.backup else {
+                    tracing::error!(shard, "shard lost with its server: it had no backup");
+                    continue;
+                };
+                match command(&servers[b as usize].1, &ServerCommand::Promote { shard }, &[]).await {
+                    Ok(()) => {
+                        self.lock().places[k] = Place { primary: b, backup: None };
+                        tracing::warn!(shard, from = dead, to = b, "failover: backup promoted to primary");
+                        self.notify_workers(WorkerNotice::Moved { shard, server: b }).await;
+                    }
+                    Err(e) => tracing::error!(shard, "the backup on server {b} could not take over: {e}"),
+                }
+            } else if place.backup == Some(dead) {
+                let _ =
+                    command(&servers[place.primary as usize].1, &ServerCommand::DropBackup { shard }, &[])
+                        .await;
+                self.lock().places[k].backup = None;
+                tracing::warn!(shard, "its backup was on the lost server; it runs without one");
+            }
+        }
+        tracing::warn!(server = dead, ms = t.elapsed().as_millis() as u64, "failover done");
+    }
+
+    async fn notify_workers(&self, notice: WorkerNotice) {
+        let conns: Vec<_> = self.lock().worker_conns.values().cloned().collect();
+        let notices = conns.iter().map(|c| {
+            let notice = notice.clone();
+            async move {
+                let mut send = c.open_uni().await.ok()?;
+                net::answer(&mut send, &notice, &[]).await.ok()
+            }
+        });
+        futures::future::join_all(notices).await;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -386,9 +505,47 @@ impl Coordinator {
                 if net::answer(&mut send, &welcome, &wasm).await.is_err() {
                     return;
                 }
-                let n = self.lock().servers.len() as u32;
+                let n = {
+                    let mut st = self.lock();
+                    st.renewed.push(Some(std::time::Instant::now()));
+                    st.servers.len() as u32
+                };
+                if n == self.opts.servers {
+                    if self.opts.replicas > 0 && n > 1 {
+                        self.attach_backups().await;
+                    } else {
+                        self.replicated.send_replace(true);
+                    }
+                }
                 self.registered.send_replace(n);
-                let reason = conn.closed().await;
+                let server = n - 1;
+                let heartbeats = async {
+                    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                        let limits = Limits { max_header: 4096, max_payload: 0 };
+                        let answer = match wire::read_message::<CoordRequest>(&mut recv, &limits).await {
+                            Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
+                                let mut st = self.lock();
+                                match st.renewed.get_mut(s as usize) {
+                                    Some(Some(t)) => {
+                                        *t = std::time::Instant::now();
+                                        CoordResponse::Ok
+                                    }
+                                    // Failed over: its shards have other primaries now.
+                                    _ => CoordResponse::Error("this server was failed over".into()),
+                                }
+                            }
+                            Ok((other, _)) => {
+                                CoordResponse::Error(format!("a server may not send {other:?}"))
+                            }
+                            Err(_) => continue,
+                        };
+                        let _ = net::answer(&mut send, &answer, &[]).await;
+                    }
+                };
+                let reason = tokio::select! {
+                    reason = conn.closed() => reason,
+                    () = heartbeats => conn.closed().await,
+                };
                 if !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                     tracing::error!(%data_addr, "server lost: {reason}; its shards are unavailable");
                 }
@@ -417,6 +574,7 @@ impl Coordinator {
                     }
                 }
             }
+            Role::Replica { .. } => net::refuse(&mut send, "replication goes between servers".into()).await,
             Role::Operator => {
                 if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_err() {
                     return;
@@ -456,6 +614,7 @@ impl Coordinator {
                 self.opts.startup_timeout
             ));
         }
+        let _ = self.replicated.subscribe().wait_for(|r| *r).await;
         let mut st = self.lock();
         if model_len == 0 {
             return Welcome::Refused("a model needs at least one parameter".into());
@@ -484,7 +643,7 @@ impl Coordinator {
                     shard: s,
                     start: r.start as u64,
                     end: r.end as u64,
-                    server: s % self.opts.servers,
+                    server: st.places[s as usize].primary,
                 }
             })
             .collect();
@@ -496,6 +655,7 @@ impl Coordinator {
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             workers: self.opts.workers,
             optimizer: self.opts.optimizer,
+            replicated: st.places.iter().any(|p| p.backup.is_some()),
         }
     }
 
@@ -607,9 +767,10 @@ impl Coordinator {
                     Err(e) => CoordResponse::Error(e),
                 }
             }
-            CoordRequest::Leaving { .. } | CoordRequest::Ready { .. } | CoordRequest::Score { .. } => {
-                CoordResponse::Error("that is a worker's request".into())
-            }
+            CoordRequest::Leaving { .. }
+            | CoordRequest::Ready { .. }
+            | CoordRequest::Score { .. }
+            | CoordRequest::Heartbeat { .. } => CoordResponse::Error("that is a worker's request".into()),
         }
     }
 
@@ -687,7 +848,11 @@ impl Coordinator {
             };
             (st.servers.clone(), status)
         };
+        let lost: Vec<bool> = self.lock().renewed.iter().map(Option::is_none).collect();
         for (i, (addr, conn)) in servers.iter().enumerate() {
+            if lost.get(i).copied().unwrap_or(false) {
+                continue;
+            }
             match command_status(conn).await {
                 Ok(s) => status.servers.push(s),
                 Err(e) => return Err(format!("server {i} ({addr}) did not report: {e}")),

@@ -78,6 +78,10 @@ pub struct LocalArgs {
     pub optimizer_on: PlacementArg,
     #[command(flatten)]
     pub train: TrainArgs,
+    /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
+    /// the shard's server dies (needs at least two servers); 0 runs without.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
+    pub replicas: u32,
     #[command(flatten)]
     pub checkpoints: CheckpointArgs,
     #[command(flatten)]
@@ -169,6 +173,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
             a.checkpoints.checkpoint_dir.clone().unwrap_or_else(|| run_dir.join("checkpoints")),
         )?),
         checkpoint_every_s: a.checkpoints.checkpoint_every_s,
+        replicas: a.replicas,
         resume: a.checkpoints.resume.as_deref().map(resume_dir).transpose()?,
         ..LocalOptions::new(exe, run_dir, run)
     })

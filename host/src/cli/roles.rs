@@ -45,6 +45,10 @@ pub struct CoordinatorArgs {
     /// A separate token operators need to swap policies or shut down.
     #[arg(long, env = "SYNCOPATE_OPERATOR_TOKEN", hide_env_values = true)]
     pub operator_token: Option<String>,
+    /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
+    /// the shard's server dies (needs at least two servers); 0 runs without.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
+    pub replicas: u32,
     #[command(flatten)]
     pub checkpoints: CheckpointArgs,
     #[command(flatten)]
@@ -264,6 +268,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         checkpoint_every: a.checkpoints.every(),
         checkpoint_dir: a.checkpoints.checkpoint_dir,
         resume: a.checkpoints.resume,
+        replicas: a.replicas,
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }

@@ -85,6 +85,15 @@ pub enum NetError {
         /// What came.
         what: String,
     },
+    /// The server no longer holds the shard as its primary (it lost its lease, or the shard
+    /// moved): ask the coordinator where it is now.
+    #[error("{addr} cannot serve the shard now: {reason}")]
+    Unavailable {
+        /// The peer.
+        addr: SocketAddr,
+        /// Its reason.
+        reason: String,
+    },
     /// No answer in time.
     #[error("{addr} did not answer within {after:?}")]
     Timeout {

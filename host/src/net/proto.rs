@@ -34,6 +34,11 @@ pub enum Role {
     },
     /// An operator (swap, status, shutdown) or a reader of the parameters (evaluator, `local`).
     Operator,
+    /// Another server, streaming the ops of shards it is primary for to their backups here.
+    Replica {
+        /// Its id.
+        server: u32,
+    },
 }
 
 /// The first message on every connection.
@@ -65,6 +70,22 @@ pub struct ClusterSettings {
     /// A checkpoint round's folder to restore every shard from (`--resume`), instead of
     /// creating shards from the first worker's parameters.
     pub restore: Option<String>,
+    /// Backups per shard: 0, or 1 (shard `k`'s backup on server `(k + 1) % servers`).
+    pub replicas: u32,
+}
+
+impl ClusterSettings {
+    /// The server holding shard `shard`'s backup at start, if it has one.
+    pub fn backup_of(&self, shard: u32) -> Option<u32> {
+        (self.replicas > 0 && self.servers > 1).then_some((shard + 1) % self.servers)
+    }
+}
+
+/// The first frame of a replication stream: which shard's ops follow.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaOpen {
+    /// The shard.
+    pub shard: u32,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.
@@ -126,6 +147,9 @@ pub enum Welcome {
         workers: u32,
         /// The servers' optimizer (what a push of a weight change must be scaled by).
         optimizer: OptimizerConfig,
+        /// Whether shards have backups: a worker then waits for a lost shard to move (a
+        /// [`WorkerNotice::Moved`]) and retries there, instead of failing.
+        replicated: bool,
     },
     /// To an operator, or to a worker or reader on a server's data plane.
     Accepted,
@@ -166,7 +190,20 @@ pub enum CoordRequest {
         /// The score.
         score: ModelScore,
     },
+    /// A server renews its lease (sent every [`HEARTBEAT_MS`]): answered `Ok`, the server may
+    /// accept pushes for [`LEASE_MS`] from when it sent this.
+    Heartbeat {
+        /// The server.
+        server: u32,
+    },
 }
+
+/// How often a server renews its lease, in milliseconds.
+pub const HEARTBEAT_MS: u64 = 200;
+/// How long a renewed lease lasts, counted by the server from when it asked, in milliseconds.
+/// The coordinator fails a server over only once this much (and a margin) has passed since the
+/// last renewal it answered, so a server cut off from it has stopped accepting pushes by then.
+pub const LEASE_MS: u64 = 1000;
 
 /// A model's score on held-out data, as a worker measured it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -195,6 +232,14 @@ pub struct ReportedScore {
 pub enum WorkerNotice {
     /// Finish the current iteration and leave.
     Stop,
+    /// A shard has a new primary (its server died and its backup took over): send its requests
+    /// to server `server` from now on, rejoining it first.
+    Moved {
+        /// The shard.
+        shard: u32,
+        /// The server (index in the welcome's list) now holding it.
+        server: u32,
+    },
 }
 
 /// The coordinator's answers.
@@ -243,6 +288,24 @@ pub enum ServerCommand {
         /// The round's folder (a path every server reaches: on one machine, or a shared file
         /// system).
         dir: String,
+    },
+    /// Stream shard `shard`'s ops to its backup on the server at `addr` (sent once every server
+    /// has registered, before workers are welcomed).
+    AttachBackup {
+        /// The shard.
+        shard: u32,
+        /// The backup's server.
+        addr: SocketAddr,
+    },
+    /// This server's backup of `shard` becomes its primary (its primary's server died).
+    Promote {
+        /// The shard.
+        shard: u32,
+    },
+    /// `shard`'s backup is gone (its server died): stop waiting for it.
+    DropBackup {
+        /// The shard.
+        shard: u32,
     },
     /// Stop.
     Shutdown,
@@ -394,6 +457,9 @@ pub enum DataResponse {
     /// The shard already has this iteration from this worker (a retry, or a worker that came
     /// back after a restore): acknowledged, and not applied a second time.
     PushDuplicate,
+    /// This server does not hold the shard as its primary now (it lost its lease, or the shard
+    /// moved): the worker asks where it is and tries there.
+    Unavailable(String),
     /// Joined again a shard that already counted the worker as a member (it was restored from
     /// a checkpoint): the next iteration the shard expects from it.
     Rejoined {

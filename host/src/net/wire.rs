@@ -312,6 +312,18 @@ pub async fn write_frame<H: Serialize>(
     payload: Payload<'_>,
     scratch: &mut Vec<u8>,
 ) -> Result<(), WireError> {
+    write_frame_open(send, header, payload, scratch).await?;
+    send.finish().map_err(|e| WireError::Stream(e.to_string()))
+}
+
+/// Writes a frame and leaves the stream open for more (a stream of frames, such as a shard's
+/// replication stream; the reader takes each with [`read_head`] and its payload).
+pub async fn write_frame_open<H: Serialize>(
+    send: &mut quinn::SendStream,
+    header: &H,
+    payload: Payload<'_>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), WireError> {
     let stream = |e: quinn::WriteError| WireError::Stream(e.to_string());
     let bytes = payload.as_slice();
     encode_head(header, bytes.len(), scratch);
@@ -325,7 +337,7 @@ pub async fn write_frame<H: Serialize>(
             Payload::Shared(b) => send.write_chunk(b).await.map_err(stream)?,
         }
     }
-    send.finish().map_err(|e| WireError::Stream(e.to_string()))
+    Ok(())
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
-use shard_task::{Joined, PushOutcome, ShardCmd, ShardTask};
+use shard_task::{Joined, Modules, PushOutcome, ReplicaLink, ShardCmd, ShardTask, Stamped};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -58,7 +58,18 @@ pub struct ServerOptions {
 }
 
 struct Shared {
-    shards: HashMap<u32, mpsc::Sender<ShardCmd>>,
+    /// The shards this server is primary for (a promotion adds one).
+    shards: std::sync::RwLock<HashMap<u32, mpsc::Sender<ShardCmd>>>,
+    /// The shards this server keeps backups of.
+    backups: Mutex<HashMap<u32, mpsc::Sender<ShardCmd>>>,
+    /// Modules by SHA-256, for backups' swaps.
+    modules: Modules,
+    /// Connections to other servers, for replication streams.
+    peers: tokio::sync::Mutex<HashMap<SocketAddr, quinn::Connection>>,
+    endpoint: quinn::Endpoint,
+    server_name: String,
+    /// With backups: until when this server may accept pushes (its lease from the coordinator).
+    lease: Option<Mutex<Instant>>,
     runtime: PolicyRuntime,
     settings: ClusterSettings,
     id: u32,
@@ -74,6 +85,19 @@ struct Shared {
 }
 
 impl Shared {
+    /// The channel of the shard this server is primary for.
+    fn shard(&self, shard: u32) -> Option<mpsc::Sender<ShardCmd>> {
+        self.shards.read().expect("not poisoned").get(&shard).cloned()
+    }
+
+    /// Every primary shard's channel, by shard.
+    fn primaries(&self) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
+        let mut all: Vec<_> =
+            self.shards.read().expect("not poisoned").iter().map(|(k, v)| (*k, v.clone())).collect();
+        all.sort_unstable_by_key(|(k, _)| *k);
+        all
+    }
+
     fn bytes(&self) -> (u64, u64) {
         let t = self.traffic.lock().expect("not poisoned");
         t.0.iter().fold((t.1, t.2), |(tx, rx), c| {
@@ -120,9 +144,15 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let epoch = Instant::now();
     let pool = TensorPool::default();
     let mut shards = HashMap::new();
+    let mut backups = HashMap::new();
+    let modules: Modules = Default::default();
+    modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
     let mine: Vec<u32> = (0..settings.shards).filter(|s| s % settings.servers == id).collect();
-    let mut restored = restore_shards(settings.restore.as_deref(), &mine).await?;
-    for shard in mine {
+    let backed: Vec<u32> = (0..settings.shards).filter(|s| settings.backup_of(*s) == Some(id)).collect();
+    let all: Vec<u32> = mine.iter().chain(&backed).copied().collect();
+    let mut restored = restore_shards(settings.restore.as_deref(), &all).await?;
+    for shard in all {
+        let backup = !mine.contains(&shard);
         let (tx, rx) = mpsc::channel(1024);
         let task = ShardTask {
             cfg: ShardConfig {
@@ -140,13 +170,30 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
             record: opts.record.as_ref().map(|dir| dir.join(format!("shard-{shard}.rec"))),
             restored: restored.remove(&shard),
             rejoin_grace: timeout,
+            modules: modules.clone(),
+            backup,
         };
         tokio::spawn(task.run(rx));
-        shards.insert(shard, tx);
+        match backup {
+            true => backups.insert(shard, tx),
+            false => shards.insert(shard, tx),
+        };
+    }
+    if !backups.is_empty() {
+        let mut b: Vec<_> = backups.keys().collect();
+        b.sort_unstable();
+        tracing::info!(server = id, shards = ?b, "keeping backups");
     }
     let (shutdown, mut stop) = watch::channel(false);
     let shared = Arc::new(Shared {
-        shards,
+        shards: std::sync::RwLock::new(shards),
+        backups: Mutex::new(backups),
+        modules,
+        peers: Default::default(),
+        endpoint: endpoint.clone(),
+        server_name: opts.tls.server_name.clone(),
+        lease: (settings.replicas > 0 && settings.servers > 1)
+            .then(|| Mutex::new(Instant::now() + Duration::from_millis(crate::net::proto::LEASE_MS))),
         runtime,
         settings,
         id,
@@ -160,6 +207,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
     let commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
+    let leases = shared.lease.is_some().then(|| tokio::spawn(renew_lease(coord.clone(), shared.clone())));
     let result = tokio::select! {
         _ = stop.wait_for(|s| *s) => Ok(()),
         reason = coord.closed() => match reason {
@@ -169,11 +217,42 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     };
     accept.abort();
     commands.abort();
+    if let Some(l) = leases {
+        l.abort();
+    }
     endpoint.close(close::SHUTDOWN.into(), b"server shutting down");
     coord.close(close::DONE.into(), b"bye");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     tracing::info!(server = id, "server stopped");
     result
+}
+
+/// Renews this server's lease every [`HEARTBEAT_MS`](crate::net::proto::HEARTBEAT_MS). A lease
+/// runs from when its renewal was sent, so the coordinator, which counts from when it answered,
+/// never thinks it over before this server does. Told it was failed over, the server stops: its
+/// shards have other primaries now.
+async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
+    use crate::net::proto::{CoordRequest, CoordResponse, HEARTBEAT_MS, LEASE_MS};
+    let limits = Limits { max_header: 4096, max_payload: 0 };
+    let req = CoordRequest::Heartbeat { server: shared.id };
+    loop {
+        let sent = Instant::now();
+        let asked = net::request::<_, CoordResponse>(&coord, &req, Payload::EMPTY, &limits);
+        match tokio::time::timeout(Duration::from_millis(LEASE_MS), asked).await {
+            Ok(Ok((CoordResponse::Ok, _))) => {
+                if let Some(lease) = &shared.lease {
+                    *lease.lock().expect("not poisoned") = sent + Duration::from_millis(LEASE_MS);
+                }
+            }
+            Ok(Ok((CoordResponse::Error(e), _))) => {
+                tracing::error!("the coordinator ended our lease ({e}); stopping");
+                let _ = shared.shutdown.send(true);
+                return;
+            }
+            other => tracing::warn!("lease not renewed: {other:?}"),
+        }
+        tokio::time::sleep_until((sent + Duration::from_millis(HEARTBEAT_MS)).into()).await;
+    }
 }
 
 /// Reads this server's shards from a checkpoint round's folder, off the reactor.
@@ -200,10 +279,8 @@ async fn restore_shards(
 /// Writes every shard's snapshot into `dir`: each is taken by its shard task (between two
 /// events), then written crash-safely off the reactor.
 async fn checkpoint(shared: &Shared, dir: &str) -> Result<(), String> {
-    let mut ids: Vec<_> = shared.shards.keys().copied().collect();
-    ids.sort_unstable();
-    for shard in ids {
-        let bytes = ask(&shared.shards[&shard], |reply| ShardCmd::Snapshot { reply })
+    for (shard, tx) in shared.primaries() {
+        let bytes = ask(&tx, |reply| ShardCmd::Snapshot { reply })
             .await
             .map_err(|e| format!("shard {shard}: {e}"))?;
         let path = crate::checkpoint::shard_file(std::path::Path::new(dir), shard);
@@ -215,6 +292,138 @@ async fn checkpoint(shared: &Shared, dir: &str) -> Result<(), String> {
         tracing::debug!(shard, bytes = len, dir, "shard checkpointed");
     }
     Ok(())
+}
+
+/// Starts streaming `shard`'s ops to its backup at `addr`: one stream on the connection to that
+/// server, a writer task sending the ops in order, a reader task passing the backup's
+/// confirmations back to the shard.
+async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Result<(), String> {
+    let tx = shared.shard(shard).ok_or_else(|| format!("shard {shard} is not on this server"))?;
+    let conn = {
+        let mut peers = shared.peers.lock().await;
+        match peers.get(&addr).filter(|c| c.close_reason().is_none()) {
+            Some(c) => c.clone(),
+            None => {
+                let hello = Hello {
+                    protocol: PROTOCOL_VERSION,
+                    token: shared.token.secret().to_string(),
+                    role: Role::Replica { server: shared.id },
+                };
+                let (c, _) = net::connect(&shared.endpoint, addr, &shared.server_name, &hello)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                peers.insert(addr, c.clone());
+                c
+            }
+        }
+    };
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    let mut scratch = Vec::new();
+    wire::write_frame_open(
+        &mut send,
+        &crate::net::proto::ReplicaOpen { shard },
+        Payload::EMPTY,
+        &mut scratch,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let (ops, mut rx) = mpsc::unbounded_channel::<(Stamped, Vec<f32>)>();
+    tx.send(ShardCmd::AttachBackup { link: ReplicaLink { tx: ops } })
+        .await
+        .map_err(|_| "the shard task is gone".to_string())?;
+    let pool = shared.pool.clone();
+    tokio::spawn(async move {
+        let mut scratch = Vec::new();
+        while let Some((stamped, grad)) = rx.recv().await {
+            let payload = Payload::Borrowed(wire::f32_bytes(&grad));
+            if let Err(e) = wire::write_frame_open(&mut send, &stamped, payload, &mut scratch).await {
+                tracing::warn!(shard, "replication stream to {addr} broken: {e}");
+                return;
+            }
+            pool.give(grad);
+        }
+    });
+    let limits = shared.limits;
+    tokio::spawn(async move {
+        let mut scratch = Vec::new();
+        loop {
+            match wire::read_head::<u64>(&mut recv, &limits, &mut scratch).await {
+                Ok(head) => {
+                    if tx.send(ShardCmd::ReplicaAcked { seq: head.header }).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(shard, "replication confirmations from {addr} ended: {e}");
+                    return;
+                }
+            }
+        }
+    });
+    tracing::info!(shard, backup = %addr, "replicating");
+    Ok(())
+}
+
+/// A replication connection from another server: each stream carries one shard's ops, which
+/// go to the backup task in order; each is confirmed once it is queued there.
+async fn serve_replicas(conn: quinn::Connection, shared: Arc<Shared>) {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        tokio::spawn(serve_replica_stream(send, recv, shared.clone()));
+    }
+}
+
+async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, shared: Arc<Shared>) {
+    let mut scratch = Vec::new();
+    let limits = shared.limits;
+    let Ok(open) = wire::read_head::<crate::net::proto::ReplicaOpen>(&mut recv, &limits, &mut scratch).await
+    else {
+        return;
+    };
+    let shard = open.header.shard;
+    let Some(tx) = shared.backups.lock().expect("not poisoned").get(&shard).cloned() else {
+        tracing::error!(shard, "a primary streams ops of a shard this server keeps no backup of");
+        return;
+    };
+    // The backup task confirms each op as it takes it, in order, and only while it is a backup:
+    // once promoted it confirms nothing more, so its old primary acknowledges nothing more.
+    let (acks, mut confirmed) = mpsc::unbounded_channel::<u64>();
+    let writer = tokio::spawn(async move {
+        let mut scratch = Vec::new();
+        while let Some(seq) = confirmed.recv().await {
+            if wire::write_frame_open(&mut send, &seq, Payload::EMPTY, &mut scratch).await.is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        let head = match wire::read_head::<Stamped>(&mut recv, &limits, &mut scratch).await {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::info!(shard, "replication stream ended: {e}");
+                break;
+            }
+        };
+        let grad = match wire::f32_count(head.payload_len) {
+            Ok(n) => {
+                let mut grad = shared.pool.take(n);
+                if let Err(e) = wire::read_payload_into(&mut recv, head.payload_len, &mut grad).await {
+                    tracing::warn!(shard, "replication stream broken: {e}");
+                    break;
+                }
+                grad
+            }
+            Err(e) => {
+                tracing::warn!(shard, "bad replication frame: {e}");
+                break;
+            }
+        };
+        let cmd = ShardCmd::Replicated { stamped: head.header, grad, ack: acks.clone() };
+        if tx.send(cmd).await.is_err() {
+            break;
+        }
+    }
+    drop(acks);
+    let _ = writer.await;
 }
 
 /// `connect`, keeping the welcome's payload (the policy module).
@@ -315,10 +524,11 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             let Some((module, policy)) = shared.prepared.lock().expect("not poisoned").remove(&swap) else {
                 return ServerReply::Error(format!("swap {swap} was not prepared here"));
             };
+            shared.modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
             let mut failed = Vec::new();
-            for (shard, tx) in &shared.shards {
+            for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
-                let cmd = ShardCmd::Swap { module: module.clone(), config: policy.config_for(*shard), reply };
+                let cmd = ShardCmd::Swap { module: module.clone(), config: policy.config_for(shard), reply };
                 let result = match tx.send(cmd).await {
                     Ok(()) => rx.await.unwrap_or_else(|_| Err("shard task gone".into())),
                     Err(_) => Err("shard task gone".into()),
@@ -340,11 +550,9 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
         }
         ServerCommand::Status => {
             let mut shards = Vec::new();
-            let mut ids: Vec<_> = shared.shards.keys().copied().collect();
-            ids.sort_unstable();
-            for id in ids {
+            for (_, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
-                if shared.shards[&id].send(ShardCmd::Status { reply }).await.is_ok() {
+                if tx.send(ShardCmd::Status { reply }).await.is_ok() {
                     if let Ok(Some(s)) = rx.await {
                         shards.push(s);
                     }
@@ -358,6 +566,28 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                 bytes_sent,
                 bytes_received,
             })
+        }
+        ServerCommand::AttachBackup { shard, addr } => match attach_backup(shared, shard, addr).await {
+            Ok(()) => ServerReply::Ok,
+            Err(e) => ServerReply::Error(format!("shard {shard}'s backup at {addr}: {e}")),
+        },
+        ServerCommand::Promote { shard } => {
+            let Some(tx) = shared.backups.lock().expect("not poisoned").remove(&shard) else {
+                return ServerReply::Error(format!("server {} keeps no backup of shard {shard}", shared.id));
+            };
+            match ask(&tx, |reply| ShardCmd::Promote { reply }).await {
+                Ok(()) => {
+                    shared.shards.write().expect("not poisoned").insert(shard, tx);
+                    ServerReply::Ok
+                }
+                Err(e) => ServerReply::Error(e),
+            }
+        }
+        ServerCommand::DropBackup { shard } => {
+            if let Some(tx) = shared.shard(shard) {
+                let _ = tx.send(ShardCmd::DropBackup).await;
+            }
+            ServerReply::Ok
         }
         ServerCommand::Checkpoint { dir } => match checkpoint(shared, &dir).await {
             Ok(()) => ServerReply::Ok,
@@ -396,6 +626,13 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let worker = match hello.role {
         Role::Worker { worker: Some(w), .. } => Some(w),
         Role::Operator => None,
+        Role::Replica { server } => {
+            if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_ok() {
+                tracing::debug!(%addr, server, "replication connection");
+                serve_replicas(conn, shared).await;
+            }
+            return;
+        }
         other => {
             let reason = format!("a server's data plane takes workers and readers, not {other:?}");
             net::refuse(&mut send, reason.clone()).await;
@@ -429,7 +666,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                 if let (Some(w), false) = (worker, left.is_empty()) {
                     tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
                     for shard in left {
-                        if let Some(tx) = shared.shards.get(&shard) {
+                        if let Some(tx) = shared.shard(shard) {
                             let _ = tx.send(ShardCmd::Leave { worker: w, reason, reply: None }).await;
                         }
                     }
@@ -525,9 +762,23 @@ async fn handle_request(
         | DataRequest::ControlApplied { shard, .. }
         | DataRequest::Skip { shard, .. } => *shard,
     };
-    let Some(tx) = shared.shards.get(&shard) else {
+    let Some(tx) = shared.shard(shard) else {
+        if shared.lease.is_some() {
+            return (
+                DataResponse::Unavailable(format!("shard {shard} is not on server {}", shared.id)),
+                None,
+            );
+        }
         return (DataResponse::Error(format!("shard {shard} is not on server {}", shared.id)), None);
     };
+    let tx = &tx;
+    if let Some(lease) = &shared.lease {
+        if *lease.lock().expect("not poisoned") < Instant::now() && !matches!(req, DataRequest::Read { .. }) {
+            // Cut off from the coordinator: its backup may be taking over, so no more.
+            let reason = format!("server {} lost its lease from the coordinator", shared.id);
+            return (DataResponse::Unavailable(reason), None);
+        }
+    }
     let worker = match (&req, peer.worker) {
         (DataRequest::Read { .. }, _) => 0,
         (_, Some(w)) => w,

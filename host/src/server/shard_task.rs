@@ -10,8 +10,16 @@
 //! not wait for a worker that is gone for good. A push the shard already has (a retry, or an
 //! iteration redone after a restore) is acknowledged as a duplicate, not applied again; if it is
 //! held by the policy, the acknowledgement waits for the policy's decision.
+//!
+//! **Replication.** A shard with a backup ([`Role::Primary`] with a [`ReplicaLink`]) streams
+//! every change it applies to the backup as an [`Op`], stamped with its sequence number and the
+//! time it was applied; the backup's task ([`Role::Backup`]) applies the same ops at the same
+//! times to its own `Shard`, which the engine's determinism keeps equal to the primary's. A push
+//! is acknowledged to its worker only once the backup has confirmed every op up to the one that
+//! admitted it, so an acknowledged push survives the primary. Promoted, a backup becomes a
+//! primary whose members rejoin as after a restore.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +34,7 @@ use crate::shard::{
     Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot,
     TaskPart,
 };
+use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::Envelope;
 
 /// What a served pull sends back.
@@ -122,6 +131,91 @@ pub(crate) enum ShardCmd {
     Snapshot {
         reply: Reply<Vec<u8>>,
     },
+    /// A backup's op from its primary (see the module docs); `grad` is a push's gradient.
+    Replicated {
+        stamped: Stamped,
+        grad: Vec<f32>,
+        /// Where the backup confirms it holds the op.
+        ack: mpsc::UnboundedSender<u64>,
+    },
+    /// The backup has every op up to `seq`: the pushes they admitted may be acknowledged.
+    ReplicaAcked {
+        seq: u64,
+    },
+    /// Stream every op to this backup from now on (sent before the shard exists, so the backup
+    /// sees every op from the creation on).
+    AttachBackup {
+        link: ReplicaLink,
+    },
+    /// The backup is gone for good (its server died): stop waiting for it.
+    DropBackup,
+    /// This backup becomes the shard's primary.
+    Promote {
+        reply: Reply<()>,
+    },
+}
+
+/// A change to a shard, as its primary applies it and streams it to its backup.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) enum Op {
+    /// The shard is created with the payload as its parameters.
+    Create,
+    Join {
+        worker: WorkerId,
+    },
+    /// A push; its gradient is the payload.
+    Push {
+        worker: WorkerId,
+        iteration: u64,
+        samples: u32,
+        based_on: Option<u64>,
+        tasks: Option<(WorkerId, TaskPart)>,
+    },
+    Yielded {
+        handover: Handover,
+    },
+    Applied {
+        applied: Applied,
+    },
+    Skip {
+        worker: WorkerId,
+        to: u64,
+    },
+    Pull {
+        worker: WorkerId,
+        iteration: u64,
+    },
+    Finished {
+        report: IterationReport,
+    },
+    Leave {
+        worker: WorkerId,
+        reason: LeaveReason,
+    },
+    Goodbye {
+        worker: WorkerId,
+    },
+    /// A hot swap to the module with this SHA-256 (prepared on every server before any commits).
+    Swap {
+        sha256: [u8; 32],
+        config: Vec<(String, String)>,
+    },
+    /// Only the time moves (timers fire).
+    Advance,
+}
+
+/// An op with its place in the stream and the primary's time when it was applied.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Stamped {
+    pub seq: u64,
+    pub now_ns: u64,
+    pub op: Op,
+}
+
+/// Where a primary's ops go: the writer task that streams them to the backup.
+#[derive(Debug)]
+pub(crate) struct ReplicaLink {
+    pub tx: mpsc::UnboundedSender<(Stamped, Vec<f32>)>,
 }
 
 /// Answers waiting for the shard, keyed by (worker, iteration): a worker has at most one pull
@@ -137,11 +231,42 @@ struct Waiting {
     goodbyes: HashMap<WorkerId, Reply<()>>,
     /// Where the policy's events are recorded, if they are.
     recorder: Option<Recorder>,
+    /// The op being applied, and the last one the backup confirmed; `None`: no backup, so
+    /// acknowledgements go out at once.
+    seq: u64,
+    confirmed: Option<u64>,
+    /// Acknowledgements waiting for the backup: (the op's sequence number, reply, outcome).
+    gated: VecDeque<(u64, Reply<PushOutcome>, PushOutcome)>,
+    /// A backup: nothing goes back to anyone.
+    quiet: bool,
 }
 
 type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
 
 impl Waiting {
+    /// Acknowledges a push now, or once the backup has the op that admitted it.
+    fn ack(&mut self, reply: Reply<PushOutcome>, outcome: PushOutcome) {
+        match self.confirmed {
+            Some(c) if c < self.seq => self.gated.push_back((self.seq, reply, outcome)),
+            _ => {
+                let _ = reply.send(Ok(outcome));
+            }
+        }
+    }
+
+    /// The backup has every op up to `seq` (`u64::MAX`: it is gone, so nothing waits for it).
+    fn confirm(&mut self, seq: u64) {
+        if seq == u64::MAX {
+            self.confirmed = None;
+        } else if let Some(c) = self.confirmed.as_mut() {
+            *c = (*c).max(seq);
+        }
+        while self.gated.front().is_some_and(|g| self.confirmed.is_none_or(|c| g.0 <= c)) {
+            let (_, reply, outcome) = self.gated.pop_front().expect("checked");
+            let _ = reply.send(Ok(outcome));
+        }
+    }
+
     fn record(&mut self, write: impl FnOnce(&mut Recorder) -> std::io::Result<()>) {
         if let Some(r) = self.recorder.as_mut() {
             if let Err(e) = write(r) {
@@ -167,17 +292,20 @@ impl ShardSink for Waiting {
 
     fn push_acked(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
         if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
-            let _ = tx.send(Ok(PushOutcome::Applied));
+            self.ack(tx, PushOutcome::Applied);
         }
     }
 
     fn push_dropped(&mut self, _id: u64, worker: WorkerId, iteration: u64) {
         if let Some(tx) = self.pushes.remove(&(worker, iteration)) {
-            let _ = tx.send(Ok(PushOutcome::Dropped));
+            self.ack(tx, PushOutcome::Dropped);
         }
     }
 
     fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
+        if self.quiet {
+            return;
+        }
         match self.controls.get(&worker) {
             Some(tx) => {
                 let _ = tx.send(msg);
@@ -187,7 +315,9 @@ impl ShardSink for Waiting {
     }
 
     fn left(&mut self, worker: WorkerId) {
-        tracing::info!(shard = self.shard, worker, "worker left");
+        if !self.quiet {
+            tracing::info!(shard = self.shard, worker, "worker left");
+        }
         self.controls.remove(&worker);
         self.pulls.retain(|(wk, _), _| *wk != worker);
         if let Some(reply) = self.goodbyes.remove(&worker) {
@@ -223,8 +353,12 @@ impl ShardSink for Waiting {
     }
 }
 
-/// The task's state before and after the shard exists (it is created by the first join, which
-/// carries the initial parameters).
+/// Modules by SHA-256 on one server: where a backup finds the module of a swap its primary made.
+pub(crate) type Modules = Arc<std::sync::Mutex<HashMap<[u8; 32], PolicyModule>>>;
+
+/// The task's settings. The shard itself is created by the first join (which carries the
+/// initial parameters), restored from a snapshot, or, on a backup, created by its primary's
+/// [`Op::Create`].
 pub(crate) struct ShardTask {
     pub cfg: ShardConfig,
     pub module: PolicyModule,
@@ -236,14 +370,43 @@ pub(crate) struct ShardTask {
     pub record: Option<std::path::PathBuf>,
     /// A snapshot to start from (`--resume`) instead of waiting for a worker's parameters.
     pub restored: Option<ShardSnapshot>,
-    /// How long the members of a restored shard have to come back once the first has.
+    /// How long the members of a restored (or promoted) shard have to come back once the first
+    /// has.
     pub rejoin_grace: Duration,
+    /// Modules this server has, for a backup's swaps.
+    pub modules: Modules,
+    /// Whether the task starts as a backup.
+    pub backup: bool,
 }
 
-/// Members of a restored shard that have not reconnected yet, and until when they may.
+/// Members of a restored or promoted shard that have not reconnected yet, and until when they
+/// may.
 struct Awaiting {
     workers: BTreeSet<WorkerId>,
     deadline: Instant,
+}
+
+/// What applying an op gave.
+enum Outcome {
+    Created(Result<(), PolicyError>),
+    Joined(Result<u64, ShardError>),
+    Pushed(Result<(), ShardError>),
+    Done(Result<(), ShardError>),
+    Left(Result<bool, ShardError>),
+    Swapped(Result<(), String>),
+    NoShard,
+}
+
+/// The task's moving parts.
+struct State {
+    shard: Option<Shard>,
+    w: Waiting,
+    awaiting: Option<Awaiting>,
+    link: Option<ReplicaLink>,
+    next_seq: u64,
+    backup: bool,
+    /// A backup's last op time (a promoted backup's clock goes on from it).
+    last_now: u64,
 }
 
 impl ShardTask {
@@ -253,45 +416,58 @@ impl ShardTask {
 
     /// Runs until every sender of `rx` is gone.
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
-        let mut shard: Option<Shard> = None;
-        let mut w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), ..Waiting::default() };
-        let mut awaiting = None;
+        let quiet = self.backup;
+        let w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), quiet, ..Waiting::default() };
+        let mut st = State {
+            shard: None,
+            w,
+            awaiting: None,
+            link: None,
+            next_seq: 0,
+            backup: self.backup,
+            last_now: 0,
+        };
         if let Some(snap) = self.restored.take() {
             // The clock goes on from the snapshot's, so parked pulls and timers keep their times.
             let at = Duration::from_nanos(snap.now_ns());
             self.epoch = Instant::now().checked_sub(at).unwrap_or(self.epoch);
+            st.last_now = snap.now_ns();
             let members: BTreeSet<WorkerId> = snap.workers().iter().map(|c| c.worker).collect();
             let (version, id) = (snap.version(), self.cfg.shard);
-            match Shard::restore(self.cfg.clone(), snap, &self.module, &mut w) {
+            match Shard::restore(self.cfg.clone(), snap, &self.module, &mut st.w) {
                 Ok(s) => {
                     tracing::info!(
                         shard = id,
                         version,
                         members = members.len(),
+                        backup = self.backup,
                         "shard restored from its checkpoint"
                     );
-                    shard = Some(s);
-                    let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
-                    awaiting = Some(Awaiting { workers: members, deadline });
+                    st.shard = Some(s);
+                    if !self.backup {
+                        let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
+                        st.awaiting = Some(Awaiting { workers: members, deadline });
+                    }
                 }
                 // The server checked every file before starting its shards; this is a module
                 // that refuses its own state.
                 Err(e) => tracing::error!(shard = id, "cannot restore the shard: {e}"),
             }
         }
-        if let Some(path) = &self.record {
+        if let (Some(path), false) = (&self.record, self.backup) {
             let file = path
                 .parent()
                 .map_or(Ok(()), std::fs::create_dir_all)
                 .and_then(|()| std::fs::File::create(path));
             match file.and_then(|f| recording::Writer::new(std::io::BufWriter::with_capacity(1 << 16, f))) {
-                Ok(r) => w.recorder = Some(r),
+                Ok(r) => st.w.recorder = Some(r),
                 Err(e) => tracing::warn!(shard = self.cfg.shard, "cannot record to {}: {e}", path.display()),
             }
         }
         loop {
-            let timer = shard.as_ref().and_then(|s| s.next_timer_ns());
-            let gone = awaiting.as_ref().map(|a: &Awaiting| a.deadline);
+            // A backup's time is its primary's: its timers fire on the primary's ops.
+            let timer = st.shard.as_ref().and_then(|s| s.next_timer_ns()).filter(|_| !st.backup);
+            let gone = st.awaiting.as_ref().map(|a| a.deadline);
             let wake = match (timer, gone) {
                 (None, None) => None,
                 (t, g) => {
@@ -306,10 +482,15 @@ impl ShardTask {
                     tokio::select! {
                         biased;
                         () = tokio::time::sleep(wait) => {
-                            if let Some(s) = shard.as_mut() {
-                                s.advance(self.now(), &mut w);
-                                if let Some(a) = awaiting.take_if(|a| a.deadline <= Instant::now()) {
-                                    self.drop_absent(s, a.workers, &mut w);
+                            let now = self.now();
+                            if st.shard.as_ref().and_then(Shard::next_timer_ns).is_some_and(|t| t <= now) {
+                                self.step(&mut st, Op::Advance, Vec::new(), now);
+                            }
+                            if let Some(a) = st.awaiting.take_if(|a| a.deadline <= Instant::now()) {
+                                for worker in a.workers {
+                                    tracing::warn!(shard = self.cfg.shard, worker, "worker did not come back; it leaves");
+                                    let op = Op::Leave { worker, reason: LeaveReason::TimedOut };
+                                    self.step(&mut st, op, Vec::new(), self.now());
                                 }
                             }
                             continue;
@@ -320,58 +501,115 @@ impl ShardTask {
                 None => rx.recv().await,
             };
             let Some(cmd) = cmd else { break };
-            self.handle(cmd, &mut shard, &mut w, &mut awaiting);
+            self.handle(cmd, &mut st);
         }
-        w.record(recording::Writer::flush);
+        st.w.record(recording::Writer::flush);
     }
 
-    /// Members of a restored shard that did not come back leave, as workers whose connection
-    /// timed out do.
-    fn drop_absent(&self, shard: &mut Shard, absent: BTreeSet<WorkerId>, w: &mut Waiting) {
-        for worker in absent {
-            tracing::warn!(
-                shard = self.cfg.shard,
-                worker,
-                "worker did not come back after the restore; it leaves"
-            );
-            let _ = shard.leave(worker, LeaveReason::TimedOut, self.now(), w);
+    /// Applies an op (streaming it to the backup first, if there is one).
+    fn step(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Outcome {
+        st.next_seq += 1;
+        st.w.seq = st.next_seq;
+        if let Some(link) = &st.link {
+            let payload = match op {
+                Op::Push { .. } | Op::Create => grad.clone(),
+                _ => Vec::new(),
+            };
+            let stamped = Stamped { seq: st.next_seq, now_ns: now, op: op.clone() };
+            if link.tx.send((stamped, payload)).is_err() {
+                // The writer is gone; acknowledgements wait until the coordinator drops the
+                // backup (it may not promote it while we still answer it).
+                tracing::warn!(shard = self.cfg.shard, "the replication stream is closed");
+            }
+        }
+        self.apply(st, op, grad, now)
+    }
+
+    /// What an op does to the shard: the one place primary and backup share.
+    fn apply(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Outcome {
+        let w = &mut st.w;
+        if let Op::Create = op {
+            return Outcome::Created(Shard::new(self.cfg.clone(), grad, &self.module, &self.config, w).map(
+                |s| {
+                    tracing::info!(
+                        shard = self.cfg.shard,
+                        len = s.values().len(),
+                        backup = st.backup,
+                        "shard created"
+                    );
+                    st.shard = Some(s);
+                },
+            ));
+        }
+        let Some(s) = st.shard.as_mut() else { return Outcome::NoShard };
+        // Timers due by now fire before the op (the order a replay assumes).
+        s.advance(now, w);
+        match op {
+            Op::Create => unreachable!("handled above"),
+            Op::Join { worker } => Outcome::Joined(s.join(worker, now, w)),
+            Op::Push { worker, iteration, samples, based_on, tasks } => {
+                let r = match tasks {
+                    Some((owner, part)) => {
+                        let req = PushRequest {
+                            worker: owner,
+                            iteration,
+                            samples,
+                            grad,
+                            based_on,
+                            tasks: Some(part),
+                        };
+                        s.push_by(worker, req, now, w)
+                    }
+                    None => {
+                        let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
+                        s.push(req, now, w)
+                    }
+                };
+                Outcome::Pushed(r.map(|_| ()))
+            }
+            Op::Yielded { handover } => Outcome::Done(s.tasks_yielded(handover, now, w)),
+            Op::Applied { applied } => Outcome::Done(s.control_applied(applied, now, w)),
+            Op::Skip { worker, to } => Outcome::Done(s.skip(worker, to, now, w)),
+            Op::Pull { worker, iteration } => {
+                Outcome::Done(s.pull(PullRequest { worker, iteration }, now, w).map(|_| ()))
+            }
+            Op::Finished { report } => Outcome::Done(s.iteration_finished(report, now, w)),
+            Op::Leave { worker, reason } => Outcome::Done(s.leave(worker, reason, now, w)),
+            Op::Goodbye { worker } => Outcome::Left(s.goodbye(worker, now, w)),
+            Op::Swap { sha256, config } => {
+                let module = self.modules.lock().expect("not poisoned").get(&sha256).cloned();
+                let Some(module) = module else {
+                    return Outcome::Swapped(Err("the swapped-in module is not on this server".into()));
+                };
+                let r = s.swap_policy(&module, &config, now, w).map_err(|e| e.to_string());
+                if r.is_ok() {
+                    self.module = module;
+                    self.config = config;
+                }
+                Outcome::Swapped(r)
+            }
+            Op::Advance => Outcome::Done(Ok(())),
         }
     }
 
-    fn handle(
-        &mut self,
-        cmd: ShardCmd,
-        slot: &mut Option<Shard>,
-        w: &mut Waiting,
-        awaiting: &mut Option<Awaiting>,
-    ) {
+    fn handle(&mut self, cmd: ShardCmd, st: &mut State) {
         let now = self.now();
-        // Timers due by now fire before the request (the order a replay assumes).
-        if let Some(s) = slot.as_mut() {
-            s.advance(now, w);
-        }
         let id = self.cfg.shard;
         let not_yet = || format!("shard {id} has no parameters yet (a worker must join with them first)");
         match cmd {
             ShardCmd::Join { worker, init, controls, reply } => {
                 let model_len = init.len();
-                if slot.is_none() {
+                if st.shard.is_none() {
                     if init.is_empty() {
                         let _ = reply.send(Err(not_yet()));
                         return;
                     }
-                    match Shard::new(self.cfg.clone(), init, &self.module, &self.config, w) {
-                        Ok(s) => {
-                            tracing::info!(shard = id, len = s.values().len(), "shard created");
-                            *slot = Some(s);
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(format!("shard {id} cannot start its policy: {e}")));
-                            return;
-                        }
+                    if let Outcome::Created(Err(e)) = self.step(st, Op::Create, init, now) {
+                        let _ = reply.send(Err(format!("shard {id} cannot start its policy: {e}")));
+                        return;
                     }
                 }
-                let shard = slot.as_mut().expect("created above");
+                let shard = st.shard.as_mut().expect("created above");
                 if model_len != 0 && model_len != shard.values().len() {
                     let _ = reply.send(Err(format!(
                         "shard {id} holds {} parameters, the worker's slice has {model_len}",
@@ -379,146 +617,153 @@ impl ShardTask {
                     )));
                     return;
                 }
-                if let Some(a) = awaiting.as_mut().filter(|a| a.workers.contains(&worker)) {
-                    a.workers.remove(&worker);
-                    if a.workers.is_empty() {
-                        *awaiting = None;
-                    } else {
-                        a.deadline = a.deadline.min(Instant::now() + self.rejoin_grace);
+                // A member coming back (after a restore or a failover, or a retry) rejoins:
+                // its policy hears nothing.
+                if shard.is_member(worker) {
+                    if let Some(a) = st.awaiting.as_mut() {
+                        a.workers.remove(&worker);
+                        if a.workers.is_empty() {
+                            st.awaiting = None;
+                        } else {
+                            a.deadline = a.deadline.min(Instant::now() + self.rejoin_grace);
+                        }
                     }
-                    w.controls.insert(worker, controls);
+                    st.w.controls.insert(worker, controls);
                     let next = shard.rejoin(worker).map_err(|e| e.to_string());
                     if let Ok(next) = next {
-                        tracing::info!(shard = id, worker, next, "worker rejoined the restored shard");
+                        tracing::info!(shard = id, worker, next, "worker rejoined");
                     }
                     let _ = reply.send(next.map(Joined::Rejoined));
                     return;
                 }
-                w.controls.insert(worker, controls);
-                let _ = reply.send(shard.join(worker, now, w).map(Joined::Fresh).map_err(|e| e.to_string()));
+                st.w.controls.insert(worker, controls);
+                let joined = match self.step(st, Op::Join { worker }, Vec::new(), now) {
+                    Outcome::Joined(r) => r.map(Joined::Fresh).map_err(|e| e.to_string()),
+                    _ => Err(not_yet()),
+                };
+                let _ = reply.send(joined);
             }
-            ShardCmd::Push {
-                worker,
-                iteration,
-                samples,
-                based_on,
-                grad,
-                tasks: Some((owner, part)),
-                reply,
-            } => {
-                let Some(shard) = slot.as_mut() else {
+            ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks: Some(tasks), reply } => {
+                if st.shard.is_none() {
                     let _ = reply.send(Err(not_yet()));
                     return;
-                };
-                let req =
-                    PushRequest { worker: owner, iteration, samples, grad, based_on, tasks: Some(part) };
-                let result = match shard.push_by(worker, req, now, w) {
-                    Ok(_) => Ok(PushOutcome::Applied),
-                    Err(ShardError::Duplicate { .. }) => Ok(PushOutcome::Duplicate),
-                    Err(e) => Err(e.to_string()),
-                };
-                if owner != worker {
-                    tracing::debug!(
-                        shard = id,
-                        worker,
-                        owner,
-                        iteration,
-                        mask = part.mask,
-                        "moved tasks pushed"
-                    );
                 }
-                let _ = reply.send(result);
-            }
-            ShardCmd::Yielded { handover } => {
-                if let Some(shard) = slot.as_mut() {
-                    if let Err(e) = shard.tasks_yielded(handover, now, w) {
-                        tracing::debug!(shard = id, "task hand-over not reported: {e}");
+                let op = Op::Push { worker, iteration, samples, based_on, tasks: Some(tasks) };
+                match self.step(st, op, grad, now) {
+                    Outcome::Pushed(Ok(())) => st.w.ack(reply, PushOutcome::Applied),
+                    Outcome::Pushed(Err(ShardError::Duplicate { .. })) => {
+                        st.w.ack(reply, PushOutcome::Duplicate)
+                    }
+                    Outcome::Pushed(Err(e)) => {
+                        let _ = reply.send(Err(e.to_string()));
+                    }
+                    _ => {
+                        let _ = reply.send(Err(not_yet()));
                     }
                 }
-            }
-            ShardCmd::Applied { applied } => {
-                if let Some(shard) = slot.as_mut() {
-                    if let Err(e) = shard.control_applied(applied, now, w) {
-                        tracing::debug!(shard = id, "control acknowledgement ignored: {e}");
-                    }
+                if tasks.0 != worker {
+                    tracing::debug!(shard = id, worker, owner = tasks.0, iteration, "moved tasks pushed");
                 }
             }
             ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks: None, reply } => {
-                let Some(shard) = slot.as_mut() else {
+                if st.shard.is_none() {
                     let _ = reply.send(Err(not_yet()));
                     return;
-                };
-                if w.pushes.contains_key(&(worker, iteration)) {
+                }
+                if st.w.pushes.contains_key(&(worker, iteration)) {
                     let _ = reply
                         .send(Err(format!("worker {worker} already has a push for {iteration} waiting")));
                     return;
                 }
-                w.pushes.insert((worker, iteration), reply);
-                let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
-                match shard.push(req, now, w) {
-                    Ok(_) => {}
+                st.w.pushes.insert((worker, iteration), reply);
+                let op = Op::Push { worker, iteration, samples, based_on, tasks: None };
+                match self.step(st, op, grad, now) {
+                    Outcome::Pushed(Ok(())) => {}
                     // Held by the policy: the acknowledgement waits for its decision.
-                    Err(ShardError::Duplicate { .. }) if shard.is_push_held(worker, iteration) => {}
-                    Err(ShardError::Duplicate { .. }) => {
+                    Outcome::Pushed(Err(ShardError::Duplicate { .. }))
+                        if st.shard.as_ref().is_some_and(|s| s.is_push_held(worker, iteration)) => {}
+                    Outcome::Pushed(Err(ShardError::Duplicate { .. })) => {
                         tracing::debug!(
                             shard = id,
                             worker,
                             iteration,
                             "duplicate push acknowledged, not applied"
                         );
-                        if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
-                            let _ = reply.send(Ok(PushOutcome::Duplicate));
+                        if let Some(reply) = st.w.pushes.remove(&(worker, iteration)) {
+                            st.w.ack(reply, PushOutcome::Duplicate);
                         }
                     }
-                    Err(e) => {
-                        if let Some(reply) = w.pushes.remove(&(worker, iteration)) {
+                    Outcome::Pushed(Err(e)) => {
+                        if let Some(reply) = st.w.pushes.remove(&(worker, iteration)) {
                             let _ = reply.send(Err(e.to_string()));
                         }
                     }
+                    _ => {}
+                }
+            }
+            ShardCmd::Yielded { handover } => {
+                if let Outcome::Done(Err(e)) = self.step(st, Op::Yielded { handover }, Vec::new(), now) {
+                    tracing::debug!(shard = id, "task hand-over not reported: {e}");
+                }
+            }
+            ShardCmd::Applied { applied } => {
+                if let Outcome::Done(Err(e)) = self.step(st, Op::Applied { applied }, Vec::new(), now) {
+                    tracing::debug!(shard = id, "control acknowledgement ignored: {e}");
                 }
             }
             ShardCmd::Pull { worker, iteration, reply } => {
-                let Some(shard) = slot.as_mut() else {
+                if st.shard.is_none() {
                     let _ = reply.send(Err(not_yet()));
                     return;
-                };
-                if w.pulls.contains_key(&(worker, iteration)) {
+                }
+                if st.w.pulls.contains_key(&(worker, iteration)) {
                     let _ = reply
                         .send(Err(format!("worker {worker} already has a pull for {iteration} waiting")));
                     return;
                 }
-                w.pulls.insert((worker, iteration), reply);
-                if let Err(e) = shard.pull(PullRequest { worker, iteration }, now, w) {
-                    if let Some(reply) = w.pulls.remove(&(worker, iteration)) {
+                st.w.pulls.insert((worker, iteration), reply);
+                if let Outcome::Done(Err(e)) = self.step(st, Op::Pull { worker, iteration }, Vec::new(), now)
+                {
+                    if let Some(reply) = st.w.pulls.remove(&(worker, iteration)) {
                         let _ = reply.send(Err(e.to_string()));
                     }
                 }
             }
             ShardCmd::Skip { worker, to, reply } => {
-                let Some(shard) = slot.as_mut() else {
-                    let _ = reply.send(Err(not_yet()));
-                    return;
+                let r = match self.step(st, Op::Skip { worker, to }, Vec::new(), now) {
+                    Outcome::Done(r) => r.map_err(|e| e.to_string()),
+                    _ => Err(not_yet()),
                 };
-                let _ = reply.send(shard.skip(worker, to, now, w).map_err(|e| e.to_string()));
+                let _ = reply.send(r);
             }
             ShardCmd::Finished { report } => {
-                if let Some(shard) = slot.as_mut() {
-                    if let Err(e) = shard.iteration_finished(report, now, w) {
-                        tracing::debug!(shard = id, "iteration report ignored: {e}");
-                    }
+                if let Outcome::Done(Err(e)) = self.step(st, Op::Finished { report }, Vec::new(), now) {
+                    tracing::debug!(shard = id, "iteration report ignored: {e}");
                 }
             }
             ShardCmd::Leave { worker, reason, reply } => {
-                let result = match slot.as_mut() {
-                    // A goodbye waits for the worker's tasks still out (its last iterations are
-                    // incomplete without them), so nothing it trained is lost.
-                    Some(shard) if reason == LeaveReason::Finished => shard.goodbye(worker, now, w),
-                    Some(shard) => shard.leave(worker, reason, now, w).map(|()| true),
-                    None => Ok(true),
+                if st.shard.is_none() {
+                    st.w.left(worker);
+                    if let Some(reply) = reply {
+                        let _ = reply.send(Ok(()));
+                    }
+                    return;
+                }
+                // A goodbye waits for the worker's tasks still out (its last iterations are
+                // incomplete without them), so nothing it trained is lost.
+                let result = match reason {
+                    LeaveReason::Finished => match self.step(st, Op::Goodbye { worker }, Vec::new(), now) {
+                        Outcome::Left(r) => r,
+                        _ => Ok(true),
+                    },
+                    _ => match self.step(st, Op::Leave { worker, reason }, Vec::new(), now) {
+                        Outcome::Done(r) => r.map(|()| true),
+                        _ => Ok(true),
+                    },
                 };
                 match (result, reply) {
                     (Ok(false), Some(reply)) => {
-                        w.goodbyes.insert(worker, reply);
+                        st.w.goodbyes.insert(worker, reply);
                     }
                     (Ok(_), Some(reply)) => {
                         let _ = reply.send(Ok(()));
@@ -528,36 +773,105 @@ impl ShardTask {
                     }
                     (_, None) => {}
                 }
-                if slot.is_none() {
-                    w.left(worker);
-                }
             }
             ShardCmd::Read { reply } => {
-                let _ = reply.send(match slot.as_ref() {
+                let _ = reply.send(match st.shard.as_ref() {
                     Some(s) => Ok((s.version(), Arc::clone(s.shared_values()))),
                     None => Err(not_yet()),
                 });
             }
             ShardCmd::Swap { module, config, reply } => {
-                let result = match slot.as_mut() {
-                    Some(shard) => shard.swap_policy(&module, &config, now, w).map_err(|e| e.to_string()),
-                    None => Ok(()),
-                };
-                if result.is_ok() {
+                if st.backup {
+                    // A backup swaps when its primary's op says, not when its server commits.
+                    let _ = reply.send(Ok(()));
+                    return;
+                }
+                if st.shard.is_none() {
                     self.module = module;
                     self.config = config;
+                    let _ = reply.send(Ok(()));
+                    return;
                 }
-                let _ = reply.send(result);
+                let sha256 = module.sha256();
+                self.modules.lock().expect("not poisoned").insert(sha256, module);
+                let r = match self.step(st, Op::Swap { sha256, config }, Vec::new(), now) {
+                    Outcome::Swapped(r) => r,
+                    _ => Err(not_yet()),
+                };
+                let _ = reply.send(r);
             }
             ShardCmd::Status { reply } => {
-                let _ = reply.send(slot.as_ref().map(|s| ShardStatus::of(id, s)));
+                let _ = reply.send(st.shard.as_ref().map(|s| ShardStatus::of(id, s)));
             }
             ShardCmd::Snapshot { reply } => {
-                let result = match slot.as_mut() {
+                let result = match st.shard.as_mut() {
                     Some(s) => s.snapshot(now).map(|snap| snap.encode()).map_err(|e| e.to_string()),
                     None => Err(not_yet()),
                 };
                 let _ = reply.send(result);
+            }
+            ShardCmd::Replicated { stamped, grad, ack } => {
+                if !st.backup {
+                    // Promoted: the old primary's late ops are not ours, and are not confirmed,
+                    // so it acknowledges none of them.
+                    tracing::warn!(
+                        shard = id,
+                        seq = stamped.seq,
+                        "an op from the old primary after the promotion; ignored"
+                    );
+                    return;
+                }
+                let _ = ack.send(stamped.seq);
+                st.next_seq = stamped.seq;
+                st.w.seq = stamped.seq;
+                st.last_now = stamped.now_ns;
+                if let Outcome::NoShard = self.apply(st, stamped.op, grad, stamped.now_ns) {
+                    tracing::error!(
+                        shard = id,
+                        seq = stamped.seq,
+                        "an op arrived before the shard was created"
+                    );
+                }
+            }
+            ShardCmd::ReplicaAcked { seq } => st.w.confirm(seq),
+            ShardCmd::AttachBackup { link } => {
+                if st.shard.is_some() {
+                    tracing::error!(
+                        shard = id,
+                        "a backup can only be attached before the shard is created; the shard runs without one"
+                    );
+                    return;
+                }
+                st.link = Some(link);
+                st.w.confirmed = Some(st.next_seq);
+            }
+            ShardCmd::DropBackup => {
+                if st.link.take().is_some() {
+                    tracing::warn!(shard = id, "the backup is gone; the shard runs without one");
+                }
+                st.w.confirm(u64::MAX);
+            }
+            ShardCmd::Promote { reply } => {
+                if !st.backup {
+                    let _ = reply.send(Ok(()));
+                    return;
+                }
+                // The clock goes on from the last op's time, so timers and waits keep theirs.
+                let at = Duration::from_nanos(st.last_now);
+                self.epoch = Instant::now().checked_sub(at).unwrap_or(self.epoch);
+                st.backup = false;
+                st.w.quiet = false;
+                let members: BTreeSet<WorkerId> = st
+                    .shard
+                    .as_ref()
+                    .map(|s| s.workers().iter().map(|c| c.worker).collect())
+                    .unwrap_or_default();
+                tracing::warn!(shard = id, members = members.len(), "promoted to primary");
+                if !members.is_empty() {
+                    let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
+                    st.awaiting = Some(Awaiting { workers: members, deadline });
+                }
+                let _ = reply.send(Ok(()));
             }
         }
     }

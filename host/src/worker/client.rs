@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::net::pool::TensorPool;
 use crate::net::proto::{
@@ -63,10 +63,44 @@ pub struct WorkerClient {
     limits: Limits,
     /// Gradient buffers handed back by QUIC once sent ([`WorkerClient::push_buffer`]).
     pool: TensorPool,
+    /// Which server holds each shard now (the coordinator moves a shard when its server dies).
+    route: Arc<Route>,
+}
+
+/// Where each shard's primary is, kept current by the coordinator's notices.
+#[derive(Debug)]
+struct Route {
+    /// Per shard (index = shard number): the server holding it.
+    servers: std::sync::Mutex<Vec<u32>>,
+    /// Bumped on every move.
+    moved: watch::Sender<u64>,
+    /// Whether shards have backups (only then is a lost server worth waiting out).
+    replicated: bool,
+}
+
+impl Route {
+    fn server(&self, shard: u32) -> u32 {
+        self.servers.lock().expect("not poisoned")[shard as usize]
+    }
+}
+
+/// How long a worker waits for a lost shard to move before it gives up.
+const MOVE_WAIT: Duration = Duration::from_secs(10);
+
+/// Whether an error means the shard's server is gone or no longer its primary.
+fn server_lost(e: &NetError) -> bool {
+    matches!(
+        e,
+        NetError::Lost { .. }
+            | NetError::Unavailable { .. }
+            | NetError::Timeout { .. }
+            | NetError::Wire { .. }
+    )
 }
 
 fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
     match what {
+        DataResponse::Unavailable(reason) => NetError::Unavailable { addr: conn.remote_address(), reason },
         DataResponse::Error(reason) => NetError::Refused { addr: conn.remote_address(), reason },
         other => NetError::Unexpected { addr: conn.remote_address(), what: format!("{other:?}") },
     }
@@ -89,7 +123,9 @@ impl WorkerClient {
         };
         let name = &access.tls.server_name;
         let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
-        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers, optimizer } = welcome else {
+        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers, optimizer, replicated } =
+            welcome
+        else {
             return Err(NodeError::Protocol(format!("the coordinator answered {welcome:?} to a worker")));
         };
         // Data connections use the cluster's peer timeout, so servers and we agree on liveness.
@@ -102,7 +138,12 @@ impl WorkerClient {
             conns.push(conn);
         }
         let stop = Arc::new(AtomicBool::new(false));
-        tokio::spawn(read_notices(coordinator.clone(), stop.clone()));
+        let route = Arc::new(Route {
+            servers: std::sync::Mutex::new(shards.iter().map(|p| p.server).collect()),
+            moved: watch::channel(0).0,
+            replicated,
+        });
+        tokio::spawn(read_notices(coordinator.clone(), stop.clone(), route.clone()));
         tracing::info!(worker, shards = shards.len(), "connected to the cluster");
         Ok(WorkerClient {
             id: worker,
@@ -119,7 +160,58 @@ impl WorkerClient {
             stop,
             limits: Limits::default(),
             pool: TensorPool::default(),
+            route,
         })
+    }
+
+    /// Runs `f` against the server holding `shard` now. With backups, when that server is lost
+    /// (the coordinator moves the shard, or the server says it no longer holds it), the worker
+    /// rejoins the shard on its new primary and runs `f` again there: a push is then
+    /// acknowledged once (as a duplicate if the new primary had it), a parked pull is answered
+    /// by the one the new primary has parked.
+    async fn on_primary<T>(
+        &self,
+        shard: u32,
+        mut f: impl AsyncFnMut(&quinn::Connection) -> Result<T, NetError>,
+    ) -> Result<T, NetError> {
+        loop {
+            let server = self.route.server(shard);
+            let conn = &self.servers[server as usize];
+            let mut moved = self.route.moved.subscribe();
+            let gone = moved.wait_for(|_| self.route.server(shard) != server);
+            let lost = tokio::select! {
+                r = f(conn) => match r {
+                    Err(e) if self.route.replicated && server_lost(&e) => e,
+                    r => return r,
+                },
+                _ = gone => NetError::Unavailable { addr: conn.remote_address(), reason: "the shard moved".into() },
+            };
+            let mut moved = self.route.moved.subscribe();
+            let wait = moved.wait_for(|_| self.route.server(shard) != server);
+            if tokio::time::timeout(MOVE_WAIT, wait).await.is_err() {
+                return Err(lost);
+            }
+            let to = self.route.server(shard);
+            tracing::warn!(
+                worker = self.id,
+                shard,
+                from = server,
+                to,
+                "shard moved ({lost}); retrying there"
+            );
+            let conn = &self.servers[to as usize];
+            match net::request::<_, DataResponse>(
+                conn,
+                &DataRequest::Join { shard },
+                Payload::EMPTY,
+                &self.limits,
+            )
+            .await?
+            {
+                (DataResponse::Rejoined { .. } | DataResponse::Joined { .. }, _) => {}
+                (other, _) => return Err(refused(conn, other)),
+            }
+        }
     }
 
     /// Whether the coordinator asked the workers to stop (target reached, budget spent).
@@ -231,10 +323,12 @@ impl WorkerClient {
         let mut parts = carve(out, self.shards.iter().map(|p| (p.end - p.start) as usize)).into_iter();
         let mut pulls = Vec::with_capacity(self.shards.len());
         for (i, p) in self.shards.iter().enumerate() {
-            let mine = parts.next().expect("one part per shard");
-            let conn = &self.servers[p.server as usize];
+            let mut mine = parts.next().expect("one part per shard");
             let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
-            pulls.push(pull_into(conn, req, mine, self.limits));
+            let limits = self.limits;
+            pulls.push(
+                self.on_primary(p.shard, async move |conn| pull_into(conn, &req, &mut mine, limits).await),
+            );
         }
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
         for (i, (waited_ns, version)) in futures::future::try_join_all(pulls).await?.into_iter().enumerate() {
@@ -353,19 +447,18 @@ impl WorkerClient {
         let f32s = std::mem::size_of::<f32>();
         assert_eq!(grad.as_slice().len(), self.model_len * f32s, "grad must be the whole model");
         let pushes = self.shards.iter().enumerate().map(|(i, p)| {
-            let conn = &self.servers[p.server as usize];
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
             let req = make(i, p.shard, based_on);
             let values = grad.slice(p.start as usize * f32s..p.end as usize * f32s);
-            async move {
-                match net::request::<_, DataResponse>(conn, &req, values, &self.limits).await? {
-                    // A duplicate is an iteration the shard already has (the worker redoes it after a
-                    // restore): acknowledged, applied once.
+            self.on_primary(p.shard, async move |conn| {
+                match net::request::<_, DataResponse>(conn, &req, values.clone(), &self.limits).await? {
+                    // A duplicate is an iteration the shard already has (the worker redoes it
+                    // after a restore, or retries it after a failover): acknowledged, applied once.
                     (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
                     (DataResponse::PushDropped, _) => Ok(1),
                     (other, _) => Err(refused(conn, other)),
                 }
-            }
+            })
         });
         Ok(futures::future::try_join_all(pushes).await?.into_iter().sum())
     }
@@ -381,11 +474,15 @@ impl WorkerClient {
         let place = self.shards.iter().find(|p| p.shard == shard).ok_or_else(|| {
             NodeError::Protocol(format!("a control message named shard {shard}, which we do not use"))
         })?;
-        let conn = &self.servers[place.server as usize];
-        match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
-            (DataResponse::Ok, _) => Ok(()),
-            (other, _) => Err(refused(conn, other).into()),
-        }
+        let result = self
+            .on_primary(place.shard, async |conn| {
+                match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
+                    (DataResponse::Ok, _) => Ok(()),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            })
+            .await;
+        Ok(result?)
     }
 
     /// Answers a move request from `shard`'s policy: tasks `first..first + count` of this
@@ -442,14 +539,13 @@ impl WorkerClient {
     /// Sends every shard the request `make(index, shard)` builds, at once; each must answer Ok.
     async fn on_every_shard(&self, make: impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
         let calls = self.shards.iter().enumerate().map(|(i, p)| {
-            let conn = &self.servers[p.server as usize];
             let req = make(i, p.shard);
-            async move {
+            self.on_primary(p.shard, async move |conn| {
                 match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
                     (other, _) => Err(refused(conn, other)),
                 }
-            }
+            })
         });
         futures::future::try_join_all(calls).await?;
         Ok(())
@@ -520,15 +616,15 @@ fn carve<'a>(segs: &'a mut [&mut [f32]], lens: impl Iterator<Item = usize>) -> V
 /// One shard's pull: the answer's payload is read straight into `out`, piece after piece.
 async fn pull_into(
     conn: &quinn::Connection,
-    req: DataRequest,
-    out: Vec<&mut [f32]>,
+    req: &DataRequest,
+    out: &mut [&mut [f32]],
     limits: Limits,
 ) -> Result<(u64, u64), NetError> {
     let addr = conn.remote_address();
     let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
     let mut scratch = Vec::new();
     let wire_err = |e| net::wire_or_lost(conn, e);
-    wire::write_frame(&mut send, &req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;
+    wire::write_frame(&mut send, req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;
     let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
     match head.header {
         DataResponse::Pulled { waited_ns, version, .. } => {
@@ -540,7 +636,7 @@ async fn pull_into(
                 ));
                 return Err(wire_err(e));
             }
-            for piece in out {
+            for piece in out.iter_mut() {
                 wire::read_payload_into(&mut recv, piece.len() * 4, piece).await.map_err(wire_err)?;
             }
             wire::expect_end(&mut recv).await.map_err(wire_err)?;
@@ -550,12 +646,22 @@ async fn pull_into(
     }
 }
 
-async fn read_notices(conn: quinn::Connection, stop: Arc<AtomicBool>) {
+async fn read_notices(conn: quinn::Connection, stop: Arc<AtomicBool>, route: Arc<Route>) {
     let limits = Limits { max_header: 4096, max_payload: 0 };
     while let Ok(mut recv) = conn.accept_uni().await {
-        if let Ok((WorkerNotice::Stop, _)) = wire::read_message::<WorkerNotice>(&mut recv, &limits).await {
-            tracing::info!("the coordinator asked us to stop");
-            stop.store(true, Ordering::Relaxed);
+        match wire::read_message::<WorkerNotice>(&mut recv, &limits).await {
+            Ok((WorkerNotice::Stop, _)) => {
+                tracing::info!("the coordinator asked us to stop");
+                stop.store(true, Ordering::Relaxed);
+            }
+            Ok((WorkerNotice::Moved { shard, server }, _)) => {
+                tracing::warn!(shard, server, "the coordinator moved a shard");
+                if let Some(s) = route.servers.lock().expect("not poisoned").get_mut(shard as usize) {
+                    *s = server;
+                }
+                route.moved.send_modify(|n| *n += 1);
+            }
+            Err(e) => tracing::warn!("unreadable notice from the coordinator: {e}"),
         }
     }
 }
