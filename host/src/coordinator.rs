@@ -845,6 +845,19 @@ impl Coordinator {
                 servers: Vec::new(),
                 workers: st.workers.values().cloned().collect(),
                 score: st.score,
+                placement: st
+                    .places
+                    .iter()
+                    .enumerate()
+                    .map(|(k, p)| (k as u32, p.primary, p.backup))
+                    .collect(),
+                lost_servers: st
+                    .renewed
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.is_none())
+                    .map(|(i, _)| i as u32)
+                    .collect(),
             };
             (st.servers.clone(), status)
         };

@@ -5,6 +5,7 @@ mod ab;
 mod checkpoint;
 mod cli;
 mod cluster;
+mod failover;
 mod harness;
 mod net;
 mod oracles;

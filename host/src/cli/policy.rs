@@ -517,6 +517,33 @@ fn print_status(s: &ClusterStatus) {
             }
         }
     }
+    let replicated = s.placement.iter().any(|p| p.2.is_some()) || !s.lost_servers.is_empty();
+    if replicated {
+        for &(shard, primary, backup) in &s.placement {
+            let lag = s
+                .servers
+                .iter()
+                .flat_map(|sv| &sv.shards)
+                .find(|sh| sh.shard == shard)
+                .and_then(|sh| sh.replication)
+                .and_then(|r| r.confirmed.map(|c| r.applied.saturating_sub(c)));
+            match (backup, lag) {
+                (Some(b), Some(lag)) => {
+                    println!(
+                        "shard {shard}: primary on server {primary}, backup on server {b}, {lag} ops behind"
+                    )
+                }
+                (Some(b), None) => {
+                    println!("shard {shard}: primary on server {primary}, backup on server {b}")
+                }
+                (None, _) => println!("shard {shard}: primary on server {primary}, no backup"),
+            }
+        }
+        if !s.lost_servers.is_empty() {
+            let lost: Vec<String> = s.lost_servers.iter().map(u32::to_string).collect();
+            println!("servers lost and failed over: {}", lost.join(", "));
+        }
+    }
     let live: Vec<String> = s.workers.iter().filter(|w| w.connected).map(|w| w.worker.to_string()).collect();
     let lost: Vec<String> =
         s.workers.iter().filter(|w| !w.connected && !w.finished).map(|w| w.worker.to_string()).collect();

@@ -503,6 +503,22 @@ pub struct ShardStatus {
     /// The last policy failure on this shard.
     #[serde(default)]
     pub last_failure: Option<String>,
+    /// Its replication, where it has a backup or is one.
+    #[serde(default)]
+    pub replication: Option<Replication>,
+}
+
+/// A shard's replication as its task sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replication {
+    /// A backup (mirroring its primary) or a primary.
+    pub backup: bool,
+    /// Ops applied so far (a primary's, streamed; a backup's, received).
+    pub applied: u64,
+    /// A primary's: the last op its backup confirmed (`None`: it has no backup now). The lag is
+    /// `applied - confirmed` ops; pushes admitted by the unconfirmed ones wait to be
+    /// acknowledged.
+    pub confirmed: Option<u64>,
 }
 
 impl ShardStatus {
@@ -523,6 +539,7 @@ impl ShardStatus {
             waited_ns: shard.worker_waits(),
             metrics: shard.metrics().to_vec(),
             last_failure: shard.last_failure().map(str::to_owned),
+            replication: None,
         }
     }
 }
@@ -536,6 +553,9 @@ pub struct ServerStatus {
     pub addr: SocketAddr,
     /// Its shards (those created so far).
     pub shards: Vec<ShardStatus>,
+    /// The backups it keeps.
+    #[serde(default)]
+    pub backups: Vec<ShardStatus>,
     /// Bytes it sent on its data connections (UDP payloads: QUIC and TLS included).
     pub bytes_sent: u64,
     /// Bytes it received on them.
@@ -570,4 +590,10 @@ pub struct ClusterStatus {
     pub workers: Vec<WorkerStatus>,
     /// The latest score a worker reported, if any did.
     pub score: Option<ReportedScore>,
+    /// Per shard: the server holding it and the one holding its backup.
+    #[serde(default)]
+    pub placement: Vec<(u32, u32, Option<u32>)>,
+    /// Servers lost and failed over.
+    #[serde(default)]
+    pub lost_servers: Vec<u32>,
 }

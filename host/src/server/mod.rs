@@ -558,11 +558,24 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     }
                 }
             }
+            let mut backups = Vec::new();
+            let mut kept: Vec<_> =
+                shared.backups.lock().expect("not poisoned").iter().map(|(k, v)| (*k, v.clone())).collect();
+            kept.sort_unstable_by_key(|(k, _)| *k);
+            for (_, tx) in kept {
+                let (reply, rx) = oneshot::channel();
+                if tx.send(ShardCmd::Status { reply }).await.is_ok() {
+                    if let Ok(Some(s)) = rx.await {
+                        backups.push(s);
+                    }
+                }
+            }
             let (bytes_sent, bytes_received) = shared.bytes();
             ServerReply::Status(ServerStatus {
                 server: shared.id,
                 addr: shared.addr,
                 shards,
+                backups,
                 bytes_sent,
                 bytes_received,
             })

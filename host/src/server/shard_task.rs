@@ -801,7 +801,14 @@ impl ShardTask {
                 let _ = reply.send(r);
             }
             ShardCmd::Status { reply } => {
-                let _ = reply.send(st.shard.as_ref().map(|s| ShardStatus::of(id, s)));
+                let replicated = st.backup || st.w.confirmed.is_some() || st.link.is_some();
+                let replication = replicated.then_some(crate::net::proto::Replication {
+                    backup: st.backup,
+                    applied: st.next_seq,
+                    confirmed: st.w.confirmed,
+                });
+                let _ = reply
+                    .send(st.shard.as_ref().map(|s| ShardStatus { replication, ..ShardStatus::of(id, s) }));
             }
             ShardCmd::Snapshot { reply } => {
                 let result = match st.shard.as_mut() {

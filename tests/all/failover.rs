@@ -1,0 +1,145 @@
+//! Replication and failover on a real cluster: `syncopate local --replicas 1` keeps each
+//! shard's backup on the next server; one server is killed outright (SIGKILL) mid-run, its
+//! backups take over, and training goes on to the end. With the `counter` workload every
+//! parameter must end at exactly minus the sum of every push of the run: an acknowledged push
+//! lost with the server, or one applied twice (by the backup and again on the worker's retry),
+//! shows as a wrong number.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::cluster::{assert_all, status, syncopate, LocalRun};
+
+/// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
+const ITERATIONS: u64 = 400;
+
+fn start(name: &str, policy: &str) -> LocalRun {
+    LocalRun::start(
+        name,
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--shards",
+            "3",
+            "--iterations",
+            "400",
+            "--params",
+            "64",
+            "--delay-ms",
+            "20",
+            "--replicas",
+            "1",
+            "--policy",
+            policy,
+        ],
+    )
+}
+
+/// The pid of the server process whose log is `logs/server-N.log`, found by its command line.
+fn server_pids(dir: &Path) -> Vec<u32> {
+    let tls = dir.join("tls").display().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd =
+            std::fs::read_to_string(entry.path().join("cmdline")).unwrap_or_default().replace('\0', " ");
+        if cmd.contains(" server ") && cmd.contains(&tls) {
+            pids.push(pid);
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
+/// Waits until every worker is past iteration `at` (read from the cluster's status).
+fn wait_for_clock(run: &mut LocalRun, at: u64) {
+    let cluster = run.cluster_file();
+    let t = Instant::now();
+    loop {
+        let st = status(&cluster);
+        let min = st.servers.iter().flat_map(|s| &s.shards).flat_map(|s| &s.workers).map(|w| w.clock).min();
+        if min.is_some_and(|m| m >= at) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the run did not reach iteration {at}:\n{}",
+            run.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn kill_one_server_and_finish(name: &str, policy: &str, before: impl FnOnce(&mut LocalRun)) -> LocalRun {
+    let mut run = start(name, policy);
+    before(&mut run);
+    wait_for_clock(&mut run, 60);
+    // What `policy status` shows: every shard on one server, its backup on the other, and
+    // each server keeping the other's backups, applying the same ops.
+    let st = status(&run.cluster_file());
+    assert_eq!(st.placement, vec![(0, 0, Some(1)), (1, 1, Some(0)), (2, 0, Some(1))], "{st:?}");
+    for server in &st.servers {
+        for b in &server.backups {
+            let r = b.replication.expect("a backup says so");
+            assert!(r.backup && r.applied > 0, "{r:?}");
+        }
+        for p in &server.shards {
+            let r = p.replication.expect("a replicated primary says so");
+            assert!(!r.backup && r.confirmed.is_some_and(|c| c <= r.applied), "{r:?}");
+        }
+    }
+    assert_eq!(st.servers.iter().map(|s| s.backups.len()).sum::<usize>(), 3);
+    let pids = server_pids(&run.dir);
+    assert_eq!(pids.len(), 2, "two servers");
+    // SIGKILL: no handler runs, nothing is flushed; its connections just go silent.
+    sigkill(pids[0]);
+    let (st, run) = run.finish(Duration::from_secs(120));
+    assert!(st.success(), "{name}: training goes on after the failover:\n{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * ITERATIONS as f32, &format!("{name}: after a failover"));
+    let report = run.report();
+    assert!(report.failed_workers.is_empty(), "{:?}", report.failed_workers);
+    for w in &report.workers {
+        assert_eq!(w.iterations, ITERATIONS, "worker {} ran every iteration", w.worker);
+    }
+    let log = run.log("coordinator");
+    assert!(log.contains("failover: backup promoted to primary"), "{log}");
+    run
+}
+
+fn sigkill(pid: u32) {
+    let ok = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    assert!(ok.success());
+}
+
+#[test]
+fn a_server_killed_under_bsp_fails_over_and_no_acknowledged_push_is_lost_or_doubled() {
+    kill_one_server_and_finish("failover-bsp", "bsp", |_| {});
+}
+
+#[test]
+fn a_server_killed_under_ssp_fails_over_and_no_acknowledged_push_is_lost_or_doubled() {
+    kill_one_server_and_finish("failover-ssp", "ssp:s=2", |_| {});
+}
+
+#[test]
+fn a_server_killed_under_asp_fails_over_and_no_acknowledged_push_is_lost_or_doubled() {
+    kill_one_server_and_finish("failover-asp", "asp", |_| {});
+}
+
+/// A hot swap to SSP first: the backups swap at the same point of the op stream as their
+/// primaries, so the promoted shards run SSP too.
+#[test]
+fn a_server_killed_after_a_hot_swap_fails_over_to_backups_running_the_swapped_policy() {
+    let run = kill_one_server_and_finish("failover-swap", "bsp", |run| {
+        let cluster = run.cluster_file();
+        wait_for_clock(run, 20);
+        let out = syncopate(&["policy", "swap", "ssp:s=3", "--watch-s", "0"], &cluster);
+        assert!(out.status.success(), "swap: {}", String::from_utf8_lossy(&out.stderr));
+    });
+    let report = run.report();
+    let shards: Vec<_> = report.servers.iter().flat_map(|s| &s.shards).collect();
+    assert_eq!(shards.len(), 3, "every shard is served after the failover");
+    assert!(shards.iter().all(|s| s.policy == "ssp 0.1.0"), "{shards:?}");
+}
