@@ -283,6 +283,18 @@ fn resume_from(
     Ok(round)
 }
 
+impl State {
+    /// The servers not lost (failed over servers take no more commands).
+    fn live_servers(&self) -> Vec<(SocketAddr, quinn::Connection)> {
+        self.servers
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.renewed.get(*i).is_none_or(Option::is_some))
+            .map(|(_, s)| s.clone())
+            .collect()
+    }
+}
+
 impl Coordinator {
     /// Takes a checkpoint round: every server writes its shards' snapshots into the round's
     /// folder, then the manifest is written, last, and old rounds are pruned. No swap runs
@@ -320,7 +332,7 @@ impl Coordinator {
                 shards: self.opts.shards,
                 model_len,
             };
-            (st.servers.clone(), round, manifest, st.policy.wasm.clone())
+            (st.live_servers(), round, manifest, st.policy.wasm.clone())
         };
         let t = std::time::Instant::now();
         let folder = crate::checkpoint::round_dir(&dir, round);
@@ -736,7 +748,7 @@ impl Coordinator {
                         tracing::warn!("no checkpoint at shutdown: {e}");
                     }
                 }
-                let servers: Vec<_> = self.lock().servers.iter().map(|(_, c)| c.clone()).collect();
+                let servers: Vec<_> = self.lock().live_servers().into_iter().map(|(_, c)| c).collect();
                 self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
                 let stops = servers.iter().map(|c| command(c, &ServerCommand::Shutdown, &[]));
                 for r in futures::future::join_all(stops).await {
@@ -783,12 +795,12 @@ impl Coordinator {
         crate::node::compile(&self.runtime, blob.label.clone(), wasm.clone())
             .await
             .map_err(|e| e.to_string())?;
-        let (servers, swap) = {
+        let (servers, swap, registered) = {
             let st = self.lock();
-            (st.servers.clone(), st.swaps + 1)
+            (st.live_servers(), st.swaps + 1, st.servers.len() as u32)
         };
-        if (servers.len() as u32) < self.opts.servers {
-            return Err(format!("only {} of {} servers are registered", servers.len(), self.opts.servers));
+        if registered < self.opts.servers {
+            return Err(format!("only {registered} of {} servers are registered", self.opts.servers));
         }
         let prepare = ServerCommand::Prepare { swap, policy: blob.clone() };
         let prepared =

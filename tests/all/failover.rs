@@ -143,3 +143,32 @@ fn a_server_killed_after_a_hot_swap_fails_over_to_backups_running_the_swapped_po
     assert_eq!(shards.len(), 3, "every shard is served after the failover");
     assert!(shards.iter().all(|s| s.policy == "ssp 0.1.0"), "{shards:?}");
 }
+
+/// A server cut off from everyone (frozen with SIGSTOP: it neither renews its lease nor
+/// answers, as behind a partition) is failed over; thawed, it must not go on as a second
+/// primary: its lease has lapsed, so it refuses requests, and the coordinator tells it it was
+/// failed over, so it stops. Nothing it received while cut off is acknowledged, and the sums
+/// stay exact.
+#[test]
+fn a_server_cut_off_and_back_does_not_serve_as_a_second_primary() {
+    let mut run = start("failover-partition", "ssp:s=2");
+    wait_for_clock(&mut run, 60);
+    let pids = server_pids(&run.dir);
+    let signal = |sig: &str, pid: u32| {
+        let ok = std::process::Command::new("kill").args([sig, &pid.to_string()]).status().unwrap();
+        assert!(ok.success());
+    };
+    signal("-STOP", pids[0]);
+    // Long enough for its lease to lapse and its shards to fail over (1.3 s), short of the
+    // QUIC idle timeout (10 s), so its connections are still open when it wakes.
+    std::thread::sleep(Duration::from_secs(3));
+    signal("-CONT", pids[0]);
+    let (st, run) = run.finish(Duration::from_secs(120));
+    assert!(st.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * ITERATIONS as f32, "after a partition");
+    let logs: String = (0..2).map(|i| run.log(&format!("server-{i}"))).collect();
+    assert!(
+        logs.contains("the coordinator ended our lease"),
+        "the thawed server learnt it was failed over and stopped:\n{logs}"
+    );
+}

@@ -842,10 +842,12 @@ impl ShardTask {
             }
             ShardCmd::ReplicaAcked { seq } => st.w.confirm(seq),
             ShardCmd::AttachBackup { link } => {
-                if st.shard.is_some() {
+                // The backup starts where this shard started: empty, or restored from the same
+                // checkpoint file; it cannot catch up with ops it missed.
+                if st.next_seq > 0 {
                     tracing::error!(
                         shard = id,
-                        "a backup can only be attached before the shard is created; the shard runs without one"
+                        "a backup can only be attached before the shard's first op; the shard runs without one"
                     );
                     return;
                 }
