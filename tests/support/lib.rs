@@ -174,6 +174,22 @@ impl ProcessCluster {
         lr: f32,
         server_args: &[&str],
     ) -> Self {
+        Self::start_servers(bin, dir, workers, 1, shards, lr, &[], server_args)
+    }
+
+    /// [`start`](Self::start) with `servers` servers and `coordinator_args` added to the
+    /// coordinator's (`--replicas 1`, say).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_servers(
+        bin: &std::path::Path,
+        dir: &std::path::Path,
+        workers: usize,
+        servers: u32,
+        shards: u32,
+        lr: f32,
+        coordinator_args: &[&str],
+        server_args: &[&str],
+    ) -> Self {
         use std::process::{Command, Stdio};
         use std::time::{Duration, Instant};
         use syncopate::net::tls::{ClusterAccess, TlsFiles, Token};
@@ -195,27 +211,34 @@ impl ProcessCluster {
             cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
         };
         let (workers, shards, lr) = (workers.to_string(), shards.to_string(), lr.to_string());
+        let server_count = servers.to_string();
         let mut cluster = ProcessCluster {
             access: ClusterAccess { coordinator: ([127, 0, 0, 1], 0).into(), tls, token: token.clone() },
-            procs: vec![spawn(&[
-                "coordinator",
-                "--listen",
-                "127.0.0.1:0",
-                "--servers",
-                "1",
-                "--workers",
-                &workers,
-                "--shards",
-                &shards,
-                "--policy",
-                "asp",
-                "--lr",
-                &lr,
-                "--momentum",
-                "0",
-                "--ready-file",
-                ready.to_str().expect("a UTF-8 path"),
-            ])],
+            procs: vec![spawn(
+                &[
+                    &[
+                        "coordinator",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--servers",
+                        &server_count,
+                        "--workers",
+                        &workers,
+                        "--shards",
+                        &shards,
+                        "--policy",
+                        "asp",
+                        "--lr",
+                        &lr,
+                        "--momentum",
+                        "0",
+                        "--ready-file",
+                        ready.to_str().expect("a UTF-8 path"),
+                    ][..],
+                    coordinator_args,
+                ]
+                .concat(),
+            )],
         };
         let t = Instant::now();
         cluster.access.coordinator = loop {
@@ -226,7 +249,9 @@ impl ProcessCluster {
             std::thread::sleep(Duration::from_millis(5));
         };
         let coordinator = cluster.access.coordinator.to_string();
-        cluster.procs.push(spawn(&[&["server", "--coordinator", &coordinator], server_args].concat()));
+        for _ in 0..servers {
+            cluster.procs.push(spawn(&[&["server", "--coordinator", &coordinator], server_args].concat()));
+        }
         cluster
     }
 }

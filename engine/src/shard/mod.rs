@@ -28,11 +28,13 @@
 //! wait their turn, so a worker's iterations still complete in order.
 
 mod layout;
+mod ops;
 mod parked;
 mod snapshot;
 mod supervisor;
 
 pub use layout::{ModelLayout, Partition, TensorSpec};
+pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
 pub use supervisor::SupervisorConfig;
 pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};

@@ -30,11 +30,10 @@ use crate::net::pool::TensorPool;
 use crate::net::proto::{ControlMessage, ShardStatus};
 use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
+pub(crate) use crate::shard::Stamped;
 use crate::shard::{
-    Handover, PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot,
-    TaskPart,
+    Handover, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot, TaskPart,
 };
-use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::Envelope;
 
 /// What a served pull sends back.
@@ -153,63 +152,6 @@ pub(crate) enum ShardCmd {
     Promote {
         reply: Reply<()>,
     },
-}
-
-/// A change to a shard, as its primary applies it and streams it to its backup.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub(crate) enum Op {
-    /// The shard is created with the payload as its parameters.
-    Create,
-    Join {
-        worker: WorkerId,
-    },
-    /// A push; its gradient is the payload.
-    Push {
-        worker: WorkerId,
-        iteration: u64,
-        samples: u32,
-        based_on: Option<u64>,
-        tasks: Option<(WorkerId, TaskPart)>,
-    },
-    Yielded {
-        handover: Handover,
-    },
-    Applied {
-        applied: Applied,
-    },
-    Skip {
-        worker: WorkerId,
-        to: u64,
-    },
-    Pull {
-        worker: WorkerId,
-        iteration: u64,
-    },
-    Finished {
-        report: IterationReport,
-    },
-    Leave {
-        worker: WorkerId,
-        reason: LeaveReason,
-    },
-    Goodbye {
-        worker: WorkerId,
-    },
-    /// A hot swap to the module with this SHA-256 (prepared on every server before any commits).
-    Swap {
-        sha256: [u8; 32],
-        config: Vec<(String, String)>,
-    },
-    /// Only the time moves (timers fire).
-    Advance,
-}
-
-/// An op with its place in the stream and the primary's time when it was applied.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Stamped {
-    pub seq: u64,
-    pub now_ns: u64,
-    pub op: Op,
 }
 
 /// Where a primary's ops go: the writer task that streams them to the backup.
@@ -386,17 +328,6 @@ struct Awaiting {
     deadline: Instant,
 }
 
-/// What applying an op gave.
-enum Outcome {
-    Created(Result<(), PolicyError>),
-    Joined(Result<u64, ShardError>),
-    Pushed(Result<(), ShardError>),
-    Done(Result<(), ShardError>),
-    Left(Result<bool, ShardError>),
-    Swapped(Result<(), String>),
-    NoShard,
-}
-
 /// The task's moving parts.
 struct State {
     shard: Option<Shard>,
@@ -507,7 +438,7 @@ impl ShardTask {
     }
 
     /// Applies an op (streaming it to the backup first, if there is one).
-    fn step(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Outcome {
+    fn step(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Option<Outcome> {
         st.next_seq += 1;
         st.w.seq = st.next_seq;
         if let Some(link) = &st.link {
@@ -525,71 +456,44 @@ impl ShardTask {
         self.apply(st, op, grad, now)
     }
 
-    /// What an op does to the shard: the one place primary and backup share.
-    fn apply(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Outcome {
+    /// What an op does to the task's shard (the engine's [`Shard::apply_op`], shared by primary
+    /// and backup); `None` when there is no shard yet.
+    fn apply(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Option<Outcome> {
         let w = &mut st.w;
         if let Op::Create = op {
-            return Outcome::Created(Shard::new(self.cfg.clone(), grad, &self.module, &self.config, w).map(
-                |s| {
-                    tracing::info!(
-                        shard = self.cfg.shard,
-                        len = s.values().len(),
-                        backup = st.backup,
-                        "shard created"
-                    );
-                    st.shard = Some(s);
-                },
-            ));
+            let created = Shard::new(self.cfg.clone(), grad, &self.module, &self.config, w).map(|s| {
+                tracing::info!(
+                    shard = self.cfg.shard,
+                    len = s.values().len(),
+                    backup = st.backup,
+                    "shard created"
+                );
+                st.shard = Some(s);
+            });
+            return Some(Outcome::Created(created.map_err(|e| e.to_string())));
         }
-        let Some(s) = st.shard.as_mut() else { return Outcome::NoShard };
-        // Timers due by now fire before the op (the order a replay assumes).
-        s.advance(now, w);
-        match op {
-            Op::Create => unreachable!("handled above"),
-            Op::Join { worker } => Outcome::Joined(s.join(worker, now, w)),
-            Op::Push { worker, iteration, samples, based_on, tasks } => {
-                let r = match tasks {
-                    Some((owner, part)) => {
-                        let req = PushRequest {
-                            worker: owner,
-                            iteration,
-                            samples,
-                            grad,
-                            based_on,
-                            tasks: Some(part),
-                        };
-                        s.push_by(worker, req, now, w)
-                    }
-                    None => {
-                        let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
-                        s.push(req, now, w)
-                    }
-                };
-                Outcome::Pushed(r.map(|_| ()))
-            }
-            Op::Yielded { handover } => Outcome::Done(s.tasks_yielded(handover, now, w)),
-            Op::Applied { applied } => Outcome::Done(s.control_applied(applied, now, w)),
-            Op::Skip { worker, to } => Outcome::Done(s.skip(worker, to, now, w)),
-            Op::Pull { worker, iteration } => {
-                Outcome::Done(s.pull(PullRequest { worker, iteration }, now, w).map(|_| ()))
-            }
-            Op::Finished { report } => Outcome::Done(s.iteration_finished(report, now, w)),
-            Op::Leave { worker, reason } => Outcome::Done(s.leave(worker, reason, now, w)),
-            Op::Goodbye { worker } => Outcome::Left(s.goodbye(worker, now, w)),
-            Op::Swap { sha256, config } => {
-                let module = self.modules.lock().expect("not poisoned").get(&sha256).cloned();
-                let Some(module) = module else {
-                    return Outcome::Swapped(Err("the swapped-in module is not on this server".into()));
-                };
-                let r = s.swap_policy(&module, &config, now, w).map_err(|e| e.to_string());
-                if r.is_ok() {
-                    self.module = module;
-                    self.config = config;
-                }
-                Outcome::Swapped(r)
-            }
-            Op::Advance => Outcome::Done(Ok(())),
+        let s = st.shard.as_mut()?;
+        let modules = &self.modules;
+        let swap = match &op {
+            Op::Swap { config, .. } => Some(config.clone()),
+            _ => None,
+        };
+        let mut chosen = None;
+        let outcome = s.apply_op(
+            op,
+            grad,
+            now,
+            |sha| {
+                chosen = modules.lock().expect("not poisoned").get(sha).cloned();
+                chosen.clone()
+            },
+            w,
+        );
+        if let (Outcome::Swapped(Ok(())), Some(config), Some(module)) = (&outcome, swap, chosen) {
+            self.module = module;
+            self.config = config;
         }
+        Some(outcome)
     }
 
     fn handle(&mut self, cmd: ShardCmd, st: &mut State) {
@@ -604,7 +508,7 @@ impl ShardTask {
                         let _ = reply.send(Err(not_yet()));
                         return;
                     }
-                    if let Outcome::Created(Err(e)) = self.step(st, Op::Create, init, now) {
+                    if let Some(Outcome::Created(Err(e))) = self.step(st, Op::Create, init, now) {
                         let _ = reply.send(Err(format!("shard {id} cannot start its policy: {e}")));
                         return;
                     }
@@ -638,7 +542,7 @@ impl ShardTask {
                 }
                 st.w.controls.insert(worker, controls);
                 let joined = match self.step(st, Op::Join { worker }, Vec::new(), now) {
-                    Outcome::Joined(r) => r.map(Joined::Fresh).map_err(|e| e.to_string()),
+                    Some(Outcome::Joined(r)) => r.map(Joined::Fresh).map_err(|e| e.to_string()),
                     _ => Err(not_yet()),
                 };
                 let _ = reply.send(joined);
@@ -650,11 +554,11 @@ impl ShardTask {
                 }
                 let op = Op::Push { worker, iteration, samples, based_on, tasks: Some(tasks) };
                 match self.step(st, op, grad, now) {
-                    Outcome::Pushed(Ok(())) => st.w.ack(reply, PushOutcome::Applied),
-                    Outcome::Pushed(Err(ShardError::Duplicate { .. })) => {
+                    Some(Outcome::Pushed(Ok(()))) => st.w.ack(reply, PushOutcome::Applied),
+                    Some(Outcome::Pushed(Err(ShardError::Duplicate { .. }))) => {
                         st.w.ack(reply, PushOutcome::Duplicate)
                     }
-                    Outcome::Pushed(Err(e)) => {
+                    Some(Outcome::Pushed(Err(e))) => {
                         let _ = reply.send(Err(e.to_string()));
                     }
                     _ => {
@@ -678,11 +582,11 @@ impl ShardTask {
                 st.w.pushes.insert((worker, iteration), reply);
                 let op = Op::Push { worker, iteration, samples, based_on, tasks: None };
                 match self.step(st, op, grad, now) {
-                    Outcome::Pushed(Ok(())) => {}
+                    Some(Outcome::Pushed(Ok(()))) => {}
                     // Held by the policy: the acknowledgement waits for its decision.
-                    Outcome::Pushed(Err(ShardError::Duplicate { .. }))
+                    Some(Outcome::Pushed(Err(ShardError::Duplicate { .. })))
                         if st.shard.as_ref().is_some_and(|s| s.is_push_held(worker, iteration)) => {}
-                    Outcome::Pushed(Err(ShardError::Duplicate { .. })) => {
+                    Some(Outcome::Pushed(Err(ShardError::Duplicate { .. }))) => {
                         tracing::debug!(
                             shard = id,
                             worker,
@@ -693,7 +597,7 @@ impl ShardTask {
                             st.w.ack(reply, PushOutcome::Duplicate);
                         }
                     }
-                    Outcome::Pushed(Err(e)) => {
+                    Some(Outcome::Pushed(Err(e))) => {
                         if let Some(reply) = st.w.pushes.remove(&(worker, iteration)) {
                             let _ = reply.send(Err(e.to_string()));
                         }
@@ -702,12 +606,13 @@ impl ShardTask {
                 }
             }
             ShardCmd::Yielded { handover } => {
-                if let Outcome::Done(Err(e)) = self.step(st, Op::Yielded { handover }, Vec::new(), now) {
+                if let Some(Outcome::Done(Err(e))) = self.step(st, Op::Yielded { handover }, Vec::new(), now)
+                {
                     tracing::debug!(shard = id, "task hand-over not reported: {e}");
                 }
             }
             ShardCmd::Applied { applied } => {
-                if let Outcome::Done(Err(e)) = self.step(st, Op::Applied { applied }, Vec::new(), now) {
+                if let Some(Outcome::Done(Err(e))) = self.step(st, Op::Applied { applied }, Vec::new(), now) {
                     tracing::debug!(shard = id, "control acknowledgement ignored: {e}");
                 }
             }
@@ -722,7 +627,8 @@ impl ShardTask {
                     return;
                 }
                 st.w.pulls.insert((worker, iteration), reply);
-                if let Outcome::Done(Err(e)) = self.step(st, Op::Pull { worker, iteration }, Vec::new(), now)
+                if let Some(Outcome::Done(Err(e))) =
+                    self.step(st, Op::Pull { worker, iteration }, Vec::new(), now)
                 {
                     if let Some(reply) = st.w.pulls.remove(&(worker, iteration)) {
                         let _ = reply.send(Err(e.to_string()));
@@ -731,13 +637,13 @@ impl ShardTask {
             }
             ShardCmd::Skip { worker, to, reply } => {
                 let r = match self.step(st, Op::Skip { worker, to }, Vec::new(), now) {
-                    Outcome::Done(r) => r.map_err(|e| e.to_string()),
+                    Some(Outcome::Done(r)) => r.map_err(|e| e.to_string()),
                     _ => Err(not_yet()),
                 };
                 let _ = reply.send(r);
             }
             ShardCmd::Finished { report } => {
-                if let Outcome::Done(Err(e)) = self.step(st, Op::Finished { report }, Vec::new(), now) {
+                if let Some(Outcome::Done(Err(e))) = self.step(st, Op::Finished { report }, Vec::new(), now) {
                     tracing::debug!(shard = id, "iteration report ignored: {e}");
                 }
             }
@@ -753,11 +659,11 @@ impl ShardTask {
                 // incomplete without them), so nothing it trained is lost.
                 let result = match reason {
                     LeaveReason::Finished => match self.step(st, Op::Goodbye { worker }, Vec::new(), now) {
-                        Outcome::Left(r) => r,
+                        Some(Outcome::Left(r)) => r,
                         _ => Ok(true),
                     },
                     _ => match self.step(st, Op::Leave { worker, reason }, Vec::new(), now) {
-                        Outcome::Done(r) => r.map(|()| true),
+                        Some(Outcome::Done(r)) => r.map(|()| true),
                         _ => Ok(true),
                     },
                 };
@@ -795,7 +701,7 @@ impl ShardTask {
                 let sha256 = module.sha256();
                 self.modules.lock().expect("not poisoned").insert(sha256, module);
                 let r = match self.step(st, Op::Swap { sha256, config }, Vec::new(), now) {
-                    Outcome::Swapped(r) => r,
+                    Some(Outcome::Swapped(r)) => r,
                     _ => Err(not_yet()),
                 };
                 let _ = reply.send(r);
@@ -832,7 +738,7 @@ impl ShardTask {
                 st.next_seq = stamped.seq;
                 st.w.seq = stamped.seq;
                 st.last_now = stamped.now_ns;
-                if let Outcome::NoShard = self.apply(st, stamped.op, grad, stamped.now_ns) {
+                if self.apply(st, stamped.op, grad, stamped.now_ns).is_none() {
                     tracing::error!(
                         shard = id,
                         seq = stamped.seq,

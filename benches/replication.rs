@@ -1,0 +1,72 @@
+//! What a backup costs a push: synchronous push latency with `--replicas 1` (the shard's
+//! primary streams each op to its backup on a second server and acknowledges the push once the
+//! backup holds it) against `--replicas 0` (same two servers, no backup), side by side in one
+//! run, at 1 KiB, 1 MiB and 16 MiB. The coordinator and both servers are `syncopate` processes
+//! (build them first: `cargo build --release --bins`); the worker is a `WorkerClient` in this
+//! process, on loopback. One shard (primary on server 0, its backup on server 1), ASP, so no
+//! push waits on a policy. The goal (issue 18): at most 1.3x the unreplicated latency at 1 MiB.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use syncopate::worker::WorkerClient;
+use syncopate_suite::ProcessCluster;
+
+const SIZES: &[(&str, usize)] = &[("1KiB", 1 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)];
+
+fn syncopate_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_syncopate"))
+}
+
+fn replication(c: &mut Criterion) {
+    let rt = syncopate::net::spin::runtime_builder(0, syncopate::net::spin::DEFAULT_SPIN).build().unwrap();
+    for &(label, bytes) in SIZES {
+        let floats = bytes / 4;
+        let mut group = c.benchmark_group(format!("replication/{label}"));
+        group.throughput(Throughput::Bytes(bytes as u64));
+        if bytes >= 1 << 20 {
+            group.sample_size(20).measurement_time(Duration::from_secs(5));
+        }
+        for replicas in ["0", "1"] {
+            let dir =
+                std::env::temp_dir().join(format!("syncopate-bench-repl-{}-{replicas}", std::process::id()));
+            let _procs = ProcessCluster::start_servers(
+                &syncopate_bin(),
+                &dir,
+                1,
+                2,
+                1,
+                0.000001,
+                &["--replicas", replicas],
+                &[],
+            );
+            let access = _procs.access.clone();
+            let worker = rt.block_on(async {
+                let mut w = WorkerClient::connect(&access, None, floats).await.unwrap();
+                w.join(&vec![0.0; floats]).await.unwrap();
+                w.ready().await.unwrap();
+                w
+            });
+            let mut iteration = 0u64;
+            group.bench_function(BenchmarkId::new("push", format!("replicas-{replicas}")), |b| {
+                b.iter_custom(|n| {
+                    rt.block_on(async {
+                        let t = Instant::now();
+                        for _ in 0..n {
+                            worker.push_buffer(iteration, worker.gradient_buffer(), 1).await.unwrap();
+                            iteration += 1;
+                        }
+                        t.elapsed()
+                    })
+                })
+            });
+            drop(worker);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, replication);
+criterion_main!(benches);
