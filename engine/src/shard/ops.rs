@@ -175,3 +175,256 @@ impl Shard {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Failover, modelled exactly: a primary applies each op and streams it to its backup, which
+    //! receives it `lag` ops later; a push is acknowledged to its worker only once the backup has
+    //! the op that admitted it (as the server does). The primary dies after op `f`, for every `f`
+    //! of the run; the backup, promoted, has what was delivered, and the workers retry what was
+    //! not acknowledged. With exact (dyadic) gradients the run must end with the very parameters
+    //! of the run that never failed, bit for bit.
+
+    use std::collections::VecDeque;
+
+    use super::*;
+    use crate::shard::{OptimizerConfig, PullReply, PushWeight, ShardConfig};
+    use syncopate_policy_sdk::abi::RequestId;
+
+    const WORKERS: u32 = 3;
+    const ITERATIONS: u64 = 12;
+
+    /// What a shard said to its workers.
+    #[derive(Default)]
+    struct Said {
+        served: Vec<(WorkerId, u64)>,
+        acked: Vec<(WorkerId, u64)>,
+    }
+
+    impl ShardSink for Said {
+        fn pull_served(&mut self, r: PullReply<'_>) {
+            self.served.push((r.worker, r.iteration));
+        }
+        fn push_acked(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
+            self.acked.push((worker, iteration));
+        }
+    }
+
+    fn grad(w: u32, i: u64) -> f32 {
+        0.5 * (w + 1) as f32 + i as f32 / 32.0
+    }
+
+    /// A worker: the iteration it pulled (and whether that was served), and its pushes not yet
+    /// acknowledged.
+    #[derive(Clone, Default)]
+    struct Worker {
+        pulled: u64,
+        served: bool,
+        unacked: Vec<u64>,
+        done: bool,
+    }
+
+    struct Cluster {
+        primary: Shard,
+        backup: Option<Shard>,
+        /// Ops applied by the primary, not yet delivered to the backup.
+        in_flight: VecDeque<(Stamped, Vec<f32>)>,
+        seq: u64,
+        delivered: u64,
+        lag: usize,
+        /// The primary's acknowledgements, each with the op that admitted it, until released.
+        gated: VecDeque<(u64, (WorkerId, u64))>,
+        said: Said,
+        workers: Vec<Worker>,
+        now: u64,
+    }
+
+    impl Cluster {
+        fn new(module: &PolicyModule, lag: usize) -> Self {
+            let optimizer = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+            let cfg = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+            let mut quiet = Said::default();
+            let primary = Shard::new(cfg.clone(), vec![0.0; 4], module, &[], &mut quiet).unwrap();
+            let backup = Shard::new(cfg, vec![0.0; 4], module, &[], &mut quiet).unwrap();
+            Cluster {
+                primary,
+                backup: Some(backup),
+                in_flight: VecDeque::new(),
+                seq: 0,
+                delivered: 0,
+                lag,
+                gated: VecDeque::new(),
+                said: Said::default(),
+                workers: vec![Worker::default(); WORKERS as usize],
+                now: 0,
+            }
+        }
+
+        /// The primary applies `op`; it goes to the backup's stream.
+        fn op(&mut self, op: Op, grad: Vec<f32>) {
+            self.now += 1_000;
+            self.seq += 1;
+            let mut said = Said::default();
+            let out = self.primary.apply_op(op.clone(), grad.clone(), self.now, |_| None, &mut said);
+            match out {
+                Outcome::Pushed(Err(ShardError::Duplicate { worker, iteration, .. })) => {
+                    said.acked.push((worker, iteration))
+                }
+                Outcome::Pushed(Err(e)) | Outcome::Done(Err(e)) | Outcome::Joined(Err(e)) => {
+                    panic!("{op:?}: {e}")
+                }
+                _ => {}
+            }
+            self.said.served.extend(said.served);
+            match self.backup {
+                Some(_) => {
+                    self.gated.extend(said.acked.into_iter().map(|a| (self.seq, a)));
+                    self.in_flight.push_back((Stamped { seq: self.seq, now_ns: self.now, op }, grad));
+                }
+                None => self.said.acked.extend(said.acked),
+            }
+            self.deliver(self.lag);
+        }
+
+        /// Delivers ops to the backup until at most `keep` are in flight, and releases the
+        /// acknowledgements they cover.
+        fn deliver(&mut self, keep: usize) {
+            let Some(backup) = self.backup.as_mut() else { return };
+            while self.in_flight.len() > keep {
+                let (s, grad) = self.in_flight.pop_front().expect("checked");
+                backup.apply_op(s.op, grad, s.now_ns, |_| None, &mut Said::default());
+                self.delivered = s.seq;
+            }
+            while self.gated.front().is_some_and(|g| g.0 <= self.delivered) {
+                let (_, a) = self.gated.pop_front().expect("checked");
+                self.said.acked.push(a);
+            }
+        }
+
+        /// The primary dies: what it had not delivered is lost with it, and so are the
+        /// acknowledgements it held back. The backup takes over; every worker rejoins it and
+        /// asks again for what it had no answer to.
+        fn fail_over(&mut self) {
+            self.in_flight.clear();
+            self.gated.clear();
+            self.primary = self.backup.take().expect("a backup");
+            for w in 0..WORKERS {
+                if !self.primary.is_member(w) {
+                    // Its join was not delivered: it joins again.
+                    self.op(Op::Join { worker: w }, Vec::new());
+                }
+                let worker = self.workers[w as usize].clone();
+                for i in worker.unacked {
+                    let op = Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None };
+                    self.op(op, vec![grad(w, i); 4]);
+                }
+                if !worker.done && !worker.served {
+                    self.op(Op::Pull { worker: w, iteration: worker.pulled }, Vec::new());
+                }
+            }
+        }
+
+        /// Lets the workers see what the shard said.
+        fn hear(&mut self) {
+            for (w, i) in self.said.served.drain(..) {
+                let wk = &mut self.workers[w as usize];
+                if wk.pulled == i {
+                    wk.served = true;
+                }
+            }
+            for (w, i) in self.said.acked.drain(..) {
+                self.workers[w as usize].unacked.retain(|u| *u != i);
+            }
+        }
+
+        /// Worker `w` acts if it can: pushes the iteration it was served, reports it, pulls
+        /// the next. Returns whether it did.
+        fn act(&mut self, w: u32) -> bool {
+            self.hear();
+            let wk = self.workers[w as usize].clone();
+            if wk.done || !wk.served {
+                return false;
+            }
+            let i = wk.pulled;
+            self.workers[w as usize].unacked.push(i);
+            self.op(
+                Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None },
+                vec![grad(w, i); 4],
+            );
+            let report = IterationReport { worker: w, iteration: i, samples: 1, compute_ns: 1_000 };
+            self.op(Op::Finished { report }, Vec::new());
+            let wk = &mut self.workers[w as usize];
+            if i + 1 == ITERATIONS {
+                wk.done = true;
+            } else {
+                (wk.pulled, wk.served) = (i + 1, false);
+                self.op(Op::Pull { worker: w, iteration: i + 1 }, Vec::new());
+            }
+            true
+        }
+
+        /// Runs to the end, failing the primary over after op `fail_at` (if any). Returns the
+        /// final parameters and how many ops the primary applied.
+        fn run(mut self, fail_at: Option<u64>) -> (Vec<f32>, u64) {
+            for w in 0..WORKERS {
+                self.op(Op::Join { worker: w }, Vec::new());
+            }
+            for w in 0..WORKERS {
+                self.op(Op::Pull { worker: w, iteration: 0 }, Vec::new());
+            }
+            let mut failed = false;
+            let mut turn = 0u32;
+            let mut idle = 0;
+            while self.workers.iter().any(|w| !w.done || !w.unacked.is_empty()) {
+                if !failed && fail_at.is_some_and(|f| self.seq >= f) {
+                    self.fail_over();
+                    failed = true;
+                }
+                // Worker 2 acts at a third of the others' pace.
+                let w = turn % WORKERS;
+                turn += 1;
+                if (w != 2 || turn.is_multiple_of(3)) && self.act(w) {
+                    idle = 0;
+                } else {
+                    idle += 1;
+                    // Nothing to do: the stream catches up (the backup is only ever behind).
+                    self.deliver(0);
+                    self.hear();
+                    assert!(
+                        idle < 1_000,
+                        "stuck: {:?}",
+                        self.workers
+                            .iter()
+                            .map(|w| (w.pulled, w.served, w.unacked.clone()))
+                            .collect::<Vec<_>>()
+                    );
+                }
+            }
+            for w in 0..WORKERS {
+                self.op(Op::Goodbye { worker: w }, Vec::new());
+            }
+            self.deliver(0);
+            (self.primary.values().to_vec(), self.seq)
+        }
+    }
+
+    /// BSP, SSP and ASP: the gradients are dyadic and summed at lr 1, so any order of
+    /// application gives the same bits, and every run must end at the exact sum.
+    #[test]
+    fn a_primary_failing_after_any_op_loses_no_acknowledged_push_and_doubles_none() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let expected: f32 = -(0..WORKERS).flat_map(|w| (0..ITERATIONS).map(move |i| grad(w, i))).sum::<f32>();
+        for name in ["bsp", "ssp", "asp"] {
+            let module = rt.compile(name, crate::builtin::wasm(name).unwrap()).unwrap();
+            for lag in [0, 1, 4] {
+                let (clean, ops) = Cluster::new(&module, lag).run(None);
+                assert!(ops > 100, "{ops} ops");
+                assert_eq!(clean, [expected; 4], "{name}: the run without a failure");
+                for f in 1..=ops {
+                    let (after, _) = Cluster::new(&module, lag).run(Some(f));
+                    assert_eq!(after, clean, "{name}, lag {lag}: primary lost after op {f} of {ops}");
+                }
+            }
+        }
+    }
+}
