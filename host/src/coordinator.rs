@@ -878,8 +878,18 @@ impl Coordinator {
             if lost.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            match command_status(conn).await {
+            // With backups, a server that does not answer soon may be dead and about to be
+            // failed over: the status goes on without it rather than waiting for its timeout.
+            let asked = command_status(conn);
+            let answer = match self.opts.replicas {
+                0 => asked.await,
+                _ => tokio::time::timeout(Duration::from_millis(crate::net::proto::LEASE_MS), asked)
+                    .await
+                    .unwrap_or_else(|_| Err("no answer within the lease".into())),
+            };
+            match answer {
                 Ok(s) => status.servers.push(s),
+                Err(e) if self.opts.replicas > 0 => tracing::warn!(server = i, %addr, "no status: {e}"),
                 Err(e) => return Err(format!("server {i} ({addr}) did not report: {e}")),
             }
         }

@@ -172,3 +172,50 @@ fn a_server_cut_off_and_back_does_not_serve_as_a_second_primary() {
         "the thawed server learnt it was failed over and stopped:\n{logs}"
     );
 }
+
+/// The MLP on real Fashion-MNIST: a server killed a third of the way in, the model keeps
+/// learning on the backups: the accuracy after the failover passes the best seen before it.
+#[test]
+fn mlp_accuracy_keeps_rising_across_a_failover() {
+    let mut run = LocalRun::start_plain(
+        "failover-mlp",
+        &[
+            "--workload",
+            "fashion-mlp",
+            "--policy",
+            "ssp:s=3",
+            "--workers",
+            "4",
+            "--servers",
+            "2",
+            "--iterations",
+            "300",
+            "--delay-ms",
+            "20",
+            "--eval-every-ms",
+            "500",
+            "--replicas",
+            "1",
+        ],
+    );
+    wait_for_clock(&mut run, 100);
+    let pids = server_pids(&run.dir);
+    let killed_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    sigkill(pids[0]);
+    let (st, run) = run.finish(Duration::from_secs(300));
+    assert!(st.success(), "{}", run.output());
+    let report = run.report();
+    let kill_t = killed_at - report.started_unix_s;
+    let scored = |keep: &dyn Fn(f64) -> bool| -> Vec<f32> {
+        report.watch.iter().filter(|p| keep(p.t_s)).filter_map(|p| p.accuracy).collect()
+    };
+    let before = scored(&|t| t < kill_t);
+    let after = scored(&|t| t > kill_t);
+    assert!(!before.is_empty() && !after.is_empty(), "scored on both sides of the kill at {kill_t:.1} s");
+    let best_before = before.iter().copied().fold(0.0, f32::max);
+    let best_after = after.iter().copied().fold(0.0, f32::max);
+    assert!(best_after > best_before, "best {best_before} before the failover, {best_after} after");
+    let last = report.final_accuracy.expect("scored");
+    assert!(last >= 0.72, "final accuracy {last}");
+    assert!(report.workers.iter().all(|w| w.iterations == 300), "every worker ran every iteration");
+}

@@ -84,7 +84,8 @@ impl Route {
     }
 }
 
-/// How long a worker waits for a lost shard to move before it gives up.
+/// How long a worker waits for a lost shard to move (or its server to serve again) before it
+/// gives up.
 const MOVE_WAIT: Duration = Duration::from_secs(10);
 
 /// Whether an error means the shard's server is gone or no longer its primary.
@@ -174,6 +175,7 @@ impl WorkerClient {
         shard: u32,
         mut f: impl AsyncFnMut(&quinn::Connection) -> Result<T, NetError>,
     ) -> Result<T, NetError> {
+        let deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
             let server = self.route.server(shard);
             let conn = &self.servers[server as usize];
@@ -188,8 +190,18 @@ impl WorkerClient {
             };
             let mut moved = self.route.moved.subscribe();
             let wait = moved.wait_for(|_| self.route.server(shard) != server);
-            if tokio::time::timeout(MOVE_WAIT, wait).await.is_err() {
-                return Err(lost);
+            // A server that missed a lease renewal refuses for a moment, then serves again if the
+            // coordinator did not fail it over: ask it again after a pause, until the deadline.
+            let pause = match lost {
+                NetError::Unavailable { .. } => Duration::from_millis(crate::net::proto::HEARTBEAT_MS),
+                _ => MOVE_WAIT,
+            };
+            let until = deadline.min(tokio::time::Instant::now() + pause);
+            if tokio::time::timeout_at(until, wait).await.is_err() {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(lost);
+                }
+                continue;
             }
             let to = self.route.server(shard);
             tracing::warn!(
