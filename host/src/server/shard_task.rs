@@ -439,11 +439,20 @@ impl ShardTask {
 
     /// Applies an op (streaming it to the backup first, if there is one).
     fn step(&mut self, st: &mut State, op: Op, grad: Vec<f32>, now: u64) -> Option<Outcome> {
+        if st.shard.is_none() && op != Op::Create {
+            return None;
+        }
         st.next_seq += 1;
         st.w.seq = st.next_seq;
         if let Some(link) = &st.link {
             let payload = match op {
-                Op::Push { .. } | Op::Create => grad.clone(),
+                // The shard consumes its gradient, so the stream gets a copy, in a buffer from the
+                // pool (the writer gives it back once QUIC has it).
+                Op::Push { .. } | Op::Create => {
+                    let mut copy = self.pool.take(grad.len());
+                    copy.copy_from_slice(&grad);
+                    copy
+                }
                 _ => Vec::new(),
             };
             let stamped = Stamped { seq: st.next_seq, now_ns: now, op: op.clone() };
