@@ -217,5 +217,15 @@ fn mlp_accuracy_keeps_rising_across_a_failover() {
     assert!(best_after > best_before, "best {best_before} before the failover, {best_after} after");
     let last = report.final_accuracy.expect("scored");
     assert!(last >= 0.72, "final accuracy {last}");
+    // The report and its plots mark the failover.
+    assert_eq!(report.failovers.len(), 1, "{:?}", report.failovers);
+    assert!(
+        (report.failovers[0].t_s - kill_t).abs() < 5.0,
+        "{:?} against the kill at {kill_t}",
+        report.failovers
+    );
+    let plot = std::fs::read_to_string(run.dir.join("accuracy.svg")).unwrap();
+    assert!(plot.contains("lost, failed over"), "the accuracy plot marks the failover");
+    assert!(run.output().contains("failover:   server"), "{}", run.output());
     assert!(report.workers.iter().all(|w| w.iterations == 300), "every worker ran every iteration");
 }

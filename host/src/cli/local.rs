@@ -209,6 +209,9 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
             );
         }
     }
+    for f in &report.failovers {
+        println!("failover:   server {} lost at {:.1} s; its shards' backups took over", f.server, f.t_s);
+    }
     for w in &report.workers {
         println!(
             "worker {:<3} {:>6} iterations  {:>8.2} it/s  in pulls {:>7.2} s  deferred pulls {:>5}",

@@ -540,6 +540,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         staleness,
         plots: Vec::new(),
         phases: crate::lab::report::phases(&points),
+        failovers: crate::lab::report::failovers(&points),
     };
     match crate::lab::plots::write_all(&report, dir) {
         Ok(files) => report.plots = files,
@@ -570,6 +571,7 @@ async fn watch(
     let status = op.status().await?;
     let shards: Vec<&ShardStatus> = status.servers.iter().flat_map(|s| &s.shards).collect();
     let mut point = WatchPoint::of_shards(t_s, &shards);
+    point.lost_servers = status.lost_servers.clone();
     // A script scores its own model and reports it; the latest report stands for the model now.
     if let Some(r) = status.score {
         point.accuracy = Some(r.score.accuracy);

@@ -60,9 +60,20 @@ type TimeChart<'a, 'b> = ChartContext<
     Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
 >;
 
-/// Marks every hot swap on a time chart: a grey vertical line from `y0` to `y1` where the next
-/// policy was first seen, labelled with it.
+/// Marks every hot swap on a time chart (a grey vertical line from `y0` to `y1` where the next
+/// policy was first seen, labelled with it) and every failover (a red one where the watcher
+/// first saw the server lost).
 fn mark_swaps(chart: &mut TimeChart<'_, '_>, report: &RunReport, y0: f64, y1: f64) -> PlotResult<()> {
+    let red = RGBColor(200, 30, 30);
+    for f in &report.failovers {
+        let x = f.t_s;
+        chart.draw_series(std::iter::once(PathElement::new(vec![(x, y0), (x, y1)], red.stroke_width(2))))?;
+        chart.draw_series(std::iter::once(Text::new(
+            format!(" server {} lost, failed over", f.server),
+            (x, y1 - (y1 - y0) * 0.09),
+            ("sans-serif", 14).into_font().color(&red),
+        )))?;
+    }
     let grey = RGBColor(90, 90, 90);
     for p in report.phases.iter().skip(1) {
         let x = p.from_s;

@@ -42,6 +42,9 @@ pub struct WatchPoint {
     /// The policy's metrics: each name's last value, averaged over the shards that record it.
     #[serde(default)]
     pub metrics: Vec<(String, f64)>,
+    /// Servers lost and failed over so far.
+    #[serde(default)]
+    pub lost_servers: Vec<u32>,
 }
 
 /// A stretch of a run under one policy: between hot swaps.
@@ -96,8 +99,31 @@ impl WatchPoint {
             policy: first.map(|s| s.policy.clone()).unwrap_or_default(),
             iterations: first.map_or(0, |s| s.stats.pushes_admitted + s.stats.pushes_dropped),
             metrics: metrics.into_iter().map(|(n, sum, k)| (n, sum / f64::from(k))).collect(),
+            lost_servers: Vec::new(),
         }
     }
+}
+
+/// A server lost and failed over during a run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Failover {
+    /// When the watcher first saw it failed over (seconds since the workers started).
+    pub t_s: f64,
+    /// The server.
+    pub server: u32,
+}
+
+/// The failovers the watcher saw, each at its first reading that shows the server lost.
+pub fn failovers(watch: &[WatchPoint]) -> Vec<Failover> {
+    let mut out: Vec<Failover> = Vec::new();
+    for p in watch {
+        for &server in &p.lost_servers {
+            if !out.iter().any(|f| f.server == server) {
+                out.push(Failover { t_s: p.t_s, server });
+            }
+        }
+    }
+    out
 }
 
 /// The run's phases, one per policy between hot swaps, from the watcher's readings.
@@ -181,6 +207,9 @@ pub struct RunReport {
     /// The run's phases under each policy, between hot swaps (one phase without swaps).
     #[serde(default)]
     pub phases: Vec<Phase>,
+    /// Servers lost and failed over, when the watcher saw it.
+    #[serde(default)]
+    pub failovers: Vec<Failover>,
 }
 
 /// One server at the end of a run.

@@ -678,6 +678,7 @@ impl Sim {
             })
             .collect();
         let phases = crate::lab::report::phases(&self.watch);
+        let failovers = crate::lab::report::failovers(&self.watch);
         RunReport {
             simulated: true,
             modelled: self.opts.run.scenario.modelled.as_ref().map(|m| m.name.clone()),
@@ -701,6 +702,7 @@ impl Sim {
             staleness,
             plots: Vec::new(),
             phases,
+            failovers,
         }
     }
 }
