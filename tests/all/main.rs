@@ -9,6 +9,7 @@ mod failover;
 mod harness;
 mod net;
 mod oracles;
+mod partition;
 mod sandbox;
 mod sim;
 mod swap;
