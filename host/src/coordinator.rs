@@ -154,6 +154,12 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     if opts.servers == 0 || opts.shards == 0 {
         return Err(NodeError::Protocol("a cluster needs at least one server and one shard".into()));
     }
+    if opts.replicas > 0 && opts.servers < 2 {
+        return Err(NodeError::Protocol(format!(
+            "--replicas {} needs at least two servers (a backup lives on another server than its shard)",
+            opts.replicas
+        )));
+    }
     let mut opts = opts;
     let resumed = match opts.resume.clone() {
         Some(dir) => Some(resume_from(&dir, &mut opts)?),

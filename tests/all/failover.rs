@@ -229,3 +229,14 @@ fn mlp_accuracy_keeps_rising_across_a_failover() {
     assert!(run.output().contains("failover:   server"), "{}", run.output());
     assert!(report.workers.iter().all(|w| w.iterations == 300), "every worker ran every iteration");
 }
+
+/// A backup needs a second server: asked for one on a single server, the cluster refuses to
+/// start and says why.
+#[test]
+fn replicas_on_a_single_server_are_refused_with_the_reason() {
+    let run =
+        LocalRun::start("failover-one-server", &["--servers", "1", "--replicas", "1", "--iterations", "5"]);
+    let (st, run) = run.finish(Duration::from_secs(60));
+    assert!(!st.success());
+    assert!(run.output().contains("--replicas 1 needs at least two servers"), "{}", run.output());
+}
