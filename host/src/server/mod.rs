@@ -335,12 +335,15 @@ async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Re
     tokio::spawn(async move {
         let mut scratch = Vec::new();
         while let Some((stamped, grad)) = rx.recv().await {
-            let payload = Payload::Borrowed(wire::f32_bytes(&grad));
+            // Lent to QUIC without a copy; the buffer returns to the pool once sent.
+            let payload = match grad.is_empty() {
+                true => Payload::EMPTY,
+                false => Payload::Shared(pool.send_shared(Arc::new(grad))),
+            };
             if let Err(e) = wire::write_frame_open(&mut send, &stamped, payload, &mut scratch).await {
                 tracing::warn!(shard, "replication stream to {addr} broken: {e}");
                 return;
             }
-            pool.give(grad);
         }
     });
     let limits = shared.limits;
