@@ -240,3 +240,35 @@ fn replicas_on_a_single_server_are_refused_with_the_reason() {
     assert!(!st.success());
     assert!(run.output().contains("--replicas 1 needs at least two servers"), "{}", run.output());
 }
+
+/// A server killed while a hot swap is under way: the swap either reaches every shard or none
+/// (here the dead server cannot prepare it, so none switches and the operator hears why), and
+/// training goes on with nothing lost.
+#[test]
+fn a_server_killed_during_a_hot_swap_loses_nothing_and_the_shards_agree_on_their_policy() {
+    let mut run = start("failover-during-swap", "bsp");
+    wait_for_clock(&mut run, 60);
+    let cluster = run.cluster_file();
+    let swap = std::process::Command::new(crate::cli::syncopate_bin())
+        .args(["policy", "swap", "ssp:s=3", "--watch-s", "0", "--cluster"])
+        .arg(&cluster)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    sigkill(server_pids(&run.dir)[0]);
+    let swapped = swap.wait_with_output().unwrap();
+    let (st, run) = run.finish(Duration::from_secs(120));
+    assert!(st.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * ITERATIONS as f32, "after a swap and a failover");
+    let report = run.report();
+    let policies: Vec<&str> =
+        report.servers.iter().flat_map(|s| &s.shards).map(|s| s.policy.as_str()).collect();
+    assert_eq!(policies.len(), 3);
+    assert!(policies.iter().all(|p| *p == policies[0]), "one policy everywhere: {policies:?}");
+    let said = String::from_utf8_lossy(&swapped.stderr);
+    match swapped.status.success() {
+        true => assert_eq!(policies[0], "ssp 0.1.0"),
+        false => assert!(policies[0] == "bsp 0.1.0" && said.contains("no server switched"), "{said}"),
+    }
+}
