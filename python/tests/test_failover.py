@@ -1,0 +1,66 @@
+"""Python workers across a failover: ``syncopate local --replicas 1 --script`` with a server
+killed mid-run. The scripts' pushes and pulls to the lost server are retried on the backups
+that take over, and no acknowledged push is lost or applied twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+import syncopate
+from conftest import finish, start_local
+
+SCRIPT = Path(__file__).parent / "scripts" / "counter.py"
+ITERATIONS = 200
+
+
+def server_pids(run: Path) -> list[int]:
+    """The pids of the run's server processes, found by their command lines."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if " server " in cmd and str(run / "tls") in cmd:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def min_clock(cluster: Path) -> int:
+    """The slowest worker's clock over every shard."""
+    status = syncopate.status(cluster)
+    clocks = [w["clock"] for s in status["servers"] for sh in s["shards"] for w in sh["workers"]]
+    return min(clocks, default=0)
+
+
+def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    args = ["--workers", "3", "--servers", "2", "--shards", "3", "--policy", "ssp:s=2"]
+    args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum", "--replicas", "1"]
+    args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
+    p = start_local(run, *args)
+    cluster = run / "cluster.json"
+    deadline = time.monotonic() + 60
+    while min_clock(cluster) < 50:
+        assert time.monotonic() < deadline, "the scripts did not reach iteration 50"
+        time.sleep(0.1)
+    pids = server_pids(run)
+    assert len(pids) == 2, pids
+    os.kill(pids[0], signal.SIGKILL)
+    out = finish(p, timeout=120)
+    assert "failover:" in out, out
+    model = np.fromfile(run / "model.bin", dtype="<f4")
+    assert model.shape == (16,)
+    assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
+    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
+    assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
