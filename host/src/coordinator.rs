@@ -467,6 +467,48 @@ impl Coordinator {
             }
         }
         tracing::warn!(server = dead, ms = t.elapsed().as_millis() as u64, "failover done");
+        self.re_replicate().await;
+    }
+
+    /// Gives every shard without a backup a new one on a live server other than its primary's
+    /// (the next one, in server order), where there is one: the primary restarts from its own
+    /// snapshot and the new backup starts from the same.
+    async fn re_replicate(&self) {
+        if self.opts.replicas == 0 {
+            return;
+        }
+        let (servers, places, live) = {
+            let st = self.lock();
+            let live: Vec<bool> = st.renewed.iter().map(Option::is_some).collect();
+            (st.servers.clone(), st.places.clone(), live)
+        };
+        let n = servers.len() as u32;
+        for (k, place) in places.iter().enumerate() {
+            if place.backup.is_some() {
+                continue;
+            }
+            let candidate = (1..n).map(|d| (place.primary + d) % n).find(|s| live[*s as usize]);
+            let Some(b) = candidate else {
+                tracing::warn!(
+                    shard = k,
+                    "no live server to keep a new backup on; the shard runs without one"
+                );
+                continue;
+            };
+            let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[b as usize].0 };
+            match command(&servers[place.primary as usize].1, &cmd, &[]).await {
+                Ok(()) => {
+                    self.lock().places[k].backup = Some(b);
+                    tracing::warn!(
+                        shard = k,
+                        primary = place.primary,
+                        backup = b,
+                        "re-replicated: a new backup"
+                    );
+                }
+                Err(e) => tracing::error!(shard = k, "no new backup on server {b}: {e}"),
+            }
+        }
     }
 
     async fn notify_workers(&self, notice: WorkerNotice) {

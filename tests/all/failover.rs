@@ -272,3 +272,56 @@ fn a_server_killed_during_a_hot_swap_loses_nothing_and_the_shards_agree_on_their
         false => assert!(policies[0] == "bsp 0.1.0" && said.contains("no server switched"), "{said}"),
     }
 }
+
+/// Three servers, two of them killed one after the other. After the first failover every shard
+/// gets a new backup on a live server (its primary restarts from its own snapshot, and the new
+/// backup starts from the same one), so the second death loses nothing either.
+#[test]
+fn re_replication_lets_a_cluster_survive_a_second_server_death() {
+    let mut run = LocalRun::start(
+        "failover-twice",
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "3",
+            "--shards",
+            "3",
+            "--iterations",
+            "500",
+            "--params",
+            "64",
+            "--delay-ms",
+            "20",
+            "--replicas",
+            "1",
+            "--policy",
+            "ssp:s=2",
+        ],
+    );
+    wait_for_clock(&mut run, 60);
+    let cluster = run.cluster_file();
+    let first = server_pids(&run.dir)[0];
+    sigkill(first);
+    // Every shard has a backup again, on one of the two live servers.
+    let t = Instant::now();
+    loop {
+        let st = status(&cluster);
+        if st.lost_servers.len() == 1 && st.placement.iter().all(|p| p.2.is_some()) {
+            assert!(st.placement.iter().all(|p| !st.lost_servers.contains(&p.1)), "{:?}", st.placement);
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no re-replication: {:?}", st.placement);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    wait_for_clock(&mut run, 150);
+    let second = server_pids(&run.dir).into_iter().find(|p| *p != first).expect("two servers left");
+    sigkill(second);
+    let (st, run) = run.finish(Duration::from_secs(180));
+    assert!(st.success(), "{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 500.0, "after two servers died");
+    let report = run.report();
+    assert_eq!(report.failovers.len(), 2, "{:?}", report.failovers);
+    assert!(report.workers.iter().all(|w| w.iterations == 500));
+    assert!(run.log("coordinator").contains("re-replicated: a new backup"));
+}

@@ -36,7 +36,7 @@ use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
-use shard_task::{Joined, Modules, PushOutcome, ReplicaLink, ShardCmd, ShardTask, Stamped};
+use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -327,25 +327,33 @@ async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Re
     )
     .await
     .map_err(|e| e.to_string())?;
-    let (ops, mut rx) = mpsc::unbounded_channel::<(Stamped, Vec<f32>)>();
-    tx.send(ShardCmd::AttachBackup { link: ReplicaLink { tx: ops } })
-        .await
-        .map_err(|_| "the shard task is gone".to_string())?;
+    let (ops, mut rx) = mpsc::unbounded_channel::<Replicate>();
     let pool = shared.pool.clone();
     tokio::spawn(async move {
         let mut scratch = Vec::new();
-        while let Some((stamped, grad)) = rx.recv().await {
-            // Lent to QUIC without a copy; the buffer returns to the pool once sent.
-            let payload = match grad.is_empty() {
-                true => Payload::EMPTY,
-                false => Payload::Shared(pool.send_shared(Arc::new(grad))),
+        while let Some(msg) = rx.recv().await {
+            let written = match msg {
+                Replicate::Init { seq, snapshot } => {
+                    let payload = Payload::Borrowed(&snapshot);
+                    wire::write_frame_open(&mut send, &ReplicaFrame::Init { seq }, payload, &mut scratch)
+                        .await
+                }
+                Replicate::Op(stamped, grad) => {
+                    // Lent to QUIC without a copy; the buffer returns to the pool once sent.
+                    let payload = match grad.is_empty() {
+                        true => Payload::EMPTY,
+                        false => Payload::Shared(pool.send_shared(Arc::new(grad))),
+                    };
+                    wire::write_frame_open(&mut send, &ReplicaFrame::Op(stamped), payload, &mut scratch).await
+                }
             };
-            if let Err(e) = wire::write_frame_open(&mut send, &stamped, payload, &mut scratch).await {
+            if let Err(e) = written {
                 tracing::warn!(shard, "replication stream to {addr} broken: {e}");
                 return;
             }
         }
     });
+    ask(&tx, |reply| ShardCmd::AttachBackup { link: ReplicaLink { tx: ops }, reply }).await?;
     let limits = shared.limits;
     tokio::spawn(async move {
         let mut scratch = Vec::new();
@@ -377,16 +385,13 @@ async fn serve_replicas(conn: quinn::Connection, shared: Arc<Shared>) {
 
 async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, shared: Arc<Shared>) {
     let mut scratch = Vec::new();
-    let limits = shared.limits;
+    let limits = Limits { max_header: shared.limits.max_header, max_payload: usize::MAX };
     let Ok(open) = wire::read_head::<crate::net::proto::ReplicaOpen>(&mut recv, &limits, &mut scratch).await
     else {
         return;
     };
     let shard = open.header.shard;
-    let Some(tx) = shared.backups.lock().expect("not poisoned").get(&shard).cloned() else {
-        tracing::error!(shard, "a primary streams ops of a shard this server keeps no backup of");
-        return;
-    };
+    let mut tx = shared.backups.lock().expect("not poisoned").get(&shard).cloned();
     // The backup task confirms each op as it takes it, in order, and only while it is a backup:
     // once promoted it confirms nothing more, so its old primary acknowledges nothing more.
     let (acks, mut confirmed) = mpsc::unbounded_channel::<u64>();
@@ -399,12 +404,39 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
         }
     });
     loop {
-        let head = match wire::read_head::<Stamped>(&mut recv, &limits, &mut scratch).await {
+        let head = match wire::read_head::<ReplicaFrame>(&mut recv, &limits, &mut scratch).await {
             Ok(h) => h,
             Err(e) => {
                 tracing::info!(shard, "replication stream ended: {e}");
                 break;
             }
+        };
+        let stamped = match head.header {
+            ReplicaFrame::Init { seq } => {
+                let bytes = match wire::read_payload_bytes(&mut recv, head.payload_len).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!(shard, "replication stream broken: {e}");
+                        break;
+                    }
+                };
+                match start_backup(&shared, shard, &bytes) {
+                    Ok(t) => {
+                        tx = Some(t);
+                        let _ = acks.send(seq);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::error!(shard, "cannot start a backup from the primary's snapshot: {e}");
+                        break;
+                    }
+                }
+            }
+            ReplicaFrame::Op(stamped) => stamped,
+        };
+        let Some(tx) = tx.as_ref() else {
+            tracing::error!(shard, "a primary streams ops of a shard this server keeps no backup of");
+            break;
         };
         let grad = match wire::f32_count(head.payload_len) {
             Ok(n) => {
@@ -420,13 +452,51 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
                 break;
             }
         };
-        let cmd = ShardCmd::Replicated { stamped: head.header, grad, ack: acks.clone() };
+        let cmd = ShardCmd::Replicated { stamped, grad, ack: acks.clone() };
         if tx.send(cmd).await.is_err() {
             break;
         }
     }
     drop(acks);
     let _ = writer.await;
+}
+
+/// A new backup of `shard` on this server, restored from its primary's snapshot (a
+/// re-replication after a failover), replacing any older one.
+fn start_backup(shared: &Shared, shard: u32, snapshot: &[u8]) -> Result<mpsc::Sender<ShardCmd>, String> {
+    let snap = crate::shard::ShardSnapshot::decode(snapshot).map_err(|e| e.to_string())?;
+    let module = shared
+        .modules
+        .lock()
+        .expect("not poisoned")
+        .get(&snap.policy_sha256())
+        .cloned()
+        .ok_or("the snapshot's policy module is not on this server")?;
+    let settings = &shared.settings;
+    let (tx, rx) = mpsc::channel(1024);
+    let task = ShardTask {
+        cfg: ShardConfig {
+            shard,
+            shards: settings.shards,
+            seed: settings.seed,
+            optimizer: settings.optimizer,
+            supervisor: SupervisorConfig::default(),
+            push_weight: settings.push_weight,
+        },
+        module,
+        config: Vec::new(),
+        epoch: Instant::now(),
+        pool: shared.pool.clone(),
+        record: None,
+        restored: Some(snap),
+        rejoin_grace: Duration::from_millis(settings.peer_timeout_ms),
+        modules: shared.modules.clone(),
+        backup: true,
+    };
+    tokio::spawn(task.run(rx));
+    shared.backups.lock().expect("not poisoned").insert(shard, tx.clone());
+    tracing::warn!(shard, "keeping a new backup, from its primary's snapshot");
+    Ok(tx)
 }
 
 /// `connect`, keeping the welcome's payload (the policy module).

@@ -141,10 +141,12 @@ pub(crate) enum ShardCmd {
     ReplicaAcked {
         seq: u64,
     },
-    /// Stream every op to this backup from now on (sent before the shard exists, so the backup
-    /// sees every op from the creation on).
+    /// Stream every op to this backup from now on. Sent before the shard's first op, the
+    /// backup starts as the shard did; later (a re-replication after a failover), the shard
+    /// restarts itself from a snapshot and the backup starts from the same one.
     AttachBackup {
         link: ReplicaLink,
+        reply: Reply<()>,
     },
     /// The backup is gone for good (its server died): stop waiting for it.
     DropBackup,
@@ -154,10 +156,30 @@ pub(crate) enum ShardCmd {
     },
 }
 
+/// What a primary streams to its backup.
+#[derive(Debug)]
+pub(crate) enum Replicate {
+    /// A backup attached mid-run starts from this snapshot (encoded), which the primary has
+    /// just restarted itself from; `seq` is its place in the stream.
+    Init { seq: u64, snapshot: Vec<u8> },
+    /// An op and its payload (a push's gradient, a creation's parameters).
+    Op(Stamped, Vec<f32>),
+}
+
+/// A replication stream's frames after its [`ReplicaOpen`](crate::net::proto::ReplicaOpen):
+/// their payloads are the snapshot's bytes and the ops' tensors.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum ReplicaFrame {
+    /// A snapshot to start the backup from.
+    Init { seq: u64 },
+    /// An op.
+    Op(Stamped),
+}
+
 /// Where a primary's ops go: the writer task that streams them to the backup.
 #[derive(Debug)]
 pub(crate) struct ReplicaLink {
-    pub tx: mpsc::UnboundedSender<(Stamped, Vec<f32>)>,
+    pub tx: mpsc::UnboundedSender<Replicate>,
 }
 
 /// Answers waiting for the shard, keyed by (worker, iteration): a worker has at most one pull
@@ -456,7 +478,7 @@ impl ShardTask {
                 _ => Vec::new(),
             };
             let stamped = Stamped { seq: st.next_seq, now_ns: now, op: op.clone() };
-            if link.tx.send((stamped, payload)).is_err() {
+            if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
                 // The writer is gone; acknowledgements wait until the coordinator drops the
                 // backup (it may not promote it while we still answer it).
                 tracing::warn!(shard = self.cfg.shard, "the replication stream is closed");
@@ -756,18 +778,49 @@ impl ShardTask {
                 }
             }
             ShardCmd::ReplicaAcked { seq } => st.w.confirm(seq),
-            ShardCmd::AttachBackup { link } => {
-                // The backup starts where this shard started: empty, or restored from the same
-                // checkpoint file; it cannot catch up with ops it missed.
-                if st.next_seq > 0 {
-                    tracing::error!(
-                        shard = id,
-                        "a backup can only be attached before the shard's first op; the shard runs without one"
-                    );
+            ShardCmd::AttachBackup { link, reply } => {
+                if st.backup {
+                    let _ = reply.send(Err(format!("shard {id} is a backup here")));
                     return;
                 }
+                if st.next_seq > 0 {
+                    // Mid-run: the backup cannot replay the ops it missed, and a policy's
+                    // instance cannot be copied. So this shard restarts itself from its own
+                    // snapshot, as after a policy failure, and the backup starts from the same
+                    // snapshot: the two are equal again, and the ops keep them so.
+                    let Some(s) = st.shard.as_mut() else {
+                        let _ = reply.send(Err(not_yet()));
+                        return;
+                    };
+                    let snapshot = match s.snapshot(now) {
+                        Ok(snap) => snap.encode(),
+                        Err(e) => {
+                            let _ = reply.send(Err(format!("shard {id} cannot snapshot its policy: {e}")));
+                            return;
+                        }
+                    };
+                    let snap = ShardSnapshot::decode(&snapshot).expect("just encoded");
+                    // Requests the restart hands the policy again are acknowledged only once
+                    // the backup holds the snapshot: it is op `seq` of the stream.
+                    st.next_seq += 1;
+                    st.w.seq = st.next_seq;
+                    st.w.confirmed = Some(st.next_seq - 1);
+                    match Shard::restore(self.cfg.clone(), snap, &self.module, &mut st.w) {
+                        Ok(restarted) => st.shard = Some(restarted),
+                        Err(e) => {
+                            st.w.confirm(u64::MAX);
+                            let _ =
+                                reply.send(Err(format!("shard {id} cannot restart from its snapshot: {e}")));
+                            return;
+                        }
+                    }
+                    let _ = link.tx.send(Replicate::Init { seq: st.next_seq, snapshot });
+                    tracing::warn!(shard = id, seq = st.next_seq, "new backup attached from a snapshot");
+                } else {
+                    st.w.confirmed = Some(st.next_seq);
+                }
                 st.link = Some(link);
-                st.w.confirmed = Some(st.next_seq);
+                let _ = reply.send(Ok(()));
             }
             ShardCmd::DropBackup => {
                 if st.link.take().is_some() {
