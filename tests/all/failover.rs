@@ -219,11 +219,8 @@ fn mlp_accuracy_keeps_rising_across_a_failover() {
     assert!(last >= 0.72, "final accuracy {last}");
     // The report and its plots mark the failover.
     assert_eq!(report.failovers.len(), 1, "{:?}", report.failovers);
-    assert!(
-        (report.failovers[0].t_s - kill_t).abs() < 5.0,
-        "{:?} against the kill at {kill_t}",
-        report.failovers
-    );
+    let seen_after = report.failovers[0].t_s - kill_t;
+    assert!((0.0..10.0).contains(&seen_after), "{:?} against the kill at {kill_t}", report.failovers);
     let plot = std::fs::read_to_string(run.dir.join("accuracy.svg")).unwrap();
     assert!(plot.contains("lost, failed over"), "the accuracy plot marks the failover");
     assert!(run.output().contains("failover:   server"), "{}", run.output());

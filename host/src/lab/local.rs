@@ -561,6 +561,9 @@ fn describe_point(p: &WatchPoint) -> String {
     format!("{}  {acc}deferred pulls {}  deferred wait: {}", p.policy, p.pulls_deferred, waits.join(" "))
 }
 
+/// The longest the watcher waits for the model's parameters before it skips a reading.
+const WATCH_READ_LIMIT: Duration = Duration::from_secs(5);
+
 /// Reads the cluster's counters and, with an evaluator, scores the model; returns the point and
 /// the model it scored.
 async fn watch(
@@ -578,7 +581,12 @@ async fn watch(
         point.loss = r.score.loss;
     }
     if let Some(e) = evaluator {
-        let (model, _) = op.read_model().await?;
+        // A server that dies mid-read would hold the watcher until its connection times out
+        // (the peer timeout): a read that takes longer than this is skipped instead.
+        let Ok(read) = tokio::time::timeout(WATCH_READ_LIMIT, op.read_model()).await else {
+            return Ok((point, None));
+        };
+        let (model, _) = read?;
         if model.len() != e.param_len() {
             // Not every shard exists yet (workers are still joining).
             return Ok((point, None));

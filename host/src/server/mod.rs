@@ -587,6 +587,9 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             match prepare(&shared.runtime, &policy, &payload, &shared.settings, shared.id).await {
                 Ok(module) => {
                     tracing::info!(swap, policy = module.display_name(), "swap prepared");
+                    // Backups here find it by its hash: a primary elsewhere may commit, and
+                    // stream the swap, before this server has heard the commit.
+                    shared.modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
                     shared.prepared.lock().expect("not poisoned").insert(swap, (module, policy));
                     ServerReply::Ok
                 }
