@@ -155,14 +155,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         let backup = !mine.contains(&shard);
         let (tx, rx) = mpsc::channel(1024);
         let task = ShardTask {
-            cfg: ShardConfig {
-                shard,
-                shards: settings.shards,
-                seed: settings.seed,
-                optimizer: settings.optimizer,
-                supervisor: SupervisorConfig::default(),
-                push_weight: settings.push_weight,
-            },
+            cfg: shard_config(&settings, shard),
             module: module.clone(),
             config: policy.config_for(shard),
             epoch,
@@ -461,6 +454,18 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
     let _ = writer.await;
 }
 
+/// How shard `shard` runs in a cluster with these settings.
+fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
+    ShardConfig {
+        shard,
+        shards: settings.shards,
+        seed: settings.seed,
+        optimizer: settings.optimizer,
+        supervisor: SupervisorConfig::default(),
+        push_weight: settings.push_weight,
+    }
+}
+
 /// A new backup of `shard` on this server, restored from its primary's snapshot (a
 /// re-replication after a failover), replacing any older one.
 fn start_backup(shared: &Shared, shard: u32, snapshot: &[u8]) -> Result<mpsc::Sender<ShardCmd>, String> {
@@ -475,14 +480,7 @@ fn start_backup(shared: &Shared, shard: u32, snapshot: &[u8]) -> Result<mpsc::Se
     let settings = &shared.settings;
     let (tx, rx) = mpsc::channel(1024);
     let task = ShardTask {
-        cfg: ShardConfig {
-            shard,
-            shards: settings.shards,
-            seed: settings.seed,
-            optimizer: settings.optimizer,
-            supervisor: SupervisorConfig::default(),
-            push_weight: settings.push_weight,
-        },
+        cfg: shard_config(settings, shard),
         module,
         config: Vec::new(),
         epoch: Instant::now(),
