@@ -6,8 +6,8 @@
 //! serves as a second primary. The `counter` workload then ends with every parameter at exactly
 //! minus the sum of every push, read from the final checkpoint.
 //!
-//! Network namespaces need root (`CAP_NET_ADMIN`); where the test cannot create one it says so
-//! and does nothing else.
+//! Network namespaces and veth pairs need root (`CAP_NET_ADMIN`) and the veth driver; where the
+//! test cannot set them up it says so and does nothing else.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -57,7 +57,11 @@ impl Net {
             vec!["netns", "exec", &ns, "ip", "link", "set", &b, "up"],
             vec!["netns", "exec", &ns, "ip", "link", "set", "lo", "up"],
         ] {
-            assert!(ip(&args), "ip {}", args.join(" "));
+            if !ip(&args) {
+                // No veth here (a container without the module, say): nothing to test on.
+                eprintln!("skipped: `ip {}` failed", args.join(" "));
+                return None;
+            }
         }
         Some(net)
     }
