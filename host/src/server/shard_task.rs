@@ -11,10 +11,10 @@
 //! iteration redone after a restore) is acknowledged as a duplicate, not applied again; if it is
 //! held by the policy, the acknowledgement waits for the policy's decision.
 //!
-//! **Replication.** A shard with a backup ([`Role::Primary`] with a [`ReplicaLink`]) streams
-//! every change it applies to the backup as an [`Op`], stamped with its sequence number and the
-//! time it was applied; the backup's task ([`Role::Backup`]) applies the same ops at the same
-//! times to its own `Shard`, which the engine's determinism keeps equal to the primary's. A push
+//! **Replication.** A primary with a backup (a [`ReplicaLink`]) streams every change it applies
+//! to the backup as an [`Op`], stamped with its sequence number and the time it was applied;
+//! the backup's task (started with `backup` set) applies the same ops at the same times to its
+//! own `Shard`, which the engine's determinism keeps equal to the primary's. A push
 //! is acknowledged to its worker only once the backup has confirmed every op up to the one that
 //! admitted it, so an acknowledged push survives the primary. Promoted, a backup becomes a
 //! primary whose members rejoin as after a restore.
@@ -195,14 +195,14 @@ struct Waiting {
     goodbyes: HashMap<WorkerId, Reply<()>>,
     /// Where the policy's events are recorded, if they are.
     recorder: Option<Recorder>,
-    /// The op being applied, and the last one the backup confirmed; `None`: no backup, so
-    /// acknowledgements go out at once.
+    /// The sequence number of the op being applied (or last applied).
     seq: u64,
+    /// The last op the backup confirmed; `None`: no backup, so acknowledgements go out at once.
     confirmed: Option<u64>,
     /// Acknowledgements waiting for the backup: (the op's sequence number, reply, outcome).
     gated: VecDeque<(u64, Reply<PushOutcome>, PushOutcome)>,
-    /// A backup: nothing goes back to anyone.
-    quiet: bool,
+    /// This task mirrors a primary: nothing goes back to anyone, and its time is the primary's.
+    backup: bool,
 }
 
 type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
@@ -267,7 +267,7 @@ impl ShardSink for Waiting {
     }
 
     fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
-        if self.quiet {
+        if self.backup {
             return;
         }
         match self.controls.get(&worker) {
@@ -279,7 +279,7 @@ impl ShardSink for Waiting {
     }
 
     fn left(&mut self, worker: WorkerId) {
-        if !self.quiet {
+        if !self.backup {
             tracing::info!(shard = self.shard, worker, "worker left");
         }
         self.controls.remove(&worker);
@@ -356,8 +356,6 @@ struct State {
     w: Waiting,
     awaiting: Option<Awaiting>,
     link: Option<ReplicaLink>,
-    next_seq: u64,
-    backup: bool,
     /// A backup's last op time (a promoted backup's clock goes on from it).
     last_now: u64,
 }
@@ -367,23 +365,27 @@ impl ShardTask {
         self.epoch.elapsed().as_nanos() as u64
     }
 
+    /// Sets the task's clock so that it reads `now_ns` now (a restored or promoted shard goes on
+    /// from its snapshot's or its primary's time).
+    fn continue_clock_from(&mut self, now_ns: u64) {
+        self.epoch = Instant::now().checked_sub(Duration::from_nanos(now_ns)).unwrap_or(self.epoch);
+    }
+
+    /// The members a restored or promoted shard waits for: a minute for the first to come back
+    /// (or the rejoin grace, if longer), then the grace for the rest.
+    fn awaiting(&self, members: BTreeSet<WorkerId>) -> Option<Awaiting> {
+        let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
+        (!members.is_empty()).then_some(Awaiting { workers: members, deadline })
+    }
+
     /// Runs until every sender of `rx` is gone.
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
-        let quiet = self.backup;
-        let w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), quiet, ..Waiting::default() };
-        let mut st = State {
-            shard: None,
-            w,
-            awaiting: None,
-            link: None,
-            next_seq: 0,
-            backup: self.backup,
-            last_now: 0,
-        };
+        let backup = self.backup;
+        let w = Waiting { shard: self.cfg.shard, pool: self.pool.clone(), backup, ..Waiting::default() };
+        let mut st = State { shard: None, w, awaiting: None, link: None, last_now: 0 };
         if let Some(snap) = self.restored.take() {
             // The clock goes on from the snapshot's, so parked pulls and timers keep their times.
-            let at = Duration::from_nanos(snap.now_ns());
-            self.epoch = Instant::now().checked_sub(at).unwrap_or(self.epoch);
+            self.continue_clock_from(snap.now_ns());
             st.last_now = snap.now_ns();
             let members: BTreeSet<WorkerId> = snap.workers().iter().map(|c| c.worker).collect();
             let (version, id) = (snap.version(), self.cfg.shard);
@@ -398,8 +400,7 @@ impl ShardTask {
                     );
                     st.shard = Some(s);
                     if !self.backup {
-                        let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
-                        st.awaiting = Some(Awaiting { workers: members, deadline });
+                        st.awaiting = self.awaiting(members);
                     }
                 }
                 // The server checked every file before starting its shards; this is a module
@@ -419,7 +420,7 @@ impl ShardTask {
         }
         loop {
             // A backup's time is its primary's: its timers fire on the primary's ops.
-            let timer = st.shard.as_ref().and_then(|s| s.next_timer_ns()).filter(|_| !st.backup);
+            let timer = st.shard.as_ref().and_then(|s| s.next_timer_ns()).filter(|_| !st.w.backup);
             let gone = st.awaiting.as_ref().map(|a| a.deadline);
             let wake = match (timer, gone) {
                 (None, None) => None,
@@ -464,8 +465,7 @@ impl ShardTask {
         if st.shard.is_none() && op != Op::Create {
             return None;
         }
-        st.next_seq += 1;
-        st.w.seq = st.next_seq;
+        st.w.seq += 1;
         if let Some(link) = &st.link {
             let payload = match op {
                 // The shard consumes its gradient, so the stream gets a copy, in a buffer from the
@@ -477,7 +477,7 @@ impl ShardTask {
                 }
                 _ => Vec::new(),
             };
-            let stamped = Stamped { seq: st.next_seq, now_ns: now, op: op.clone() };
+            let stamped = Stamped { seq: st.w.seq, now_ns: now, op: op.clone() };
             if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
                 // The writer is gone; acknowledgements wait until the coordinator drops the
                 // backup (it may not promote it while we still answer it).
@@ -496,7 +496,7 @@ impl ShardTask {
                 tracing::info!(
                     shard = self.cfg.shard,
                     len = s.values().len(),
-                    backup = st.backup,
+                    backup = st.w.backup,
                     "shard created"
                 );
                 st.shard = Some(s);
@@ -554,6 +554,7 @@ impl ShardTask {
                 }
                 // A member coming back (after a restore or a failover, or a retry) rejoins:
                 // its policy hears nothing.
+                st.w.controls.insert(worker, controls);
                 if shard.is_member(worker) {
                     if let Some(a) = st.awaiting.as_mut() {
                         a.workers.remove(&worker);
@@ -563,7 +564,6 @@ impl ShardTask {
                             a.deadline = a.deadline.min(Instant::now() + self.rejoin_grace);
                         }
                     }
-                    st.w.controls.insert(worker, controls);
                     let next = shard.rejoin(worker).map_err(|e| e.to_string());
                     if let Ok(next) = next {
                         tracing::info!(shard = id, worker, next, "worker rejoined");
@@ -571,7 +571,6 @@ impl ShardTask {
                     let _ = reply.send(next.map(Joined::Rejoined));
                     return;
                 }
-                st.w.controls.insert(worker, controls);
                 let joined = match self.step(st, Op::Join { worker }, Vec::new(), now) {
                     Some(Outcome::Joined(r)) => r.map(Joined::Fresh).map_err(|e| e.to_string()),
                     _ => Err(not_yet()),
@@ -718,7 +717,7 @@ impl ShardTask {
                 });
             }
             ShardCmd::Swap { module, config, reply } => {
-                if st.backup {
+                if st.w.backup {
                     // A backup swaps when its primary's op says, not when its server commits.
                     let _ = reply.send(Ok(()));
                     return;
@@ -729,19 +728,18 @@ impl ShardTask {
                     let _ = reply.send(Ok(()));
                     return;
                 }
-                let sha256 = module.sha256();
-                self.modules.lock().expect("not poisoned").insert(sha256, module);
-                let r = match self.step(st, Op::Swap { sha256, config }, Vec::new(), now) {
+                // The prepare registered the module in `modules`, where `apply` finds it by hash.
+                let r = match self.step(st, Op::Swap { sha256: module.sha256(), config }, Vec::new(), now) {
                     Some(Outcome::Swapped(r)) => r,
                     _ => Err(not_yet()),
                 };
                 let _ = reply.send(r);
             }
             ShardCmd::Status { reply } => {
-                let replicated = st.backup || st.w.confirmed.is_some() || st.link.is_some();
+                let replicated = st.w.backup || st.link.is_some();
                 let replication = replicated.then_some(crate::net::proto::Replication {
-                    backup: st.backup,
-                    applied: st.next_seq,
+                    backup: st.w.backup,
+                    applied: st.w.seq,
                     confirmed: st.w.confirmed,
                 });
                 let _ = reply
@@ -755,7 +753,7 @@ impl ShardTask {
                 let _ = reply.send(result);
             }
             ShardCmd::Replicated { stamped, grad, ack } => {
-                if !st.backup {
+                if !st.w.backup {
                     // Promoted: the old primary's late ops are not ours, and are not confirmed,
                     // so it acknowledges none of them.
                     tracing::warn!(
@@ -766,7 +764,6 @@ impl ShardTask {
                     return;
                 }
                 let _ = ack.send(stamped.seq);
-                st.next_seq = stamped.seq;
                 st.w.seq = stamped.seq;
                 st.last_now = stamped.now_ns;
                 if self.apply(st, stamped.op, grad, stamped.now_ns).is_none() {
@@ -779,11 +776,11 @@ impl ShardTask {
             }
             ShardCmd::ReplicaAcked { seq } => st.w.confirm(seq),
             ShardCmd::AttachBackup { link, reply } => {
-                if st.backup {
+                if st.w.backup {
                     let _ = reply.send(Err(format!("shard {id} is a backup here")));
                     return;
                 }
-                if st.next_seq > 0 {
+                if st.w.seq > 0 {
                     // Mid-run: the backup cannot replay the ops it missed, and a policy's
                     // instance cannot be copied. So this shard restarts itself from its own
                     // snapshot, as after a policy failure, and the backup starts from the same
@@ -802,9 +799,8 @@ impl ShardTask {
                     let snap = ShardSnapshot::decode(&snapshot).expect("just encoded");
                     // Requests the restart hands the policy again are acknowledged only once
                     // the backup holds the snapshot: it is op `seq` of the stream.
-                    st.next_seq += 1;
-                    st.w.seq = st.next_seq;
-                    st.w.confirmed = Some(st.next_seq - 1);
+                    st.w.seq += 1;
+                    st.w.confirmed = Some(st.w.seq - 1);
                     match Shard::restore(self.cfg.clone(), snap, &self.module, &mut st.w) {
                         Ok(restarted) => st.shard = Some(restarted),
                         Err(e) => {
@@ -814,10 +810,10 @@ impl ShardTask {
                             return;
                         }
                     }
-                    let _ = link.tx.send(Replicate::Init { seq: st.next_seq, snapshot });
-                    tracing::warn!(shard = id, seq = st.next_seq, "new backup attached from a snapshot");
+                    let _ = link.tx.send(Replicate::Init { seq: st.w.seq, snapshot });
+                    tracing::warn!(shard = id, seq = st.w.seq, "new backup attached from a snapshot");
                 } else {
-                    st.w.confirmed = Some(st.next_seq);
+                    st.w.confirmed = Some(st.w.seq);
                 }
                 st.link = Some(link);
                 let _ = reply.send(Ok(()));
@@ -829,25 +825,20 @@ impl ShardTask {
                 st.w.confirm(u64::MAX);
             }
             ShardCmd::Promote { reply } => {
-                if !st.backup {
+                if !st.w.backup {
                     let _ = reply.send(Ok(()));
                     return;
                 }
                 // The clock goes on from the last op's time, so timers and waits keep theirs.
-                let at = Duration::from_nanos(st.last_now);
-                self.epoch = Instant::now().checked_sub(at).unwrap_or(self.epoch);
-                st.backup = false;
-                st.w.quiet = false;
+                self.continue_clock_from(st.last_now);
+                st.w.backup = false;
                 let members: BTreeSet<WorkerId> = st
                     .shard
                     .as_ref()
                     .map(|s| s.workers().iter().map(|c| c.worker).collect())
                     .unwrap_or_default();
                 tracing::warn!(shard = id, members = members.len(), "promoted to primary");
-                if !members.is_empty() {
-                    let deadline = Instant::now() + self.rejoin_grace.max(Duration::from_secs(60));
-                    st.awaiting = Some(Awaiting { workers: members, deadline });
-                }
+                st.awaiting = self.awaiting(members);
                 let _ = reply.send(Ok(()));
             }
         }
