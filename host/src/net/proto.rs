@@ -75,10 +75,21 @@ pub struct ClusterSettings {
 }
 
 impl ClusterSettings {
+    /// Whether shards have backups.
+    pub fn replicated(&self) -> bool {
+        self.replicas > 0 && self.servers > 1
+    }
+
     /// The server holding shard `shard`'s backup at start, if it has one.
     pub fn backup_of(&self, shard: u32) -> Option<u32> {
-        (self.replicas > 0 && self.servers > 1).then_some((shard + 1) % self.servers)
+        backup_server(shard, self.servers, self.replicas)
     }
+}
+
+/// Where shard `shard`'s backup starts, with `servers` servers and `replicas` backups per
+/// shard: on the next server, if there is another.
+pub fn backup_server(shard: u32, servers: u32, replicas: u32) -> Option<u32> {
+    (replicas > 0 && servers > 1).then_some((shard + 1) % servers)
 }
 
 /// The first frame of a replication stream: which shard's ops follow.

@@ -92,10 +92,7 @@ impl Shared {
 
     /// Every primary shard's channel, by shard.
     fn primaries(&self) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
-        let mut all: Vec<_> =
-            self.shards.read().expect("not poisoned").iter().map(|(k, v)| (*k, v.clone())).collect();
-        all.sort_unstable_by_key(|(k, _)| *k);
-        all
+        sorted(&self.shards.read().expect("not poisoned"))
     }
 
     fn bytes(&self) -> (u64, u64) {
@@ -185,7 +182,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         peers: Default::default(),
         endpoint: endpoint.clone(),
         server_name: opts.tls.server_name.clone(),
-        lease: (settings.replicas > 0 && settings.servers > 1)
+        lease: settings
+            .replicated()
             .then(|| Mutex::new(Instant::now() + Duration::from_millis(crate::net::proto::LEASE_MS))),
         runtime,
         settings,
@@ -218,6 +216,27 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     tracing::info!(server = id, "server stopped");
     result
+}
+
+/// The shard tasks of a map, in shard order.
+fn sorted(tasks: &HashMap<u32, mpsc::Sender<ShardCmd>>) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
+    let mut all: Vec<_> = tasks.iter().map(|(k, v)| (*k, v.clone())).collect();
+    all.sort_unstable_by_key(|(k, _)| *k);
+    all
+}
+
+/// The status of each shard task that has a shard.
+async fn statuses(tasks: Vec<(u32, mpsc::Sender<ShardCmd>)>) -> Vec<crate::net::proto::ShardStatus> {
+    let mut out = Vec::new();
+    for (_, tx) in tasks {
+        let (reply, rx) = oneshot::channel();
+        if tx.send(ShardCmd::Status { reply }).await.is_ok() {
+            if let Ok(Some(s)) = rx.await {
+                out.push(s);
+            }
+        }
+    }
+    out
 }
 
 /// Renews this server's lease every [`HEARTBEAT_MS`](crate::net::proto::HEARTBEAT_MS). A lease
@@ -378,7 +397,8 @@ async fn serve_replicas(conn: quinn::Connection, shared: Arc<Shared>) {
 
 async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::RecvStream, shared: Arc<Shared>) {
     let mut scratch = Vec::new();
-    let limits = Limits { max_header: shared.limits.max_header, max_payload: usize::MAX };
+    // A snapshot holds the parameters, the velocity and more: a few times the largest tensor.
+    let limits = Limits { max_payload: shared.limits.max_payload.saturating_mul(4), ..shared.limits };
     let Ok(open) = wire::read_head::<crate::net::proto::ReplicaOpen>(&mut recv, &limits, &mut scratch).await
     else {
         return;
@@ -598,7 +618,6 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             let Some((module, policy)) = shared.prepared.lock().expect("not poisoned").remove(&swap) else {
                 return ServerReply::Error(format!("swap {swap} was not prepared here"));
             };
-            shared.modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
             let mut failed = Vec::new();
             for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
@@ -623,27 +642,9 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             ServerReply::Ok
         }
         ServerCommand::Status => {
-            let mut shards = Vec::new();
-            for (_, tx) in shared.primaries() {
-                let (reply, rx) = oneshot::channel();
-                if tx.send(ShardCmd::Status { reply }).await.is_ok() {
-                    if let Ok(Some(s)) = rx.await {
-                        shards.push(s);
-                    }
-                }
-            }
-            let mut backups = Vec::new();
-            let mut kept: Vec<_> =
-                shared.backups.lock().expect("not poisoned").iter().map(|(k, v)| (*k, v.clone())).collect();
-            kept.sort_unstable_by_key(|(k, _)| *k);
-            for (_, tx) in kept {
-                let (reply, rx) = oneshot::channel();
-                if tx.send(ShardCmd::Status { reply }).await.is_ok() {
-                    if let Ok(Some(s)) = rx.await {
-                        backups.push(s);
-                    }
-                }
-            }
+            let shards = statuses(shared.primaries()).await;
+            let kept = sorted(&shared.backups.lock().expect("not poisoned"));
+            let backups = statuses(kept).await;
             let (bytes_sent, bytes_received) = shared.bytes();
             ServerReply::Status(ServerStatus {
                 server: shared.id,
