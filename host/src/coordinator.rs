@@ -198,7 +198,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             places: (0..opts.shards)
                 .map(|k| Place {
                     primary: k % opts.servers,
-                    backup: (opts.replicas > 0 && opts.servers > 1).then_some((k + 1) % opts.servers),
+                    backup: crate::net::proto::backup_server(k, opts.servers, opts.replicas),
                 })
                 .collect(),
             renewed: Vec::new(),
@@ -399,11 +399,9 @@ impl Coordinator {
             (st.servers.clone(), st.places.clone())
         };
         for (k, place) in places.iter().enumerate() {
-            let Some(b) = place.backup else { continue };
-            let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[b as usize].0 };
-            if let Err(e) = command(&servers[place.primary as usize].1, &cmd, &[]).await {
-                tracing::error!(shard = k, "no backup: {e}");
-                self.lock().places[k].backup = None;
+            self.lock().places[k].backup = None;
+            if let Some(b) = place.backup {
+                self.attach(&servers, k, place.primary, b).await;
             }
         }
         tracing::info!(shards = places.len(), "backups attached");
@@ -484,7 +482,8 @@ impl Coordinator {
         };
         let n = servers.len() as u32;
         for (k, place) in places.iter().enumerate() {
-            if place.backup.is_some() {
+            // A shard lost with its server (it had no backup) has no primary to copy from.
+            if place.backup.is_some() || !live[place.primary as usize] {
                 continue;
             }
             let candidate = (1..n).map(|d| (place.primary + d) % n).find(|s| live[*s as usize]);
@@ -495,22 +494,35 @@ impl Coordinator {
                 );
                 continue;
             };
-            let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[b as usize].0 };
-            match command(&servers[place.primary as usize].1, &cmd, &[]).await {
-                Ok(()) => {
-                    self.lock().places[k].backup = Some(b);
-                    tracing::warn!(
-                        shard = k,
-                        primary = place.primary,
-                        backup = b,
-                        "re-replicated: a new backup"
-                    );
-                }
-                Err(e) => tracing::error!(shard = k, "no new backup on server {b}: {e}"),
+            if self.attach(&servers, k, place.primary, b).await {
+                tracing::warn!(shard = k, primary = place.primary, backup = b, "re-replicated: a new backup");
             }
         }
     }
 
+    /// Has the primary of shard `k` on server `primary` stream its ops to a backup on server
+    /// `backup`, and records it; returns whether it did.
+    async fn attach(
+        &self,
+        servers: &[(SocketAddr, quinn::Connection)],
+        k: usize,
+        primary: u32,
+        backup: u32,
+    ) -> bool {
+        let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[backup as usize].0 };
+        match command(&servers[primary as usize].1, &cmd, &[]).await {
+            Ok(()) => {
+                self.lock().places[k].backup = Some(backup);
+                true
+            }
+            Err(e) => {
+                tracing::error!(shard = k, "no backup on server {backup}: {e}");
+                false
+            }
+        }
+    }
+
+    /// Sends every connected worker a notice.
     async fn notify_workers(&self, notice: WorkerNotice) {
         let conns: Vec<_> = self.lock().worker_conns.values().cloned().collect();
         let notices = conns.iter().map(|c| {
@@ -807,13 +819,8 @@ impl Coordinator {
                 CoordResponse::Ok
             }
             CoordRequest::StopTraining => {
-                let conns: Vec<_> = self.lock().worker_conns.values().cloned().collect();
-                tracing::info!(workers = conns.len(), "asking the workers to stop");
-                let notices = conns.iter().map(|c| async move {
-                    let mut send = c.open_uni().await.ok()?;
-                    net::answer(&mut send, &WorkerNotice::Stop, &[]).await.ok()
-                });
-                futures::future::join_all(notices).await;
+                tracing::info!(workers = self.lock().worker_conns.len(), "asking the workers to stop");
+                self.notify_workers(WorkerNotice::Stop).await;
                 CoordResponse::Ok
             }
             CoordRequest::Rollback => {
