@@ -71,7 +71,7 @@ pub struct WorkerClient {
 #[derive(Debug)]
 struct Route {
     /// Per shard (index = shard number): the server holding it.
-    servers: std::sync::Mutex<Vec<u32>>,
+    servers: Vec<std::sync::atomic::AtomicU32>,
     /// Bumped on every move.
     moved: watch::Sender<u64>,
     /// Whether shards have backups (only then is a lost server worth waiting out).
@@ -80,7 +80,7 @@ struct Route {
 
 impl Route {
     fn server(&self, shard: u32) -> u32 {
-        self.servers.lock().expect("not poisoned")[shard as usize]
+        self.servers[shard as usize].load(Ordering::Relaxed)
     }
 }
 
@@ -140,7 +140,7 @@ impl WorkerClient {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let route = Arc::new(Route {
-            servers: std::sync::Mutex::new(shards.iter().map(|p| p.server).collect()),
+            servers: shards.iter().map(|p| p.server.into()).collect(),
             moved: watch::channel(0).0,
             replicated,
         });
@@ -175,6 +175,10 @@ impl WorkerClient {
         shard: u32,
         mut f: impl AsyncFnMut(&quinn::Connection) -> Result<T, NetError>,
     ) -> Result<T, NetError> {
+        if !self.route.replicated {
+            // No backup to move to: a lost server is an error, and the request needs no watch.
+            return f(&self.servers[self.route.server(shard) as usize]).await;
+        }
         let deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
             let server = self.route.server(shard);
@@ -183,7 +187,7 @@ impl WorkerClient {
             let gone = moved.wait_for(|_| self.route.server(shard) != server);
             let lost = tokio::select! {
                 r = f(conn) => match r {
-                    Err(e) if self.route.replicated && server_lost(&e) => e,
+                    Err(e) if server_lost(&e) => e,
                     r => return r,
                 },
                 _ = gone => NetError::Unavailable { addr: conn.remote_address(), reason: "the shard moved".into() },
@@ -668,8 +672,8 @@ async fn read_notices(conn: quinn::Connection, stop: Arc<AtomicBool>, route: Arc
             }
             Ok((WorkerNotice::Moved { shard, server }, _)) => {
                 tracing::warn!(shard, server, "the coordinator moved a shard");
-                if let Some(s) = route.servers.lock().expect("not poisoned").get_mut(shard as usize) {
-                    *s = server;
+                if let Some(s) = route.servers.get(shard as usize) {
+                    s.store(server, Ordering::Relaxed);
                 }
                 route.moved.send_modify(|n| *n += 1);
             }
