@@ -152,10 +152,8 @@ pub fn check_round(dir: &Path, round: u64) -> Result<Round, String> {
     }
     let wasm_path = folder.join("policy.wasm");
     let wasm = std::fs::read(&wasm_path).map_err(|e| format!("{}: {e}", wasm_path.display()))?;
-    let digest: String = sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(&wasm))
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest: String =
+        <sha2::Sha256 as sha2::Digest>::digest(&wasm).iter().map(|b| format!("{b:02x}")).collect();
     if digest != manifest.policy_sha256 {
         return Err(format!("{} does not match the manifest's SHA-256", wasm_path.display()));
     }
