@@ -156,32 +156,37 @@ impl Supervisor {
         quarantined: bool,
         now_ns: u64,
     ) -> Result<Self, PolicyError> {
-        let instance = if quarantined {
-            None
-        } else {
-            let info = module.info();
-            let handoff = Handoff {
-                from_name: &info.name,
-                from_version: &info.version,
-                state: &state,
-                workers: workers.clone(),
-            };
-            let (instance, _start) =
-                PolicyInstance::import(module, &init_args(shard, shards, now_ns, config), &handoff)?;
-            Some(instance)
-        };
-        Ok(Supervisor {
+        let mut sup = Supervisor {
             cfg,
             shard,
             shards,
             module: module.clone(),
             config: config.to_vec(),
-            instance,
+            instance: None,
             checkpoint: state,
             checkpoint_workers: workers,
             since_checkpoint: 0,
             failures_in_a_row: [0; EventKind::COUNT],
-        })
+        };
+        if !quarantined {
+            sup.instance = Some(sup.restart(now_ns)?);
+        }
+        Ok(sup)
+    }
+
+    /// A fresh instance of the module, importing its own last checkpoint: a recovery's and a
+    /// restore's. Its start-up decisions are dropped: the shard's mode and timers are still in
+    /// force.
+    fn restart(&self, now_ns: u64) -> Result<PolicyInstance, PolicyError> {
+        let info = self.module.info();
+        let handoff = Handoff {
+            from_name: &info.name,
+            from_version: &info.version,
+            state: &self.checkpoint,
+            workers: self.checkpoint_workers.clone(),
+        };
+        let args = init_args(self.shard, self.shards, now_ns, &self.config);
+        PolicyInstance::import(&self.module, &args, &handoff).map(|(instance, _start)| instance)
     }
 
     pub(crate) fn module(&self) -> &PolicyModule {
@@ -244,18 +249,8 @@ impl Supervisor {
         if count >= self.cfg.max_consecutive_failures {
             return Recovery::Quarantined(None);
         }
-        let info = self.module.info();
-        let handoff = Handoff {
-            from_name: &info.name,
-            from_version: &info.version,
-            state: &self.checkpoint,
-            workers: self.checkpoint_workers.clone(),
-        };
-        let args = init_args(self.shard, self.shards, now_ns, &self.config);
-        match PolicyInstance::import(&self.module, &args, &handoff) {
-            Ok((instance, _start)) => {
-                // The start-up decisions were applied when the module first started; the shard's
-                // mode and timers are still in force.
+        match self.restart(now_ns) {
+            Ok(instance) => {
                 self.instance = Some(instance);
                 self.since_checkpoint = 0;
                 Recovery::Restarted
