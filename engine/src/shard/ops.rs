@@ -121,18 +121,17 @@ pub enum Outcome {
 }
 
 impl Shard {
-    /// Applies `op` at driver time `now_ns` (due timers fire first, as before any request):
+    /// Applies `op` at driver time `now` (due timers fire first, as before any request):
     /// the one way a primary and its backup change a shard. `grad` is a push's gradient (empty
     /// otherwise); `module` finds a swap's module by its SHA-256.
     pub fn apply_op(
         &mut self,
         op: Op,
         grad: Vec<f32>,
-        now_ns: u64,
+        now: u64,
         module: impl FnOnce(&[u8; 32]) -> Option<PolicyModule>,
         sink: &mut dyn ShardSink,
     ) -> Outcome {
-        let now = now_ns;
         self.advance(now, sink);
         match op {
             Op::Create | Op::Advance => Outcome::Done(Ok(())),

@@ -226,9 +226,13 @@ pub fn tokio_threads(threads: usize, spin: SpinArgs) -> anyhow::Result<tokio::ru
     crate::net::spin::runtime_builder(threads, spin.max()).build().context("cannot start the async runtime")
 }
 
-/// Checkpoints and resume, as the coordinator and `local` take them.
+/// Replication, checkpoints and resume, as the coordinator and `local` take them.
 #[derive(Debug, Clone, Args)]
-pub struct CheckpointArgs {
+pub struct FaultArgs {
+    /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
+    /// the shard's server dies (needs at least two servers); 0 runs without.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
+    pub replicas: u32,
     /// Write checkpoint rounds (every shard's parameters, optimizer, clocks, pending requests and
     /// policy state) into DIR, periodically and at shutdown; the last two complete rounds are
     /// kept. Every server writes its own shards there, so on several machines DIR must be a
@@ -245,7 +249,7 @@ pub struct CheckpointArgs {
     pub resume: Option<PathBuf>,
 }
 
-impl CheckpointArgs {
+impl FaultArgs {
     /// The interval, `None` for only at shutdown.
     pub fn every(&self) -> Option<Duration> {
         (self.checkpoint_every_s > 0).then(|| Duration::from_secs(self.checkpoint_every_s))

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use super::args::{tokio, CheckpointArgs, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
+use super::args::{tokio, FaultArgs, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
 use crate::lab::local::LocalOptions;
 use crate::lab::scenario::{Jitter, RunSpec, Scenario, Slow, Stall};
 
@@ -78,12 +78,8 @@ pub struct LocalArgs {
     pub optimizer_on: PlacementArg,
     #[command(flatten)]
     pub train: TrainArgs,
-    /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
-    /// the shard's server dies (needs at least two servers); 0 runs without.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
-    pub replicas: u32,
     #[command(flatten)]
-    pub checkpoints: CheckpointArgs,
+    pub faults: FaultArgs,
     #[command(flatten)]
     pub spin: SpinArgs,
     /// Run this training script as every worker, instead of a built-in workload: its path,
@@ -170,11 +166,11 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         peer_timeout_ms: a.train.peer_timeout_ms,
         record: a.record.as_deref().map(std::path::absolute).transpose()?,
         checkpoint_dir: Some(std::path::absolute(
-            a.checkpoints.checkpoint_dir.clone().unwrap_or_else(|| run_dir.join("checkpoints")),
+            a.faults.checkpoint_dir.clone().unwrap_or_else(|| run_dir.join("checkpoints")),
         )?),
-        checkpoint_every_s: a.checkpoints.checkpoint_every_s,
-        replicas: a.replicas,
-        resume: a.checkpoints.resume.as_deref().map(resume_dir).transpose()?,
+        checkpoint_every_s: a.faults.checkpoint_every_s,
+        replicas: a.faults.replicas,
+        resume: a.faults.resume.as_deref().map(resume_dir).transpose()?,
         ..LocalOptions::new(exe, run_dir, run)
     })
 }

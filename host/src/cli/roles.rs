@@ -8,9 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{
-    tokio, tokio_threads, CheckpointArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs,
-};
+use super::args::{tokio, tokio_threads, FaultArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, ClusterFile, Token};
@@ -45,12 +43,8 @@ pub struct CoordinatorArgs {
     /// A separate token operators need to swap policies or shut down.
     #[arg(long, env = "SYNCOPATE_OPERATOR_TOKEN", hide_env_values = true)]
     pub operator_token: Option<String>,
-    /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
-    /// the shard's server dies (needs at least two servers); 0 runs without.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
-    pub replicas: u32,
     #[command(flatten)]
-    pub checkpoints: CheckpointArgs,
+    pub faults: FaultArgs,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
@@ -265,10 +259,10 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         peer_timeout: a.train.peer_timeout(),
         startup_timeout: Duration::from_secs(a.startup_timeout_s),
         ready_file: a.ready_file,
-        checkpoint_every: a.checkpoints.every(),
-        checkpoint_dir: a.checkpoints.checkpoint_dir,
-        resume: a.checkpoints.resume,
-        replicas: a.replicas,
+        checkpoint_every: a.faults.every(),
+        checkpoint_dir: a.faults.checkpoint_dir,
+        resume: a.faults.resume,
+        replicas: a.faults.replicas,
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }
