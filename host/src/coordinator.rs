@@ -128,6 +128,8 @@ struct State {
     places: Vec<Place>,
     /// Per server: when its last lease renewal arrived; `None` once it is failed over.
     renewed: Vec<Option<std::time::Instant>>,
+    /// Servers that were welcomed (answered), in whatever order their answers went out.
+    answered: u32,
 }
 
 struct Coordinator {
@@ -202,6 +204,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                 })
                 .collect(),
             renewed: Vec::new(),
+            answered: 0,
         }),
         registered: watch::channel(0).0,
         ready: watch::channel(0).0,
@@ -411,13 +414,30 @@ impl Coordinator {
     /// Fails over every server whose lease has lapsed: checked every 100 ms.
     async fn monitor(self: Arc<Self>) {
         let grace = Duration::from_millis(crate::net::proto::LEASE_MS + 300);
+        let tick = Duration::from_millis(100);
+        let mut last = std::time::Instant::now();
         loop {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(tick).await;
             if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                 return;
             }
+            let now = std::time::Instant::now();
+            // Time this process did not run (a starved or paused coordinator) is not counted
+            // against the servers: their renewals may be waiting, unread, in our sockets.
+            // Crediting it only ever delays a failover, which keeps the lease rule safe.
+            let stalled = now.duration_since(last).saturating_sub(2 * tick);
+            last = now;
             let lapsed: Vec<u32> = {
-                let st = self.lock();
+                let mut st = self.lock();
+                if !stalled.is_zero() {
+                    tracing::debug!(
+                        ms = stalled.as_millis() as u64,
+                        "monitor stalled; lease clocks credited"
+                    );
+                    for t in st.renewed.iter_mut().flatten() {
+                        *t = (*t + stalled).min(now);
+                    }
+                }
                 st.renewed
                     .iter()
                     .enumerate()
@@ -561,6 +581,7 @@ impl Coordinator {
                         )
                     } else {
                         st.servers.push((data_addr, conn.clone()));
+                        st.renewed.push(Some(std::time::Instant::now()));
                         let id = st.servers.len() as u32 - 1;
                         tracing::info!(server = id, %data_addr, "server registered");
                         let welcome = Welcome::Server {
@@ -571,26 +592,32 @@ impl Coordinator {
                         (welcome, st.policy.wasm.clone())
                     }
                 };
+                // The id this server was given: two servers registering at once must not
+                // read each other's from the count.
+                let server = match welcome {
+                    Welcome::Server { server, .. } => server,
+                    _ => u32::MAX,
+                };
                 if let Welcome::Refused(reason) = welcome {
                     return net::refuse(&mut send, reason).await;
                 }
                 if net::answer(&mut send, &welcome, &wasm).await.is_err() {
                     return;
                 }
-                let n = {
+                // Servers answered so far; exactly one of them, the last, attaches the backups.
+                let answered = {
                     let mut st = self.lock();
-                    st.renewed.push(Some(std::time::Instant::now()));
-                    st.servers.len() as u32
+                    st.answered += 1;
+                    st.answered
                 };
-                if n == self.opts.servers {
-                    if self.opts.replicas > 0 && n > 1 {
+                if answered == self.opts.servers {
+                    if self.opts.replicas > 0 && answered > 1 {
                         self.attach_backups().await;
                     } else {
                         self.replicated.send_replace(true);
                     }
                 }
-                self.registered.send_replace(n);
-                let server = n - 1;
+                self.registered.send_modify(|n| *n = (*n).max(answered));
                 let heartbeats = async {
                     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                         let limits = Limits { max_header: 4096, max_payload: 0 };

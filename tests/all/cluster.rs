@@ -101,6 +101,34 @@ impl LocalRun {
             .unwrap()
     }
 
+    /// `policy status` on this run; a failure shows what the run printed and its logs.
+    pub fn status(&mut self) -> ClusterStatus {
+        let cluster = self.cluster_file();
+        let out = syncopate(&["policy", "status", "--json"], &cluster);
+        if !out.status.success() {
+            let ended = self.child.try_wait().unwrap();
+            let logs: Vec<String> = std::fs::read_dir(self.dir.join("logs"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| {
+                    format!(
+                        "== {}\n{}",
+                        e.path().display(),
+                        std::fs::read_to_string(e.path()).unwrap_or_default()
+                    )
+                })
+                .collect();
+            panic!(
+                "status failed: {}\nlocal: {ended:?}\n{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                self.output(),
+                logs.join("\n")
+            );
+        }
+        serde_json::from_slice(&out.stdout).expect("status JSON")
+    }
+
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join("logs").join(format!("{name}.log"))).unwrap_or_default()
     }

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::cluster::{assert_all, status, syncopate, LocalRun};
+use crate::cluster::{assert_all, syncopate, LocalRun};
 
 /// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
 const ITERATIONS: u64 = 400;
@@ -55,10 +55,9 @@ fn server_pids(dir: &Path) -> Vec<u32> {
 
 /// Waits until every worker is past iteration `at` (read from the cluster's status).
 fn wait_for_clock(run: &mut LocalRun, at: u64) {
-    let cluster = run.cluster_file();
     let t = Instant::now();
     loop {
-        let st = status(&cluster);
+        let st = run.status();
         let min = st.servers.iter().flat_map(|s| &s.shards).flat_map(|s| &s.workers).map(|w| w.clock).min();
         if min.is_some_and(|m| m >= at) {
             return;
@@ -78,7 +77,7 @@ fn kill_one_server_and_finish(name: &str, policy: &str, before: impl FnOnce(&mut
     wait_for_clock(&mut run, 60);
     // What `policy status` shows: every shard on one server, its backup on the other, and
     // each server keeping the other's backups, applying the same ops.
-    let st = status(&run.cluster_file());
+    let st = run.status();
     assert_eq!(st.placement, vec![(0, 0, Some(1)), (1, 1, Some(0)), (2, 0, Some(1))], "{st:?}");
     for server in &st.servers {
         for b in &server.backups {
@@ -297,13 +296,12 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
         ],
     );
     wait_for_clock(&mut run, 60);
-    let cluster = run.cluster_file();
     let first = server_pids(&run.dir)[0];
     sigkill(first);
     // Every shard has a backup again, on one of the two live servers.
     let t = Instant::now();
     loop {
-        let st = status(&cluster);
+        let st = run.status();
         if st.lost_servers.len() == 1 && st.placement.iter().all(|p| p.2.is_some()) {
             assert!(st.placement.iter().all(|p| !st.lost_servers.contains(&p.1)), "{:?}", st.placement);
             break;
