@@ -27,12 +27,14 @@
 //! for it, exactly as if the worker had computed it alone. Later iterations that arrive meanwhile
 //! wait their turn, so a worker's iterations still complete in order.
 
+mod gate;
 mod layout;
 mod ops;
 mod parked;
 mod snapshot;
 mod supervisor;
 
+pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};

@@ -187,7 +187,7 @@ mod tests {
     use std::collections::VecDeque;
 
     use super::*;
-    use crate::shard::{OptimizerConfig, PullReply, PushWeight, ShardConfig};
+    use crate::shard::{AckGate, OptimizerConfig, PullReply, PushWeight, ShardConfig};
     use syncopate_policy_sdk::abi::RequestId;
 
     const WORKERS: u32 = 3;
@@ -228,11 +228,9 @@ mod tests {
         backup: Option<Shard>,
         /// Ops applied by the primary, not yet delivered to the backup.
         in_flight: VecDeque<(Stamped, Vec<f32>)>,
-        seq: u64,
-        delivered: u64,
         lag: usize,
-        /// The primary's acknowledgements, each with the op that admitted it, until released.
-        gated: VecDeque<(u64, (WorkerId, u64))>,
+        /// Op numbering and the acknowledgements held for the backup, as the server keeps them.
+        gate: AckGate<(WorkerId, u64)>,
         said: Said,
         workers: Vec<Worker>,
         now: u64,
@@ -249,10 +247,12 @@ mod tests {
                 primary,
                 backup: Some(backup),
                 in_flight: VecDeque::new(),
-                seq: 0,
-                delivered: 0,
                 lag,
-                gated: VecDeque::new(),
+                gate: {
+                    let mut g = AckGate::default();
+                    g.attach(0);
+                    g
+                },
                 said: Said::default(),
                 workers: vec![Worker::default(); WORKERS as usize],
                 now: 0,
@@ -262,7 +262,7 @@ mod tests {
         /// The primary applies `op`; it goes to the backup's stream.
         fn op(&mut self, op: Op, grad: Vec<f32>) {
             self.now += 1_000;
-            self.seq += 1;
+            let seq = self.gate.stamp();
             let mut said = Said::default();
             let out = self.primary.apply_op(op.clone(), grad.clone(), self.now, |_| None, &mut said);
             match out {
@@ -275,12 +275,10 @@ mod tests {
                 _ => {}
             }
             self.said.served.extend(said.served);
-            match self.backup {
-                Some(_) => {
-                    self.gated.extend(said.acked.into_iter().map(|a| (self.seq, a)));
-                    self.in_flight.push_back((Stamped { seq: self.seq, now_ns: self.now, op }, grad));
-                }
-                None => self.said.acked.extend(said.acked),
+            let released = said.acked.into_iter().filter_map(|a| self.gate.ack(a));
+            self.said.acked.extend(released);
+            if self.backup.is_some() {
+                self.in_flight.push_back((Stamped { seq, now_ns: self.now, op }, grad));
             }
             self.deliver(self.lag);
         }
@@ -292,11 +290,7 @@ mod tests {
             while self.in_flight.len() > keep {
                 let (s, grad) = self.in_flight.pop_front().expect("checked");
                 backup.apply_op(s.op, grad, s.now_ns, |_| None, &mut Said::default());
-                self.delivered = s.seq;
-            }
-            while self.gated.front().is_some_and(|g| g.0 <= self.delivered) {
-                let (_, a) = self.gated.pop_front().expect("checked");
-                self.said.acked.push(a);
+                self.gate.confirm(s.seq, |a| self.said.acked.push(a));
             }
         }
 
@@ -305,7 +299,7 @@ mod tests {
         /// asks again for what it had no answer to.
         fn fail_over(&mut self) {
             self.in_flight.clear();
-            self.gated.clear();
+            self.gate.lose();
             self.primary = self.backup.take().expect("a backup");
             for w in 0..WORKERS {
                 if !self.primary.is_member(w) {
@@ -375,7 +369,7 @@ mod tests {
             let mut turn = 0u32;
             let mut idle = 0;
             while self.workers.iter().any(|w| !w.done || !w.unacked.is_empty()) {
-                if !failed && fail_at.is_some_and(|f| self.seq >= f) {
+                if !failed && fail_at.is_some_and(|f| self.gate.seq() >= f) {
                     self.fail_over();
                     failed = true;
                 }
@@ -403,7 +397,7 @@ mod tests {
                 self.op(Op::Goodbye { worker: w }, Vec::new());
             }
             self.deliver(0);
-            (self.primary.values().to_vec(), self.seq)
+            (self.primary.values().to_vec(), self.gate.seq())
         }
     }
 

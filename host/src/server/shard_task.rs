@@ -19,7 +19,7 @@
 //! admitted it, so an acknowledged push survives the primary. Promoted, a backup becomes a
 //! primary whose members rejoin as after a restore.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,8 @@ use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
 pub(crate) use crate::shard::Stamped;
 use crate::shard::{
-    Handover, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot, TaskPart,
+    AckGate, Handover, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink, ShardSnapshot,
+    TaskPart,
 };
 use syncopate_policy_sdk::abi::Envelope;
 
@@ -195,12 +196,8 @@ struct Waiting {
     goodbyes: HashMap<WorkerId, Reply<()>>,
     /// Where the policy's events are recorded, if they are.
     recorder: Option<Recorder>,
-    /// The sequence number of the op being applied (or last applied).
-    seq: u64,
-    /// The last op the backup confirmed; `None`: no backup, so acknowledgements go out at once.
-    confirmed: Option<u64>,
-    /// Acknowledgements waiting for the backup: (the op's sequence number, reply, outcome).
-    gated: VecDeque<(u64, Reply<PushOutcome>, PushOutcome)>,
+    /// Op numbering, and push acknowledgements held until the backup has their op.
+    gate: AckGate<(Reply<PushOutcome>, PushOutcome)>,
     /// This task mirrors a primary: nothing goes back to anyone, and its time is the primary's.
     backup: bool,
 }
@@ -210,25 +207,23 @@ type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
 impl Waiting {
     /// Acknowledges a push now, or once the backup has the op that admitted it.
     fn ack(&mut self, reply: Reply<PushOutcome>, outcome: PushOutcome) {
-        match self.confirmed {
-            Some(c) if c < self.seq => self.gated.push_back((self.seq, reply, outcome)),
-            _ => {
-                let _ = reply.send(Ok(outcome));
-            }
+        if let Some((reply, outcome)) = self.gate.ack((reply, outcome)) {
+            let _ = reply.send(Ok(outcome));
         }
     }
 
-    /// The backup has every op up to `seq` (`u64::MAX`: it is gone, so nothing waits for it).
+    /// The backup has every op up to `seq`.
     fn confirm(&mut self, seq: u64) {
-        if seq == u64::MAX {
-            self.confirmed = None;
-        } else if let Some(c) = self.confirmed.as_mut() {
-            *c = (*c).max(seq);
-        }
-        while self.gated.front().is_some_and(|g| self.confirmed.is_none_or(|c| g.0 <= c)) {
-            let (_, reply, outcome) = self.gated.pop_front().expect("checked");
+        self.gate.confirm(seq, |(reply, outcome)| {
             let _ = reply.send(Ok(outcome));
-        }
+        });
+    }
+
+    /// The backup is gone: nothing waits for it any more.
+    fn detach(&mut self) {
+        self.gate.detach(|(reply, outcome)| {
+            let _ = reply.send(Ok(outcome));
+        });
     }
 
     fn record(&mut self, write: impl FnOnce(&mut Recorder) -> std::io::Result<()>) {
@@ -465,7 +460,7 @@ impl ShardTask {
         if st.shard.is_none() && op != Op::Create {
             return None;
         }
-        st.w.seq += 1;
+        let seq = st.w.gate.stamp();
         if let Some(link) = &st.link {
             let payload = match op {
                 // The shard consumes its gradient, so the stream gets a copy, in a buffer from the
@@ -477,7 +472,7 @@ impl ShardTask {
                 }
                 _ => Vec::new(),
             };
-            let stamped = Stamped { seq: st.w.seq, now_ns: now, op: op.clone() };
+            let stamped = Stamped { seq, now_ns: now, op: op.clone() };
             if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
                 // The writer is gone; acknowledgements wait until the coordinator drops the
                 // backup (it may not promote it while we still answer it).
@@ -739,8 +734,8 @@ impl ShardTask {
                 let replicated = st.w.backup || st.link.is_some();
                 let replication = replicated.then_some(crate::net::proto::Replication {
                     backup: st.w.backup,
-                    applied: st.w.seq,
-                    confirmed: st.w.confirmed,
+                    applied: st.w.gate.seq(),
+                    confirmed: st.w.gate.confirmed(),
                 });
                 let _ = reply
                     .send(st.shard.as_ref().map(|s| ShardStatus { replication, ..ShardStatus::of(id, s) }));
@@ -764,7 +759,7 @@ impl ShardTask {
                     return;
                 }
                 let _ = ack.send(stamped.seq);
-                st.w.seq = stamped.seq;
+                st.w.gate.follow(stamped.seq);
                 st.last_now = stamped.now_ns;
                 if self.apply(st, stamped.op, grad, stamped.now_ns).is_none() {
                     tracing::error!(
@@ -780,7 +775,7 @@ impl ShardTask {
                     let _ = reply.send(Err(format!("shard {id} is a backup here")));
                     return;
                 }
-                if st.w.seq > 0 {
+                if st.w.gate.seq() > 0 {
                     // Mid-run: the backup cannot replay the ops it missed, and a policy's
                     // instance cannot be copied. So this shard restarts itself from its own
                     // snapshot, as after a policy failure, and the backup starts from the same
@@ -799,21 +794,21 @@ impl ShardTask {
                     let snap = ShardSnapshot::decode(&snapshot).expect("just encoded");
                     // Requests the restart hands the policy again are acknowledged only once
                     // the backup holds the snapshot: it is op `seq` of the stream.
-                    st.w.seq += 1;
-                    st.w.confirmed = Some(st.w.seq - 1);
+                    let seq = st.w.gate.stamp();
+                    st.w.gate.attach(seq - 1);
                     match Shard::restore(self.cfg.clone(), snap, &self.module, &mut st.w) {
                         Ok(restarted) => st.shard = Some(restarted),
                         Err(e) => {
-                            st.w.confirm(u64::MAX);
+                            st.w.detach();
                             let _ =
                                 reply.send(Err(format!("shard {id} cannot restart from its snapshot: {e}")));
                             return;
                         }
                     }
-                    let _ = link.tx.send(Replicate::Init { seq: st.w.seq, snapshot });
-                    tracing::warn!(shard = id, seq = st.w.seq, "new backup attached from a snapshot");
+                    let _ = link.tx.send(Replicate::Init { seq, snapshot });
+                    tracing::warn!(shard = id, seq, "new backup attached from a snapshot");
                 } else {
-                    st.w.confirmed = Some(st.w.seq);
+                    st.w.gate.attach(st.w.gate.seq());
                 }
                 st.link = Some(link);
                 let _ = reply.send(Ok(()));
@@ -822,7 +817,7 @@ impl ShardTask {
                 if st.link.take().is_some() {
                     tracing::warn!(shard = id, "the backup is gone; the shard runs without one");
                 }
-                st.w.confirm(u64::MAX);
+                st.w.detach();
             }
             ShardCmd::Promote { reply } => {
                 if !st.w.backup {
