@@ -76,8 +76,8 @@ struct Model {
     optimizer: Optimizer,
     params: Vec<f32>,
     steps: u64,
-    /// Open aggregates by round: the weighted sum and the sum of weights.
-    rounds: BTreeMap<u64, (Vec<f32>, f32)>,
+    /// Open aggregates by round: the weighted sum, the sum of weights and the contributors.
+    rounds: BTreeMap<u64, (Vec<f32>, f32, Vec<WorkerId>)>,
 }
 
 impl<P: Policy> Driver<P> {
@@ -434,7 +434,7 @@ impl<P: Policy> Driver<P> {
                 }
                 Decision::CompleteAggregate { clock } => {
                     if let Some(m) = self.model.as_mut() {
-                        if let Some((sum, weight)) = m.rounds.remove(&clock) {
+                        if let Some((sum, weight, _)) = m.rounds.remove(&clock) {
                             m.optimizer.step(&mut m.params, &sum, 1.0 / weight.max(f32::MIN_POSITIVE));
                             m.steps += 1;
                         }
@@ -453,7 +453,7 @@ impl<P: Policy> Driver<P> {
                     if mode == UpdateMode::OnArrival {
                         // As the host does: partial aggregates are applied as they stand.
                         if let Some(m) = self.model.as_mut() {
-                            for (_, (sum, _)) in core::mem::take(&mut m.rounds) {
+                            for (_, (sum, ..)) in core::mem::take(&mut m.rounds) {
                                 m.optimizer.step(&mut m.params, &sum, 1.0);
                                 m.steps += 1;
                             }
@@ -483,19 +483,27 @@ impl<P: Policy> Driver<P> {
     /// and the modelled optimizer steps on `grad`, now or with its round's aggregate.
     fn admitted(&mut self, worker: WorkerId, weight: Option<f32>, grad: Vec<f32>) {
         let round = self.clocks.get(worker).unwrap_or(0);
-        let weight = weight.unwrap_or(1.0 / self.clocks.view().workers.max(1) as f32);
-        self.clocks.tick(worker);
         let aggregate = self.mode == Some(UpdateMode::Aggregate);
+        // As the host does: a mean push counts the live workers and, in aggregate mode, the
+        // round's contributors that have left since.
+        let gone = match (aggregate, self.model.as_ref().and_then(|m| m.rounds.get(&round))) {
+            (true, Some((.., who))) => who.iter().filter(|w| !self.clocks.is_live(**w)).count() as u32,
+            _ => 0,
+        };
+        let weight = weight.unwrap_or(1.0 / (self.clocks.view().workers + gone).max(1) as f32);
+        self.clocks.tick(worker);
         if let Some(m) = self.model.as_mut() {
             if weight == 0.0 {
                 // Weight 0 is a drop: nothing reaches the parameters.
             } else if aggregate {
                 let len = m.params.len();
-                let (sum, total) = m.rounds.entry(round).or_insert_with(|| (alloc::vec![0.0; len], 0.0));
+                let (sum, total, who) =
+                    m.rounds.entry(round).or_insert_with(|| (alloc::vec![0.0; len], 0.0, Vec::new()));
                 for (s, g) in sum.iter_mut().zip(&grad) {
                     *s += weight * g;
                 }
                 *total += weight;
+                who.push(worker);
             } else {
                 m.optimizer.step(&mut m.params, &grad, weight);
                 m.steps += 1;
@@ -512,7 +520,7 @@ impl<P: Policy> Driver<P> {
                 if *entry.key() >= min_clock {
                     break;
                 }
-                let (sum, _) = entry.remove();
+                let (sum, ..) = entry.remove();
                 m.optimizer.step(&mut m.params, &sum, 1.0);
                 m.steps += 1;
             }

@@ -100,7 +100,7 @@ impl Cluster {
         iterations: u64,
         seed: u64,
     ) -> Self {
-        Self::build(module, cfg, workers, iterations, seed, false)
+        Self::build(module, cfg, workers, iterations, seed, false, PushWeight::Mean)
     }
 
     /// Workers leave the shard after their last iteration, as real workers do, and pushes are
@@ -113,7 +113,20 @@ impl Cluster {
         iterations: u64,
         seed: u64,
     ) -> Self {
-        Self::build(module, cfg, workers, iterations, seed, true)
+        Self::build(module, cfg, workers, iterations, seed, true, PushWeight::Sum)
+    }
+
+    /// Workers leave after their last iteration and pushes keep the default mean weight, so
+    /// every aggregated round moves the parameter by exactly -1 (the mean of the round's ones),
+    /// the last rounds too, when the faster workers have already left.
+    pub fn leaving_mean(
+        module: &PolicyModule,
+        cfg: &[(&str, &str)],
+        workers: u32,
+        iterations: u64,
+        seed: u64,
+    ) -> Self {
+        Self::build(module, cfg, workers, iterations, seed, true, PushWeight::Mean)
     }
 
     fn build(
@@ -123,9 +136,9 @@ impl Cluster {
         iterations: u64,
         seed: u64,
         leave: bool,
+        push_weight: PushWeight,
     ) -> Self {
         let mut rec = Recorder::default();
-        let push_weight = if leave { PushWeight::Sum } else { PushWeight::Mean };
         let shard_cfg = ShardConfig { seed, optimizer: exact_sgd(), push_weight, ..ShardConfig::default() };
         let mut shard =
             Shard::new(shard_cfg, vec![0.0; 4], module, &config(cfg), &mut rec).expect("policy starts");

@@ -254,6 +254,21 @@ fn r2sp_warms_up_ungated_then_rotates_from_worker_0() {
     assert_eq!(c.shard.values()[0], -(c.pushes as f32), "every push applied once");
 }
 
+/// A BSP round's step is the mean of the round's gradients, the last rounds too: the fast
+/// workers say goodbye after their last push, before the straggler's, and that push still
+/// counts as one of N, not as the only one.
+#[test]
+fn bsp_rounds_average_over_their_contributors_after_the_fast_workers_left() {
+    for seed in 0..6 {
+        let mut c =
+            Cluster::leaving_mean(&builtin_module("bsp"), &[], N, 12, seed).with_speeds(&[1, 4, 2, 8]);
+        c.run_to_end();
+        assert_eq!(c.pushes, 12 * u64::from(N));
+        assert_eq!(c.shard.stats().steps, 12, "seed {seed}: one step per round");
+        assert_eq!(c.shard.values()[0], -12.0, "seed {seed}: every round moved by the mean of its ones");
+    }
+}
+
 #[test]
 fn r2sp_batch_sizes_converge_to_throughput_shares() {
     let speeds = [4u64, 4, 2, 1];

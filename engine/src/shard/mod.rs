@@ -1312,11 +1312,11 @@ impl Shard {
             let staleness = self.version.saturating_sub(base) as usize;
             self.stats.staleness[staleness.min(STALENESS_BUCKETS - 1)] += 1;
         }
+        let round = self.clocks.get(push.worker).unwrap_or(push.clock);
         let weight = weight.unwrap_or_else(|| match self.push_weight {
-            PushWeight::Mean => 1.0 / self.clocks.view().workers.max(1) as f32,
+            PushWeight::Mean => 1.0 / self.round_size(round) as f32,
             PushWeight::Sum => 1.0,
         });
-        let round = self.clocks.get(push.worker).unwrap_or(push.clock);
         self.clocks.tick(push.worker);
         self.stats.pushes_admitted += 1;
         match self.mode {
@@ -1345,6 +1345,20 @@ impl Shard {
         }
         sink.recycle(grad);
         sink.push_acked(push.id, push.worker, push.iteration);
+    }
+
+    /// The workers a mean push of `round` is averaged over: the live ones and, in aggregate
+    /// mode, those that contributed to the round's aggregate and have left since (a worker that
+    /// finished says goodbye before a straggler's last push; that push must not count for three).
+    fn round_size(&self, round: u64) -> u32 {
+        let live = self.clocks.view().workers;
+        let gone = match (self.mode, self.aggregates.get(&round)) {
+            (UpdateMode::Aggregate, Some(agg)) => {
+                agg.contributors.iter().filter(|&&w| !self.clocks.is_live(w)).count() as u32
+            }
+            _ => 0,
+        };
+        (live + gone).max(1)
     }
 
     /// Discards a push its policy dropped: the worker's clock advances and it is acknowledged;
