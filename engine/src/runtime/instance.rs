@@ -4,16 +4,21 @@ use std::ops::Range;
 use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo, ENVELOPE_LEN};
 use syncopate_policy_sdk::guest::Encoder;
 
-use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
+use wasmtime::{
+    Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, UpdateDeadline, WasmParams, WasmResults,
+};
 
 use super::module::root_cause;
 use super::{PolicyError, PolicyModule, PolicyRuntime};
 
-/// Store data: the memory cap, and whether the instance hit it.
+/// Store data: the memory cap, and whether the instance hit it; the CPU-time mark of the call
+/// under way (see [`new_store`]).
 #[derive(Debug)]
 pub(crate) struct Sandbox {
     cap: usize,
     denied: Option<usize>,
+    /// The thread's CPU time when the current call first reached its wall-clock deadline.
+    cpu_mark: Option<std::time::Duration>,
 }
 
 impl ResourceLimiter for Sandbox {
@@ -148,6 +153,7 @@ impl PolicyInstance {
         // Called in place rather than through `call`: cloning the `TypedFunc` to satisfy the
         // borrow checker costs two reference-count round trips per event.
         self.store.set_epoch_deadline(self.deadline_ticks);
+        self.store.data_mut().cpu_mark = None;
         let packed = match self.event.call(&mut self.store, ENVELOPE_LEN as u32) {
             Ok(packed) => packed,
             Err(e) => return Err(self.classify(&e, describe(env))),
@@ -222,6 +228,7 @@ impl PolicyInstance {
         event: impl Fn() -> String,
     ) -> Result<R, PolicyError> {
         self.store.set_epoch_deadline(self.deadline_ticks);
+        self.store.data_mut().cpu_mark = None;
         match f.call(&mut self.store, args) {
             Ok(r) => Ok(r),
             Err(e) => Err(self.classify(&e, event())),
@@ -254,6 +261,7 @@ impl PolicyInstance {
     /// The guest's panic message, read from a poisoned instance under a short deadline.
     fn panic_message(&mut self) -> Option<String> {
         self.store.set_epoch_deadline(2);
+        self.store.data_mut().cpu_mark = None;
         let packed = self.last_panic.call(&mut self.store, ()).ok()?;
         let (ptr, len) = abi::unpack_ptr_len(packed);
         let bytes = self.memory.data(&self.store).get(ptr as usize..ptr as usize + len as usize)?;
@@ -283,12 +291,43 @@ fn copy_in(
     }
 }
 
+/// A store whose calls are interrupted once they have used the call deadline in CPU time.
+///
+/// The epoch ticker counts wall-clock time, which also passes while the thread waits for a
+/// core: on a loaded machine a policy's 50 µs call, descheduled for a while, would be cut off
+/// as if it looped. So when a call reaches its deadline in wall-clock time, the store reads the
+/// thread's CPU clock and lets it go on until it has used the deadline again in CPU time from
+/// there. A call is therefore interrupted after between one and two deadlines of CPU time,
+/// never for waiting, and the per-event path reads no clock.
 fn new_store(rt: &PolicyRuntime) -> Store<Sandbox> {
-    let mut store = Store::new(rt.engine(), Sandbox { cap: rt.limits().max_memory_bytes, denied: None });
+    let sandbox = Sandbox { cap: rt.limits().max_memory_bytes, denied: None, cpu_mark: None };
+    let mut store = Store::new(rt.engine(), sandbox);
     store.limiter(|s| s as &mut dyn ResourceLimiter);
-    store.epoch_deadline_trap();
+    let (budget, tick) = (rt.limits().call_deadline, rt.tick());
+    store.epoch_deadline_callback(move |mut ctx| {
+        let now = thread_cpu_time();
+        let mark = *ctx.data_mut().cpu_mark.get_or_insert(now);
+        let used = now.saturating_sub(mark);
+        if used >= budget {
+            return Ok(UpdateDeadline::Interrupt);
+        }
+        let left = (budget - used).as_micros() as u64;
+        Ok(UpdateDeadline::Continue(left.div_ceil(tick.as_micros().max(1) as u64).max(1)))
+    });
     store.set_epoch_deadline(rt.deadline_ticks());
     store
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        // Cannot happen on Linux; without the clock, the deadline counts from now.
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 fn typed<P: WasmParams, R: WasmResults>(

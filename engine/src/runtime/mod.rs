@@ -30,7 +30,9 @@ use std::time::Duration;
 pub struct SandboxLimits {
     /// Largest linear memory an instance may have, in bytes.
     pub max_memory_bytes: usize,
-    /// CPU time one call (one event) may take before it is interrupted.
+    /// CPU time one call (one event) may take before it is interrupted: it is interrupted
+    /// once it has used between one and two times this, and never for time spent waiting for
+    /// a core (see `new_store` in `instance.rs`).
     pub call_deadline: Duration,
 }
 
@@ -54,8 +56,18 @@ fn epoch_tick(limits: &SandboxLimits) -> Duration {
 pub struct PolicyRuntime {
     engine: wasmtime::Engine,
     limits: SandboxLimits,
+    /// Compiled code of the modules compiled lately, by the SHA-256 of their wasm: loading a
+    /// module again (every run of `syncopate ab --simulate`, each server's copy of a swap)
+    /// skips the compiler, which costs tens of milliseconds.
+    compiled: Arc<std::sync::Mutex<Vec<Compiled>>>,
     _ticker: Arc<Ticker>,
 }
+
+/// A module's SHA-256 and its compiled code.
+type Compiled = ([u8; 32], wasmtime::Module);
+
+/// How many compiled modules a runtime keeps (the oldest goes first).
+const COMPILED_KEPT: usize = 16;
 
 #[derive(Debug)]
 struct Ticker {
@@ -99,7 +111,7 @@ impl PolicyRuntime {
                 }
             })
             .map_err(|e| PolicyError::Host(format!("cannot start the epoch ticker: {e}")))?;
-        Ok(PolicyRuntime { engine, limits, _ticker: Arc::new(Ticker { stop }) })
+        Ok(PolicyRuntime { engine, limits, compiled: Arc::default(), _ticker: Arc::new(Ticker { stop }) })
     }
 
     /// The limits instances run under.
@@ -108,6 +120,11 @@ impl PolicyRuntime {
     }
 
     /// Deadline in epoch ticks for one call.
+    /// How often the epoch ticker advances.
+    pub(crate) fn tick(&self) -> Duration {
+        epoch_tick(&self.limits)
+    }
+
     pub(crate) fn deadline_ticks(&self) -> u64 {
         let tick = epoch_tick(&self.limits).as_micros() as u64;
         (self.limits.call_deadline.as_micros() as u64 / tick).max(1) + 1
@@ -115,6 +132,32 @@ impl PolicyRuntime {
 
     pub(crate) fn engine(&self) -> &wasmtime::Engine {
         &self.engine
+    }
+
+    /// The compiled code of the wasm with this SHA-256, compiling it with `compile` the first
+    /// time (and after it was evicted).
+    pub(crate) fn compiled(
+        &self,
+        sha256: &[u8; 32],
+        compile: impl FnOnce() -> Result<wasmtime::Module, PolicyError>,
+    ) -> Result<wasmtime::Module, PolicyError> {
+        let cached = self
+            .compiled
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .find(|(k, _)| k == sha256)
+            .map(|c| c.1.clone());
+        if let Some(m) = cached {
+            return Ok(m);
+        }
+        let module = compile()?;
+        let mut kept = self.compiled.lock().expect("not poisoned");
+        if kept.len() >= COMPILED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((*sha256, module.clone()));
+        Ok(module)
     }
 
     /// Validates and compiles a module. `label` names it in errors (a file name, say).

@@ -60,9 +60,11 @@ impl PolicyModule {
                 reason: "not a WebAssembly module (it does not start with the `\\0asm` header)".into(),
             });
         }
-        let module = Module::new(rt.engine(), wasm)
-            .map_err(|e| PolicyError::Invalid { label: label.into(), reason: root_cause(&e) })?;
         let sha256: [u8; 32] = Sha256::digest(wasm).into();
+        let module = rt.compiled(&sha256, || {
+            Module::new(rt.engine(), wasm)
+                .map_err(|e| PolicyError::Invalid { label: label.into(), reason: root_cause(&e) })
+        })?;
         Self::from_module(rt, label, module, sha256)
     }
 
