@@ -413,7 +413,7 @@ impl Coordinator {
 
     /// Fails over every server whose lease has lapsed: checked every 100 ms.
     async fn monitor(self: Arc<Self>) {
-        let grace = Duration::from_millis(crate::net::proto::LEASE_MS + 300);
+        let grace = Duration::from_millis(crate::net::proto::FAILOVER_MS);
         let tick = Duration::from_millis(100);
         let mut last = std::time::Instant::now();
         loop {
@@ -434,7 +434,7 @@ impl Coordinator {
                         ms = stalled.as_millis() as u64,
                         "monitor stalled; lease clocks credited"
                     );
-                    for t in st.renewed.iter_mut().flatten() {
+                    for t in st.renewed.iter_mut().flatten().filter(|t| **t < now) {
                         *t = (*t + stalled).min(now);
                     }
                 }
@@ -581,7 +581,9 @@ impl Coordinator {
                         )
                     } else {
                         st.servers.push((data_addr, conn.clone()));
-                        st.renewed.push(Some(std::time::Instant::now()));
+                        // Its lease starts with its first heartbeat (see FIRST_HEARTBEAT_MS).
+                        let first = Duration::from_millis(crate::net::proto::FIRST_HEARTBEAT_MS);
+                        st.renewed.push(Some(std::time::Instant::now() + first));
                         let id = st.servers.len() as u32 - 1;
                         tracing::info!(server = id, %data_addr, "server registered");
                         let welcome = Welcome::Server {

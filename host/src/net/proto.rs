@@ -216,6 +216,17 @@ pub const HEARTBEAT_MS: u64 = 200;
 /// last renewal it answered, so a server cut off from it has stopped accepting pushes by then.
 pub const LEASE_MS: u64 = 1000;
 
+/// How long after a server's last lease renewal the coordinator fails it over: its lease
+/// ([`LEASE_MS`], counted on the server from when it asked) has surely lapsed by then, so no
+/// two primaries ever serve one shard. The simulator waits as long before its failovers.
+pub const FAILOVER_MS: u64 = LEASE_MS + 300;
+
+/// How long the coordinator waits for a new server's first heartbeat before failing it over. A
+/// server's lease starts with that heartbeat, which it sends once it has compiled the policy and
+/// restored its shards: seconds, in a debug build on a loaded machine. Until then it serves
+/// nothing, so nothing is at risk while the coordinator waits.
+pub const FIRST_HEARTBEAT_MS: u64 = 30_000;
+
 /// A model's score on held-out data, as a worker measured it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelScore {
