@@ -7,7 +7,7 @@
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
 use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
-use syncopate::lab::sim::{simulate, SimOptions};
+use syncopate::lab::sim::{simulate, SimFailure, SimOptions};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -29,6 +29,8 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients,
         data: None,
+        replicas: 0,
+        failure: None,
     };
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
 }
@@ -39,6 +41,8 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
+        replicas: 0,
+        failure: None,
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     (out.model.iter().map(|x| x.to_bits()).collect(), out.report.final_accuracy)
@@ -167,6 +171,8 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
         run: RunSpec::new(s, "epsp:elastic=false,tasks=8".parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
+        replicas: 0,
+        failure: None,
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     // Worker w's iterations push w + 1 whoever computed their tasks: each of the 30 iterations
@@ -336,4 +342,87 @@ fn a_scenario_can_charge_a_larger_models_bytes_and_every_report_says_so() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--simulate") && err.contains("ResNet-110"), "{err}");
+}
+
+/// Three workers (one jittery, one 2x slower) on two servers, three shards, each with a backup
+/// on the next server; the counter workload at lr 1 with summed pushes, so the final model is
+/// exactly minus the sum of every push whatever order they were applied in.
+const REPLICATED: &str =
+    "name = \"replicated\"\nworkers = 3\nservers = 2\nshards = 3\nworkload = \"counter\"\n\
+    params = 6\ncompute_ms = 5\niterations = 8\ntime_limit_s = 20\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
+    [[jitter]]\nworker = 1\nmean_ms = 4.0\nsd_ms = 3.0\n[[slow]]\nworker = 2\nfactor = 2.0\n";
+
+fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncopate::lab::sim::Simulated {
+    let opts = SimOptions {
+        run: RunSpec::new(s.clone(), policy.parse::<PolicySpec>().unwrap()),
+        gradients: true,
+        data: None,
+        replicas: 1,
+        failure,
+    };
+    simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}, {failure:?}: {e}"))
+}
+
+/// A server killed before every event of a small replicated run, in turn (the first server,
+/// then the second, alternately), under BSP, SSP and ASP: the failover promotes the backups,
+/// the workers ask again for what was not answered, and every run ends with the parameters of
+/// the run without a failure, bit for bit, every worker having run every iteration. The
+/// simulator runs the servers' own replication code (`AckGate`, `Shard::apply_op`) and the
+/// workers' own machine, so this is the cluster's guarantee checked at every point of a run.
+#[test]
+fn a_server_killed_at_any_event_of_a_simulated_run_loses_no_acknowledged_push() {
+    let s = scenario(REPLICATED);
+    let expected = -(1.0 + 2.0 + 3.0) * 8.0;
+    for policy in ["bsp", "ssp:s=2", "asp"] {
+        let clean = replicated(&s, policy, None);
+        assert!(clean.model.iter().all(|v| *v == expected), "{policy}: {:?}", clean.model);
+        assert!(clean.report.failovers.is_empty());
+        let bits: Vec<u32> = clean.model.iter().map(|v| v.to_bits()).collect();
+        let mut failed_over = 0;
+        for at_event in 0..clean.events {
+            let failure = SimFailure { server: (at_event % 2) as u32, at_event };
+            let out = replicated(&s, policy, Some(failure));
+            let after: Vec<u32> = out.model.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(after, bits, "{policy}: server {} killed before event {at_event}", failure.server);
+            let r = &out.report;
+            assert!(r.workers.iter().all(|w| w.iterations == 8), "{policy}, {failure:?}: {:?}", r.workers);
+            failed_over += usize::from(r.failovers.len() == 1);
+        }
+        // A death in the last events is not failed over before the run ends; the others are.
+        assert!(
+            failed_over as u64 > clean.events / 2,
+            "{policy}: {failed_over} of {} failed over",
+            clean.events
+        );
+    }
+}
+
+/// Replication costs time (every op crosses a second link and a push waits for the backup),
+/// never results: with replicas the same run ends with the same parameters, later or as soon.
+#[test]
+fn replicas_change_when_a_simulated_run_ends_not_what_it_computes() {
+    let s = scenario(REPLICATED);
+    for policy in ["bsp", "asp"] {
+        let plain = sim_model(&s, policy).0;
+        let with = replicated(&s, policy, None);
+        assert_eq!(with.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain, "{policy}");
+        assert!(with.report.elapsed_s >= sim(&s, policy, true).elapsed_s, "{policy}");
+    }
+}
+
+#[test]
+fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
+    let s = scenario(REPLICATED);
+    let run = |replicas, server| {
+        let opts = SimOptions {
+            run: RunSpec::new(s.clone(), "bsp".parse::<PolicySpec>().unwrap()),
+            gradients: false,
+            data: None,
+            replicas,
+            failure: Some(SimFailure { server, at_event: 10 }),
+        };
+        simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string())
+    };
+    assert_eq!(run(0, 0).as_deref(), Some("a server failure needs replicas 1"));
+    assert_eq!(run(1, 2).as_deref(), Some("server 2 does not exist"));
 }

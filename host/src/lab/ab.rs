@@ -395,9 +395,15 @@ fn simulated(
     dir: &Path,
     rt: &crate::runtime::PolicyRuntime,
 ) -> Result<RunReport, NodeError> {
-    let sim = crate::lab::sim::SimOptions { run, gradients: opts.gradients, data: opts.data.clone() };
+    let sim = crate::lab::sim::SimOptions {
+        run,
+        gradients: opts.gradients,
+        data: opts.data.clone(),
+        replicas: 0,
+        failure: None,
+    };
     let t = std::time::Instant::now();
-    let crate::lab::sim::Simulated { mut report, model } =
+    let crate::lab::sim::Simulated { mut report, model, .. } =
         crate::lab::sim::simulate(&sim, rt).map_err(|e| NodeError::Protocol(e.to_string()))?;
     std::fs::create_dir_all(dir)
         .map_err(|source| NodeError::Io { what: format!("cannot create {}", dir.display()), source })?;

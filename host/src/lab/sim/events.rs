@@ -31,6 +31,12 @@ pub(super) enum Ev {
     Control(u32, usize),
     Timer(u32),
     Watch,
+    /// Op `i` of the replication mailbox reaches shard `s`'s backup.
+    Replicate(u32, usize),
+    /// Shard `s`'s backup confirms, to the primary of epoch `e`, every op up to `seq`.
+    Confirm(u32, u32, u64),
+    /// The coordinator fails dead server `x` over (its lease has lapsed).
+    FailOver(u32),
 }
 
 /// The events to come, by time; events due at the same time come out in the order they were

@@ -20,6 +20,18 @@
 //! - messages without tensors (control messages, acknowledgements, hand-overs, iteration
 //!   reports) take the latency alone.
 //!
+//! With `replicas` 1, every shard call is an [`Op`], applied by the primary and carried over the
+//! modelled links to a second [`Shard`] on the backup's server, with an [`AckGate`] holding each
+//! push's acknowledgement until the backup confirms the op that admitted it: the pieces the
+//! servers use. A `failure` kills one server before a given event: it stops at once, what is
+//! sent to it is lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later its shards'
+//! backups are promoted, every worker rejoins them and sends again what they had not
+//! acknowledged or answered. The model is the worst case: ops still on their way from the dead
+//! primary and confirmations from a dead backup are lost too. Two things differ from a cluster:
+//! a worker that had finished and whose goodbye went to the dead server leaves at the failover
+//! (a cluster waits the rejoin grace for it), and one failure is all a run gets (nothing is
+//! re-replicated).
+//!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
 
@@ -28,14 +40,14 @@ mod events;
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
-use syncopate_policy_sdk::abi::{Applied, RequestId, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, LeaveReason, RequestId, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
-use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
+use crate::shard::{AckGate, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink, Stamped};
 use crate::worker::WorkerReport;
 use events::{Ev, Mailbox, Queue, ToShard};
 
@@ -48,6 +60,23 @@ pub struct SimOptions {
     pub gradients: bool,
     /// The Fashion-MNIST directory (default: where Debian's package puts it).
     pub data: Option<std::path::PathBuf>,
+    /// Backups per shard, 0 or 1 (1 needs two servers or more), as `--replicas` on a cluster:
+    /// every op a primary applies travels to its backup on the next server over the links, and
+    /// a push is acknowledged once the backup has confirmed the op that admitted it.
+    pub replicas: u32,
+    /// A server killed during the run (needs `replicas` 1).
+    pub failure: Option<SimFailure>,
+}
+
+/// A server killed during a simulation. It stops at once; what reaches it is lost, and
+/// [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later, as on a cluster, its shards' backups
+/// are promoted and the workers ask them again for every pull and push they had no answer to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimFailure {
+    /// The server.
+    pub server: u32,
+    /// Before which event it dies: 0, 1, 2... in the order the simulator handles them.
+    pub at_event: u64,
 }
 
 /// A simulation that cannot run.
@@ -68,12 +97,16 @@ pub enum SimError {
     /// A simulated worker could not go on.
     #[error("worker {0}: {1}")]
     Worker(WorkerId, WorkerError),
+    /// The options do not go together.
+    #[error("{0}")]
+    Options(String),
 }
 
 /// A shard's answers during one call, collected for the simulator to schedule.
 #[derive(Default)]
 struct Sink {
-    served: Vec<(WorkerId, u64, u64)>,
+    /// (worker, iteration, version, waited).
+    served: Vec<(WorkerId, u64, u64, u64)>,
     /// (worker, iteration, dropped by the policy).
     acked: Vec<(WorkerId, u64, bool)>,
     controls: Vec<(WorkerId, ControlMessage)>,
@@ -84,7 +117,7 @@ struct Sink {
 
 impl ShardSink for Sink {
     fn pull_served(&mut self, r: PullReply<'_>) {
-        self.served.push((r.worker, r.version, r.waited_ns));
+        self.served.push((r.worker, r.iteration, r.version, r.waited_ns));
         if self.keep_values {
             self.values.push((r.worker, r.values.to_vec()));
         }
@@ -98,6 +131,17 @@ impl ShardSink for Sink {
     fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
         self.controls.push((worker, msg));
     }
+}
+
+/// One shard's acknowledgement of a push, held until that shard's backup has its op.
+#[derive(Clone, Copy, Debug)]
+struct Ack {
+    worker: WorkerId,
+    /// Of tasks moved to the worker.
+    help: bool,
+    /// A whole push's admission: its iteration, and whether the policy dropped it (`None`: a
+    /// part, acknowledged when counted).
+    whole: Option<(u64, bool)>,
 }
 
 /// A push on its way: the job and the shards that have acknowledged it.
@@ -123,6 +167,13 @@ struct SimWorker {
     based_on: Vec<Option<u64>>,
     own: Option<InFlight>,
     help: Option<InFlight>,
+    /// Per shard: whether it acknowledged the push in flight (own, help): a retried push that
+    /// is acknowledged twice counts once.
+    own_acked: Vec<bool>,
+    help_acked: Vec<bool>,
+    /// The iteration of the pull in flight, and which shards have answered it.
+    pulling: Option<u64>,
+    replied: Vec<bool>,
     wake_at: Option<u64>,
     /// Counted in [`Sim::done`].
     done: bool,
@@ -158,6 +209,24 @@ struct Sim {
     time_to_target: Option<f64>,
     bytes_per_ns: f64,
     latency_ns: u64,
+    /// Per shard: its backup and the backup's server (with `replicas` 1).
+    backups: Vec<Option<Shard>>,
+    backup_of: Vec<Option<u32>>,
+    /// Per shard: op numbering, and acknowledgements held until the backup has their op.
+    gates: Vec<AckGate<Ack>>,
+    /// Per shard: bumped when its primary or backup changes, so a stream from before is dropped.
+    epoch: Vec<u32>,
+    /// Ops on their way to backups: (epoch, op, gradient).
+    replication: Mailbox<(u32, Stamped, Vec<f32>)>,
+    /// What the backups say, which nobody hears.
+    quiet: Sink,
+    released: Vec<Ack>,
+    /// Per server: killed.
+    dead: Vec<bool>,
+    /// Servers failed over, in order.
+    lost: Vec<u32>,
+    /// Requests that reached a dead server before its failover.
+    limbo: Vec<Ev>,
 }
 
 /// A finished simulation.
@@ -167,6 +236,8 @@ pub struct Simulated {
     pub report: RunReport,
     /// The final parameters, every shard's in order (one value per shard without gradients).
     pub model: Vec<f32>,
+    /// Events handled: a [`SimFailure`] can name any of them.
+    pub events: u64,
 }
 
 /// Runs the scenario under the policy.
@@ -198,8 +269,23 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         .collect();
     let held = |i: usize| if opts.gradients { ranges[i] } else { (i, i + 1) };
     let mut sink = Sink { keep_values: opts.gradients, ..Sink::default() };
+    let mut quiet = Sink::default();
+    match (opts.replicas, opts.failure) {
+        (0 | 1, None) | (1, Some(_)) => {}
+        (0, Some(_)) => return Err(SimError::Options("a server failure needs replicas 1".into())),
+        (r, _) => return Err(SimError::Options(format!("replicas {r}: 0 or 1 are supported"))),
+    }
+    if opts.replicas == 1 && sc.servers < 2 {
+        return Err(SimError::Options("replicas 1 needs at least two servers".into()));
+    }
+    if let Some(f) = opts.failure.filter(|f| f.server >= sc.servers) {
+        return Err(SimError::Options(format!("server {} does not exist", f.server)));
+    }
+    let backup_of: Vec<Option<u32>> =
+        (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, opts.replicas)).collect();
+    let mut backups = Vec::new();
     let mut shards = Vec::new();
-    for i in 0..ranges.len() {
+    for (i, backed) in backup_of.iter().enumerate() {
         let (lo, hi) = held(i);
         let cfg = ShardConfig {
             shard: i as u32,
@@ -210,6 +296,14 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
+        if backed.is_some() {
+            // Created as its primary is, from the same parameters: the ops keep the two equal.
+            let backup = Shard::new(cfg.clone(), model[lo..hi].to_vec(), &module, &config, &mut quiet)
+                .map_err(|e| SimError::Policy(policy.to_string(), e))?;
+            backups.push(Some(backup));
+        } else {
+            backups.push(None);
+        }
         let shard = Shard::new(cfg, model[lo..hi].to_vec(), &module, &config, &mut sink)
             .map_err(|e| SimError::Policy(policy.to_string(), e))?;
         shards.push(shard);
@@ -257,6 +351,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             based_on: vec![None; shards_n as usize],
             own: None,
             help: None,
+            own_acked: vec![false; shards_n as usize],
+            help_acked: vec![false; shards_n as usize],
+            pulling: None,
+            replied: vec![false; shards_n as usize],
             wake_at: None,
             done: false,
         });
@@ -284,10 +382,31 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         time_to_target: None,
         bytes_per_ns: mbit * 1e6 / 8.0 / 1e9,
         latency_ns: sc.latency_us * 1000,
+        gates: backup_of
+            .iter()
+            .map(|b| {
+                let mut gate = AckGate::default();
+                if b.is_some() {
+                    gate.attach(0);
+                }
+                gate
+            })
+            .collect(),
+        epoch: vec![0; shards_n as usize],
+        backups,
+        backup_of,
+        replication: Mailbox::default(),
+        quiet,
+        released: Vec::new(),
+        dead: vec![false; sc.servers as usize],
+        lost: Vec::new(),
+        limbo: Vec::new(),
     };
     for s in 0..shards_n {
         for w in 0..n {
-            sim.call(s, |sh, now, sink| sh.join(w, now, sink))?;
+            if let Outcome::Joined(Err(e)) = sim.op(s, Op::Join { worker: w }, Vec::new()) {
+                return Err(SimError::Refused(s, e.to_string()));
+            }
         }
     }
     for w in 0..n {
@@ -295,8 +414,13 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
+    let mut handled = 0u64;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
+        if let Some(f) = opts.failure.filter(|f| f.at_event == handled) {
+            sim.kill(f.server);
+        }
+        handled += 1;
         sim.handle(ev)?;
         if sim.done == sim.workers.len() && sim.shards.iter().all(|s| s.view().workers == 0) {
             break;
@@ -312,7 +436,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let model = sim.model();
-    Ok(Simulated { report: sim.report(), model })
+    Ok(Simulated { report: sim.report(), model, events: handled })
 }
 
 impl Sim {
@@ -352,12 +476,18 @@ impl Sim {
         // The sink's vectors are taken and put back, so that their capacity is reused.
         let mut served = std::mem::take(&mut self.sink.served);
         let mut values = std::mem::take(&mut self.sink.values).into_iter();
-        for (w, version, waited) in served.drain(..) {
+        for (w, iteration, version, waited) in served.drain(..) {
+            let v = values.next();
             let wk = &mut self.workers[w as usize];
+            // The answer to a pull asked again after a failover, which the old primary had
+            // answered already, changes nothing.
+            if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
+                continue;
+            }
             wk.based_on[s as usize] = Some(version);
             wk.deferred |= waited > 0;
             wk.deferred_ns = wk.deferred_ns.max(waited);
-            if let Some((_, v)) = values.next() {
+            if let Some((_, v)) = v {
                 let (lo, hi) = self.ranges[s as usize];
                 wk.bufs.params[lo..hi].copy_from_slice(&v);
             }
@@ -376,13 +506,7 @@ impl Sim {
         self.sink.served = served;
         let mut acked = std::mem::take(&mut self.sink.acked);
         for (w, iteration, dropped) in acked.drain(..) {
-            // Only a whole push waits for its admission; parts are acknowledged when counted.
-            let own = self.workers[w as usize].own.as_mut();
-            let waiting = own.filter(|p| p.job.tasks.is_none() && p.job.iteration == iteration);
-            if let Some(p) = waiting {
-                p.dropped += u32::from(dropped);
-                self.ack(w, false);
-            }
+            self.gate_ack(s, Ack { worker: w, help: false, whole: Some((iteration, dropped)) });
         }
         self.sink.acked = acked;
         let mut controls = std::mem::take(&mut self.sink.controls);
@@ -391,6 +515,11 @@ impl Sim {
             self.at(self.now + self.latency_ns, Ev::Control(w, i));
         }
         self.sink.controls = controls;
+        self.arm_timer(s);
+    }
+
+    /// Schedules shard `s`'s next timer, unless an earlier one is scheduled.
+    fn arm_timer(&mut self, s: u32) {
         if let Some(t) = self.shards[s as usize].next_timer_ns() {
             if self.timer_at[s as usize].is_none_or(|at| t < at) {
                 self.timer_at[s as usize] = Some(t);
@@ -399,29 +528,154 @@ impl Sim {
         }
     }
 
-    /// One shard's acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
+    /// Shard `s` acknowledges a push: now, or once its backup has the op that admitted it.
+    fn gate_ack(&mut self, s: u32, a: Ack) {
+        if let Some(a) = self.gates[s as usize].ack(a) {
+            self.release(s, a);
+        }
+    }
+
+    /// Shard `s`'s acknowledgement goes out.
+    fn release(&mut self, s: u32, a: Ack) {
+        match a.whole {
+            // Only a whole push waits for its admission; parts are acknowledged when counted.
+            Some((iteration, dropped)) => {
+                let own = self.workers[a.worker as usize].own.as_ref();
+                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
+                    self.ack(a.worker, s, false, dropped);
+                }
+            }
+            None => self.ack(a.worker, s, a.help, false),
+        }
+    }
+
+    /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
     /// way. Every acknowledgement takes the latency alone, so the last one sent is the last to
     /// arrive: only that one becomes an event.
-    fn ack(&mut self, w: u32, help: bool) {
+    fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
         let shards = self.shards.len() as u32;
         let wk = &mut self.workers[w as usize];
-        let Some(p) = (if help { wk.help.as_mut() } else { wk.own.as_mut() }) else { return };
+        let (slot, acked) =
+            if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
+        let Some(p) = slot.as_mut() else { return };
+        if std::mem::replace(&mut acked[s as usize], true) {
+            return;
+        }
         p.acks += 1;
+        p.dropped += u32::from(dropped);
         if p.acks == shards {
             self.at(self.now + self.latency_ns, Ev::AckArrive(w, help));
         }
     }
 
-    fn call<T>(
-        &mut self,
-        s: u32,
-        f: impl FnOnce(&mut Shard, u64, &mut Sink) -> Result<T, crate::shard::ShardError>,
-    ) -> Result<T, SimError> {
+    /// Shard `s`'s primary applies `op` now (with `grad`, a push's gradient), and schedules what
+    /// it said; with a backup, the op goes to it over the servers' link first.
+    fn op(&mut self, s: u32, op: Op, grad: Vec<f32>) -> Outcome {
+        let su = s as usize;
+        let seq = self.gates[su].stamp();
+        if let Some(b) = self.backup_of[su] {
+            let bytes = if matches!(op, Op::Push { .. }) { self.shard_bytes(s) } else { 64 };
+            let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
+            let t = self.transfer(from, to, bytes);
+            let stamped = Stamped { seq, now_ns: self.now, op: op.clone() };
+            let i = self.replication.post((self.epoch[su], stamped, grad.clone()), 1);
+            self.at(t, Ev::Replicate(s, i));
+        }
         let mut sink = std::mem::take(&mut self.sink);
-        let r = f(&mut self.shards[s as usize], self.now, &mut sink);
+        let out = self.shards[su].apply_op(op, grad, self.now, |_| None, &mut sink);
         self.sink = sink;
         self.drain(s);
-        r.map_err(|e| SimError::Refused(s, e.to_string()))
+        out
+    }
+
+    /// Server `x` dies: from now on what reaches it is lost, and its lease lapses.
+    fn kill(&mut self, x: u32) {
+        tracing::debug!(server = x, t_ns = self.now, "server killed");
+        self.dead[x as usize] = true;
+        self.at(self.now + crate::net::proto::FAILOVER_MS * 1_000_000, Ev::FailOver(x));
+    }
+
+    /// The coordinator fails dead server `x` over, as on a cluster: its shards' backups become
+    /// their primaries, the shards it backed up go on without a backup, and every worker asks
+    /// the new primaries again for what it had no answer to (a push applied twice is a
+    /// duplicate; a parked pull answers the retried one).
+    fn fail_over(&mut self, x: u32) -> Result<(), SimError> {
+        self.lost.push(x);
+        let shards = self.shards.len() as u32;
+        let mut moved = Vec::new();
+        for s in 0..shards {
+            let su = s as usize;
+            if self.server_of[su] == x {
+                let (Some(b), Some(backup)) = (self.backup_of[su], self.backups[su].take()) else {
+                    return Err(SimError::Options(format!("shard {s} was lost with server {x}: no backup")));
+                };
+                self.shards[su] = backup;
+                (self.server_of[su], self.backup_of[su]) = (b, None);
+                self.epoch[su] += 1;
+                self.gates[su].lose();
+                self.timer_at[su] = None;
+                moved.push(s);
+            } else if self.backup_of[su] == Some(x) {
+                (self.backups[su], self.backup_of[su]) = (None, None);
+                self.epoch[su] += 1;
+                let mut released = std::mem::take(&mut self.released);
+                self.gates[su].detach(|a| released.push(a));
+                for a in released.drain(..) {
+                    self.release(s, a);
+                }
+                self.released = released;
+            }
+        }
+        for &s in &moved {
+            let node = self.server_node(s);
+            for w in 0..self.workers.len() as u32 {
+                let wk = &self.workers[w as usize];
+                let member = self.shards[s as usize].is_member(w);
+                if wk.machine.is_done() {
+                    // Its goodbye went to the dead primary. The cluster waits the rejoin grace
+                    // for a member that does not come back; the simulator lets it leave now.
+                    if member {
+                        self.op(s, Op::Leave { worker: w, reason: LeaveReason::TimedOut }, Vec::new());
+                    }
+                    continue;
+                }
+                if !member {
+                    // Its join had not reached the backup: it joins again.
+                    if let Outcome::Joined(Err(e)) = self.op(s, Op::Join { worker: w }, Vec::new()) {
+                        return Err(SimError::Refused(s, e.to_string()));
+                    }
+                }
+                let wk = &self.workers[w as usize];
+                let (own, help) = (wk.own.is_some(), wk.help.is_some());
+                let (own_acked, help_acked) = (wk.own_acked[s as usize], wk.help_acked[s as usize]);
+                let pull = wk.pulling.filter(|_| !wk.replied[s as usize]);
+                for (ask, help) in [(own && !own_acked, false), (help && !help_acked, true)] {
+                    if ask {
+                        let t = self.transfer(w as usize, node, self.shard_bytes(s));
+                        self.at(t, Ev::PushArrive(w, s, help));
+                    }
+                }
+                if let Some(iteration) = pull {
+                    let t = self.transfer(w as usize, node, 64);
+                    self.at(t, Ev::PullArrive(w, s, iteration));
+                }
+            }
+            self.arm_timer(s);
+        }
+        // What reached the dead server meanwhile: pulls and pushes were asked again above; the
+        // other messages go to the new primaries.
+        for ev in std::mem::take(&mut self.limbo) {
+            if let Ev::ToShard(..) = ev {
+                self.at(self.now + self.latency_ns, ev);
+            }
+        }
+        tracing::debug!(server = x, shards = moved.len(), "failed over");
+        Ok(())
+    }
+
+    /// Whether shard `s`'s primary is on a dead server (not yet failed over).
+    fn down(&self, s: u32) -> bool {
+        self.dead[self.server_of[s as usize] as usize]
     }
 
     /// Feeds worker `w`'s machine an input, then carries out its actions.
@@ -438,6 +692,8 @@ impl Sim {
                 Action::Pull { iteration } => {
                     let wk = &mut self.workers[w as usize];
                     (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
+                    wk.pulling = Some(iteration);
+                    wk.replied.fill(false);
                     for s in 0..shards {
                         let t = self.transfer(w as usize, self.server_node(s), 64);
                         self.at(t, Ev::PullArrive(w, s, iteration));
@@ -457,8 +713,13 @@ impl Sim {
                         wk.bufs.gradient(&job);
                     }
                     let help = job.kind != JobKind::Own;
-                    let slot = if help { &mut wk.help } else { &mut wk.own };
+                    let (slot, acked) = if help {
+                        (&mut wk.help, &mut wk.help_acked)
+                    } else {
+                        (&mut wk.own, &mut wk.own_acked)
+                    };
                     *slot = Some(InFlight { job, acks: 0, refused: false, dropped: 0 });
+                    acked.fill(false);
                     for s in 0..shards {
                         let bytes = self.shard_bytes(s);
                         let t = self.transfer(w as usize, self.server_node(s), bytes);
@@ -506,11 +767,17 @@ impl Sim {
                 self.workers[w as usize].wake_at = None;
                 self.feed(w, Input::Timer)?;
             }
+            Ev::PullArrive(_, s, _) | Ev::PushArrive(_, s, _) | Ev::ToShard(_, s, _) if self.down(s) => {
+                self.limbo.push(ev);
+            }
             Ev::PullArrive(w, s, iteration) => {
-                self.call(s, |sh, now, sink| sh.pull(PullRequest { worker: w, iteration }, now, sink))?;
+                if let Outcome::Done(Err(e)) = self.op(s, Op::Pull { worker: w, iteration }, Vec::new()) {
+                    return Err(SimError::Refused(s, e.to_string()));
+                }
             }
             Ev::PullDone(w) => {
                 let wk = &mut self.workers[w as usize];
+                wk.pulling = None;
                 wk.bufs.pulled();
                 let (deferred, deferred_ns) = (wk.deferred, wk.deferred_ns);
                 self.feed(w, Input::Pulled { deferred, deferred_ns })?;
@@ -526,28 +793,38 @@ impl Sim {
                     (true, false) => wk.bufs.grad[lo..hi].to_vec(),
                     (true, true) => wk.bufs.help[lo..hi].to_vec(),
                 };
-                let req = PushRequest {
-                    worker: job.owner,
+                // A whole push is the owner's own; parts say whose tasks they are.
+                debug_assert!(job.tasks.is_some() || job.owner == w);
+                let op = Op::Push {
+                    worker: w,
                     iteration: job.iteration,
                     samples: job.samples,
-                    grad,
                     based_on: wk.based_on[s as usize],
-                    tasks: job.tasks,
+                    tasks: job.tasks.map(|part| (job.owner, part)),
                 };
-                let r = self.call(s, |sh, now, sink| sh.push_by(w, req, now, sink));
+                let Outcome::Pushed(r) = self.op(s, op, grad) else { unreachable!("a push's outcome") };
+                let part = Ack { worker: w, help, whole: None };
                 match (r, job.tasks) {
                     // Parts are acknowledged (or refused) as soon as they are counted.
-                    (Ok(_), Some(_)) => self.ack(w, help),
-                    (Ok(_), None) => {}
+                    (Ok(()), Some(_)) => self.gate_ack(s, part),
+                    (Ok(()), None) => {}
+                    // Asked again after a failover: the new primary had it. Held by the policy,
+                    // it is acknowledged with the policy's decision.
+                    (Err(ShardError::Duplicate { .. }), None)
+                        if self.shards[s as usize].is_push_held(w, job.iteration) => {}
+                    (Err(ShardError::Duplicate { .. }), None) => {
+                        self.gate_ack(s, Ack { whole: Some((job.iteration, false)), ..part })
+                    }
+                    (Err(ShardError::Duplicate { .. }), Some(_)) => self.gate_ack(s, part),
                     (Err(e), _) if help => {
                         // The owner left meanwhile: its iteration is void, as on the cluster.
                         tracing::debug!("moved tasks refused: {e}");
                         if let Some(p) = self.workers[w as usize].help.as_mut() {
                             p.refused = true;
                         }
-                        self.ack(w, help);
+                        self.ack(w, s, help, false);
                     }
-                    (Err(e), _) => return Err(e),
+                    (Err(e), _) => return Err(SimError::Refused(s, e.to_string())),
                 }
             }
             Ev::AckArrive(w, help) => {
@@ -562,13 +839,14 @@ impl Sim {
             Ev::ToShard(w, s, i) => {
                 // A worker that has left cannot be heard from: the shard says so, and that is
                 // what the cluster's servers do too.
-                let _ = match self.to_shard.deliver(i) {
-                    ToShard::Handover(h) => self.call(s, |sh, now, sink| sh.tasks_yielded(h, now, sink)),
-                    ToShard::Applied(a) => self.call(s, |sh, now, sink| sh.control_applied(a, now, sink)),
-                    ToShard::Finished(r) => self.call(s, |sh, now, sink| sh.iteration_finished(r, now, sink)),
-                    ToShard::Skip(to) => self.call(s, |sh, now, sink| sh.skip(w, to, now, sink)),
-                    ToShard::Goodbye => self.call(s, |sh, now, sink| sh.goodbye(w, now, sink).map(|_| ())),
+                let op = match self.to_shard.deliver(i) {
+                    ToShard::Handover(handover) => Op::Yielded { handover },
+                    ToShard::Applied(applied) => Op::Applied { applied },
+                    ToShard::Finished(report) => Op::Finished { report },
+                    ToShard::Skip(to) => Op::Skip { worker: w, to },
+                    ToShard::Goodbye => Op::Goodbye { worker: w },
                 };
+                self.op(s, op, Vec::new());
             }
             Ev::Control(w, i) => {
                 let msg = self.controls.deliver(i);
@@ -578,11 +856,44 @@ impl Sim {
             }
             Ev::Timer(s) => {
                 self.timer_at[s as usize] = None;
-                let mut sink = std::mem::take(&mut self.sink);
-                self.shards[s as usize].advance(self.now, &mut sink);
-                self.sink = sink;
-                self.drain(s);
+                if !self.down(s) {
+                    self.op(s, Op::Advance, Vec::new());
+                }
             }
+            Ev::Replicate(s, i) => {
+                let (epoch, stamped, grad) = self.replication.deliver(i);
+                let su = s as usize;
+                // The worst case for a death: an op still on its way from a primary that died
+                // never arrives (it may still be in the dead process's buffers), and a dead
+                // backup applies nothing.
+                let on_live = self.backup_of[su].is_some_and(|b| !self.dead[b as usize]) && !self.down(s);
+                let Some(backup) = self.backups[su].as_mut().filter(|_| on_live && epoch == self.epoch[su])
+                else {
+                    return Ok(());
+                };
+                let seq = stamped.seq;
+                backup.apply_op(stamped.op, grad, stamped.now_ns, |_| None, &mut self.quiet);
+                let q = &mut self.quiet;
+                q.served.clear();
+                q.acked.clear();
+                q.controls.clear();
+                q.values.clear();
+                self.at(self.now + self.latency_ns, Ev::Confirm(s, epoch, seq));
+            }
+            Ev::Confirm(s, epoch, seq) => {
+                // Likewise a confirmation on its way from a backup that died.
+                let backup_dead = self.backup_of[s as usize].is_none_or(|b| self.dead[b as usize]);
+                if epoch != self.epoch[s as usize] || self.down(s) || backup_dead {
+                    return Ok(());
+                }
+                let mut released = std::mem::take(&mut self.released);
+                self.gates[s as usize].confirm(seq, |a| released.push(a));
+                for a in released.drain(..) {
+                    self.release(s, a);
+                }
+                self.released = released;
+            }
+            Ev::FailOver(x) => self.fail_over(x)?,
             Ev::Watch => {
                 self.observe();
                 let every = self.opts.run.scenario.eval_every_ms;
@@ -622,6 +933,7 @@ impl Sim {
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
+        point.lost_servers.clone_from(&self.lost);
         if self.time_to_target.is_none() && self.stop_rules().reached(&point) {
             self.time_to_target = Some(t_s);
         }
