@@ -633,10 +633,12 @@ fn a_missing_server_gives_workers_a_clear_error() {
         assert!(t.elapsed() < Duration::from_secs(30), "the coordinator did not start");
         std::thread::sleep(Duration::from_millis(20));
     };
-    let mut server = spawn(&["server", "--coordinator", &addr, "--tls-dir", tls_dir]);
+    // The coordinator by name, as a Kubernetes service is reached: resolved at start.
+    let by_name = addr.replace("127.0.0.1", "localhost");
+    let mut server = spawn(&["server", "--coordinator", &by_name, "--tls-dir", tls_dir]);
     let ca = tls.join("cert.pem");
     let worker = Command::new(syncopate_bin())
-        .args(["worker", "--coordinator", &addr, "--workload", "counter", "--ca", ca.to_str().unwrap()])
+        .args(["worker", "--coordinator", &by_name, "--workload", "counter", "--ca", ca.to_str().unwrap()])
         .env("SYNCOPATE_TOKEN", "t0ken")
         .output()
         .unwrap();
@@ -644,7 +646,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
     assert!(!worker.status.success());
     assert!(err.contains("only 1 of 2 servers registered within 1s"), "{err}");
     let out = Command::new(syncopate_bin())
-        .args(["shutdown", "--coordinator", &addr, "--ca", ca.to_str().unwrap()])
+        .args(["shutdown", "--coordinator", &by_name, "--ca", ca.to_str().unwrap()])
         .env("SYNCOPATE_TOKEN", "t0ken")
         .output()
         .unwrap();

@@ -74,8 +74,9 @@ pub struct AccessArgs {
     /// A `cluster.json` written by `syncopate local` (address, CA and token).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["coordinator"])]
     pub cluster: Option<PathBuf>,
-    /// The coordinator's address.
-    #[arg(long)]
+    /// The coordinator's address (`host:port`: an IP address or a name, as a Kubernetes
+    /// service's, resolved at start).
+    #[arg(long, value_parser = parse_addr)]
     pub coordinator: Option<SocketAddr>,
     /// The operator token (the cluster token unless the coordinator has a separate one).
     #[arg(long, env = "SYNCOPATE_TOKEN", hide_env_values = true)]
@@ -213,6 +214,23 @@ pub fn parse_override(s: &str) -> Result<(u32, String, String), String> {
     let shard = shard.parse().map_err(|_| format!("`{shard}` is not a shard number"))?;
     let (k, v) = kv.split_once('=').ok_or("expected SHARD:KEY=VALUE")?;
     Ok((shard, k.trim().to_string(), v.trim().to_string()))
+}
+
+/// An address given as `ip:port` or `name:port` (resolved now, IPv4 first: a Kubernetes
+/// service's name, say).
+pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(s)
+        .map_err(|e| format!("`{s}` is not an address (HOST:PORT): {e}"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(|| format!("`{s}` resolves to no address"))
 }
 
 /// A tokio runtime for a networked command.

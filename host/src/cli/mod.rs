@@ -41,6 +41,10 @@ pub enum Command {
     Shutdown {
         #[command(flatten)]
         access: args::AccessArgs,
+        /// First read the whole model from the servers and write it to FILE (little-endian
+        /// f32, as `syncopate local` writes `model.bin`).
+        #[arg(long, value_name = "FILE")]
+        save_model: Option<std::path::PathBuf>,
     },
     /// Inspect, validate, swap and list policy modules.
     #[command(subcommand)]
@@ -56,10 +60,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Server(a) => roles::server(a),
         Command::Worker(a) => roles::worker(a),
         Command::Policy(cmd) => policy::run(cmd),
-        Command::Shutdown { access } => {
+        Command::Shutdown { access, save_model } => {
+            use anyhow::Context;
             let access = access.access()?;
-            args::tokio()?
-                .block_on(async { crate::operator::Operator::connect(&access).await?.shutdown().await })?;
+            args::tokio()?.block_on(async {
+                let operator = crate::operator::Operator::connect(&access).await?;
+                if let Some(path) = &save_model {
+                    let (model, version) = operator.read_model().await?;
+                    std::fs::write(path, crate::net::wire::f32_bytes(&model))
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    println!("wrote {} ({} parameters, version {version})", path.display(), model.len());
+                }
+                operator.shutdown().await?;
+                anyhow::Ok(())
+            })?;
             println!("cluster at {} shut down", access.coordinator);
             Ok(())
         }

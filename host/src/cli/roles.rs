@@ -56,8 +56,8 @@ pub struct CoordinatorArgs {
 /// `syncopate server`.
 #[derive(Debug, Args)]
 pub struct ServerArgs {
-    /// The coordinator's address.
-    #[arg(long)]
+    /// The coordinator's address (`host:port`: an IP address or a name, resolved at start).
+    #[arg(long, value_parser = super::args::parse_addr)]
     pub coordinator: SocketAddr,
     /// Address to listen on for workers (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -89,8 +89,8 @@ pub struct ServerArgs {
 /// and `syncopate local --script` sets them). A flag given on the command line wins.
 #[derive(Debug, Clone, Args)]
 pub struct WorkerArgs {
-    /// The coordinator's address.
-    #[arg(long, env = "SYNCOPATE_COORDINATOR", required_unless_present = "cluster")]
+    /// The coordinator's address (`host:port`: an IP address or a name, resolved at start).
+    #[arg(long, env = "SYNCOPATE_COORDINATOR", required_unless_present = "cluster", value_parser = super::args::parse_addr)]
     pub coordinator: Option<SocketAddr>,
     /// A `cluster.json` written by `syncopate local` (the coordinator's address, the CA and the
     /// token), instead of --coordinator, --ca and the token.
