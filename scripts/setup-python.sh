@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the Python package's tests and the PyTorch example need, and nothing that is
 # already there: a virtual environment .venv with python/requirements-dev.txt from PyPI (numpy,
-# torch, pytest, ruff, maturin), and the `syncopate` package built from source into it by
-# maturin (debug profile). scripts/test.sh runs it; the Rust-only demo does not need it.
+# torch, Ray, pytest, ruff, maturin, kubernetes-validate), and the `syncopate` package built
+# from source into it by maturin (debug profile). scripts/test.sh runs it; the Rust-only demo does not need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -163,7 +163,10 @@ class Trainer:
             print(f"worker {self.rank}: {its} iterations, {deferred} deferred pulls", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Trains as one worker, with the command line ``argv`` (default: ``sys.argv``); returns
+    this worker's summary (worker 0's has the final and best test accuracy). Called in-process
+    by ``examples/ray/launch.py``, which runs it in Ray actors."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["resnet", "mlp"], default="resnet")
     p.add_argument(
@@ -197,7 +200,7 @@ def main() -> None:
         "--snapshots", default="", help="worker 0 saves its model here at every score, timed"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -270,6 +273,7 @@ def main() -> None:
                 stop = bool(args.target and acc >= args.target)
             if t.agree_to_stop(stop):
                 break
+    summary: dict[str, Any] = {"rank": rank, "iterations": it}
     if rank == 0:
         acc, _ = evaluate(model, tx, ty)
         best = max(best, acc)
@@ -278,10 +282,12 @@ def main() -> None:
             f"final test accuracy {acc:.4f} best {best:.4f} after {it} iterations, {elapsed:.1f} s",
             flush=True,
         )
+        summary |= {"final_accuracy": acc, "best_accuracy": best, "seconds": elapsed}
     if slow_steps:
         mean_ms = 1000 * sum(slow_steps) / len(slow_steps)
         print(f"rank {rank}: mean measured step {mean_ms:.1f} ms before its sleep", flush=True)
     t.leave()
+    return summary
 
 
 if __name__ == "__main__":

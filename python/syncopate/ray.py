@@ -1,0 +1,586 @@
+"""Syncopate on Ray: a whole cluster started, run and torn down from one call.
+
+::
+
+    import syncopate
+    import syncopate.ray
+
+    def train(config):                      # runs in every worker actor, already configured
+        weights = np.zeros(20, dtype=np.float32)
+        worker = syncopate.Worker([weights])
+        while worker.pull([weights]) is not None:
+            worker.push([gradient(weights)])
+        return worker.leave()
+
+    report = syncopate.ray.launch(train, workers=4, servers=2, policy="ssp:s=3")
+
+:func:`launch` starts the coordinator and the servers as Ray actors, each running the
+``syncopate`` binary (spread over the cluster's nodes where it has several), hands every process
+the run's certificate and token, runs ``train_fn(config)`` in ``workers`` worker actors with the
+worker's settings in its environment (:func:`syncopate.init` has checked them), prints progress,
+and returns the run's report once every worker is done. Whatever happens (success, an exception
+in ``train_fn``, Ctrl-C), every actor and every process it started is stopped before it returns
+or raises. :func:`start` does the same without waiting, for hot swaps and status from the driver
+while training runs.
+
+The binary must be at the same path on every node (``exe``, ``$SYNCOPATE_BIN`` or ``syncopate``
+on the ``PATH``), as in the container image of ``deploy/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from . import status as _status
+from . import swap as _swap
+from .cluster import clean_env, find_binary
+
+__all__ = ["RayRun", "launch", "start"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Run in the child before ``exec``: the kernel kills it when the actor that started it
+    dies, however it dies (``ray.kill`` is a SIGKILL, which no handler sees)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _write_files(dir: Path, files: Mapping[str, bytes]) -> None:
+    dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        path = dir / name
+        path.write_bytes(data)
+        path.chmod(0o600)
+
+
+class _Role:
+    """An actor that runs one ``syncopate`` process (the coordinator or a server) on its node.
+
+    ``{dir}`` in the arguments is the actor's directory (certificate, ready file, log) and
+    ``{ip}`` its node's address."""
+
+    def __init__(self, name: str, files: dict[str, bytes], exe: str | None) -> None:
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix=f"syncopate-{name}-"))
+        _write_files(self.dir / "tls", files)
+        self.exe = str(find_binary(exe))
+        self.ip = ray.util.get_node_ip_address()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, args: list[str], env: dict[str, str]) -> str:
+        """Starts the process with ``env`` added to a clean environment; returns the node's
+        address."""
+        subst = [a.replace("{dir}", str(self.dir)).replace("{ip}", self.ip) for a in args]
+        log = open(self.dir / "log", "wb")  # noqa: SIM115 (the process owns it)
+        self.proc = subprocess.Popen(
+            [self.exe, *subst],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=clean_env() | env,
+            preexec_fn=_die_with_parent,
+        )
+        return self.ip
+
+    def ready(self, timeout_s: float) -> str:
+        """The address the coordinator wrote to its ready file."""
+        path = self.dir / "ready"
+        deadline = time.monotonic() + timeout_s
+        while not path.exists() or not path.read_text().strip():
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at start:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start in {timeout_s} s:\n{self.log()}")
+            time.sleep(0.02)
+        return path.read_text().strip()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def exit_code(self) -> int | None:
+        """The process's exit status, or None while it runs."""
+        return None if self.proc is None else self.proc.poll()
+
+    def pid(self) -> int | None:
+        """The process's id (for tests that kill it)."""
+        return None if self.proc is None else self.proc.pid
+
+    def log(self) -> str:
+        """The process's output so far (the last 20,000 characters)."""
+        path = self.dir / "log"
+        return path.read_text(errors="replace")[-20_000:] if path.exists() else ""
+
+    def stop(self) -> str:
+        """Stops the process (a clean shutdown has usually stopped it already), removes the
+        actor's directory and returns the process's log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        log = self.log()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return log
+
+
+class _Worker:
+    """An actor that runs the user's training function as one worker of the cluster."""
+
+    def __init__(self, worker: int, files: dict[str, bytes], env: dict[str, str]) -> None:
+        self.worker = worker
+        self.dir = Path(tempfile.mkdtemp(prefix=f"syncopate-worker-{worker}-"))
+        _write_files(self.dir, files)
+        # The cluster file names the CA by path: this node's copy of it.
+        cluster = json.loads(files["cluster.json"])
+        cluster["ca"] = str(self.dir / "ca.pem")
+        (self.dir / "cluster.json").write_text(json.dumps(cluster))
+        for key in [k for k in os.environ if k.startswith("SYNCOPATE_")]:
+            del os.environ[key]
+        os.environ.update(env)
+        os.environ["SYNCOPATE_CLUSTER"] = str(self.dir / "cluster.json")
+        os.environ["SYNCOPATE_REPORT"] = str(self.dir / "report.json")
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, train_fn: Callable[[Any], Any], config: Any) -> dict[str, Any]:
+        """Runs ``train_fn(config)``; returns what it returned and the worker's report."""
+        import syncopate
+
+        try:
+            syncopate.init()
+            result = train_fn(config)
+            syncopate.leave()
+            path = self.dir / "report.json"
+            report = json.loads(path.read_text()) if path.exists() else None
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return {"worker": self.worker, "result": result, "report": report}
+
+
+_RoleActor = ray.remote(num_cpus=0, max_restarts=0)(_Role)
+_WorkerActor = ray.remote(max_restarts=0)(_Worker)
+
+
+def _say(msg: str) -> None:
+    print(f"[syncopate] {msg}", file=sys.stderr, flush=True)
+
+
+def _progress(status: dict[str, Any], t: float) -> dict[str, Any]:
+    """One line of progress, from the coordinator's status."""
+    shards = [sh for s in status["servers"] for sh in s["shards"]]
+    clocks = [w["clock"] for sh in shards for w in sh["workers"]]
+    score = (status.get("score") or {}).get("score") or {}
+    return {
+        "t_s": round(t, 3),
+        "pushes": sum(sh["stats"]["pushes_admitted"] for sh in shards),
+        "min_clock": min(clocks, default=None),
+        "max_clock": max(clocks, default=None),
+        "accuracy": score.get("accuracy"),
+        "policy": status["policy"],
+        "swaps": status["swaps"],
+        "lost_servers": list(status.get("lost_servers", [])),
+    }
+
+
+class RayRun:
+    """A Syncopate cluster running on Ray, as :func:`start` returns it. :meth:`wait` ends it."""
+
+    def __init__(
+        self,
+        train_fn: Callable[[Any], Any],
+        *,
+        workers: int,
+        servers: int,
+        policy: str,
+        config: Any,
+        replicas: int | None,
+        shards: int | None,
+        iterations: int | None,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        push_weight: str,
+        resources: Mapping[str, Any] | None,
+        worker_env: Mapping[int, Mapping[str, str]] | None,
+        exe: str | None,
+        run_dir: str | os.PathLike[str] | None,
+        peer_timeout_ms: int,
+        progress_every_s: float,
+        coordinator_args: list[str] | None,
+    ) -> None:
+        if workers < 1 or servers < 1:
+            raise ValueError("a run needs at least one worker and one server")
+        if replicas is None:
+            replicas = 1 if servers >= 2 else 0
+        if replicas > 0 and servers < 2:
+            raise ValueError("replicas need at least two servers")
+        self.t0 = time.monotonic()
+        resources = dict(resources or {"num_cpus": 1})
+        need = {
+            "CPU": workers * float(resources.get("num_cpus", 1)),
+            "GPU": workers * float(resources.get("num_gpus", 0)),
+        }
+        if not ray.is_initialized():
+            # A local instance for this run: enough CPUs declared for every worker at once
+            # (they may share the cores), or the last workers would wait for the first to end
+            # while those wait for them at the policy's barrier.
+            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need["CPU"])))
+        have = ray.cluster_resources()
+        for key, n in need.items():
+            if n > have.get(key, 0):
+                raise ValueError(
+                    f"the {workers} workers need {n:g} {key} in all and the Ray cluster has "
+                    f"{have.get(key, 0):g}: every worker must run at once (they wait for each "
+                    "other), so ask for less per worker (resources=...) or add nodes"
+                )
+        self.workers = workers
+        self.dir = Path(run_dir or Path("runs") / f"ray-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.progress_every_s = progress_every_s
+        self.timeline: list[dict[str, Any]] = []
+        self.startup_s: float | None = None
+        self.roles: list[Any] = []
+        self.worker_actors: list[Any] = []
+        self.logs: dict[str, str] = {}
+        self._stopped = False
+        self._shut = False
+        self.exe = find_binary(exe)
+        try:
+            self._start(
+                train_fn,
+                servers=servers,
+                policy=policy,
+                config=config,
+                replicas=replicas,
+                shards=shards,
+                iterations=iterations,
+                opt=(lr, momentum, weight_decay, push_weight),
+                resources=resources,
+                worker_env=worker_env or {},
+                peer_timeout_ms=peer_timeout_ms,
+                coordinator_args=coordinator_args or [],
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(
+        self,
+        train_fn: Callable[[Any], Any],
+        *,
+        servers: int,
+        policy: str,
+        config: Any,
+        replicas: int,
+        shards: int | None,
+        iterations: int | None,
+        opt: tuple[float, float, float, str],
+        resources: dict[str, Any],
+        worker_env: Mapping[int, Mapping[str, str]],
+        peer_timeout_ms: int,
+        coordinator_args: list[str],
+    ) -> None:
+        tls = self.dir / "tls"
+        subprocess.run(
+            [str(self.exe), "certs", str(tls)], check=True, env=clean_env(), capture_output=True
+        )
+        self.token = secrets.token_hex(32)
+        files = {
+            "cert.pem": (tls / "cert.pem").read_bytes(),
+            "key.pem": (tls / "key.pem").read_bytes(),
+        }
+        lr, momentum, weight_decay, push_weight = opt
+        spread = {"scheduling_strategy": "SPREAD"}
+        # The roles take no CPU from Ray's accounting, which SPREAD then ignores: each is pinned
+        # to a live node in turn, so servers share a node only when nodes run out. (A soft pin
+        # was seen to land on another node while the pinned one was starting a worker.)
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+        def on_node(i: int) -> dict[str, Any]:
+            node = alive[i % len(alive)]
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+        coordinator = _RoleActor.options(**on_node(0)).remote("coordinator", files, str(self.exe))
+        self.roles.append(coordinator)
+        args = ["coordinator", "--listen", "{ip}:0", "--ready-file", "{dir}/ready"]
+        args += [
+            "--tls-dir",
+            "{dir}/tls",
+            "--servers",
+            str(servers),
+            "--workers",
+            str(self.workers),
+        ]
+        args += ["--policy", policy, "--replicas", str(replicas)]
+        args += ["--lr", str(lr), "--momentum", str(momentum), "--weight-decay", str(weight_decay)]
+        args += ["--push-weight", push_weight, "--peer-timeout-ms", str(peer_timeout_ms)]
+        if shards is not None:
+            args += ["--shards", str(shards)]
+        # The token, and the driver's log filter (SYNCOPATE_LOG=info shows the roles' progress).
+        role_env = {"SYNCOPATE_TOKEN": self.token}
+        if "SYNCOPATE_LOG" in os.environ:
+            role_env["SYNCOPATE_LOG"] = os.environ["SYNCOPATE_LOG"]
+        ray.get(coordinator.start.remote(args + coordinator_args, role_env))
+        self.addr = ray.get(coordinator.ready.remote(60.0))
+        self.cluster_file = self.dir / "cluster.json"
+        cluster = {
+            "coordinator": self.addr,
+            "token": self.token,
+            "ca": str((tls / "cert.pem").resolve()),
+            "server_name": "syncopate",
+            "pids": [],
+        }
+        self.cluster_file.write_text(json.dumps(cluster, indent=2))
+        self.servers = []
+        for s in range(servers):
+            actor = _RoleActor.options(**on_node(s + 1)).remote(f"server-{s}", files, str(self.exe))
+            self.roles.append(actor)
+            self.servers.append(actor)
+            server_args = ["server", "--coordinator", self.addr, "--tls-dir", "{dir}/tls"]
+            ray.get(actor.start.remote(server_args + ["--listen", "{ip}:0"], role_env))
+        _say(f"coordinator at {self.addr}, {servers} servers, policy {policy}; run in {self.dir}")
+        worker_files = {"ca.pem": files["cert.pem"], "cluster.json": json.dumps(cluster).encode()}
+        self.pending = {}
+        for w in range(self.workers):
+            env = {"SYNCOPATE_ID": str(w), "SYNCOPATE_PART": f"{w}/{self.workers}"}
+            if iterations is not None:
+                env["SYNCOPATE_ITERATIONS"] = str(iterations)
+            env.update(worker_env.get(w, {}))
+            actor = _WorkerActor.options(**resources, **spread).remote(w, worker_files, env)
+            self.worker_actors.append(actor)
+        # Where each actor runs (asked before training: an actor answers its calls in order).
+        names = ["coordinator"] + [f"server-{s}" for s in range(servers)]
+        names += [f"worker-{w}" for w in range(self.workers)]
+        nodes = ray.get([a.node.remote() for a in self.roles + self.worker_actors])
+        self.placement = dict(zip(names, nodes, strict=True))
+        for w, actor in enumerate(self.worker_actors):
+            self.pending[actor.run.remote(train_fn, config)] = w
+
+    def running(self) -> bool:
+        """Whether some worker is still training."""
+        if not self.pending:
+            return False
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        return len(ready) < len(self.pending)
+
+    def status(self) -> dict[str, Any]:
+        """The cluster's status (as ``syncopate policy status --json`` prints it)."""
+        return _status(self.cluster_file)
+
+    def swap(self, policy: str) -> tuple[int, int]:
+        """Hot-swaps the running cluster's policy; see :func:`syncopate.swap`."""
+        return _swap(policy, self.cluster_file)
+
+    def _look(self) -> dict[str, Any] | None:
+        try:
+            point = _progress(self.status(), time.monotonic() - self.t0)
+        except Exception:  # noqa: BLE001 (a look that fails is retried at the next)
+            return None
+        self.timeline.append(point)
+        if self.startup_s is None and point["pushes"] > 0:
+            self.startup_s = point["t_s"]
+        return point
+
+    def _check_roles(self) -> None:
+        """Raises if the coordinator died; logs servers that died (failover handles them)."""
+        codes = ray.get([r.exit_code.remote() for r in self.roles[:1]])
+        if codes[0] is not None:
+            raise RuntimeError(f"the coordinator exited ({codes[0]}):\n{self._log(0)}")
+
+    def _log(self, i: int) -> str:
+        try:
+            return ray.get(self.roles[i].log.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001
+            return f"(log unavailable: {e})"
+
+    def wait(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Waits for every worker, stops the cluster and returns the run report (also written
+        to ``report.json`` in the run's directory). Raises what a worker raised, after stopping
+        everything; Ctrl-C stops everything too."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results: dict[int, dict[str, Any]] = {}
+        next_say = time.monotonic() + self.progress_every_s
+        try:
+            while self.pending:
+                if self.startup_s is None:
+                    self._look()
+                ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=0.05)
+                for ref in ready:
+                    w = self.pending.pop(ref)
+                    results[w] = ray.get(ref)
+                    _say(f"worker {w} finished")
+                if time.monotonic() >= next_say:
+                    next_say += self.progress_every_s
+                    self._check_roles()
+                    point = self._look()
+                    if point is not None:
+                        _say(_line(point))
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the run did not finish in {timeout_s} s")
+            final = self._look()
+            last_status = self.status()
+            self._shutdown(save_model=self.dir / "model.bin")
+        finally:
+            self.stop()
+        report = {
+            "run_dir": str(self.dir),
+            "elapsed_s": time.monotonic() - self.t0,
+            "startup_s": self.startup_s,
+            "policy": last_status["policy"],
+            "swaps": last_status["swaps"],
+            "lost_servers": last_status.get("lost_servers", []),
+            "final": final,
+            "placement": self.placement,
+            "workers": [results[w]["report"] for w in sorted(results)],
+            "results": [results[w]["result"] for w in sorted(results)],
+            "status": last_status,
+            "timeline": self.timeline,
+        }
+        (self.dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        _say(f"done in {report['elapsed_s']:.1f} s; report in {self.dir / 'report.json'}")
+        return report
+
+    def kill_server(self, server: int) -> None:
+        """Kills server ``server``'s actor, and so its process (for failure drills and tests)."""
+        ray.kill(self.servers[server], no_restart=True)
+
+    def _shutdown(self, save_model: Path | None) -> None:
+        """Asks the coordinator to stop the servers and itself, first saving the model."""
+        if self._shut or getattr(self, "cluster_file", None) is None:
+            return
+        self._shut = True
+        args = [str(self.exe), "shutdown", "--cluster", str(self.cluster_file)]
+        args += ["--save-model", str(save_model)] if save_model is not None else []
+        out = subprocess.run(args, env=clean_env(), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"the cluster did not shut down cleanly: {out.stderr.strip()}")
+
+    def stop(self) -> None:
+        """Stops every worker, the servers and the coordinator, and their actors (idempotent).
+        The coordinator is asked to shut the cluster down first, so servers exit cleanly."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for actor in self.worker_actors:
+            ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            self._shutdown(None)
+        names = ["coordinator"] + [f"server-{s}" for s in range(len(self.roles) - 1)]
+        logs = [r.stop.remote() for r in self.roles]
+        for name, ref in zip(names, logs, strict=True):
+            try:
+                self.logs[name] = ray.get(ref, timeout=30)
+            except Exception as e:  # noqa: BLE001 (a dead actor has no log to give)
+                self.logs[name] = f"(gone: {type(e).__name__})"
+        for actor in self.roles:
+            ray.kill(actor, no_restart=True)
+        logs_dir = self.dir / "logs"
+        logs_dir.mkdir(exist_ok=True)
+        for name, text in self.logs.items():
+            (logs_dir / f"{name}.log").write_text(text)
+
+
+def _line(p: dict[str, Any]) -> str:
+    acc = "" if p["accuracy"] is None else f", accuracy {p['accuracy']:.1%}"
+    lost = f", servers lost {p['lost_servers']}" if p["lost_servers"] else ""
+    return (
+        f"{p['t_s']:.0f} s: iterations {p['min_clock']}-{p['max_clock']}, "
+        f"{p['pushes']} pushes, policy {p['policy']}{acc}{lost}"
+    )
+
+
+def start(
+    train_fn: Callable[[Any], Any],
+    *,
+    workers: int,
+    servers: int = 1,
+    policy: str = "bsp",
+    config: Any = None,
+    replicas: int | None = None,
+    shards: int | None = None,
+    iterations: int | None = None,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    push_weight: str = "mean",
+    resources: Mapping[str, Any] | None = None,
+    worker_env: Mapping[int, Mapping[str, str]] | None = None,
+    exe: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    peer_timeout_ms: int = 5000,
+    progress_every_s: float = 5.0,
+    coordinator_args: list[str] | None = None,
+) -> RayRun:
+    """Starts a cluster on Ray and the workers' training; returns at once with a
+    :class:`RayRun` (:meth:`RayRun.swap`, :meth:`RayRun.status`, :meth:`RayRun.wait`).
+
+    - ``train_fn(config)`` runs in each of ``workers`` actors, with ``resources`` each (Ray's
+      actor options: ``{"num_cpus": 1}`` by default, ``{"num_gpus": 1}``, ...) and the worker's
+      ``SYNCOPATE_*`` settings in its environment (its id, its part ``I/N``, the budget
+      ``iterations``, and ``worker_env[i]``: ``{"SYNCOPATE_SLOW_FACTOR": "3"}``). Inside it,
+      ``syncopate.Worker(...)``, ``syncopate.torch.DistributedOptimizer(...)``,
+      ``syncopate.swap(...)`` and ``syncopate.status()`` reach the cluster with no arguments.
+    - ``servers`` servers, each in an actor of its own, spread over the nodes; ``replicas``
+      backups per shard (default 1 with two servers or more, so a server actor that dies is
+      failed over; see ``docs/fault-tolerance.md`` for the cost).
+    - ``policy``, ``lr``, ``momentum``, ``weight_decay``, ``push_weight``, ``shards``,
+      ``peer_timeout_ms``: as ``syncopate coordinator`` takes them; ``coordinator_args`` adds
+      any other flag (``["--checkpoint-dir", "/shared/ckpt"]``).
+    - ``run_dir`` (default ``runs/ray-<time>``) gets ``cluster.json`` (for ``syncopate policy
+      swap|status --cluster``), the processes' logs and ``report.json``.
+    """
+    return RayRun(
+        train_fn,
+        workers=workers,
+        servers=servers,
+        policy=policy,
+        config=config,
+        replicas=replicas,
+        shards=shards,
+        iterations=iterations,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        push_weight=push_weight,
+        resources=resources,
+        worker_env=worker_env,
+        exe=exe,
+        run_dir=run_dir,
+        peer_timeout_ms=peer_timeout_ms,
+        progress_every_s=progress_every_s,
+        coordinator_args=coordinator_args,
+    )
+
+
+def launch(
+    train_fn: Callable[[Any], Any], *, timeout_s: float | None = None, **kw: Any
+) -> dict[str, Any]:
+    """Runs ``train_fn`` on a Syncopate cluster on Ray to its end and returns the run report:
+    ``start(train_fn, **kw).wait(timeout_s)``. See :func:`start` for the arguments. The report
+    has every worker's report and ``train_fn``'s return value, the final status, the progress
+    timeline, the servers lost, and ``startup_s``: seconds from this call to the first push
+    the servers admitted."""
+    return start(train_fn, **kw).wait(timeout_s)

@@ -1,0 +1,255 @@
+"""``syncopate.ray``: whole clusters launched on a real local Ray instance (Ray from PyPI, on this
+machine; ``ray.cluster_utils.Cluster`` for several nodes). The coordinator and servers are the
+``syncopate`` binary in Ray actors, the workers are training functions in Ray actors, and
+nothing is mocked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster as RayCluster
+
+import syncopate
+import syncopate.ray as sray
+from conftest import ROOT, binary
+
+DIM = 16
+
+
+def counter(config: dict[str, Any]) -> dict[str, Any]:
+    """Known values: worker ``rank`` pushes ``rank + 1`` in every parameter at every iteration,
+    ``config["pace_s"]`` apart. With SGD at rate 1, no momentum and summed pushes, every
+    parameter ends at exactly minus the sum of all pushes."""
+    weights = np.zeros(DIM, dtype=np.float32)
+    worker = syncopate.Worker([weights])
+    grad = np.full(DIM, worker.rank + 1, dtype=np.float32)
+    while worker.pull([weights]) is not None:
+        time.sleep(config["pace_s"])
+        worker.push([grad])
+    report = worker.leave()
+    assert report is not None
+    return {"rank": report["worker"], "iterations": report["iterations"], "pid": os.getpid()}
+
+
+EXACT = {"lr": 1.0, "momentum": 0.0, "push_weight": "sum"}
+
+
+def syncopate_processes() -> list[tuple[int, str]]:
+    """Every live ``syncopate`` process of this checkout's binary, and every live actor of
+    :mod:`syncopate.ray` (Ray names an actor's process ``ray::<class>``)."""
+    exe = str(binary())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(") ")[-1][0]
+        except OSError:
+            continue
+        first = cmd[0].decode(errors="replace") if cmd else ""
+        actor = first.startswith(("ray::_Role", "ray::_Worker"))
+        if (first == exe or actor) and state != "Z":
+            found.append((int(entry.name), b" ".join(cmd).decode(errors="replace")))
+    return found
+
+
+NODES = 3
+
+
+def assert_nothing_left() -> None:
+    """No process of the run is left: the binary's at once, the actors' within 30 s (Ray kills
+    an actor's process asynchronously)."""
+    assert not [p for p in syncopate_processes() if not p[1].startswith("ray::")]
+    deadline = time.monotonic() + 30
+    while left := syncopate_processes():
+        assert time.monotonic() < deadline, left
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[str]:
+    """A Ray cluster of three nodes on this machine (``ray.cluster_utils.Cluster``: a raylet
+    each), for the module's tests; shut down after them."""
+    os.environ["SYNCOPATE_BIN"] = str(binary())
+    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(NODES - 1):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    # The actors unpickle this module's training functions by name: they import it from here.
+    here = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    yield cluster.address
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def exact_model(report: dict[str, Any], workers: int, iterations: int) -> None:
+    model = np.fromfile(Path(report["run_dir"]) / "model.bin", dtype="<f4")
+    assert model.shape == (DIM,)
+    expected = -sum(r + 1 for r in range(workers)) * iterations
+    assert np.all(model == expected), (model, expected)
+
+
+def test_a_counter_run_on_ray_applies_every_push_once_and_leaves_nothing_running(
+    local_ray: str, tmp_path: Path
+) -> None:
+    report = sray.launch(
+        counter,
+        workers=3,
+        servers=2,
+        policy="ssp:s=2",
+        iterations=40,
+        config={"pace_s": 0.01},
+        run_dir=tmp_path / "run",
+        timeout_s=120,
+        **EXACT,
+    )
+    assert [r["iterations"] for r in report["results"]] == [40, 40, 40]
+    assert [w["iterations"] for w in report["workers"]] == [40, 40, 40]
+    exact_model(report, 3, 40)
+    assert report["startup_s"] is not None and 0 < report["startup_s"] < report["elapsed_s"]
+    assert report["policy"] == "builtin:ssp"
+    # Spread over the nodes: the servers on two, the workers on more than one.
+    placed = report["placement"]
+    assert placed["server-0"] != placed["server-1"], placed
+    assert len({placed[f"worker-{w}"] for w in range(3)}) > 1, placed
+    assert_nothing_left()
+
+
+def test_killing_a_server_actor_mid_run_loses_no_push(local_ray: str, tmp_path: Path) -> None:
+    run = sray.start(
+        counter,
+        workers=3,
+        servers=2,
+        shards=3,
+        policy="bsp",
+        iterations=150,
+        config={"pace_s": 0.02},
+        run_dir=tmp_path / "run",
+        **EXACT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (run._look() or {}).get("min_clock") is None or run.timeline[-1]["min_clock"] < 30:
+            assert run.running() and time.monotonic() < deadline, run.timeline[-3:]
+            time.sleep(0.1)
+        run.kill_server(0)
+    except BaseException:
+        run.stop()
+        raise
+    report = run.wait(timeout_s=180)
+    assert report["lost_servers"] == [0], report["status"]
+    assert [w["iterations"] for w in report["workers"]] == [150] * 3
+    exact_model(report, 3, 150)
+    assert_nothing_left()
+
+
+def torch_example(argv: list[str]) -> dict[str, Any]:
+    """The PyTorch example's ``main``, run in the worker actor."""
+    sys.path.insert(0, str(ROOT / "examples" / "torch"))
+    import train  # noqa: PLC0415 (imported in the actor)
+
+    return train.main(argv)
+
+
+def test_the_torch_example_trains_on_ray_across_a_hot_swap(local_ray: str, tmp_path: Path) -> None:
+    # The example's MLP on 6,000 images per worker, scored on 2,000 every 20 iterations.
+    argv = ["--model", "mlp", "--threads", "1", "--train-limit", "12000", "--test-limit", "2000"]
+    argv += ["--eval-every", "20", "--epochs", "5"]
+    run = sray.start(
+        torch_example,
+        workers=2,
+        servers=2,
+        policy="bsp",
+        config=argv,
+        run_dir=tmp_path / "run",
+        progress_every_s=1.0,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run._look() or {}).get("accuracy"):
+            assert run.running() and time.monotonic() < deadline, "no score before the swap"
+            time.sleep(0.2)
+        assert run.swap("ssp:s=2") == (1, 2)
+    except BaseException:
+        run.stop()
+        raise
+    report = run.wait(timeout_s=420)
+    assert report["swaps"] == 1 and report["policy"] == "builtin:ssp", report["policy"]
+    scored = [(p["policy"], p["accuracy"]) for p in report["timeline"] if p["accuracy"]]
+    before = [a for policy, a in scored if "bsp" in policy]
+    after = [a for policy, a in scored if "ssp" in policy]
+    # Scores were seen under both policies, and training went on improving across the swap.
+    assert before and after, scored
+    assert max(after) > before[0], scored
+    # Chance is 0.10; three passes gave 0.79-0.81 under `syncopate local`, five 0.84 here.
+    assert report["results"][0]["final_accuracy"] > 0.75, report["results"][0]
+    assert all(r["iterations"] >= 930 for r in report["results"]), report["results"]
+    assert report["startup_s"] is not None
+    assert_nothing_left()
+
+
+def fails(config: Any) -> None:
+    """Worker 1 raises at its first iteration; worker 0 waits for it at BSP's barrier."""
+    weights = np.zeros(DIM, dtype=np.float32)
+    worker = syncopate.Worker([weights])
+    while worker.pull([weights]) is not None:
+        if worker.rank == 1:
+            raise ValueError("worker 1 gives up")
+        worker.push([weights])
+
+
+def test_a_failing_train_fn_stops_everything_and_raises(local_ray: str, tmp_path: Path) -> None:
+    with pytest.raises(ray.exceptions.RayTaskError, match="worker 1 gives up"):
+        sray.launch(fails, workers=2, servers=1, iterations=1000, run_dir=tmp_path / "r")
+    assert_nothing_left()
+
+
+def test_ctrl_c_in_the_driver_stops_everything(local_ray: str, tmp_path: Path) -> None:
+    here = Path(__file__).parent
+    env = os.environ | {
+        "RAY_ADDRESS": local_ray,
+        "PYTHONPATH": f"{here}{os.pathsep}{here / 'scripts'}",
+    }
+    p = subprocess.Popen(
+        [sys.executable, str(here / "scripts" / "ray_driver.py"), str(tmp_path / "run")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert p.stdout is not None
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.strip() == "training":
+            break
+    assert syncopate_processes(), "the run was not under way"
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0, "".join(lines) + out
+    assert "KeyboardInterrupt" in out, "".join(lines) + out
+    assert_nothing_left()
+
+
+def test_more_workers_than_the_cluster_can_run_at_once_is_refused(
+    local_ray: str, tmp_path: Path
+) -> None:
+    # The workers wait for each other: if some could not be placed, the run would hang.
+    with pytest.raises(
+        ValueError, match="the 7 workers need 7 CPU in all and the Ray cluster has 6"
+    ):
+        sray.launch(counter, workers=7, servers=1, config={"pace_s": 0}, run_dir=tmp_path / "r")
+    assert_nothing_left()
