@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,11 +166,25 @@ class _Worker:
         """The Ray node this actor runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def run(self, train_fn: Callable[[Any], Any], config: Any) -> dict[str, Any]:
-        """Runs ``train_fn(config)``; returns what it returned and the worker's report."""
+    def run(
+        self, train_fn: Callable[[Any], Any], config: Any, rejoin: bool = False
+    ) -> dict[str, Any]:
+        """Runs ``train_fn(config)``; returns what it returned and the worker's report. With
+        ``rejoin`` (a restarted worker), first waits until the coordinator has noticed that the
+        worker's dead process is gone, so that it takes the id back; the shards then hand it
+        the iteration after the last one they acknowledged."""
         import syncopate
 
         try:
+            deadline = time.monotonic() + 120
+            while rejoin:
+                status = syncopate.status()
+                me = [w for w in status["workers"] if w["worker"] == self.worker]
+                if not me or not me[0]["connected"]:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {self.worker}'s old process is still connected")
+                time.sleep(0.1)
             syncopate.init()
             result = train_fn(config)
             syncopate.leave()
@@ -205,32 +220,36 @@ def _progress(status: dict[str, Any], t: float) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What :func:`start` was given (its docstring says what each means)."""
+
+    workers: int
+    servers: int
+    policy: str
+    config: Any
+    replicas: int | None
+    shards: int | None
+    iterations: int | None
+    lr: float
+    momentum: float
+    weight_decay: float
+    push_weight: str
+    resources: Mapping[str, Any] | None
+    worker_env: Mapping[int, Mapping[str, str]] | None
+    exe: str | None
+    run_dir: str | os.PathLike[str] | None
+    peer_timeout_ms: int
+    progress_every_s: float
+    coordinator_args: list[str] | None
+    restart_workers: int
+
+
 class RayRun:
     """A Syncopate cluster running on Ray, as :func:`start` returns it. :meth:`wait` ends it."""
 
-    def __init__(
-        self,
-        train_fn: Callable[[Any], Any],
-        *,
-        workers: int,
-        servers: int,
-        policy: str,
-        config: Any,
-        replicas: int | None,
-        shards: int | None,
-        iterations: int | None,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
-        push_weight: str,
-        resources: Mapping[str, Any] | None,
-        worker_env: Mapping[int, Mapping[str, str]] | None,
-        exe: str | None,
-        run_dir: str | os.PathLike[str] | None,
-        peer_timeout_ms: int,
-        progress_every_s: float,
-        coordinator_args: list[str] | None,
-    ) -> None:
+    def __init__(self, train_fn: Callable[[Any], Any], o: _Options) -> None:
+        workers, servers, replicas = o.workers, o.servers, o.replicas
         if workers < 1 or servers < 1:
             raise ValueError("a run needs at least one worker and one server")
         if replicas is None:
@@ -238,7 +257,7 @@ class RayRun:
         if replicas > 0 and servers < 2:
             raise ValueError("replicas need at least two servers")
         self.t0 = time.monotonic()
-        resources = dict(resources or {"num_cpus": 1})
+        resources = dict(o.resources or {"num_cpus": 1})
         need = {
             "CPU": workers * float(resources.get("num_cpus", 1)),
             "GPU": workers * float(resources.get("num_gpus", 0)),
@@ -257,51 +276,29 @@ class RayRun:
                     "other), so ask for less per worker (resources=...) or add nodes"
                 )
         self.workers = workers
-        self.dir = Path(run_dir or Path("runs") / f"ray-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.dir = Path(o.run_dir or Path("runs") / f"ray-{time.strftime('%Y%m%d-%H%M%S')}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.progress_every_s = progress_every_s
+        self.progress_every_s = o.progress_every_s
         self.timeline: list[dict[str, Any]] = []
         self.startup_s: float | None = None
         self.roles: list[Any] = []
         self.worker_actors: list[Any] = []
+        self.old_actors: list[Any] = []
+        self.max_restarts = o.restart_workers
+        self.restarts: dict[int, int] = {}
+        self.lost_workers: list[int] = []
         self.logs: dict[str, str] = {}
         self._stopped = False
         self._shut = False
-        self.exe = find_binary(exe)
+        self.exe = find_binary(o.exe)
         try:
-            self._start(
-                train_fn,
-                servers=servers,
-                policy=policy,
-                config=config,
-                replicas=replicas,
-                shards=shards,
-                iterations=iterations,
-                opt=(lr, momentum, weight_decay, push_weight),
-                resources=resources,
-                worker_env=worker_env or {},
-                peer_timeout_ms=peer_timeout_ms,
-                coordinator_args=coordinator_args or [],
-            )
+            self._start(train_fn, o, replicas, resources)
         except BaseException:
             self.stop()
             raise
 
     def _start(
-        self,
-        train_fn: Callable[[Any], Any],
-        *,
-        servers: int,
-        policy: str,
-        config: Any,
-        replicas: int,
-        shards: int | None,
-        iterations: int | None,
-        opt: tuple[float, float, float, str],
-        resources: dict[str, Any],
-        worker_env: Mapping[int, Mapping[str, str]],
-        peer_timeout_ms: int,
-        coordinator_args: list[str],
+        self, train_fn: Callable[[Any], Any], o: _Options, replicas: int, resources: dict[str, Any]
     ) -> None:
         tls = self.dir / "tls"
         subprocess.run(
@@ -312,7 +309,6 @@ class RayRun:
             "cert.pem": (tls / "cert.pem").read_bytes(),
             "key.pem": (tls / "key.pem").read_bytes(),
         }
-        lr, momentum, weight_decay, push_weight = opt
         spread = {"scheduling_strategy": "SPREAD"}
         # The roles take no CPU from Ray's accounting, which SPREAD then ignores: each is pinned
         # to a live node in turn, so servers share a node only when nodes run out. (A soft pin
@@ -330,20 +326,20 @@ class RayRun:
             "--tls-dir",
             "{dir}/tls",
             "--servers",
-            str(servers),
+            str(o.servers),
             "--workers",
             str(self.workers),
         ]
-        args += ["--policy", policy, "--replicas", str(replicas)]
-        args += ["--lr", str(lr), "--momentum", str(momentum), "--weight-decay", str(weight_decay)]
-        args += ["--push-weight", push_weight, "--peer-timeout-ms", str(peer_timeout_ms)]
-        if shards is not None:
-            args += ["--shards", str(shards)]
+        args += ["--policy", o.policy, "--replicas", str(replicas), "--lr", str(o.lr)]
+        args += ["--momentum", str(o.momentum), "--weight-decay", str(o.weight_decay)]
+        args += ["--push-weight", o.push_weight, "--peer-timeout-ms", str(o.peer_timeout_ms)]
+        if o.shards is not None:
+            args += ["--shards", str(o.shards)]
         # The token, and the driver's log filter (SYNCOPATE_LOG=info shows the roles' progress).
         role_env = {"SYNCOPATE_TOKEN": self.token}
         if "SYNCOPATE_LOG" in os.environ:
             role_env["SYNCOPATE_LOG"] = os.environ["SYNCOPATE_LOG"]
-        ray.get(coordinator.start.remote(args + coordinator_args, role_env))
+        ray.get(coordinator.start.remote(args + (o.coordinator_args or []), role_env))
         self.addr = ray.get(coordinator.ready.remote(60.0))
         self.cluster_file = self.dir / "cluster.json"
         cluster = {
@@ -355,29 +351,36 @@ class RayRun:
         }
         self.cluster_file.write_text(json.dumps(cluster, indent=2))
         self.servers = []
-        for s in range(servers):
+        for s in range(o.servers):
             actor = _RoleActor.options(**on_node(s + 1)).remote(f"server-{s}", files, str(self.exe))
             self.roles.append(actor)
             self.servers.append(actor)
             server_args = ["server", "--coordinator", self.addr, "--tls-dir", "{dir}/tls"]
             ray.get(actor.start.remote(server_args + ["--listen", "{ip}:0"], role_env))
-        _say(f"coordinator at {self.addr}, {servers} servers, policy {policy}; run in {self.dir}")
+        _say(f"coordinator at {self.addr}, {o.servers} servers, policy {o.policy}; in {self.dir}")
         worker_files = {"ca.pem": files["cert.pem"], "cluster.json": json.dumps(cluster).encode()}
         self.pending = {}
+        self.envs: list[dict[str, str]] = []
         for w in range(self.workers):
             env = {"SYNCOPATE_ID": str(w), "SYNCOPATE_PART": f"{w}/{self.workers}"}
-            if iterations is not None:
-                env["SYNCOPATE_ITERATIONS"] = str(iterations)
-            env.update(worker_env.get(w, {}))
+            if o.iterations is not None:
+                env["SYNCOPATE_ITERATIONS"] = str(o.iterations)
+            env.update((o.worker_env or {}).get(w, {}))
+            self.envs.append(env)
             actor = _WorkerActor.options(**resources, **spread).remote(w, worker_files, env)
             self.worker_actors.append(actor)
+        # What a restarted worker needs.
+        self._new_worker = lambda w: _WorkerActor.options(**resources, **spread).remote(
+            w, worker_files, self.envs[w]
+        )
+        self._train = (train_fn, o.config)
         # Where each actor runs (asked before training: an actor answers its calls in order).
-        names = ["coordinator"] + [f"server-{s}" for s in range(servers)]
+        names = ["coordinator"] + [f"server-{s}" for s in range(o.servers)]
         names += [f"worker-{w}" for w in range(self.workers)]
         nodes = ray.get([a.node.remote() for a in self.roles + self.worker_actors])
         self.placement = dict(zip(names, nodes, strict=True))
         for w, actor in enumerate(self.worker_actors):
-            self.pending[actor.run.remote(train_fn, config)] = w
+            self.pending[actor.run.remote(train_fn, o.config)] = w
 
     def running(self) -> bool:
         """Whether some worker is still training."""
@@ -430,8 +433,12 @@ class RayRun:
                 ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=0.05)
                 for ref in ready:
                     w = self.pending.pop(ref)
-                    results[w] = ray.get(ref)
-                    _say(f"worker {w} finished")
+                    try:
+                        results[w] = ray.get(ref)
+                        _say(f"worker {w} finished")
+                    except ray.exceptions.RayActorError as e:
+                        # Its process died (train_fn's own exceptions are RayTaskErrors).
+                        self._worker_died(w, e)
                 if time.monotonic() >= next_say:
                     next_say += self.progress_every_s
                     self._check_roles()
@@ -454,6 +461,8 @@ class RayRun:
             "lost_servers": last_status.get("lost_servers", []),
             "final": final,
             "placement": self.placement,
+            "restarts": self.restarts,
+            "lost_workers": self.lost_workers,
             "workers": [results[w]["report"] for w in sorted(results)],
             "results": [results[w]["result"] for w in sorted(results)],
             "status": last_status,
@@ -462,6 +471,27 @@ class RayRun:
         (self.dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
         _say(f"done in {report['elapsed_s']:.1f} s; report in {self.dir / 'report.json'}")
         return report
+
+    def _worker_died(self, w: int, e: Exception) -> None:
+        """Restarts worker ``w`` if it has restarts left; otherwise the cluster goes on
+        without it, as it does without any lost worker (the servers drop it after the peer
+        timeout)."""
+        done = self.restarts.get(w, 0)
+        if done >= self.max_restarts:
+            self.lost_workers.append(w)
+            _say(f"worker {w}'s actor died ({type(e).__name__}); the cluster goes on without it")
+            return
+        self.restarts[w] = done + 1
+        _say(f"worker {w}'s actor died; restarting it ({done + 1} of {self.max_restarts})")
+        self.old_actors.append(self.worker_actors[w])
+        actor = self._new_worker(w)
+        self.worker_actors[w] = actor
+        train_fn, config = self._train
+        self.pending[actor.run.remote(train_fn, config, True)] = w
+
+    def kill_worker(self, worker: int) -> None:
+        """Kills worker ``worker``'s actor (for failure drills and tests)."""
+        ray.kill(self.worker_actors[worker], no_restart=True)
 
     def kill_server(self, server: int) -> None:
         """Kills server ``server``'s actor, and so its process (for failure drills and tests)."""
@@ -484,7 +514,7 @@ class RayRun:
         if self._stopped:
             return
         self._stopped = True
-        for actor in self.worker_actors:
+        for actor in self.worker_actors + self.old_actors:
             ray.kill(actor, no_restart=True)
         with contextlib.suppress(Exception):
             self._shutdown(None)
@@ -533,6 +563,7 @@ def start(
     peer_timeout_ms: int = 5000,
     progress_every_s: float = 5.0,
     coordinator_args: list[str] | None = None,
+    restart_workers: int = 0,
 ) -> RayRun:
     """Starts a cluster on Ray and the workers' training; returns at once with a
     :class:`RayRun` (:meth:`RayRun.swap`, :meth:`RayRun.status`, :meth:`RayRun.wait`).
@@ -549,30 +580,16 @@ def start(
     - ``policy``, ``lr``, ``momentum``, ``weight_decay``, ``push_weight``, ``shards``,
       ``peer_timeout_ms``: as ``syncopate coordinator`` takes them; ``coordinator_args`` adds
       any other flag (``["--checkpoint-dir", "/shared/ckpt"]``).
+    - ``restart_workers``: how many times a worker whose actor dies is started again (0: the
+      cluster goes on without it, as ``syncopate local`` does). A restarted worker takes its id
+      back once the coordinator has noticed the old process gone (the peer timeout) and goes
+      on from the iteration after the last one the shards acknowledged; ``train_fn`` runs
+      again from its start, so it must rebuild its state from the pulled model.
     - ``run_dir`` (default ``runs/ray-<time>``) gets ``cluster.json`` (for ``syncopate policy
       swap|status --cluster``), the processes' logs and ``report.json``.
     """
-    return RayRun(
-        train_fn,
-        workers=workers,
-        servers=servers,
-        policy=policy,
-        config=config,
-        replicas=replicas,
-        shards=shards,
-        iterations=iterations,
-        lr=lr,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        push_weight=push_weight,
-        resources=resources,
-        worker_env=worker_env,
-        exe=exe,
-        run_dir=run_dir,
-        peer_timeout_ms=peer_timeout_ms,
-        progress_every_s=progress_every_s,
-        coordinator_args=coordinator_args,
-    )
+    settings = {k: v for k, v in locals().items() if k != "train_fn"}
+    return RayRun(train_fn, _Options(**settings))
 
 
 def launch(

@@ -6,6 +6,7 @@ nothing is mocked."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,8 +46,9 @@ EXACT = {"lr": 1.0, "momentum": 0.0, "push_weight": "sum"}
 
 
 def syncopate_processes() -> list[tuple[int, str]]:
-    """Every live ``syncopate`` process of this checkout's binary, and every live actor of
-    :mod:`syncopate.ray` (Ray names an actor's process ``ray::<class>``)."""
+    """Every live ``syncopate`` process that an actor of :mod:`syncopate.ray` started (its
+    certificate is in the actor's ``syncopate-<role>-*`` directory), and every live actor
+    (Ray names an actor's process ``ray::<class>``)."""
     exe = str(binary())
     found = []
     for entry in Path("/proc").iterdir():
@@ -58,9 +60,11 @@ def syncopate_processes() -> list[tuple[int, str]]:
         except OSError:
             continue
         first = cmd[0].decode(errors="replace") if cmd else ""
+        line = b" ".join(cmd).decode(errors="replace")
         actor = first.startswith(("ray::_Role", "ray::_Worker"))
-        if (first == exe or actor) and state != "Z":
-            found.append((int(entry.name), b" ".join(cmd).decode(errors="replace")))
+        ours = first == exe and re.search(r"/syncopate-(coordinator|server-\d+)-", line)
+        if (ours or actor) and state != "Z":
+            found.append((int(entry.name), line))
     return found
 
 
@@ -252,4 +256,78 @@ def test_more_workers_than_the_cluster_can_run_at_once_is_refused(
         ValueError, match="the 7 workers need 7 CPU in all and the Ray cluster has 6"
     ):
         sray.launch(counter, workers=7, servers=1, config={"pace_s": 0}, run_dir=tmp_path / "r")
+    assert_nothing_left()
+
+
+def until_min_clock(run: sray.RayRun, clock: int) -> None:
+    """Waits until every worker has pushed ``clock`` iterations."""
+    deadline = time.monotonic() + 60
+    while (run._look() or {}).get("min_clock") is None or run.timeline[-1]["min_clock"] < clock:
+        assert run.running() and time.monotonic() < deadline, run.timeline[-3:]
+        time.sleep(0.1)
+
+
+def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
+    local_ray: str, tmp_path: Path
+) -> None:
+    run = sray.start(
+        counter,
+        workers=3,
+        servers=2,
+        policy="bsp",
+        iterations=120,
+        config={"pace_s": 0.02},
+        run_dir=tmp_path / "run",
+        restart_workers=1,
+        **EXACT,
+    )
+    try:
+        until_min_clock(run, 30)
+        at_kill = run.timeline[-1]
+        run.kill_worker(1)
+    except BaseException:
+        run.stop()
+        raise
+    report = run.wait(timeout_s=240)
+    assert report["restarts"] == {1: 1} and report["lost_workers"] == []
+    assert [r["iterations"] for r in report["results"]][0::2] == [120, 120]
+    # The servers dropped the dead process; the new one joined as a late joiner does, at the
+    # slowest worker's iteration, and went on to the end of the budget.
+    again = report["results"][1]["iterations"]
+    assert 0 < again < 120 - 30
+    model = np.fromfile(Path(report["run_dir"]) / "model.bin", dtype="<f4")
+    assert np.all(model == model[0]), model
+    # Workers 0 and 2 push 1 and 3 every iteration; what is left is worker 1's pushes of 2:
+    # those of its first process (acknowledged up to the kill, between the clocks seen just
+    # before it) and every one of the second's, each once.
+    pushes_1 = (-float(model[0]) - (1 + 3) * 120) / 2
+    first = pushes_1 - again
+    assert first == int(first), model
+    assert at_kill["min_clock"] <= first <= at_kill["max_clock"] + 1, (first, at_kill, again)
+    assert_nothing_left()
+
+
+def test_without_restarts_a_killed_worker_actor_is_dropped_and_the_others_finish(
+    local_ray: str, tmp_path: Path
+) -> None:
+    run = sray.start(
+        counter,
+        workers=2,
+        servers=1,
+        policy="bsp",
+        iterations=80,
+        config={"pace_s": 0.02},
+        run_dir=tmp_path / "run",
+        peer_timeout_ms=2000,
+        **EXACT,
+    )
+    try:
+        until_min_clock(run, 20)
+        run.kill_worker(1)
+    except BaseException:
+        run.stop()
+        raise
+    report = run.wait(timeout_s=240)
+    assert report["lost_workers"] == [1]
+    assert [r["iterations"] for r in report["results"]] == [80]
     assert_nothing_left()
