@@ -86,9 +86,12 @@ def local_ray() -> Iterator[str]:
     """A Ray cluster of three nodes on this machine (``ray.cluster_utils.Cluster``: a raylet
     each), for the module's tests; shut down after them."""
     os.environ["SYNCOPATE_BIN"] = str(binary())
-    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # A small object store each (the runs pass only small objects): three default ones would
+    # ask for most of the machine's shared memory.
+    node = {"num_cpus": 2, "object_store_memory": 200 << 20}
+    cluster = RayCluster(initialize_head=True, head_node_args=node)
     for _ in range(NODES - 1):
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(**node)
     cluster.wait_for_nodes()
     # The actors unpickle this module's training functions by name: they import it from here.
     here = str(Path(__file__).parent)
