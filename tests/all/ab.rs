@@ -71,3 +71,45 @@ fn ab_refuses_bad_scenarios_clearly() {
     let (out, _) = ab("ab-policy", "name = \"p\"\nworkers = 2\niterations = 5\n", "bsp,nosuch");
     assert!(!out.status.success(), "an unknown policy fails the command");
 }
+
+/// A failure drill in a scenario (`replicas = 1`, `[kill_server]`): on real clusters the
+/// launcher SIGKILLs the server at its time, in the simulator it dies then; either way every
+/// policy's run fails over once and ends with exactly the sum of every push.
+#[test]
+fn ab_runs_a_scenarios_failure_drill_on_real_clusters_and_in_the_simulator() {
+    let scenario = "name = \"drill\"\nworkload = \"counter\"\nparams = 16\nworkers = 3\nservers = 2\n\
+                    shards = 3\niterations = 150\ncompute_ms = 10\ntime_limit_s = 120\n\
+                    eval_every_ms = 200\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
+                    replicas = 1\n[kill_server]\nserver = 0\nat_s = 0.6\n";
+    for simulate in [false, true] {
+        let dir = run_dir(if simulate { "ab-drill-sim" } else { "ab-drill" });
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("scenario.toml");
+        std::fs::write(&file, scenario).unwrap();
+        let mut cmd = Command::new(syncopate_bin());
+        cmd.args(["ab", "--policies", "bsp,asp", "--scenario"]).arg(&file).arg("--out").arg(dir.join("out"));
+        if simulate {
+            cmd.arg("--simulate");
+        }
+        let out = cmd.output().expect("syncopate ab runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let c: Comparison =
+            serde_json::from_slice(&std::fs::read(dir.join("out").join("comparison.json")).unwrap()).unwrap();
+        assert_eq!(c.rows.len(), 2);
+        for r in &c.rows {
+            let what = format!("{} (simulated: {simulate})", r.policy);
+            let run: syncopate::lab::report::RunReport =
+                serde_json::from_slice(&std::fs::read(r.run_dir.join("report.json")).unwrap()).unwrap();
+            assert_eq!(run.failovers.len(), 1, "{what}: {:?}", run.failovers);
+            assert_eq!(run.failovers[0].server, 0, "{what}");
+            assert!(run.workers.iter().all(|w| w.iterations == 150), "{what}: {:?}", run.workers);
+            let model: Vec<f32> = std::fs::read(r.run_dir.join("model.bin"))
+                .unwrap()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            crate::cluster::assert_all(&model, -(1.0 + 2.0 + 3.0) * 150.0, &what);
+        }
+    }
+}

@@ -234,7 +234,7 @@ fn replicas_on_a_single_server_are_refused_with_the_reason() {
         LocalRun::start("failover-one-server", &["--servers", "1", "--replicas", "1", "--iterations", "5"]);
     let (st, run) = run.finish(Duration::from_secs(60));
     assert!(!st.success());
-    assert!(run.output().contains("--replicas 1 needs at least two servers"), "{}", run.output());
+    assert!(run.output().contains("replicas 1 needs at least two servers"), "{}", run.output());
 }
 
 /// A server killed while a hot swap is under way: the swap either reaches every shard or none

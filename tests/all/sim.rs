@@ -7,7 +7,7 @@
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
 use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
-use syncopate::lab::sim::{simulate, SimFailure, SimOptions};
+use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimOptions};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -380,7 +380,7 @@ fn a_server_killed_at_any_event_of_a_simulated_run_loses_no_acknowledged_push() 
         let bits: Vec<u32> = clean.model.iter().map(|v| v.to_bits()).collect();
         let mut failed_over = 0;
         for at_event in 0..clean.events {
-            let failure = SimFailure { server: (at_event % 2) as u32, at_event };
+            let failure = SimFailure { server: (at_event % 2) as u32, at: FailAt::Event(at_event) };
             let out = replicated(&s, policy, Some(failure));
             let after: Vec<u32> = out.model.iter().map(|v| v.to_bits()).collect();
             assert_eq!(after, bits, "{policy}: server {} killed before event {at_event}", failure.server);
@@ -419,7 +419,7 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
             gradients: false,
             data: None,
             replicas,
-            failure: Some(SimFailure { server, at_event: 10 }),
+            failure: Some(SimFailure { server, at: FailAt::Event(10) }),
         };
         simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string())
     };

@@ -7,7 +7,7 @@ use clap::Args;
 
 use super::args::{tokio, FaultArgs, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
 use crate::lab::local::LocalOptions;
-use crate::lab::scenario::{Jitter, RunSpec, Scenario, Slow, Stall};
+use crate::lab::scenario::{Jitter, KillServer, RunSpec, Scenario, Slow, Stall};
 
 /// `syncopate local`.
 #[derive(Debug, Args)]
@@ -69,6 +69,10 @@ pub struct LocalArgs {
     /// Worker W stalls once: `W:AT_S:FOR_S` (repeatable).
     #[arg(long, value_parser = parse_triple)]
     pub stall: Vec<(u32, f64, f64)>,
+    /// A failure drill: SIGKILL server S `AT_S` seconds into training: `S:AT_S` (needs
+    /// `--replicas 1`; its backups take over).
+    #[arg(long, value_parser = parse_kill)]
+    pub kill_server: Option<(u32, f64)>,
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
@@ -97,6 +101,12 @@ fn parse_slow(s: &str) -> Result<(u32, f32), String> {
         return Err("a slowdown factor is at least 1".into());
     }
     Ok((w.parse().map_err(|_| "bad worker")?, f))
+}
+
+fn parse_kill(s: &str) -> Result<(u32, f64), String> {
+    let (server, at) = s.split_once(':').ok_or("expected SERVER:AT_S")?;
+    let at_s = at.parse::<f64>().map_err(|_| format!("`{at}` is not a number of seconds"))?;
+    Ok((server.parse().map_err(|_| format!("`{server}` is not a server"))?, at_s))
 }
 
 fn parse_triple(s: &str) -> Result<(u32, f64, f64), String> {
@@ -157,6 +167,8 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
         script: a.script.clone(),
+        replicas: a.faults.replicas,
+        kill_server: a.kill_server.map(|(server, at_s)| KillServer { server, at_s }),
     };
     scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = RunSpec { scenario, policy: a.policy.policy.clone(), overrides: a.policy.overrides.clone() };
@@ -169,7 +181,6 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
             a.faults.checkpoint_dir.clone().unwrap_or_else(|| run_dir.join("checkpoints")),
         )?),
         checkpoint_every_s: a.faults.checkpoint_every_s,
-        replicas: a.faults.replicas,
         resume: a.faults.resume.as_deref().map(resume_dir).transpose()?,
         ..LocalOptions::new(exe, run_dir, run)
     })

@@ -75,6 +75,10 @@ pub struct ServerArgs {
     /// Record each shard's policy events into DIR/shard-N.rec, for `syncopate policy replay`.
     #[arg(long, value_name = "DIR")]
     pub record: Option<std::path::PathBuf>,
+    /// Once registered, write the id the coordinator gave this server into FILE (launchers use
+    /// it to tell their server processes apart).
+    #[arg(long, value_name = "FILE")]
+    pub id_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub spin: SpinArgs,
     #[command(flatten)]
@@ -277,6 +281,7 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
         token: Token::new(a.token.token),
         limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
         record: a.record,
+        id_file: a.id_file,
     };
     tokio_threads(a.threads, a.spin)?.block_on(crate::server::run(opts)).context("server")
 }

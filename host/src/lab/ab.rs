@@ -396,11 +396,11 @@ fn simulated(
     rt: &crate::runtime::PolicyRuntime,
 ) -> Result<RunReport, NodeError> {
     let sim = crate::lab::sim::SimOptions {
-        run,
         gradients: opts.gradients,
         data: opts.data.clone(),
-        replicas: 0,
-        failure: None,
+        failure: crate::lab::sim::SimFailure::of(&run.scenario),
+        replicas: run.scenario.replicas,
+        run,
     };
     let t = std::time::Instant::now();
     let crate::lab::sim::Simulated { mut report, model, .. } =

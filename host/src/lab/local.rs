@@ -50,8 +50,6 @@ pub struct LocalOptions {
     pub checkpoint_every_s: u64,
     /// Resume from the newest intact round in this checkpoint directory.
     pub resume: Option<PathBuf>,
-    /// Backups per shard (`--replicas`).
-    pub replicas: u32,
 }
 
 impl LocalOptions {
@@ -69,7 +67,6 @@ impl LocalOptions {
             checkpoint_dir: None,
             checkpoint_every_s: 0,
             resume: None,
-            replicas: 0,
         }
     }
 
@@ -95,7 +92,7 @@ impl LocalOptions {
             ("--seed", sc.seed.to_string()),
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
             ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),
-            ("--replicas", self.replicas.to_string()),
+            ("--replicas", sc.replicas.to_string()),
         ];
         a.extend(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]));
         if let Some(dir) = &self.checkpoint_dir {
@@ -332,6 +329,8 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         let mut args: Vec<String> =
             vec!["server".into(), "--coordinator".into(), addr.clone(), "--tls-dir".into(), tls_dir.clone()];
         args.extend(opts.server_args());
+        let id_file = dir.join("logs").join(format!("server-{s}.id"));
+        args.extend(["--id-file".into(), id_file.display().to_string()]);
         servers.push(Proc::spawn(&opts.exe, dir, &format!("server-{s}"), &args, &token)?);
     }
     let mut workers = Vec::new();
@@ -414,9 +413,26 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let every = Duration::from_millis(sc.eval_every_ms.max(50));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The scenario's failure drill: a server SIGKILLed at its time.
+    let mut kill = sc.kill_server;
+    let kill_at =
+        tokio::time::sleep_until((t0 + Duration::from_secs_f64(kill.map_or(0.0, |k| k.at_s))).into());
+    tokio::pin!(kill_at);
     while ended.len() < worker_names.len() {
         tokio::select! {
             Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
+            () = &mut kill_at, if kill.is_some() => {
+                let k = kill.take().expect("guarded");
+                eprintln!("[{:>6.1} s] failure drill: killing server {}", t0.elapsed().as_secs_f64(), k.server);
+                // Ids follow the order of registration, not of the processes: each wrote its own.
+                let id_of = |i: usize| std::fs::read_to_string(dir.join("logs").join(format!("server-{i}.id")));
+                let found = (0..servers.len()).find(|&i| id_of(i).is_ok_and(|t| t.trim() == k.server.to_string()));
+                match found.map(|i| servers[i].child.start_kill()) {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => tracing::warn!(server = k.server, "cannot kill the server: {e}"),
+                    None => tracing::warn!(server = k.server, "no server registered with that id; none killed"),
+                }
+            }
             _ = tick.tick() => {
                 let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64()).await;
                 let Ok((point, scored)) = point else { continue };
@@ -478,7 +494,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     for s in &mut servers {
         if let Ok(Some(status)) = s.child.try_wait() {
             let what = format!("{} {}:\n{}", s.name, describe(status), log_tail(dir, &s.name, 10));
-            if opts.replicas == 0 {
+            if sc.replicas == 0 {
                 return Err(NodeError::Lost(what));
             }
             // With backups its shards moved to other servers (the coordinator's log says when).

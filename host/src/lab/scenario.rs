@@ -35,6 +35,16 @@
 //! name = "ResNet-110 (6.9 MB)"
 //! bytes = 6_900_000
 //! ```
+//!
+//! A failure drill: each shard backed up on another server, and server 0 killed 3 s in (a
+//! SIGKILL on a real cluster; in the simulator it stops before its first event from then on):
+//!
+//! ```toml
+//! replicas = 1
+//! [kill_server]
+//! server = 0
+//! at_s = 3.0
+//! ```
 
 use std::path::{Path, PathBuf};
 
@@ -121,6 +131,11 @@ pub struct Scenario {
     /// Workers that stall once.
     #[serde(default)]
     pub stall: Vec<Stall>,
+    /// Backups per shard, as `--replicas` (0 or 1; 1 needs two servers or more).
+    #[serde(default)]
+    pub replicas: u32,
+    /// A server killed during the run (needs `replicas = 1`): its backups take over.
+    pub kill_server: Option<KillServer>,
     /// A user's training script that every worker runs instead of a built-in workload: its path,
     /// then its arguments (`["examples/torch/train.py", "--epochs", "2"]`). A `.py` file runs
     /// under Python (`SYNCOPATE_PYTHON`, or `python3`); anything else is run as it is. The
@@ -191,6 +206,16 @@ pub struct Stall {
     pub at_s: f64,
     /// How long, in seconds.
     pub for_s: f64,
+}
+
+/// A server killed `at_s` seconds into training.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KillServer {
+    /// The server.
+    pub server: u32,
+    /// When, in seconds after training starts.
+    pub at_s: f64,
 }
 
 fn default_workload() -> String {
@@ -287,6 +312,26 @@ impl Scenario {
         }
         if self.modelled.as_ref().is_some_and(|m| m.bytes == 0 || m.name.is_empty()) {
             return Err("a modelled model needs a name and a positive size in bytes".into());
+        }
+        if self.replicas > 1 {
+            return Err(format!("replicas {}: replicas is 0 or 1", self.replicas));
+        }
+        if self.replicas == 1 && self.servers < 2 {
+            return Err(
+                "replicas 1 needs at least two servers (a backup lives on another server than its shard)"
+                    .into(),
+            );
+        }
+        if let Some(k) = self.kill_server {
+            if self.replicas == 0 {
+                return Err("kill_server needs replicas = 1: without a backup the shards die with it".into());
+            }
+            if k.server >= self.servers || !(k.at_s.is_finite() && k.at_s >= 0.0) {
+                return Err(format!(
+                    "kill_server: server {} at {} s (the scenario has {} servers; the time must be 0 or more)",
+                    k.server, k.at_s, self.servers
+                ));
+            }
         }
         if self.iterations.is_none() && self.time_limit_s.is_none() {
             return Err("give a budget, iterations or time_limit_s: a run must end".into());
@@ -426,5 +471,18 @@ mod tests {
         assert!(e.contains("must end"), "{e}");
         let e = parse("name = \"x\"\nworkers = 2\niterations = 5\nspeed = 3\n").unwrap_err();
         assert!(e.contains("unknown field `speed`"), "{e}");
+    }
+
+    #[test]
+    fn a_failure_drill_needs_a_backup_and_a_real_server() {
+        let base = "name = \"d\"\nworkers = 2\nservers = 2\niterations = 5\n";
+        assert!(parse(&format!("{base}replicas = 1\n[kill_server]\nserver = 1\nat_s = 2.0\n")).is_ok());
+        let err = |extra: &str| parse(&format!("{base}{extra}")).unwrap_err();
+        assert!(err("[kill_server]\nserver = 0\nat_s = 1.0\n").contains("needs replicas = 1"));
+        assert!(err("replicas = 1\n[kill_server]\nserver = 2\nat_s = 1.0\n").contains("has 2 servers"));
+        assert!(err("replicas = 1\n[kill_server]\nserver = 0\nat_s = -1.0\n").contains("0 or more"));
+        assert!(err("replicas = 2\n").contains("replicas is 0 or 1"));
+        let one = "name = \"d\"\nworkers = 2\nservers = 1\niterations = 5\nreplicas = 1\n";
+        assert!(parse(one).unwrap_err().contains("replicas 1 needs at least two servers"));
     }
 }

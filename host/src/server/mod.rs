@@ -55,6 +55,8 @@ pub struct ServerOptions {
     pub limits: Limits,
     /// Record each shard's policy events into this directory.
     pub record: Option<std::path::PathBuf>,
+    /// Where to write the id the coordinator gave this server, once registered.
+    pub id_file: Option<std::path::PathBuf>,
 }
 
 struct Shared {
@@ -134,6 +136,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         return Err(NodeError::Protocol("the coordinator did not welcome us as a server".into()));
     };
     tracing::info!(server = id, %advertise, shards = settings.shards, "registered with the coordinator");
+    if let Some(path) = &opts.id_file {
+        std::fs::write(path, format!("{id}\n"))
+            .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
+    }
     let runtime = PolicyRuntime::new()?;
     let module = prepare(&runtime, &policy, &wasm, &settings, id).await.map_err(NodeError::Protocol)?;
     let timeout = Duration::from_millis(settings.peer_timeout_ms);

@@ -75,8 +75,33 @@ pub struct SimOptions {
 pub struct SimFailure {
     /// The server.
     pub server: u32,
-    /// Before which event it dies: 0, 1, 2... in the order the simulator handles them.
-    pub at_event: u64,
+    /// When it dies.
+    pub at: FailAt,
+}
+
+/// When a simulated server dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailAt {
+    /// Before this event: 0, 1, 2... in the order the simulator handles them (tests kill a
+    /// server at every event of a run in turn).
+    Event(u64),
+    /// Before the first event at or after this virtual time, in nanoseconds from the start
+    /// (a scenario's `kill_server`).
+    Time(u64),
+}
+
+impl SimFailure {
+    /// The scenario's failure drill, if it has one.
+    pub fn of(scenario: &crate::lab::scenario::Scenario) -> Option<Self> {
+        scenario.kill_server.map(|k| SimFailure { server: k.server, at: FailAt::Time((k.at_s * 1e9) as u64) })
+    }
+
+    fn due(&self, event: u64, now_ns: u64) -> bool {
+        match self.at {
+            FailAt::Event(e) => e == event,
+            FailAt::Time(t) => now_ns >= t,
+        }
+    }
 }
 
 /// A simulation that cannot run.
@@ -415,10 +440,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
     let mut handled = 0u64;
+    let mut failure = opts.failure;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
-        if let Some(f) = opts.failure.filter(|f| f.at_event == handled) {
+        if let Some(f) = failure.filter(|f| f.due(handled, t)) {
             sim.kill(f.server);
+            failure = None;
         }
         handled += 1;
         sim.handle(ev)?;
