@@ -423,14 +423,21 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
             Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
             () = &mut kill_at, if kill.is_some() => {
                 let k = kill.take().expect("guarded");
-                eprintln!("[{:>6.1} s] failure drill: killing server {}", t0.elapsed().as_secs_f64(), k.server);
                 // Ids follow the order of registration, not of the processes: each wrote its own.
                 let id_of = |i: usize| std::fs::read_to_string(dir.join("logs").join(format!("server-{i}.id")));
                 let found = (0..servers.len()).find(|&i| id_of(i).is_ok_and(|t| t.trim() == k.server.to_string()));
-                match found.map(|i| servers[i].child.start_kill()) {
-                    Some(Ok(())) => {}
-                    Some(Err(e)) => tracing::warn!(server = k.server, "cannot kill the server: {e}"),
-                    None => tracing::warn!(server = k.server, "no server registered with that id; none killed"),
+                match found {
+                    Some(i) => {
+                        eprintln!("[{:>6.1} s] failure drill: killing server {}", t0.elapsed().as_secs_f64(), k.server);
+                        if let Err(e) = servers[i].child.start_kill() {
+                            tracing::warn!(server = k.server, "cannot kill the server: {e}");
+                        }
+                    }
+                    // Not registered yet (a slow start): look again shortly.
+                    None => {
+                        kill = Some(k);
+                        kill_at.as_mut().reset((Instant::now() + Duration::from_millis(100)).into());
+                    }
                 }
             }
             _ = tick.tick() => {
