@@ -156,6 +156,10 @@ impl ShardSink for Recorder {
 /// A coordinator and one server run as `syncopate` processes on loopback, as in a deployment,
 /// for clients in the calling process: `shards` ASP shards (no request waits on a policy), plain
 /// SGD with learning rate `lr`, waiting for `workers` workers. Both processes are killed on drop.
+///
+/// With `SYNCOPATE_BENCH_NETNS` and `SYNCOPATE_BENCH_HOST` set (as `scripts/bench-link.sh`
+/// sets them), the processes run in that network namespace instead, listening on that address,
+/// so that clients in another namespace reach them over a veth link.
 #[derive(Debug)]
 pub struct ProcessCluster {
     /// How clients reach it.
@@ -197,8 +201,20 @@ impl ProcessCluster {
         let token = Token::random();
         let ready = dir.join("coordinator-addr");
         let _ = std::fs::remove_file(&ready);
+        // Across a real link (scripts/netns-link.sh): the nodes run in a network namespace of
+        // their own and listen on its address; this process runs in the other.
+        let netns = std::env::var("SYNCOPATE_BENCH_NETNS").ok().filter(|n| !n.is_empty());
+        let host = std::env::var("SYNCOPATE_BENCH_HOST").unwrap_or_else(|_| "127.0.0.1".into());
+        let listen = format!("{host}:0");
         let spawn = |args: &[&str]| {
-            let mut cmd = Command::new(bin);
+            let mut cmd = match &netns {
+                Some(ns) => {
+                    let mut c = Command::new("ip");
+                    c.args(["netns", "exec", ns]).arg(bin);
+                    c
+                }
+                None => Command::new(bin),
+            };
             cmd.args(args)
                 .arg("--tls-dir")
                 .arg(dir)
@@ -219,7 +235,7 @@ impl ProcessCluster {
                     &[
                         "coordinator",
                         "--listen",
-                        "127.0.0.1:0",
+                        &listen,
                         "--servers",
                         &server_count,
                         "--workers",
@@ -250,7 +266,9 @@ impl ProcessCluster {
         };
         let coordinator = cluster.access.coordinator.to_string();
         for _ in 0..servers {
-            cluster.procs.push(spawn(&[&["server", "--coordinator", &coordinator], server_args].concat()));
+            let args =
+                [&["server", "--coordinator", &coordinator, "--listen", &listen], server_args].concat();
+            cluster.procs.push(spawn(&args));
         }
         cluster
     }
