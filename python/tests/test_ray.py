@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,28 +135,37 @@ def test_a_counter_run_on_ray_applies_every_push_once_and_leaves_nothing_running
     assert_nothing_left()
 
 
-def test_killing_a_server_actor_mid_run_loses_no_push(local_ray: str, tmp_path: Path) -> None:
+def until_min_clock(run: sray.RayRun, clock: int) -> None:
+    """Waits until every worker has pushed ``clock`` iterations."""
+    deadline = time.monotonic() + 60
+    while (run._look() or {}).get("min_clock") is None or run.timeline[-1]["min_clock"] < clock:
+        assert run.running() and time.monotonic() < deadline, run.timeline[-3:]
+        time.sleep(0.1)
+
+
+def counter_run_killed(
+    tmp_path: Path, at_clock: int, kill: Callable[[sray.RayRun], None], **kw: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A counter run under BSP (exact arithmetic, 20 ms per iteration) in which ``kill(run)``
+    is called once every worker has pushed ``at_clock`` iterations. Returns the report and the
+    progress seen just before the kill."""
     run = sray.start(
-        counter,
-        workers=3,
-        servers=2,
-        shards=3,
-        policy="bsp",
-        iterations=150,
-        config={"pace_s": 0.02},
-        run_dir=tmp_path / "run",
-        **EXACT,
+        counter, policy="bsp", config={"pace_s": 0.02}, run_dir=tmp_path / "run", **EXACT, **kw
     )
     try:
-        deadline = time.monotonic() + 60
-        while (run._look() or {}).get("min_clock") is None or run.timeline[-1]["min_clock"] < 30:
-            assert run.running() and time.monotonic() < deadline, run.timeline[-3:]
-            time.sleep(0.1)
-        run.kill_server(0)
+        until_min_clock(run, at_clock)
+        at_kill = run.timeline[-1]
+        kill(run)
     except BaseException:
         run.stop()
         raise
-    report = run.wait(timeout_s=180)
+    return run.wait(timeout_s=240), at_kill
+
+
+def test_killing_a_server_actor_mid_run_loses_no_push(local_ray: str, tmp_path: Path) -> None:
+    report, _ = counter_run_killed(
+        tmp_path, 30, lambda run: run.kill_server(0), workers=3, servers=2, shards=3, iterations=150
+    )
     assert report["lost_servers"] == [0], report["status"]
     assert [w["iterations"] for w in report["workers"]] == [150] * 3
     exact_model(report, 3, 150)
@@ -262,36 +271,18 @@ def test_more_workers_than_the_cluster_can_run_at_once_is_refused(
     assert_nothing_left()
 
 
-def until_min_clock(run: sray.RayRun, clock: int) -> None:
-    """Waits until every worker has pushed ``clock`` iterations."""
-    deadline = time.monotonic() + 60
-    while (run._look() or {}).get("min_clock") is None or run.timeline[-1]["min_clock"] < clock:
-        assert run.running() and time.monotonic() < deadline, run.timeline[-3:]
-        time.sleep(0.1)
-
-
 def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
     local_ray: str, tmp_path: Path
 ) -> None:
-    run = sray.start(
-        counter,
+    report, at_kill = counter_run_killed(
+        tmp_path,
+        30,
+        lambda run: run.kill_worker(1),
         workers=3,
         servers=2,
-        policy="bsp",
         iterations=120,
-        config={"pace_s": 0.02},
-        run_dir=tmp_path / "run",
         restart_workers=1,
-        **EXACT,
     )
-    try:
-        until_min_clock(run, 30)
-        at_kill = run.timeline[-1]
-        run.kill_worker(1)
-    except BaseException:
-        run.stop()
-        raise
-    report = run.wait(timeout_s=240)
     assert report["restarts"] == {1: 1} and report["lost_workers"] == []
     assert [r["iterations"] for r in report["results"]][0::2] == [120, 120]
     # The servers dropped the dead process; the new one joined as a late joiner does, at the
@@ -313,24 +304,15 @@ def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
 def test_without_restarts_a_killed_worker_actor_is_dropped_and_the_others_finish(
     local_ray: str, tmp_path: Path
 ) -> None:
-    run = sray.start(
-        counter,
+    report, _ = counter_run_killed(
+        tmp_path,
+        20,
+        lambda run: run.kill_worker(1),
         workers=2,
         servers=1,
-        policy="bsp",
         iterations=80,
-        config={"pace_s": 0.02},
-        run_dir=tmp_path / "run",
         peer_timeout_ms=2000,
-        **EXACT,
     )
-    try:
-        until_min_clock(run, 20)
-        run.kill_worker(1)
-    except BaseException:
-        run.stop()
-        raise
-    report = run.wait(timeout_s=240)
     assert report["lost_workers"] == [1]
     assert [r["iterations"] for r in report["results"]] == [80]
     assert_nothing_left()
