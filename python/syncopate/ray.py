@@ -171,8 +171,8 @@ class _Worker:
     ) -> dict[str, Any]:
         """Runs ``train_fn(config)``; returns what it returned and the worker's report. With
         ``rejoin`` (a restarted worker), first waits until the coordinator has noticed that the
-        worker's dead process is gone, so that it takes the id back; the shards then hand it
-        the iteration after the last one they acknowledged."""
+        worker's dead process is gone, so that it takes the id back; the servers dropped the
+        old process, so it joins as a late joiner does, at the slowest worker's iteration."""
         import syncopate
 
         try:
@@ -408,7 +408,7 @@ class RayRun:
         return point
 
     def _check_roles(self) -> None:
-        """Raises if the coordinator died; logs servers that died (failover handles them)."""
+        """Raises if the coordinator died (a server that dies is failed over instead)."""
         codes = ray.get([r.exit_code.remote() for r in self.roles[:1]])
         if codes[0] is not None:
             raise RuntimeError(f"the coordinator exited ({codes[0]}):\n{self._log(0)}")
