@@ -119,14 +119,14 @@ impl PolicyRuntime {
         self.limits
     }
 
-    /// Deadline in epoch ticks for one call.
     /// How often the epoch ticker advances.
     pub(crate) fn tick(&self) -> Duration {
         epoch_tick(&self.limits)
     }
 
+    /// Deadline in epoch ticks for one call.
     pub(crate) fn deadline_ticks(&self) -> u64 {
-        let tick = epoch_tick(&self.limits).as_micros() as u64;
+        let tick = self.tick().as_micros() as u64;
         (self.limits.call_deadline.as_micros() as u64 / tick).max(1) + 1
     }
 

@@ -328,6 +328,18 @@ struct Aggregate {
     /// The sum of the contributions' weights.
     weight: f32,
     contributors: Vec<WorkerId>,
+    /// How many contributors have left since: a mean push of the round still counts them (see
+    /// `round_size`). Kept as leaves and joins happen, so pushes need not scan the
+    /// contributors; not in snapshots, but counted again from the clocks on restore.
+    #[serde(skip)]
+    departed: u32,
+}
+
+impl Aggregate {
+    /// Contributors that are not live workers.
+    fn count_departed(&self, clocks: &Clocks) -> u32 {
+        self.contributors.iter().filter(|&&w| !clocks.is_live(w)).count() as u32
+    }
 }
 
 /// A metric a policy records, as the shard keeps it: the last value and a running count and sum.
@@ -590,6 +602,7 @@ impl Shard {
         self.next_push[i] = clock;
         self.applied[i] = clock;
         self.applied_min = None;
+        self.recount_departed();
         self.run(Event::WorkerJoined { worker, clock }, view, now_ns, sink);
         Ok(clock)
     }
@@ -624,6 +637,7 @@ impl Shard {
         let view = self.clocks.view();
         self.clocks.leave(worker);
         self.applied_min = None;
+        self.recount_departed();
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
         self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
@@ -1333,7 +1347,7 @@ impl Shard {
                     let mut sum = spare.pop().unwrap_or_default();
                     sum.clear();
                     sum.resize(len, 0.0);
-                    Aggregate { sum, weight: 0.0, contributors: Vec::new() }
+                    Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
                 });
                 for (s, g) in agg.sum.iter_mut().zip(&grad) {
                     *s += weight * g;
@@ -1351,14 +1365,19 @@ impl Shard {
     /// mode, those that contributed to the round's aggregate and have left since (a worker that
     /// finished says goodbye before a straggler's last push; that push must not count for three).
     fn round_size(&self, round: u64) -> u32 {
-        let live = self.clocks.view().workers;
         let gone = match (self.mode, self.aggregates.get(&round)) {
-            (UpdateMode::Aggregate, Some(agg)) => {
-                agg.contributors.iter().filter(|&&w| !self.clocks.is_live(w)).count() as u32
-            }
+            (UpdateMode::Aggregate, Some(agg)) => agg.departed,
             _ => 0,
         };
-        (live + gone).max(1)
+        (self.clocks.view().workers + gone).max(1)
+    }
+
+    /// Counts again, in every open aggregate, the contributors that are not live (after a
+    /// worker joined or left: rare, unlike pushes).
+    fn recount_departed(&mut self) {
+        for agg in self.aggregates.values_mut() {
+            agg.departed = agg.count_departed(&self.clocks);
+        }
     }
 
     /// Discards a push its policy dropped: the worker's clock advances and it is acknowledged;

@@ -337,6 +337,7 @@ impl Shard {
             metrics: snap.metrics,
             last_failure: snap.last_failure,
         };
+        shard.recount_departed();
         shard.policy_started(StartKind::Restart, now_ns, &[], sink);
         shard.requeue_pending();
         shard.drain(now_ns, sink);
