@@ -70,7 +70,6 @@ fn sim_group(
             run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
             gradients: false,
             data: None,
-            replicas: 0,
             failure: None,
         };
         g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {

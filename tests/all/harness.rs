@@ -103,30 +103,20 @@ impl Cluster {
         Self::build(module, cfg, workers, iterations, seed, false, PushWeight::Mean)
     }
 
-    /// Workers leave the shard after their last iteration, as real workers do, and pushes are
-    /// summed (weight 1), so the parameter still counts applied pushes exactly however many
-    /// workers are live: each moves it by -1.
+    /// Workers leave the shard after their last iteration, as real workers do. With
+    /// [`PushWeight::Sum`] each push moves the parameter by exactly -1 however many workers are
+    /// live, so it counts applied pushes; with [`PushWeight::Mean`] every aggregated round moves
+    /// it by exactly -1 (the mean of the round's ones), the last rounds too, when the faster
+    /// workers have already left.
     pub fn leaving(
         module: &PolicyModule,
         cfg: &[(&str, &str)],
         workers: u32,
         iterations: u64,
         seed: u64,
+        weight: PushWeight,
     ) -> Self {
-        Self::build(module, cfg, workers, iterations, seed, true, PushWeight::Sum)
-    }
-
-    /// Workers leave after their last iteration and pushes keep the default mean weight, so
-    /// every aggregated round moves the parameter by exactly -1 (the mean of the round's ones),
-    /// the last rounds too, when the faster workers have already left.
-    pub fn leaving_mean(
-        module: &PolicyModule,
-        cfg: &[(&str, &str)],
-        workers: u32,
-        iterations: u64,
-        seed: u64,
-    ) -> Self {
-        Self::build(module, cfg, workers, iterations, seed, true, PushWeight::Mean)
+        Self::build(module, cfg, workers, iterations, seed, true, weight)
     }
 
     fn build(

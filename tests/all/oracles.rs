@@ -2,6 +2,7 @@
 //! over random interleavings, homogeneous and with mixed-speed workers.
 
 use proptest::prelude::*;
+use syncopate::shard::PushWeight;
 use syncopate_suite::builtin_module;
 
 use crate::harness::{Cluster, PullSeen};
@@ -229,7 +230,8 @@ fn r2sp_admits_syncs_in_rotation_with_staleness_n_minus_1() {
 /// their last iteration, as real ones do (the ungated warm-up lets the fast ones finish first).
 #[test]
 fn r2sp_warms_up_ungated_then_rotates_from_worker_0() {
-    let mut c = Cluster::leaving(&builtin_module("r2sp"), &[], N, 30, 6).with_speeds(&[1, 3, 1, 2]);
+    let mut c =
+        Cluster::leaving(&builtin_module("r2sp"), &[], N, 30, 6, PushWeight::Sum).with_speeds(&[1, 3, 1, 2]);
     c.run_to_end();
     let order: Vec<u32> = c.rec.acked.iter().map(|a| a.1).collect();
     let eleventh = order.iter().enumerate().filter(|(_, w)| **w == 0).nth(10).map(|(i, _)| i).unwrap();
@@ -260,8 +262,8 @@ fn r2sp_warms_up_ungated_then_rotates_from_worker_0() {
 #[test]
 fn bsp_rounds_average_over_their_contributors_after_the_fast_workers_left() {
     for seed in 0..6 {
-        let mut c =
-            Cluster::leaving_mean(&builtin_module("bsp"), &[], N, 12, seed).with_speeds(&[1, 4, 2, 8]);
+        let mut c = Cluster::leaving(&builtin_module("bsp"), &[], N, 12, seed, PushWeight::Mean)
+            .with_speeds(&[1, 4, 2, 8]);
         c.run_to_end();
         assert_eq!(c.pushes, 12 * u64::from(N));
         assert_eq!(c.shard.stats().steps, 12, "seed {seed}: one step per round");

@@ -29,7 +29,6 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients,
         data: None,
-        replicas: 0,
         failure: None,
     };
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
@@ -41,7 +40,6 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        replicas: 0,
         failure: None,
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
@@ -171,7 +169,6 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
         run: RunSpec::new(s, "epsp:elastic=false,tasks=8".parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        replicas: 0,
         failure: None,
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
@@ -352,12 +349,12 @@ const REPLICATED: &str =
     params = 6\ncompute_ms = 5\niterations = 8\ntime_limit_s = 20\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
     [[jitter]]\nworker = 1\nmean_ms = 4.0\nsd_ms = 3.0\n[[slow]]\nworker = 2\nfactor = 2.0\n";
 
+/// `s` with a backup per shard (`replicas = 1`), and `failure`.
 fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncopate::lab::sim::Simulated {
     let opts = SimOptions {
-        run: RunSpec::new(s.clone(), policy.parse::<PolicySpec>().unwrap()),
+        run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        replicas: 1,
         failure,
     };
     simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}, {failure:?}: {e}"))
@@ -415,10 +412,9 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
     let s = scenario(REPLICATED);
     let run = |replicas, server| {
         let opts = SimOptions {
-            run: RunSpec::new(s.clone(), "bsp".parse::<PolicySpec>().unwrap()),
+            run: RunSpec::new(Scenario { replicas, ..s.clone() }, "bsp".parse::<PolicySpec>().unwrap()),
             gradients: false,
             data: None,
-            replicas,
             failure: Some(SimFailure { server, at: FailAt::Event(10) }),
         };
         simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string())

@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::thread;
 
 use syncopate::runtime::PolicyError;
-use syncopate::shard::{PullRequest, PushRequest, Shard, ShardConfig};
+use syncopate::shard::{PullRequest, PushRequest, PushWeight, Shard, ShardConfig};
 use syncopate_policy_sdk::abi::UpdateMode;
 use syncopate_suite::{builtin_module, config, hostile_module, Recorder};
 
@@ -25,7 +25,7 @@ fn bsp_to_ssp_and_back_under_a_stream_of_events_counts_every_push_once() {
     for seed in [1u64, 9, 42] {
         // Workers leave when done, as real ones do: a swap levels the clocks, so a worker that
         // was behind runs on past the others' last clock (see the shard's `swap_policy`).
-        let mut c = Cluster::leaving(&builtin_module("bsp"), &[], N, 40, seed);
+        let mut c = Cluster::leaving(&builtin_module("bsp"), &[], N, 40, seed, PushWeight::Sum);
         let mut steps = 0u64;
         let mut next = 0;
         while !c.done() {

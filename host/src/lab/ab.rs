@@ -398,8 +398,7 @@ fn simulated(
     let sim = crate::lab::sim::SimOptions {
         gradients: opts.gradients,
         data: opts.data.clone(),
-        failure: crate::lab::sim::SimFailure::of(&run.scenario),
-        replicas: run.scenario.replicas,
+        failure: None,
         run,
     };
     let t = std::time::Instant::now();

@@ -20,10 +20,11 @@
 //! - messages without tensors (control messages, acknowledgements, hand-overs, iteration
 //!   reports) take the latency alone.
 //!
-//! With `replicas` 1, every shard call is an [`Op`], applied by the primary and carried over the
+//! With the scenario's `replicas = 1`, every shard call is an [`Op`], applied by the primary and carried over the
 //! modelled links to a second [`Shard`] on the backup's server, with an [`AckGate`] holding each
 //! push's acknowledgement until the backup confirms the op that admitted it: the pieces the
-//! servers use. A `failure` kills one server before a given event: it stops at once, what is
+//! servers use. A failure (the scenario's `kill_server`, or [`SimOptions::failure`]) kills one
+//! server before a given event or time: it stops at once, what is
 //! sent to it is lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later its shards'
 //! backups are promoted, every worker rejoins them and sends again what they had not
 //! acknowledged or answered. The model is the worst case: ops still on their way from the dead
@@ -60,11 +61,8 @@ pub struct SimOptions {
     pub gradients: bool,
     /// The Fashion-MNIST directory (default: where Debian's package puts it).
     pub data: Option<std::path::PathBuf>,
-    /// Backups per shard, 0 or 1 (1 needs two servers or more), as `--replicas` on a cluster:
-    /// every op a primary applies travels to its backup on the next server over the links, and
-    /// a push is acknowledged once the backup has confirmed the op that admitted it.
-    pub replicas: u32,
-    /// A server killed during the run (needs `replicas` 1).
+    /// A server killed during the run (needs the scenario's `replicas = 1`), instead of the
+    /// scenario's `kill_server`: tests kill one at an event index.
     pub failure: Option<SimFailure>,
 }
 
@@ -138,6 +136,16 @@ struct Sink {
     /// The values each served pull saw, when gradients are on (worker, shard values).
     values: Vec<(WorkerId, Vec<f32>)>,
     keep_values: bool,
+}
+
+impl Sink {
+    /// Forgets what was said (a backup's sink: nobody hears it).
+    fn clear(&mut self) {
+        self.served.clear();
+        self.acked.clear();
+        self.controls.clear();
+        self.values.clear();
+    }
 }
 
 impl ShardSink for Sink {
@@ -295,19 +303,19 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let held = |i: usize| if opts.gradients { ranges[i] } else { (i, i + 1) };
     let mut sink = Sink { keep_values: opts.gradients, ..Sink::default() };
     let mut quiet = Sink::default();
-    match (opts.replicas, opts.failure) {
-        (0 | 1, None) | (1, Some(_)) => {}
-        (0, Some(_)) => return Err(SimError::Options("a server failure needs replicas 1".into())),
-        (r, _) => return Err(SimError::Options(format!("replicas {r}: 0 or 1 are supported"))),
-    }
-    if opts.replicas == 1 && sc.servers < 2 {
-        return Err(SimError::Options("replicas 1 needs at least two servers".into()));
-    }
-    if let Some(f) = opts.failure.filter(|f| f.server >= sc.servers) {
-        return Err(SimError::Options(format!("server {} does not exist", f.server)));
+    // The scenario's rules (replicas 0 or 1, and 1 only with two servers), then the failure's.
+    sc.check().map_err(SimError::Options)?;
+    let failure = opts.failure.or_else(|| SimFailure::of(sc));
+    if let Some(f) = failure {
+        if sc.replicas == 0 {
+            return Err(SimError::Options("a server failure needs replicas 1".into()));
+        }
+        if f.server >= sc.servers {
+            return Err(SimError::Options(format!("server {} does not exist", f.server)));
+        }
     }
     let backup_of: Vec<Option<u32>> =
-        (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, opts.replicas)).collect();
+        (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, sc.replicas)).collect();
     let mut backups = Vec::new();
     let mut shards = Vec::new();
     for (i, backed) in backup_of.iter().enumerate() {
@@ -440,7 +448,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
     let mut handled = 0u64;
-    let mut failure = opts.failure;
+    let mut failure = failure;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
         if let Some(f) = failure.filter(|f| f.due(handled, t)) {
@@ -562,6 +570,17 @@ impl Sim {
         }
     }
 
+    /// The acknowledgements shard `s`'s gate lets go when `open` (a confirmation, a lost
+    /// backup) acts on it go out.
+    fn release_gated(&mut self, s: u32, open: impl FnOnce(&mut AckGate<Ack>, &mut Vec<Ack>)) {
+        let mut released = std::mem::take(&mut self.released);
+        open(&mut self.gates[s as usize], &mut released);
+        for a in released.drain(..) {
+            self.release(s, a);
+        }
+        self.released = released;
+    }
+
     /// Shard `s`'s acknowledgement goes out.
     fn release(&mut self, s: u32, a: Ack) {
         match a.whole {
@@ -645,12 +664,7 @@ impl Sim {
             } else if self.backup_of[su] == Some(x) {
                 (self.backups[su], self.backup_of[su]) = (None, None);
                 self.epoch[su] += 1;
-                let mut released = std::mem::take(&mut self.released);
-                self.gates[su].detach(|a| released.push(a));
-                for a in released.drain(..) {
-                    self.release(s, a);
-                }
-                self.released = released;
+                self.release_gated(s, |gate, out| gate.detach(|a| out.push(a)));
             }
         }
         for &s in &moved {
@@ -900,11 +914,7 @@ impl Sim {
                 };
                 let seq = stamped.seq;
                 backup.apply_op(stamped.op, grad, stamped.now_ns, |_| None, &mut self.quiet);
-                let q = &mut self.quiet;
-                q.served.clear();
-                q.acked.clear();
-                q.controls.clear();
-                q.values.clear();
+                self.quiet.clear();
                 self.at(self.now + self.latency_ns, Ev::Confirm(s, epoch, seq));
             }
             Ev::Confirm(s, epoch, seq) => {
@@ -913,12 +923,7 @@ impl Sim {
                 if epoch != self.epoch[s as usize] || self.down(s) || backup_dead {
                     return Ok(());
                 }
-                let mut released = std::mem::take(&mut self.released);
-                self.gates[s as usize].confirm(seq, |a| released.push(a));
-                for a in released.drain(..) {
-                    self.release(s, a);
-                }
-                self.released = released;
+                self.release_gated(s, |gate, out| gate.confirm(seq, |a| out.push(a)));
             }
             Ev::FailOver(x) => self.fail_over(x)?,
             Ev::Watch => {
