@@ -62,11 +62,11 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
 
 /// A quinn socket whose GSO sends never exceed [`MAX_SEND_BYTES`]: a larger batch goes out as
 /// several sends of whole segments. quinn is asked for batches of as many of the largest
-/// packets sent so far as fit in one send ([`batch_segments`]). Everything else is the wrapped
-/// socket's.
+/// segments batched so far as fit in one send ([`batch_segments`]). Everything else is the
+/// wrapped socket's.
 pub struct CappedGso {
     inner: Arc<dyn AsyncUdpSocket>,
-    /// The largest packet (GSO segment) sent so far, in bytes.
+    /// The largest segment of a GSO batch sent so far, in bytes ([`batched_segment`]).
     largest: AtomicUsize,
     /// The socket is watched by spinning runtime threads ([`super::spin`]) while it lives.
     _watch: super::spin::Watch,
@@ -85,7 +85,7 @@ impl fmt::Debug for CappedGso {
     }
 }
 
-/// How many packets quinn may put in one GSO batch, given the largest packet sent so far
+/// How many packets quinn may put in one GSO batch, given the largest segment batched so far
 /// (0: none yet) and what the socket allows: as many as fit in one send, at least one. More
 /// saves no system call (the batch is split into sends anyway) and only delays the first
 /// packet of the batch, which waits until all of them are built and encrypted. A socket
@@ -96,6 +96,15 @@ pub fn batch_segments(largest: usize, allowed: usize) -> usize {
         0 => allowed,
         _ => (MAX_SEND_BYTES / largest).clamp(1, allowed.max(1)),
     }
+}
+
+/// The segment size of a transmit that batches several packets: the path MTU quinn has
+/// confirmed. A lone packet says nothing about the path. It may be an MTU probe, and a probe
+/// larger than the interface's MTU is refused by the kernel (`EMSGSIZE`), which quinn-udp
+/// reports as sent. Counting such probes made every batch one packet long on a 1,500-byte link
+/// (one system call per 1,448-byte packet: 270 MB/s where TCP moved 2.9 GB/s).
+fn batched_segment(t: &Transmit<'_>) -> Option<usize> {
+    t.segment_size.filter(|&s| t.contents.len() > s)
 }
 
 /// The sends a transmit becomes: itself when it fits, else runs of whole segments that fit.
@@ -119,8 +128,9 @@ impl AsyncUdpSocket for CappedGso {
     }
 
     fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
-        let packet = transmit.segment_size.unwrap_or(transmit.contents.len());
-        self.largest.fetch_max(packet, Ordering::Relaxed);
+        if let Some(segment) = batched_segment(transmit) {
+            self.largest.fetch_max(segment, Ordering::Relaxed);
+        }
         if transmit.contents.len() <= MAX_SEND_BYTES || transmit.segment_size.is_none() {
             return self.inner.try_send(transmit);
         }
@@ -207,6 +217,15 @@ mod tests {
         assert_eq!(batch_segments(8_972, 10), 7, "jumbo frames: seven per send");
         assert_eq!(batch_segments(65_000, 10), 1, "loopback's 64 KB packets: one per send");
         assert_eq!(batch_segments(65_000, 0), 1, "never zero");
+    }
+
+    #[test]
+    fn only_batches_say_how_large_packets_are() {
+        let probe = vec![0u8; 65_000];
+        assert_eq!(batched_segment(&transmit(&probe, None)), None, "a lone probe the link may refuse");
+        let batch = vec![0u8; 3 * 1_448 + 200];
+        assert_eq!(batched_segment(&transmit(&batch, Some(1_448))), Some(1_448));
+        assert_eq!(batched_segment(&transmit(&batch[..1_448], Some(1_448))), None, "one packet");
     }
 
     #[test]
