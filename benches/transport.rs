@@ -25,7 +25,14 @@ const IN_FLIGHT: usize = 8;
 struct Cluster {
     workers: Vec<WorkerClient>,
     iteration: Vec<u64>,
+    /// This process's id and the nodes', whose CPU time each cell reports.
+    pids: Vec<u32>,
     _procs: ProcessCluster,
+}
+
+/// User and system CPU seconds the processes have used so far.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    pids.iter().filter_map(|&p| syncopate_suite::cpu_seconds(p)).sum()
 }
 
 /// The `syncopate` binary, which cargo builds before this target and names here.
@@ -50,7 +57,8 @@ async fn cluster(dir: &Path, floats: usize, threads: usize, spin_us: u64) -> Clu
         }
     });
     let workers = futures::future::join_all(joins).await;
-    Cluster { iteration: vec![0; workers.len()], workers, _procs: procs }
+    let pids = [std::process::id()].into_iter().chain(procs.pids()).collect();
+    Cluster { iteration: vec![0; workers.len()], workers, pids, _procs: procs }
 }
 
 fn transport(c: &mut Criterion) {
@@ -75,75 +83,81 @@ fn transport(c: &mut Criterion) {
         // Pushes hand QUIC the gradient buffer (`push_buffer`), as a workload that cares about
         // speed does; its contents are whatever the reused buffer holds (the server checks
         // them only for being finite). `push-borrowed` is `push(&grad)`, one copy more.
-        group.bench_function(BenchmarkId::new("push", "sync"), |b| {
-            b.iter_custom(|n| {
-                rt.block_on(async {
-                    let t = Instant::now();
-                    for _ in 0..n {
-                        let w = &cl.workers[0];
-                        w.push_buffer(cl.iteration[0], w.gradient_buffer(), 1).await.unwrap();
-                        cl.iteration[0] += 1;
-                    }
-                    t.elapsed()
+        let pids = cl.pids.clone();
+        let mut cell = |name: &str, mode: &str, run: &mut dyn FnMut(u64) -> Duration| {
+            let (cpu, mut requests) = (cpu_seconds(&pids), 0);
+            group.bench_function(BenchmarkId::new(name, mode), |b| {
+                b.iter_custom(|n| {
+                    requests += n;
+                    run(n)
                 })
+            });
+            if requests == 0 {
+                return; // filtered out
+            }
+            let per_gb = (cpu_seconds(&pids) - cpu) / (requests as f64 * bytes as f64 / 1e9);
+            eprintln!("transport/{label}/{name}/{mode}: {per_gb:.3} CPU s per GB (client and server)");
+        };
+        let (rt, cl, grad) = (&rt, &mut cl, &grad);
+        cell("push", "sync", &mut |n| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..n {
+                    let w = &cl.workers[0];
+                    w.push_buffer(cl.iteration[0], w.gradient_buffer(), 1).await.unwrap();
+                    cl.iteration[0] += 1;
+                }
+                t.elapsed()
             })
         });
-        group.bench_function(BenchmarkId::new("push-borrowed", "sync"), |b| {
-            b.iter_custom(|n| {
-                rt.block_on(async {
-                    let t = Instant::now();
-                    for _ in 0..n {
-                        cl.workers[0].push(cl.iteration[0], &grad, 1).await.unwrap();
-                        cl.iteration[0] += 1;
-                    }
-                    t.elapsed()
-                })
+        cell("push-borrowed", "sync", &mut |n| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..n {
+                    cl.workers[0].push(cl.iteration[0], grad, 1).await.unwrap();
+                    cl.iteration[0] += 1;
+                }
+                t.elapsed()
             })
         });
-        group.bench_function(BenchmarkId::new("pull", "sync"), |b| {
-            let mut out = vec![0.0f32; floats];
-            b.iter_custom(|n| {
-                rt.block_on(async {
-                    let t = Instant::now();
-                    for _ in 0..n {
-                        cl.workers[0].pull(cl.iteration[0], &mut out).await.unwrap();
-                    }
-                    t.elapsed()
-                })
+        let mut out = vec![0.0f32; floats];
+        cell("pull", "sync", &mut |n| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..n {
+                    cl.workers[0].pull(cl.iteration[0], &mut out).await.unwrap();
+                }
+                t.elapsed()
             })
         });
-        group.bench_function(BenchmarkId::new("push", "8-in-flight"), |b| {
-            b.iter_custom(|n| {
-                rt.block_on(async {
-                    let per = n.div_ceil(IN_FLIGHT as u64);
-                    let t = Instant::now();
-                    let all = cl.workers.iter().zip(cl.iteration.iter_mut()).map(|(w, it)| async move {
+        cell("push", "8-in-flight", &mut |n| {
+            rt.block_on(async {
+                let per = n.div_ceil(IN_FLIGHT as u64);
+                let t = Instant::now();
+                let all = cl.workers.iter().zip(cl.iteration.iter_mut()).map(|(w, it)| async move {
+                    for _ in 0..per {
+                        w.push_buffer(*it, w.gradient_buffer(), 1).await.unwrap();
+                        *it += 1;
+                    }
+                });
+                futures::future::join_all(all).await;
+                t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
+            })
+        });
+        let mut outs = vec![vec![0.0f32; floats]; IN_FLIGHT];
+        cell("pull", "8-in-flight", &mut |n| {
+            rt.block_on(async {
+                let per = n.div_ceil(IN_FLIGHT as u64);
+                let t = Instant::now();
+                let all = cl.workers.iter().zip(outs.iter_mut()).zip(&cl.iteration).map(
+                    |((w, out), it)| async move {
                         for _ in 0..per {
-                            w.push_buffer(*it, w.gradient_buffer(), 1).await.unwrap();
-                            *it += 1;
+                            w.pull(*it, out).await.unwrap();
                         }
-                    });
-                    futures::future::join_all(all).await;
-                    t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
-                })
-            })
-        });
-        group.bench_function(BenchmarkId::new("pull", "8-in-flight"), |b| {
-            let mut outs = vec![vec![0.0f32; floats]; IN_FLIGHT];
-            b.iter_custom(|n| {
-                rt.block_on(async {
-                    let per = n.div_ceil(IN_FLIGHT as u64);
-                    let t = Instant::now();
-                    let all = cl.workers.iter().zip(outs.iter_mut()).zip(&cl.iteration).map(
-                        |((w, out), it)| async move {
-                            for _ in 0..per {
-                                w.pull(*it, out).await.unwrap();
-                            }
-                        },
-                    );
-                    futures::future::join_all(all).await;
-                    t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
-                })
+                    },
+                );
+                futures::future::join_all(all).await;
+                t.elapsed().mul_f64(n as f64 / (per * IN_FLIGHT as u64) as f64)
             })
         });
         group.finish();

@@ -274,6 +274,25 @@ impl ProcessCluster {
     }
 }
 
+impl ProcessCluster {
+    /// The nodes' process ids: the coordinator's, then the servers'.
+    pub fn pids(&self) -> Vec<u32> {
+        self.procs.iter().map(|p| p.id()).collect()
+    }
+}
+
+/// User and system CPU seconds process `pid` has used (`/proc/PID/stat`), if it is there.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces: fields are counted after it.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split(' ').skip(11); // utime is field 14, the 12th after the name
+    let (utime, stime): (f64, f64) = (fields.next()?.parse().ok()?, fields.next()?.parse().ok()?);
+    // SAFETY: sysconf reads a constant and has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some((utime + stime) / ticks)
+}
+
 impl Drop for ProcessCluster {
     fn drop(&mut self) {
         for p in &mut self.procs {
