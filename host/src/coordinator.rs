@@ -172,7 +172,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     crate::node::compile(&runtime, opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
     let endpoint = net::tls::listen(
         opts.listen,
-        opts.tls.server_config(opts.peer_timeout)?,
+        opts.tls.server_config(opts.peer_timeout, net::window::receive_budget())?,
         opts.tls.client_config(opts.peer_timeout)?,
     )?;
     let bound =

@@ -7,6 +7,7 @@
 //! - [`tls`]: certificates, tokens and endpoint configuration;
 //! - [`udp`]: the UDP socket under each endpoint (buffers, segmentation offload);
 //! - [`spin`]: runtimes that poll their sockets briefly before they sleep;
+//! - [`window`]: receive windows that share the socket buffer among a server's workers;
 //! - this module: the connection handshake (hello with the cluster token) and request helpers
 //!   the coordinator, servers and workers share.
 
@@ -15,6 +16,7 @@ pub mod proto;
 pub mod spin;
 pub mod tls;
 pub mod udp;
+pub mod window;
 pub mod wire;
 
 use std::net::SocketAddr;

@@ -103,8 +103,9 @@ impl TlsFiles {
         Ok(certs)
     }
 
-    /// The QUIC server configuration for a listening node.
-    pub fn server_config(&self, timeout: Duration) -> Result<quinn::ServerConfig, TlsError> {
+    /// The QUIC server configuration for a listening node, whose incoming connections start
+    /// with a receive window of `window` bytes (see [`transport`]).
+    pub fn server_config(&self, timeout: Duration, window: u64) -> Result<quinn::ServerConfig, TlsError> {
         let certs = Self::certs(&self.cert)?;
         let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| pem_error(&self.key, e))?;
         let tls = rustls::ServerConfig::builder_with_provider(crypto())
@@ -115,7 +116,7 @@ impl TlsFiles {
             .map_err(config_error)?;
         let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(config_error)?;
         let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
-        cfg.transport_config(Arc::new(transport(timeout)));
+        cfg.transport_config(Arc::new(transport(timeout, window)));
         Ok(cfg)
     }
 
@@ -132,7 +133,7 @@ impl TlsFiles {
             .with_no_client_auth();
         let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(config_error)?;
         let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
-        cfg.transport_config(Arc::new(transport(timeout)));
+        cfg.transport_config(Arc::new(transport(timeout, super::window::receive_budget())));
         Ok(cfg)
     }
 }
@@ -178,10 +179,11 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 pub const MAX_UDP_PAYLOAD: u16 = 65_000;
 
 /// Transport settings every node uses. A peer silent for `timeout` is dropped; keep-alives go
-/// out four times per timeout so only a dead or cut-off peer goes silent. Windows are sized for
-/// tensors of many megabytes; MTU discovery may grow packets up to what the path carries
-/// (64 KB on loopback), which cuts per-packet costs for large tensors.
-pub fn transport(timeout: Duration) -> quinn::TransportConfig {
+/// out four times per timeout so only a dead or cut-off peer goes silent. A connection's receive
+/// window starts at `window` bytes: what the socket buffer holds ([`super::window`]), or a
+/// server's floor, raised as its workers share the buffer. MTU discovery may grow packets up to
+/// what the path carries (64 KB on loopback), which cuts per-packet costs for large tensors.
+pub fn transport(timeout: Duration, window: u64) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     let idle = quinn::IdleTimeout::try_from(timeout)
         .unwrap_or_else(|_| quinn::IdleTimeout::from(quinn::VarInt::MAX));
@@ -189,8 +191,10 @@ pub fn transport(timeout: Duration) -> quinn::TransportConfig {
     t.keep_alive_interval(Some(timeout / 4));
     t.max_concurrent_bidi_streams(1024u32.into());
     t.max_concurrent_uni_streams(256u32.into());
-    t.stream_receive_window((64u32 << 20).into());
-    t.receive_window((256u32 << 20).into());
+    // The connection's window binds; a stream may use all of it.
+    let budget = super::window::receive_budget().max(window);
+    t.stream_receive_window(quinn::VarInt::from_u64(budget).expect("a buffer's size"));
+    t.receive_window(quinn::VarInt::from_u64(window).expect("a buffer's size"));
     t.send_window(256 << 20);
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(MAX_UDP_PAYLOAD);

@@ -26,8 +26,10 @@ use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 
 /// Socket buffer size asked for, both ways. The kernel caps it at `net.core.rmem_max` /
-/// `wmem_max`; what was granted is logged at debug level.
-pub const SOCKET_BUFFER: usize = 8 << 20;
+/// `wmem_max` unless the process may override the cap (`CAP_NET_ADMIN`, as root has); what was
+/// granted is logged at debug level. The receive buffer bounds the receive windows
+/// ([`super::window`]), so its size is a server's throughput when many workers push at once.
+pub const SOCKET_BUFFER: usize = 16 << 20;
 
 /// The most UDP payload bytes one send may carry: an IPv4 datagram's 65,535 bytes less its
 /// IP and UDP headers (IPv6 allows a little more).
@@ -41,14 +43,20 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
         // A v6 socket also serves v4-mapped peers where the system allows it.
         let _ = socket.set_only_v6(false);
     }
-    // Best effort: a smaller buffer still works, only with more drops under bursts.
-    let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
-    let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    // Best effort: a smaller buffer still works, only with more drops under bursts. Past the
+    // system's cap where the process may; else up to the cap.
+    if !force_buffer(&socket, libc::SO_RCVBUFFORCE) {
+        let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
+    }
+    if !force_buffer(&socket, libc::SO_SNDBUFFORCE) {
+        let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    }
     socket.bind(&addr.into())?;
     let (recv, send) = (socket.recv_buffer_size().unwrap_or(0), socket.send_buffer_size().unwrap_or(0));
     tracing::debug!(%addr, recv, send, "UDP socket buffers");
-    // Linux reports twice the granted size; half of what was asked means the cap bit.
-    if recv < SOCKET_BUFFER / 2 {
+    super::window::granted(recv as u64);
+    // Linux reports twice the granted size: less than that means the cap bit.
+    if recv < 2 * SOCKET_BUFFER {
         tracing::warn!(
             "the UDP receive buffer is {} KiB, not the {} MiB asked for (the system caps it): large \
              tensors will lose packets in bursts and move slower; raise the cap, e.g. \
@@ -58,6 +66,25 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
         );
     }
     Ok(socket.into())
+}
+
+/// Sets a socket buffer (`SO_RCVBUFFORCE` or `SO_SNDBUFFORCE`) to [`SOCKET_BUFFER`] past the
+/// system's cap; false where the process lacks `CAP_NET_ADMIN`.
+fn force_buffer(socket: &socket2::Socket, option: libc::c_int) -> bool {
+    use std::os::fd::AsRawFd;
+    let bytes = SOCKET_BUFFER as libc::c_int;
+    // SAFETY: the descriptor is open for the call's duration, and the option's value is a
+    // c_int whose size is passed with it.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    rc == 0
 }
 
 /// A quinn socket whose GSO sends never exceed [`MAX_SEND_BYTES`]: a larger batch goes out as

@@ -84,6 +84,9 @@ struct Shared {
     traffic: Mutex<(Vec<quinn::Connection>, u64, u64)>,
     /// Tensor buffers for payloads in and answers out.
     pool: TensorPool,
+    /// The connections that send bulk data here (workers, primaries replicating), which share
+    /// the socket's receive buffer.
+    windows: Arc<net::window::WindowShare>,
 }
 
 impl Shared {
@@ -113,7 +116,9 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     // re-configured once the coordinator has said what the peer timeout is.
     let endpoint = crate::net::tls::listen(
         opts.listen,
-        opts.tls.server_config(bootstrap)?,
+        // Workers may connect as soon as the coordinator knows this server: their connections
+        // start at the floor window, since a window once granted cannot be taken back.
+        opts.tls.server_config(bootstrap, net::window::MIN_WINDOW)?,
         opts.tls.client_config(bootstrap)?,
     )?;
     let bound =
@@ -143,7 +148,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let runtime = PolicyRuntime::new()?;
     let module = prepare(&runtime, &policy, &wasm, &settings, id).await.map_err(NodeError::Protocol)?;
     let timeout = Duration::from_millis(settings.peer_timeout_ms);
-    endpoint.set_server_config(Some(opts.tls.server_config(timeout)?));
+    // Data connections start at the floor window and get their share as they join.
+    endpoint.set_server_config(Some(opts.tls.server_config(timeout, net::window::MIN_WINDOW)?));
     let epoch = Instant::now();
     let pool = TensorPool::default();
     let mut shards = HashMap::new();
@@ -200,6 +206,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         token: opts.token.clone(),
         shutdown,
         traffic: Mutex::new((Vec::new(), 0, 0)),
+        windows: Arc::default(),
         pool,
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
@@ -723,6 +730,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         Role::Replica { server } => {
             if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_ok() {
                 tracing::debug!(%addr, server, "replication connection");
+                let _sharing = shared.windows.join(&conn);
                 serve_replicas(conn, shared).await;
             }
             return;
@@ -739,6 +747,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     }
     tracing::debug!(%addr, ?worker, "peer connected");
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
+    let _sharing = shared.windows.join(&conn);
     let (controls, control_rx) = mpsc::unbounded_channel();
     let peer = Arc::new(Peer { worker, joined: Mutex::new(BTreeSet::new()), controls });
     let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
