@@ -17,7 +17,7 @@
 //! workers that joined with 16 MiB each under a first window of the whole budget still
 //! overflowed it. Measured in three alternating rounds of the transport benchmark on loopback
 //! (1 and 16 MiB, both directions, synchronous and eight in flight): the kernel's receive-buffer
-//! drops fell from 17,800-19,700 per run to none, and throughput stayed within 0.92-1.03x of
+//! drops fell from 17,800-21,500 per run to none, and throughput stayed within 0.92-1.03x of
 //! the build before (256 MiB windows, and a 4 MiB buffer under this machine's cap where it now
 //! takes 16 MiB, [`super::udp::bind`]). The lowest, 16 MiB synchronous pushes, has one worker
 //! pushing while seven idle ones hold their shares. Where the system caps the buffer and the
