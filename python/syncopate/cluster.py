@@ -45,7 +45,9 @@ def find_binary(exe: str | os.PathLike[str] | None = None) -> Path:
 class Cluster:
     """A coordinator and ``servers`` servers, started in ``dir`` (logs, certificate, address);
     workers are the caller's. ``workers`` is the coordinator's start barrier (how many it waits
-    for before training starts). Stopped (killed) by :meth:`stop` or on leaving a ``with``."""
+    for before training starts). With two servers or more every shard has a backup (the
+    coordinator's default; ``extra=["--replicas", "0"]`` runs without). Stopped (killed) by
+    :meth:`stop` or on leaving a ``with``."""
 
     def __init__(
         self,

@@ -248,9 +248,10 @@ pub fn tokio_threads(threads: usize, spin: SpinArgs) -> anyhow::Result<tokio::ru
 #[derive(Debug, Clone, Args)]
 pub struct FaultArgs {
     /// Backups per shard: 1 keeps each shard's backup on the next server, which takes over if
-    /// the shard's server dies (needs at least two servers); 0 runs without.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1))]
-    pub replicas: u32,
+    /// the shard's server dies (needs at least two servers); 0 runs without. Default: 1 with
+    /// two servers or more, 0 with one.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1))]
+    pub replicas: Option<u32>,
     /// Write checkpoint rounds (every shard's parameters, optimizer, clocks, pending requests and
     /// policy state) into DIR, periodically and at shutdown; the last two complete rounds are
     /// kept. Every server writes its own shards there, so on several machines DIR must be a
@@ -268,6 +269,14 @@ pub struct FaultArgs {
 }
 
 impl FaultArgs {
+    /// Backups per shard with `servers` servers: as `--replicas` says, else 1 wherever a backup
+    /// has another server to live on. A shard without one dies with its server, and the run
+    /// with it; a backup costs a large push about twice its latency on a 2-core machine
+    /// (docs/performance.md, "Replication"), which `--replicas 0` gives back.
+    pub fn replicas(&self, servers: u32) -> u32 {
+        self.replicas.unwrap_or(u32::from(servers >= 2))
+    }
+
     /// The interval, `None` for only at shutdown.
     pub fn every(&self) -> Option<Duration> {
         (self.checkpoint_every_s > 0).then(|| Duration::from_secs(self.checkpoint_every_s))

@@ -70,7 +70,7 @@ pub struct LocalArgs {
     #[arg(long, value_parser = parse_triple)]
     pub stall: Vec<(u32, f64, f64)>,
     /// A failure drill: SIGKILL server S `AT_S` seconds into training: `S:AT_S` (needs
-    /// `--replicas 1`; its backups take over).
+    /// backups, so two servers or more and not `--replicas 0`; its backups take over).
     #[arg(long, value_parser = parse_kill)]
     pub kill_server: Option<(u32, f64)>,
     /// Where the run's files go (default: runs/<time>-<policy>).
@@ -167,7 +167,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
         script: a.script.clone(),
-        replicas: a.faults.replicas,
+        replicas: a.faults.replicas(a.servers),
         kill_server: a.kill_server.map(|(server, at_s)| KillServer { server, at_s }),
     };
     scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -248,6 +248,7 @@ pub fn policy_source(
 
 /// Runs `syncopate coordinator`.
 pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
+    let replicas = a.faults.replicas(a.servers);
     let opts = CoordinatorOptions {
         listen: a.listen,
         tls: a.tls.files()?,
@@ -266,7 +267,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         checkpoint_every: a.faults.every(),
         checkpoint_dir: a.faults.checkpoint_dir,
         resume: a.faults.resume,
-        replicas: a.faults.replicas,
+        replicas,
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }
