@@ -20,7 +20,14 @@ fn syncopate_bin() -> PathBuf {
 }
 
 fn replication(c: &mut Criterion) {
-    let rt = syncopate::net::spin::runtime_builder(0, syncopate::net::spin::DEFAULT_SPIN).build().unwrap();
+    // The worker and the servers spin as nodes do by default, or as `SYNCOPATE_BENCH_SPIN_US`
+    // says (0: no spinning, so that CPU time is work only).
+    let spin_us: u64 = std::env::var("SYNCOPATE_BENCH_SPIN_US")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(syncopate::net::spin::DEFAULT_SPIN.as_micros() as u64);
+    let rt = syncopate::net::spin::runtime_builder(0, Duration::from_micros(spin_us)).build().unwrap();
+    let spin = spin_us.to_string();
     for &(label, bytes) in SIZES {
         let floats = bytes / 4;
         let mut group = c.benchmark_group(format!("replication/{label}"));
@@ -39,7 +46,7 @@ fn replication(c: &mut Criterion) {
                 1,
                 0.000001,
                 &["--replicas", replicas],
-                &[],
+                &["--spin-us", &spin],
             );
             let access = _procs.access.clone();
             let worker = rt.block_on(async {
@@ -48,9 +55,18 @@ fn replication(c: &mut Criterion) {
                 w.ready().await.unwrap();
                 w
             });
-            let mut iteration = 0u64;
+            // CPU time per push, by process: this one (the worker), the coordinator and the
+            // two servers (in the order they started, which need not be their ids'); where the cost
+            // goes, and what two cores allow.
+            let pids: Vec<u32> = [std::process::id()].into_iter().chain(_procs.pids()).collect();
+            let cpu = |pids: &[u32]| -> Vec<f64> {
+                pids.iter().map(|&p| syncopate_suite::cpu_seconds(p).unwrap_or(0.0)).collect()
+            };
+            let before = cpu(&pids);
+            let (mut iteration, mut pushes) = (0u64, 0u64);
             group.bench_function(BenchmarkId::new("push", format!("replicas-{replicas}")), |b| {
                 b.iter_custom(|n| {
+                    pushes += n;
                     rt.block_on(async {
                         let t = Instant::now();
                         for _ in 0..n {
@@ -61,6 +77,19 @@ fn replication(c: &mut Criterion) {
                     })
                 })
             });
+            if pushes > 0 {
+                let used: Vec<f64> =
+                    cpu(&pids).iter().zip(&before).map(|(a, b)| (a - b) * 1e6 / pushes as f64).collect();
+                eprintln!(
+                    "replication/{label}/replicas-{replicas}: {:.1} CPU µs per push (worker {:.1}, \
+                     coordinator {:.1}, the servers {:.1} and {:.1})",
+                    used.iter().sum::<f64>(),
+                    used[0],
+                    used[1],
+                    used[2],
+                    used[3]
+                );
+            }
             drop(worker);
             let _ = std::fs::remove_dir_all(&dir);
         }
