@@ -16,7 +16,8 @@ use crate::NodeError;
 #[derive(Debug)]
 pub struct Operator {
     endpoint: quinn::Endpoint,
-    conn: quinn::Connection,
+    /// Replaced when it is found closed: the coordinator may have restarted.
+    conn: std::sync::Mutex<quinn::Connection>,
     access: ClusterAccess,
 }
 
@@ -28,11 +29,31 @@ impl Operator {
         let endpoint = net::tls::dial_only(access.tls.client_config(Duration::from_secs(60))?)?;
         let (conn, _) =
             net::connect(&endpoint, access.coordinator, &access.tls.server_name, &hello(access)).await?;
-        Ok(Operator { endpoint, conn, access: access.clone() })
+        Ok(Operator { endpoint, conn: std::sync::Mutex::new(conn), access: access.clone() })
+    }
+
+    /// Gives up the connection to the coordinator (it died, say): the next request connects
+    /// afresh, to whatever listens at its address then.
+    pub fn reconnect(&self) {
+        self.conn.lock().expect("not poisoned").close(net::close::DONE.into(), b"reconnecting");
+    }
+
+    /// The connection to the coordinator, made again if it was closed. A request is never sent
+    /// twice: one that fails midway is an error, since it may have been carried out.
+    async fn connection(&self) -> Result<quinn::Connection, NodeError> {
+        let conn = self.conn.lock().expect("not poisoned").clone();
+        if conn.close_reason().is_none() {
+            return Ok(conn);
+        }
+        let a = &self.access;
+        let (conn, _) = net::connect(&self.endpoint, a.coordinator, &a.tls.server_name, &hello(a)).await?;
+        *self.conn.lock().expect("not poisoned") = conn.clone();
+        Ok(conn)
     }
 
     async fn ask(&self, req: &CoordRequest, payload: &[u8]) -> Result<CoordResponse, NodeError> {
-        let (answer, _) = net::request::<_, CoordResponse>(&self.conn, req, payload.into(), &LIMITS).await?;
+        let conn = self.connection().await?;
+        let (answer, _) = net::request::<_, CoordResponse>(&conn, req, payload.into(), &LIMITS).await?;
         match answer {
             CoordResponse::Error(reason) => {
                 Err(NetError::Refused { addr: self.access.coordinator, reason }.into())
@@ -73,7 +94,7 @@ impl Operator {
     /// Stops every server and the coordinator.
     pub async fn shutdown(self) -> Result<(), NodeError> {
         self.ask(&CoordRequest::Shutdown, &[]).await?;
-        self.conn.close(net::close::DONE.into(), b"operator done");
+        self.conn.lock().expect("not poisoned").close(net::close::DONE.into(), b"operator done");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
         Ok(())
     }

@@ -1,6 +1,7 @@
 """Python workers across a failover: ``syncopate local --replicas 1 --script`` with a server
 killed mid-run. The scripts' pushes and pulls to the lost server are retried on the backups
-that take over, and no acknowledged push is lost or applied twice."""
+that take over, and no acknowledged push is lost or applied twice. The same across the
+coordinator's death and restart."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "counter.py"
 ITERATIONS = 200
 
 
-def server_pids(run: Path) -> list[int]:
-    """The pids of the run's server processes, found by their command lines."""
+def role_pids(run: Path, role: str = "server") -> list[int]:
+    """The pids of the run's processes of ``role``, found by their command lines."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -29,7 +30,7 @@ def server_pids(run: Path) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if " server " in cmd and str(run / "tls") in cmd:
+        if f" {role} " in cmd and str(run / "tls") in cmd:
             pids.append(int(entry.name))
     return sorted(pids)
 
@@ -54,7 +55,7 @@ def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     while min_clock(cluster) < 50:
         assert time.monotonic() < deadline, "the scripts did not reach iteration 50"
         time.sleep(0.1)
-    pids = server_pids(run)
+    pids = role_pids(run)
     assert len(pids) == 2, pids
     os.kill(pids[0], signal.SIGKILL)
     out = finish(p, timeout=120)
@@ -64,3 +65,33 @@ def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
     workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
     assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
+
+
+def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_once(
+    tmp_path: Path,
+) -> None:
+    """The coordinator SIGKILLed mid-run and started again by ``local``: the scripts' pushes
+    wait out the servers' lapsed leases, and each script rejoins the new coordinator."""
+    run = tmp_path / "run"
+    args = ["--workers", "3", "--servers", "2", "--shards", "3", "--policy", "bsp"]
+    args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum"]
+    args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
+    p = start_local(run, *args)
+    cluster = run / "cluster.json"
+    deadline = time.monotonic() + 60
+    while min_clock(cluster) < 50:
+        assert time.monotonic() < deadline, "the scripts did not reach iteration 50"
+        time.sleep(0.1)
+    coordinator = role_pids(run, "coordinator")
+    assert len(coordinator) == 1, coordinator
+    os.kill(coordinator[0], signal.SIGKILL)
+    out = finish(p, timeout=120)
+    assert "starting it again" in out, out
+    report = json.loads((run / "report.json").read_text())
+    assert len(report["coordinator_restarts"]) == 1, report["coordinator_restarts"]
+    model = np.fromfile(run / "model.bin", dtype="<f4")
+    assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
+    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
+    assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
+    rebuilt = (run / "logs" / "coordinator-2.log").read_text()
+    assert "cluster rebuilt from the servers' holdings" in rebuilt, rebuilt

@@ -10,6 +10,7 @@ mod harness;
 mod net;
 mod oracles;
 mod partition;
+mod restart;
 mod sandbox;
 mod sim;
 mod swap;

@@ -73,6 +73,11 @@ pub struct LocalArgs {
     /// backups, so two servers or more and not `--replicas 0`; its backups take over).
     #[arg(long, value_parser = parse_kill)]
     pub kill_server: Option<(u32, f64)>,
+    /// A failure drill: SIGKILL the coordinator AT_S seconds into training. The launcher starts
+    /// it again at the same address (as it does a coordinator that dies on its own), and the
+    /// servers and workers rejoin it.
+    #[arg(long, value_name = "AT_S")]
+    pub kill_coordinator: Option<f64>,
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
@@ -182,6 +187,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         )?),
         checkpoint_every_s: a.faults.checkpoint_every_s,
         resume: a.faults.resume.as_deref().map(resume_dir).transpose()?,
+        kill_coordinator_s: a.kill_coordinator,
         ..LocalOptions::new(exe, run_dir, run)
     })
 }

@@ -50,7 +50,14 @@ pub struct LocalOptions {
     pub checkpoint_every_s: u64,
     /// Resume from the newest intact round in this checkpoint directory.
     pub resume: Option<PathBuf>,
+    /// A failure drill: SIGKILL the coordinator this many seconds into training. The launcher
+    /// starts it again at the same address, as it does a coordinator that dies on its own (up
+    /// to [`COORDINATOR_RESTARTS`] times), and the servers and workers rejoin it.
+    pub kill_coordinator_s: Option<f64>,
 }
+
+/// How many times `local` starts a coordinator again that died during a run.
+pub const COORDINATOR_RESTARTS: usize = 3;
 
 impl LocalOptions {
     /// A run with this machine's defaults: the default data directory, spinning and peer
@@ -67,6 +74,7 @@ impl LocalOptions {
             checkpoint_dir: None,
             checkpoint_every_s: 0,
             resume: None,
+            kill_coordinator_s: None,
         }
     }
 
@@ -308,6 +316,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     args.extend(["--tls-dir".into(), tls_dir.clone()]);
     args.extend(opts.coordinator_args());
     let mut coordinator = Proc::spawn(&opts.exe, dir, "coordinator", &args, &token)?;
+    let coordinator_args = args;
     let addr = loop {
         if let Ok(text) = std::fs::read_to_string(&ready) {
             break text.trim().to_string();
@@ -418,9 +427,37 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let kill_at =
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(kill.map_or(0.0, |k| k.at_s))).into());
     tokio::pin!(kill_at);
+    // The coordinator's: SIGKILLed at its time, then started again like one that died.
+    let mut kill_coordinator = opts.kill_coordinator_s;
+    let kill_coordinator_at =
+        tokio::time::sleep_until((t0 + Duration::from_secs_f64(kill_coordinator.unwrap_or(0.0))).into());
+    tokio::pin!(kill_coordinator_at);
+    let mut coordinator_restarts: Vec<f64> = Vec::new();
     while ended.len() < worker_names.len() {
         tokio::select! {
             Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
+            () = &mut kill_coordinator_at, if kill_coordinator.is_some() => {
+                kill_coordinator = None;
+                eprintln!("[{:>6.1} s] failure drill: killing the coordinator", t0.elapsed().as_secs_f64());
+                if let Err(e) = coordinator.child.start_kill() {
+                    tracing::warn!("cannot kill the coordinator: {e}");
+                }
+            }
+            status = coordinator.child.wait() => {
+                let how = status.map(describe).unwrap_or_else(|e| e.to_string());
+                if coordinator_restarts.len() >= COORDINATOR_RESTARTS {
+                    return Err(NodeError::Lost(format!(
+                        "the coordinator {how}, and it was started again {COORDINATOR_RESTARTS} times already:\n{}",
+                        log_tail(dir, &coordinator.name, 10)
+                    )));
+                }
+                let t = t0.elapsed().as_secs_f64();
+                coordinator_restarts.push(t);
+                let name = format!("coordinator-{}", coordinator_restarts.len() + 1);
+                eprintln!("[{t:>6.1} s] the coordinator {how}; starting it again at {addr} (log: logs/{name}.log)");
+                coordinator = Proc::spawn(&opts.exe, dir, &name, &restart_args(&coordinator_args, &addr), &token)?;
+                operator.reconnect();
+            }
             () = &mut kill_at, if kill.is_some() => {
                 let k = kill.take().expect("guarded");
                 // Ids follow the order of registration, not of the processes: each wrote its own.
@@ -441,8 +478,9 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 }
             }
             _ = tick.tick() => {
-                let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64()).await;
-                let Ok((point, scored)) = point else { continue };
+                let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64());
+                // A coordinator that died (and is not yet seen to) never answers.
+                let Ok(Ok((point, scored))) = tokio::time::timeout(WATCH_LIMIT, point).await else { continue };
                 if let Some(acc) = point.accuracy {
                     if best.as_ref().is_none_or(|(b, _)| acc > *b) {
                         best = Some((acc, scored));
@@ -564,6 +602,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         plots: Vec::new(),
         phases: crate::lab::report::phases(&points),
         failovers: crate::lab::report::failovers(&points),
+        coordinator_restarts,
     };
     match crate::lab::plots::write_all(&report, dir) {
         Ok(files) => report.plots = files,
@@ -582,6 +621,30 @@ fn describe_point(p: &WatchPoint) -> String {
     };
     let waits: Vec<String> = p.worker_waits_s.iter().map(|(w, s)| format!("w{w} {s:.1}s")).collect();
     format!("{}  {acc}deferred pulls {}  deferred wait: {}", p.policy, p.pulls_deferred, waits.join(" "))
+}
+
+/// The longest a reading of the cluster may take before the watcher skips it.
+const WATCH_LIMIT: Duration = Duration::from_secs(10);
+
+/// The arguments a coordinator that died is started again with: the first one's, listening on
+/// the address it had (`addr`), so that servers and workers find it, and never resuming from a
+/// checkpoint, since the servers that ran on hold newer state.
+fn restart_args(first: &[String], addr: &str) -> Vec<String> {
+    let mut out = Vec::with_capacity(first.len());
+    let mut it = first.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--listen" => {
+                it.next();
+                out.extend(["--listen".to_string(), addr.to_string()]);
+            }
+            "--resume" => {
+                it.next();
+            }
+            _ => out.push(a.clone()),
+        }
+    }
+    out
 }
 
 /// The longest the watcher waits for the model's parameters before it skips a reading.

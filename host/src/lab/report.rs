@@ -210,6 +210,9 @@ pub struct RunReport {
     /// Servers lost and failed over, when the watcher saw it.
     #[serde(default)]
     pub failovers: Vec<Failover>,
+    /// When the coordinator died and was started again (seconds from the start; `local` only).
+    #[serde(default)]
+    pub coordinator_restarts: Vec<f64>,
 }
 
 /// One server at the end of a run.

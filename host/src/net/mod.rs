@@ -39,6 +39,9 @@ pub mod close {
     pub const PROTOCOL: u32 = 3;
     /// The node is shutting down.
     pub const SHUTDOWN: u32 = 4;
+    /// The peer stopped answering: a server whose lease renewals went unanswered for a whole
+    /// lease gives up on the connection and rejoins the coordinator afresh.
+    pub const SILENT: u32 = 5;
 }
 
 /// How long a peer has to send its hello.

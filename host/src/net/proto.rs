@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -23,6 +23,10 @@ pub enum Role {
     Server {
         /// Where workers reach it.
         data_addr: SocketAddr,
+        /// The id of a server registered before, coming back to a coordinator that restarted
+        /// (or lost its connection): the coordinator then asks for its [`Holdings`]. `None`: a
+        /// new server.
+        rejoin: Option<u32>,
     },
     /// A worker: to the coordinator, with the length of its model; to a server, with its id.
     Worker {
@@ -97,6 +101,33 @@ pub fn backup_server(shard: u32, servers: u32, replicas: u32) -> Option<u32> {
 pub struct ReplicaOpen {
     /// The shard.
     pub shard: u32,
+    /// The primary's term for it (see [`Holdings`]).
+    pub term: u64,
+}
+
+/// What a server holds, as it tells a coordinator that restarted while the server ran on: from
+/// every server's holdings the new coordinator rebuilds the map of shards to servers, the
+/// policy and the swap count, which the old one kept only in memory.
+///
+/// A shard's *term* counts its promotions: 0 where the cluster started it, one more each time
+/// a backup takes over. A backup follows its primary's term. Two servers can both claim to be a
+/// shard's primary only when the old coordinator promoted a backup and died before the old
+/// primary heard it was failed over; the higher term is the live one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Holdings {
+    /// The id the server was given.
+    pub server: u32,
+    /// The settings it was welcomed with.
+    pub settings: ClusterSettings,
+    /// The policy its shards run (the module is the reply's payload).
+    pub policy: PolicyBlob,
+    /// Swaps committed on this server so far.
+    pub swaps: u64,
+    /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
+    /// creation.
+    pub primaries: Vec<(u32, u64, u64)>,
+    /// Shards it keeps backups of: `(shard, the term of the primary it follows)`.
+    pub backups: Vec<(u32, u64)>,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.
@@ -143,6 +174,8 @@ pub enum Welcome {
         settings: ClusterSettings,
         /// The policy in force.
         policy: PolicyBlob,
+        /// Swaps committed so far (the policy's number).
+        swaps: u64,
     },
     /// To a worker.
     Worker {
@@ -220,6 +253,15 @@ pub const LEASE_MS: u64 = 1000;
 /// ([`LEASE_MS`], counted on the server from when it asked) has surely lapsed by then, so no
 /// two primaries ever serve one shard. The simulator waits as long before its failovers.
 pub const FAILOVER_MS: u64 = LEASE_MS + 300;
+
+/// How long a server or worker waits for a lost coordinator to come back (restarted at the same
+/// address) before it gives up. Meanwhile servers with backups serve nothing (their leases
+/// lapse) and workers wait for them; servers without backups go on serving.
+pub const COORDINATOR_WAIT_MS: u64 = 60_000;
+
+/// How long a restarted coordinator waits for every server to rejoin before it rebuilds the
+/// cluster from those that did: the others are failed over, as if their leases had lapsed.
+pub const REJOIN_WAIT_MS: u64 = 10_000;
 
 /// How long the coordinator waits for a new server's first heartbeat before failing it over. A
 /// server's lease starts with that heartbeat, which it sends once it has compiled the policy and
@@ -331,6 +373,9 @@ pub enum ServerCommand {
     },
     /// Stop.
     Shutdown,
+    /// What do you hold? Asked of a server rejoining a restarted coordinator; answered with
+    /// [`ServerReply::Holdings`].
+    Holdings,
 }
 
 /// A server's answers to [`ServerCommand`]s.
@@ -342,6 +387,8 @@ pub enum ServerReply {
     Status(ServerStatus),
     /// The command failed.
     Error(String),
+    /// What it holds (the module its shards run is the payload).
+    Holdings(Holdings),
 }
 
 /// Requests on a server's data plane.

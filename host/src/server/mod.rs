@@ -12,7 +12,11 @@
 //! On `--resume` the coordinator names a checkpoint round; the server restores each of its
 //! shards from the round's files before it serves anyone, and refuses to start, saying which
 //! file and why, if one cannot be read.
+//!
+//! If the coordinator goes away, the server keeps its shards and rejoins it when it is back at
+//! the same address (`rejoin.rs`).
 
+mod rejoin;
 mod shard_task;
 
 use crate::net::pool::TensorPool;
@@ -76,7 +80,15 @@ struct Shared {
     settings: ClusterSettings,
     id: u32,
     addr: SocketAddr,
-    prepared: Mutex<HashMap<u64, (PolicyModule, PolicyBlob)>>,
+    /// Prepared swaps, by number.
+    prepared: Mutex<HashMap<u64, Prepared>>,
+    /// The policy the shards run, with its bytes, and the swaps committed here so far.
+    policy: Mutex<(u64, PolicyBlob, Arc<Vec<u8>>)>,
+    /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
+    /// [`Holdings`](crate::net::proto::Holdings).
+    terms: Mutex<HashMap<u32, u64>>,
+    /// The coordinator's address, to rejoin it at.
+    coordinator: SocketAddr,
     limits: Limits,
     token: Token,
     shutdown: watch::Sender<bool>,
@@ -89,10 +101,18 @@ struct Shared {
     windows: Arc<net::window::WindowShare>,
 }
 
+/// A swap prepared here: the module, its description and its bytes.
+type Prepared = (PolicyModule, PolicyBlob, Arc<Vec<u8>>);
+
 impl Shared {
     /// The channel of the shard this server is primary for.
     fn shard(&self, shard: u32) -> Option<mpsc::Sender<ShardCmd>> {
         self.shards.read().expect("not poisoned").get(&shard).cloned()
+    }
+
+    /// The term this server knows for `shard`.
+    fn term(&self, shard: u32) -> u64 {
+        self.terms.lock().expect("not poisoned").get(&shard).copied().unwrap_or(0)
     }
 
     /// Every primary shard's channel, by shard.
@@ -133,11 +153,11 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let hello = Hello {
         protocol: PROTOCOL_VERSION,
         token: opts.token.secret().to_string(),
-        role: Role::Server { data_addr: advertise },
+        role: Role::Server { data_addr: advertise, rejoin: None },
     };
     let (coord, welcome) =
         connect_with_payload(&endpoint, opts.coordinator, &opts.tls.server_name, &hello).await?;
-    let (Welcome::Server { server: id, settings, policy }, wasm) = welcome else {
+    let (Welcome::Server { server: id, settings, policy, swaps }, wasm) = welcome else {
         return Err(NodeError::Protocol("the coordinator did not welcome us as a server".into()));
     };
     tracing::info!(server = id, %advertise, shards = settings.shards, "registered with the coordinator");
@@ -159,6 +179,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let mine: Vec<u32> = (0..settings.shards).filter(|s| s % settings.servers == id).collect();
     let backed: Vec<u32> = (0..settings.shards).filter(|s| settings.backup_of(*s) == Some(id)).collect();
     let all: Vec<u32> = mine.iter().chain(&backed).copied().collect();
+    let terms = all.iter().map(|&s| (s, 0)).collect();
     let mut restored = restore_shards(settings.restore.as_deref(), &all).await?;
     for shard in all {
         let backup = !mine.contains(&shard);
@@ -202,6 +223,9 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         id,
         addr: advertise,
         prepared: Mutex::new(HashMap::new()),
+        policy: Mutex::new((swaps, policy, Arc::new(wasm))),
+        terms: Mutex::new(terms),
+        coordinator: opts.coordinator,
         limits: opts.limits,
         token: opts.token.clone(),
         shutdown,
@@ -210,20 +234,39 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         pool,
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
-    let commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
-    let leases = shared.lease.is_some().then(|| tokio::spawn(renew_lease(coord.clone(), shared.clone())));
-    let result = tokio::select! {
-        _ = stop.wait_for(|s| *s) => Ok(()),
-        reason = coord.closed() => match reason {
-            quinn::ConnectionError::ApplicationClosed(c) if c.error_code == close::DONE.into() => Ok(()),
-            reason => Err(NodeError::Lost(format!("the coordinator went away: {reason}"))),
-        },
+    let mut coord = coord;
+    let mut commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
+    let result = loop {
+        let leases = shared.lease.is_some().then(|| tokio::spawn(renew_lease(coord.clone(), shared.clone())));
+        let lost = tokio::select! {
+            _ = stop.wait_for(|s| *s) => None,
+            reason = coord.closed() => match reason {
+                quinn::ConnectionError::ApplicationClosed(c) if c.error_code == close::DONE.into() => None,
+                reason => Some(reason),
+            },
+        };
+        commands.abort();
+        if let Some(l) = leases {
+            l.abort();
+        }
+        let Some(reason) = lost else { break Ok(()) };
+        // Its lease lapses meanwhile, so with backups its shards serve nothing until it is
+        // back; without, they go on serving.
+        tracing::warn!(
+            server = id,
+            "the coordinator went away ({reason}); rejoining it when it is back, for up to {} s",
+            crate::net::proto::COORDINATOR_WAIT_MS / 1000
+        );
+        let rejoined = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break Ok(()),
+            r = rejoin::rejoin(&shared) => r,
+        };
+        match rejoined {
+            Ok((c, cmds)) => (coord, commands) = (c, cmds),
+            Err(e) => break Err(e),
+        }
     };
     accept.abort();
-    commands.abort();
-    if let Some(l) = leases {
-        l.abort();
-    }
     endpoint.close(close::SHUTDOWN.into(), b"server shutting down");
     coord.close(close::DONE.into(), b"bye");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
@@ -260,11 +303,13 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
     use crate::net::proto::{CoordRequest, CoordResponse, HEARTBEAT_MS, LEASE_MS};
     let limits = Limits { max_header: 4096, max_payload: 0 };
     let req = CoordRequest::Heartbeat { server: shared.id };
+    let mut renewed = Instant::now();
     loop {
         let sent = Instant::now();
         let asked = net::request::<_, CoordResponse>(&coord, &req, Payload::EMPTY, &limits);
         match tokio::time::timeout(Duration::from_millis(LEASE_MS), asked).await {
             Ok(Ok((CoordResponse::Ok, _))) => {
+                renewed = sent;
                 if let Some(lease) = &shared.lease {
                     *lease.lock().expect("not poisoned") = sent + Duration::from_millis(LEASE_MS);
                 }
@@ -274,7 +319,17 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
                 let _ = shared.shutdown.send(true);
                 return;
             }
-            other => tracing::warn!("lease not renewed: {other:?}"),
+            other => {
+                tracing::warn!("lease not renewed: {other:?}");
+                // A whole lease without an answer: the coordinator may have died (a restarted
+                // one is reached only on a new connection, and this one would take the peer
+                // timeout to fail). Give it up, and rejoin (`run`). A live coordinator takes the
+                // server back unless it failed it over meanwhile.
+                if renewed.elapsed() >= Duration::from_millis(LEASE_MS) {
+                    coord.close(close::SILENT.into(), b"lease renewals unanswered");
+                    return;
+                }
+            }
         }
         tokio::time::sleep_until((sent + Duration::from_millis(HEARTBEAT_MS)).into()).await;
     }
@@ -346,7 +401,7 @@ async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Re
     let mut scratch = Vec::new();
     wire::write_frame_open(
         &mut send,
-        &crate::net::proto::ReplicaOpen { shard },
+        &crate::net::proto::ReplicaOpen { shard, term: shared.term(shard) },
         Payload::EMPTY,
         &mut scratch,
     )
@@ -417,6 +472,8 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
         return;
     };
     let shard = open.header.shard;
+    // A backup follows its primary's term (a stale primary is never told to attach a backup).
+    shared.terms.lock().expect("not poisoned").insert(shard, open.header.term);
     let mut tx = shared.backups.lock().expect("not poisoned").get(&shard).cloned();
     // The backup task confirms each op as it takes it, in order, and only while it is a backup:
     // once promoted it confirms nothing more, so its old primary acknowledges nothing more.
@@ -600,7 +657,11 @@ async fn coordinator_loop(conn: quinn::Connection, shared: Arc<Shared>) {
         };
         let stop = cmd == ServerCommand::Shutdown;
         let reply = handle_command(&shared, cmd, payload).await;
-        if let Err(e) = net::answer(&mut send, &reply, &[]).await {
+        let module = match reply {
+            ServerReply::Holdings(_) => shared.policy.lock().expect("not poisoned").2.clone(),
+            _ => Arc::default(),
+        };
+        if let Err(e) = net::answer(&mut send, &reply, &module).await {
             tracing::warn!("cannot answer the coordinator: {e}");
         }
         if stop {
@@ -621,16 +682,22 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     // Backups here find it by its hash: a primary elsewhere may commit, and
                     // stream the swap, before this server has heard the commit.
                     shared.modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
-                    shared.prepared.lock().expect("not poisoned").insert(swap, (module, policy));
+                    shared
+                        .prepared
+                        .lock()
+                        .expect("not poisoned")
+                        .insert(swap, (module, policy, Arc::new(payload)));
                     ServerReply::Ok
                 }
                 Err(e) => ServerReply::Error(e),
             }
         }
         ServerCommand::Commit { swap } => {
-            let Some((module, policy)) = shared.prepared.lock().expect("not poisoned").remove(&swap) else {
+            let Some((module, policy, wasm)) = shared.prepared.lock().expect("not poisoned").remove(&swap)
+            else {
                 return ServerReply::Error(format!("swap {swap} was not prepared here"));
             };
+            *shared.policy.lock().expect("not poisoned") = (swap, policy.clone(), wasm);
             let mut failed = Vec::new();
             for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
@@ -679,6 +746,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             match ask(&tx, |reply| ShardCmd::Promote { reply }).await {
                 Ok(()) => {
                     shared.shards.write().expect("not poisoned").insert(shard, tx);
+                    *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
                     ServerReply::Ok
                 }
                 Err(e) => ServerReply::Error(e),
@@ -698,6 +766,8 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             tracing::info!("shutdown requested by the coordinator");
             ServerReply::Ok
         }
+        // Answered by `coordinator_loop`, with the module as the payload.
+        ServerCommand::Holdings => ServerReply::Holdings(rejoin::holdings(shared).await),
     }
 }
 

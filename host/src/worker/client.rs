@@ -8,6 +8,10 @@
 //! without a copy, which large models want. Control messages from the shards' policies arrive
 //! on [`WorkerClient::next_control`].
 //!
+//! If the coordinator goes away, the client waits for it to come back at the same address
+//! (it may be restarting) and rejoins it under the same id; meanwhile requests to servers wait
+//! out servers that refuse for want of a lease.
+//!
 //! Any tokio runtime with I/O and timers will do; one from
 //! [`crate::net::spin::runtime_builder`] (what `syncopate worker` uses) also spins briefly
 //! before it sleeps, which makes small requests several times faster on virtual machines.
@@ -46,7 +50,10 @@ pub struct PullStats {
 pub struct WorkerClient {
     id: WorkerId,
     endpoint: quinn::Endpoint,
-    coordinator: quinn::Connection,
+    /// The link to the coordinator, which a background task renews if it restarts.
+    coordinator: watch::Receiver<CoordinatorLink>,
+    /// Set when this worker leaves: the coordinator connection's end is then no loss.
+    leaving: Arc<AtomicBool>,
     servers: Vec<quinn::Connection>,
     shards: Vec<ShardPlace>,
     /// Per shard: how far the shard's clock is behind the worker's iteration numbering.
@@ -67,6 +74,17 @@ pub struct WorkerClient {
     route: Arc<Route>,
 }
 
+/// The worker's link to the coordinator.
+#[derive(Clone, Debug)]
+enum CoordinatorLink {
+    /// Connected.
+    Up(quinn::Connection),
+    /// Lost; waiting for it to come back (it may be restarting).
+    Away,
+    /// Lost for good: it did not come back in time, refused us, or shut the cluster down.
+    Gone(String),
+}
+
 /// Where each shard's primary is, kept current by the coordinator's notices.
 #[derive(Debug)]
 struct Route {
@@ -85,8 +103,10 @@ impl Route {
 }
 
 /// How long a worker waits for a lost shard to move (or its server to serve again) before it
-/// gives up.
-const MOVE_WAIT: Duration = Duration::from_secs(10);
+/// gives up; longer while the coordinator is away. A coordinator that dies stops the servers'
+/// leases at once, but the worker notices only after the peer timeout (10 s by default), so
+/// this is longer than that.
+const MOVE_WAIT: Duration = Duration::from_secs(20);
 
 /// Whether an error means the shard's server is gone or no longer its primary.
 fn server_lost(e: &NetError) -> bool {
@@ -124,6 +144,13 @@ impl WorkerClient {
         };
         let name = &access.tls.server_name;
         let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
+        let rejoin = Rejoin {
+            endpoint: endpoint.clone(),
+            addr: access.coordinator,
+            name: name.clone(),
+            token: access.token.secret().to_string(),
+            model_len: model_len as u64,
+        };
         let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers, optimizer, replicated } =
             welcome
         else {
@@ -144,12 +171,17 @@ impl WorkerClient {
             moved: watch::channel(0).0,
             replicated,
         });
-        tokio::spawn(read_notices(coordinator.clone(), stop.clone(), route.clone()));
+        let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
+        let leaving = Arc::new(AtomicBool::new(false));
+        let follow =
+            Follow { id: worker, rejoin, leaving: leaving.clone(), stop: stop.clone(), route: route.clone() };
+        tokio::spawn(follow_coordinator(coordinator, link, follow));
         tracing::info!(worker, shards = shards.len(), "connected to the cluster");
         Ok(WorkerClient {
             id: worker,
             endpoint,
-            coordinator,
+            coordinator: linked,
+            leaving,
             servers: conns,
             offsets: vec![0; shards.len()],
             pulled: shards.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
@@ -202,7 +234,10 @@ impl WorkerClient {
             };
             let until = deadline.min(tokio::time::Instant::now() + pause);
             if tokio::time::timeout_at(until, wait).await.is_err() {
-                if tokio::time::Instant::now() >= deadline {
+                // While the coordinator is away (restarting), servers refuse for want of a
+                // lease: that lasts until it is back or gone.
+                let away = matches!(*self.coordinator.borrow(), CoordinatorLink::Away);
+                if tokio::time::Instant::now() >= deadline && !away {
                     return Err(lost);
                 }
                 continue;
@@ -245,7 +280,11 @@ impl WorkerClient {
     /// Bytes sent and received on all this worker's connections (UDP payloads, so QUIC and TLS
     /// overheads included).
     pub fn bytes(&self) -> (u64, u64) {
-        self.servers.iter().chain([&self.coordinator]).fold((0, 0), |(tx, rx), c| {
+        let coordinator = match &*self.coordinator.borrow() {
+            CoordinatorLink::Up(c) => Some(c.clone()),
+            _ => None,
+        };
+        self.servers.iter().chain(coordinator.as_ref()).fold((0, 0), |(tx, rx), c| {
             let s = c.stats();
             (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
         })
@@ -307,9 +346,10 @@ impl WorkerClient {
     /// workers have all joined (at once for a late joiner).
     pub async fn ready(&self) -> Result<(), NodeError> {
         let req = CoordRequest::Ready { worker: self.id };
-        match net::request::<_, CoordResponse>(&self.coordinator, &req, Payload::EMPTY, &self.limits).await? {
-            (CoordResponse::Ok, _) => Ok(()),
-            (other, _) => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to ready"))),
+        // The start barrier may hold the answer back for as long as the cluster's start-up takes.
+        match self.ask_coordinator(&req, None).await? {
+            CoordResponse::Ok => Ok(()),
+            other => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to ready"))),
         }
     }
 
@@ -581,12 +621,62 @@ impl WorkerClient {
     /// training script's own evaluation), for the launcher's target and plots.
     pub async fn score(&self, score: ModelScore) -> Result<(), NodeError> {
         let req = CoordRequest::Score { worker: self.id, score };
-        match net::request::<_, CoordResponse>(&self.coordinator, &req, Payload::EMPTY, &self.limits).await? {
-            (CoordResponse::Ok, _) => Ok(()),
-            (CoordResponse::Error(e), _) => {
+        match self.ask_coordinator(&req, Some(COORDINATOR_PATIENCE)).await? {
+            CoordResponse::Ok => Ok(()),
+            CoordResponse::Error(e) => {
                 Err(NodeError::Protocol(format!("the coordinator refused the score: {e}")))
             }
-            (other, _) => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to a score"))),
+            other => Err(NodeError::Protocol(format!("the coordinator answered {other:?} to a score"))),
+        }
+    }
+
+    /// Sends the coordinator a request and reads its answer. If the coordinator is away, or
+    /// goes away before it answers, the request waits for it to come back and is sent again;
+    /// so only requests that may be carried out twice come here. No answer within `patience`
+    /// means the coordinator is gone (a dead one's connection would take the peer timeout to
+    /// fail): the connection is given up, and the link follows the coordinator anew.
+    async fn ask_coordinator(
+        &self,
+        req: &CoordRequest,
+        patience: Option<Duration>,
+    ) -> Result<CoordResponse, NodeError> {
+        let mut link = self.coordinator.clone();
+        loop {
+            let conn = {
+                let up = link.wait_for(|l| !matches!(l, CoordinatorLink::Away)).await;
+                match up.as_deref() {
+                    Ok(CoordinatorLink::Up(c)) => c.clone(),
+                    Ok(CoordinatorLink::Gone(reason)) => return Err(NodeError::Lost(reason.clone())),
+                    _ => return Err(NodeError::Lost("the coordinator link ended".into())),
+                }
+            };
+            let asked = net::request::<_, CoordResponse>(&conn, req, Payload::EMPTY, &self.limits);
+            let answer = match patience {
+                Some(p) => tokio::time::timeout(p, asked).await.unwrap_or_else(|_| {
+                    tracing::warn!(
+                        worker = self.id,
+                        "the coordinator did not answer within {p:?}; reconnecting"
+                    );
+                    conn.close(net::close::SILENT.into(), b"no answer");
+                    Err(NetError::Lost {
+                        addr: conn.remote_address(),
+                        reason: quinn::ConnectionError::LocallyClosed,
+                    })
+                }),
+                None => asked.await,
+            };
+            match answer {
+                Ok((answer, _)) => return Ok(answer),
+                // Lost on the way: the link follows the coordinator; ask again once it has.
+                Err(_) if conn.close_reason().is_some() => {
+                    let _ = link
+                        .wait_for(
+                            |l| !matches!(l, CoordinatorLink::Up(c) if c.stable_id() == conn.stable_id()),
+                        )
+                        .await;
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 
@@ -594,11 +684,16 @@ impl WorkerClient {
     pub async fn leave(self) -> Result<(), NodeError> {
         self.on_every_shard(|_, shard| DataRequest::Leave { shard }).await?;
         let bye = CoordRequest::Leaving { worker: self.id };
-        match net::request::<_, CoordResponse>(&self.coordinator, &bye, Payload::EMPTY, &self.limits).await? {
-            (CoordResponse::Ok, _) => {}
-            (other, _) => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
+        match self.ask_coordinator(&bye, Some(COORDINATOR_PATIENCE)).await? {
+            CoordResponse::Ok => {}
+            other => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
         }
-        for c in self.servers.iter().chain([&self.coordinator]) {
+        self.leaving.store(true, Ordering::SeqCst);
+        let coordinator = match &*self.coordinator.borrow() {
+            CoordinatorLink::Up(c) => Some(c.clone()),
+            _ => None,
+        };
+        for c in self.servers.iter().chain(coordinator.as_ref()) {
             c.close(net::close::DONE.into(), b"worker done");
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
@@ -662,7 +757,135 @@ async fn pull_into(
     }
 }
 
-async fn read_notices(conn: quinn::Connection, stop: Arc<AtomicBool>, route: Arc<Route>) {
+/// How long a worker waits for the coordinator to answer a request that it answers at once.
+const COORDINATOR_PATIENCE: Duration = Duration::from_secs(3);
+
+/// What follows the coordinator for a worker.
+struct Follow {
+    id: WorkerId,
+    rejoin: Rejoin,
+    /// Set once the worker leaves.
+    leaving: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    route: Arc<Route>,
+}
+
+/// How a worker reaches the coordinator again.
+struct Rejoin {
+    endpoint: quinn::Endpoint,
+    addr: std::net::SocketAddr,
+    name: String,
+    token: String,
+    model_len: u64,
+}
+
+/// Follows the coordinator: reads its notices and, when it goes away (not by shutting the
+/// cluster down), waits for it to come back and rejoins it as worker `id`, for up to
+/// [`COORDINATOR_WAIT_MS`](crate::net::proto::COORDINATOR_WAIT_MS). The new welcome's map
+/// replaces the route, as moves would have.
+async fn follow_coordinator(mut conn: quinn::Connection, link: watch::Sender<CoordinatorLink>, f: Follow) {
+    let Follow { id, rejoin, leaving, stop, route } = f;
+    loop {
+        read_notices(&conn, &stop, &route).await;
+        let reason = conn.close_reason();
+        // We left, or the cluster was shut down.
+        let ended = leaving.load(Ordering::SeqCst)
+            || matches!(&reason, Some(quinn::ConnectionError::ApplicationClosed(c)) if c.error_code == net::close::DONE.into());
+        if ended || link.is_closed() {
+            link.send_replace(CoordinatorLink::Gone(format!(
+                "the coordinator closed our connection: {reason:?}"
+            )));
+            return;
+        }
+        link.send_replace(CoordinatorLink::Away);
+        tracing::warn!(
+            worker = id,
+            "lost the coordinator ({}); waiting for it to come back",
+            reason.map(|r| r.to_string()).unwrap_or_default()
+        );
+        match rejoin_coordinator(&rejoin, id).await {
+            Ok((c, places)) => {
+                for p in places {
+                    if let Some(s) = route.servers.get(p.shard as usize) {
+                        s.store(p.server, Ordering::Relaxed);
+                    }
+                }
+                route.moved.send_modify(|n| *n += 1);
+                link.send_replace(CoordinatorLink::Up(c.clone()));
+                conn = c;
+            }
+            Err(e) => {
+                tracing::error!(worker = id, "{e}");
+                link.send_replace(CoordinatorLink::Gone(e));
+                return;
+            }
+        }
+    }
+}
+
+/// Reconnects to the coordinator as worker `id`: the connection and the shards' places.
+async fn rejoin_coordinator(
+    r: &Rejoin,
+    id: WorkerId,
+) -> Result<(quinn::Connection, Vec<ShardPlace>), String> {
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        token: r.token.clone(),
+        role: Role::Worker { worker: Some(id), model_len: r.model_len },
+    };
+    let wait = Duration::from_millis(crate::net::proto::COORDINATOR_WAIT_MS);
+    let started = tokio::time::Instant::now();
+    loop {
+        let last = match attempt_rejoin(r, &hello).await {
+            Ok((c, Welcome::Worker { shards, .. })) => {
+                tracing::warn!(
+                    worker = id,
+                    ms = started.elapsed().as_millis() as u64,
+                    "rejoined the coordinator"
+                );
+                return Ok((c, shards));
+            }
+            Ok((c, other)) => {
+                c.close(net::close::DONE.into(), b"unexpected welcome");
+                format!("it answered {other:?}")
+            }
+            // A refusal may be passing: our id may still be held by the connection the
+            // coordinator has not yet seen die.
+            Err(e) => e,
+        };
+        if started.elapsed() >= wait {
+            return Err(format!(
+                "the coordinator went away and did not take us back within {} s (last attempt: {last})",
+                wait.as_secs()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// One attempt: a handshake that a coordinator still down never answers (so it is cut short),
+/// then the hello, whose welcome a restarted coordinator sends once it has rebuilt the cluster.
+async fn attempt_rejoin(r: &Rejoin, hello: &Hello) -> Result<(quinn::Connection, Welcome), String> {
+    let connecting = r.endpoint.connect(r.addr, &r.name).map_err(|e| e.to_string())?;
+    let conn = match tokio::time::timeout(Duration::from_secs(1), connecting).await {
+        Ok(c) => c.map_err(|e| e.to_string())?,
+        Err(_) => return Err("no answer".into()),
+    };
+    let wait = Duration::from_millis(crate::net::proto::REJOIN_WAIT_MS) + Duration::from_secs(20);
+    match tokio::time::timeout(
+        wait,
+        net::request::<_, Welcome>(&conn, hello, Payload::EMPTY, &Limits::default()),
+    )
+    .await
+    {
+        Ok(Ok((Welcome::Refused(reason), _))) => Err(format!("refused: {reason}")),
+        Ok(Ok((welcome, _))) => Ok((conn, welcome)),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no welcome within {wait:?}")),
+    }
+}
+
+async fn read_notices(conn: &quinn::Connection, stop: &AtomicBool, route: &Route) {
     let limits = Limits { max_header: 4096, max_payload: 0 };
     while let Ok(mut recv) = conn.accept_uni().await {
         match wire::read_message::<WorkerNotice>(&mut recv, &limits).await {

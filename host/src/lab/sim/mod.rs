@@ -1047,6 +1047,7 @@ impl Sim {
             plots: Vec::new(),
             phases,
             failovers,
+            coordinator_restarts: Vec::new(),
         }
     }
 }

@@ -11,6 +11,9 @@
 //! sha256, compiles it, starts it on each of its shards' configurations); only if all succeed
 //! does every server commit, each switching its shards when the commit arrives (the agreed
 //! point). If any server cannot load it, all abort and the operator is told which and why.
+//!
+//! The coordinator keeps no state that the servers do not hold too: restarted at the same
+//! address while they run on, it rebuilds the cluster from what they tell it (`rebuild.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -32,6 +35,8 @@ use crate::net::{self, close};
 use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
+
+mod rebuild;
 
 /// A policy module with its configuration, as the cluster runs it.
 #[derive(Clone, Debug)]
@@ -110,7 +115,9 @@ struct Place {
 }
 
 struct State {
-    servers: Vec<(SocketAddr, quinn::Connection)>,
+    /// By server id: its data address and the connection it registered on (`None` for a
+    /// server a restarted coordinator never heard from again, or refused).
+    servers: Vec<(SocketAddr, Option<quinn::Connection>)>,
     worker_conns: BTreeMap<WorkerId, quinn::Connection>,
     workers: BTreeMap<WorkerId, WorkerStatus>,
     model_len: Option<u64>,
@@ -130,12 +137,16 @@ struct State {
     renewed: Vec<Option<std::time::Instant>>,
     /// Servers that were welcomed (answered), in whatever order their answers went out.
     answered: u32,
+    /// After a restart: the servers rejoining, until the cluster is rebuilt from them.
+    rebuild: Option<rebuild::Rebuild>,
 }
 
 struct Coordinator {
     opts: CoordinatorOptions,
     state: Mutex<State>,
     registered: watch::Sender<u32>,
+    /// Set once a restarted coordinator has rebuilt the cluster from the rejoining servers.
+    rebuilt: watch::Sender<bool>,
     /// Workers that joined their shards, until the start barrier opens.
     ready: watch::Sender<u32>,
     /// Every backup is attached (workers are welcomed only then, so a backup sees its shard's
@@ -205,8 +216,10 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                 .collect(),
             renewed: Vec::new(),
             answered: 0,
+            rebuild: None,
         }),
         registered: watch::channel(0).0,
+        rebuilt: watch::channel(false).0,
         ready: watch::channel(0).0,
         replicated: watch::channel(false).0,
         swap_lock: tokio::sync::Mutex::new(()),
@@ -299,8 +312,19 @@ impl State {
             .iter()
             .enumerate()
             .filter(|(i, _)| self.renewed.get(*i).is_none_or(Option::is_some))
-            .map(|(_, s)| s.clone())
+            .filter_map(|(_, (addr, conn))| Some((*addr, conn.clone()?)))
             .collect()
+    }
+}
+
+/// Server `i`'s connection, if it has one.
+fn conn_of(
+    servers: &[(SocketAddr, Option<quinn::Connection>)],
+    i: u32,
+) -> Result<&quinn::Connection, String> {
+    match servers.get(i as usize) {
+        Some((_, Some(c))) => Ok(c),
+        _ => Err(format!("server {i} is not connected")),
     }
 }
 
@@ -468,7 +492,11 @@ impl Coordinator {
                     tracing::error!(shard, "shard lost with its server: it had no backup");
                     continue;
                 };
-                match command(&servers[b as usize].1, &ServerCommand::Promote { shard }, &[]).await {
+                let promoted = match conn_of(&servers, b) {
+                    Ok(c) => command(c, &ServerCommand::Promote { shard }, &[]).await,
+                    Err(e) => Err(e),
+                };
+                match promoted {
                     Ok(()) => {
                         self.lock().places[k] = Place { primary: b, backup: None };
                         tracing::warn!(shard, from = dead, to = b, "failover: backup promoted to primary");
@@ -477,9 +505,9 @@ impl Coordinator {
                     Err(e) => tracing::error!(shard, "the backup on server {b} could not take over: {e}"),
                 }
             } else if place.backup == Some(dead) {
-                let _ =
-                    command(&servers[place.primary as usize].1, &ServerCommand::DropBackup { shard }, &[])
-                        .await;
+                if let Ok(c) = conn_of(&servers, place.primary) {
+                    let _ = command(c, &ServerCommand::DropBackup { shard }, &[]).await;
+                }
                 self.lock().places[k].backup = None;
                 tracing::warn!(shard, "its backup was on the lost server; it runs without one");
             }
@@ -524,13 +552,17 @@ impl Coordinator {
     /// `backup`, and records it; returns whether it did.
     async fn attach(
         &self,
-        servers: &[(SocketAddr, quinn::Connection)],
+        servers: &[(SocketAddr, Option<quinn::Connection>)],
         k: usize,
         primary: u32,
         backup: u32,
     ) -> bool {
         let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[backup as usize].0 };
-        match command(&servers[primary as usize].1, &cmd, &[]).await {
+        let attached = match conn_of(servers, primary) {
+            Ok(c) => command(c, &cmd, &[]).await,
+            Err(e) => Err(e),
+        };
+        match attached {
             Ok(()) => {
                 self.lock().places[k].backup = Some(backup);
                 true
@@ -568,10 +600,41 @@ impl Coordinator {
         };
         let Hello { role, .. } = hello;
         match role {
-            Role::Server { data_addr } => {
+            Role::Server { data_addr, rejoin: Some(id) } => {
+                let welcome = match self.clone().rejoin_server(id, data_addr, &conn).await {
+                    Ok(()) => {
+                        let st = self.lock();
+                        let welcome = Welcome::Server {
+                            server: id,
+                            settings: self.settings(&st),
+                            policy: st.policy.blob(),
+                            swaps: st.swaps,
+                        };
+                        (welcome, st.policy.wasm.clone())
+                    }
+                    Err(reason) => {
+                        tracing::warn!(server = id, %data_addr, "a rejoining server refused: {reason}");
+                        return net::refuse(&mut send, reason).await;
+                    }
+                };
+                if net::answer(&mut send, &welcome.0, &welcome.1).await.is_err() {
+                    return;
+                }
+                self.serve_server(&conn, id, data_addr).await;
+            }
+            Role::Server { data_addr, rejoin: None } => {
                 let (welcome, wasm) = {
                     let mut st = self.lock();
-                    if st.servers.len() as u32 >= self.opts.servers {
+                    if st.rebuild.is_some() {
+                        (
+                            Welcome::Refused(
+                                "this coordinator is rebuilding its cluster from the servers that ran on \
+                                 while it restarted; a new server cannot join it"
+                                    .into(),
+                            ),
+                            Vec::new(),
+                        )
+                    } else if st.servers.len() as u32 >= self.opts.servers {
                         (
                             Welcome::Refused(format!(
                                 "the cluster already has its {} servers",
@@ -580,7 +643,7 @@ impl Coordinator {
                             Vec::new(),
                         )
                     } else {
-                        st.servers.push((data_addr, conn.clone()));
+                        st.servers.push((data_addr, Some(conn.clone())));
                         // Its lease starts with its first heartbeat (see FIRST_HEARTBEAT_MS).
                         let first = Duration::from_millis(crate::net::proto::FIRST_HEARTBEAT_MS);
                         st.renewed.push(Some(std::time::Instant::now() + first));
@@ -590,6 +653,7 @@ impl Coordinator {
                             server: id,
                             settings: self.settings(&st),
                             policy: st.policy.blob(),
+                            swaps: st.swaps,
                         };
                         (welcome, st.policy.wasm.clone())
                     }
@@ -620,36 +684,7 @@ impl Coordinator {
                     }
                 }
                 self.registered.send_modify(|n| *n = (*n).max(answered));
-                let heartbeats = async {
-                    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                        let limits = Limits { max_header: 4096, max_payload: 0 };
-                        let answer = match wire::read_message::<CoordRequest>(&mut recv, &limits).await {
-                            Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
-                                let mut st = self.lock();
-                                match st.renewed.get_mut(s as usize) {
-                                    Some(Some(t)) => {
-                                        *t = std::time::Instant::now();
-                                        CoordResponse::Ok
-                                    }
-                                    // Failed over: its shards have other primaries now.
-                                    _ => CoordResponse::Error("this server was failed over".into()),
-                                }
-                            }
-                            Ok((other, _)) => {
-                                CoordResponse::Error(format!("a server may not send {other:?}"))
-                            }
-                            Err(_) => continue,
-                        };
-                        let _ = net::answer(&mut send, &answer, &[]).await;
-                    }
-                };
-                let reason = tokio::select! {
-                    reason = conn.closed() => reason,
-                    () = heartbeats => conn.closed().await,
-                };
-                if !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                    tracing::error!(%data_addr, "server lost: {reason}; its shards are unavailable");
-                }
+                self.serve_server(&conn, server, data_addr).await;
             }
             Role::Worker { worker, model_len } => {
                 let welcome = self.welcome_worker(worker, model_len).await;
@@ -702,6 +737,43 @@ impl Coordinator {
                     }
                 }
             }
+        }
+    }
+
+    /// A registered server's connection: its lease renewals, until it closes.
+    async fn serve_server(&self, conn: &quinn::Connection, server: u32, data_addr: SocketAddr) {
+        let heartbeats = async {
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                let limits = Limits { max_header: 4096, max_payload: 0 };
+                let answer = match wire::read_message::<CoordRequest>(&mut recv, &limits).await {
+                    Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
+                        let mut st = self.lock();
+                        match st.renewed.get_mut(s as usize) {
+                            Some(Some(t)) => {
+                                *t = std::time::Instant::now();
+                                CoordResponse::Ok
+                            }
+                            // Failed over: its shards have other primaries now.
+                            _ => CoordResponse::Error("this server was failed over".into()),
+                        }
+                    }
+                    Ok((other, _)) => CoordResponse::Error(format!("a server may not send {other:?}")),
+                    Err(_) => continue,
+                };
+                let _ = net::answer(&mut send, &answer, &[]).await;
+            }
+        };
+        let reason = tokio::select! {
+            reason = conn.closed() => reason,
+            () = heartbeats => conn.closed().await,
+        };
+        // A server that reconnected has a new connection: the old one's end is no loss.
+        let current = matches!(
+            self.lock().servers.get(server as usize),
+            Some((_, Some(c))) if c.stable_id() == conn.stable_id()
+        );
+        if current && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::error!(%data_addr, "server lost: {reason}; its shards are unavailable");
         }
     }
 
@@ -959,9 +1031,9 @@ impl Coordinator {
         };
         let lost: Vec<bool> = self.lock().renewed.iter().map(Option::is_none).collect();
         for (i, (addr, conn)) in servers.iter().enumerate() {
-            if lost.get(i).copied().unwrap_or(false) {
+            let Some(conn) = conn.as_ref().filter(|_| !lost.get(i).copied().unwrap_or(false)) else {
                 continue;
-            }
+            };
             // With backups, a server that does not answer soon may be dead and about to be
             // failed over: the status goes on without it rather than waiting for its timeout.
             let asked = command_status(conn);

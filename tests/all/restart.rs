@@ -1,0 +1,155 @@
+//! A coordinator that dies mid-run: `syncopate local` starts it again at the same address, the
+//! servers (which kept their shards) and the workers rejoin it, and it rebuilds the cluster
+//! from what the servers hold. With the `counter` workload every parameter must end at exactly
+//! minus the sum of every push: a push lost or applied twice across the restart shows.
+
+use std::time::Duration;
+
+use crate::cluster::{assert_all, LocalRun};
+
+/// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
+const ITERATIONS: u64 = 300;
+
+fn start(name: &str, policy: &str, extra: &[&str]) -> LocalRun {
+    let base = [
+        "--workers",
+        "3",
+        "--servers",
+        "2",
+        "--shards",
+        "3",
+        "--iterations",
+        "300",
+        "--params",
+        "64",
+        "--delay-ms",
+        "20",
+        "--policy",
+        policy,
+    ];
+    LocalRun::start(name, &[&base[..], extra].concat())
+}
+
+/// Runs to the end and checks the sums, the iterations and that the launcher restarted the
+/// coordinator once.
+fn finish_exact(run: LocalRun, name: &str) -> LocalRun {
+    let (st, run) = run.finish(Duration::from_secs(150));
+    assert!(st.success(), "{name}: training goes on after the coordinator's restart:\n{}", run.output());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * ITERATIONS as f32, name);
+    let report = run.report();
+    assert!(report.failed_workers.is_empty(), "{:?}", report.failed_workers);
+    for w in &report.workers {
+        assert_eq!(w.iterations, ITERATIONS, "{name}: worker {} ran every iteration", w.worker);
+    }
+    assert_eq!(report.coordinator_restarts.len(), 1, "{name}: {:?}", report.coordinator_restarts);
+    run
+}
+
+/// Server `s` (by its log's name) rejoined the restarted coordinator while the workers still
+/// trained: before any of them left its shards.
+fn rejoined_mid_run(run: &LocalRun, s: u32) {
+    let log = run.log(&format!("server-{s}"));
+    let rejoined = log.find("rejoined the coordinator");
+    let left = log.find("worker left");
+    assert!(rejoined.is_some_and(|r| left.is_none_or(|l| r < l)), "server {s} rejoins mid-run:\n{log}");
+}
+
+fn killed_coordinator_rebuilds_from_both_servers(name: &str, policy: &str) {
+    let run = finish_exact(start(name, policy, &["--kill-coordinator", "2"]), name);
+    assert!(run.output().contains("failure drill: killing the coordinator"), "{}", run.output());
+    let log = run.log("coordinator-2");
+    assert!(
+        log.contains("cluster rebuilt from the servers' holdings") && log.contains("rejoined=2"),
+        "{log}"
+    );
+    for s in 0..2 {
+        rejoined_mid_run(&run, s);
+    }
+    // The rebuilt map is the one the cluster started with, backups included.
+    let placement: Vec<_> = run.report().servers.iter().map(|s| (s.server, s.shards.len())).collect();
+    assert_eq!(placement.iter().map(|p| p.1).sum::<usize>(), 3, "{placement:?}");
+    assert!(log.contains("promoted=0"), "nothing to promote: every primary came back\n{log}");
+}
+
+#[test]
+fn a_coordinator_killed_under_bsp_is_restarted_and_rebuilt_from_its_servers_with_nothing_lost() {
+    killed_coordinator_rebuilds_from_both_servers("restart-bsp", "bsp");
+}
+
+#[test]
+fn a_coordinator_killed_under_asp_is_restarted_and_rebuilt_from_its_servers_with_nothing_lost() {
+    killed_coordinator_rebuilds_from_both_servers("restart-asp", "asp");
+}
+
+#[test]
+fn without_backups_the_servers_serve_on_while_the_coordinator_restarts() {
+    // No leases: the servers notice the coordinator's death only by their connection's peer
+    // timeout, and go on serving meanwhile.
+    let name = "restart-no-backups";
+    let run = finish_exact(
+        start(name, "ssp:s=2", &["--replicas", "0", "--peer-timeout-ms", "3000", "--kill-coordinator", "2"]),
+        name,
+    );
+    let log = run.log("coordinator-2");
+    assert!(
+        log.contains("cluster rebuilt from the servers' holdings") && log.contains("rejoined=2"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_coordinator_killed_after_a_failover_rebuilds_without_the_lost_server() {
+    // Server 0 dies first and its shards fail over to server 1; then the coordinator dies. The
+    // new one waits for server 0, which never comes, then rebuilds from server 1 alone.
+    let name = "restart-after-failover";
+    let run = finish_exact(start(name, "bsp", &["--kill-server", "0:1.5", "--kill-coordinator", "4"]), name);
+    let log = run.log("coordinator-2");
+    assert!(
+        log.contains("cluster rebuilt from the servers' holdings") && log.contains("rejoined=1"),
+        "{log}"
+    );
+    assert!(log.contains("server did not rejoin"), "{log}");
+    // Ids follow registration, not the process's name: the survivor is whichever rejoined.
+    let survivor = (0..2).find(|s| run.log(&format!("server-{s}")).contains("rejoined the coordinator"));
+    rejoined_mid_run(&run, survivor.expect("the live server rejoined"));
+    let report = run.report();
+    let held: usize = report.servers.iter().map(|s| s.shards.len()).sum();
+    assert_eq!(held, 3, "every shard on the live server: {:?}", report.servers);
+}
+
+#[test]
+fn the_policy_and_swap_count_survive_a_coordinator_restart() {
+    // The coordinator keeps the policy only in memory; the rebuilt one reads it back from the
+    // servers (which hold the module), with the swap count.
+    // Killed once the swap is done (not at a set time, which a slow swap could straddle);
+    // `local` starts it again as it does any coordinator that dies.
+    let name = "restart-swap";
+    let mut run = start(name, "bsp", &[]);
+    let cluster = run.cluster_file();
+    let out = crate::cluster::syncopate(&["policy", "swap", "ssp:s=3", "--watch-s", "0"], &cluster);
+    assert!(out.status.success(), "swap: {}", String::from_utf8_lossy(&out.stderr));
+    let tls = run.dir.join("tls").display().to_string();
+    let coordinator = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok().map(|pid| (pid, e.path())))
+        .find(|(_, path)| {
+            let cmd = std::fs::read_to_string(path.join("cmdline")).unwrap_or_default().replace('\0', " ");
+            cmd.contains(" coordinator ") && cmd.contains(&tls)
+        })
+        .map(|(pid, _)| pid)
+        .expect("the coordinator's process");
+    let killed = std::process::Command::new("kill").args(["-9", &coordinator.to_string()]).status().unwrap();
+    assert!(killed.success());
+    let run = finish_exact(run, name);
+    assert!(
+        run.output().contains("the coordinator killed by signal 9; starting it again"),
+        "{}",
+        run.output()
+    );
+    let report = run.report();
+    assert_eq!(report.swaps, 1, "{report:?}");
+    assert!(report.policy.contains("ssp"), "{}", report.policy);
+    let shards: Vec<_> = report.servers.iter().flat_map(|s| &s.shards).collect();
+    assert!(shards.len() == 3 && shards.iter().all(|s| s.policy == "ssp 0.1.0"), "{shards:?}");
+}
