@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Measures the time from a server's death to training resuming, with `--replicas 1`.
+"""Measures the time from a server's (or the coordinator's) death to training resuming, with
+`--replicas 1`.
 
 Each round runs `syncopate local` (3 workers, 2 servers, 3 shards, the `counter` workload,
-20 ms per iteration, release build), SIGKILLs one server 3 s in, and reads the run report: for
+20 ms per iteration, release build), SIGKILLs one server 3 s in (with `--kill coordinator`,
+the coordinator, which the launcher starts again), and reads the run report: for
 each worker, training resumes at the first iteration that starts after the longest pause
 following the kill. The figure is the latest worker's resume time minus the kill time. The
 script checks that every parameter ends at the exact sum (no acknowledged push lost or
 doubled) and prints the median and range over the rounds.
 
 Usage: cargo build --release --bins && scripts/measure-failover.py [--rounds 5] [--policy bsp]
+       [--kill server|coordinator]
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ BIN = ROOT / "target" / "release" / "syncopate"
 ITERATIONS = 600
 
 
-def server_pids(run_dir: Path) -> list[int]:
-    """The pids of the run's server processes, found by their command lines."""
+def role_pids(run_dir: Path, role: str) -> list[int]:
+    """The pids of the run's processes of ``role`` (server, coordinator), found by their
+    command lines."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -40,12 +44,12 @@ def server_pids(run_dir: Path) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if " server " in cmd and str(run_dir / "tls") in cmd:
+        if f" {role} " in cmd and str(run_dir / "tls") in cmd:
             pids.append(int(entry.name))
     return sorted(pids)
 
 
-def one_round(policy: str, base: Path, n: int) -> float:
+def one_round(policy: str, victim: str, base: Path, n: int) -> float:
     """Runs one round; returns seconds from the kill to training resuming."""
     run_dir = base / f"round-{n}"
     args = [
@@ -83,10 +87,10 @@ def one_round(policy: str, base: Path, n: int) -> float:
     log = open(base / f"round-{n}.out", "w")
     local = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     time.sleep(3.0)
-    pids = server_pids(run_dir)
-    if len(pids) != 2:
+    pids = role_pids(run_dir, victim)
+    if len(pids) != (2 if victim == "server" else 1):
         local.kill()
-        sys.exit(f"round {n}: expected 2 servers, found {pids}")
+        sys.exit(f"round {n}: found {victim} processes {pids}")
     killed_at = time.time()
     os.kill(pids[0], signal.SIGKILL)
     if local.wait(timeout=300) != 0:
@@ -109,15 +113,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--policy", default="bsp")
+    parser.add_argument("--kill", choices=["server", "coordinator"], default="server")
     a = parser.parse_args()
     if not BIN.exists():
         sys.exit(f"{BIN} is missing: cargo build --release --bins")
     base = Path(tempfile.mkdtemp(prefix="syncopate-failover-"))
-    times = [one_round(a.policy, base, n) for n in range(a.rounds)]
+    times = [one_round(a.policy, a.kill, base, n) for n in range(a.rounds)]
     for n, t in enumerate(times):
-        print(f"round {n}: {t:.2f} s from the kill to training resuming")
+        print(f"round {n}: {t:.2f} s from the {a.kill}'s kill to training resuming")
     print(
-        f"{a.policy}: median {statistics.median(times):.2f} s "
+        f"{a.policy}, {a.kill} killed: median {statistics.median(times):.2f} s "
         f"(range {min(times):.2f}-{max(times):.2f}) over {len(times)} rounds; "
         "sums exact in every round"
     )
