@@ -5,6 +5,10 @@
 //! (build them first: `cargo build --release --bins`); the worker is a `WorkerClient` in this
 //! process, on loopback. One shard (primary on server 0, its backup on server 1), ASP, so no
 //! push waits on a policy. The goal (issue 18): at most 1.3x the unreplicated latency at 1 MiB.
+//!
+//! Each cell also prints the CPU time per push of every process (this one is the worker). The
+//! nodes spin as they do by default; `SYNCOPATE_BENCH_SPIN_US=0` turns spinning off, so that
+//! CPU time counts work only.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
