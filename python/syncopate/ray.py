@@ -91,7 +91,8 @@ class _Role:
         """Starts the process with ``env`` added to a clean environment; returns the node's
         address."""
         subst = [a.replace("{dir}", str(self.dir)).replace("{ip}", self.ip) for a in args]
-        log = open(self.dir / "log", "wb")  # noqa: SIM115 (the process owns it)
+        # Appended to: a coordinator started again keeps its first process's log before it.
+        log = open(self.dir / "log", "ab")  # noqa: SIM115 (the process owns it)
         self.proc = subprocess.Popen(
             [self.exe, *subst],
             stdout=log,
@@ -199,6 +200,29 @@ _RoleActor = ray.remote(num_cpus=0, max_restarts=0)(_Role)
 _WorkerActor = ray.remote(max_restarts=0)(_Worker)
 
 
+#: How many times a run starts its coordinator again if it dies.
+COORDINATOR_RESTARTS = 3
+#: How often :meth:`RayRun.wait` checks that the coordinator is alive, in seconds.
+CHECK_EVERY_S = 0.5
+
+
+def restart_args(first: list[str], addr: str) -> list[str]:
+    """The arguments a coordinator that died is started again with: the first one's, listening
+    at the address it had (``addr``), where the servers and workers look for it, and never
+    resuming from a checkpoint, since the servers that ran on hold newer state."""
+    out: list[str] = []
+    it = iter(first)
+    for a in it:
+        if a == "--listen":
+            next(it, None)
+            out += ["--listen", addr]
+        elif a == "--resume":
+            next(it, None)
+        else:
+            out.append(a)
+    return out
+
+
 def _say(msg: str) -> None:
     print(f"[syncopate] {msg}", file=sys.stderr, flush=True)
 
@@ -287,6 +311,7 @@ class RayRun:
         self.max_restarts = o.restart_workers
         self.restarts: dict[int, int] = {}
         self.lost_workers: list[int] = []
+        self.coordinator_restarts: list[float] = []
         self.logs: dict[str, str] = {}
         self._stopped = False
         self._shut = False
@@ -339,8 +364,11 @@ class RayRun:
         role_env = {"SYNCOPATE_TOKEN": self.token}
         if "SYNCOPATE_LOG" in os.environ:
             role_env["SYNCOPATE_LOG"] = os.environ["SYNCOPATE_LOG"]
-        ray.get(coordinator.start.remote(args + (o.coordinator_args or []), role_env))
+        args += o.coordinator_args or []
+        ray.get(coordinator.start.remote(args, role_env))
         self.addr = ray.get(coordinator.ready.remote(60.0))
+        # What starting it again takes: the same node (so the same address), the same files.
+        self._coordinator = (on_node(0), files, args, role_env)
         self.cluster_file = self.dir / "cluster.json"
         cluster = {
             "coordinator": self.addr,
@@ -408,10 +436,29 @@ class RayRun:
         return point
 
     def _check_roles(self) -> None:
-        """Raises if the coordinator died (a server that dies is failed over instead)."""
-        codes = ray.get([r.exit_code.remote() for r in self.roles[:1]])
-        if codes[0] is not None:
-            raise RuntimeError(f"the coordinator exited ({codes[0]}):\n{self._log(0)}")
+        """Starts the coordinator again, on its node and at its address, if its process or its
+        actor died: the servers and workers rejoin it, and it rebuilds the cluster from what the
+        servers hold. Raises after :data:`COORDINATOR_RESTARTS` restarts. (A server that dies
+        is failed over instead.)"""
+        try:
+            code = ray.get(self.roles[0].exit_code.remote(), timeout=30)
+            why = None if code is None else f"exited ({code})"
+        except ray.exceptions.RayActorError:
+            why = "lost its actor"
+        if why is None:
+            return
+        if len(self.coordinator_restarts) >= COORDINATOR_RESTARTS:
+            raise RuntimeError(
+                f"the coordinator {why}, and it was started again {COORDINATOR_RESTARTS} times "
+                f"already:\n{self._log(0)}"
+            )
+        self.coordinator_restarts.append(time.monotonic() - self.t0)
+        _say(f"the coordinator {why}; starting it again at {self.addr}")
+        node, files, args, env = self._coordinator
+        if why == "lost its actor":
+            self.old_actors.append(self.roles[0])
+            self.roles[0] = _RoleActor.options(**node).remote("coordinator", files, str(self.exe))
+        ray.get(self.roles[0].start.remote(restart_args(args, self.addr), env))
 
     def _log(self, i: int) -> str:
         try:
@@ -426,6 +473,7 @@ class RayRun:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         results: dict[int, dict[str, Any]] = {}
         next_say = time.monotonic() + self.progress_every_s
+        next_check = time.monotonic() + CHECK_EVERY_S
         try:
             while self.pending:
                 if self.startup_s is None:
@@ -439,9 +487,11 @@ class RayRun:
                     except ray.exceptions.RayActorError as e:
                         # Its process died (train_fn's own exceptions are RayTaskErrors).
                         self._worker_died(w, e)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + CHECK_EVERY_S
+                    self._check_roles()
                 if time.monotonic() >= next_say:
                     next_say += self.progress_every_s
-                    self._check_roles()
                     point = self._look()
                     if point is not None:
                         _say(_line(point))
@@ -463,6 +513,7 @@ class RayRun:
             "placement": self.placement,
             "restarts": self.restarts,
             "lost_workers": self.lost_workers,
+            "coordinator_restarts": self.coordinator_restarts,
             "workers": [results[w]["report"] for w in sorted(results)],
             "results": [results[w]["result"] for w in sorted(results)],
             "status": last_status,
@@ -492,6 +543,11 @@ class RayRun:
     def kill_worker(self, worker: int) -> None:
         """Kills worker ``worker``'s actor (for failure drills and tests)."""
         ray.kill(self.worker_actors[worker], no_restart=True)
+
+    def kill_coordinator(self) -> None:
+        """Kills the coordinator's actor, and so its process (for failure drills and tests):
+        :meth:`wait` starts it again."""
+        ray.kill(self.roles[0], no_restart=True)
 
     def kill_server(self, server: int) -> None:
         """Kills server ``server``'s actor, and so its process (for failure drills and tests)."""
@@ -576,7 +632,9 @@ def start(
       ``syncopate.swap(...)`` and ``syncopate.status()`` reach the cluster with no arguments.
     - ``servers`` servers, each in an actor of its own, spread over the nodes; ``replicas``
       backups per shard (default 1 with two servers or more, so a server actor that dies is
-      failed over; see ``docs/fault-tolerance.md`` for the cost).
+      failed over; see ``docs/fault-tolerance.md`` for the cost). A coordinator that dies is
+      started again on its node, at its address (up to :data:`COORDINATOR_RESTARTS` times),
+      and rebuilds the cluster from the servers.
     - ``policy``, ``lr``, ``momentum``, ``weight_decay``, ``push_weight``, ``shards``,
       ``peer_timeout_ms``: as ``syncopate coordinator`` takes them; ``coordinator_args`` adds
       any other flag (``["--checkpoint-dir", "/shared/ckpt"]``).
@@ -598,6 +656,6 @@ def launch(
     """Runs ``train_fn`` on a Syncopate cluster on Ray to its end and returns the run report:
     ``start(train_fn, **kw).wait(timeout_s)``. See :func:`start` for the arguments. The report
     has every worker's report and ``train_fn``'s return value, the final status, the progress
-    timeline, the servers lost, and ``startup_s``: seconds from this call to the first push
-    the servers admitted."""
+    timeline, the servers lost, the coordinator's restarts (seconds from the start), and
+    ``startup_s``: seconds from this call to the first push the servers admitted."""
     return start(train_fn, **kw).wait(timeout_s)

@@ -316,3 +316,17 @@ def test_without_restarts_a_killed_worker_actor_is_dropped_and_the_others_finish
     assert report["lost_workers"] == [1]
     assert [r["iterations"] for r in report["results"]] == [80]
     assert_nothing_left()
+
+
+def test_killing_the_coordinator_actor_mid_run_restarts_it_and_loses_no_push(
+    local_ray: str, tmp_path: Path
+) -> None:
+    kw: dict[str, Any] = {"workers": 3, "servers": 2, "shards": 3, "iterations": 150}
+    report, _ = counter_run_killed(tmp_path, 30, lambda run: run.kill_coordinator(), **kw)
+    assert len(report["coordinator_restarts"]) == 1, report["coordinator_restarts"]
+    assert report["lost_servers"] == [], report["status"]
+    assert [w["iterations"] for w in report["workers"]] == [150] * 3
+    exact_model(report, 3, 150)
+    log = (Path(report["run_dir"]) / "logs" / "coordinator.log").read_text()
+    assert "cluster rebuilt from the servers' holdings" in log, log
+    assert_nothing_left()
