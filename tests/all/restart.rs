@@ -69,6 +69,8 @@ fn killed_coordinator_rebuilds_from_both_servers(name: &str, policy: &str) {
     let placement: Vec<_> = run.report().servers.iter().map(|s| (s.server, s.shards.len())).collect();
     assert_eq!(placement.iter().map(|p| p.1).sum::<usize>(), 3, "{placement:?}");
     assert!(log.contains("promoted=0"), "nothing to promote: every primary came back\n{log}");
+    let plot = std::fs::read_to_string(run.dir.join("timeline.svg")).expect("timeline.svg");
+    assert!(plot.contains("coordinator restarted"), "the timeline marks the restart");
 }
 
 #[test]

@@ -61,9 +61,19 @@ type TimeChart<'a, 'b> = ChartContext<
 >;
 
 /// Marks every hot swap on a time chart (a grey vertical line from `y0` to `y1` where the next
-/// policy was first seen, labelled with it) and every failover (a red one where the watcher
-/// first saw the server lost).
+/// policy was first seen, labelled with it), every failover (a red one where the watcher first
+/// saw the server lost) and every restart of the coordinator (an orange one when it died).
 fn mark_swaps(chart: &mut TimeChart<'_, '_>, report: &RunReport, y0: f64, y1: f64) -> PlotResult<()> {
+    let orange = RGBColor(220, 120, 0);
+    for &x in &report.coordinator_restarts {
+        chart
+            .draw_series(std::iter::once(PathElement::new(vec![(x, y0), (x, y1)], orange.stroke_width(2))))?;
+        chart.draw_series(std::iter::once(Text::new(
+            " coordinator restarted",
+            (x, y1 - (y1 - y0) * 0.14),
+            ("sans-serif", 14).into_font().color(&orange),
+        )))?;
+    }
     let red = RGBColor(200, 30, 30);
     for f in &report.failovers {
         let x = f.t_s;
