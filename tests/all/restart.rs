@@ -155,3 +155,83 @@ fn the_policy_and_swap_count_survive_a_coordinator_restart() {
     let shards: Vec<_> = report.servers.iter().flat_map(|s| &s.shards).collect();
     assert!(shards.len() == 3 && shards.iter().all(|s| s.policy == "ssp 0.1.0"), "{shards:?}");
 }
+
+/// A coordinator started again with other settings than the servers were welcomed with is not
+/// one they can rejoin: each is refused with what differs and what to do, and stops.
+#[test]
+fn a_coordinator_restarted_with_other_flags_is_refused_by_the_servers_with_the_reason() {
+    use std::process::{Command, Stdio};
+    let dir = crate::cluster::run_dir("restart-other-flags");
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = crate::cli::syncopate_bin();
+    let tls = dir.join("tls");
+    assert!(Command::new(&bin).arg("certs").arg(&tls).output().unwrap().status.success());
+    let token = "restart-other-flags-token";
+    let spawn = |name: &str, args: &[&str]| {
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        Command::new(&bin)
+            .args(args)
+            .arg("--tls-dir")
+            .arg(&tls)
+            .env("SYNCOPATE_TOKEN", token)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let ready = dir.join("addr");
+    let coordinator = |listen: &str, shards: &str| {
+        let r = ready.display().to_string();
+        spawn(
+            "coordinator",
+            &["coordinator", "--listen", listen, "--servers", "2", "--shards", shards, "--ready-file", &r],
+        )
+    };
+    let wait_for = |path: &std::path::Path| {
+        let t = std::time::Instant::now();
+        while std::fs::read_to_string(path).map_or(true, |s| s.trim().is_empty()) {
+            assert!(t.elapsed() < Duration::from_secs(60), "no {}", path.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::read_to_string(path).unwrap().trim().to_string()
+    };
+    let mut first = coordinator("127.0.0.1:0", "3");
+    let addr = wait_for(&ready);
+    let mut servers: Vec<_> = (0..2)
+        .map(|s| {
+            let id = dir.join(format!("server-{s}.id")).display().to_string();
+            spawn(&format!("server-{s}"), &["server", "--coordinator", &addr, "--id-file", &id])
+        })
+        .collect();
+    for s in 0..2 {
+        wait_for(&dir.join(format!("server-{s}.id")));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    std::fs::remove_file(&ready).unwrap();
+    let mut second = coordinator(&addr, "4");
+    for (s, server) in servers.iter_mut().enumerate() {
+        let t = std::time::Instant::now();
+        let status = loop {
+            if let Some(st) = server.try_wait().unwrap() {
+                break st;
+            }
+            assert!(t.elapsed() < Duration::from_secs(90), "server {s} did not stop");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let log = std::fs::read_to_string(dir.join(format!("server-{s}.log"))).unwrap();
+        assert!(!status.success(), "server {s} stops with an error:\n{log}");
+        assert!(
+            log.contains(
+                "would not take this server back: it was started with --shards 3, this coordinator with 4"
+            ),
+            "server {s} says why:\n{log}"
+        );
+    }
+    // Refusing them left the new coordinator as it was: it did not begin a rebuild.
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap();
+    assert!(log.contains("a rejoining server refused") && !log.contains("rebuilding it"), "{log}");
+    let _ = second.kill();
+    let _ = second.wait();
+}

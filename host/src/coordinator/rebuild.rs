@@ -168,7 +168,14 @@ impl Coordinator {
         if id >= self.opts.servers {
             return Err(format!("server id {id} is not one of this cluster's {} servers", self.opts.servers));
         }
-        {
+        // Checked before anything changes here: a server of another cluster (or one welcomed
+        // with other flags) leaves this coordinator as it was.
+        let (holdings, wasm) = ask_holdings(conn).await?;
+        if holdings.server != id {
+            return Err(format!("it says it is server {id}, but holds server {}'s shards", holdings.server));
+        }
+        same_cluster(&self.settings(&self.lock()), &holdings.settings)?;
+        let complete = {
             let mut st = self.lock();
             if st.rebuild.is_none() {
                 if !st.servers.is_empty() {
@@ -199,14 +206,6 @@ impl Coordinator {
                     me.begin_rebuild();
                 });
             }
-        }
-        let (holdings, wasm) = ask_holdings(conn).await?;
-        if holdings.server != id {
-            return Err(format!("it says it is server {id}, but holds server {}'s shards", holdings.server));
-        }
-        same_cluster(&self.settings(&self.lock()), &holdings.settings)?;
-        let complete = {
-            let mut st = self.lock();
             let Some(rebuild) = st.rebuild.as_mut().filter(|r| !r.begun) else {
                 return Err("the cluster was rebuilt without this server (it came back too late)".into());
             };
