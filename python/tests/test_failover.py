@@ -42,6 +42,14 @@ def min_clock(cluster: Path) -> int:
     return min(clocks, default=0)
 
 
+def wait_for_clock(cluster: Path, clock: int) -> None:
+    """Waits until every script has pushed ``clock`` iterations."""
+    deadline = time.monotonic() + 60
+    while min_clock(cluster) < clock:
+        assert time.monotonic() < deadline, f"the scripts did not reach iteration {clock}"
+        time.sleep(0.1)
+
+
 def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     tmp_path: Path,
 ) -> None:
@@ -50,11 +58,7 @@ def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum", "--replicas", "1"]
     args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
     p = start_local(run, *args)
-    cluster = run / "cluster.json"
-    deadline = time.monotonic() + 60
-    while min_clock(cluster) < 50:
-        assert time.monotonic() < deadline, "the scripts did not reach iteration 50"
-        time.sleep(0.1)
+    wait_for_clock(run / "cluster.json", 50)
     pids = role_pids(run)
     assert len(pids) == 2, pids
     os.kill(pids[0], signal.SIGKILL)
@@ -77,11 +81,7 @@ def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_onc
     args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum"]
     args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
     p = start_local(run, *args)
-    cluster = run / "cluster.json"
-    deadline = time.monotonic() + 60
-    while min_clock(cluster) < 50:
-        assert time.monotonic() < deadline, "the scripts did not reach iteration 50"
-        time.sleep(0.1)
+    wait_for_clock(run / "cluster.json", 50)
     coordinator = role_pids(run, "coordinator")
     assert len(coordinator) == 1, coordinator
     os.kill(coordinator[0], signal.SIGKILL)

@@ -418,6 +418,18 @@ impl Coordinator {
         }
     }
 
+    /// What server `id` is welcomed with, and the policy module that goes with it; `st` is the
+    /// state, locked by the caller.
+    fn server_welcome(&self, st: &State, id: u32) -> (Welcome, Vec<u8>) {
+        let welcome = Welcome::Server {
+            server: id,
+            settings: self.settings(st),
+            policy: st.policy.blob(),
+            swaps: st.swaps,
+        };
+        (welcome, st.policy.wasm.clone())
+    }
+
     /// Once every server has registered: each primary starts streaming its shards' ops to their
     /// backups. Workers are welcomed after this.
     async fn attach_backups(&self) {
@@ -602,16 +614,7 @@ impl Coordinator {
         match role {
             Role::Server { data_addr, rejoin: Some(id) } => {
                 let welcome = match self.clone().rejoin_server(id, data_addr, &conn).await {
-                    Ok(()) => {
-                        let st = self.lock();
-                        let welcome = Welcome::Server {
-                            server: id,
-                            settings: self.settings(&st),
-                            policy: st.policy.blob(),
-                            swaps: st.swaps,
-                        };
-                        (welcome, st.policy.wasm.clone())
-                    }
+                    Ok(()) => self.server_welcome(&self.lock(), id),
                     Err(reason) => {
                         tracing::warn!(server = id, %data_addr, "a rejoining server refused: {reason}");
                         return net::refuse(&mut send, reason).await;
@@ -649,13 +652,7 @@ impl Coordinator {
                         st.renewed.push(Some(std::time::Instant::now() + first));
                         let id = st.servers.len() as u32 - 1;
                         tracing::info!(server = id, %data_addr, "server registered");
-                        let welcome = Welcome::Server {
-                            server: id,
-                            settings: self.settings(&st),
-                            policy: st.policy.blob(),
-                            swaps: st.swaps,
-                        };
-                        (welcome, st.policy.wasm.clone())
+                        self.server_welcome(&st, id)
                     }
                 };
                 // The id this server was given: two servers registering at once must not
