@@ -65,6 +65,20 @@ pub(super) struct Resolution {
     pub stale: BTreeMap<u32, u32>,
 }
 
+impl Resolution {
+    /// The model's length: every shard's parameters on its primary (a promoted one reported
+    /// them as a backup). `None` before every shard was created, that is before training began.
+    pub fn model_len(&self, holdings: &[&Holdings]) -> Option<u64> {
+        let len = |k: u32, place: &Option<Place>| {
+            let primary = place.as_ref()?.primary;
+            let h = holdings.iter().find(|h| h.server == primary)?;
+            let held = h.primaries.iter().chain(&h.backups);
+            held.filter(|c| c.0 == k).map(|c| c.2).find(|&l| l > 0)
+        };
+        self.places.iter().enumerate().map(|(k, p)| len(k as u32, p)).sum()
+    }
+}
+
 /// Resolves the map of `shards` shards from the servers' holdings (see the module's doc).
 pub(super) fn resolve(shards: u32, holdings: &[&Holdings]) -> Resolution {
     let mut stale: BTreeMap<u32, u32> = BTreeMap::new();
@@ -291,18 +305,7 @@ impl Coordinator {
                 };
                 st.previous = None;
             }
-            // Every shard created (and so training under way) when every primary has parameters.
-            let lens: Option<u64> = resolution
-                .places
-                .iter()
-                .enumerate()
-                .map(|(k, p)| {
-                    let p = p.as_ref()?;
-                    let h = reports.get(&p.primary)?;
-                    h.holdings.primaries.iter().find(|c| c.0 == k as u32).map(|c| c.2).filter(|&l| l > 0)
-                })
-                .sum();
-            st.model_len = lens;
+            st.model_len = resolution.model_len(&holdings);
             if st.restore.take().is_some() {
                 tracing::warn!(
                     "--resume ignored: the servers that ran on hold newer state than any checkpoint"
@@ -400,7 +403,7 @@ mod tests {
             policy: PolicyBlob { label: "bsp".into(), sha256: [0; 32], config: vec![], overrides: vec![] },
             swaps: 0,
             primaries: primaries.iter().map(|&(k, t)| (k, t, 10)).collect(),
-            backups: backups.to_vec(),
+            backups: backups.iter().map(|&(k, t)| (k, t, 10)).collect(),
         }
     }
 
@@ -415,6 +418,7 @@ mod tests {
         let r = resolve(3, &hs.iter().collect::<Vec<_>>());
         assert_eq!(r.places, vec![place(0, Some(1)), place(1, Some(2)), place(2, Some(0))]);
         assert!(r.promote.is_empty() && r.stale.is_empty());
+        assert_eq!(r.model_len(&hs.iter().collect::<Vec<_>>()), Some(30));
     }
 
     #[test]
@@ -424,6 +428,8 @@ mod tests {
         assert_eq!(r.places, vec![place(1, None), place(1, Some(2)), place(2, None)]);
         assert_eq!(r.promote, vec![(0, 1)]);
         assert!(r.stale.is_empty());
+        // Shard 0's parameters come from its promoted backup's report.
+        assert_eq!(r.model_len(&hs.iter().collect::<Vec<_>>()), Some(30));
     }
 
     #[test]
@@ -458,5 +464,6 @@ mod tests {
         let hs = [held(1, &[(1, 0)], &[])];
         let r = resolve(2, &hs.iter().collect::<Vec<_>>());
         assert_eq!(r.places, vec![None, place(1, None)]);
+        assert_eq!(r.model_len(&hs.iter().collect::<Vec<_>>()), None, "a lost shard's length is unknown");
     }
 }

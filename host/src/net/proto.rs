@@ -126,8 +126,8 @@ pub struct Holdings {
     /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
     /// creation.
     pub primaries: Vec<(u32, u64, u64)>,
-    /// Shards it keeps backups of: `(shard, the term of the primary it follows)`.
-    pub backups: Vec<(u32, u64)>,
+    /// Shards it keeps backups of: `(shard, the term of the primary it follows, parameters)`.
+    pub backups: Vec<(u32, u64, u64)>,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.

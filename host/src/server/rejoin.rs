@@ -30,15 +30,16 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let terms = shared.terms.lock().expect("not poisoned").clone();
     let term = |shard: u32| terms.get(&shard).copied().unwrap_or(0);
     let primaries = shared.primaries();
+    let backups = super::sorted(&shared.backups.lock().expect("not poisoned"));
     let lens: std::collections::HashMap<u32, u64> =
-        statuses(primaries.clone()).await.into_iter().map(|s| (s.shard, s.len)).collect();
-    let primaries = primaries
-        .iter()
-        .map(|(shard, _)| (*shard, term(*shard), lens.get(shard).copied().unwrap_or(0)))
-        .collect();
-    let mut backups: Vec<(u32, u64)> =
-        shared.backups.lock().expect("not poisoned").keys().map(|&shard| (shard, term(shard))).collect();
-    backups.sort_unstable();
+        statuses(primaries.iter().chain(&backups).cloned().collect())
+            .await
+            .into_iter()
+            .map(|s| (s.shard, s.len))
+            .collect();
+    let held = |shard: u32| (shard, term(shard), lens.get(&shard).copied().unwrap_or(0));
+    let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
+    let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
     Holdings { server: shared.id, settings: shared.settings.clone(), policy, swaps, primaries, backups }
 }
 
