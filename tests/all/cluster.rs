@@ -157,6 +157,33 @@ pub fn status(cluster: &Path) -> ClusterStatus {
     serde_json::from_slice(&out.stdout).expect("status JSON")
 }
 
+/// `syncopate local` with exact counting on 3 workers (pushing 1, 2 and 3), 2 servers and 3
+/// shards, 64 parameters, 20 ms per iteration: the failure drills' cluster, with `extra` flags.
+pub fn counter_drill(name: &str, policy: &str, iterations: u64, extra: &[&str]) -> LocalRun {
+    let iterations = iterations.to_string();
+    let base = ["--workers", "3", "--servers", "2", "--shards", "3", "--params", "64", "--delay-ms", "20"];
+    let run = ["--iterations", &iterations, "--policy", policy];
+    LocalRun::start(name, &[&base[..], &run, extra].concat())
+}
+
+/// The pids of a `local` run's processes of `role` (`server`, `coordinator`), found by their
+/// command lines, in pid order.
+pub fn role_pids(dir: &std::path::Path, role: &str) -> Vec<u32> {
+    let tls = dir.join("tls").display().to_string();
+    let role = format!(" {role} ");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd =
+            std::fs::read_to_string(entry.path().join("cmdline")).unwrap_or_default().replace('\0', " ");
+        if cmd.contains(&role) && cmd.contains(&tls) {
+            pids.push(pid);
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
 pub fn assert_all(model: &[f32], expected: f32, what: &str) {
     assert!(!model.is_empty());
     for (i, v) in model.iter().enumerate() {

@@ -8,49 +8,18 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::cluster::{assert_all, syncopate, LocalRun};
+use crate::cluster::{assert_all, counter_drill, role_pids, syncopate, LocalRun};
 
 /// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
 const ITERATIONS: u64 = 400;
 
 fn start(name: &str, policy: &str) -> LocalRun {
-    LocalRun::start(
-        name,
-        &[
-            "--workers",
-            "3",
-            "--servers",
-            "2",
-            "--shards",
-            "3",
-            "--iterations",
-            "400",
-            "--params",
-            "64",
-            "--delay-ms",
-            "20",
-            "--replicas",
-            "1",
-            "--policy",
-            policy,
-        ],
-    )
+    counter_drill(name, policy, ITERATIONS, &["--replicas", "1"])
 }
 
-/// The pid of the server process whose log is `logs/server-N.log`, found by its command line.
+/// The server processes, in pid order.
 fn server_pids(dir: &Path) -> Vec<u32> {
-    let tls = dir.join("tls").display().to_string();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let cmd =
-            std::fs::read_to_string(entry.path().join("cmdline")).unwrap_or_default().replace('\0', " ");
-        if cmd.contains(" server ") && cmd.contains(&tls) {
-            pids.push(pid);
-        }
-    }
-    pids.sort_unstable();
-    pids
+    role_pids(dir, "server")
 }
 
 /// Waits until every worker is past iteration `at` (read from the cluster's status).

@@ -5,29 +5,13 @@
 
 use std::time::Duration;
 
-use crate::cluster::{assert_all, LocalRun};
+use crate::cluster::{assert_all, counter_drill, role_pids, LocalRun};
 
 /// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
 const ITERATIONS: u64 = 300;
 
 fn start(name: &str, policy: &str, extra: &[&str]) -> LocalRun {
-    let base = [
-        "--workers",
-        "3",
-        "--servers",
-        "2",
-        "--shards",
-        "3",
-        "--iterations",
-        "300",
-        "--params",
-        "64",
-        "--delay-ms",
-        "20",
-        "--policy",
-        policy,
-    ];
-    LocalRun::start(name, &[&base[..], extra].concat())
+    counter_drill(name, policy, ITERATIONS, extra)
 }
 
 /// Runs to the end and checks the sums, the iterations and that the launcher restarted the
@@ -65,9 +49,16 @@ fn killed_coordinator_rebuilds_from_both_servers(name: &str, policy: &str) {
     for s in 0..2 {
         rejoined_mid_run(&run, s);
     }
-    // The rebuilt map is the one the cluster started with, backups included.
-    let placement: Vec<_> = run.report().servers.iter().map(|s| (s.server, s.shards.len())).collect();
-    assert_eq!(placement.iter().map(|p| p.1).sum::<usize>(), 3, "{placement:?}");
+    // The rebuilt map is the one the cluster started with (shard k on server k % 2), and every
+    // primary still streams to its backup.
+    let report = run.report();
+    let held: Vec<(u32, Vec<u32>)> =
+        report.servers.iter().map(|s| (s.server, s.shards.iter().map(|sh| sh.shard).collect())).collect();
+    assert_eq!(held, vec![(0, vec![0, 2]), (1, vec![1])], "the rebuilt map");
+    for shard in report.shards() {
+        let r = shard.replication.expect("a replicated primary says so");
+        assert!(!r.backup && r.confirmed.is_some(), "shard {} has its backup: {r:?}", shard.shard);
+    }
     assert!(log.contains("promoted=0"), "nothing to promote: every primary came back\n{log}");
     let plot = std::fs::read_to_string(run.dir.join("timeline.svg")).expect("timeline.svg");
     assert!(plot.contains("coordinator restarted"), "the timeline marks the restart");
@@ -130,17 +121,9 @@ fn the_policy_and_swap_count_survive_a_coordinator_restart() {
     let cluster = run.cluster_file();
     let out = crate::cluster::syncopate(&["policy", "swap", "ssp:s=3", "--watch-s", "0"], &cluster);
     assert!(out.status.success(), "swap: {}", String::from_utf8_lossy(&out.stderr));
-    let tls = run.dir.join("tls").display().to_string();
-    let coordinator = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok().map(|pid| (pid, e.path())))
-        .find(|(_, path)| {
-            let cmd = std::fs::read_to_string(path.join("cmdline")).unwrap_or_default().replace('\0', " ");
-            cmd.contains(" coordinator ") && cmd.contains(&tls)
-        })
-        .map(|(pid, _)| pid)
-        .expect("the coordinator's process");
+    let coordinator = role_pids(&run.dir, "coordinator");
+    assert_eq!(coordinator.len(), 1, "one coordinator: {coordinator:?}");
+    let coordinator = coordinator[0];
     let killed = std::process::Command::new("kill").args(["-9", &coordinator.to_string()]).status().unwrap();
     assert!(killed.success());
     let run = finish_exact(run, name);
