@@ -39,8 +39,9 @@ pub mod close {
     pub const PROTOCOL: u32 = 3;
     /// The node is shutting down.
     pub const SHUTDOWN: u32 = 4;
-    /// The peer stopped answering: a server whose lease renewals went unanswered for a whole
-    /// lease gives up on the connection and rejoins the coordinator afresh.
+    /// The peer stopped answering, so the connection is given up and made afresh: a server's
+    /// lease renewals went unanswered for a whole lease, or a worker's request to the
+    /// coordinator went unanswered (the coordinator may have restarted).
     pub const SILENT: u32 = 5;
 }
 

@@ -5,9 +5,9 @@
 //! - the kernel's default socket buffer (about 208 KB) holds few packets, so a multi-megabyte
 //!   burst overflowed it and every drop cost a loss recovery ([`SOCKET_BUFFER`]);
 //! - quinn batches packets of the path MTU into one GSO send (up to ten in the published crate,
-//!   64 in the copy we carry, `third_party/quinn`) without capping the batch's total size. Once MTU discovery finds a large MTU (64 KB on loopback, 9 KB on
-//!   jumbo-frame links), such a batch is over the kernel's 64 KB limit per send, the kernel
-//!   answers `EMSGSIZE`, and quinn-udp drops the batch silently (it expects that error only from
+//!   64 in the copy we carry, `third_party/quinn`) without capping the batch's total size.
+//!   Once MTU discovery finds a large MTU (64 KB on loopback, 9 KB on jumbo-frame links), such
+//!   a batch is over the kernel's 64 KB limit per send, the kernel answers `EMSGSIZE`, and quinn-udp drops the batch silently (it expects that error only from
 //!   MTU probes): every batch became a loss. [`CappedGso`] splits such batches, and asks quinn
 //!   for batches no larger than one send once it has sent large packets: a batch of ten 64 KB
 //!   packets was encrypted whole before its first packet left, so the receiver sat idle

@@ -280,11 +280,7 @@ impl WorkerClient {
     /// Bytes sent and received on all this worker's connections (UDP payloads, so QUIC and TLS
     /// overheads included).
     pub fn bytes(&self) -> (u64, u64) {
-        let coordinator = match &*self.coordinator.borrow() {
-            CoordinatorLink::Up(c) => Some(c.clone()),
-            _ => None,
-        };
-        self.servers.iter().chain(coordinator.as_ref()).fold((0, 0), |(tx, rx), c| {
+        self.servers.iter().chain(self.coordinator_conn().as_ref()).fold((0, 0), |(tx, rx), c| {
             let s = c.stats();
             (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
         })
@@ -630,6 +626,14 @@ impl WorkerClient {
         }
     }
 
+    /// The connection to the coordinator, while there is one.
+    fn coordinator_conn(&self) -> Option<quinn::Connection> {
+        match &*self.coordinator.borrow() {
+            CoordinatorLink::Up(c) => Some(c.clone()),
+            _ => None,
+        }
+    }
+
     /// Sends the coordinator a request and reads its answer. If the coordinator is away, or
     /// goes away before it answers, the request waits for it to come back and is sent again;
     /// so only requests that may be carried out twice come here. No answer within `patience`
@@ -689,11 +693,7 @@ impl WorkerClient {
             other => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
         }
         self.leaving.store(true, Ordering::SeqCst);
-        let coordinator = match &*self.coordinator.borrow() {
-            CoordinatorLink::Up(c) => Some(c.clone()),
-            _ => None,
-        };
-        for c in self.servers.iter().chain(coordinator.as_ref()) {
+        for c in self.servers.iter().chain(self.coordinator_conn().as_ref()) {
             c.close(net::close::DONE.into(), b"worker done");
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
