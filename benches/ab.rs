@@ -2,7 +2,7 @@
 //! QUIC) under each built-in policy, timed by criterion, so `cargo bench --bench ab` compares the
 //! policies with criterion's statistics and HTML reports (`target/criterion/ab-straggler/`).
 //!
-//! Scenario: 4 workers, 2 servers, the `counter` workload (no data to load), 40 iterations each,
+//! Scenario: 4 workers, 2 servers without backups, the `counter` workload (no data to load), 40 iterations each,
 //! 10 ms of emulated compute per iteration, worker 0 three times slower. One sample is one whole
 //! run, start-up and shutdown included (about 0.5 s of each sample); the measured time is the
 //! run's wall-clock. Build the binary first: `cargo build --release --bins`.
@@ -34,6 +34,7 @@ fn run(policy: &str, dir: &std::path::Path) -> Duration {
     let t = Instant::now();
     let status = Command::new(syncopate_bin())
         .args(["local", "--workload", "counter", "--params", "4096", "--workers", "4", "--servers", "2"])
+        .args(["--replicas", "0"])
         .args(["--iterations", "40", "--delay-ms", "10", "--slow", "0:3", "--eval-every-ms", "60000"])
         .args(["--policy", policy, "--run-dir"])
         .arg(dir)

@@ -1,8 +1,9 @@
 """Push and pull of a large model from Python against the Rust client, side by side on one
 cluster.
 
-A coordinator and two servers (release build, ASP so that no request waits on a policy) hold a
-model of ``--params`` float32 values (default 25M: 100 MB), split over both. Each round runs
+A coordinator and two servers (release build, ASP so that no request waits on a policy, no
+backups, as the figures in docs/performance.md were taken) hold a model of ``--params``
+float32 values (default 25M: 100 MB), split over both. Each round runs
 two worker processes one after the other, in alternating order:
 
 - **rust**: ``syncopate worker --workload counter``: the engine's worker and Rust client, which
@@ -114,7 +115,14 @@ def main() -> None:
     rows: list[tuple[float, float]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        Cluster(Path(tmp) / "cluster", exe=a.exe, servers=a.servers, policy="asp", lr=1e-9) as c,
+        Cluster(
+            Path(tmp) / "cluster",
+            exe=a.exe,
+            servers=a.servers,
+            policy="asp",
+            lr=1e-9,
+            extra=["--replicas", "0"],
+        ) as c,
     ):
         print(
             f"{a.params:,} parameters ({a.params * 4 / 1e6:.0f} MB) in {a.tensors} tensor(s), "

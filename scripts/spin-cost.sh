@@ -3,7 +3,8 @@
 # ROUNDS alternating rounds (default 3):
 #
 # - an idle node: the CPU time a registered server with no workers uses over 10 s;
-# - training: `syncopate local` with BSP, 4 workers and 2 servers, 2,000 iterations of the MLP:
+# - training: `syncopate local` with BSP, 4 workers and 2 servers (no backups, as measured),
+#   2,000 iterations of the MLP:
 #   the wall time, and the CPU time of all its processes (user + system).
 #
 # Prints one line per measurement; docs/performance.md has the figures. Usage:
@@ -45,7 +46,7 @@ idle() {
 
 train() {
   local TIMEFORMAT='%R %U %S' t
-  t=$({ time "$bin" local --policy bsp --workers 4 --servers 2 --iterations 2000 --spin-us "$1" \
+  t=$({ time "$bin" local --policy bsp --workers 4 --servers 2 --replicas 0 --iterations 2000 --spin-us "$1" \
     --run-dir "$out/run-$1-$2" >/dev/null 2>&1; } 2>&1)
   read -r wall user sys <<<"$t"
   echo "training, spin-us $1: $wall s wall, $(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }') CPU s"
