@@ -7,13 +7,18 @@
 //!
 //! `hot_swap/*`: replace a shard's policy (state exported, new instance created from it, start-up
 //! decisions applied) from an already compiled module, and from precompiled bytes.
+//!
+//! `shard_push/<size>`: what a server does with a push once the whole gradient has arrived and
+//! before it acknowledges it: the finite check, the policy's event (ASP, as wasm) and the SGD
+//! step with the default momentum. The gradient buffer comes back for the next push, as the
+//! server's pool does. A synchronous push waits for this in full (`docs/performance.md`).
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use syncopate::runtime::{PolicyInstance, PolicyModule};
-use syncopate::shard::{Shard, ShardConfig};
+use syncopate::shard::{PullReply, PushRequest, Shard, ShardConfig, ShardSink};
 use syncopate_policy_sdk::abi::{Decision, Envelope, Event, InitArgs, Pull, ShardView};
 use syncopate_policy_sdk::guest::{Encoder, Guest};
 use syncopate_policy_sdk::Policy;
@@ -160,12 +165,47 @@ fn hot_swap(c: &mut Criterion) {
     group.finish();
 }
 
+/// Keeps the gradient buffer the shard hands back, for the next push.
+#[derive(Default)]
+struct Reuse {
+    spare: Option<Vec<f32>>,
+}
+
+impl ShardSink for Reuse {
+    fn pull_served(&mut self, _reply: PullReply<'_>) {}
+    fn recycle(&mut self, buffer: Vec<f32>) {
+        self.spare = Some(buffer);
+    }
+}
+
+fn shard_push(c: &mut Criterion) {
+    let mut group = c.benchmark_group("shard_push");
+    let asp = builtin_module("asp");
+    for (label, floats) in [("1MiB", 1 << 18), ("16MiB", 1 << 22)] {
+        let mut sink = Reuse { spare: Some(vec![1e-3; floats]) };
+        let mut shard =
+            Shard::new(ShardConfig::default(), vec![0.5; floats], &asp, &[], &mut sink).expect("starts");
+        shard.join(0, 0, &mut sink).expect("joins");
+        let mut iteration = 0;
+        group.throughput(criterion::Throughput::Bytes(4 * floats as u64));
+        group.bench_function(label, |b| {
+            b.iter(|| {
+                let grad = sink.spare.take().expect("the last push's buffer came back");
+                let req = PushRequest { worker: 0, iteration, samples: 1, grad, based_on: None, tasks: None };
+                shard.push(req, iteration, &mut sink).expect("admitted");
+                iteration += 1;
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(40);
-    targets = event_round_trip, hot_swap
+    targets = event_round_trip, hot_swap, shard_push
 }
 criterion_main!(benches);
