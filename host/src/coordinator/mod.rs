@@ -305,16 +305,29 @@ fn resume_from(
     Ok(round)
 }
 
+/// A server that takes commands: its id, data address and connection.
+type LiveServer = (u32, SocketAddr, quinn::Connection);
+
 impl State {
     /// The servers not lost (failed over servers take no more commands).
-    fn live_servers(&self) -> Vec<(SocketAddr, quinn::Connection)> {
+    fn live_servers(&self) -> Vec<LiveServer> {
         self.servers
             .iter()
             .enumerate()
             .filter(|(i, _)| self.renewed.get(*i).is_none_or(Option::is_some))
-            .filter_map(|(_, (addr, conn))| Some((*addr, conn.clone()?)))
+            .filter_map(|(i, (addr, conn))| Some((i as u32, *addr, conn.clone()?)))
             .collect()
     }
+}
+
+/// The commands of one round sent to `servers` that failed, each named by its server's id and
+/// address (not its place in the list: failed-over servers are left out of it).
+fn failures(servers: &[LiveServer], results: &[Result<(), String>]) -> Vec<String> {
+    servers
+        .iter()
+        .zip(results)
+        .filter_map(|((id, addr, _), r)| r.as_ref().err().map(|e| format!("server {id} ({addr}): {e}")))
+        .collect()
 }
 
 /// Server `i`'s connection, if it has one.
@@ -379,12 +392,8 @@ impl Coordinator {
         };
         prepare.await.map_err(|e| e.to_string())??;
         let cmd = ServerCommand::Checkpoint { dir: folder.display().to_string() };
-        let results = futures::future::join_all(servers.iter().map(|(_, c)| command(c, &cmd, &[]))).await;
-        let failed: Vec<String> = results
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("server {i}: {e}")))
-            .collect();
+        let results = futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &cmd, &[]))).await;
+        let failed = failures(&servers, &results);
         if !failed.is_empty() {
             let _ = std::fs::remove_dir_all(&folder);
             return Err(format!("round {round} abandoned: {}", failed.join("; ")));
@@ -906,7 +915,7 @@ impl Coordinator {
                         tracing::warn!("no checkpoint at shutdown: {e}");
                     }
                 }
-                let servers: Vec<_> = self.lock().live_servers().into_iter().map(|(_, c)| c).collect();
+                let servers: Vec<_> = self.lock().live_servers().into_iter().map(|(_, _, c)| c).collect();
                 self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
                 let stops = servers.iter().map(|c| command(c, &ServerCommand::Shutdown, &[]));
                 for r in futures::future::join_all(stops).await {
@@ -957,22 +966,17 @@ impl Coordinator {
         }
         let prepare = ServerCommand::Prepare { swap, policy: blob.clone() };
         let prepared =
-            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &prepare, &wasm))).await;
-        let failed: Vec<String> = prepared
-            .iter()
-            .zip(&servers)
-            .enumerate()
-            .filter_map(|(i, (r, (addr, _)))| r.as_ref().err().map(|e| format!("server {i} ({addr}): {e}")))
-            .collect();
+            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &prepare, &wasm))).await;
+        let failed = failures(&servers, &prepared);
         if !failed.is_empty() {
             let abort = ServerCommand::Abort { swap };
-            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &abort, &[]))).await;
+            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &abort, &[]))).await;
             tracing::warn!(swap, "swap to {} refused: {}", blob.label, failed.join("; "));
             return Err(format!("no server switched: {}", failed.join("; ")));
         }
         let commit = ServerCommand::Commit { swap };
         let committed =
-            futures::future::join_all(servers.iter().map(|(_, c)| command(c, &commit, &[]))).await;
+            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &commit, &[]))).await;
         let mut st = self.lock();
         st.swaps = swap;
         let new = PolicySource {
@@ -982,11 +986,7 @@ impl Coordinator {
             overrides: blob.overrides.clone(),
         };
         st.previous = Some(std::mem::replace(&mut st.policy, new));
-        let failed: Vec<String> = committed
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("server {i}: {e}")))
-            .collect();
+        let failed = failures(&servers, &committed);
         if !failed.is_empty() {
             // Preparation succeeded everywhere, so only a shard's own refusal (its state) gets here.
             return Err(format!(
