@@ -61,6 +61,17 @@ impl PolicySource {
             overrides: self.overrides.clone(),
         }
     }
+
+    /// The policy a blob describes, with its module's bytes (checked against the blob's
+    /// sha256 by the caller).
+    pub fn from_blob(blob: &PolicyBlob, wasm: Vec<u8>) -> Self {
+        PolicySource {
+            label: blob.label.clone(),
+            wasm,
+            config: blob.config.clone(),
+            overrides: blob.overrides.clone(),
+        }
+    }
 }
 
 /// How to run a coordinator.
@@ -330,13 +341,14 @@ fn failures(servers: &[LiveServer], results: &[Result<(), String>]) -> Vec<Strin
         .collect()
 }
 
-/// Server `i`'s connection, if it has one.
-fn conn_of(
+/// Sends `cmd` to server `i`, an error if it has no connection.
+async fn command_server(
     servers: &[(SocketAddr, Option<quinn::Connection>)],
     i: u32,
-) -> Result<&quinn::Connection, String> {
+    cmd: &ServerCommand,
+) -> Result<(), String> {
     match servers.get(i as usize) {
-        Some((_, Some(c))) => Ok(c),
+        Some((_, Some(c))) => command(c, cmd, &[]).await,
         _ => Err(format!("server {i} is not connected")),
     }
 }
@@ -513,11 +525,7 @@ impl Coordinator {
                     tracing::error!(shard, "shard lost with its server: it had no backup");
                     continue;
                 };
-                let promoted = match conn_of(&servers, b) {
-                    Ok(c) => command(c, &ServerCommand::Promote { shard }, &[]).await,
-                    Err(e) => Err(e),
-                };
-                match promoted {
+                match command_server(&servers, b, &ServerCommand::Promote { shard }).await {
                     Ok(()) => {
                         self.lock().places[k] = Place { primary: b, backup: None };
                         tracing::warn!(shard, from = dead, to = b, "failover: backup promoted to primary");
@@ -526,9 +534,7 @@ impl Coordinator {
                     Err(e) => tracing::error!(shard, "the backup on server {b} could not take over: {e}"),
                 }
             } else if place.backup == Some(dead) {
-                if let Ok(c) = conn_of(&servers, place.primary) {
-                    let _ = command(c, &ServerCommand::DropBackup { shard }, &[]).await;
-                }
+                let _ = command_server(&servers, place.primary, &ServerCommand::DropBackup { shard }).await;
                 self.lock().places[k].backup = None;
                 tracing::warn!(shard, "its backup was on the lost server; it runs without one");
             }
@@ -579,11 +585,7 @@ impl Coordinator {
         backup: u32,
     ) -> bool {
         let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[backup as usize].0 };
-        let attached = match conn_of(servers, primary) {
-            Ok(c) => command(c, &cmd, &[]).await,
-            Err(e) => Err(e),
-        };
-        match attached {
+        match command_server(servers, primary, &cmd).await {
             Ok(()) => {
                 self.lock().places[k].backup = Some(backup);
                 true
@@ -979,12 +981,7 @@ impl Coordinator {
             futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &commit, &[]))).await;
         let mut st = self.lock();
         st.swaps = swap;
-        let new = PolicySource {
-            label: blob.label.clone(),
-            wasm,
-            config: blob.config.clone(),
-            overrides: blob.overrides.clone(),
-        };
+        let new = PolicySource::from_blob(&blob, wasm);
         st.previous = Some(std::mem::replace(&mut st.policy, new));
         let failed = failures(&servers, &committed);
         if !failed.is_empty() {

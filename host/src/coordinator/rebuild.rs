@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{command, conn_of, Coordinator, Place, PolicySource, COMMAND_TIMEOUT, CONTROL_LIMITS};
+use super::{command, command_server, Coordinator, Place, PolicySource, COMMAND_TIMEOUT, CONTROL_LIMITS};
 use crate::net::proto::{Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
 use crate::net::{self, wire::Payload};
 
@@ -297,12 +297,7 @@ impl Coordinator {
                 .collect();
             if let Some((swaps, blob, wasm)) = &newest {
                 st.swaps = *swaps;
-                st.policy = PolicySource {
-                    label: blob.label.clone(),
-                    wasm: wasm.clone(),
-                    config: blob.config.clone(),
-                    overrides: blob.overrides.clone(),
-                };
+                st.policy = PolicySource::from_blob(blob, wasm.clone());
                 st.previous = None;
             }
             st.model_len = resolution.model_len(&holdings);
@@ -322,11 +317,7 @@ impl Coordinator {
         }
         let servers = self.lock().servers.clone();
         for &(shard, server) in &resolution.promote {
-            let promoted = match conn_of(&servers, server) {
-                Ok(c) => command(c, &ServerCommand::Promote { shard }, &[]).await,
-                Err(e) => Err(e),
-            };
-            match promoted {
+            match command_server(&servers, server, &ServerCommand::Promote { shard }).await {
                 Ok(()) => tracing::warn!(
                     shard,
                     to = server,
@@ -338,9 +329,8 @@ impl Coordinator {
         // Primaries whose backup did not come back stop waiting for it.
         for (k, place) in resolution.places.iter().enumerate() {
             if let Some(Place { primary, backup: None }) = place {
-                if let Ok(c) = conn_of(&servers, *primary) {
-                    let _ = command(c, &ServerCommand::DropBackup { shard: k as u32 }, &[]).await;
-                }
+                let _ =
+                    command_server(&servers, *primary, &ServerCommand::DropBackup { shard: k as u32 }).await;
             }
         }
         if let Some((swaps, blob, _)) = &newest {
