@@ -1048,7 +1048,7 @@ impl Coordinator {
 }
 
 async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) -> Result<(), String> {
-    match command_reply(conn, cmd, payload).await? {
+    match command_reply(conn, cmd, payload).await?.0 {
         ServerReply::Ok => Ok(()),
         ServerReply::Error(e) => Err(e),
         other => Err(format!("unexpected answer {other:?}")),
@@ -1056,7 +1056,7 @@ async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) 
 }
 
 async fn command_status(conn: &quinn::Connection) -> Result<crate::net::proto::ServerStatus, String> {
-    match command_reply(conn, &ServerCommand::Status, &[]).await? {
+    match command_reply(conn, &ServerCommand::Status, &[]).await?.0 {
         ServerReply::Status(s) => Ok(s),
         ServerReply::Error(e) => Err(e),
         other => Err(format!("unexpected answer {other:?}")),
@@ -1067,10 +1067,10 @@ async fn command_reply(
     conn: &quinn::Connection,
     cmd: &ServerCommand,
     payload: &[u8],
-) -> Result<ServerReply, String> {
+) -> Result<(ServerReply, Vec<u8>), String> {
     let req = net::request::<_, ServerReply>(conn, cmd, payload.into(), &CONTROL_LIMITS);
     match tokio::time::timeout(COMMAND_TIMEOUT, req).await {
-        Ok(Ok((reply, _))) => Ok(reply),
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("no answer within {COMMAND_TIMEOUT:?}")),
     }

@@ -26,9 +26,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{command, command_server, Coordinator, Place, PolicySource, COMMAND_TIMEOUT, CONTROL_LIMITS};
+use super::{command, command_reply, command_server, Coordinator, Place, PolicySource};
 use crate::net::proto::{Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
-use crate::net::{self, wire::Payload};
 
 /// The servers rejoining a restarted coordinator, until it has rebuilt the cluster.
 #[derive(Default)]
@@ -160,12 +159,9 @@ fn same_cluster(
 
 /// Asks a server what it holds; its policy module comes as the payload.
 async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), String> {
-    let req = net::request::<_, ServerReply>(conn, &ServerCommand::Holdings, Payload::EMPTY, &CONTROL_LIMITS);
-    match tokio::time::timeout(COMMAND_TIMEOUT, req).await {
-        Ok(Ok((ServerReply::Holdings(h), wasm))) => Ok((h, wasm)),
-        Ok(Ok((other, _))) => Err(format!("it answered {other:?} when asked what it holds")),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {COMMAND_TIMEOUT:?}")),
+    match command_reply(conn, &ServerCommand::Holdings, &[]).await? {
+        (ServerReply::Holdings(h), wasm) => Ok((h, wasm)),
+        (other, _) => Err(format!("it answered {other:?} when asked what it holds")),
     }
 }
 
