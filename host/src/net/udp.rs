@@ -7,8 +7,9 @@
 //! - quinn batches packets of the path MTU into one GSO send (up to ten in the published crate,
 //!   64 in the copy we carry, `third_party/quinn`) without capping the batch's total size.
 //!   Once MTU discovery finds a large MTU (64 KB on loopback, 9 KB on jumbo-frame links), such
-//!   a batch is over the kernel's 64 KB limit per send, the kernel answers `EMSGSIZE`, and quinn-udp drops the batch silently (it expects that error only from
-//!   MTU probes): every batch became a loss. [`CappedGso`] splits such batches, and asks quinn
+//!   a batch is over the kernel's 64 KB limit per send, the kernel answers `EMSGSIZE`, and
+//!   quinn-udp drops the batch silently (it expects that error only from MTU probes): every
+//!   batch became a loss. [`CappedGso`] splits such batches, and asks quinn
 //!   for batches no larger than one send once it has sent large packets: a batch of ten 64 KB
 //!   packets was encrypted whole before its first packet left, so the receiver sat idle
 //!   meanwhile (1 MiB requests 1.04-1.4x faster with batches of one such packet, in alternating
