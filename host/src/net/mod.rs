@@ -117,16 +117,43 @@ pub async fn connect(
     server_name: &str,
     hello: &Hello,
 ) -> Result<(quinn::Connection, Welcome), NetError> {
-    let conn = endpoint
-        .connect(addr, server_name)
-        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?
-        .await
-        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
-    let (welcome, _) = request::<_, Welcome>(&conn, hello, wire::Payload::EMPTY, &Limits::default()).await?;
-    if let Welcome::Refused(reason) = welcome {
-        return Err(NetError::Refused { addr, reason });
-    }
+    let conn = dial(endpoint, addr, server_name, None).await?;
+    let (welcome, _) = greet(&conn, hello, &Limits::default()).await?;
     Ok((conn, welcome))
+}
+
+/// Opens a connection to `addr`. With `within`, a handshake not done in that time fails: a peer
+/// that is down (a coordinator restarting, say) never answers, and QUIC would otherwise wait
+/// for its idle timeout.
+pub async fn dial(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+    within: Option<Duration>,
+) -> Result<quinn::Connection, NetError> {
+    let connecting =
+        endpoint.connect(addr, server_name).map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
+    let connected = match within {
+        Some(after) => {
+            tokio::time::timeout(after, connecting).await.map_err(|_| NetError::Timeout { addr, after })?
+        }
+        None => connecting.await,
+    };
+    connected.map_err(|e| NetError::Connect { addr, reason: e.to_string() })
+}
+
+/// Sends `hello` on `conn` and reads the welcome, with its payload, within `limits`. A refusal
+/// is an error.
+pub async fn greet(
+    conn: &quinn::Connection,
+    hello: &Hello,
+    limits: &Limits,
+) -> Result<(Welcome, Vec<u8>), NetError> {
+    let (welcome, payload) = request::<_, Welcome>(conn, hello, wire::Payload::EMPTY, limits).await?;
+    if let Welcome::Refused(reason) = welcome {
+        return Err(NetError::Refused { addr: conn.remote_address(), reason });
+    }
+    Ok((welcome, payload))
 }
 
 /// Sends one request on a new stream and reads the answer (header and payload bytes).

@@ -594,17 +594,10 @@ async fn connect_with_payload(
     server_name: &str,
     hello: &Hello,
 ) -> Result<(quinn::Connection, (Welcome, Vec<u8>)), NetError> {
-    let conn = endpoint
-        .connect(addr, server_name)
-        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?
-        .await
-        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
+    let conn = net::dial(endpoint, addr, server_name, None).await?;
     let limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
-    let (welcome, payload) = net::request::<_, Welcome>(&conn, hello, Payload::EMPTY, &limits).await?;
-    if let Welcome::Refused(reason) = welcome {
-        return Err(NetError::Refused { addr, reason });
-    }
-    Ok((conn, (welcome, payload)))
+    let welcome = net::greet(&conn, hello, &limits).await?;
+    Ok((conn, welcome))
 }
 
 /// Checks a distributed module: its hash, that it compiles, and that it starts on each of this

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use super::{coordinator_loop, statuses, Shared};
 use crate::net::proto::{Hello, Holdings, Role, Welcome, COORDINATOR_WAIT_MS, PROTOCOL_VERSION};
-use crate::net::wire::{Limits, Payload};
+use crate::net::wire::Limits;
 use crate::net::{self, NetError};
 use crate::NodeError;
 
@@ -27,8 +27,6 @@ const ATTEMPT: Duration = Duration::from_secs(1);
 /// What this server holds, for a restarted coordinator.
 pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let (swaps, policy, _) = shared.policy.lock().expect("not poisoned").clone();
-    let terms = shared.terms.lock().expect("not poisoned").clone();
-    let term = |shard: u32| terms.get(&shard).copied().unwrap_or(0);
     let primaries = shared.primaries();
     let backups = super::sorted(&shared.backups.lock().expect("not poisoned"));
     let lens: std::collections::HashMap<u32, u64> =
@@ -37,7 +35,7 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
             .into_iter()
             .map(|s| (s.shard, s.len))
             .collect();
-    let held = |shard: u32| (shard, term(shard), lens.get(&shard).copied().unwrap_or(0));
+    let held = |shard: u32| (shard, shared.term(shard), lens.get(&shard).copied().unwrap_or(0));
     let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
     let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
     Holdings { server: shared.id, settings: shared.settings.clone(), policy, swaps, primaries, backups }
@@ -91,20 +89,10 @@ async fn attempt(
     hello: &Hello,
 ) -> Result<(quinn::Connection, JoinHandle<()>), NetError> {
     let addr = shared.coordinator;
-    let connecting = shared
-        .endpoint
-        .connect(addr, &shared.server_name)
-        .map_err(|e| NetError::Connect { addr, reason: e.to_string() })?;
-    let conn = match tokio::time::timeout(ATTEMPT, connecting).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(NetError::Connect { addr, reason: e.to_string() }),
-        Err(_) => return Err(NetError::Connect { addr, reason: format!("no answer within {ATTEMPT:?}") }),
-    };
+    let conn = net::dial(&shared.endpoint, addr, &shared.server_name, Some(ATTEMPT)).await?;
     let commands = tokio::spawn(coordinator_loop(conn.clone(), shared.clone()));
-    let welcome = net::request::<_, Welcome>(&conn, hello, Payload::EMPTY, &Limits::default()).await;
-    let refused = match welcome {
+    let refused = match net::greet(&conn, hello, &Limits::default()).await {
         Ok((Welcome::Server { server, .. }, _)) if server == shared.id => return Ok((conn, commands)),
-        Ok((Welcome::Refused(reason), _)) => NetError::Refused { addr, reason },
         Ok((other, _)) => NetError::Unexpected { addr, what: format!("{other:?}") },
         Err(e) => e,
     };

@@ -866,19 +866,11 @@ async fn rejoin_coordinator(
 /// One attempt: a handshake that a coordinator still down never answers (so it is cut short),
 /// then the hello, whose welcome a restarted coordinator sends once it has rebuilt the cluster.
 async fn attempt_rejoin(r: &Rejoin, hello: &Hello) -> Result<(quinn::Connection, Welcome), String> {
-    let connecting = r.endpoint.connect(r.addr, &r.name).map_err(|e| e.to_string())?;
-    let conn = match tokio::time::timeout(Duration::from_secs(1), connecting).await {
-        Ok(c) => c.map_err(|e| e.to_string())?,
-        Err(_) => return Err("no answer".into()),
-    };
+    let conn = net::dial(&r.endpoint, r.addr, &r.name, Some(Duration::from_secs(1)))
+        .await
+        .map_err(|e| e.to_string())?;
     let wait = Duration::from_millis(crate::net::proto::REJOIN_WAIT_MS) + Duration::from_secs(20);
-    match tokio::time::timeout(
-        wait,
-        net::request::<_, Welcome>(&conn, hello, Payload::EMPTY, &Limits::default()),
-    )
-    .await
-    {
-        Ok(Ok((Welcome::Refused(reason), _))) => Err(format!("refused: {reason}")),
+    match tokio::time::timeout(wait, net::greet(&conn, hello, &Limits::default())).await {
         Ok(Ok((welcome, _))) => Ok((conn, welcome)),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("no welcome within {wait:?}")),
