@@ -1,6 +1,7 @@
 //! The operator's client: swap the cluster's policy, ask what runs where, read the model, shut
 //! the cluster down. Used by `syncopate policy swap|status`, `syncopate local` and tests.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::coordinator::PolicySource;
@@ -27,8 +28,7 @@ impl Operator {
     /// Connects to the coordinator as an operator.
     pub async fn connect(access: &ClusterAccess) -> Result<Self, NodeError> {
         let endpoint = net::tls::dial_only(access.tls.client_config(Duration::from_secs(60))?)?;
-        let (conn, _) =
-            net::connect(&endpoint, access.coordinator, &access.tls.server_name, &hello(access)).await?;
+        let conn = dial(&endpoint, access, access.coordinator).await?;
         Ok(Operator { endpoint, conn: std::sync::Mutex::new(conn), access: access.clone() })
     }
 
@@ -45,8 +45,7 @@ impl Operator {
         if conn.close_reason().is_none() {
             return Ok(conn);
         }
-        let a = &self.access;
-        let (conn, _) = net::connect(&self.endpoint, a.coordinator, &a.tls.server_name, &hello(a)).await?;
+        let conn = dial(&self.endpoint, &self.access, self.access.coordinator).await?;
         *self.conn.lock().expect("not poisoned") = conn.clone();
         Ok(conn)
     }
@@ -116,13 +115,7 @@ impl Operator {
             let conn = match conns.iter().find(|(a, _)| *a == addr) {
                 Some((_, c)) => c,
                 None => {
-                    let (c, _) = net::connect(
-                        &self.endpoint,
-                        addr,
-                        &self.access.tls.server_name,
-                        &hello(&self.access),
-                    )
-                    .await?;
+                    let c = dial(&self.endpoint, &self.access, addr).await?;
                     conns.push((addr, c));
                     &conns.last().expect("just pushed").1
                 }
@@ -148,6 +141,13 @@ impl Operator {
     }
 }
 
-fn hello(access: &ClusterAccess) -> Hello {
-    Hello { protocol: PROTOCOL_VERSION, token: access.token.secret().to_string(), role: Role::Operator }
+/// Connects to the node at `addr` (the coordinator, or a server) as an operator.
+async fn dial(
+    endpoint: &quinn::Endpoint,
+    access: &ClusterAccess,
+    addr: SocketAddr,
+) -> Result<quinn::Connection, NetError> {
+    let hello =
+        Hello { protocol: PROTOCOL_VERSION, token: access.token.secret().to_string(), role: Role::Operator };
+    Ok(net::connect(endpoint, addr, &access.tls.server_name, &hello).await?.0)
 }
