@@ -184,6 +184,33 @@ pub fn role_pids(dir: &std::path::Path, role: &str) -> Vec<u32> {
     pids
 }
 
+/// Waits for a process to write `path` (a ready or id file) and returns what it holds, trimmed.
+/// Not there within `within` fails the test, with `context()` (a log, say).
+pub fn wait_file(path: &Path, within: Duration, context: impl Fn() -> String) -> String {
+    let t = Instant::now();
+    loop {
+        match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => return text.trim().to_string(),
+            _ => {}
+        }
+        assert!(t.elapsed() < within, "no {} within {within:?}: {}", path.display(), context());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to exit and returns how. Still running after `within` fails the test, with
+/// `context()`.
+pub fn wait_exit(child: &mut Child, within: Duration, context: impl Fn() -> String) -> ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(t.elapsed() < within, "still running after {within:?}: {}", context());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 pub fn assert_all(model: &[f32], expected: f32, what: &str) {
     assert!(!model.is_empty());
     for (i, v) in model.iter().enumerate() {
@@ -652,14 +679,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
         "--ready-file",
         ready.to_str().unwrap(),
     ]);
-    let t = Instant::now();
-    let addr = loop {
-        if let Ok(a) = std::fs::read_to_string(&ready) {
-            break a;
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "the coordinator did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let addr = wait_file(&ready, Duration::from_secs(30), || "the coordinator did not start".into());
     // The coordinator by name, as a Kubernetes service is reached: resolved at start.
     let by_name = addr.replace("127.0.0.1", "localhost");
     let mut server = spawn(&["server", "--coordinator", &by_name, "--tls-dir", tls_dir]);
@@ -679,11 +699,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for child in [&mut coordinator, &mut server] {
-        let t = Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            assert!(t.elapsed() < Duration::from_secs(15), "a process did not stop after shutdown");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_exit(child, Duration::from_secs(15), || "a process did not stop after shutdown".into());
     }
 }
 

@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::cli::syncopate_bin;
+use crate::cluster::wait_file;
 
 /// The namespace, the veth pair and the processes, removed on drop.
 struct Net {
@@ -165,13 +166,7 @@ fn a_partitioned_server_does_not_serve_as_a_second_primary() {
         token,
     );
     let t = Instant::now();
-    let coordinator = loop {
-        if let Ok(a) = std::fs::read_to_string(&ready) {
-            break a;
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "{}", net.log("coordinator"));
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let coordinator = wait_file(&ready, Duration::from_secs(30), || net.log("coordinator"));
     // Server A first, so it is server 0; B, in the namespace, is server 1 and holds shard 1
     // (its backup on A) and the backups of shards 0 and 2.
     net.spawn(

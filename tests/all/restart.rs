@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::cluster::{assert_all, counter_drill, role_pids, LocalRun};
+use crate::cluster::{assert_all, counter_drill, role_pids, wait_exit, wait_file, LocalRun};
 
 /// Workers 0, 1, 2 push 1, 2, 3 for this many iterations each.
 const ITERATIONS: u64 = 300;
@@ -171,14 +171,7 @@ fn a_coordinator_restarted_with_other_flags_is_refused_by_the_servers_with_the_r
             &["coordinator", "--listen", listen, "--servers", "2", "--shards", shards, "--ready-file", &r],
         )
     };
-    let wait_for = |path: &std::path::Path| {
-        let t = std::time::Instant::now();
-        while std::fs::read_to_string(path).map_or(true, |s| s.trim().is_empty()) {
-            assert!(t.elapsed() < Duration::from_secs(60), "no {}", path.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::fs::read_to_string(path).unwrap().trim().to_string()
-    };
+    let wait_for = |path: &std::path::Path| wait_file(path, Duration::from_secs(60), String::new);
     let mut first = coordinator("127.0.0.1:0", "3");
     let addr = wait_for(&ready);
     let mut servers: Vec<_> = (0..2)
@@ -195,14 +188,7 @@ fn a_coordinator_restarted_with_other_flags_is_refused_by_the_servers_with_the_r
     std::fs::remove_file(&ready).unwrap();
     let mut second = coordinator(&addr, "4");
     for (s, server) in servers.iter_mut().enumerate() {
-        let t = std::time::Instant::now();
-        let status = loop {
-            if let Some(st) = server.try_wait().unwrap() {
-                break st;
-            }
-            assert!(t.elapsed() < Duration::from_secs(90), "server {s} did not stop");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = wait_exit(server, Duration::from_secs(90), || format!("server {s} did not stop"));
         let log = std::fs::read_to_string(dir.join(format!("server-{s}.log"))).unwrap();
         assert!(!status.success(), "server {s} stops with an error:\n{log}");
         assert!(
