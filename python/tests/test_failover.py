@@ -50,6 +50,16 @@ def wait_for_clock(cluster: Path, clock: int) -> None:
         time.sleep(0.1)
 
 
+def assert_exact(run: Path) -> np.ndarray:
+    """Checks that every script ran every iteration and that the model is exactly minus the sum
+    of every push (none lost or applied twice); returns the model."""
+    model = np.fromfile(run / "model.bin", dtype="<f4")
+    assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
+    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
+    assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
+    return model
+
+
 def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     tmp_path: Path,
 ) -> None:
@@ -64,11 +74,8 @@ def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     os.kill(pids[0], signal.SIGKILL)
     out = finish(p, timeout=120)
     assert "failover:" in out, out
-    model = np.fromfile(run / "model.bin", dtype="<f4")
+    model = assert_exact(run)
     assert model.shape == (16,)
-    assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
-    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
-    assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
 
 
 def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_once(
@@ -89,9 +96,6 @@ def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_onc
     assert "starting it again" in out, out
     report = json.loads((run / "report.json").read_text())
     assert len(report["coordinator_restarts"]) == 1, report["coordinator_restarts"]
-    model = np.fromfile(run / "model.bin", dtype="<f4")
-    assert np.all(model == -(1 + 2 + 3) * ITERATIONS), model
-    workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(3)]
-    assert [w["iterations"] for w in workers] == [ITERATIONS] * 3
+    assert_exact(run)
     rebuilt = (run / "logs" / "coordinator-2.log").read_text()
     assert "cluster rebuilt from the servers' holdings" in rebuilt, rebuilt
