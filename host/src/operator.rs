@@ -27,7 +27,8 @@ const LIMITS: Limits = Limits { max_header: 16 << 20, max_payload: 1 << 30 };
 impl Operator {
     /// Connects to the coordinator as an operator.
     pub async fn connect(access: &ClusterAccess) -> Result<Self, NodeError> {
-        let endpoint = net::tls::dial_only(access.tls.client_config(Duration::from_secs(60))?)?;
+        let endpoint =
+            net::tls::dial_only(access.tls.client_config(Duration::from_secs(60))?, access.coordinator)?;
         let conn = dial(&endpoint, access, access.coordinator).await?;
         Ok(Operator { endpoint, conn: std::sync::Mutex::new(conn), access: access.clone() })
     }

@@ -75,7 +75,8 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let server = server.expect("a server registers within 30 s");
-        let ep = net::tls::dial_only(access.tls.client_config(Duration::from_secs(10)).unwrap()).unwrap();
+        let ep =
+            net::tls::dial_only(access.tls.client_config(Duration::from_secs(10)).unwrap(), server).unwrap();
 
         // A peer that skips the hello and sends a request straight away.
         let conn = ep.connect(server, &access.tls.server_name).unwrap().await.unwrap();

@@ -222,15 +222,24 @@ fn initial_window() -> quinn::congestion::CubicConfig {
 /// from there.
 pub const INITIAL_WINDOW: u64 = 10 * MAX_UDP_PAYLOAD as u64;
 
-fn endpoint(addr: SocketAddr, server: Option<quinn::ServerConfig>) -> Result<quinn::Endpoint, TlsError> {
-    let runtime = quinn::default_runtime()
-        .ok_or_else(|| TlsError::Config("QUIC endpoints need a tokio runtime".into()))?;
-    let bind = |addr| {
+fn runtime() -> Result<Arc<dyn quinn::Runtime>, TlsError> {
+    quinn::default_runtime().ok_or_else(|| TlsError::Config("QUIC endpoints need a tokio runtime".into()))
+}
+
+/// An endpoint's socket: bound at `addr`, watched by the spinning runtime, its GSO batches
+/// capped.
+fn socket(addr: SocketAddr, runtime: &dyn quinn::Runtime) -> Result<Arc<super::udp::CappedGso>, TlsError> {
+    let bind = || {
         let socket = super::udp::bind(addr)?;
         let watch = super::spin::watch(&socket);
         Ok::<_, std::io::Error>(super::udp::CappedGso::new(runtime.wrap_udp_socket(socket)?, watch))
     };
-    let socket = Arc::new(bind(addr).map_err(|source| TlsError::Bind { addr, source })?);
+    Ok(Arc::new(bind().map_err(|source| TlsError::Bind { addr, source })?))
+}
+
+fn endpoint(addr: SocketAddr, server: Option<quinn::ServerConfig>) -> Result<quinn::Endpoint, TlsError> {
+    let runtime = runtime()?;
+    let socket = socket(addr, &*runtime)?;
     let mut config = quinn::EndpointConfig::default();
     // Let MTU discovery (see [`transport`]) find large packets where the path carries them.
     config.max_udp_payload_size(MAX_UDP_PAYLOAD).expect("within QUIC bounds");
@@ -249,12 +258,40 @@ pub fn listen(
     Ok(ep)
 }
 
-/// A QUIC endpoint that only dials out.
-pub fn dial_only(client: quinn::ClientConfig) -> Result<quinn::Endpoint, TlsError> {
-    let addr: SocketAddr = ([0, 0, 0, 0], 0).into();
-    let mut ep = endpoint(addr, None)?;
+/// A QUIC endpoint that only dials out, first to `toward`. Its socket is bound where
+/// [`dial_from`] says: on loopback when `toward` is, so a client of a cluster on this machine
+/// can be reached from nowhere else; [`reach`] widens it if a later peer is elsewhere.
+pub fn dial_only(client: quinn::ClientConfig, toward: SocketAddr) -> Result<quinn::Endpoint, TlsError> {
+    let mut ep = endpoint(dial_from(toward), None)?;
     ep.set_default_client_config(client);
     Ok(ep)
+}
+
+/// The address a dial-only socket binds to reach `peer`: the loopback address of its family
+/// when `peer` is on loopback, else the unspecified address of its family (any port).
+pub fn dial_from(peer: SocketAddr) -> SocketAddr {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+    match (peer.ip().is_loopback(), peer.is_ipv6()) {
+        (true, false) => (Ipv4Addr::LOCALHOST, 0).into(),
+        (true, true) => (Ipv6Addr::LOCALHOST, 0).into(),
+        (false, false) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        (false, true) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    }
+}
+
+/// Makes a dial-only endpoint able to reach `peers`: one bound to loopback (by [`dial_only`],
+/// for a loopback coordinator) moves to a socket bound to the unspecified address when a peer
+/// is elsewhere (servers that a coordinator on this machine names by another address). Its
+/// connections migrate with it. An endpoint that can already reach them is left alone.
+pub fn reach(ep: &quinn::Endpoint, peers: &[SocketAddr]) -> Result<(), TlsError> {
+    let local =
+        ep.local_addr().map_err(|e| TlsError::Config(format!("an endpoint without an address: {e}")))?;
+    let Some(far) = peers.iter().find(|p| !p.ip().is_loopback()) else { return Ok(()) };
+    if !local.ip().is_loopback() {
+        return Ok(());
+    }
+    let addr = dial_from(*far);
+    ep.rebind_abstract(socket(addr, &*runtime()?)?).map_err(|source| TlsError::Bind { addr, source })
 }
 
 /// A cluster token: a secret every node presents.

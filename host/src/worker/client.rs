@@ -136,7 +136,7 @@ impl WorkerClient {
         model_len: usize,
     ) -> Result<Self, NodeError> {
         let bootstrap = Duration::from_secs(30);
-        let mut endpoint = net::tls::dial_only(access.tls.client_config(bootstrap)?)?;
+        let mut endpoint = net::tls::dial_only(access.tls.client_config(bootstrap)?, access.coordinator)?;
         let hello = |worker| Hello {
             protocol: PROTOCOL_VERSION,
             token: access.token.secret().to_string(),
@@ -160,6 +160,7 @@ impl WorkerClient {
         endpoint.set_default_client_config(access.tls.client_config(Duration::from_millis(peer_timeout_ms))?);
         let (tx, controls) = mpsc::unbounded_channel();
         let mut conns = Vec::with_capacity(servers.len());
+        net::tls::reach(&endpoint, &servers)?;
         for addr in servers {
             let (conn, _) = net::connect(&endpoint, addr, name, &hello(Some(worker))).await?;
             tokio::spawn(read_controls(conn.clone(), tx.clone()));
