@@ -1,6 +1,7 @@
-//! A network partition on real links: server B runs in its own network namespace, joined to the
-//! rest of the cluster (coordinator, server A, three workers) by a veth pair, as
-//! `docs/bandwidth.md` sets links up. Mid-run B's end of the link goes down: B can reach nobody
+//! A network partition on real links: server B runs in its own network namespace, joined by a
+//! veth pair to a second namespace that holds the rest of the cluster (coordinator, server A,
+//! three workers), as `docs/bandwidth.md` sets links up. Both namespaces are the test's own,
+//! so no process of it listens on the machine's own interfaces. Mid-run B's end of the link goes down: B can reach nobody
 //! and nobody can reach B. Its lease lapses, so it stops taking pushes; its shard fails over to
 //! its backup on A. When the link comes back, B learns it was failed over and stops: it never
 //! serves as a second primary. The `counter` workload then ends with every parameter at exactly
@@ -16,9 +17,11 @@ use std::time::{Duration, Instant};
 use crate::cli::syncopate_bin;
 use crate::cluster::wait_file;
 
-/// The namespace, the veth pair and the processes, removed on drop.
+/// The two namespaces (`a`: the cluster; `b`: server B), the veth pair between them and the
+/// processes, removed on drop.
 struct Net {
-    ns: String,
+    a: String,
+    b: String,
     veth: String,
     procs: Vec<(String, Child)>,
     dir: PathBuf,
@@ -30,8 +33,15 @@ impl Drop for Net {
             let _ = p.kill();
             let _ = p.wait();
         }
-        let _ = Command::new("ip").args(["link", "del", &format!("{}a", self.veth)]).status();
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        // Deleting a namespace deletes its end of the pair, and with it the other end (the
+        // pair's own deletion is for a set-up that failed before moving it).
+        let _ = Command::new("ip")
+            .args(["link", "del", &format!("{}a", self.veth)])
+            .stderr(Stdio::null())
+            .status();
+        for ns in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
     }
 }
 
@@ -40,23 +50,34 @@ fn ip(args: &[&str]) -> bool {
 }
 
 impl Net {
-    /// The namespace and the link, or `None` without the privileges.
+    /// The namespaces and the link, or `None` without the privileges.
     fn up(dir: &Path, subnet: &str) -> Option<Net> {
         let id = std::process::id() % 100_000;
-        let (ns, veth) = (format!("syncp{id}"), format!("vsp{id}"));
-        if !ip(&["netns", "add", &ns]) {
+        let (ns_a, ns_b, veth) = (format!("syncp{id}a"), format!("syncp{id}b"), format!("vsp{id}"));
+        if !ip(&["netns", "add", &ns_a]) {
             return None;
         }
-        let net = Net { ns: ns.clone(), veth: veth.clone(), procs: Vec::new(), dir: dir.to_path_buf() };
+        let net = Net {
+            a: ns_a.clone(),
+            b: ns_b.clone(),
+            veth: veth.clone(),
+            procs: Vec::new(),
+            dir: dir.to_path_buf(),
+        };
+        if !ip(&["netns", "add", &ns_b]) {
+            return None; // `net`'s drop removes A
+        }
         let (a, b) = (format!("{veth}a"), format!("{veth}b"));
         for args in [
             vec!["link", "add", &a, "type", "veth", "peer", "name", &b],
-            vec!["link", "set", &b, "netns", &ns],
-            vec!["addr", "add", &format!("{subnet}.1/24"), "dev", &a],
-            vec!["link", "set", &a, "up"],
-            vec!["netns", "exec", &ns, "ip", "addr", "add", &format!("{subnet}.2/24"), "dev", &b],
-            vec!["netns", "exec", &ns, "ip", "link", "set", &b, "up"],
-            vec!["netns", "exec", &ns, "ip", "link", "set", "lo", "up"],
+            vec!["link", "set", &a, "netns", &ns_a],
+            vec!["link", "set", &b, "netns", &ns_b],
+            vec!["-n", &ns_a, "addr", "add", &format!("{subnet}.1/24"), "dev", &a],
+            vec!["-n", &ns_b, "addr", "add", &format!("{subnet}.2/24"), "dev", &b],
+            vec!["-n", &ns_a, "link", "set", &a, "up"],
+            vec!["-n", &ns_b, "link", "set", &b, "up"],
+            vec!["-n", &ns_a, "link", "set", "lo", "up"],
+            vec!["-n", &ns_b, "link", "set", "lo", "up"],
         ] {
             if !ip(&args) {
                 // No veth here (a container without the module, say): nothing to test on.
@@ -70,21 +91,21 @@ impl Net {
     /// B's end of the link up or down.
     fn link(&self, up: bool) {
         let b = format!("{}b", self.veth);
-        assert!(ip(&["netns", "exec", &self.ns, "ip", "link", "set", &b, if up { "up" } else { "down" }]));
+        assert!(ip(&["-n", &self.b, "link", "set", &b, if up { "up" } else { "down" }]));
     }
 
-    /// Starts `syncopate ARGS` (in the namespace if `inside`), logging to `NAME.log`.
-    fn spawn(&mut self, name: &str, inside: bool, args: &[&str], token: &str) {
+    /// `syncopate ARGS` in B's namespace if `in_b`, else in the cluster's.
+    fn command(&self, in_b: bool, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", if in_b { &self.b } else { &self.a }]).arg(syncopate_bin()).args(args);
+        c
+    }
+
+    /// Starts `syncopate ARGS` (in B's namespace if `in_b`), logging to `NAME.log`.
+    fn spawn(&mut self, name: &str, in_b: bool, args: &[&str], token: &str) {
         let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
-        let mut cmd = if inside {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &self.ns]).arg(syncopate_bin());
-            c
-        } else {
-            Command::new(syncopate_bin())
-        };
-        cmd.args(args)
-            .env("SYNCOPATE_TOKEN", token)
+        let mut cmd = self.command(in_b, args);
+        cmd.env("SYNCOPATE_TOKEN", token)
             .env("SYNCOPATE_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -223,8 +244,8 @@ fn a_partitioned_server_does_not_serve_as_a_second_primary() {
     // Told at its next lease renewal, or when it rejoins the coordinator after giving up on
     // its connection (a whole lease without an answer).
     assert!(b.contains("this server was failed over"), "B stopped once back:\n{b}");
-    let shutdown = Command::new(&bin)
-        .args(["shutdown", "--coordinator", &coordinator, "--ca", &ca])
+    let shutdown = net
+        .command(false, &["shutdown", "--coordinator", &coordinator, "--ca", &ca])
         .env("SYNCOPATE_TOKEN", token)
         .output()
         .unwrap();
