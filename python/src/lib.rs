@@ -6,11 +6,20 @@
 //! swap and status. Tensors cross as `(address, length)` pairs of `float32` buffers that the
 //! Python half has checked (dtype, contiguity, device, size) and keeps alive for the call: the
 //! buffer protocol is not in the stable ABI before Python 3.11, and this keeps one abi3 wheel
-//! for 3.10 and later. Every wait releases the GIL and checks for signals about every 50 ms, so
-//! Ctrl-C interrupts a pull that a policy defers.
+//! for 3.10 and later.
+//!
+//! Every call that waits (joining, pulling, pushing, leaving) releases the GIL and is woken,
+//! not polled, when it may have to give up ([`Wake`]): on the main thread, the Python half
+//! points `signal.set_wakeup_fd` at a pipe the call watches, so the byte CPython's signal
+//! handler writes there wakes the call at once and it runs the Python handlers (Ctrl-C's
+//! `KeyboardInterrupt`), however busy the machine is; on any thread, `Worker.leave` cancels
+//! the calls still waiting in the background.
 
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
+use futures::future::LocalBoxFuture;
+use futures::FutureExt;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::{create_exception, wrap_pyfunction};
@@ -18,9 +27,11 @@ use syncopate::builtin::PolicySpec;
 use syncopate::cli::{policy_source, WorkerArgs};
 use syncopate::net::tls::ClusterFile;
 use syncopate::operator::Operator;
-use syncopate::worker::{Session, SessionError};
+use syncopate::worker::{Interrupt, Session, SessionError};
 use syncopate::{ErrorKind, NodeError};
 use syncopate_engine::worker::StepStats;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::watch;
 
 create_exception!(_native, SyncopateError, PyException, "Anything that went wrong in Syncopate.");
 create_exception!(
@@ -125,6 +136,106 @@ unsafe fn slices<'a>(bufs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [f32]>> {
 #[pyclass(module = "syncopate._native")]
 struct NativeSession {
     inner: Mutex<Option<Session>>,
+    /// Set by [`NativeSession::cancel`]: the calls waiting in the background give up.
+    cancel: watch::Sender<bool>,
+}
+
+/// What a waiting call watches to give up ([`Interrupt`]).
+///
+/// `wake` is what the Python half passes: the read end of the pipe that CPython's signal
+/// handler writes to (`signal.set_wakeup_fd`, set around calls on the main thread); `-1` on the
+/// main thread when that is taken by someone else (an asyncio loop's), which makes the call
+/// look for signals every [`POLL_SIGNALS`] instead; `None` off the main thread, where no signal
+/// handler runs (CPython runs them on the main thread only). Whatever `wake` is, a cancelled
+/// session ([`NativeSession::cancel`]) stops the call.
+struct Wake<'a> {
+    wake: Option<RawFd>,
+    /// A duplicate of `wake`, registered with the runtime on the first wait.
+    pipe: Option<AsyncFd<OwnedFd>>,
+    cancel: Option<watch::Receiver<bool>>,
+    /// The exception to raise in place of [`SessionError::Interrupted`].
+    raised: &'a mut Option<PyErr>,
+}
+
+/// How often a call on the main thread looks for signals when it has no wakeup pipe.
+const POLL_SIGNALS: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The wakeup pipe's read end, duplicated (the Python half keeps its own) and registered with
+/// the runtime.
+fn register(fd: RawFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: the Python half keeps `fd` open for the whole call, which outlives this borrow.
+    let owned = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned()?;
+    // SAFETY: the duplicate is ours, and stays open as long as the `AsyncFd` that owns it.
+    unsafe { AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }.map_err(Into::into)
+}
+
+/// Reads what is waiting in the (non-blocking) pipe, so it is not readable again until the
+/// next signal.
+fn drain(fd: RawFd) {
+    let mut buf = [0u8; 64];
+    // SAFETY: reads into a local buffer of the length given, from a descriptor the Python half
+    // keeps open for the call's duration.
+    while unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+}
+
+impl Interrupt for Wake<'_> {
+    fn woken(&mut self) -> LocalBoxFuture<'_, ()> {
+        let Wake { wake, pipe, cancel, .. } = self;
+        async move {
+            let cancelled = async {
+                // Resolves at once if already cancelled; never if the session is gone.
+                let done = match cancel {
+                    Some(rx) => rx.wait_for(|c| *c).await.is_ok(),
+                    None => false,
+                };
+                if !done {
+                    std::future::pending::<()>().await
+                }
+            };
+            let signalled = async {
+                match *wake {
+                    Some(fd) if fd >= 0 => {
+                        if pipe.is_none() {
+                            match register(fd) {
+                                Ok(p) => *pipe = Some(p),
+                                // Not pollable: look every so often instead.
+                                Err(_) => return tokio::time::sleep(POLL_SIGNALS).await,
+                            }
+                        }
+                        let p = pipe.as_ref().expect("registered above");
+                        if let Ok(mut ready) = p.readable().await {
+                            drain(p.get_ref().as_raw_fd());
+                            ready.clear_ready();
+                        }
+                    }
+                    Some(_) => tokio::time::sleep(POLL_SIGNALS).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = cancelled => {}
+                () = signalled => {}
+            }
+        }
+        .boxed_local()
+    }
+
+    fn stop(&mut self) -> bool {
+        if self.cancel.as_ref().is_some_and(|rx| *rx.borrow()) {
+            *self.raised = Some(UsageError::new_err("the worker left the cluster while this call waited"));
+            return true;
+        }
+        if self.wake.is_none() {
+            return false;
+        }
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *self.raised = Some(e);
+                true
+            }
+        })
+    }
 }
 
 impl NativeSession {
@@ -152,35 +263,34 @@ impl NativeSession {
     }
 }
 
-/// Runs `f` without the GIL, with an interrupt check that takes it back briefly to look for
-/// signals (Ctrl-C), keeping the signal's exception.
+/// Runs `f` without the GIL, woken to give up by `wake` (see [`Wake`]) or by `cancel`; the
+/// exception that stopped it (the signal handler's, Ctrl-C's `KeyboardInterrupt`) is raised.
 fn detached<R: Send>(
     py: Python<'_>,
-    f: impl FnOnce(&mut dyn FnMut() -> bool) -> Result<R, SessionError> + Send,
+    wake: Option<RawFd>,
+    cancel: Option<watch::Receiver<bool>>,
+    f: impl FnOnce(&mut dyn Interrupt) -> Result<R, SessionError> + Send,
 ) -> PyResult<R> {
-    let mut interrupted: Option<PyErr> = None;
-    let slot = &mut interrupted;
-    let r = py.detach(move || {
-        let mut check = || {
-            Python::attach(|py| match py.check_signals() {
-                Ok(()) => false,
-                Err(e) => {
-                    *slot = Some(e);
-                    true
-                }
-            })
-        };
-        f(&mut check)
-    });
-    r.map_err(|e| session_err(e, &mut interrupted))
+    let mut raised: Option<PyErr> = None;
+    let slot = &mut raised;
+    let r = py.detach(move || f(&mut Wake { wake, pipe: None, cancel, raised: slot }));
+    r.map_err(|e| session_err(e, &mut raised))
 }
 
 #[pymethods]
 impl NativeSession {
     /// Joins the cluster. `init`: the model's tensors as (address, length) pairs; `flags`:
-    /// settings over the environment's; `threads`: the I/O runtime's threads.
+    /// settings over the environment's; `threads`: the I/O runtime's threads; `wake`: see
+    /// [`Wake`].
     #[new]
-    fn new(py: Python<'_>, init: Vec<(usize, usize)>, flags: Vec<String>, threads: usize) -> PyResult<Self> {
+    #[pyo3(signature = (init, flags, threads, wake=None))]
+    fn new(
+        py: Python<'_>,
+        init: Vec<(usize, usize)>,
+        flags: Vec<String>,
+        threads: usize,
+        wake: Option<RawFd>,
+    ) -> PyResult<Self> {
         let args = worker_args(flags)?;
         let mut opts = args.options().map_err(config_err)?;
         // The script's own loop ends training unless the settings give a budget.
@@ -190,8 +300,8 @@ impl NativeSession {
         // SAFETY: the Python half's contract (see `slices`); the values are only read.
         let init = unsafe { slices(&init)? };
         let init: Vec<&[f32]> = init.into_iter().map(|s| &*s).collect();
-        let session = detached(py, move |_| Session::connect(opts, &init, threads))?;
-        Ok(NativeSession { inner: Mutex::new(Some(session)) })
+        let session = detached(py, wake, None, move |stop| Session::connect(opts, &init, threads, stop))?;
+        Ok(NativeSession { inner: Mutex::new(Some(session)), cancel: watch::Sender::new(false) })
     }
 
     /// This worker's id.
@@ -228,29 +338,45 @@ impl NativeSession {
     }
 
     /// Pulls into `out`; returns (iteration, batch), or None once training is over.
-    fn pull(&self, py: Python<'_>, out: Vec<(usize, usize)>) -> PyResult<Option<(u64, u32)>> {
+    #[pyo3(signature = (out, wake=None))]
+    fn pull(
+        &self,
+        py: Python<'_>,
+        out: Vec<(usize, usize)>,
+        wake: Option<RawFd>,
+    ) -> PyResult<Option<(u64, u32)>> {
+        let cancel = self.cancel.subscribe();
         self.with(py, |s| {
             // SAFETY: the Python half's contract (see `slices`).
             let mut out = unsafe { slices(&out)? };
-            let step = detached(py, move |stop| s.pull(&mut out, stop))?;
+            let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut out, stop))?;
             Ok(step.map(|st| (st.iteration, st.batch)))
         })
     }
 
     /// Pushes `grad`; returns how many shards dropped it, or None if it was not pushed.
+    #[pyo3(signature = (grad, samples, loss, wake=None))]
     fn push(
         &self,
         py: Python<'_>,
         grad: Vec<(usize, usize)>,
         samples: u32,
         loss: f32,
+        wake: Option<RawFd>,
     ) -> PyResult<Option<u32>> {
+        let cancel = self.cancel.subscribe();
         self.with(py, |s| {
             // SAFETY: the Python half's contract (see `slices`); the values are only read.
             let grad = unsafe { slices(&grad)? };
             let grad: Vec<&[f32]> = grad.into_iter().map(|g| &*g).collect();
-            detached(py, move |stop| s.push(&grad, StepStats { samples, loss }, stop))
+            detached(py, wake, Some(cancel), move |stop| s.push(&grad, StepStats { samples, loss }, stop))
         })
+    }
+
+    /// Makes every call still waiting, and every later pull or push, give up with a
+    /// `UsageError`: `Worker.leave` calls it before waiting for its background calls.
+    fn cancel(&self) {
+        self.cancel.send_replace(true);
     }
 
     /// Control messages since the last call, as JSON.
@@ -268,7 +394,7 @@ impl NativeSession {
     /// Reports the model's score on held-out data to the cluster (the launcher's watcher).
     #[pyo3(signature = (accuracy, loss=None))]
     fn score(&self, py: Python<'_>, accuracy: f32, loss: Option<f32>) -> PyResult<()> {
-        self.with(py, |s| detached(py, move |_| s.score(accuracy, loss)))
+        self.with(py, |s| detached(py, None, None, move |_| s.score(accuracy, loss)))
     }
 
     /// The worker's report so far, as JSON.
@@ -276,11 +402,13 @@ impl NativeSession {
         self.with(py, |s| Ok(serde_json::to_string(&s.report()).expect("reports serialize")))
     }
 
-    /// Leaves the cluster (idempotent); returns the final report as JSON, or None if already left.
-    fn leave(&self, py: Python<'_>) -> PyResult<Option<String>> {
+    /// Leaves the cluster (idempotent); returns the final report as JSON, or None if already
+    /// left. Not stopped by [`cancel`](Self::cancel) (it follows it), only by a signal.
+    #[pyo3(signature = (wake=None))]
+    fn leave(&self, py: Python<'_>, wake: Option<RawFd>) -> PyResult<Option<String>> {
         let taken = self.lock(py)?.take();
         let Some(session) = taken else { return Ok(None) };
-        let report = detached(py, move |_| session.leave())?;
+        let report = detached(py, wake, None, move |stop| session.leave(stop))?;
         Ok(Some(serde_json::to_string(&report).expect("reports serialize")))
     }
 }

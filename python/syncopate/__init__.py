@@ -29,10 +29,13 @@ and Ctrl-C interrupts any wait and leaves the cluster.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import signal
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -99,6 +102,43 @@ def _flags(settings: dict[str, Any]) -> list[str]:
 
 
 _defaults: dict[str, Any] = {}
+
+_wake_pipe: tuple[int, int, int] | None = None
+"""This process's wakeup pipe: (pid, read end, write end)."""
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[int | None]:
+    """Around a native call that may wait: what wakes it when a signal arrives.
+
+    On the main thread (where CPython runs signal handlers), CPython's C-level handler writes to
+    a pipe (``signal.set_wakeup_fd``) that the call watches, so Ctrl-C wakes it at once and it
+    raises ``KeyboardInterrupt``, however busy the CPU is; the previous wakeup descriptor is put
+    back afterwards. Gives the pipe's read end; ``-1`` when another wakeup descriptor is set (an
+    asyncio loop's, which is left alone: the call then looks for signals every 50 ms); ``None``
+    off the main thread (no signal handler runs there; :meth:`Worker.leave` cancels such calls).
+    """
+    global _wake_pipe
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    if _wake_pipe is None or _wake_pipe[0] != os.getpid():  # none yet, or a forked child's
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        _wake_pipe = (os.getpid(), r, w)
+    _, r, w = _wake_pipe
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # a subinterpreter's main thread
+        yield -1
+        return
+    if old not in (-1, w):
+        signal.set_wakeup_fd(old)
+        yield -1
+        return
+    try:
+        yield r
+    finally:
+        signal.set_wakeup_fd(old)
 
 
 def init(cluster: str | os.PathLike[str] | None = None, **settings: Any) -> dict[str, Any]:
@@ -167,7 +207,8 @@ class Worker:
         self._layout = [n for _, n in bufs]
         if sum(self._layout) == 0:
             raise TensorError("join: the model has no values")
-        native = NativeSession(bufs, _flags(merged), threads)
+        with _interruptible() as wake:
+            native = NativeSession(bufs, _flags(merged), threads, wake)
         self._native: NativeSession | None = native
         # Read once: a call in flight holds the session, and these never change.
         self._rank: int = native.rank
@@ -218,7 +259,8 @@ class Worker:
         (:class:`UsageError` otherwise): a check for loops that count for themselves.
         """
         bufs = _tensors.buffers(out, self._layout, writable=True, what="pull")
-        got = self._session().pull(bufs)
+        with _interruptible() as wake:
+            got = self._session().pull(bufs, wake)
         step = None if got is None else Step(*got)
         self._done = step is None
         if step is not None and iteration is not None and step.iteration != iteration:
@@ -254,7 +296,8 @@ class Worker:
         n = self._last.batch if samples is None else int(samples)
         self._last = None
         session = self._session()
-        dropped = session.push(bufs, n, float(loss))
+        with _interruptible() as wake:
+            dropped = session.push(bufs, n, float(loss), wake)
         self._done = session.done
         return dropped
 
@@ -299,13 +342,17 @@ class Worker:
         global _current
         native, self._native = self._native, None
         if self._pool is not None:
+            # A background call may wait for ever (a pull the policy defers): it gives up.
+            if native is not None:
+                native.cancel()
             self._pool.shutdown(wait=True)
             self._pool = None
         if _current is not None and _current() is self:
             _current = None
         if native is None:
             return None
-        text = native.leave()
+        with _interruptible() as wake:
+            text = native.leave(wake)
         return None if text is None else json.loads(text)
 
     def __enter__(self) -> Worker:

@@ -9,8 +9,10 @@
 //! gradient and the machine has moved on to the next pull (which waits for the next call). A
 //! tokio runtime with its own threads keeps the connections alive while the caller computes,
 //! and carries out what the policies ask meanwhile (acknowledging control messages) while a
-//! pull or push is in flight. Every wait checks `interrupt` about every 50 ms, so a caller can
-//! give up (Ctrl-C) and leave cleanly.
+//! pull or push is in flight. Every wait (joining, pulling, pushing, leaving) also waits on the
+//! caller's [`Interrupt`], which wakes it when the caller may want to give up (a signal
+//! arrived): Ctrl-C ends a wait at once, however busy the machine, and the caller can still
+//! leave cleanly.
 //!
 //! A session's workload cannot split an iteration into tasks: when a policy that moves tasks
 //! (EPSP) asks for some of its iteration, it answers that none could be handed over. Tasks of
@@ -33,8 +35,51 @@ use super::run::WorkerOptions;
 use crate::net::proto::ModelScore;
 use crate::NodeError;
 
-/// How often a wait checks whether the caller wants to give up.
-const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+/// How a blocking call learns that its caller wants it to give up (Ctrl-C) while it waits.
+///
+/// The call waits on [`woken`](Interrupt::woken) beside its own work, and asks
+/// [`stop`](Interrupt::stop) each time that resolves. A driver makes `woken` resolve when
+/// something happened (a signal arrived, another thread cancelled the call), so noticing
+/// costs nothing while nothing happens, and nothing but being scheduled once it does.
+pub trait Interrupt {
+    /// Resolves when the caller may want to stop. It is dropped and made again while the
+    /// call waits, so it must be cancel-safe (lose nothing when dropped unfinished).
+    fn woken(&mut self) -> LocalBoxFuture<'_, ()>;
+    /// Whether to give up now; `false` lets the call wait on.
+    fn stop(&mut self) -> bool;
+}
+
+/// An [`Interrupt`] that never interrupts: the call runs to its end.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Uninterrupted;
+
+impl Interrupt for Uninterrupted {
+    fn woken(&mut self) -> LocalBoxFuture<'_, ()> {
+        std::future::pending().boxed_local()
+    }
+
+    fn stop(&mut self) -> bool {
+        false
+    }
+}
+
+/// Runs `work` unless `interrupt` stops it first.
+async fn unless_stopped<T>(
+    work: impl std::future::Future<Output = Result<T, SessionError>>,
+    interrupt: &mut dyn Interrupt,
+) -> Result<T, SessionError> {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            r = &mut work => return r,
+            () = interrupt.woken() => {
+                if interrupt.stop() {
+                    return Err(SessionError::Interrupted);
+                }
+            }
+        }
+    }
+}
 
 /// Why a session call failed.
 #[derive(Debug, thiserror::Error)]
@@ -116,21 +161,27 @@ impl Session {
     /// Joins the cluster `opts.access` names with a model held in pieces `init` (one per tensor,
     /// in order): the shards a first worker creates start from these values, and shards that
     /// exist keep theirs (the first pull brings every worker to them). Waits for the start
-    /// barrier. `threads`: the runtime's threads (1 or 2 leave the cores to the caller's
-    /// computation).
-    pub fn connect(opts: WorkerOptions, init: &[&[f32]], threads: usize) -> Result<Session, SessionError> {
+    /// barrier, unless `interrupt` stops it. `threads`: the runtime's threads (1 or 2 leave
+    /// the cores to the caller's computation).
+    pub fn connect(
+        opts: WorkerOptions,
+        init: &[&[f32]],
+        threads: usize,
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<Session, SessionError> {
         let spin = Duration::ZERO;
         let rt = crate::net::spin::runtime_builder(threads.max(1), spin)
             .thread_name("syncopate-io")
             .build()
             .map_err(|source| NodeError::Io { what: "cannot start the async runtime".into(), source })?;
         let whole: Vec<f32> = init.concat();
-        let (client, start) = rt.block_on(async {
+        let joining = async {
             let mut client = WorkerClient::connect(&opts.access, opts.id, whole.len()).await?;
             let start = client.join(&whole).await?;
             client.ready().await?;
-            Ok::<_, NodeError>((client, start))
-        })?;
+            Ok::<_, SessionError>((client, start))
+        };
+        let (client, start) = rt.block_on(unless_stopped(joining, interrupt))?;
         let mut client = client;
         let controls = client.take_controls();
         let id = client.id();
@@ -139,7 +190,7 @@ impl Session {
         let clock = Clock::new();
         let machine = WorkerMachine::new(cfg, clock.now()).map_err(NodeError::from)?;
         let mut driver = Driver { machine, controls, clock, seen: Vec::new(), stop_seen: false };
-        let phase = match driver.drive(&rt, &client, None, &mut || false)? {
+        let phase = match driver.drive(&rt, &client, None, interrupt)? {
             Next::Pull(it) => Phase::Pull(it),
             Next::Leave => Phase::Done,
             other => return Err(SessionError::Usage(format!("the worker began with {other:?}"))),
@@ -195,7 +246,7 @@ impl Session {
     pub fn pull(
         &mut self,
         out: &mut [&mut [f32]],
-        interrupt: &mut dyn FnMut() -> bool,
+        interrupt: &mut dyn Interrupt,
     ) -> Result<Option<Step>, SessionError> {
         self.check_len(out.iter().map(|s| s.len()).sum(), "pull")?;
         loop {
@@ -243,7 +294,7 @@ impl Session {
         &mut self,
         grad: &[&[f32]],
         stats: StepStats,
-        interrupt: &mut dyn FnMut() -> bool,
+        interrupt: &mut dyn Interrupt,
     ) -> Result<Option<u32>, SessionError> {
         self.check_len(grad.iter().map(|s| s.len()).sum(), "push")?;
         let Phase::Computing { since, .. } = self.phase else {
@@ -307,8 +358,10 @@ impl Session {
     /// Writes the report (where the options named), leaves every shard and the coordinator, and
     /// returns the report. Safe at any point: a worker that leaves mid-iteration is dropped from
     /// the clocks, as a dead one would be, without waiting for it to time out. A node already
-    /// lost is not an error here (there is no one to tell).
-    pub fn leave(mut self) -> Result<WorkerReport, SessionError> {
+    /// lost is not an error here (there is no one to tell). If `interrupt` stops it first, the
+    /// connections close without a goodbye: the cluster drops the worker after its peer
+    /// timeout, as it does a dead one.
+    pub fn leave(mut self, interrupt: &mut dyn Interrupt) -> Result<WorkerReport, SessionError> {
         let report = self.report();
         if let Some(path) = &self.report_path {
             let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
@@ -318,14 +371,15 @@ impl Session {
             })?;
         }
         let client = self.client.take().expect("a session has its client until it leaves");
-        match self.rt.block_on(client.leave()) {
+        let leaving = async { client.leave().await.map_err(SessionError::from) };
+        match self.rt.block_on(unless_stopped(leaving, interrupt)) {
             Ok(()) => Ok(report),
             // A node already gone cannot be told; the others drop us when the connection closes.
-            Err(e) if e.kind() == crate::ErrorKind::Lost => {
+            Err(SessionError::Node(e)) if e.kind() == crate::ErrorKind::Lost => {
                 tracing::warn!("leaving: {e}");
                 Ok(report)
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 }
@@ -338,12 +392,10 @@ impl Driver {
         rt: &tokio::runtime::Runtime,
         client: &WorkerClient,
         mut op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
-        interrupt: &mut dyn FnMut() -> bool,
+        interrupt: &mut dyn Interrupt,
     ) -> Result<Next, SessionError> {
         let Driver { machine: m, controls, clock, seen, stop_seen } = self;
         rt.block_on(async {
-            let mut tick = tokio::time::interval(INTERRUPT_EVERY);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 if !*stop_seen && client.stop_requested() {
                     *stop_seen = true;
@@ -398,8 +450,8 @@ impl Driver {
                     () = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
                         m.handle(clock.now(), Input::Timer)?;
                     }
-                    _ = tick.tick() => {
-                        if interrupt() {
+                    () = interrupt.woken() => {
+                        if interrupt.stop() {
                             return Err(SessionError::Interrupted);
                         }
                     }
