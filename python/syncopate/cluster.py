@@ -12,6 +12,7 @@ benchmarks, notebooks. (``syncopate local`` runs whole clusters, workers include
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -94,6 +95,18 @@ class Cluster:
         for s in range(servers):
             a = [exe_s, "server", "--coordinator", self.addr, "--tls-dir", str(self.tls)]
             self.servers.append(self._spawn(f"server-{s}", a))
+        self.cluster_file = self.dir / "cluster.json"
+        """How operators reach the cluster, as ``syncopate local`` writes it:
+        ``syncopate.status(cluster=c.cluster_file)``, ``syncopate policy swap --cluster``."""
+        names = ["coordinator"] + [f"server-{s}" for s in range(servers)]
+        cluster = {
+            "coordinator": self.addr,
+            "token": self.token,
+            "ca": str(self.tls / "cert.pem"),
+            "server_name": "syncopate",
+            "pids": [[n, p.pid] for n, p in zip(names, self.procs, strict=True)],
+        }
+        self.cluster_file.write_text(json.dumps(cluster, indent=2))
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (the process owns it)

@@ -77,14 +77,16 @@ class _Role:
     """An actor that runs one ``syncopate`` process (the coordinator or a server) on its node.
 
     ``{dir}`` in the arguments is the actor's directory (certificate, ready file, log) and
-    ``{ip}`` its node's address."""
+    ``{ip}`` the address it listens on: ``host``, else its node's Ray address."""
 
-    def __init__(self, name: str, files: dict[str, bytes], exe: str | None) -> None:
+    def __init__(
+        self, name: str, files: dict[str, bytes], exe: str | None, host: str | None
+    ) -> None:
         self.name = name
         self.dir = Path(tempfile.mkdtemp(prefix=f"syncopate-{name}-"))
         _write_files(self.dir / "tls", files)
         self.exe = str(find_binary(exe))
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = host or ray.util.get_node_ip_address()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, args: list[str], env: dict[str, str]) -> str:
@@ -204,6 +206,10 @@ _WorkerActor = ray.remote(max_restarts=0)(_Worker)
 COORDINATOR_RESTARTS = 3
 #: How often :meth:`RayRun.wait` checks that the coordinator is alive, in seconds.
 CHECK_EVERY_S = 0.5
+#: The longest :meth:`RayRun.stop` waits for each of its two steps, in seconds: the cluster's
+#: clean shutdown, then the roles' logs. Every actor is killed after them whatever answered, and
+#: the processes the actors started die with them, so stopping is bounded on a busy machine.
+STOP_STEP_S = 20.0
 
 
 def restart_args(first: list[str], addr: str) -> list[str]:
@@ -267,6 +273,7 @@ class _Options:
     progress_every_s: float
     coordinator_args: list[str] | None
     restart_workers: int
+    host: str | None
 
 
 class RayRun:
@@ -344,7 +351,9 @@ class RayRun:
             node = alive[i % len(alive)]
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
-        coordinator = _RoleActor.options(**on_node(0)).remote("coordinator", files, str(self.exe))
+        coordinator = _RoleActor.options(**on_node(0)).remote(
+            "coordinator", files, str(self.exe), o.host
+        )
         self.roles.append(coordinator)
         args = ["coordinator", "--listen", "{ip}:0", "--ready-file", "{dir}/ready"]
         args += [
@@ -368,7 +377,7 @@ class RayRun:
         ray.get(coordinator.start.remote(args, role_env))
         self.addr = ray.get(coordinator.ready.remote(60.0))
         # What starting it again takes: the same node (so the same address), the same files.
-        self._coordinator = (on_node(0), files, args, role_env)
+        self._coordinator = (on_node(0), files, args, role_env, o.host)
         self.cluster_file = self.dir / "cluster.json"
         cluster = {
             "coordinator": self.addr,
@@ -380,7 +389,9 @@ class RayRun:
         self.cluster_file.write_text(json.dumps(cluster, indent=2))
         self.servers = []
         for s in range(o.servers):
-            actor = _RoleActor.options(**on_node(s + 1)).remote(f"server-{s}", files, str(self.exe))
+            actor = _RoleActor.options(**on_node(s + 1)).remote(
+                f"server-{s}", files, str(self.exe), o.host
+            )
             self.roles.append(actor)
             self.servers.append(actor)
             server_args = ["server", "--coordinator", self.addr, "--tls-dir", "{dir}/tls"]
@@ -454,10 +465,12 @@ class RayRun:
             )
         self.coordinator_restarts.append(time.monotonic() - self.t0)
         _say(f"the coordinator {why}; starting it again at {self.addr}")
-        node, files, args, env = self._coordinator
+        node, files, args, env, host = self._coordinator
         if why == "lost its actor":
             self.old_actors.append(self.roles[0])
-            self.roles[0] = _RoleActor.options(**node).remote("coordinator", files, str(self.exe))
+            self.roles[0] = _RoleActor.options(**node).remote(
+                "coordinator", files, str(self.exe), host
+            )
         ray.get(self.roles[0].start.remote(restart_args(args, self.addr), env))
 
     def _log(self, i: int) -> str:
@@ -553,36 +566,46 @@ class RayRun:
         """Kills server ``server``'s actor, and so its process (for failure drills and tests)."""
         ray.kill(self.servers[server], no_restart=True)
 
-    def _shutdown(self, save_model: Path | None) -> None:
+    def _shutdown(self, save_model: Path | None, timeout_s: float = 60.0) -> None:
         """Asks the coordinator to stop the servers and itself, first saving the model."""
         if self._shut or getattr(self, "cluster_file", None) is None:
             return
         self._shut = True
         args = [str(self.exe), "shutdown", "--cluster", str(self.cluster_file)]
         args += ["--save-model", str(save_model)] if save_model is not None else []
-        out = subprocess.run(args, env=clean_env(), capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            args, env=clean_env(), capture_output=True, text=True, timeout=timeout_s
+        )
         if out.returncode != 0:
             raise RuntimeError(f"the cluster did not shut down cleanly: {out.stderr.strip()}")
 
     def stop(self) -> None:
-        """Stops every worker, the servers and the coordinator, and their actors (idempotent).
-        The coordinator is asked to shut the cluster down first, so servers exit cleanly."""
+        """Stops every worker, the servers and the coordinator, and their actors (idempotent),
+        within about twice :data:`STOP_STEP_S` whatever state the run is in. The coordinator
+        is asked to shut the cluster down first, so servers exit cleanly, and each role gives
+        its log; then every actor is killed, and with it any process it started."""
         if self._stopped:
             return
         self._stopped = True
         for actor in self.worker_actors + self.old_actors:
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
         with contextlib.suppress(Exception):
-            self._shutdown(None)
+            self._shutdown(None, timeout_s=STOP_STEP_S)
         names = ["coordinator"] + [f"server-{s}" for s in range(len(self.roles) - 1)]
-        logs = [r.stop.remote() for r in self.roles]
-        for name, ref in zip(names, logs, strict=True):
+        refs = [r.stop.remote() for r in self.roles]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=STOP_STEP_S)
+        for name, ref in zip(names, refs, strict=True):
+            if ref not in answered:
+                self.logs[name] = f"(no answer within {STOP_STEP_S:g} s)"
+                continue
             try:
-                self.logs[name] = ray.get(ref, timeout=30)
+                self.logs[name] = ray.get(ref)
             except Exception as e:  # noqa: BLE001 (a dead actor has no log to give)
                 self.logs[name] = f"(gone: {type(e).__name__})"
         for actor in self.roles:
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
         logs_dir = self.dir / "logs"
         logs_dir.mkdir(exist_ok=True)
         for name, text in self.logs.items():
@@ -620,6 +643,7 @@ def start(
     progress_every_s: float = 5.0,
     coordinator_args: list[str] | None = None,
     restart_workers: int = 0,
+    host: str | None = None,
 ) -> RayRun:
     """Starts a cluster on Ray and the workers' training; returns at once with a
     :class:`RayRun` (:meth:`RayRun.swap`, :meth:`RayRun.status`, :meth:`RayRun.wait`).
@@ -643,6 +667,11 @@ def start(
       back once the coordinator has noticed the old process gone (the peer timeout) and goes
       on from the iteration after the last one the shards acknowledged; ``train_fn`` runs
       again from its start, so it must rebuild its state from the pulled model.
+    - ``host``: the address the coordinator and servers listen on and give workers. By
+      default each listens on its node's Ray address (``ray.util.get_node_ip_address()``),
+      so a Ray cluster whose nodes were started with ``node_ip_address="127.0.0.1"`` (one
+      machine, as the tests run it) keeps the whole run on loopback; ``"127.0.0.1"`` does so
+      on any one-machine Ray.
     - ``run_dir`` (default ``runs/ray-<time>``) gets ``cluster.json`` (for ``syncopate policy
       swap|status --cluster``), the processes' logs and ``report.json``.
     """
