@@ -3,20 +3,25 @@ loopback, with their own certificates and token. Nothing is mocked."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from netguard import Watch
 
 from syncopate.cluster import Cluster, clean_env
 
 __all__ = [
     "ROOT",
     "Cluster",
+    "Procs",
     "binary",
     "clean_env",
     "cluster_at",
@@ -26,6 +31,14 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Ray on loopback only. Ray finds its node's address itself, and rewrites 127.0.0.1 in
+# `ray.init(address=...)` into it: the machine's external address, unless Ray clusters across
+# machines are off, which this variable says (Ray's switch for one-machine Ray, named for the
+# platforms where that is the default). Set before anything imports ray; every process the
+# tests start, Ray's included, inherits it. The Ray tests also start their nodes with
+# node_ip_address 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 def binary() -> Path:
@@ -60,13 +73,12 @@ def run_syncopate(*args: str, timeout: float) -> subprocess.CompletedProcess[str
     )
 
 
-def start_local(run: Path, *args: str) -> subprocess.Popen[str]:
-    """Starts ``syncopate local --run-dir RUN ARGS`` and returns once its cluster is up (its
+def start_local(procs: Procs, run: Path, *args: str) -> subprocess.Popen[str]:
+    """Starts ``syncopate local --run-dir RUN ARGS`` as one of the test's ``procs`` (so its
+    whole cluster is killed when the test ends) and returns once the cluster is up (its
     ``cluster.json`` written), for a test to act on the running cluster."""
     cmd = [str(binary()), "local", "--run-dir", str(run), *args]
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    p = procs.start(cmd, env=_env(), cwd=ROOT)
     deadline = time.monotonic() + 60
     while not (run / "cluster.json").exists():
         if p.poll() is not None or time.monotonic() > deadline:
@@ -86,6 +98,68 @@ def finish(p: subprocess.Popen[str], timeout: float) -> str:
             p.kill()
     assert p.returncode == 0, out
     return out
+
+
+@pytest.fixture(scope="session")
+def netguard() -> Iterator[Watch]:
+    """The loopback guard (:mod:`netguard`), watching every process of the run from its start
+    to its end."""
+    watch = Watch()
+    watch.start()
+    yield watch
+    watch.stop()
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(netguard: Watch) -> Iterator[None]:
+    """Fails the test if, while it ran, a process of the run listened on or connected to an
+    address outside loopback (outside a network namespace a test made)."""
+    before = len(netguard.seen())
+    yield
+    netguard.sample()
+    new = netguard.seen()[before:]
+    if new:
+        pytest.fail(
+            "traffic outside loopback: tests may listen on and dial 127.0.0.0/8 and ::1 only\n"
+            + "\n".join(map(str, new)),
+            pytrace=False,
+        )
+
+
+class Procs:
+    """The processes a test starts (:meth:`start`): each leads a process group of its own, and
+    every group still there when the test ends, however it ends, is killed with all it holds,
+    so nothing a test started outlives it and trips the next one."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
+        """Starts ``args`` with ``env``; its output is a text pipe (``stdout``, with stderr in
+        it) unless ``kw`` says otherwise."""
+        kw = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} | kw
+        p = subprocess.Popen(args, env=env, start_new_session=True, **kw)
+        self.started.append(p)
+        return p
+
+    def kill_all(self) -> None:
+        """Kills every group started (idempotent) and reaps its leader."""
+        for p in self.started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    """Starts a test's own processes (:class:`Procs`); kills what is left of them afterwards."""
+    owned = Procs()
+    yield owned
+    owned.kill_all()
 
 
 ClusterFactory = Callable[..., Cluster]

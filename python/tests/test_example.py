@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import syncopate
-from conftest import ROOT, finish, run_syncopate, start_local
+from conftest import ROOT, Procs, finish, run_syncopate, start_local
 
 EXAMPLE = ROOT / "examples" / "torch" / "train.py"
 # 6,000 training images per worker of two, scored on 2,000 test images every 20 iterations.
@@ -17,13 +17,13 @@ SCRIPT_ARGS = ["--model", "mlp", "--threads", "1", "--train-limit", "12000"]
 SCRIPT_ARGS += ["--test-limit", "2000", "--eval-every", "20"]
 
 
-def test_a_hot_swap_while_the_example_trains(tmp_path: Path) -> None:
+def test_a_hot_swap_while_the_example_trains(tmp_path: Path, procs: Procs) -> None:
     run = tmp_path / "run"
     args = ["--workers", "2", "--servers", "2", "--policy", "bsp", "--lr", "0.05"]
     args += ["--momentum", "0.9", "--eval-every-ms", "100"]
     # Three passes over each worker's 6,000 images (about 560 iterations): the swap, compiled
     # by every server first, lands well inside training even on a loaded machine.
-    p = start_local(run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "3")
+    p = start_local(procs, run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "3")
     cluster = run / "cluster.json"
     deadline = time.monotonic() + 120
     # Swap once the example has reported a score under BSP: training is under way.

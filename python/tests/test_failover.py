@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import syncopate
-from conftest import finish, start_local
+from conftest import Procs, finish, start_local
 
 SCRIPT = Path(__file__).parent / "scripts" / "counter.py"
 ITERATIONS = 200
@@ -62,12 +62,13 @@ def assert_exact(run: Path) -> np.ndarray:
 
 def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
     tmp_path: Path,
+    procs: Procs,
 ) -> None:
     run = tmp_path / "run"
     args = ["--workers", "3", "--servers", "2", "--shards", "3", "--policy", "ssp:s=2"]
     args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum", "--replicas", "1"]
     args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
-    p = start_local(run, *args)
+    p = start_local(procs, run, *args)
     wait_for_clock(run / "cluster.json", 50)
     pids = role_pids(run)
     assert len(pids) == 2, pids
@@ -80,6 +81,7 @@ def test_python_workers_go_on_past_a_killed_server_and_every_push_counts_once(
 
 def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_once(
     tmp_path: Path,
+    procs: Procs,
 ) -> None:
     """The coordinator SIGKILLed mid-run and started again by ``local``: the scripts' pushes
     wait out the servers' lapsed leases, and each script rejoins the new coordinator."""
@@ -87,7 +89,7 @@ def test_python_workers_ride_out_a_coordinator_restart_and_every_push_counts_onc
     args = ["--workers", "3", "--servers", "2", "--shards", "3", "--policy", "bsp"]
     args += ["--lr", "1", "--momentum", "0", "--push-weight", "sum"]
     args += ["--iterations", str(ITERATIONS), "--script", str(SCRIPT)]
-    p = start_local(run, *args)
+    p = start_local(procs, run, *args)
     wait_for_clock(run / "cluster.json", 50)
     coordinator = role_pids(run, "coordinator")
     assert len(coordinator) == 1, coordinator

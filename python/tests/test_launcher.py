@@ -9,16 +9,18 @@ import time
 from pathlib import Path
 
 import syncopate
-from conftest import finish, run_syncopate, start_local
+from conftest import Procs, finish, run_syncopate, start_local
 
 SCRIPT = Path(__file__).parent / "scripts" / "linear.py"
 
 
-def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(tmp_path: Path) -> None:
+def test_scripts_run_as_workers_with_slowdowns_reports_and_a_hot_swap(
+    tmp_path: Path, procs: Procs
+) -> None:
     run = tmp_path / "run"
     args = ["--workers", "2", "--servers", "2", "--policy", "ssp:s=1", "--lr", "0.05"]
     args += ["--momentum", "0", "--iterations", "150", "--delay-ms", "10", "--slow", "1:3"]
-    p = start_local(run, *args, "--script", str(SCRIPT))
+    p = start_local(procs, run, *args, "--script", str(SCRIPT))
     time.sleep(0.5)
     cluster = run / "cluster.json"
     number, shards = syncopate.swap("asp", cluster=cluster)

@@ -5,10 +5,10 @@ nothing is mocked."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +22,10 @@ from ray.cluster_utils import Cluster as RayCluster
 
 import syncopate
 import syncopate.ray as sray
-from conftest import ROOT, binary
+from conftest import ROOT, Procs, binary
 
 DIM = 16
+LOOPBACK = "127.0.0.1"
 
 
 def counter(config: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +49,7 @@ EXACT = {"lr": 1.0, "momentum": 0.0, "push_weight": "sum"}
 def syncopate_processes() -> list[tuple[int, str]]:
     """Every live ``syncopate`` process that an actor of :mod:`syncopate.ray` started (its
     certificate is in the actor's ``syncopate-<role>-*`` directory), and every live actor
-    (Ray names an actor's process ``ray::<class>``)."""
+    (Ray names an actor's process ``ray::<class>``), as (pid, command line)."""
     exe = str(binary())
     found = []
     for entry in Path("/proc").iterdir():
@@ -71,14 +72,40 @@ def syncopate_processes() -> list[tuple[int, str]]:
 NODES = 3
 
 
-def assert_nothing_left() -> None:
-    """No process of the run is left: the binary's at once, the actors' within 30 s (Ray kills
-    an actor's process asynchronously)."""
-    assert not [p for p in syncopate_processes() if not p[1].startswith("ray::")]
-    deadline = time.monotonic() + 30
-    while left := syncopate_processes():
-        assert time.monotonic() < deadline, left
-        time.sleep(0.2)
+class RunProcesses:
+    """The test's own processes of :func:`syncopate_processes`: those that were not there when
+    the test began (tests run one at a time, and an actor's process hosts one actor)."""
+
+    def __init__(self) -> None:
+        self.before = {pid for pid, _ in syncopate_processes()}
+
+    def mine(self) -> list[tuple[int, str]]:
+        """This test's processes still alive."""
+        return [p for p in syncopate_processes() if p[0] not in self.before]
+
+    def assert_none_left(self) -> None:
+        """None of the test's processes is left: the binary's at once, the actors' within 30 s
+        (Ray kills an actor's process asynchronously)."""
+        assert not [p for p in self.mine() if not p[1].startswith("ray::")]
+        deadline = time.monotonic() + 30
+        while left := self.mine():
+            assert time.monotonic() < deadline, left
+            time.sleep(0.2)
+
+    def kill_left(self) -> None:
+        """Kills whatever of the test's processes is still alive."""
+        for pid, _ in self.mine():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def own() -> Iterator[RunProcesses]:
+    """The test's own run processes; any left when it ends are killed, so that a test that
+    fails or times out leaves nothing to trip the next one."""
+    watch = RunProcesses()
+    yield watch
+    watch.kill_left()
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +114,9 @@ def local_ray() -> Iterator[str]:
     each), for the module's tests; shut down after them."""
     os.environ["SYNCOPATE_BIN"] = str(binary())
     # A small object store each (the runs pass only small objects): three default ones would
-    # ask for most of the machine's shared memory.
-    node = {"num_cpus": 2, "object_store_memory": 200 << 20}
+    # ask for most of the machine's shared memory. Every node, and so everything Ray and
+    # syncopate.ray start on it, on loopback.
+    node = {"num_cpus": 2, "object_store_memory": 200 << 20, "node_ip_address": LOOPBACK}
     cluster = RayCluster(initialize_head=True, head_node_args=node)
     for _ in range(NODES - 1):
         cluster.add_node(**node)
@@ -96,7 +124,7 @@ def local_ray() -> Iterator[str]:
     # The actors unpickle this module's training functions by name: they import it from here.
     here = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    ray.init(address=cluster.address, _node_ip_address=LOOPBACK, runtime_env={"env_vars": env})
     yield cluster.address
     ray.shutdown()
     cluster.shutdown()
@@ -110,7 +138,7 @@ def exact_model(report: dict[str, Any], workers: int, iterations: int) -> None:
 
 
 def test_a_counter_run_on_ray_applies_every_push_once_and_leaves_nothing_running(
-    local_ray: str, tmp_path: Path
+    local_ray: str, tmp_path: Path, own: RunProcesses
 ) -> None:
     report = sray.launch(
         counter,
@@ -132,7 +160,7 @@ def test_a_counter_run_on_ray_applies_every_push_once_and_leaves_nothing_running
     placed = report["placement"]
     assert placed["server-0"] != placed["server-1"], placed
     assert len({placed[f"worker-{w}"] for w in range(3)}) > 1, placed
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def until_min_clock(run: sray.RayRun, clock: int) -> None:
@@ -162,14 +190,16 @@ def counter_run_killed(
     return run.wait(timeout_s=240), at_kill
 
 
-def test_killing_a_server_actor_mid_run_loses_no_push(local_ray: str, tmp_path: Path) -> None:
+def test_killing_a_server_actor_mid_run_loses_no_push(
+    local_ray: str, tmp_path: Path, own: RunProcesses
+) -> None:
     report, _ = counter_run_killed(
         tmp_path, 30, lambda run: run.kill_server(0), workers=3, servers=2, shards=3, iterations=150
     )
     assert report["lost_servers"] == [0], report["status"]
     assert [w["iterations"] for w in report["workers"]] == [150] * 3
     exact_model(report, 3, 150)
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def torch_example(argv: list[str]) -> dict[str, Any]:
@@ -180,7 +210,9 @@ def torch_example(argv: list[str]) -> dict[str, Any]:
     return train.main(argv)
 
 
-def test_the_torch_example_trains_on_ray_across_a_hot_swap(local_ray: str, tmp_path: Path) -> None:
+def test_the_torch_example_trains_on_ray_across_a_hot_swap(
+    local_ray: str, tmp_path: Path, own: RunProcesses
+) -> None:
     # The example's MLP on 6,000 images per worker, scored on 2,000 every 20 iterations.
     argv = ["--model", "mlp", "--threads", "1", "--train-limit", "12000", "--test-limit", "2000"]
     argv += ["--eval-every", "20", "--epochs", "5"]
@@ -214,7 +246,7 @@ def test_the_torch_example_trains_on_ray_across_a_hot_swap(local_ray: str, tmp_p
     assert report["results"][0]["final_accuracy"] > 0.75, report["results"][0]
     assert all(r["iterations"] >= 930 for r in report["results"]), report["results"]
     assert report["startup_s"] is not None
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def fails(config: Any) -> None:
@@ -227,52 +259,53 @@ def fails(config: Any) -> None:
         worker.push([weights])
 
 
-def test_a_failing_train_fn_stops_everything_and_raises(local_ray: str, tmp_path: Path) -> None:
+def test_a_failing_train_fn_stops_everything_and_raises(
+    local_ray: str, tmp_path: Path, own: RunProcesses
+) -> None:
     with pytest.raises(ray.exceptions.RayTaskError, match="worker 1 gives up"):
         sray.launch(fails, workers=2, servers=1, iterations=1000, run_dir=tmp_path / "r")
-    assert_nothing_left()
+    own.assert_none_left()
 
 
-def test_ctrl_c_in_the_driver_stops_everything(local_ray: str, tmp_path: Path) -> None:
+def test_ctrl_c_in_the_driver_stops_everything(
+    local_ray: str, tmp_path: Path, own: RunProcesses, procs: Procs
+) -> None:
     here = Path(__file__).parent
     env = os.environ | {
         "RAY_ADDRESS": local_ray,
         "PYTHONPATH": f"{here}{os.pathsep}{here / 'scripts'}",
     }
-    p = subprocess.Popen(
-        [sys.executable, str(here / "scripts" / "ray_driver.py"), str(tmp_path / "run")],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    driver = [sys.executable, str(here / "scripts" / "ray_driver.py"), str(tmp_path / "run")]
+    p = procs.start(driver, env=env)
     assert p.stdout is not None
     lines = []
     for line in p.stdout:
         lines.append(line)
         if line.strip() == "training":
             break
-    assert syncopate_processes(), "the run was not under way"
+    assert own.mine(), "the run was not under way:\n" + "".join(lines)
     p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode != 0, "".join(lines) + out
-    assert "KeyboardInterrupt" in out, "".join(lines) + out
-    assert_nothing_left()
+    # A liveness limit: stopping takes seconds (RayRun.stop bounds each of its steps).
+    p.wait(timeout=120)
+    out = "".join(lines) + p.stdout.read()
+    assert p.returncode != 0, out
+    assert "KeyboardInterrupt" in out, out
+    own.assert_none_left()
 
 
 def test_more_workers_than_the_cluster_can_run_at_once_is_refused(
-    local_ray: str, tmp_path: Path
+    local_ray: str, tmp_path: Path, own: RunProcesses
 ) -> None:
     # The workers wait for each other: if some could not be placed, the run would hang.
     with pytest.raises(
         ValueError, match="the 7 workers need 7 CPU in all and the Ray cluster has 6"
     ):
         sray.launch(counter, workers=7, servers=1, config={"pace_s": 0}, run_dir=tmp_path / "r")
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
-    local_ray: str, tmp_path: Path
+    local_ray: str, tmp_path: Path, own: RunProcesses
 ) -> None:
     report, at_kill = counter_run_killed(
         tmp_path,
@@ -298,11 +331,11 @@ def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
     first = pushes_1 - again
     assert first == int(first), model
     assert at_kill["min_clock"] <= first <= at_kill["max_clock"] + 1, (first, at_kill, again)
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def test_without_restarts_a_killed_worker_actor_is_dropped_and_the_others_finish(
-    local_ray: str, tmp_path: Path
+    local_ray: str, tmp_path: Path, own: RunProcesses
 ) -> None:
     report, _ = counter_run_killed(
         tmp_path,
@@ -315,11 +348,11 @@ def test_without_restarts_a_killed_worker_actor_is_dropped_and_the_others_finish
     )
     assert report["lost_workers"] == [1]
     assert [r["iterations"] for r in report["results"]] == [80]
-    assert_nothing_left()
+    own.assert_none_left()
 
 
 def test_killing_the_coordinator_actor_mid_run_restarts_it_and_loses_no_push(
-    local_ray: str, tmp_path: Path
+    local_ray: str, tmp_path: Path, own: RunProcesses
 ) -> None:
     kw: dict[str, Any] = {"workers": 3, "servers": 2, "shards": 3, "iterations": 150}
     report, _ = counter_run_killed(tmp_path, 30, lambda run: run.kill_coordinator(), **kw)
@@ -329,4 +362,4 @@ def test_killing_the_coordinator_actor_mid_run_restarts_it_and_loses_no_push(
     exact_model(report, 3, 150)
     log = (Path(report["run_dir"]) / "logs" / "coordinator.log").read_text()
     assert "cluster rebuilt from the servers' holdings" in log, log
-    assert_nothing_left()
+    own.assert_none_left()

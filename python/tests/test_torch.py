@@ -4,7 +4,6 @@ two worker processes, and the optimizer's guards hold."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,17 +12,17 @@ import torch
 
 import syncopate
 import syncopate.torch as sps
-from conftest import Cluster, ClusterFactory
+from conftest import Cluster, ClusterFactory, Procs
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch" / "train.py"
 
 
-def train(c: Cluster, mode: str, *extra: str) -> list[str]:
+def train(procs: Procs, c: Cluster, mode: str, *extra: str) -> list[str]:
     """Runs the example as both workers of cluster ``c``; returns their outputs."""
     args = ["--model", "mlp", "--mode", mode, "--train-limit", "12000", "--test-limit", "2000"]
     args += ["--epochs", "1", "--eval-every", "1000", "--threads", "1", *extra]
-    procs = [
-        subprocess.Popen(
+    workers = [
+        procs.start(
             [sys.executable, str(EXAMPLE), *args],
             env=c.env
             | {
@@ -31,14 +30,11 @@ def train(c: Cluster, mode: str, *extra: str) -> list[str]:
                 "SYNCOPATE_PART": f"{i}/2",
                 "SYNCOPATE_ITERATIONS": "1000000",
             },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
         for i in range(2)
     ]
     outs = []
-    for p in procs:
+    for p in workers:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out
         outs.append(out)
@@ -56,10 +52,15 @@ def final_accuracy(out: str) -> float:
     [("server", 0.05, 0.9, ()), ("delta", 1.0, 0.0, ("--local-lr", "0.002"))],
 )
 def test_both_modes_train_the_example(
-    cluster: ClusterFactory, mode: str, lr: float, momentum: float, extra: tuple[str, ...]
+    cluster: ClusterFactory,
+    procs: Procs,
+    mode: str,
+    lr: float,
+    momentum: float,
+    extra: tuple[str, ...],
 ) -> None:
     c = cluster(workers=2, servers=2, policy="ssp:s=2", lr=lr, momentum=momentum)
-    outs = train(c, mode, *extra)
+    outs = train(procs, c, mode, *extra)
     # 6,000 images per worker, batch 32: about 190 iterations each. Chance is 0.10.
     assert final_accuracy(outs[0]) > 0.72, outs[0]
     for out in outs:

@@ -16,7 +16,10 @@ import syncopate.ray
 
 def main() -> None:
     # The actors import the training function from the tests' folder, as this driver does.
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    ray.init(
+        _node_ip_address="127.0.0.1",  # as the tests' Ray nodes: loopback only
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}},
+    )
     run = syncopate.ray.start(
         counter,
         workers=2,
