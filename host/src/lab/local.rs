@@ -422,10 +422,12 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let every = Duration::from_millis(sc.eval_every_ms.max(50));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The scenario's failure drill: a server SIGKILLed at its time.
+    // The scenario's failure drill: a server SIGKILLed at its time, counted from when training
+    // starts (the first push a shard counts), as the scenario says and the simulator does: on a
+    // busy machine the cluster's start-up alone can take longer than `at_s`.
     let mut kill = sc.kill_server;
-    let kill_at =
-        tokio::time::sleep_until((t0 + Duration::from_secs_f64(kill.map_or(0.0, |k| k.at_s))).into());
+    let mut kill_armed = false;
+    let kill_at = tokio::time::sleep_until(t0.into());
     tokio::pin!(kill_at);
     // The coordinator's: SIGKILLed at its time, then started again like one that died.
     let mut kill_coordinator = opts.kill_coordinator_s;
@@ -458,7 +460,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 coordinator = Proc::spawn(&opts.exe, dir, &name, &restart_args(&coordinator_args, &addr), &token)?;
                 operator.reconnect();
             }
-            () = &mut kill_at, if kill.is_some() => {
+            () = &mut kill_at, if kill.is_some() && kill_armed => {
                 let k = kill.take().expect("guarded");
                 // Ids follow the order of registration, not of the processes: each wrote its own.
                 let id_of = |i: usize| std::fs::read_to_string(dir.join("logs").join(format!("server-{i}.id")));
@@ -481,6 +483,10 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64());
                 // A coordinator that died (and is not yet seen to) never answers.
                 let Ok(Ok((point, scored))) = tokio::time::timeout(WATCH_LIMIT, point).await else { continue };
+                if let Some(k) = kill.filter(|_| !kill_armed && point.iterations > 0) {
+                    kill_armed = true;
+                    kill_at.as_mut().reset((Instant::now() + Duration::from_secs_f64(k.at_s)).into());
+                }
                 if let Some(acc) = point.accuracy {
                     if best.as_ref().is_none_or(|(b, _)| acc > *b) {
                         best = Some((acc, scored));
