@@ -15,6 +15,7 @@ each round, then the median and the range.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -22,8 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import ray
+# Loopback only, as the tests run Ray: without this Ray takes the machine's external address
+# for its node (see python/tests/conftest.py). Set before ray is imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
 
 import syncopate
 import syncopate.ray
@@ -47,7 +52,7 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=2)
     args = p.parse_args()
     t = time.monotonic()
-    ray.init(num_cpus=max(args.workers, 2), include_dashboard=False)
+    ray.init(num_cpus=max(args.workers, 2), include_dashboard=False, _node_ip_address="127.0.0.1")
     print(f"ray.init (a local instance): {time.monotonic() - t:.2f} s", flush=True)
     startup: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,8 +8,8 @@ descendants: the clusters' binaries, the
 worker scripts, and Ray's raylets, actors and workers. A socket is theirs if one of their file
 descriptors is it. What is looked at (``/proc/net/{tcp,udp}{,6}`` of the run's namespace):
 
-- a TCP socket listening on an address that is not loopback (the unspecified ``0.0.0.0`` and
-  ``::`` included: they listen on every interface);
+- a TCP socket listening on an address that is not loopback (the unspecified addresses of
+  IPv4 and IPv6 included: they listen on every interface);
 - a bound UDP socket whose local address is not loopback (UDP has no listening state: a bound
   socket receives what is sent to it);
 - a TCP or UDP socket connected to a peer that is not loopback.

@@ -40,7 +40,7 @@ INSIDE = textwrap.dedent(
         p = subprocess.Popen([sys.executable, "-c", hold, *args], stdout=subprocess.PIPE, text=True)
         return p, int(p.stdout.readline())
 
-    children = []
+    children = []  # every address below is in the test's own namespace
     for args in [("tcp", "0.0.0.0"), ("udp", "0.0.0.0"), ("tcp", "127.0.0.1"),
                  ("udp", "127.0.0.1"), ("tcp", "10.77.0.1")]:
         children.append(start(*args))
@@ -90,7 +90,7 @@ def test_the_guard_reports_listeners_and_connections_outside_loopback(namespace:
     seen = sorted((proto, what, local.rsplit(":", 1)[0]) for _, proto, local, _, what in found)
     # The wildcard listener and socket, the 10.77.0.1 listener and the client connected to it
     # (the other end, never accepted, is no process's); never a socket on loopback.
-    assert seen == [
+    assert seen == [  # in the test's namespace
         ("tcp", "connected", "10.77.0.1"),
         ("tcp", "listening", "0.0.0.0"),
         ("tcp", "listening", "10.77.0.1"),
