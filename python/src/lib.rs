@@ -9,7 +9,7 @@
 //! for 3.10 and later.
 //!
 //! Every call that waits (joining, pulling, pushing, leaving) releases the GIL and is woken,
-//! not polled, when it may have to give up ([`Wake`]): on the main thread, the Python half
+//! not polled, when it may have to give up (`Wake`): on the main thread, the Python half
 //! points `signal.set_wakeup_fd` at a pipe the call watches, so the byte CPython's signal
 //! handler writes there wakes the call at once and it runs the Python handlers (Ctrl-C's
 //! `KeyboardInterrupt`), however busy the machine is; on any thread, `Worker.leave` cancels
