@@ -436,7 +436,10 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     tokio::pin!(kill_coordinator_at);
     let mut coordinator_restarts: Vec<f64> = Vec::new();
     while ended.len() < worker_names.len() {
+        // Biased: a coordinator's death is seen before the next look at the cluster, which it
+        // would never answer.
         tokio::select! {
+            biased;
             Some((w, status)) = done_rx.recv() => ended.push((w, status.map_err(io("waiting for a worker"))?)),
             () = &mut kill_coordinator_at, if kill_coordinator.is_some() => {
                 kill_coordinator = None;
@@ -481,8 +484,14 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
             }
             _ = tick.tick() => {
                 let point = watch(&operator, evaluator.as_deref(), t0.elapsed().as_secs_f64());
-                // A coordinator that died (and is not yet seen to) never answers.
-                let Ok(Ok((point, scored))) = tokio::time::timeout(WATCH_LIMIT, point).await else { continue };
+                // A coordinator that dies meanwhile never answers: the look ends with it, and the
+                // loop starts it again at once (on a busy machine, waiting out the limit twice
+                // kept it away 20 s, past the servers' leases). `wait` keeps the status for that.
+                let looked = tokio::select! {
+                    looked = tokio::time::timeout(WATCH_LIMIT, point) => looked,
+                    _ = coordinator.child.wait() => continue,
+                };
+                let Ok(Ok((point, scored))) = looked else { continue };
                 if let Some(k) = kill.filter(|_| !kill_armed && point.iterations > 0) {
                     kill_armed = true;
                     kill_at.as_mut().reset((Instant::now() + Duration::from_secs_f64(k.at_s)).into());
