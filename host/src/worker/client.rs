@@ -212,7 +212,7 @@ impl WorkerClient {
             // No backup to move to: a lost server is an error, and the request needs no watch.
             return f(&self.servers[self.route.server(shard) as usize]).await;
         }
-        let deadline = tokio::time::Instant::now() + MOVE_WAIT;
+        let mut deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
             let server = self.route.server(shard);
             let conn = &self.servers[server as usize];
@@ -236,9 +236,13 @@ impl WorkerClient {
             let until = deadline.min(tokio::time::Instant::now() + pause);
             if tokio::time::timeout_at(until, wait).await.is_err() {
                 // While the coordinator is away (restarting), servers refuse for want of a
-                // lease: that lasts until it is back or gone.
-                let away = matches!(*self.coordinator.borrow(), CoordinatorLink::Away);
-                if tokio::time::Instant::now() >= deadline && !away {
+                // lease: that lasts until it is back or gone, and the wait for the server
+                // counts from its return (a server renews its lease with the new coordinator
+                // after the workers may have rejoined it: on a busy machine, a wait counted
+                // from the request's start had run out by then).
+                if matches!(*self.coordinator.borrow(), CoordinatorLink::Away) {
+                    deadline = tokio::time::Instant::now() + MOVE_WAIT;
+                } else if tokio::time::Instant::now() >= deadline {
                     return Err(lost);
                 }
                 continue;
