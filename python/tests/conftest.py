@@ -39,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # tests start, Ray's included, inherits it. The Ray tests also start their nodes with
 # node_ip_address 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray runs its worker processes, the actors among them, at niceness 15: beside anything else
+# busy on the machine (scripts/test-under-load.sh's hog) they would hardly run. At 0 they
+# compete as every other process of the tests does.
+os.environ["RAY_worker_niceness"] = "0"
 
 
 def binary() -> Path:
