@@ -82,6 +82,11 @@ def wait_for(what: str, ok: Callable[[], bool], p: subprocess.Popen[str], within
         time.sleep(0.05)
 
 
+def asleep(pid: int) -> bool:
+    """Whether process ``pid``'s main thread is sleeping (blocked, not runnable)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+
+
 def shard_stats(c: Cluster) -> dict[str, int]:
     """The first shard's counters, from the coordinator's status."""
     return syncopate.status(c.cluster_file)["servers"][0]["shards"][0]["stats"]
@@ -113,6 +118,9 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
         wait_for("deferred pull", lambda: shard_stats(c)["pulls_deferred"] >= 1, p, 60)
     else:
         c.servers[0].send_signal(signal.SIGSTOP)
+        # Printing done, the script's main thread next sleeps in the push's wait (no server
+        # answers): a signal sent before that would land in the printing, not in the push.
+        wait_for("push", lambda: asleep(p.pid), p, 60)
     method = "__init__" if call == "join" else call
     try:
         p.send_signal(signal.SIGINT)
