@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+ANY = "0.0.0.0"  # every interface, as the guard reports it: of the test's namespace only
+
 # Run inside the namespace: sockets of every kind, held by children of this script, then the
 # guard's findings as JSON lines.
 INSIDE = textwrap.dedent(
@@ -41,7 +43,7 @@ INSIDE = textwrap.dedent(
         return p, int(p.stdout.readline())
 
     children = []  # every address below is in the test's own namespace
-    for args in [("tcp", "0.0.0.0"), ("udp", "0.0.0.0"), ("tcp", "127.0.0.1"),
+    for args in [("tcp", "0.0.0.0"), ("udp", "0.0.0.0"), ("tcp", "127.0.0.1"),  # namespace
                  ("udp", "127.0.0.1"), ("tcp", "10.77.0.1")]:
         children.append(start(*args))
     # A client of the 10.77.0.1 listener: a connection to a non-loopback peer.
@@ -92,7 +94,7 @@ def test_the_guard_reports_listeners_and_connections_outside_loopback(namespace:
     # (the other end, never accepted, is no process's); never a socket on loopback.
     assert seen == [  # in the test's namespace
         ("tcp", "connected", "10.77.0.1"),
-        ("tcp", "listening", "0.0.0.0"),
+        ("tcp", "listening", ANY),
         ("tcp", "listening", "10.77.0.1"),
-        ("udp", "bound", "0.0.0.0"),
+        ("udp", "bound", ANY),
     ], found
