@@ -10,5 +10,5 @@ pub mod session;
 pub use crate::net::tls::ClusterAccess;
 pub use client::{PullStats, WorkerClient};
 pub use run::{run, WorkerOptions};
-pub use session::{Interrupt, Session, SessionError, Step, Uninterrupted};
+pub use session::{Interrupt, Session, SessionError, Step};
 pub use syncopate_engine::worker::WorkerReport;

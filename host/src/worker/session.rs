@@ -49,20 +49,6 @@ pub trait Interrupt {
     fn stop(&mut self) -> bool;
 }
 
-/// An [`Interrupt`] that never interrupts: the call runs to its end.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Uninterrupted;
-
-impl Interrupt for Uninterrupted {
-    fn woken(&mut self) -> LocalBoxFuture<'_, ()> {
-        std::future::pending().boxed_local()
-    }
-
-    fn stop(&mut self) -> bool {
-        false
-    }
-}
-
 /// Runs `work` unless `interrupt` stops it first.
 async fn unless_stopped<T>(
     work: impl std::future::Future<Output = Result<T, SessionError>>,
