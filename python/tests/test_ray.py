@@ -6,6 +6,7 @@ nothing is mocked."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -149,8 +150,12 @@ def test_a_counter_run_on_ray_applies_every_push_once_and_leaves_nothing_running
         config={"pace_s": 0.01},
         run_dir=tmp_path / "run",
         timeout_s=120,
+        host=LOOPBACK,
         **EXACT,
     )
+    # The roles listened where `host` said.
+    cluster = json.loads((tmp_path / "run" / "cluster.json").read_text())
+    assert cluster["coordinator"].startswith(f"{LOOPBACK}:"), cluster
     assert [r["iterations"] for r in report["results"]] == [40, 40, 40]
     assert [w["iterations"] for w in report["workers"]] == [40, 40, 40]
     exact_model(report, 3, 40)
