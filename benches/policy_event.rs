@@ -8,6 +8,9 @@
 //! `hot_swap/*`: replace a shard's policy (state exported, new instance created from it, start-up
 //! decisions applied) from an already compiled module, and from precompiled bytes.
 //!
+//! `fuel_exhausted/default_budget`: a call that loops for ever, stopped when the default fuel
+//! budget runs out: what that budget is in time here.
+//!
 //! `shard_push/<size>`: what a server does with a push once the whole gradient has arrived and
 //! before it acknowledges it: the finite check, the policy's event (ASP, as wasm) and the SGD
 //! step with the default momentum. The gradient buffer comes back for the next push, as the
@@ -17,12 +20,12 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use syncopate::runtime::{PolicyInstance, PolicyModule};
+use syncopate::runtime::{PolicyError, PolicyInstance, PolicyModule, PolicyRuntime, DEFAULT_CALL_FUEL};
 use syncopate::shard::{PullReply, PushRequest, Shard, ShardConfig, ShardSink};
 use syncopate_policy_sdk::abi::{Decision, Envelope, Event, InitArgs, Pull, ShardView};
 use syncopate_policy_sdk::guest::{Encoder, Guest};
 use syncopate_policy_sdk::Policy;
-use syncopate_suite::{builtin_module, config, runtime, Recorder};
+use syncopate_suite::{builtin_module, config, hostile_wasm, runtime, Recorder};
 
 fn envelope(i: u64) -> Envelope {
     Envelope {
@@ -200,12 +203,32 @@ fn shard_push(c: &mut Criterion) {
     group.finish();
 }
 
+/// How long a call that loops for ever runs before the default fuel budget
+/// ([`DEFAULT_CALL_FUEL`]) stops it: what the budget means in time on this machine.
+fn fuel_exhausted(c: &mut Criterion) {
+    let mut group = c.benchmark_group("fuel_exhausted");
+    group.sample_size(10);
+    let rt = PolicyRuntime::new().expect("wasm engine");
+    let module = rt.compile("hostile.wasm", &hostile_wasm()).expect("compiles");
+    let cfg = [("mode", "pull:loop"), ("after", "0")];
+    group.bench_function("default_budget", |b| {
+        b.iter(|| {
+            // A fresh instance each time, as the shard restarts one that failed (this one's
+            // state is left mid-call); starting it costs microseconds.
+            let (mut instance, _) = PolicyInstance::new(&module, &init_args(&cfg)).expect("starts");
+            let e = instance.on_event(&envelope(1)).expect_err("loops until its fuel runs out");
+            assert!(matches!(e, PolicyError::OutOfFuel { fuel: DEFAULT_CALL_FUEL, .. }), "{e}");
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(40);
-    targets = event_round_trip, hot_swap, shard_push
+    targets = event_round_trip, hot_swap, shard_push, fuel_exhausted
 }
 criterion_main!(benches);

@@ -8,11 +8,13 @@
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
 //! - [`checkpoint`]: rounds of shard snapshots on disk, written crash-safely, for `--resume`;
 //! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
-//! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time;
+//! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time,
+//!   and policy references (`ssp:s=3`, `my.wasm:k=v`) as the command line writes them;
 //! - [`authoring`]: `policy new` and `policy build` for policy authors;
 //! - [`cli`]: the `syncopate` command.
 
 pub mod authoring;
+pub mod builtin;
 pub mod checkpoint;
 pub mod cli;
 pub mod coordinator;
@@ -24,4 +26,4 @@ pub mod server;
 pub mod worker;
 
 pub use node::{ErrorKind, NodeError};
-pub use syncopate_engine::{builtin, recording, replay, runtime, shard, tasks};
+pub use syncopate_engine::{recording, replay, runtime, shard, tasks};

@@ -15,18 +15,19 @@ pub fn hostile_wasm() -> Vec<u8> {
         .expect("the hostile policy module was built by tests/build.rs")
 }
 
-/// A runtime shared by the tests, with a short deadline and a small memory cap so hostile
+/// A runtime shared by the tests, with a small fuel budget and a small memory cap so hostile
 /// modules are stopped quickly.
 pub fn runtime() -> &'static PolicyRuntime {
     static RT: OnceLock<PolicyRuntime> = OnceLock::new();
     RT.get_or_init(|| {
-        PolicyRuntime::with_limits(SandboxLimits {
-            max_memory_bytes: 16 << 20,
-            call_deadline: std::time::Duration::from_millis(50),
-        })
-        .expect("wasm engine")
+        PolicyRuntime::with_limits(SandboxLimits { max_memory_bytes: 16 << 20, call_fuel: TEST_CALL_FUEL })
+            .expect("wasm engine")
     })
 }
+
+/// The fuel budget of a call under [`runtime`]: a tenth of the default, still a thousand times
+/// what a built-in policy's event burns.
+pub const TEST_CALL_FUEL: u64 = 10_000_000;
 
 /// A built-in policy module, compiled once per test process.
 pub fn builtin_module(name: &str) -> PolicyModule {

@@ -59,13 +59,14 @@ pub enum PolicyError {
         /// Its reason.
         reason: String,
     },
-    /// A call ran past its CPU deadline.
-    #[error("{policy}: ran past its {deadline_ms} ms CPU deadline while handling {event}")]
-    Deadline {
+    /// A call burned its whole fuel budget ([`super::SandboxLimits::call_fuel`]): it looped,
+    /// or did far more work than a policy should for one event.
+    #[error("{policy}: used up its budget of {fuel} fuel units (about one per wasm instruction) while handling {event}")]
+    OutOfFuel {
         /// The policy.
         policy: String,
-        /// The deadline.
-        deadline_ms: u64,
+        /// The budget.
+        fuel: u64,
         /// The event being handled.
         event: String,
     },
@@ -111,7 +112,7 @@ pub enum PolicyError {
         /// What was wrong.
         detail: String,
     },
-    /// The host itself failed (engine creation, a thread).
+    /// The host itself failed (engine creation).
     #[error("policy runtime: {0}")]
     Host(String),
 }

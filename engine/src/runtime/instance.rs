@@ -4,21 +4,16 @@ use std::ops::Range;
 use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo, ENVELOPE_LEN};
 use syncopate_policy_sdk::guest::Encoder;
 
-use wasmtime::{
-    Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, UpdateDeadline, WasmParams, WasmResults,
-};
+use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
 use super::module::root_cause;
 use super::{PolicyError, PolicyModule, PolicyRuntime};
 
-/// Store data: the memory cap, and whether the instance hit it; the CPU-time mark of the call
-/// under way (see [`new_store`]).
+/// Store data: the memory cap, and whether the instance hit it.
 #[derive(Debug)]
 pub(crate) struct Sandbox {
     cap: usize,
     denied: Option<usize>,
-    /// The thread's CPU time when the current call first reached its wall-clock deadline.
-    cpu_mark: Option<std::time::Duration>,
 }
 
 impl ResourceLimiter for Sandbox {
@@ -59,7 +54,7 @@ pub struct PolicyInstance {
     buf_ptr: u32,
     buf_cap: u32,
     enc: Encoder,
-    deadline_ticks: u64,
+    fuel: u64,
 }
 
 impl std::fmt::Debug for PolicyInstance {
@@ -122,7 +117,7 @@ impl PolicyInstance {
             buf_ptr: 0,
             buf_cap: 0,
             enc: Encoder::new(),
-            deadline_ticks: module.inner.runtime.deadline_ticks(),
+            fuel: module.inner.runtime.limits().call_fuel,
         })
     }
 
@@ -152,8 +147,7 @@ impl PolicyInstance {
         self.write_envelope(&env.to_bytes())?;
         // Called in place rather than through `call`: cloning the `TypedFunc` to satisfy the
         // borrow checker costs two reference-count round trips per event.
-        self.store.set_epoch_deadline(self.deadline_ticks);
-        self.store.data_mut().cpu_mark = None;
+        self.refuel(self.fuel);
         let packed = match self.event.call(&mut self.store, ENVELOPE_LEN as u32) {
             Ok(packed) => packed,
             Err(e) => return Err(self.classify(&e, describe(env))),
@@ -227,8 +221,7 @@ impl PolicyInstance {
         args: P,
         event: impl Fn() -> String,
     ) -> Result<R, PolicyError> {
-        self.store.set_epoch_deadline(self.deadline_ticks);
-        self.store.data_mut().cpu_mark = None;
+        self.refuel(self.fuel);
         match f.call(&mut self.store, args) {
             Ok(r) => Ok(r),
             Err(e) => Err(self.classify(&e, event())),
@@ -242,11 +235,7 @@ impl PolicyInstance {
             return PolicyError::MemoryCap { policy, wanted, cap, event };
         }
         match e.downcast_ref::<Trap>() {
-            Some(Trap::Interrupt) => PolicyError::Deadline {
-                policy,
-                deadline_ms: self.module.inner.runtime.limits().call_deadline.as_millis() as u64,
-                event,
-            },
+            Some(Trap::OutOfFuel) => PolicyError::OutOfFuel { policy, fuel: self.fuel, event },
             Some(Trap::UnreachableCodeReached) => match self.panic_message() {
                 Some(message) => PolicyError::Panic { policy, event, message },
                 None => {
@@ -258,10 +247,15 @@ impl PolicyInstance {
         }
     }
 
-    /// The guest's panic message, read from a poisoned instance under a short deadline.
+    /// Gives the next call `fuel` to burn.
+    fn refuel(&mut self, fuel: u64) {
+        // Cannot fail: fuel is enabled on every runtime's engine.
+        let _ = self.store.set_fuel(fuel);
+    }
+
+    /// The guest's panic message, read from a poisoned instance on a small budget.
     fn panic_message(&mut self) -> Option<String> {
-        self.store.set_epoch_deadline(2);
-        self.store.data_mut().cpu_mark = None;
+        self.refuel(PANIC_MESSAGE_FUEL);
         let packed = self.last_panic.call(&mut self.store, ()).ok()?;
         let (ptr, len) = abi::unpack_ptr_len(packed);
         let bytes = self.memory.data(&self.store).get(ptr as usize..ptr as usize + len as usize)?;
@@ -291,43 +285,17 @@ fn copy_in(
     }
 }
 
-/// A store whose calls are interrupted once they have used the call deadline in CPU time.
-///
-/// The epoch ticker counts wall-clock time, which also passes while the thread waits for a
-/// core: on a loaded machine a policy's 50 µs call, descheduled for a while, would be cut off
-/// as if it looped. So when a call reaches its deadline in wall-clock time, the store reads the
-/// thread's CPU clock and lets it go on until it has used the deadline again in CPU time from
-/// there. A call is therefore interrupted after between one and two deadlines of CPU time,
-/// never for waiting, and the per-event path reads no clock.
+/// Fuel for reading a panic message: a copy of a short string, with room to spare.
+const PANIC_MESSAGE_FUEL: u64 = 1_000_000;
+
+/// A store under the runtime's memory cap. Each call is given its fuel right before it starts.
 fn new_store(rt: &PolicyRuntime) -> Store<Sandbox> {
-    let sandbox = Sandbox { cap: rt.limits().max_memory_bytes, denied: None, cpu_mark: None };
+    let sandbox = Sandbox { cap: rt.limits().max_memory_bytes, denied: None };
     let mut store = Store::new(rt.engine(), sandbox);
     store.limiter(|s| s as &mut dyn ResourceLimiter);
-    let (budget, tick) = (rt.limits().call_deadline, rt.tick());
-    store.epoch_deadline_callback(move |mut ctx| {
-        let now = thread_cpu_time();
-        let mark = *ctx.data_mut().cpu_mark.get_or_insert(now);
-        let used = now.saturating_sub(mark);
-        if used >= budget {
-            return Ok(UpdateDeadline::Interrupt);
-        }
-        let left = (budget - used).as_micros() as u64;
-        Ok(UpdateDeadline::Continue(left.div_ceil(tick.as_micros().max(1) as u64).max(1)))
-    });
-    store.set_epoch_deadline(rt.deadline_ticks());
+    // Instantiation runs the module's start function and data initialisers: one call's worth.
+    let _ = store.set_fuel(rt.limits().call_fuel);
     store
-}
-
-/// CPU time the calling thread has used.
-fn thread_cpu_time() -> std::time::Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID needs nothing else.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        // Cannot happen on Linux; without the clock, the deadline counts from now.
-        return std::time::Duration::ZERO;
-    }
-    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 fn typed<P: WasmParams, R: WasmResults>(

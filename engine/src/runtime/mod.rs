@@ -1,11 +1,12 @@
 //! The policy runtime: loads policy modules into wasmtime and runs them sandboxed.
 //!
-//! - [`PolicyRuntime`] owns the wasmtime engine, the sandbox limits and the epoch ticker that
-//!   enforces each call's CPU deadline.
+//! - [`PolicyRuntime`] owns the wasmtime engine and the sandbox limits: a memory cap and a fuel
+//!   budget per call. Both are deterministic: the same module given the same event makes the
+//!   same decision, or fails the same way, on a primary, its backup and in the simulator.
 //! - [`PolicyModule`] is a validated, compiled module: ABI marker checked, no imports, every
 //!   required export present with the right type, its [`ModuleInfo`] read.
 //! - [`PolicyInstance`] is one running instance (one per shard): encode an event, copy it into the
-//!   guest buffer, call, copy the decisions out. Traps, deadline overruns, memory-cap hits and
+//!   guest buffer, call, copy the decisions out. Traps, fuel exhaustion, memory-cap hits and
 //!   panics come back as [`PolicyError`]s naming the module and the event.
 //!
 //! Compiling is CPU-heavy (tens of milliseconds): do it before the hot path, or on a thread of its
@@ -21,34 +22,32 @@ pub use instance::PolicyInstance;
 pub use module::PolicyModule;
 pub use syncopate_policy_sdk::abi::ModuleInfo;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Limits every policy instance runs under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SandboxLimits {
     /// Largest linear memory an instance may have, in bytes.
     pub max_memory_bytes: usize,
-    /// CPU time one call (one event) may take before it is interrupted: it is interrupted
-    /// once it has used between one and two times this, and never for time spent waiting for
-    /// a core (see `new_store` in `instance.rs`).
-    pub call_deadline: Duration,
+    /// Fuel one call (one event, or the start, hand-over or export of a policy) may burn before
+    /// it is stopped: wasmtime charges about one unit per wasm instruction executed.
+    ///
+    /// Fuel, not time, so that the limit is deterministic: a call that runs out does so at the
+    /// same instruction wherever it runs, and a primary and its backup, fed the same ops, fail
+    /// (and fall back) together. A clock-based deadline could trap on one and not the other.
+    /// The default, a billion, lets a tight loop run for about 65 ms on our 2-core machine
+    /// (the `fuel_exhausted` benchmark in `benches/policy_event.rs`); a built-in policy's event
+    /// burns a few hundred to a few thousand.
+    pub call_fuel: u64,
 }
+
+/// The default fuel budget of one call.
+pub const DEFAULT_CALL_FUEL: u64 = 1_000_000_000;
 
 impl Default for SandboxLimits {
     fn default() -> Self {
-        SandboxLimits { max_memory_bytes: 64 << 20, call_deadline: Duration::from_millis(100) }
+        SandboxLimits { max_memory_bytes: 64 << 20, call_fuel: DEFAULT_CALL_FUEL }
     }
-}
-
-/// How often the epoch ticker advances: a tenth of the call deadline, between 1 and 10 ms. A
-/// call's deadline is a whole number of ticks, so it is enforced to within one tick (10%); the
-/// default 100 ms deadline ticks every 10 ms. Each tick wakes a thread, which on a small
-/// machine is CPU taken from the transfers (1 ms ticks cost each process about 0.5% of a
-/// 2-core machine's time during a transport benchmark).
-fn epoch_tick(limits: &SandboxLimits) -> Duration {
-    (limits.call_deadline / 10).clamp(Duration::from_millis(1), Duration::from_millis(10))
 }
 
 /// The wasmtime engine, configured for policy modules, plus the sandbox limits.
@@ -60,7 +59,6 @@ pub struct PolicyRuntime {
     /// module again (every run of `syncopate ab --simulate`, each server's copy of a swap)
     /// skips the compiler, which costs tens of milliseconds.
     compiled: Arc<std::sync::Mutex<Vec<Compiled>>>,
-    _ticker: Arc<Ticker>,
 }
 
 /// A module's SHA-256 and its compiled code.
@@ -68,17 +66,6 @@ type Compiled = ([u8; 32], wasmtime::Module);
 
 /// How many compiled modules a runtime keeps (the oldest goes first).
 const COMPILED_KEPT: usize = 16;
-
-#[derive(Debug)]
-struct Ticker {
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for Ticker {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
 
 impl PolicyRuntime {
     /// A runtime with default limits.
@@ -89,45 +76,15 @@ impl PolicyRuntime {
     /// A runtime with the given limits.
     pub fn with_limits(limits: SandboxLimits) -> Result<Self, PolicyError> {
         let mut config = wasmtime::Config::new();
-        config
-            .epoch_interruption(true)
-            .cranelift_opt_level(wasmtime::OptLevel::Speed)
-            .max_wasm_stack(1 << 20);
+        config.consume_fuel(true).cranelift_opt_level(wasmtime::OptLevel::Speed).max_wasm_stack(1 << 20);
         let engine = wasmtime::Engine::new(&config)
             .map_err(|e| PolicyError::Host(format!("cannot create the wasm engine: {e}")))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let weak = engine.weak();
-        let flag = Arc::clone(&stop);
-        let tick = epoch_tick(&limits);
-        std::thread::Builder::new()
-            .name("policy-epoch".into())
-            .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    std::thread::sleep(tick);
-                    match weak.upgrade() {
-                        Some(engine) => engine.increment_epoch(),
-                        None => break,
-                    }
-                }
-            })
-            .map_err(|e| PolicyError::Host(format!("cannot start the epoch ticker: {e}")))?;
-        Ok(PolicyRuntime { engine, limits, compiled: Arc::default(), _ticker: Arc::new(Ticker { stop }) })
+        Ok(PolicyRuntime { engine, limits, compiled: Arc::default() })
     }
 
     /// The limits instances run under.
     pub fn limits(&self) -> SandboxLimits {
         self.limits
-    }
-
-    /// How often the epoch ticker advances.
-    pub(crate) fn tick(&self) -> Duration {
-        epoch_tick(&self.limits)
-    }
-
-    /// Deadline in epoch ticks for one call.
-    pub(crate) fn deadline_ticks(&self) -> u64 {
-        let tick = self.tick().as_micros() as u64;
-        (self.limits.call_deadline.as_micros() as u64 / tick).max(1) + 1
     }
 
     pub(crate) fn engine(&self) -> &wasmtime::Engine {
@@ -163,15 +120,5 @@ impl PolicyRuntime {
     /// Validates and compiles a module. `label` names it in errors (a file name, say).
     pub fn compile(&self, label: &str, wasm: &[u8]) -> Result<PolicyModule, PolicyError> {
         PolicyModule::compile(self, label, wasm)
-    }
-
-    /// Reads and compiles a module file.
-    pub fn load_file(&self, path: &std::path::Path) -> Result<PolicyModule, PolicyError> {
-        let label = path.display().to_string();
-        let wasm = std::fs::read(path).map_err(|e| PolicyError::Invalid {
-            label: label.clone(),
-            reason: format!("cannot read the file: {e}"),
-        })?;
-        self.compile(&label, &wasm)
     }
 }
