@@ -291,7 +291,7 @@ fn print_replay(r: &crate::replay::Report) {
 /// `policy check`: validates the module, starts it, exercises it, and prints what it is.
 fn check(rt: &PolicyRuntime, file: &std::path::Path, config: &[String]) -> anyhow::Result<()> {
     let label = file.display().to_string();
-    let wasm = std::fs::read(file).with_context(|| format!("cannot read {label}"))?;
+    let wasm = std::fs::read(file).with_context(|| format!("{label}: cannot read the file"))?;
     let module = rt.compile(&label, &wasm)?;
     let spec: PolicySpec = format!("x:{}", config.join(",")).parse()?;
     let args = InitArgs {
