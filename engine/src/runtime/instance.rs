@@ -1,44 +1,13 @@
 //! One sandboxed policy instance: the per-event call path and its failure classification.
 
 use std::ops::Range;
-use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ModuleInfo, ENVELOPE_LEN};
+use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ENVELOPE_LEN};
 use syncopate_policy_sdk::guest::Encoder;
 
-use wasmtime::{Instance, Memory, ResourceLimiter, Store, Trap, TypedFunc, WasmParams, WasmResults};
+use wasmtime::{Memory, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
-use super::module::root_cause;
-use super::{PolicyError, PolicyModule, PolicyRuntime};
-
-/// Store data: the memory cap, and whether the instance hit it.
-#[derive(Debug)]
-pub(crate) struct Sandbox {
-    cap: usize,
-    denied: Option<usize>,
-}
-
-impl ResourceLimiter for Sandbox {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        if desired > self.cap {
-            self.denied = Some(desired);
-            return Err(wasmtime::Error::msg("policy memory cap exceeded"));
-        }
-        Ok(true)
-    }
-
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        Ok(desired <= 10_000)
-    }
-}
+use super::sandbox::{new_store, root_cause, typed, Sandbox};
+use super::{PolicyError, PolicyModule};
 
 /// A running policy instance. One per shard; not shared between threads while in use.
 pub struct PolicyInstance {
@@ -288,27 +257,6 @@ fn copy_in(
 /// Fuel for reading a panic message: a copy of a short string, with room to spare.
 const PANIC_MESSAGE_FUEL: u64 = 1_000_000;
 
-/// A store under the runtime's memory cap. Each call is given its fuel right before it starts.
-fn new_store(rt: &PolicyRuntime) -> Store<Sandbox> {
-    let sandbox = Sandbox { cap: rt.limits().max_memory_bytes, denied: None };
-    let mut store = Store::new(rt.engine(), sandbox);
-    store.limiter(|s| s as &mut dyn ResourceLimiter);
-    // Instantiation runs the module's start function and data initialisers: one call's worth.
-    let _ = store.set_fuel(rt.limits().call_fuel);
-    store
-}
-
-fn typed<P: WasmParams, R: WasmResults>(
-    instance: &Instance,
-    store: &mut Store<Sandbox>,
-    name: &str,
-    export: &str,
-) -> Result<TypedFunc<P, R>, PolicyError> {
-    instance
-        .get_typed_func::<P, R>(&mut *store, export)
-        .map_err(|e| PolicyError::Host(format!("{name}: export `{export}`: {e}")))
-}
-
 fn instantiate_error(module: &PolicyModule, store: &Store<Sandbox>, e: &wasmtime::Error) -> PolicyError {
     let policy = module.display_name().to_owned();
     if let Some(wanted) = store.data().denied {
@@ -320,33 +268,6 @@ fn instantiate_error(module: &PolicyModule, store: &Store<Sandbox>, e: &wasmtime
         };
     }
     PolicyError::Trap { policy, event: "instantiation".into(), detail: root_cause(e) }
-}
-
-/// Reads a module's [`ModuleInfo`] from a throwaway instance.
-pub(crate) fn read_info(
-    rt: &PolicyRuntime,
-    label: &str,
-    pre: &wasmtime::InstancePre<Sandbox>,
-) -> Result<ModuleInfo, PolicyError> {
-    let mut store = new_store(rt);
-    let fail = |detail: String| PolicyError::Invalid { label: label.into(), reason: detail };
-    let instance = pre.instantiate(&mut store).map_err(|e| {
-        if store.data().denied.is_some() {
-            fail(format!("its initial memory exceeds the {} byte cap", rt.limits().max_memory_bytes))
-        } else {
-            fail(format!("cannot instantiate: {}", root_cause(&e)))
-        }
-    })?;
-    let info: TypedFunc<(), i64> = typed(&instance, &mut store, label, exports::INFO)?;
-    let packed =
-        info.call(&mut store, ()).map_err(|e| fail(format!("`sp_info` failed: {}", root_cause(&e))))?;
-    let (ptr, len) = abi::unpack_ptr_len(packed);
-    let memory = instance.get_memory(&mut store, exports::MEMORY).ok_or_else(|| fail("no memory".into()))?;
-    let bytes = memory
-        .data(&store)
-        .get(ptr as usize..ptr as usize + len as usize)
-        .ok_or_else(|| fail("`sp_info` returned a buffer outside its memory".into()))?;
-    postcard::from_bytes(bytes).map_err(|e| fail(format!("`sp_info` returned undecodable info: {e}")))
 }
 
 /// A short description of an event for error messages (only built on the error path).

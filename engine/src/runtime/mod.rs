@@ -15,6 +15,7 @@
 mod error;
 mod instance;
 mod module;
+mod sandbox;
 
 pub use error::PolicyError;
 pub(crate) use instance::describe as describe_event;

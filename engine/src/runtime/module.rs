@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use syncopate_policy_sdk::abi::{self, exports, ModuleInfo};
-use wasmtime::{ExternType, FuncType, Module, ValType};
+use wasmtime::{ExternType, FuncType, Module, TypedFunc, ValType};
 
-use super::instance::Sandbox;
+use super::sandbox::{new_store, root_cause, typed, Sandbox};
 use super::{PolicyError, PolicyRuntime};
 
 /// A policy module that passed validation and compiled. Cheap to clone; instantiate it with
@@ -105,7 +105,7 @@ impl PolicyModule {
         let pre = linker
             .instantiate_pre(&module)
             .map_err(|e| PolicyError::Invalid { label: label.into(), reason: root_cause(&e) })?;
-        let info = super::instance::read_info(rt, label, &pre)?;
+        let info = read_info(rt, label, &pre)?;
         if info.name.is_empty() {
             return Err(PolicyError::Invalid {
                 label: label.into(),
@@ -197,18 +197,33 @@ fn signature_is(f: &FuncType, params: &[ValType], results: &[ValType]) -> bool {
     same(&mut f.params(), params) && same(&mut f.results(), results)
 }
 
-/// The error and its innermost cause, on one line.
-pub(crate) fn root_cause(e: &wasmtime::Error) -> String {
-    let mut msg = e.to_string();
-    if let Some(src) = e.chain().last() {
-        let src = src.to_string();
-        if src != msg {
-            msg = format!("{msg}: {src}");
-        }
-    }
-    msg.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Reads a module's [`ModuleInfo`] from a throwaway instance.
+pub(crate) fn read_info(
+    rt: &PolicyRuntime,
+    label: &str,
+    pre: &wasmtime::InstancePre<Sandbox>,
+) -> Result<ModuleInfo, PolicyError> {
+    let mut store = new_store(rt);
+    let fail = |detail: String| PolicyError::Invalid { label: label.into(), reason: detail };
+    let instance = pre.instantiate(&mut store).map_err(|e| {
+        if store.data().denied.is_some() {
+            fail(format!("its initial memory exceeds the {} byte cap", rt.limits().max_memory_bytes))
+        } else {
+            fail(format!("cannot instantiate: {}", root_cause(&e)))
+        }
+    })?;
+    let info: TypedFunc<(), i64> = typed(&instance, &mut store, label, exports::INFO)?;
+    let packed =
+        info.call(&mut store, ()).map_err(|e| fail(format!("`sp_info` failed: {}", root_cause(&e))))?;
+    let (ptr, len) = abi::unpack_ptr_len(packed);
+    let memory = instance.get_memory(&mut store, exports::MEMORY).ok_or_else(|| fail("no memory".into()))?;
+    let bytes = memory
+        .data(&store)
+        .get(ptr as usize..ptr as usize + len as usize)
+        .ok_or_else(|| fail("`sp_info` returned a buffer outside its memory".into()))?;
+    postcard::from_bytes(bytes).map_err(|e| fail(format!("`sp_info` returned undecodable info: {e}")))
 }

@@ -431,7 +431,7 @@ fn accuracy_band(runs: &[&RunReport], step: f64) -> (Vec<(f64, f64)>, Vec<Band>)
 /// A dot plot of figure `key` (times `scale`): every run a dot, each policy's median a bar and
 /// its confidence interval a whisker.
 fn dots(c: &Comparison, path: &Path, title: &str, y_desc: &str, key: &str, scale: f64) -> PlotResult<()> {
-    let figure = crate::lab::ab::FIGURES.iter().find(|f| f.key == key).expect("a known figure");
+    let figure = crate::lab::report::FIGURES.iter().find(|f| f.key == key).expect("a known figure");
     let values: Vec<(usize, f64)> = c
         .rows
         .iter()

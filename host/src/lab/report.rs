@@ -344,7 +344,7 @@ pub struct PolicySummary {
     pub policy: String,
     /// Its runs' seeds.
     pub seeds: Vec<u64>,
-    /// `(figure, estimate)` for every figure the runs have ([`crate::lab::ab::FIGURES`] keys).
+    /// `(figure, estimate)` for every figure the runs have ([`FIGURES`] keys).
     pub figures: Vec<(String, Estimate)>,
 }
 
@@ -362,7 +362,7 @@ pub struct Verdict {
     pub policy: String,
     /// The baseline.
     pub baseline: String,
-    /// The figure ([`crate::lab::ab::FIGURES`] key).
+    /// The figure ([`FIGURES`] key).
     pub figure: String,
     /// The policy's median over the baseline's (`None` where either is infinite or zero).
     pub ratio: Option<f64>,
@@ -409,6 +409,122 @@ impl AbRow {
             mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
             tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
             run_dir,
+        }
+    }
+}
+
+/// One figure of a comparison: how to read it from a run's row and which way is better.
+#[derive(Clone, Copy, Debug)]
+pub struct Figure {
+    /// Its key in `comparison.json`.
+    pub key: &'static str,
+    /// Its column heading.
+    pub label: &'static str,
+    /// Whether lower values are better (`None`: neither is, e.g. bytes moved).
+    pub lower_is_better: Option<bool>,
+    /// Words for a significantly lower and a significantly higher value.
+    pub words: (&'static str, &'static str),
+    /// Its value in a run (`None`: the run does not have it; infinity: the target not reached).
+    pub get: fn(&AbRow) -> Option<f64>,
+    /// How to print a value.
+    pub unit: Unit,
+}
+
+/// How a figure prints.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Unit {
+    /// Seconds, one decimal.
+    Seconds,
+    /// A 0-1 share as a percentage, one decimal.
+    Percent,
+    /// A plain number with this many decimals.
+    Plain(usize),
+}
+
+/// Every figure `ab` reports, in table order.
+pub const FIGURES: &[Figure] = &[
+    Figure {
+        key: "time_to_target_s",
+        label: "time to target",
+        lower_is_better: Some(true),
+        words: ("sooner", "later"),
+        get: |r| Some(r.time_to_target_s.unwrap_or(f64::INFINITY)),
+        unit: Unit::Seconds,
+    },
+    Figure {
+        key: "best_accuracy",
+        label: "best acc",
+        lower_is_better: Some(false),
+        words: ("less accurate", "more accurate"),
+        get: |r| r.best_accuracy.map(f64::from),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "final_accuracy",
+        label: "final acc",
+        lower_is_better: Some(false),
+        words: ("less accurate", "more accurate"),
+        get: |r| r.final_accuracy.map(f64::from),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "iterations_per_s",
+        label: "it/s per worker",
+        lower_is_better: Some(false),
+        words: ("slower iterations", "faster iterations"),
+        get: |r| Some(r.iterations_per_s),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "wait_share",
+        label: "wait share",
+        lower_is_better: Some(true),
+        words: ("less waiting", "more waiting"),
+        get: |r| Some(r.wait_share),
+        unit: Unit::Percent,
+    },
+    Figure {
+        key: "deferred_per_100_iterations",
+        label: "deferred pulls per 100 it",
+        lower_is_better: Some(true),
+        words: ("fewer deferrals", "more deferrals"),
+        get: |r| Some(r.deferred_pulls as f64 * 100.0 / r.iterations.max(1) as f64),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "mb_moved",
+        label: "MB moved",
+        lower_is_better: None,
+        words: ("fewer bytes", "more bytes"),
+        get: |r| Some(r.bytes_moved as f64 / 1e6),
+        unit: Unit::Plain(0),
+    },
+    Figure {
+        key: "mean_staleness",
+        label: "mean staleness",
+        lower_is_better: None,
+        words: ("less stale", "more stale"),
+        get: |r| Some(r.mean_staleness),
+        unit: Unit::Plain(2),
+    },
+    Figure {
+        key: "tasks_moved",
+        label: "tasks moved",
+        lower_is_better: None,
+        words: ("fewer moves", "more moves"),
+        get: |r| Some(r.tasks_moved as f64),
+        unit: Unit::Plain(0),
+    },
+];
+
+impl Unit {
+    /// A value as a table prints it (`None`: the run did not reach it).
+    pub fn show(self, v: Option<f64>) -> String {
+        match (self, v) {
+            (_, None) => "not reached".into(),
+            (Unit::Seconds, Some(v)) => format!("{v:.1} s"),
+            (Unit::Percent, Some(v)) => format!("{:.1}%", v * 100.0),
+            (Unit::Plain(d), Some(v)) => format!("{v:.d$}"),
         }
     }
 }

@@ -19,7 +19,7 @@ use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -29,8 +29,18 @@ use quinn::{AsyncUdpSocket, UdpPoller};
 /// Socket buffer size asked for, both ways. The kernel caps it at `net.core.rmem_max` /
 /// `wmem_max` unless the process may override the cap (`CAP_NET_ADMIN`, as root has); what was
 /// granted is logged at debug level. The receive buffer bounds the receive windows
-/// ([`super::window`]), so its size is a server's throughput when many workers push at once.
+/// (`net/window.rs`), so its size is a server's throughput when many workers push at once.
 pub const SOCKET_BUFFER: usize = 16 << 20;
+
+/// The receive buffer the kernel granted the last socket bound ([`bind`]), as it reports it:
+/// twice the granted size, which is what it charges packets against. 0 before any bind.
+static GRANTED: AtomicU64 = AtomicU64::new(0);
+
+/// What the kernel granted the last bound socket's receive buffer (0 before any bind): the
+/// flow-control windows ([`super::window`]) divide it among connections.
+pub fn granted_receive_buffer() -> u64 {
+    GRANTED.load(Ordering::Relaxed)
+}
 
 /// The most UDP payload bytes one send may carry: an IPv4 datagram's 65,535 bytes less its
 /// IP and UDP headers (IPv6 allows a little more).
@@ -55,7 +65,7 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
     socket.bind(&addr.into())?;
     let (recv, send) = (socket.recv_buffer_size().unwrap_or(0), socket.send_buffer_size().unwrap_or(0));
     tracing::debug!(%addr, recv, send, "UDP socket buffers");
-    super::window::granted(recv as u64);
+    GRANTED.store(recv as u64, Ordering::Relaxed);
     // Linux reports twice the granted size: less than that means the cap bit.
     if recv < 2 * SOCKET_BUFFER {
         tracing::warn!(

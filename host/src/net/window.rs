@@ -24,7 +24,6 @@
 //! process may not exceed the cap, the floor times the workers can exceed the budget, and a
 //! burst from all of them can drop again; the node warns at start-up.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The smallest window a connection gets, however many share the buffer. Below about this, a
@@ -32,20 +31,11 @@ use std::sync::{Arc, Mutex};
 /// trip's worth of bytes in flight).
 pub const MIN_WINDOW: u64 = 1 << 20;
 
-/// The receive buffer the kernel granted the last socket bound ([`super::udp::bind`]), as it
-/// reports it: twice the granted size, which is what it charges packets against.
-static GRANTED: AtomicU64 = AtomicU64::new(0);
-
-/// Records what the kernel granted a socket's receive buffer.
-pub(crate) fn granted(bytes: u64) {
-    GRANTED.store(bytes, Ordering::Relaxed);
-}
-
 /// The bytes of payload the windows may add up to: half of what the kernel charges packets
 /// against, since each packet costs the buffer more than its payload (a 64 KB datagram is
 /// charged its buffers' whole size).
 pub fn receive_budget() -> u64 {
-    match GRANTED.load(Ordering::Relaxed) {
+    match super::udp::granted_receive_buffer() {
         0 => super::udp::SOCKET_BUFFER as u64,
         b => b / 2,
     }
