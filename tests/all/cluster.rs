@@ -647,6 +647,48 @@ fn a_killed_worker_is_dropped_and_bsp_goes_on() {
     assert!(servers.contains("worker lost"), "the servers noticed: {servers}");
 }
 
+/// Issue 36: one worker asking for an absurd id (a typo in `--id` or `SYNCOPATE_ID`) once made
+/// both replicas of every shard abort on a 64 GB allocation. Now the coordinator refuses it
+/// with the reason, nothing else changes, and the replicated run finishes with every push
+/// applied once and no server failed over.
+#[test]
+fn a_worker_asking_for_an_impossible_id_is_refused_and_the_run_goes_on() {
+    let mut run = LocalRun::start(
+        "bad-id",
+        &["--workers", "2", "--servers", "2", "--iterations", "40", "--delay-ms", "20", "--params", "32"],
+    );
+    let cluster = run.cluster_file();
+    let file = ClusterFile::read(&cluster).unwrap();
+    let t = Instant::now();
+    while run.status().servers.iter().flat_map(|s| &s.shards).flat_map(|s| &s.workers).count() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the workers did not join:\n{}", run.output());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for id in ["4000000000", "4096"] {
+        let bad = Command::new(syncopate_bin())
+            .args(["worker", "--coordinator", &file.coordinator.to_string(), "--id", id, "--ca"])
+            .arg(&file.ca)
+            .args(["--params", "32", "--iterations", "5"])
+            .env("SYNCOPATE_TOKEN", &file.token)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success(), "worker --id {id} was admitted: {err}");
+        assert!(
+            err.contains(&format!("worker id {id} is out of range")) && err.contains("--max-workers"),
+            "worker --id {id} got a clear error: {err}"
+        );
+    }
+    let (status, run) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "the run went on and finished:\n{}", run.output());
+    let report = run.report();
+    assert!(report.failovers.is_empty(), "no server was failed over: {:?}", report.failovers);
+    assert!(report.workers.iter().all(|w| w.iterations == 40));
+    assert_all(&run.model(), -(1.0 + 2.0) * 40.0, "every push applied once");
+    let servers = run.log("server-0") + &run.log("server-1");
+    assert!(!servers.contains("panicked") && !servers.contains("memory allocation"), "{servers}");
+}
+
 /// Start-up never hangs silently: a worker of a cluster whose servers do not all come up is
 /// told so after the start-up timeout, and the half-started cluster still shuts down cleanly.
 #[test]

@@ -75,7 +75,14 @@ pub struct ShardConfig {
     pub supervisor: SupervisorConfig,
     /// The weight of a push whose policy admits it without one.
     pub push_weight: PushWeight,
+    /// Worker ids are `0..max_workers`: a join with any other id is refused before the shard
+    /// sizes anything by it. What the shard keeps per worker is a few dozen bytes (its clock,
+    /// next and applied iterations, time waited) in vectors indexed by id, so this bounds them.
+    pub max_workers: u32,
 }
+
+/// The `max_workers` a shard and a cluster have unless told otherwise.
+pub const DEFAULT_MAX_WORKERS: u32 = 4096;
 
 /// The weight a push gets when its policy admits it without naming one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -97,6 +104,7 @@ impl Default for ShardConfig {
             optimizer: OptimizerConfig::default(),
             supervisor: SupervisorConfig::default(),
             push_weight: PushWeight::Mean,
+            max_workers: DEFAULT_MAX_WORKERS,
         }
     }
 }
@@ -201,6 +209,16 @@ pub enum ShardError {
     /// The worker joined twice.
     #[error("worker {0} has already joined shard {1}")]
     AlreadyJoined(WorkerId, u32),
+    /// The worker's id is not below the shard's `max_workers`.
+    #[error("worker id {worker} is out of range for shard {shard}, which admits ids below {max}")]
+    WorkerOutOfRange {
+        /// The id.
+        worker: WorkerId,
+        /// The shard.
+        shard: u32,
+        /// Its `max_workers`.
+        max: u32,
+    },
     /// The gradient has the wrong length.
     #[error("gradient for shard {shard} has {got} values, expected {expected}")]
     WrongLength {
@@ -374,6 +392,8 @@ pub struct Shard {
     params: Arc<Vec<f32>>,
     optimizer: Optimizer,
     push_weight: PushWeight,
+    /// Worker ids are below this ([`ShardConfig::max_workers`]).
+    max_workers: u32,
     clocks: Clocks,
     floor: u64,
     next_push: Vec<u64>,
@@ -459,6 +479,7 @@ impl Shard {
             shard: cfg.shard,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
             push_weight: cfg.push_weight,
+            max_workers: cfg.max_workers,
             params: Arc::new(params),
             clocks: Clocks::new(),
             floor: 0,
@@ -588,6 +609,9 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<u64, ShardError> {
+        if worker >= self.max_workers {
+            return Err(ShardError::WorkerOutOfRange { worker, shard: self.shard, max: self.max_workers });
+        }
         let view = self.clocks.view();
         let clock = if view.workers == 0 { self.floor } else { view.min_clock };
         if !self.clocks.join(worker, clock) {
@@ -1493,6 +1517,24 @@ mod tests {
             self.buffers_given += 1;
             vec![0.0; len]
         }
+    }
+
+    #[test]
+    fn a_join_past_max_workers_is_refused_and_changes_nothing() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let bsp = rt.compile("bsp", crate::builtin::wasm("bsp").unwrap()).unwrap();
+        let mut sink = Keep::default();
+        let cfg = ShardConfig { max_workers: 4, ..ShardConfig::default() };
+        let mut shard = Shard::new(cfg, vec![1.0; 8], &bsp, &[], &mut sink).unwrap();
+        for w in [4, 4_000_000_000, WorkerId::MAX] {
+            match shard.join(w, 0, &mut sink) {
+                Err(ShardError::WorkerOutOfRange { worker, max: 4, .. }) => assert_eq!(worker, w),
+                other => panic!("joined {w}: {other:?}"),
+            }
+        }
+        assert_eq!(shard.next_push.len(), 0, "nothing was sized by the refused ids");
+        assert_eq!(shard.join(3, 0, &mut sink).unwrap(), 0);
+        assert_eq!(shard.next_push.len(), 4);
     }
 
     #[test]

@@ -65,6 +65,10 @@ pub enum SnapshotError {
     /// The body does not decode.
     #[error("undecodable snapshot body: {0}")]
     Body(String),
+    /// The body decodes but breaks the shard's bounds (a worker id past `max_workers`,
+    /// per-worker tables of different lengths).
+    #[error("inconsistent snapshot: {0}")]
+    Inconsistent(String),
     /// The snapshot is of another shard, or another split of the model.
     #[error("the snapshot is of shard {found} of {found_of}, not shard {expected} of {expected_of}")]
     WrongShard {
@@ -284,6 +288,7 @@ impl Shard {
                 found: short(&module.info().name, &module.sha256()),
             });
         }
+        check_bounds(&snap, cfg.max_workers)?;
         let supervisor = Supervisor::restore(
             cfg.supervisor,
             cfg.shard,
@@ -311,6 +316,7 @@ impl Shard {
             params: Arc::new(snap.params),
             optimizer: snap.optimizer,
             push_weight: snap.push_weight,
+            max_workers: cfg.max_workers,
             clocks,
             floor: snap.floor,
             next_push: snap.next_push,
@@ -363,6 +369,25 @@ impl Shard {
     pub fn is_push_held(&self, worker: WorkerId, iteration: u64) -> bool {
         self.held.iter().any(|h| h.push.worker == worker && h.push.iteration == iteration)
     }
+}
+
+/// Checks what the restore indexes by worker id before it sizes or indexes anything: a
+/// snapshot comes from disk or from another server, so it is input like any other.
+fn check_bounds(snap: &ShardSnapshot, max_workers: u32) -> Result<(), SnapshotError> {
+    let bad = |what: String| Err(SnapshotError::Inconsistent(what));
+    let max = max_workers as usize;
+    let n = snap.next_push.len();
+    if n > max || snap.applied.len() != n || snap.waited.len() != n {
+        return bad(format!(
+            "per-worker tables of {n}, {} and {} entries (at most {max}, all equal)",
+            snap.applied.len(),
+            snap.waited.len()
+        ));
+    }
+    if let Some(w) = snap.workers.iter().find(|w| w.worker as usize >= n) {
+        return bad(format!("member {} lies outside the per-worker tables ({n} entries)", w.worker));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

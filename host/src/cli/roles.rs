@@ -34,6 +34,12 @@ pub struct CoordinatorArgs {
     pub shards: Option<u32>,
     #[command(flatten)]
     pub policy: PolicyArgs,
+    /// How many workers the cluster admits: worker ids are 0..N, and a worker asking for
+    /// another id is refused (so is one more once all are taken). Each admitted id costs a
+    /// server a few dozen bytes per shard (docs/fault-tolerance.md).
+    #[arg(long, default_value_t = crate::net::proto::DEFAULT_MAX_WORKERS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::net::proto::MAX_WORKERS_LIMIT)))]
+    pub max_workers: u32,
     /// How long workers wait for all servers to register, in seconds.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout_s: u64,
@@ -263,6 +269,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         seed: a.train.seed,
         peer_timeout: a.train.peer_timeout(),
         startup_timeout: Duration::from_secs(a.startup_timeout_s),
+        max_workers: a.max_workers,
         ready_file: a.ready_file,
         checkpoint_every: a.faults.every(),
         checkpoint_dir: a.faults.checkpoint_dir,

@@ -26,8 +26,8 @@ use syncopate_policy_sdk::abi::WorkerId;
 use tokio::sync::watch;
 
 use crate::net::proto::{
-    ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob, ReportedScore, Role,
-    ServerCommand, ServerReply, ShardPlace, Welcome, WorkerNotice, WorkerStatus,
+    AdmissionKey, ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob,
+    ReportedScore, Role, ServerCommand, ServerReply, ShardPlace, Ticket, Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
@@ -104,6 +104,8 @@ pub struct CoordinatorOptions {
     pub peer_timeout: Duration,
     /// How long workers wait for all servers to register.
     pub startup_timeout: Duration,
+    /// Worker ids are `0..max_workers` ([`crate::net::proto::DEFAULT_MAX_WORKERS`] by default).
+    pub max_workers: u32,
     /// Where to write the bound address once listening (for scripts and `local`).
     pub ready_file: Option<PathBuf>,
     /// Where to write checkpoint rounds ([`crate::checkpoint`]): every `checkpoint_every` and at
@@ -150,6 +152,9 @@ struct State {
     answered: u32,
     /// After a restart: the servers rejoining, until the cluster is rebuilt from them.
     rebuild: Option<rebuild::Rebuild>,
+    /// The key workers' tickets are issued under: drawn at start, or taken back from the
+    /// servers after a restart.
+    admission_key: AdmissionKey,
 }
 
 struct Coordinator {
@@ -228,6 +233,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             renewed: Vec::new(),
             answered: 0,
             rebuild: None,
+            admission_key: AdmissionKey(rand::random()),
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
@@ -436,6 +442,8 @@ impl Coordinator {
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             restore: st.restore.as_ref().map(|p| p.display().to_string()),
             replicas: self.opts.replicas,
+            max_workers: self.opts.max_workers,
+            admission_key: st.admission_key,
         }
     }
 
@@ -694,7 +702,7 @@ impl Coordinator {
                 self.registered.send_modify(|n| *n = (*n).max(answered));
                 self.serve_server(&conn, server, data_addr).await;
             }
-            Role::Worker { worker, model_len } => {
+            Role::Worker { worker, model_len, .. } => {
                 let welcome = self.welcome_worker(worker, model_len).await;
                 let id = match &welcome {
                     Welcome::Worker { worker, .. } => Some(*worker),
@@ -808,12 +816,26 @@ impl Coordinator {
             }
             _ => st.model_len = Some(model_len),
         }
+        let max = self.opts.max_workers;
         let id = match asked {
+            Some(w) if w >= max => {
+                return Welcome::Refused(format!(
+                    "worker id {w} is out of range: this cluster admits ids 0 to {} (its --max-workers is {max})",
+                    max - 1
+                ));
+            }
             Some(w) if st.workers.get(&w).is_some_and(|s| s.connected) => {
                 return Welcome::Refused(format!("worker id {w} is taken by a connected worker"));
             }
             Some(w) => w,
-            None => (0..).find(|w| !st.workers.contains_key(w)).expect("a free id"),
+            None => match (0..max).find(|w| !st.workers.contains_key(w)) {
+                Some(w) => w,
+                None => {
+                    return Welcome::Refused(format!(
+                        "the cluster is full: all {max} worker ids have been given out (--max-workers)"
+                    ))
+                }
+            },
         };
         st.workers.insert(id, WorkerStatus { worker: id, connected: true, finished: false });
         let partition = Partition::even(model_len as usize, self.opts.shards);
@@ -837,6 +859,7 @@ impl Coordinator {
             workers: self.opts.workers,
             optimizer: self.opts.optimizer,
             replicated: st.places.iter().any(|p| p.backup.is_some()),
+            ticket: Ticket::issue(&st.admission_key.0, id),
         }
     }
 

@@ -144,6 +144,9 @@ fn same_cluster(
     if ours.replicas != theirs.replicas {
         return differs("--replicas", ours.replicas.to_string(), theirs.replicas.to_string());
     }
+    if ours.max_workers != theirs.max_workers {
+        return differs("--max-workers", ours.max_workers.to_string(), theirs.max_workers.to_string());
+    }
     if ours.optimizer != theirs.optimizer
         || ours.push_weight != theirs.push_weight
         || ours.seed != theirs.seed
@@ -203,6 +206,8 @@ impl Coordinator {
                     };
                 }
                 st.rebuild = Some(Rebuild::default());
+                // The workers hold tickets issued under the old coordinator's key: keep it.
+                st.admission_key = holdings.settings.admission_key;
                 tracing::warn!(
                     server = id,
                     "a server rejoins: this coordinator restarted while the cluster ran on; rebuilding it \
@@ -215,6 +220,12 @@ impl Coordinator {
                     tokio::time::sleep(Duration::from_millis(REJOIN_WAIT_MS)).await;
                     me.begin_rebuild();
                 });
+            }
+            if holdings.settings.admission_key != st.admission_key {
+                return Err(format!(
+                    "server {id} was admitted by another coordinator than the servers that rejoined first \
+                     (its admission key differs): it belongs to another cluster"
+                ));
             }
             let Some(rebuild) = st.rebuild.as_mut().filter(|r| !r.begun) else {
                 return Err("the cluster was rebuilt without this server (it came back too late)".into());
@@ -385,6 +396,8 @@ mod tests {
                 peer_timeout_ms: 1000,
                 restore: None,
                 replicas: 1,
+                max_workers: 16,
+                admission_key: crate::net::proto::AdmissionKey([7; 32]),
             },
             policy: PolicyBlob { label: "bsp".into(), sha256: [0; 32], config: vec![], overrides: vec![] },
             swaps: 0,

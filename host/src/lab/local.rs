@@ -101,6 +101,7 @@ impl LocalOptions {
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
             ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),
             ("--replicas", sc.replicas.to_string()),
+            ("--max-workers", sc.workers.max(crate::net::proto::DEFAULT_MAX_WORKERS).to_string()),
         ];
         a.extend(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]));
         if let Some(dir) = &self.checkpoint_dir {

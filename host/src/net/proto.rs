@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -28,13 +28,18 @@ pub enum Role {
         /// new server.
         rejoin: Option<u32>,
     },
-    /// A worker: to the coordinator, with the length of its model; to a server, with its id.
+    /// A worker: to the coordinator, with the length of its model; to a server, with its id
+    /// and the ticket the coordinator admitted it with.
     Worker {
         /// Its id: required by a server; asked for from the coordinator (which assigns the
-        /// lowest free id when this is `None`).
+        /// lowest free id when this is `None`, and refuses one at or past `--max-workers`).
         worker: Option<WorkerId>,
         /// How many parameters its model has.
         model_len: u64,
+        /// To a server: the [`Ticket`] from the coordinator's [`Welcome::Worker`]. A server
+        /// refuses a worker without a valid one, so only ids the coordinator admitted reach a
+        /// shard.
+        ticket: Option<Ticket>,
     },
     /// An operator (swap, status, shutdown) or a reader of the parameters (evaluator, `local`).
     Operator,
@@ -44,6 +49,45 @@ pub enum Role {
         server: u32,
     },
 }
+
+/// Proof that the coordinator admitted a worker id: a SHA-256 over the cluster's admission key
+/// (which only the coordinator and the servers hold) and the id. It guards against ids nobody
+/// admitted (a typo, a stale script, a worker of another run), not against a peer that holds
+/// the cluster token and means harm: such a peer can ask the coordinator for an id anyway.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ticket(pub [u8; 32]);
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ticket(..)")
+    }
+}
+
+impl Ticket {
+    /// The ticket of `worker` under `key`.
+    pub fn issue(key: &[u8; 32], worker: WorkerId) -> Ticket {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"syncopate worker ticket v1");
+        h.update(key);
+        h.update(worker.to_le_bytes());
+        Ticket(h.finalize().into())
+    }
+
+    /// Whether this is `worker`'s ticket under `key` (compared in constant time).
+    pub fn admits(&self, key: &[u8; 32], worker: WorkerId) -> bool {
+        let want = Ticket::issue(key, worker);
+        self.0.iter().zip(want.0.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+/// The most workers a cluster admits unless told otherwise (`--max-workers`). Worker ids are
+/// `0..max_workers`; each costs a server a few dozen bytes per shard it holds, plus what the
+/// policy keeps per worker inside its capped memory (`docs/fault-tolerance.md`).
+pub use crate::shard::DEFAULT_MAX_WORKERS;
+
+/// The largest `--max-workers` a cluster may be started with.
+pub const MAX_WORKERS_LIMIT: u32 = 1 << 20;
 
 /// The first message on every connection.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -76,6 +120,22 @@ pub struct ClusterSettings {
     pub restore: Option<String>,
     /// Backups per shard: 0, or 1 (shard `k`'s backup on server `(k + 1) % servers`).
     pub replicas: u32,
+    /// Worker ids are `0..max_workers`: a server refuses any other, and each shard bounds
+    /// its per-worker state by it.
+    pub max_workers: u32,
+    /// The key the coordinator issues workers' [`Ticket`]s under. A coordinator draws it at
+    /// start; one restarted while the servers ran on takes it back from them.
+    pub admission_key: AdmissionKey,
+}
+
+/// The key of worker [`Ticket`]s (never printed).
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdmissionKey(pub [u8; 32]);
+
+impl std::fmt::Debug for AdmissionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdmissionKey(..)")
+    }
 }
 
 impl ClusterSettings {
@@ -194,6 +254,8 @@ pub enum Welcome {
         /// Whether shards have backups: a worker then waits for a lost shard to move (a
         /// [`WorkerNotice::Moved`]) and retries there, instead of failing.
         replicated: bool,
+        /// What the worker shows the servers to prove the coordinator admitted its id.
+        ticket: Ticket,
     },
     /// To an operator, or to a worker or reader on a server's data plane.
     Accepted,

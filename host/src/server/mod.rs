@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::net::proto::{
     ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, MovedTasks, PolicyBlob, Role,
-    ServerCommand, ServerReply, ServerStatus, Welcome, PROTOCOL_VERSION,
+    ServerCommand, ServerReply, ServerStatus, Ticket, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
@@ -553,6 +553,7 @@ fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
         optimizer: settings.optimizer,
         supervisor: SupervisorConfig::default(),
         push_weight: settings.push_weight,
+        max_workers: settings.max_workers,
     }
 }
 
@@ -777,6 +778,22 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     }
 }
 
+/// Whether a worker may use this server's shards as `worker`: only with an id below the
+/// cluster's `max_workers` and the ticket the coordinator issued for it.
+fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -> Result<(), String> {
+    if worker >= settings.max_workers {
+        return Err(format!(
+            "worker id {worker} is out of range: this cluster admits ids below {} (--max-workers)",
+            settings.max_workers
+        ));
+    }
+    match ticket {
+        Some(t) if t.admits(&settings.admission_key.0, worker) => Ok(()),
+        Some(_) => Err(format!("worker {worker}'s ticket was not issued by this cluster's coordinator")),
+        None => Err(format!("worker {worker} came without a ticket: join through the coordinator")),
+    }
+}
+
 /// What a connection's streams share.
 struct Peer {
     worker: Option<WorkerId>,
@@ -788,7 +805,15 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let addr = conn.remote_address();
     let Some((hello, mut send)) = net::accept_hello(&conn, &shared.token, None).await else { return };
     let worker = match hello.role {
-        Role::Worker { worker: Some(w), .. } => Some(w),
+        Role::Worker { worker: Some(w), ticket, .. } => match admit(&shared.settings, w, ticket) {
+            Ok(()) => Some(w),
+            Err(reason) => {
+                tracing::warn!(%addr, worker = w, "refused a worker: {reason}");
+                net::refuse(&mut send, reason.clone()).await;
+                conn.close(close::PROTOCOL.into(), reason.as_bytes());
+                return;
+            }
+        },
         Role::Operator => None,
         Role::Replica { server } => {
             if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_ok() {
@@ -1035,5 +1060,42 @@ async fn handle_request(
             Ok((version, values)) => (DataResponse::Values { version }, Some(values)),
             Err(e) => err(e),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::admit;
+    use crate::net::proto::{AdmissionKey, ClusterSettings, Ticket};
+    use crate::shard::{OptimizerConfig, PushWeight};
+
+    fn settings(key: u8) -> ClusterSettings {
+        ClusterSettings {
+            shards: 2,
+            servers: 2,
+            optimizer: OptimizerConfig::default(),
+            push_weight: PushWeight::default(),
+            seed: 0,
+            peer_timeout_ms: 1000,
+            restore: None,
+            replicas: 1,
+            max_workers: 8,
+            admission_key: AdmissionKey([key; 32]),
+        }
+    }
+
+    #[test]
+    fn only_admitted_ids_in_range_reach_the_shards() {
+        let s = settings(1);
+        let ticket = |w| Some(Ticket::issue(&s.admission_key.0, w));
+        assert_eq!(admit(&s, 3, ticket(3)), Ok(()));
+        assert_eq!(admit(&s, 7, ticket(7)), Ok(()));
+        let err = |r: Result<(), String>| r.expect_err("refused");
+        assert!(err(admit(&s, 8, ticket(8))).contains("out of range"));
+        assert!(err(admit(&s, 4_000_000_000, ticket(4_000_000_000))).contains("out of range"));
+        assert!(err(admit(&s, 3, None)).contains("without a ticket"));
+        assert!(err(admit(&s, 3, ticket(4))).contains("not issued by this cluster"));
+        let other = settings(2);
+        assert!(err(admit(&other, 3, ticket(3))).contains("not issued by this cluster"));
     }
 }

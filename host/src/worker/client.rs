@@ -94,6 +94,29 @@ struct Route {
     moved: watch::Sender<u64>,
     /// Whether shards have backups (only then is a lost server worth waiting out).
     replicated: bool,
+    /// How many servers the welcome listed: a move to any other is ignored.
+    known_servers: usize,
+}
+
+/// Checks a welcome's map before anything indexes by it: shards numbered `0..n` in order, each
+/// on a listed server, their ranges contiguous and covering the model.
+fn check_places(shards: &[ShardPlace], servers: usize, model_len: usize) -> Result<(), String> {
+    let mut next = 0u64;
+    for (k, p) in shards.iter().enumerate() {
+        if p.shard as usize != k || p.server as usize >= servers || p.start != next || p.end < p.start {
+            return Err(format!(
+                "the coordinator's map of shards is inconsistent at shard {k} ({p:?}, {servers} servers)"
+            ));
+        }
+        next = p.end;
+    }
+    if shards.is_empty() || next != model_len as u64 {
+        return Err(format!(
+            "the coordinator's map of shards covers {next} parameters in {} shards; the model has {model_len}",
+            shards.len()
+        ));
+    }
+    Ok(())
 }
 
 impl Route {
@@ -137,13 +160,14 @@ impl WorkerClient {
     ) -> Result<Self, NodeError> {
         let bootstrap = Duration::from_secs(30);
         let mut endpoint = net::tls::dial_only(access.tls.client_config(bootstrap)?, access.coordinator)?;
-        let hello = |worker| Hello {
+        let hello = |worker, ticket| Hello {
             protocol: PROTOCOL_VERSION,
             token: access.token.secret().to_string(),
-            role: Role::Worker { worker, model_len: model_len as u64 },
+            role: Role::Worker { worker, model_len: model_len as u64, ticket },
         };
         let name = &access.tls.server_name;
-        let (coordinator, welcome) = net::connect(&endpoint, access.coordinator, name, &hello(id)).await?;
+        let (coordinator, welcome) =
+            net::connect(&endpoint, access.coordinator, name, &hello(id, None)).await?;
         let rejoin = Rejoin {
             endpoint: endpoint.clone(),
             addr: access.coordinator,
@@ -151,18 +175,27 @@ impl WorkerClient {
             token: access.token.secret().to_string(),
             model_len: model_len as u64,
         };
-        let Welcome::Worker { worker, shards, servers, peer_timeout_ms, workers, optimizer, replicated } =
-            welcome
+        let Welcome::Worker {
+            worker,
+            shards,
+            servers,
+            peer_timeout_ms,
+            workers,
+            optimizer,
+            replicated,
+            ticket,
+        } = welcome
         else {
             return Err(NodeError::Protocol(format!("the coordinator answered {welcome:?} to a worker")));
         };
+        check_places(&shards, servers.len(), model_len).map_err(NodeError::Protocol)?;
         // Data connections use the cluster's peer timeout, so servers and we agree on liveness.
         endpoint.set_default_client_config(access.tls.client_config(Duration::from_millis(peer_timeout_ms))?);
         let (tx, controls) = mpsc::unbounded_channel();
         let mut conns = Vec::with_capacity(servers.len());
         net::tls::reach(&endpoint, &servers)?;
         for addr in servers {
-            let (conn, _) = net::connect(&endpoint, addr, name, &hello(Some(worker))).await?;
+            let (conn, _) = net::connect(&endpoint, addr, name, &hello(Some(worker), Some(ticket))).await?;
             tokio::spawn(read_controls(conn.clone(), tx.clone()));
             conns.push(conn);
         }
@@ -171,6 +204,7 @@ impl WorkerClient {
             servers: shards.iter().map(|p| p.server.into()).collect(),
             moved: watch::channel(0).0,
             replicated,
+            known_servers: conns.len(),
         });
         let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
         let leaving = Arc::new(AtomicBool::new(false));
@@ -811,8 +845,14 @@ async fn follow_coordinator(mut conn: quinn::Connection, link: watch::Sender<Coo
         match rejoin_coordinator(&rejoin, id).await {
             Ok((c, places)) => {
                 for p in places {
-                    if let Some(s) = route.servers.get(p.shard as usize) {
-                        s.store(p.server, Ordering::Relaxed);
+                    match route.servers.get(p.shard as usize) {
+                        Some(s) if (p.server as usize) < route.known_servers => {
+                            s.store(p.server, Ordering::Relaxed)
+                        }
+                        _ => tracing::warn!(
+                            ?p,
+                            "ignoring a place on a shard or server this cluster does not have"
+                        ),
                     }
                 }
                 route.moved.send_modify(|n| *n += 1);
@@ -836,7 +876,7 @@ async fn rejoin_coordinator(
     let hello = Hello {
         protocol: PROTOCOL_VERSION,
         token: r.token.clone(),
-        role: Role::Worker { worker: Some(id), model_len: r.model_len },
+        role: Role::Worker { worker: Some(id), model_len: r.model_len, ticket: None },
     };
     let wait = Duration::from_millis(crate::net::proto::COORDINATOR_WAIT_MS);
     let started = tokio::time::Instant::now();
@@ -890,13 +930,20 @@ async fn read_notices(conn: &quinn::Connection, stop: &AtomicBool, route: &Route
                 tracing::info!("the coordinator asked us to stop");
                 stop.store(true, Ordering::Relaxed);
             }
-            Ok((WorkerNotice::Moved { shard, server }, _)) => {
-                tracing::warn!(shard, server, "the coordinator moved a shard");
-                if let Some(s) = route.servers.get(shard as usize) {
+            Ok((WorkerNotice::Moved { shard, server }, _)) => match route.servers.get(shard as usize) {
+                Some(s) if (server as usize) < route.known_servers => {
+                    tracing::warn!(shard, server, "the coordinator moved a shard");
                     s.store(server, Ordering::Relaxed);
+                    route.moved.send_modify(|n| *n += 1);
                 }
-                route.moved.send_modify(|n| *n += 1);
-            }
+                _ => tracing::warn!(
+                    shard,
+                    server,
+                    "ignoring a move to a shard or server this cluster does not have ({} shards, {} servers)",
+                    route.servers.len(),
+                    route.known_servers
+                ),
+            },
             Err(e) => tracing::warn!("unreadable notice from the coordinator: {e}"),
         }
     }

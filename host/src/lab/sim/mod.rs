@@ -326,6 +326,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             seed: sc.seed,
             optimizer: sc.server_optimizer(),
             push_weight: sc.push_weight.unwrap_or_default(),
+            max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
             ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
