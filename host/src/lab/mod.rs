@@ -9,10 +9,13 @@
 //!   rules, shared by both;
 //! - [`ab`]: one scenario under several policies, compared;
 //! - [`plots`]: the SVG plots of a run and of a comparison;
-//! - [`stats`]: medians, confidence intervals and rank tests for repeated comparisons.
+//! - [`stats`]: medians, confidence intervals and rank tests for repeated comparisons;
+//! - [`simtest`]: a seeded search for lost or doubled updates under server failures, in the
+//!   simulator (`syncopate simtest`).
 //!
-//! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on `report`;
-//! `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of them.
+//! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on
+//! `report` and `stats`; `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of
+//! them but `simtest`; `simtest` on `scenario` and `sim`.
 
 pub mod ab;
 pub mod local;
@@ -20,4 +23,5 @@ pub mod plots;
 pub mod report;
 pub mod scenario;
 pub mod sim;
+pub mod simtest;
 pub mod stats;

@@ -1,0 +1,226 @@
+//! `syncopate simtest`: a seeded search for lost or doubled updates, in the deterministic
+//! simulator ([`crate::lab::sim`]), which runs the engine's shards (with their real wasm
+//! policies, the replication gate and `Shard::apply_op` on the backups) and the workers' own
+//! state machine in virtual time.
+//!
+//! Each seed draws a replicated cluster (2 to 5 workers, 2 or 3 servers, a shard or more per
+//! server, 3 to 10 iterations, stragglers and jitter, link latency) and a policy, and runs it
+//! twice on the counter workload (worker `w` pushes `w + 1`; lr 1, no momentum, summed pushes):
+//! once undisturbed, and once with one server killed before an event drawn from the first run's
+//! events. Then it checks:
+//! - every worker ran every iteration, in both runs;
+//! - where the policy admits every push at weight 1 (all but R²SP, which weighs pushes by their
+//!   samples), the undisturbed model is exactly minus the sum of every push: nothing lost or
+//!   applied twice;
+//! - the model after the failover is the undisturbed one, bit for bit: every acknowledged push
+//!   survived the primary, and the workers' retries were not applied again.
+//!
+//! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
+//! failure prints that command. This is the first stage of issue 36's fault search: one server
+//! failure per run, injected at any event; message loss, duplication and reordering, partitions,
+//! coordinator crashes, several failures per run and hostile modules are not drawn yet (the
+//! simulator does not model them; see `docs/fault-tolerance.md`).
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::builtin::PolicySpec;
+use crate::lab::scenario::{RunSpec, Scenario};
+use crate::lab::sim::{simulate, FailAt, SimFailure, SimOptions, Simulated};
+use crate::runtime::PolicyRuntime;
+
+/// What one seed runs: the scenario, the policy and the failure.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// The seed it was drawn from.
+    pub seed: u64,
+    /// The cluster, workload and budget.
+    pub scenario: Scenario,
+    /// The policy.
+    pub policy: PolicySpec,
+    /// The server that dies in the second run (the event is drawn once the first run has
+    /// counted its events).
+    pub server: u32,
+}
+
+/// What a passing seed exercised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Exercised {
+    /// Simulated runs (two per seed).
+    pub runs: u64,
+    /// Events handled over all runs.
+    pub events: u64,
+    /// Failure runs in which the backups were promoted (a death in a run's last events may
+    /// come after its end).
+    pub failovers: u64,
+}
+
+impl std::ops::AddAssign for Exercised {
+    fn add_assign(&mut self, o: Self) {
+        self.runs += o.runs;
+        self.events += o.events;
+        self.failovers += o.failovers;
+    }
+}
+
+/// The policies a seed draws from. R²SP weighs pushes by their samples (its sums are not the
+/// plain counts); EPSP is left out because which worker computes a moved task depends on
+/// timing, so a failover may rightly change its sums (its exactly-once accounting is tested in
+/// `tests/all/sim.rs`).
+const POLICIES: &[&str] = &["bsp", "asp", "ssp:s=1", "ssp:s=3", "dssp", "fluentps", "r2sp"];
+
+/// Whether a policy admits every push at weight 1, so that the counter's sums are exact.
+fn unit_weights(policy: &PolicySpec) -> bool {
+    policy.source != "r2sp"
+}
+
+impl Case {
+    /// The case seed `seed` draws.
+    pub fn draw(seed: u64) -> Case {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_7e57_0000_0036);
+        let workers: u32 = rng.random_range(2..=5);
+        let servers: u32 = rng.random_range(2..=3);
+        let shards: u32 = rng.random_range(servers..=servers + 2);
+        let params = shards as usize * rng.random_range(1..=3);
+        let iterations: u64 = rng.random_range(3..=10);
+        let compute_ms: u64 = rng.random_range(1..=10);
+        let mut text = format!(
+            "name = \"simtest-{seed}\"\nworkers = {workers}\nservers = {servers}\nshards = {shards}\n\
+             workload = \"counter\"\nparams = {params}\ncompute_ms = {compute_ms}\niterations = {iterations}\n\
+             time_limit_s = 600\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\nreplicas = 1\n\
+             latency_us = {}\nseed = {seed}\n",
+            rng.random_range(10..=3000u64)
+        );
+        for w in 0..workers {
+            if rng.random_bool(0.4) {
+                let mean = rng.random_range(0.0..8.0f64);
+                let sd = rng.random_range(0.0..4.0f64);
+                text += &format!("[[jitter]]\nworker = {w}\nmean_ms = {mean:.3}\nsd_ms = {sd:.3}\n");
+            }
+        }
+        if rng.random_bool(0.5) {
+            let w = rng.random_range(0..workers);
+            let factor = rng.random_range(1.5..4.0f64);
+            text += &format!("[[slow]]\nworker = {w}\nfactor = {factor:.3}\n");
+        }
+        let scenario: Scenario = toml::from_str(&text).expect("a drawn scenario parses");
+        let policy = POLICIES[rng.random_range(0..POLICIES.len())].parse().expect("a built-in policy");
+        Case { seed, scenario, policy, server: rng.random_range(0..servers) }
+    }
+
+    fn run(&self, rt: &PolicyRuntime, failure: Option<SimFailure>) -> Result<Simulated, String> {
+        let opts = SimOptions {
+            run: RunSpec::new(self.scenario.clone(), self.policy.clone()),
+            gradients: true,
+            data: None,
+            failure,
+        };
+        simulate(&opts, rt).map_err(|e| e.to_string())
+    }
+
+    /// Runs the case and checks its invariants (the module's doc). `Err` says what broke.
+    pub fn check(&self, rt: &PolicyRuntime) -> Result<Exercised, String> {
+        self.scenario.check()?;
+        let iterations = self.scenario.iterations.expect("drawn with iterations");
+        let clean = self.run(rt, None).map_err(|e| format!("undisturbed run: {e}"))?;
+        every_iteration(&clean, iterations, "undisturbed run")?;
+        if unit_weights(&self.policy) {
+            let expected = -(1..=self.scenario.workers).map(|w| w as f32).sum::<f32>() * iterations as f32;
+            if let Some((i, v)) = clean.model.iter().enumerate().find(|(_, v)| **v != expected) {
+                return Err(format!(
+                    "undisturbed run: parameter {i} is {v}, not {expected}: an update was lost or applied twice"
+                ));
+            }
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
+        let at = rng.random_range(0..clean.events.max(1));
+        let failure = SimFailure { server: self.server, at: FailAt::Event(at) };
+        let failed = self
+            .run(rt, Some(failure))
+            .map_err(|e| format!("server {} killed before event {at}: {e}", self.server))?;
+        every_iteration(&failed, iterations, &format!("server {} killed before event {at}", self.server))?;
+        let bits = |s: &Simulated| s.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        if bits(&clean) != bits(&failed) {
+            let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());
+            let i = i.unwrap_or(0);
+            return Err(format!(
+                "server {} killed before event {at}: parameter {i} ends at {}, the undisturbed run's at {}: \
+                 an acknowledged update was lost or applied twice",
+                self.server,
+                failed.model.get(i).copied().unwrap_or(f32::NAN),
+                clean.model.get(i).copied().unwrap_or(f32::NAN),
+            ));
+        }
+        Ok(Exercised {
+            runs: 2,
+            events: clean.events + failed.events,
+            failovers: u64::from(!failed.report.failovers.is_empty()),
+        })
+    }
+
+    /// One line that says what the case is.
+    pub fn describe(&self) -> String {
+        let s = &self.scenario;
+        format!(
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies",
+            s.workers,
+            s.servers,
+            s.shards.unwrap_or(s.servers),
+            s.iterations.unwrap_or(0),
+            self.policy,
+            self.server
+        )
+    }
+}
+
+fn every_iteration(run: &Simulated, iterations: u64, what: &str) -> Result<(), String> {
+    match run.report.workers.iter().find(|w| w.iterations != iterations) {
+        Some(w) => {
+            Err(format!("{what}: worker {} ran {} of {iterations} iterations", w.worker, w.iterations))
+        }
+        None => Ok(()),
+    }
+}
+
+/// The outcome of a search.
+#[derive(Clone, Debug)]
+pub struct Search {
+    /// Seeds that passed.
+    pub passed: u64,
+    /// What they exercised.
+    pub exercised: Exercised,
+    /// The first seed that failed, and why.
+    pub failed: Option<(u64, String)>,
+    /// Seconds the search took.
+    pub seconds: f64,
+}
+
+/// Checks seeds `first..first + count` in order, stopping at the first failure. `progress` is
+/// called after each seed with the seeds done so far.
+pub fn search(
+    rt: &PolicyRuntime,
+    first: u64,
+    count: u64,
+    mut progress: impl FnMut(u64, &Exercised),
+) -> Search {
+    let t = Instant::now();
+    let mut out = Search { passed: 0, exercised: Exercised::default(), failed: None, seconds: 0.0 };
+    for seed in first..first.saturating_add(count) {
+        let case = Case::draw(seed);
+        match case.check(rt) {
+            Ok(e) => {
+                out.passed += 1;
+                out.exercised += e;
+            }
+            Err(why) => {
+                out.failed = Some((seed, format!("{} ({})", why, case.describe())));
+                break;
+            }
+        }
+        progress(out.passed, &out.exercised);
+    }
+    out.seconds = t.elapsed().as_secs_f64();
+    out
+}
