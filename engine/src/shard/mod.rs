@@ -29,6 +29,7 @@
 
 mod gate;
 mod layout;
+mod node;
 mod ops;
 mod parked;
 mod snapshot;
@@ -36,6 +37,10 @@ mod supervisor;
 
 pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
+pub use node::{
+    Joined, NodeConfig, NodeOutput, Observer, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode,
+    Token,
+};
 pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
 pub use supervisor::SupervisorConfig;

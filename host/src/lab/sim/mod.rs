@@ -20,10 +20,12 @@
 //! - messages without tensors (control messages, acknowledgements, hand-overs, iteration
 //!   reports) take the latency alone.
 //!
-//! With the scenario's `replicas = 1`, every shard call is an [`Op`], applied by the primary and carried over the
-//! modelled links to a second [`Shard`] on the backup's server, with an [`AckGate`] holding each
-//! push's acknowledgement until the backup confirms the op that admitted it: the pieces the
-//! servers use. A failure (the scenario's `kill_server`, or [`SimOptions::failure`]) kills one
+//! Each shard, primary or backup, is the servers' own protocol machine, a [`ShardNode`]: the
+//! simulator hands it requests with tokens and carries out what it outputs (replies, ops to
+//! the backup, confirmations, control messages), as the servers' shard tasks do. With the
+//! scenario's `replicas = 1`, every shard call is an [`Op`], applied by the primary and carried
+//! over the modelled links to the backup's node, whose confirmations release the primary's held
+//! acknowledgements. A failure (the scenario's `kill_server`, or [`SimOptions::failure`]) kills one
 //! server before a given event or time: it stops at once, what is
 //! sent to it is lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later its shards'
 //! backups are promoted, every worker rejoins them and sends again what they had not
@@ -38,19 +40,28 @@
 
 mod events;
 
+use std::collections::HashMap;
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
-use syncopate_policy_sdk::abi::{Applied, LeaveReason, RequestId, WorkerId};
+
+use syncopate_policy_sdk::abi::{Applied, LeaveReason, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyRuntime};
-use crate::shard::{AckGate, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink, Stamped};
+use crate::shard::{
+    NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
+    ShardNode, Stamped, Token,
+};
 use crate::worker::WorkerReport;
 use events::{Ev, Mailbox, Queue, ToShard};
+
+/// How long a promoted backup waits for members to rejoin: the cluster's default peer timeout
+/// (10 s). The simulator's workers rejoin at the failover, so it never runs out.
+const REJOIN_GRACE_NS: u64 = 10_000_000_000;
 
 /// How to simulate.
 #[derive(Clone, Debug)]
@@ -125,56 +136,25 @@ pub enum SimError {
     Options(String),
 }
 
-/// A shard's answers during one call, collected for the simulator to schedule.
-#[derive(Default)]
-struct Sink {
-    /// (worker, iteration, version, waited).
-    served: Vec<(WorkerId, u64, u64, u64)>,
-    /// (worker, iteration, dropped by the policy).
-    acked: Vec<(WorkerId, u64, bool)>,
-    controls: Vec<(WorkerId, ControlMessage)>,
-    /// The values each served pull saw, when gradients are on (worker, shard values).
-    values: Vec<(WorkerId, Vec<f32>)>,
-    keep_values: bool,
+/// What a request to a shard was, for its reply.
+#[derive(Clone, Copy, Debug)]
+enum Req {
+    /// A worker's pull.
+    Pull { w: WorkerId, s: u32, iteration: u64 },
+    /// A worker's push (`help`: of tasks moved to it; `whole`: its own whole iteration).
+    Push { w: WorkerId, s: u32, help: bool, iteration: u64, whole: bool },
+    /// A join: only a refusal matters.
+    Join { s: u32 },
+    /// A reply nobody acts on (a skip).
+    Ignore { s: u32 },
 }
 
-impl Sink {
-    /// Forgets what was said (a backup's sink: nobody hears it).
-    fn clear(&mut self) {
-        self.served.clear();
-        self.acked.clear();
-        self.controls.clear();
-        self.values.clear();
-    }
-}
-
-impl ShardSink for Sink {
-    fn pull_served(&mut self, r: PullReply<'_>) {
-        self.served.push((r.worker, r.iteration, r.version, r.waited_ns));
-        if self.keep_values {
-            self.values.push((r.worker, r.values.to_vec()));
+impl Req {
+    fn shard(&self) -> u32 {
+        match *self {
+            Req::Pull { s, .. } | Req::Push { s, .. } | Req::Join { s } | Req::Ignore { s } => s,
         }
     }
-    fn push_acked(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
-        self.acked.push((worker, iteration, false));
-    }
-    fn push_dropped(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
-        self.acked.push((worker, iteration, true));
-    }
-    fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
-        self.controls.push((worker, msg));
-    }
-}
-
-/// One shard's acknowledgement of a push, held until that shard's backup has its op.
-#[derive(Clone, Copy, Debug)]
-struct Ack {
-    worker: WorkerId,
-    /// Of tasks moved to the worker.
-    help: bool,
-    /// A whole push's admission: its iteration, and whether the policy dropped it (`None`: a
-    /// part, acknowledged when counted).
-    whole: Option<(u64, bool)>,
 }
 
 /// A push on its way: the job and the shards that have acknowledged it.
@@ -223,10 +203,13 @@ struct Sim {
     opts: SimOptions,
     now: u64,
     queue: Queue,
-    shards: Vec<Shard>,
+    /// Per shard: its primary.
+    nodes: Vec<ShardNode>,
     ranges: Vec<(usize, usize)>,
     server_of: Vec<u32>,
-    sink: Sink,
+    /// Requests waiting for a shard's reply, by token.
+    requests: HashMap<Token, Req>,
+    next_token: Token,
     workers: Vec<SimWorker>,
     evaluator: Option<Evaluator>,
     /// Uplink and downlink of each worker, then of each server.
@@ -243,17 +226,12 @@ struct Sim {
     bytes_per_ns: f64,
     latency_ns: u64,
     /// Per shard: its backup and the backup's server (with `replicas` 1).
-    backups: Vec<Option<Shard>>,
+    backups: Vec<Option<ShardNode>>,
     backup_of: Vec<Option<u32>>,
-    /// Per shard: op numbering, and acknowledgements held until the backup has their op.
-    gates: Vec<AckGate<Ack>>,
     /// Per shard: bumped when its primary or backup changes, so a stream from before is dropped.
     epoch: Vec<u32>,
     /// Ops on their way to backups: (epoch, op, gradient).
     replication: Mailbox<(u32, Stamped, Vec<f32>)>,
-    /// What the backups say, which nobody hears.
-    quiet: Sink,
-    released: Vec<Ack>,
     /// Per server: killed.
     dead: Vec<bool>,
     /// Servers failed over, in order.
@@ -301,8 +279,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         .map(|i| (len * i / shards_n as usize, len * (i + 1) / shards_n as usize))
         .collect();
     let held = |i: usize| if opts.gradients { ranges[i] } else { (i, i + 1) };
-    let mut sink = Sink { keep_values: opts.gradients, ..Sink::default() };
-    let mut quiet = Sink::default();
+    let mut quiet = Quiet;
     // The scenario's rules (replicas 0 or 1, and 1 only with two servers), then the failure's.
     sc.check().map_err(SimError::Options)?;
     let failure = opts.failure.or_else(|| SimFailure::of(sc));
@@ -330,17 +307,23 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
-        if backed.is_some() {
-            // Created as its primary is, from the same parameters: the ops keep the two equal.
-            let backup = Shard::new(cfg.clone(), model[lo..hi].to_vec(), &module, &config, &mut quiet)
+        let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS };
+        let start = |backup: bool, quiet: &mut Quiet| {
+            // Each created as its shard is, from the same parameters: the ops keep them equal.
+            let mut node = ShardNode::new(node_cfg.clone(), module.clone(), config.clone(), backup);
+            node.create(model[lo..hi].to_vec(), quiet)
                 .map_err(|e| SimError::Policy(policy.to_string(), e))?;
-            backups.push(Some(backup));
+            Ok::<_, SimError>(node)
+        };
+        let mut primary = start(false, &mut quiet)?;
+        if backed.is_some() {
+            backups.push(Some(start(true, &mut quiet)?));
+            // Attached before the first op: the backup starts as the primary did.
+            primary.attach_backup(0, &mut quiet).map_err(|e| SimError::Options(e.to_string()))?;
         } else {
             backups.push(None);
         }
-        let shard = Shard::new(cfg, model[lo..hi].to_vec(), &module, &config, &mut sink)
-            .map_err(|e| SimError::Policy(policy.to_string(), e))?;
-        shards.push(shard);
+        shards.push(primary);
     }
     let mut workloads = workloads.into_iter();
     let mut workers = Vec::new();
@@ -400,9 +383,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         now: 0,
         queue: Queue::default(),
         server_of: (0..shards_n).map(|s| s % sc.servers).collect(),
-        shards,
+        nodes: shards,
         ranges,
-        sink,
+        requests: HashMap::new(),
+        next_token: 0,
         workers,
         evaluator,
         up: vec![Link::default(); nodes],
@@ -416,31 +400,19 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         time_to_target: None,
         bytes_per_ns: mbit * 1e6 / 8.0 / 1e9,
         latency_ns: sc.latency_us * 1000,
-        gates: backup_of
-            .iter()
-            .map(|b| {
-                let mut gate = AckGate::default();
-                if b.is_some() {
-                    gate.attach(0);
-                }
-                gate
-            })
-            .collect(),
         epoch: vec![0; shards_n as usize],
         backups,
         backup_of,
         replication: Mailbox::default(),
-        quiet,
-        released: Vec::new(),
         dead: vec![false; sc.servers as usize],
         lost: Vec::new(),
         limbo: Vec::new(),
     };
     for s in 0..shards_n {
         for w in 0..n {
-            if let Outcome::Joined(Err(e)) = sim.op(s, Op::Join { worker: w }, Vec::new()) {
-                return Err(SimError::Refused(s, e.to_string()));
-            }
+            let token = sim.token(Req::Join { s });
+            sim.nodes[s as usize].join(0, token, w, Vec::new(), &mut Quiet);
+            sim.drain(s)?;
         }
     }
     for w in 0..n {
@@ -458,7 +430,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         handled += 1;
         sim.handle(ev)?;
-        if sim.done == sim.workers.len() && sim.shards.iter().all(|s| s.view().workers == 0) {
+        if sim.done == sim.workers.len() && sim.nodes.iter().all(|s| sim_shard(s).view().workers == 0) {
             break;
         }
         // A policy that never answers a worker would keep the run going: after the budget, give
@@ -507,56 +479,111 @@ impl Sim {
         }
     }
 
-    /// Schedules what the last call into shard `s` produced.
-    fn drain(&mut self, s: u32) {
-        // The sink's vectors are taken and put back, so that their capacity is reused.
-        let mut served = std::mem::take(&mut self.sink.served);
-        let mut values = std::mem::take(&mut self.sink.values).into_iter();
-        for (w, iteration, version, waited) in served.drain(..) {
-            let v = values.next();
-            let wk = &mut self.workers[w as usize];
-            // The answer to a pull asked again after a failover, which the old primary had
-            // answered already, changes nothing.
-            if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
-                continue;
-            }
-            wk.based_on[s as usize] = Some(version);
-            wk.deferred |= waited > 0;
-            wk.deferred_ns = wk.deferred_ns.max(waited);
-            if let Some((_, v)) = v {
-                let (lo, hi) = self.ranges[s as usize];
-                wk.bufs.params[lo..hi].copy_from_slice(&v);
-            }
-            let (from, bytes) = (self.server_node(s), self.shard_bytes(s));
-            let t = self.transfer(from, w as usize, bytes);
-            // The worker goes on when the last reply arrives: one event at that time, not one
-            // per shard (a fifth of a large run's events).
-            let wk = &mut self.workers[w as usize];
-            wk.replies += 1;
-            wk.replies_at = wk.replies_at.max(t);
-            if wk.replies == self.shards.len() as u32 {
-                let at = wk.replies_at;
-                self.at(at, Ev::PullDone(w));
+    /// A token for a request to a shard.
+    fn token(&mut self, req: Req) -> Token {
+        self.next_token += 1;
+        self.requests.insert(self.next_token, req);
+        self.next_token
+    }
+
+    /// Carries out what shard `s`'s primary said.
+    fn drain(&mut self, s: u32) -> Result<(), SimError> {
+        while let Some(out) = self.nodes[s as usize].poll_output() {
+            match out {
+                NodeOutput::Reply { token, reply } => {
+                    let Some(req) = self.requests.remove(&token) else { continue };
+                    match (req, reply) {
+                        (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
+                            self.served(s, w, iteration, served)
+                        }
+                        // The worker left while its pull waited: nobody is left to answer.
+                        (Req::Pull { .. }, Reply::Pulled(Err(RequestError::Left(..)))) => {}
+                        (Req::Push { w, help, iteration, whole, .. }, Reply::Pushed(r)) => {
+                            self.pushed(s, w, help, iteration, whole, r)?
+                        }
+                        (_, Reply::Pulled(Err(e)) | Reply::Joined(Err(e))) => {
+                            return Err(SimError::Refused(s, e.to_string()))
+                        }
+                        _ => {}
+                    }
+                }
+                NodeOutput::Replicate { stamped, payload } => self.replicate(s, stamped, payload),
+                NodeOutput::Control { worker, msg } => {
+                    let i = self.controls.post(msg, 1);
+                    self.at(self.now + self.latency_ns, Ev::Control(worker, i));
+                }
+                NodeOutput::Confirm { .. } | NodeOutput::Left { .. } => {}
             }
         }
-        self.sink.served = served;
-        let mut acked = std::mem::take(&mut self.sink.acked);
-        for (w, iteration, dropped) in acked.drain(..) {
-            self.gate_ack(s, Ack { worker: w, help: false, whole: Some((iteration, dropped)) });
-        }
-        self.sink.acked = acked;
-        let mut controls = std::mem::take(&mut self.sink.controls);
-        for (w, msg) in controls.drain(..) {
-            let i = self.controls.post(msg, 1);
-            self.at(self.now + self.latency_ns, Ev::Control(w, i));
-        }
-        self.sink.controls = controls;
         self.arm_timer(s);
+        Ok(())
+    }
+
+    /// Shard `s` answers worker `w`'s pull for `iteration`.
+    fn served(&mut self, s: u32, w: WorkerId, iteration: u64, served: Served) {
+        let wk = &mut self.workers[w as usize];
+        // The answer to a pull asked again after a failover, which the old primary had
+        // answered already, changes nothing.
+        if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
+            return;
+        }
+        wk.based_on[s as usize] = Some(served.version);
+        wk.deferred |= served.waited_ns > 0;
+        wk.deferred_ns = wk.deferred_ns.max(served.waited_ns);
+        if self.opts.gradients {
+            let (lo, hi) = self.ranges[s as usize];
+            wk.bufs.params[lo..hi].copy_from_slice(&served.values);
+        }
+        let (from, bytes) = (self.server_node(s), self.shard_bytes(s));
+        let t = self.transfer(from, w as usize, bytes);
+        // The worker goes on when the last reply arrives: one event at that time, not one
+        // per shard (a fifth of a large run's events).
+        let wk = &mut self.workers[w as usize];
+        wk.replies += 1;
+        wk.replies_at = wk.replies_at.max(t);
+        if wk.replies == self.nodes.len() as u32 {
+            let at = wk.replies_at;
+            self.at(at, Ev::PullDone(w));
+        }
+    }
+
+    /// Shard `s` answers worker `w`'s push (of moved tasks if `help`; of its own whole
+    /// iteration if `whole`).
+    fn pushed(
+        &mut self,
+        s: u32,
+        w: WorkerId,
+        help: bool,
+        iteration: u64,
+        whole: bool,
+        r: Result<PushOutcome, RequestError>,
+    ) -> Result<(), SimError> {
+        match r {
+            // A whole push's acknowledgement counts for the push still in flight (not one
+            // answered before a failover).
+            Ok(outcome) if whole => {
+                let own = self.workers[w as usize].own.as_ref();
+                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
+                    self.ack(w, s, false, outcome == PushOutcome::Dropped);
+                }
+            }
+            Ok(_) => self.ack(w, s, help, false),
+            Err(e) if help => {
+                // The owner left meanwhile: its iteration is void, as on the cluster.
+                tracing::debug!("moved tasks refused: {e}");
+                if let Some(p) = self.workers[w as usize].help.as_mut() {
+                    p.refused = true;
+                }
+                self.ack(w, s, help, false);
+            }
+            Err(e) => return Err(SimError::Refused(s, e.to_string())),
+        }
+        Ok(())
     }
 
     /// Schedules shard `s`'s next timer, unless an earlier one is scheduled.
     fn arm_timer(&mut self, s: u32) {
-        if let Some(t) = self.shards[s as usize].next_timer_ns() {
+        if let Some(t) = self.nodes[s as usize].poll_timeout() {
             if self.timer_at[s as usize].is_none_or(|at| t < at) {
                 self.timer_at[s as usize] = Some(t);
                 self.at(t.max(self.now), Ev::Timer(s));
@@ -564,43 +591,11 @@ impl Sim {
         }
     }
 
-    /// Shard `s` acknowledges a push: now, or once its backup has the op that admitted it.
-    fn gate_ack(&mut self, s: u32, a: Ack) {
-        if let Some(a) = self.gates[s as usize].ack(a) {
-            self.release(s, a);
-        }
-    }
-
-    /// The acknowledgements shard `s`'s gate lets go when `open` (a confirmation, a lost
-    /// backup) acts on it go out.
-    fn release_gated(&mut self, s: u32, open: impl FnOnce(&mut AckGate<Ack>, &mut Vec<Ack>)) {
-        let mut released = std::mem::take(&mut self.released);
-        open(&mut self.gates[s as usize], &mut released);
-        for a in released.drain(..) {
-            self.release(s, a);
-        }
-        self.released = released;
-    }
-
-    /// Shard `s`'s acknowledgement goes out.
-    fn release(&mut self, s: u32, a: Ack) {
-        match a.whole {
-            // Only a whole push waits for its admission; parts are acknowledged when counted.
-            Some((iteration, dropped)) => {
-                let own = self.workers[a.worker as usize].own.as_ref();
-                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
-                    self.ack(a.worker, s, false, dropped);
-                }
-            }
-            None => self.ack(a.worker, s, a.help, false),
-        }
-    }
-
     /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
     /// way. Every acknowledgement takes the latency alone, so the last one sent is the last to
     /// arrive: only that one becomes an event.
     fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
-        let shards = self.shards.len() as u32;
+        let shards = self.nodes.len() as u32;
         let wk = &mut self.workers[w as usize];
         let (slot, acked) =
             if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
@@ -615,24 +610,15 @@ impl Sim {
         }
     }
 
-    /// Shard `s`'s primary applies `op` now (with `grad`, a push's gradient), and schedules what
-    /// it said; with a backup, the op goes to it over the servers' link first.
-    fn op(&mut self, s: u32, op: Op, grad: Vec<f32>) -> Outcome {
+    /// Shard `s`'s primary hands its backup an op: it crosses the servers' link.
+    fn replicate(&mut self, s: u32, stamped: Stamped, payload: Vec<f32>) {
         let su = s as usize;
-        let seq = self.gates[su].stamp();
-        if let Some(b) = self.backup_of[su] {
-            let bytes = if matches!(op, Op::Push { .. }) { self.shard_bytes(s) } else { 64 };
-            let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
-            let t = self.transfer(from, to, bytes);
-            let stamped = Stamped { seq, now_ns: self.now, op: op.clone() };
-            let i = self.replication.post((self.epoch[su], stamped, grad.clone()), 1);
-            self.at(t, Ev::Replicate(s, i));
-        }
-        let mut sink = std::mem::take(&mut self.sink);
-        let out = self.shards[su].apply_op(op, grad, self.now, |_| None, &mut sink);
-        self.sink = sink;
-        self.drain(s);
-        out
+        let Some(b) = self.backup_of[su] else { return };
+        let bytes = if matches!(stamped.op, Op::Push { .. }) { self.shard_bytes(s) } else { 64 };
+        let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
+        let t = self.transfer(from, to, bytes);
+        let i = self.replication.post((self.epoch[su], stamped, payload), 1);
+        self.at(t, Ev::Replicate(s, i));
     }
 
     /// Server `x` dies: from now on what reaches it is lost, and its lease lapses.
@@ -648,45 +634,49 @@ impl Sim {
     /// duplicate; a parked pull answers the retried one).
     fn fail_over(&mut self, x: u32) -> Result<(), SimError> {
         self.lost.push(x);
-        let shards = self.shards.len() as u32;
+        let shards = self.nodes.len() as u32;
         let mut moved = Vec::new();
         for s in 0..shards {
             let su = s as usize;
             if self.server_of[su] == x {
-                let (Some(b), Some(backup)) = (self.backup_of[su], self.backups[su].take()) else {
+                let (Some(b), Some(mut backup)) = (self.backup_of[su], self.backups[su].take()) else {
                     return Err(SimError::Options(format!("shard {s} was lost with server {x}: no backup")));
                 };
-                self.shards[su] = backup;
+                // The dead primary's node goes, and with it the acknowledgements it held and
+                // the requests it had not answered (the workers ask again below).
+                backup.promote();
+                self.nodes[su] = backup;
+                self.requests.retain(|_, r| r.shard() != s);
                 (self.server_of[su], self.backup_of[su]) = (b, None);
                 self.epoch[su] += 1;
-                self.gates[su].lose();
                 self.timer_at[su] = None;
                 moved.push(s);
             } else if self.backup_of[su] == Some(x) {
                 (self.backups[su], self.backup_of[su]) = (None, None);
                 self.epoch[su] += 1;
-                self.release_gated(s, |gate, out| gate.detach(|a| out.push(a)));
+                self.nodes[su].drop_backup();
+                self.drain(s)?;
             }
         }
         for &s in &moved {
             let node = self.server_node(s);
             for w in 0..self.workers.len() as u32 {
                 let wk = &self.workers[w as usize];
-                let member = self.shards[s as usize].is_member(w);
+                let member = sim_shard(&self.nodes[s as usize]).is_member(w);
                 if wk.machine.is_done() {
                     // Its goodbye went to the dead primary. The cluster waits the rejoin grace
                     // for a member that does not come back; the simulator lets it leave now.
                     if member {
-                        self.op(s, Op::Leave { worker: w, reason: LeaveReason::TimedOut }, Vec::new());
+                        self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                        self.drain(s)?;
                     }
                     continue;
                 }
-                if !member {
-                    // Its join had not reached the backup: it joins again.
-                    if let Outcome::Joined(Err(e)) = self.op(s, Op::Join { worker: w }, Vec::new()) {
-                        return Err(SimError::Refused(s, e.to_string()));
-                    }
-                }
+                // It rejoins the promoted backup (a member) or, if its join had not reached
+                // the backup, joins again.
+                let token = self.token(Req::Join { s });
+                self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+                self.drain(s)?;
                 let wk = &self.workers[w as usize];
                 let (own, help) = (wk.own.is_some(), wk.help.is_some());
                 let (own_acked, help_acked) = (wk.own_acked[s as usize], wk.help_acked[s as usize]);
@@ -728,7 +718,7 @@ impl Sim {
 
     /// Carries out every action worker `w`'s machine has, and sets its timer.
     fn drive(&mut self, w: u32) -> Result<(), SimError> {
-        let shards = self.shards.len() as u32;
+        let shards = self.nodes.len() as u32;
         while let Some(action) = self.workers[w as usize].machine.poll_action(self.now) {
             match action {
                 Action::Pull { iteration } => {
@@ -803,7 +793,7 @@ impl Sim {
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
-        let shards = self.shards.len() as u32;
+        let shards = self.nodes.len() as u32;
         match ev {
             Ev::Wake(w) => {
                 self.workers[w as usize].wake_at = None;
@@ -813,9 +803,9 @@ impl Sim {
                 self.limbo.push(ev);
             }
             Ev::PullArrive(w, s, iteration) => {
-                if let Outcome::Done(Err(e)) = self.op(s, Op::Pull { worker: w, iteration }, Vec::new()) {
-                    return Err(SimError::Refused(s, e.to_string()));
-                }
+                let token = self.token(Req::Pull { w, s, iteration });
+                self.nodes[s as usize].pull(self.now, token, w, iteration, &mut Quiet);
+                self.drain(s)?;
             }
             Ev::PullDone(w) => {
                 let wk = &mut self.workers[w as usize];
@@ -837,37 +827,13 @@ impl Sim {
                 };
                 // A whole push is the owner's own; parts say whose tasks they are.
                 debug_assert!(job.tasks.is_some() || job.owner == w);
-                let op = Op::Push {
-                    worker: w,
-                    iteration: job.iteration,
-                    samples: job.samples,
-                    based_on: wk.based_on[s as usize],
-                    tasks: job.tasks.map(|part| (job.owner, part)),
-                };
-                let Outcome::Pushed(r) = self.op(s, op, grad) else { unreachable!("a push's outcome") };
-                let part = Ack { worker: w, help, whole: None };
-                match (r, job.tasks) {
-                    // Parts are acknowledged (or refused) as soon as they are counted.
-                    (Ok(()), Some(_)) => self.gate_ack(s, part),
-                    (Ok(()), None) => {}
-                    // Asked again after a failover: the new primary had it. Held by the policy,
-                    // it is acknowledged with the policy's decision.
-                    (Err(ShardError::Duplicate { .. }), None)
-                        if self.shards[s as usize].is_push_held(w, job.iteration) => {}
-                    (Err(ShardError::Duplicate { .. }), None) => {
-                        self.gate_ack(s, Ack { whole: Some((job.iteration, false)), ..part })
-                    }
-                    (Err(ShardError::Duplicate { .. }), Some(_)) => self.gate_ack(s, part),
-                    (Err(e), _) if help => {
-                        // The owner left meanwhile: its iteration is void, as on the cluster.
-                        tracing::debug!("moved tasks refused: {e}");
-                        if let Some(p) = self.workers[w as usize].help.as_mut() {
-                            p.refused = true;
-                        }
-                        self.ack(w, s, help, false);
-                    }
-                    (Err(e), _) => return Err(SimError::Refused(s, e.to_string())),
-                }
+                let (samples, based_on) = (job.samples, wk.based_on[s as usize]);
+                let (iteration, whole) = (job.iteration, job.tasks.is_none());
+                let token = self.token(Req::Push { w, s, help, iteration, whole });
+                let tasks = job.tasks.map(|part| (job.owner, part));
+                self.nodes[s as usize]
+                    .push(self.now, token, w, iteration, samples, based_on, grad, tasks, &mut Quiet);
+                self.drain(s)?;
             }
             Ev::AckArrive(w, help) => {
                 let wk = &mut self.workers[w as usize];
@@ -881,14 +847,19 @@ impl Sim {
             Ev::ToShard(w, s, i) => {
                 // A worker that has left cannot be heard from: the shard says so, and that is
                 // what the cluster's servers do too.
-                let op = match self.to_shard.deliver(i) {
-                    ToShard::Handover(handover) => Op::Yielded { handover },
-                    ToShard::Applied(applied) => Op::Applied { applied },
-                    ToShard::Finished(report) => Op::Finished { report },
-                    ToShard::Skip(to) => Op::Skip { worker: w, to },
-                    ToShard::Goodbye => Op::Goodbye { worker: w },
-                };
-                self.op(s, op, Vec::new());
+                let (now, node) = (self.now, &mut self.nodes[s as usize]);
+                match self.to_shard.deliver(i) {
+                    ToShard::Handover(handover) => node.yielded(now, handover, &mut Quiet),
+                    ToShard::Applied(applied) => node.applied(now, applied, &mut Quiet),
+                    ToShard::Finished(report) => node.finished(now, report, &mut Quiet),
+                    ToShard::Skip(to) => {
+                        self.next_token += 1;
+                        self.requests.insert(self.next_token, Req::Ignore { s });
+                        node.skip(now, self.next_token, w, to, &mut Quiet)
+                    }
+                    ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
+                }
+                self.drain(s)?;
             }
             Ev::Control(w, i) => {
                 let msg = self.controls.deliver(i);
@@ -899,7 +870,8 @@ impl Sim {
             Ev::Timer(s) => {
                 self.timer_at[s as usize] = None;
                 if !self.down(s) {
-                    self.op(s, Op::Advance, Vec::new());
+                    self.nodes[s as usize].handle_timeout(self.now, &mut Quiet);
+                    self.drain(s)?;
                 }
             }
             Ev::Replicate(s, i) => {
@@ -913,10 +885,16 @@ impl Sim {
                 else {
                     return Ok(());
                 };
-                let seq = stamped.seq;
-                backup.apply_op(stamped.op, grad, stamped.now_ns, |_| None, &mut self.quiet);
-                self.quiet.clear();
-                self.at(self.now + self.latency_ns, Ev::Confirm(s, epoch, seq));
+                backup.replicated(stamped, grad, |_| None, &mut Quiet);
+                let mut confirmed = None;
+                while let Some(out) = backup.poll_output() {
+                    if let NodeOutput::Confirm { seq } = out {
+                        confirmed = Some(seq);
+                    }
+                }
+                if let Some(seq) = confirmed {
+                    self.at(self.now + self.latency_ns, Ev::Confirm(s, epoch, seq));
+                }
             }
             Ev::Confirm(s, epoch, seq) => {
                 // Likewise a confirmation on its way from a backup that died.
@@ -924,7 +902,8 @@ impl Sim {
                 if epoch != self.epoch[s as usize] || self.down(s) || backup_dead {
                     return Ok(());
                 }
-                self.release_gated(s, |gate, out| gate.confirm(seq, |a| out.push(a)));
+                self.nodes[s as usize].confirmed(seq);
+                self.drain(s)?;
             }
             Ev::FailOver(x) => self.fail_over(x)?,
             Ev::Watch => {
@@ -954,7 +933,7 @@ impl Sim {
     }
 
     fn model(&self) -> Vec<f32> {
-        self.shards.iter().flat_map(|s| s.values().iter().copied()).collect()
+        self.nodes.iter().flat_map(|s| sim_shard(s).values().iter().copied()).collect()
     }
 
     fn observe(&mut self) {
@@ -962,7 +941,7 @@ impl Sim {
         let score =
             self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
         let status: Vec<ShardStatus> =
-            self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
+            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
@@ -977,7 +956,7 @@ impl Sim {
         self.observe();
         let n = self.workers.len();
         let shards: Vec<ShardStatus> =
-            self.shards.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, s)).collect();
+            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
         let staleness = RunReport::staleness_of(shards.iter());
         let servers = (0..self.opts.run.scenario.servers)
             .map(|id| {
@@ -1037,7 +1016,7 @@ impl Sim {
             servers,
             members,
             model_len: model.len(),
-            model_version: self.shards.iter().map(Shard::version).min().unwrap_or(0),
+            model_version: self.nodes.iter().map(|s| sim_shard(s).version()).min().unwrap_or(0),
             model_file: None,
             started_unix_s: 0.0,
             watch: self.watch,
@@ -1051,4 +1030,9 @@ impl Sim {
             coordinator_restarts: Vec::new(),
         }
     }
+}
+
+/// A simulated shard: the simulator creates every one before the run starts.
+fn sim_shard(node: &ShardNode) -> &Shard {
+    node.shard().expect("the simulator creates every shard at the start")
 }

@@ -1,0 +1,1061 @@
+//! One shard's server-side protocol as a sans-IO machine: what a server does with a shard's
+//! requests, replication and failover, with no channels, sockets, tasks or clock.
+//!
+//! A [`ShardNode`] wraps a [`Shard`] (created by the first join, restored from a snapshot, or,
+//! on a backup, created by its primary's [`Op::Create`]) and adds what a replicated server
+//! needs around it:
+//! - **replies by token.** Each request carries a [`Token`] of its driver's choosing, and is
+//!   answered by a [`NodeOutput::Reply`] with that token, now or later (a parked pull, a held
+//!   push). Errors stay typed ([`RequestError`]) until the driver writes them on the wire.
+//!   A worker has at most one pull and one push per iteration waiting.
+//! - **duplicates.** A push the shard already has (a retry after a failover, an iteration
+//!   redone after a restore) is acknowledged as [`PushOutcome::Duplicate`], not applied again;
+//!   if the policy holds it, the acknowledgement waits for the policy's decision.
+//! - **replication.** A primary with a backup stamps every change as an [`Op`] and hands it out
+//!   ([`NodeOutput::Replicate`]) before applying it; a push's acknowledgement is held by the
+//!   [`AckGate`] until the backup has confirmed the op that admitted it ([`confirmed`]). A
+//!   backup applies its primary's ops ([`replicated`]) at the primary's times, answers nobody,
+//!   and confirms each ([`NodeOutput::Confirm`]). A backup attached mid-run starts from a
+//!   snapshot that the primary restarts itself from ([`attach_backup`]).
+//! - **promotion and returning members.** A promoted backup, or a shard restored from a
+//!   checkpoint, waits for its members to rejoin: a minute for the first (or the rejoin grace,
+//!   if longer), then the grace for the rest; those that do not come back are made to leave.
+//! - **time.** Every input carries the driver's time in nanoseconds; [`poll_timeout`] says
+//!   when the node wants [`handle_timeout`] (a policy timer, on a primary; a rejoin deadline).
+//!
+//! The tokio server (`host/src/server/shard_task.rs`) and the simulator (`host/src/lab/sim`)
+//! both drive this machine, so a simulated failover is the cluster's own.
+//!
+//! [`confirmed`]: ShardNode::confirmed
+//! [`replicated`]: ShardNode::replicated
+//! [`attach_backup`]: ShardNode::attach_backup
+//! [`poll_timeout`]: ShardNode::poll_timeout
+//! [`handle_timeout`]: ShardNode::handle_timeout
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use syncopate_policy_sdk::abi::{Applied, Envelope, IterationReport, LeaveReason, RequestId, WorkerId};
+
+use super::{
+    AckGate, ControlMessage, Handover, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink,
+    ShardSnapshot, Stamped, TaskPart,
+};
+use crate::recording::PolicyStart;
+use crate::runtime::{PolicyError, PolicyModule};
+
+/// A driver's name for a request, returned with its reply.
+pub type Token = u64;
+
+/// What a served pull sends back.
+#[derive(Clone, Debug)]
+pub struct Served {
+    /// The worker's clock at the shard.
+    pub clock: u64,
+    /// The shard's version (optimizer steps) of these parameters.
+    pub version: u64,
+    /// How long the pull waited at the shard.
+    pub waited_ns: u64,
+    /// The parameters as they were when served, shared (no copy).
+    pub values: Arc<Vec<f32>>,
+}
+
+/// What became of a push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushOutcome {
+    /// Admitted: applied, or counted in its aggregate or its iteration's tasks.
+    Applied,
+    /// Acknowledged, but the policy dropped it.
+    Dropped,
+    /// The shard already had it: acknowledged, not applied again.
+    Duplicate,
+}
+
+/// How a worker joined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Joined {
+    /// A new member, starting at this clock.
+    Fresh(u64),
+    /// A member of a restored or promoted shard, back: the next iteration the shard expects
+    /// from it.
+    Rejoined(u64),
+}
+
+/// Why a request was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    /// The shard has no parameters yet.
+    #[error("shard {0} has no parameters yet (a worker must join with them first)")]
+    NoShardYet(u32),
+    /// The first join's parameters did not start the policy.
+    #[error("shard {shard} cannot start its policy: {reason}")]
+    CannotStart {
+        /// The shard.
+        shard: u32,
+        /// Why.
+        reason: String,
+    },
+    /// A joining worker's slice of the model has another length than the shard.
+    #[error("shard {shard} holds {holds} parameters, the worker's slice has {got}")]
+    WrongSlice {
+        /// The shard.
+        shard: u32,
+        /// Its parameters.
+        holds: usize,
+        /// The worker's.
+        got: usize,
+    },
+    /// The worker already has such a request waiting for this iteration.
+    #[error("worker {worker} already has a {what} for {iteration} waiting")]
+    AlreadyWaiting {
+        /// The worker.
+        worker: WorkerId,
+        /// The iteration.
+        iteration: u64,
+        /// `pull` or `push`.
+        what: &'static str,
+    },
+    /// The shard refused it.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// A swap failed (the new policy refused, or its module is missing).
+    #[error("{0}")]
+    Swap(String),
+    /// A backup takes no requests but its primary's ops.
+    #[error("shard {0} is a backup here")]
+    Backup(u32),
+    /// The worker left (or was dropped) while its request waited.
+    #[error("worker {0} left shard {1} while its request waited")]
+    Left(WorkerId, u32),
+}
+
+/// The answer to a request.
+#[derive(Debug)]
+pub enum Reply {
+    /// To a join.
+    Joined(Result<Joined, RequestError>),
+    /// To a push.
+    Pushed(Result<PushOutcome, RequestError>),
+    /// To a pull.
+    Pulled(Result<Served, RequestError>),
+    /// To anything else.
+    Done(Result<(), RequestError>),
+}
+
+/// What the node asks its driver to do.
+#[derive(Debug)]
+pub enum NodeOutput {
+    /// Answer request `token`.
+    Reply {
+        /// The request.
+        token: Token,
+        /// The answer.
+        reply: Reply,
+    },
+    /// Send this op to the backup (a primary with one), in order; `payload` is a push's
+    /// gradient or a creation's parameters, in a buffer from the [`Observer`].
+    Replicate {
+        /// The op.
+        stamped: Stamped,
+        /// Its tensor.
+        payload: Vec<f32>,
+    },
+    /// Tell the primary this backup holds every op up to `seq`.
+    Confirm {
+        /// The op.
+        seq: u64,
+    },
+    /// A control message for a worker (a primary's only).
+    Control {
+        /// The worker.
+        worker: WorkerId,
+        /// The message.
+        msg: ControlMessage,
+    },
+    /// A worker left the shard: nothing more goes to it.
+    Left {
+        /// The worker.
+        worker: WorkerId,
+    },
+}
+
+/// What a node tells its driver that is not protocol: buffers, recordings, metrics, failures.
+/// Every method has a default that does nothing (or allocates).
+pub trait Observer {
+    /// A policy records a metric.
+    fn metric(&mut self, _name: &str, _value: f64) {}
+    /// The policy failed; the shard recovered.
+    fn policy_failed(&mut self, _error: &PolicyError) {}
+    /// A policy instance started.
+    fn policy_started(&mut self, _start: &PolicyStart<'_>) {}
+    /// The policy answered an event, or failed on it.
+    fn policy_called(&mut self, _env: &Envelope, _answer: Result<&[u8], &PolicyError>) {}
+    /// A buffer the node is done with.
+    fn recycle(&mut self, _buffer: Vec<f32>) {}
+    /// A buffer of exactly `len` values, which the node overwrites.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+}
+
+/// An observer that keeps nothing.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {}
+
+/// How a node runs, besides its shard's configuration.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The shard's configuration.
+    pub shard: ShardConfig,
+    /// How long the members of a restored or promoted shard have to come back once the first
+    /// has, in nanoseconds.
+    pub rejoin_grace_ns: u64,
+}
+
+/// How long a restored or promoted shard waits for its first member to come back, at least.
+const FIRST_REJOIN_NS: u64 = 60_000_000_000;
+
+/// Members of a restored or promoted shard that have not rejoined yet, and until when they may.
+#[derive(Debug)]
+struct Awaiting {
+    workers: BTreeSet<WorkerId>,
+    deadline_ns: u64,
+}
+
+/// Requests waiting for the shard, and what the shard said.
+#[derive(Debug, Default)]
+struct Pending {
+    shard: u32,
+    backup: bool,
+    pulls: BTreeMap<(WorkerId, u64), Token>,
+    pushes: BTreeMap<(WorkerId, u64), Token>,
+    /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
+    goodbyes: BTreeMap<WorkerId, Token>,
+    /// Op numbering, and push acknowledgements held until the backup has their op.
+    gate: AckGate<(Token, PushOutcome)>,
+    out: VecDeque<NodeOutput>,
+}
+
+impl Pending {
+    /// Acknowledges a push now, or once the backup has the op that admitted it.
+    fn ack(&mut self, token: Token, outcome: PushOutcome) {
+        if let Some((token, outcome)) = self.gate.ack((token, outcome)) {
+            self.reply(token, Reply::Pushed(Ok(outcome)));
+        }
+    }
+
+    fn reply(&mut self, token: Token, reply: Reply) {
+        self.out.push_back(NodeOutput::Reply { token, reply });
+    }
+
+    fn release(
+        &mut self,
+        open: impl FnOnce(&mut AckGate<(Token, PushOutcome)>, &mut Vec<(Token, PushOutcome)>),
+    ) {
+        let mut released = Vec::new();
+        open(&mut self.gate, &mut released);
+        for (token, outcome) in released {
+            self.reply(token, Reply::Pushed(Ok(outcome)));
+        }
+    }
+}
+
+/// The shard's sink while the node calls it: protocol to the node's bookkeeping, the rest to
+/// the driver's observer.
+struct Tap<'a> {
+    pending: &'a mut Pending,
+    obs: &'a mut dyn Observer,
+}
+
+impl ShardSink for Tap<'_> {
+    fn pull_served(&mut self, r: PullReply<'_>) {
+        if let Some(token) = self.pending.pulls.remove(&(r.worker, r.iteration)) {
+            let served = Served {
+                clock: r.clock,
+                version: r.version,
+                waited_ns: r.waited_ns,
+                values: Arc::clone(r.values),
+            };
+            self.pending.reply(token, Reply::Pulled(Ok(served)));
+        }
+    }
+
+    fn push_acked(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
+        if let Some(token) = self.pending.pushes.remove(&(worker, iteration)) {
+            self.pending.ack(token, PushOutcome::Applied);
+        }
+    }
+
+    fn push_dropped(&mut self, _id: RequestId, worker: WorkerId, iteration: u64) {
+        if let Some(token) = self.pending.pushes.remove(&(worker, iteration)) {
+            self.pending.ack(token, PushOutcome::Dropped);
+        }
+    }
+
+    fn control(&mut self, worker: WorkerId, msg: ControlMessage) {
+        if !self.pending.backup {
+            self.pending.out.push_back(NodeOutput::Control { worker, msg });
+        }
+    }
+
+    fn left(&mut self, worker: WorkerId) {
+        let p = &mut *self.pending;
+        let shard = p.shard;
+        let waiting: Vec<(WorkerId, u64)> =
+            p.pulls.range((worker, 0)..=(worker, u64::MAX)).map(|(k, _)| *k).collect();
+        for key in waiting {
+            if let Some(token) = p.pulls.remove(&key) {
+                p.reply(token, Reply::Pulled(Err(RequestError::Left(worker, shard))));
+            }
+        }
+        if let Some(token) = p.goodbyes.remove(&worker) {
+            p.reply(token, Reply::Done(Ok(())));
+        }
+        p.out.push_back(NodeOutput::Left { worker });
+    }
+
+    fn metric(&mut self, name: &str, value: f64) {
+        self.obs.metric(name, value);
+    }
+
+    fn policy_failed(&mut self, error: &PolicyError) {
+        self.obs.policy_failed(error);
+    }
+
+    fn policy_started(&mut self, start: &PolicyStart<'_>) {
+        self.obs.policy_started(start);
+    }
+
+    fn policy_called(&mut self, env: &Envelope, answer: Result<&[u8], &PolicyError>) {
+        self.obs.policy_called(env, answer);
+    }
+
+    fn recycle(&mut self, buffer: Vec<f32>) {
+        self.obs.recycle(buffer);
+    }
+
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        self.obs.buffer(len)
+    }
+}
+
+/// One shard on a server, primary or backup: the module's doc.
+#[derive(Debug)]
+pub struct ShardNode {
+    cfg: NodeConfig,
+    module: PolicyModule,
+    config: Vec<(String, String)>,
+    shard: Option<Shard>,
+    pending: Pending,
+    awaiting: Option<Awaiting>,
+    /// A primary streaming its ops to a backup.
+    replicating: bool,
+    /// The time of the last op applied (a backup's: its primary's).
+    last_now: u64,
+}
+
+impl ShardNode {
+    /// A node whose shard the first join (or, on a backup, its primary's first op) creates.
+    pub fn new(cfg: NodeConfig, module: PolicyModule, config: Vec<(String, String)>, backup: bool) -> Self {
+        let pending = Pending { shard: cfg.shard.shard, backup, ..Pending::default() };
+        ShardNode {
+            cfg,
+            module,
+            config,
+            shard: None,
+            pending,
+            awaiting: None,
+            replicating: false,
+            last_now: 0,
+        }
+    }
+
+    /// A node whose shard is restored from `snap` (a checkpoint). A primary then waits for the
+    /// snapshot's members to rejoin. Its time goes on from the snapshot's (`now_ns`).
+    pub fn restore(
+        cfg: NodeConfig,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        backup: bool,
+        snap: ShardSnapshot,
+        obs: &mut dyn Observer,
+    ) -> Result<Self, crate::shard::SnapshotError> {
+        let mut node = ShardNode::new(cfg, module, config, backup);
+        let now = snap.now_ns();
+        let members: BTreeSet<WorkerId> = snap.workers().iter().map(|c| c.worker).collect();
+        let mut tap = Tap { pending: &mut node.pending, obs };
+        node.shard = Some(Shard::restore(node.cfg.shard.clone(), snap, &node.module, &mut tap)?);
+        node.last_now = now;
+        if !backup {
+            node.await_members(members, now);
+        }
+        Ok(node)
+    }
+
+    /// Creates the shard from `params` now, as the first join would, without an op: for a
+    /// driver that starts a primary and its backup from the same parameters (the simulator).
+    pub fn create(&mut self, params: Vec<f32>, obs: &mut dyn Observer) -> Result<(), PolicyError> {
+        let mut tap = Tap { pending: &mut self.pending, obs };
+        self.shard = Some(Shard::new(self.cfg.shard.clone(), params, &self.module, &self.config, &mut tap)?);
+        Ok(())
+    }
+
+    /// The shard, once it exists.
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
+    }
+
+    /// The shard's number.
+    pub fn id(&self) -> u32 {
+        self.cfg.shard.shard
+    }
+
+    /// Whether this node mirrors a primary.
+    pub fn is_backup(&self) -> bool {
+        self.pending.backup
+    }
+
+    /// Whether this primary streams its ops to a backup.
+    pub fn is_replicating(&self) -> bool {
+        self.replicating
+    }
+
+    /// The last op numbered, and the last one the backup confirmed (`None`: no backup).
+    pub fn replication(&self) -> (u64, Option<u64>) {
+        (self.pending.gate.seq(), self.pending.gate.confirmed())
+    }
+
+    /// The time of the last op applied: a promoted backup's driver continues its clock from it.
+    pub fn last_now(&self) -> u64 {
+        self.last_now
+    }
+
+    /// The policy module the shard runs (or will start with).
+    pub fn module(&self) -> &PolicyModule {
+        &self.module
+    }
+
+    /// The next thing the driver must do, if any.
+    pub fn poll_output(&mut self) -> Option<NodeOutput> {
+        self.pending.out.pop_front()
+    }
+
+    /// When the node wants [`handle_timeout`](Self::handle_timeout): a policy timer (a
+    /// primary's; a backup's timers fire on its primary's ops) or a rejoin deadline.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let timer = self.shard.as_ref().and_then(Shard::next_timer_ns).filter(|_| !self.pending.backup);
+        let gone = self.awaiting.as_ref().map(|a| a.deadline_ns);
+        timer.into_iter().chain(gone).min()
+    }
+
+    /// Fires what is due at `now`: policy timers, then members that did not come back in time.
+    pub fn handle_timeout(&mut self, now: u64, obs: &mut dyn Observer) {
+        if self.shard.as_ref().and_then(Shard::next_timer_ns).is_some_and(|t| t <= now)
+            && !self.pending.backup
+        {
+            self.step(Op::Advance, Vec::new(), now, obs);
+        }
+        if let Some(a) = self.awaiting.take_if(|a| a.deadline_ns <= now) {
+            for worker in a.workers {
+                tracing::warn!(shard = self.id(), worker, "worker did not come back; it leaves");
+                self.step(Op::Leave { worker, reason: LeaveReason::TimedOut }, Vec::new(), now, obs);
+            }
+        }
+    }
+
+    fn await_members(&mut self, members: BTreeSet<WorkerId>, now: u64) {
+        let wait = self.cfg.rejoin_grace_ns.max(FIRST_REJOIN_NS);
+        self.awaiting =
+            (!members.is_empty()).then_some(Awaiting { workers: members, deadline_ns: now + wait });
+    }
+
+    /// Applies an op (handing it to the backup first, if there is one).
+    fn step(&mut self, op: Op, grad: Vec<f32>, now: u64, obs: &mut dyn Observer) -> Option<Outcome> {
+        if self.shard.is_none() && op != Op::Create {
+            return None;
+        }
+        let seq = self.pending.gate.stamp();
+        if self.replicating {
+            let payload = match op {
+                Op::Push { .. } | Op::Create => {
+                    let mut copy = obs.buffer(grad.len());
+                    copy.copy_from_slice(&grad);
+                    copy
+                }
+                _ => Vec::new(),
+            };
+            let stamped = Stamped { seq, now_ns: now, op: op.clone() };
+            self.pending.out.push_back(NodeOutput::Replicate { stamped, payload });
+        }
+        self.apply(op, grad, now, |_| None, obs)
+    }
+
+    /// What an op does to the shard ([`Shard::apply_op`], shared by primary and backup).
+    fn apply(
+        &mut self,
+        op: Op,
+        grad: Vec<f32>,
+        now: u64,
+        find: impl FnOnce(&[u8; 32]) -> Option<PolicyModule>,
+        obs: &mut dyn Observer,
+    ) -> Option<Outcome> {
+        self.last_now = now;
+        let (id, backup) = (self.id(), self.pending.backup);
+        let mut tap = Tap { pending: &mut self.pending, obs };
+        if let Op::Create = op {
+            let created = Shard::new(self.cfg.shard.clone(), grad, &self.module, &self.config, &mut tap);
+            return Some(Outcome::Created(match created {
+                Ok(s) => {
+                    tracing::info!(shard = id, len = s.values().len(), backup, "shard created");
+                    self.shard = Some(s);
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            }));
+        }
+        let s = self.shard.as_mut()?;
+        let swap = match &op {
+            Op::Swap { sha256, config } => Some((*sha256, config.clone())),
+            _ => None,
+        };
+        let mut chosen = None;
+        let own = self.module.clone();
+        let outcome = s.apply_op(
+            op,
+            grad,
+            now,
+            |sha| {
+                chosen = if own.sha256() == *sha { Some(own) } else { find(sha) };
+                chosen.clone()
+            },
+            &mut tap,
+        );
+        if let (Outcome::Swapped(Ok(())), Some((_, config)), Some(module)) = (&outcome, swap, chosen) {
+            self.module = module;
+            self.config = config;
+        }
+        Some(outcome)
+    }
+
+    /// A worker joins with its slice of the model (`init`; empty when it has none), which
+    /// creates the shard if it does not exist. A member coming back (after a restore, a
+    /// failover, or a retry) rejoins, and its policy hears nothing.
+    pub fn join(&mut self, now: u64, token: Token, worker: WorkerId, init: Vec<f32>, obs: &mut dyn Observer) {
+        let id = self.id();
+        let reply = self.join_inner(now, worker, init, obs).map_err(|e| {
+            if !matches!(e, RequestError::NoShardYet(_)) {
+                tracing::debug!(shard = id, worker, "join refused: {e}");
+            }
+            e
+        });
+        self.pending.reply(token, Reply::Joined(reply));
+    }
+
+    fn join_inner(
+        &mut self,
+        now: u64,
+        worker: WorkerId,
+        init: Vec<f32>,
+        obs: &mut dyn Observer,
+    ) -> Result<Joined, RequestError> {
+        let id = self.id();
+        if self.pending.backup {
+            return Err(RequestError::Backup(id));
+        }
+        let model_len = init.len();
+        if self.shard.is_none() {
+            if init.is_empty() {
+                return Err(RequestError::NoShardYet(id));
+            }
+            if let Some(Outcome::Created(Err(reason))) = self.step(Op::Create, init, now, obs) {
+                return Err(RequestError::CannotStart { shard: id, reason });
+            }
+        }
+        let shard = self.shard.as_ref().ok_or(RequestError::NoShardYet(id))?;
+        if model_len != 0 && model_len != shard.values().len() {
+            return Err(RequestError::WrongSlice { shard: id, holds: shard.values().len(), got: model_len });
+        }
+        if shard.is_member(worker) {
+            if let Some(a) = self.awaiting.as_mut() {
+                a.workers.remove(&worker);
+                if a.workers.is_empty() {
+                    self.awaiting = None;
+                } else {
+                    a.deadline_ns = a.deadline_ns.min(now + self.cfg.rejoin_grace_ns);
+                }
+            }
+            let next = shard.rejoin(worker)?;
+            tracing::info!(shard = id, worker, next, "worker rejoined");
+            return Ok(Joined::Rejoined(next));
+        }
+        match self.step(Op::Join { worker }, Vec::new(), now, obs) {
+            Some(Outcome::Joined(r)) => Ok(Joined::Fresh(r?)),
+            _ => Err(RequestError::NoShardYet(id)),
+        }
+    }
+
+    /// A worker's push (`tasks`: some tasks of an iteration, with their owner, acknowledged as
+    /// soon as they are counted).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        now: u64,
+        token: Token,
+        worker: WorkerId,
+        iteration: u64,
+        samples: u32,
+        based_on: Option<u64>,
+        grad: Vec<f32>,
+        tasks: Option<(WorkerId, TaskPart)>,
+        obs: &mut dyn Observer,
+    ) {
+        let id = self.id();
+        if self.pending.backup {
+            return self.pending.reply(token, Reply::Pushed(Err(RequestError::Backup(id))));
+        }
+        if self.shard.is_none() {
+            return self.pending.reply(token, Reply::Pushed(Err(RequestError::NoShardYet(id))));
+        }
+        let op = Op::Push { worker, iteration, samples, based_on, tasks };
+        if tasks.is_some() {
+            match self.step(op, grad, now, obs) {
+                Some(Outcome::Pushed(Ok(()))) => self.pending.ack(token, PushOutcome::Applied),
+                Some(Outcome::Pushed(Err(ShardError::Duplicate { .. }))) => {
+                    self.pending.ack(token, PushOutcome::Duplicate)
+                }
+                Some(Outcome::Pushed(Err(e))) => self.pending.reply(token, Reply::Pushed(Err(e.into()))),
+                _ => self.pending.reply(token, Reply::Pushed(Err(RequestError::NoShardYet(id)))),
+            }
+            return;
+        }
+        if self.pending.pushes.contains_key(&(worker, iteration)) {
+            let e = RequestError::AlreadyWaiting { worker, iteration, what: "push" };
+            return self.pending.reply(token, Reply::Pushed(Err(e)));
+        }
+        self.pending.pushes.insert((worker, iteration), token);
+        match self.step(op, grad, now, obs) {
+            Some(Outcome::Pushed(Ok(()))) => {}
+            // Held by the policy: the acknowledgement waits for its decision.
+            Some(Outcome::Pushed(Err(ShardError::Duplicate { .. })))
+                if self.shard.as_ref().is_some_and(|s| s.is_push_held(worker, iteration)) => {}
+            Some(Outcome::Pushed(Err(ShardError::Duplicate { .. }))) => {
+                tracing::debug!(shard = id, worker, iteration, "duplicate push acknowledged, not applied");
+                if let Some(token) = self.pending.pushes.remove(&(worker, iteration)) {
+                    self.pending.ack(token, PushOutcome::Duplicate);
+                }
+            }
+            Some(Outcome::Pushed(Err(e))) => {
+                if let Some(token) = self.pending.pushes.remove(&(worker, iteration)) {
+                    self.pending.reply(token, Reply::Pushed(Err(e.into())));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A worker's pull before computing `iteration`: answered when the policy releases it.
+    pub fn pull(&mut self, now: u64, token: Token, worker: WorkerId, iteration: u64, obs: &mut dyn Observer) {
+        let id = self.id();
+        if self.pending.backup {
+            return self.pending.reply(token, Reply::Pulled(Err(RequestError::Backup(id))));
+        }
+        if self.shard.is_none() {
+            return self.pending.reply(token, Reply::Pulled(Err(RequestError::NoShardYet(id))));
+        }
+        if self.pending.pulls.contains_key(&(worker, iteration)) {
+            let e = RequestError::AlreadyWaiting { worker, iteration, what: "pull" };
+            return self.pending.reply(token, Reply::Pulled(Err(e)));
+        }
+        self.pending.pulls.insert((worker, iteration), token);
+        if let Some(Outcome::Done(Err(e))) = self.step(Op::Pull { worker, iteration }, Vec::new(), now, obs) {
+            if let Some(token) = self.pending.pulls.remove(&(worker, iteration)) {
+                self.pending.reply(token, Reply::Pulled(Err(e.into())));
+            }
+        }
+    }
+
+    /// A worker skips ahead to iteration `to`.
+    pub fn skip(&mut self, now: u64, token: Token, worker: WorkerId, to: u64, obs: &mut dyn Observer) {
+        let r = match self.step(Op::Skip { worker, to }, Vec::new(), now, obs) {
+            Some(Outcome::Done(r)) => r.map_err(RequestError::from),
+            _ => Err(RequestError::NoShardYet(self.id())),
+        };
+        self.pending.reply(token, Reply::Done(r));
+    }
+
+    /// The owner of moved tasks handed them over.
+    pub fn yielded(&mut self, now: u64, handover: Handover, obs: &mut dyn Observer) {
+        if let Some(Outcome::Done(Err(e))) = self.step(Op::Yielded { handover }, Vec::new(), now, obs) {
+            tracing::debug!(shard = self.id(), "task hand-over not reported: {e}");
+        }
+    }
+
+    /// A worker applied a control message.
+    pub fn applied(&mut self, now: u64, applied: Applied, obs: &mut dyn Observer) {
+        if let Some(Outcome::Done(Err(e))) = self.step(Op::Applied { applied }, Vec::new(), now, obs) {
+            tracing::debug!(shard = self.id(), "control acknowledgement ignored: {e}");
+        }
+    }
+
+    /// A worker's report of an iteration.
+    pub fn finished(&mut self, now: u64, report: IterationReport, obs: &mut dyn Observer) {
+        if let Some(Outcome::Done(Err(e))) = self.step(Op::Finished { report }, Vec::new(), now, obs) {
+            tracing::debug!(shard = self.id(), "iteration report ignored: {e}");
+        }
+    }
+
+    /// A worker leaves: `Finished` is a goodbye, which waits for the worker's tasks still out
+    /// (so nothing it trained is lost) before the reply; any other reason drops it now.
+    /// `token`: where to answer, if anyone waits.
+    pub fn leave(
+        &mut self,
+        now: u64,
+        token: Option<Token>,
+        worker: WorkerId,
+        reason: LeaveReason,
+        obs: &mut dyn Observer,
+    ) {
+        if let Some(a) = self.awaiting.as_mut() {
+            a.workers.remove(&worker);
+        }
+        if self.shard.is_none() {
+            self.pending.out.push_back(NodeOutput::Left { worker });
+            if let Some(token) = token {
+                self.pending.reply(token, Reply::Done(Ok(())));
+            }
+            return;
+        }
+        let result = match reason {
+            LeaveReason::Finished => match self.step(Op::Goodbye { worker }, Vec::new(), now, obs) {
+                Some(Outcome::Left(r)) => r,
+                _ => Ok(true),
+            },
+            _ => match self.step(Op::Leave { worker, reason }, Vec::new(), now, obs) {
+                Some(Outcome::Done(r)) => r.map(|()| true),
+                _ => Ok(true),
+            },
+        };
+        match (result, token) {
+            (Ok(false), Some(token)) => {
+                self.pending.goodbyes.insert(worker, token);
+            }
+            (Ok(_), Some(token)) => self.pending.reply(token, Reply::Done(Ok(()))),
+            (Err(e), Some(token)) => self.pending.reply(token, Reply::Done(Err(e.into()))),
+            (_, None) => {}
+        }
+    }
+
+    /// The cluster commits a swap to `module`. A backup swaps when its primary's op says (the
+    /// reply is `Ok` at once); a shard not created yet starts with the new module.
+    pub fn swap(
+        &mut self,
+        now: u64,
+        token: Token,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        obs: &mut dyn Observer,
+    ) {
+        if self.pending.backup {
+            return self.pending.reply(token, Reply::Done(Ok(())));
+        }
+        if self.shard.is_none() {
+            (self.module, self.config) = (module, config);
+            return self.pending.reply(token, Reply::Done(Ok(())));
+        }
+        let sha256 = module.sha256();
+        let previous = std::mem::replace(&mut self.module, module);
+        let r = match self.step(Op::Swap { sha256, config }, Vec::new(), now, obs) {
+            Some(Outcome::Swapped(r)) => r.map_err(RequestError::Swap),
+            _ => Err(RequestError::NoShardYet(self.id())),
+        };
+        if r.is_err() {
+            self.module = previous;
+        }
+        self.pending.reply(token, Reply::Done(r));
+    }
+
+    /// A backup receives its primary's op (`grad`: a push's gradient, a creation's
+    /// parameters), applies it at the primary's time and confirms it. `find` gives a swap's
+    /// module by SHA-256. A node that is no longer a backup (promoted) ignores the old
+    /// primary's late ops, and confirms none.
+    pub fn replicated(
+        &mut self,
+        stamped: Stamped,
+        grad: Vec<f32>,
+        find: impl FnOnce(&[u8; 32]) -> Option<PolicyModule>,
+        obs: &mut dyn Observer,
+    ) {
+        let id = self.id();
+        if !self.pending.backup {
+            tracing::warn!(
+                shard = id,
+                seq = stamped.seq,
+                "an op from the old primary after the promotion; ignored"
+            );
+            return;
+        }
+        let seq = stamped.seq;
+        self.pending.out.push_back(NodeOutput::Confirm { seq });
+        self.pending.gate.follow(seq);
+        if self.apply(stamped.op, grad, stamped.now_ns, find, obs).is_none() {
+            tracing::error!(shard = id, seq, "an op arrived before the shard was created");
+        }
+    }
+
+    /// The backup holds every op up to `seq`: the pushes they admitted are acknowledged.
+    pub fn confirmed(&mut self, seq: u64) {
+        self.pending.release(|gate, out| gate.confirm(seq, |a| out.push(a)));
+    }
+
+    /// Streams every op to a backup from now on. Before the shard's first op, the backup
+    /// starts as the shard will (`Ok(None)`). Later (a re-replication after a failover) the
+    /// shard restarts itself from its own snapshot, since the backup cannot replay the ops it
+    /// missed and a policy instance cannot be copied, and the backup must start from the same
+    /// snapshot, which is returned with its place in the stream: `Ok(Some((seq, snapshot)))`.
+    pub fn attach_backup(
+        &mut self,
+        now: u64,
+        obs: &mut dyn Observer,
+    ) -> Result<Option<(u64, Vec<u8>)>, RequestError> {
+        let id = self.id();
+        if self.pending.backup {
+            return Err(RequestError::Backup(id));
+        }
+        if self.pending.gate.seq() == 0 {
+            let seq = self.pending.gate.seq();
+            self.pending.gate.attach(seq);
+            self.replicating = true;
+            return Ok(None);
+        }
+        let Some(s) = self.shard.as_mut() else { return Err(RequestError::NoShardYet(id)) };
+        let snapshot = s
+            .snapshot(now)
+            .map_err(|e| RequestError::CannotStart {
+                shard: id,
+                reason: format!("cannot snapshot its policy: {e}"),
+            })?
+            .encode();
+        let snap = ShardSnapshot::decode(&snapshot).expect("just encoded");
+        // Requests the restart hands the policy again are acknowledged only once the backup
+        // holds the snapshot: it is op `seq` of the stream.
+        let seq = self.pending.gate.stamp();
+        self.pending.gate.attach(seq - 1);
+        let mut tap = Tap { pending: &mut self.pending, obs };
+        match Shard::restore(self.cfg.shard.clone(), snap, &self.module, &mut tap) {
+            Ok(restarted) => self.shard = Some(restarted),
+            Err(e) => {
+                self.drop_backup();
+                return Err(RequestError::CannotStart {
+                    shard: id,
+                    reason: format!("cannot restart from its snapshot: {e}"),
+                });
+            }
+        }
+        self.replicating = true;
+        tracing::warn!(shard = id, seq, "new backup attached from a snapshot");
+        Ok(Some((seq, snapshot)))
+    }
+
+    /// The backup is gone for good: nothing waits for it any more.
+    pub fn drop_backup(&mut self) {
+        if std::mem::take(&mut self.replicating) {
+            tracing::warn!(shard = self.id(), "the backup is gone; the shard runs without one");
+        }
+        self.pending.release(|gate, out| gate.detach(|a| out.push(a)));
+    }
+
+    /// This backup becomes the shard's primary. Its members are given time to rejoin; its
+    /// driver's clock goes on from [`last_now`](Self::last_now).
+    pub fn promote(&mut self) {
+        if !self.pending.backup {
+            return;
+        }
+        self.pending.backup = false;
+        let members: BTreeSet<WorkerId> =
+            self.shard.as_ref().map(|s| s.workers().iter().map(|c| c.worker).collect()).unwrap_or_default();
+        tracing::warn!(shard = self.id(), members = members.len(), "promoted to primary");
+        self.await_members(members, self.last_now);
+    }
+
+    /// The shard's snapshot at `now` (checkpoints, re-replication).
+    pub fn snapshot(&mut self, now: u64) -> Result<ShardSnapshot, RequestError> {
+        let id = self.id();
+        let s = self.shard.as_mut().ok_or(RequestError::NoShardYet(id))?;
+        s.snapshot(now).map_err(|e| RequestError::CannotStart {
+            shard: id,
+            reason: format!("cannot snapshot its policy: {e}"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::{OptimizerConfig, PushWeight};
+
+    fn cfg() -> NodeConfig {
+        let optimizer = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+        let shard = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+        NodeConfig { shard, rejoin_grace_ns: 1_000 }
+    }
+
+    fn node(name: &str, backup: bool) -> ShardNode {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let module = rt.compile(name, crate::builtin::wasm(name).unwrap()).unwrap();
+        ShardNode::new(cfg(), module, Vec::new(), backup)
+    }
+
+    fn drain(n: &mut ShardNode) -> Vec<NodeOutput> {
+        std::iter::from_fn(|| n.poll_output()).collect()
+    }
+
+    fn replies(out: &[NodeOutput]) -> Vec<Token> {
+        out.iter()
+            .filter_map(|o| match o {
+                NodeOutput::Reply { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Hands a primary's ops to its backup; returns the last sequence number it confirmed.
+    fn deliver(out: Vec<NodeOutput>, backup: &mut ShardNode) -> Option<u64> {
+        for o in out {
+            if let NodeOutput::Replicate { stamped, payload } = o {
+                backup.replicated(stamped, payload, |_| None, &mut Quiet);
+            }
+        }
+        drain(backup)
+            .iter()
+            .filter_map(|o| if let NodeOutput::Confirm { seq } = o { Some(*seq) } else { None })
+            .next_back()
+    }
+
+    #[test]
+    fn a_push_is_acknowledged_once_the_backup_holds_it_and_a_retry_after_promotion_is_a_duplicate() {
+        let (mut primary, mut backup) = (node("asp", false), node("asp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(1, 1, 0, vec![0.0; 4], &mut Quiet);
+        let out = drain(&mut primary);
+        assert_eq!(replies(&out), vec![1], "a join is answered at once");
+        let seq = deliver(out, &mut backup).unwrap();
+        primary.confirmed(seq);
+        assert!(drain(&mut primary).is_empty());
+
+        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
+        let out = drain(&mut primary);
+        assert!(replies(&out).is_empty(), "held until the backup has the op");
+        let seq = deliver(out, &mut backup).unwrap();
+        primary.confirmed(seq);
+        let out = drain(&mut primary);
+        assert!(matches!(
+            out[..],
+            [NodeOutput::Reply { token: 2, reply: Reply::Pushed(Ok(PushOutcome::Applied)) }]
+        ));
+
+        // The primary dies; the backup takes over and the worker asks again: it is a
+        // duplicate, acknowledged and not applied twice.
+        backup.promote();
+        assert!(!backup.is_backup() && backup.poll_timeout().is_some(), "its member is awaited");
+        backup.join(3, 3, 0, Vec::new(), &mut Quiet);
+        assert!(matches!(
+            drain(&mut backup)[..],
+            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined(1))), .. }]
+        ));
+        assert_eq!(backup.poll_timeout(), None, "nobody is awaited any more");
+        backup.push(4, 4, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
+        let out = drain(&mut backup);
+        assert!(matches!(
+            out[..],
+            [NodeOutput::Reply { token: 4, reply: Reply::Pushed(Ok(PushOutcome::Duplicate)) }]
+        ));
+        assert_eq!(backup.shard().unwrap().values(), &[-1.0; 4][..]);
+        assert_eq!(primary.shard().unwrap().values(), backup.shard().unwrap().values());
+    }
+
+    #[test]
+    fn requests_are_refused_with_typed_errors() {
+        let mut n = node("bsp", false);
+        n.push(0, 1, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        n.pull(0, 2, 0, 0, &mut Quiet);
+        n.join(0, 3, 0, Vec::new(), &mut Quiet);
+        let out = drain(&mut n);
+        assert!(matches!(
+            out[0],
+            NodeOutput::Reply { reply: Reply::Pushed(Err(RequestError::NoShardYet(0))), .. }
+        ));
+        assert!(matches!(
+            out[1],
+            NodeOutput::Reply { reply: Reply::Pulled(Err(RequestError::NoShardYet(0))), .. }
+        ));
+        assert!(matches!(
+            out[2],
+            NodeOutput::Reply { reply: Reply::Joined(Err(RequestError::NoShardYet(0))), .. }
+        ));
+        n.join(0, 4, 0, vec![0.0; 2], &mut Quiet);
+        n.join(0, 5, 1, vec![0.0; 3], &mut Quiet);
+        n.push(0, 6, 0, 0, 1, None, vec![f32::NAN; 2], None, &mut Quiet);
+        n.push(0, 7, 0, 5, 1, None, vec![0.0; 2], None, &mut Quiet);
+        n.push(0, 8, 9, 0, 1, None, vec![0.0; 2], None, &mut Quiet);
+        let out = drain(&mut n);
+        let errs: Vec<&RequestError> = out
+            .iter()
+            .filter_map(|o| match o {
+                NodeOutput::Reply { reply: Reply::Pushed(Err(e)) | Reply::Joined(Err(e)), .. } => Some(e),
+                _ => None,
+            })
+            .collect();
+        assert!(matches!(errs[0], RequestError::WrongSlice { holds: 2, got: 3, .. }), "{errs:?}");
+        assert!(matches!(errs[1], RequestError::Shard(ShardError::NonFinite(0, 0))), "{errs:?}");
+        assert!(matches!(errs[2], RequestError::Shard(ShardError::OutOfOrder { .. })), "{errs:?}");
+        assert!(matches!(errs[3], RequestError::Shard(ShardError::UnknownWorker(9, 0))), "{errs:?}");
+        // Under BSP with two members a pull of iteration 1 waits; the same pull again is refused.
+        n.join(0, 9, 1, Vec::new(), &mut Quiet);
+        n.push(0, 10, 0, 0, 1, None, vec![0.0; 2], None, &mut Quiet);
+        n.pull(0, 11, 0, 1, &mut Quiet);
+        n.pull(0, 12, 0, 1, &mut Quiet);
+        let out = drain(&mut n);
+        assert!(out.iter().any(|o| matches!(
+            o,
+            NodeOutput::Reply {
+                token: 12,
+                reply: Reply::Pulled(Err(RequestError::AlreadyWaiting { what: "pull", .. }))
+            }
+        )));
+        assert!(!replies(&out).contains(&11), "parked");
+        // Its worker is dropped: the parked pull is answered with why.
+        n.leave(1, None, 0, LeaveReason::Failed, &mut Quiet);
+        let out = drain(&mut n);
+        assert!(out.iter().any(|o| matches!(
+            o,
+            NodeOutput::Reply { token: 11, reply: Reply::Pulled(Err(RequestError::Left(0, 0))) }
+        )));
+        assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 0 })));
+        let mut b = node("bsp", true);
+        b.pull(0, 1, 0, 0, &mut Quiet);
+        assert!(matches!(
+            drain(&mut b)[..],
+            [NodeOutput::Reply { reply: Reply::Pulled(Err(RequestError::Backup(0))), .. }]
+        ));
+    }
+
+    #[test]
+    fn members_of_a_promoted_backup_that_do_not_come_back_are_made_to_leave() {
+        let (mut primary, mut backup) = (node("bsp", false), node("bsp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(5, 1, 0, vec![0.0; 2], &mut Quiet);
+        primary.join(5, 2, 1, Vec::new(), &mut Quiet);
+        deliver(drain(&mut primary), &mut backup);
+        backup.promote();
+        let deadline = backup.poll_timeout().expect("members awaited");
+        assert_eq!(deadline, 5 + FIRST_REJOIN_NS);
+        backup.join(10, 3, 1, Vec::new(), &mut Quiet);
+        assert_eq!(backup.poll_timeout(), Some(10 + 1_000), "the grace counts from the first return");
+        backup.handle_timeout(10 + 1_000, &mut Quiet);
+        let out = drain(&mut backup);
+        assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 0 })), "{out:?}");
+        assert!(!backup.shard().unwrap().is_member(0) && backup.shard().unwrap().is_member(1));
+    }
+}
