@@ -71,7 +71,7 @@ fn sim_group(
             run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().expect("policy")),
             gradients: false,
             data: None,
-            failure: None,
+            failures: Vec::new(),
         };
         g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
             b.iter(|| simulate(o, &rt).expect("simulates"));

@@ -15,6 +15,9 @@ scripts/setup-python.sh
 guard=$!
 trap 'kill "$guard" 2>/dev/null || true' EXIT
 cargo test --workspace "$@"
+# Issue 36's fault search: 1,000 seeds of replicated clusters with a server killed at a random
+# event, in the simulator (docs/fault-tolerance.md). Alone, after the parallel tests.
+target/debug/syncopate simtest --seeds 1000
 # The Python package (built into .venv by setup-python.sh): lint, then its tests, which start real
 # clusters of the binary cargo just built and train real numpy and torch models.
 .venv/bin/ruff check python examples benches

@@ -9,7 +9,8 @@
 //!
 //! - [`runtime`]: loads policy modules into wasmtime and runs them sandboxed;
 //! - [`shard`]: one shard's parameters, optimizer, clocks and pending requests, consulting its
-//!   policy on every event;
+//!   policy on every event, and a server's protocol for it (`ShardNode`);
+//! - [`placement`]: the shard map, and the coordinator's decisions when a server dies;
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
 //!   hand-over, the emulated device);
@@ -17,6 +18,7 @@
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
 
 pub mod builtin;
+pub mod placement;
 pub mod recording;
 pub mod replay;
 pub mod runtime;

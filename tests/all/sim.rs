@@ -29,7 +29,7 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients,
         data: None,
-        failure: None,
+        failures: Vec::new(),
     };
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
 }
@@ -40,7 +40,7 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        failure: None,
+        failures: Vec::new(),
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     (out.model.iter().map(|x| x.to_bits()).collect(), out.report.final_accuracy)
@@ -170,7 +170,7 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
         run: RunSpec::new(s, "epsp:elastic=false,tasks=8".parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        failure: None,
+        failures: Vec::new(),
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     // Worker w's iterations push w + 1 whoever computed their tasks: each of the 30 iterations
@@ -356,7 +356,7 @@ fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncop
         run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        failure,
+        failures: failure.into_iter().collect(),
     };
     simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}, {failure:?}: {e}"))
 }
@@ -365,8 +365,9 @@ fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncop
 /// then the second, alternately), under BSP, SSP and ASP: the failover promotes the backups,
 /// the workers ask again for what was not answered, and every run ends with the parameters of
 /// the run without a failure, bit for bit, every worker having run every iteration. The
-/// simulator runs the servers' own replication code (`AckGate`, `Shard::apply_op`) and the
-/// workers' own machine, so this is the cluster's guarantee checked at every point of a run.
+/// simulator runs the servers' own protocol machine (`ShardNode`: replication, held
+/// acknowledgements, duplicates, promotion) and the workers' own machine, so this is the
+/// cluster's guarantee checked at every point of a run.
 #[test]
 fn a_server_killed_at_any_event_of_a_simulated_run_loses_no_acknowledged_push() {
     let s = scenario(REPLICATED);
@@ -395,6 +396,51 @@ fn a_server_killed_at_any_event_of_a_simulated_run_loses_no_acknowledged_push() 
     }
 }
 
+/// Two servers of three die, one after the other: after the first failover every shard left
+/// without a backup gets a new one from its primary's snapshot (the coordinator's own
+/// decisions, `placement.rs`), so the second death loses nothing either, and the run ends bit
+/// for bit where the undisturbed one does.
+#[test]
+fn a_second_server_death_after_re_replication_loses_nothing() {
+    let s = scenario(
+        &REPLICATED.replace("servers = 2", "servers = 3").replace("iterations = 8", "iterations = 16"),
+    );
+    let expected = -(1.0 + 2.0 + 3.0) * 16.0;
+    for policy in ["bsp", "asp"] {
+        let clean = replicated(&s, policy, None);
+        assert!(clean.model.iter().all(|v| *v == expected), "{policy}: {:?}", clean.model);
+        let failures = vec![
+            SimFailure { server: 0, at: FailAt::Event(clean.events / 4) },
+            SimFailure { server: 1, at: FailAt::Event(clean.events * 3 / 4) },
+        ];
+        let opts = SimOptions {
+            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures,
+        };
+        let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert_eq!(out.report.failovers.len(), 2, "{policy}: {:?}", out.report.failovers);
+        assert_eq!(
+            out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{policy}"
+        );
+        assert!(out.report.workers.iter().all(|w| w.iterations == 16), "{policy}");
+        // Killed before any new backup existed, the second death would have lost shards.
+        let early = SimOptions {
+            failures: vec![
+                SimFailure { server: 0, at: FailAt::Event(clean.events / 4) },
+                SimFailure { server: 1, at: FailAt::Event(clean.events / 4) },
+            ],
+            ..opts
+        };
+        let lost =
+            simulate(&early, syncopate_suite::runtime()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(lost.contains("was lost with server"), "{policy}: {lost}");
+    }
+}
+
 /// Replication costs time (every op crosses a second link and a push waits for the backup),
 /// never results: with replicas the same run ends with the same parameters, later or as soon.
 #[test]
@@ -416,7 +462,7 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
             run: RunSpec::new(Scenario { replicas, ..s.clone() }, "bsp".parse::<PolicySpec>().unwrap()),
             gradients: false,
             data: None,
-            failure: Some(SimFailure { server, at: FailAt::Event(10) }),
+            failures: vec![SimFailure { server, at: FailAt::Event(10) }],
         };
         simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string())
     };
@@ -424,19 +470,20 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
     assert_eq!(run(1, 2).as_deref(), Some("server 2 does not exist"));
 }
 
-/// Issue 36's fault search in CI: 1,000 seeds, each a replicated cluster and a policy drawn
-/// from the seed, run undisturbed and with a server killed at a drawn event (`syncopate
-/// simtest`'s checks: every iteration run, exact sums, the failover's model equal to the
-/// undisturbed one bit for bit).
+/// Issue 36's fault search: seeds each drawing a replicated cluster and a policy, run
+/// undisturbed and with a server killed at a drawn event (`syncopate simtest`'s checks: every
+/// iteration run, exact sums, the failover's model equal to the undisturbed one bit for bit).
+/// 100 seeds here; `scripts/test.sh` runs `syncopate simtest --seeds 1000` after the parallel
+/// tests, so that its CPU does not crowd the timing-sensitive ones.
 #[test]
-fn simtest_finds_no_lost_or_doubled_update_in_1000_seeds() {
+fn simtest_finds_no_lost_or_doubled_update_in_100_seeds() {
     use syncopate::lab::simtest::search;
-    let found = search(syncopate_suite::runtime(), 0, 1000, |_, _| {});
+    let found = search(syncopate_suite::runtime(), 0, 100, |_, _| {});
     assert_eq!(found.failed, None, "replay with `syncopate simtest --seed N`");
-    assert_eq!(found.passed, 1000);
-    assert_eq!(found.exercised.runs, 2000);
+    assert_eq!(found.passed, 100);
+    assert_eq!(found.exercised.runs, 200);
     // Nearly every drawn death lands before the run's end and is failed over.
-    assert!(found.exercised.failovers > 900, "{:?}", found.exercised);
+    assert!(found.exercised.failovers > 90, "{:?}", found.exercised);
 }
 
 /// A seed is the whole input: drawn twice, a case is the same, and checked twice it exercises

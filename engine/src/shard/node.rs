@@ -212,6 +212,21 @@ pub struct NodeConfig {
     /// How long the members of a restored or promoted shard have to come back once the first
     /// has, in nanoseconds.
     pub rejoin_grace_ns: u64,
+    /// Log the node's events (creation, rejoins, promotion, departures, backups attached and
+    /// dropped) at debug level, not info and warn: for the simulator, whose nodes' events are
+    /// the simulated run's subject, not news for whoever runs it.
+    pub quiet: bool,
+}
+
+/// Logs a node's event at `$level`, or at debug level if the node is quiet.
+macro_rules! event {
+    ($node:expr, $level:ident, $($arg:tt)+) => {
+        if $node.cfg.quiet {
+            tracing::debug!($($arg)+)
+        } else {
+            tracing::$level!($($arg)+)
+        }
+    };
 }
 
 /// How long a restored or promoted shard waits for its first member to come back, at least.
@@ -459,7 +474,7 @@ impl ShardNode {
         }
         if let Some(a) = self.awaiting.take_if(|a| a.deadline_ns <= now) {
             for worker in a.workers {
-                tracing::warn!(shard = self.id(), worker, "worker did not come back; it leaves");
+                event!(self, warn, shard = self.id(), worker, "worker did not come back; it leaves");
                 self.step(Op::Leave { worker, reason: LeaveReason::TimedOut }, Vec::new(), now, obs);
             }
         }
@@ -508,7 +523,7 @@ impl ShardNode {
             let created = Shard::new(self.cfg.shard.clone(), grad, &self.module, &self.config, &mut tap);
             return Some(Outcome::Created(match created {
                 Ok(s) => {
-                    tracing::info!(shard = id, len = s.values().len(), backup, "shard created");
+                    event!(self, info, shard = id, len = s.values().len(), backup, "shard created");
                     self.shard = Some(s);
                     Ok(())
                 }
@@ -587,7 +602,7 @@ impl ShardNode {
                 }
             }
             let next = shard.rejoin(worker)?;
-            tracing::info!(shard = id, worker, next, "worker rejoined");
+            event!(self, info, shard = id, worker, next, "worker rejoined");
             return Ok(Joined::Rejoined(next));
         }
         match self.step(Op::Join { worker }, Vec::new(), now, obs) {
@@ -789,7 +804,9 @@ impl ShardNode {
     ) {
         let id = self.id();
         if !self.pending.backup {
-            tracing::warn!(
+            event!(
+                self,
+                warn,
                 shard = id,
                 seq = stamped.seq,
                 "an op from the old primary after the promotion; ignored"
@@ -854,14 +871,14 @@ impl ShardNode {
             }
         }
         self.replicating = true;
-        tracing::warn!(shard = id, seq, "new backup attached from a snapshot");
+        event!(self, warn, shard = id, seq, "new backup attached from a snapshot");
         Ok(Some((seq, snapshot)))
     }
 
     /// The backup is gone for good: nothing waits for it any more.
     pub fn drop_backup(&mut self) {
         if std::mem::take(&mut self.replicating) {
-            tracing::warn!(shard = self.id(), "the backup is gone; the shard runs without one");
+            event!(self, warn, shard = self.id(), "the backup is gone; the shard runs without one");
         }
         self.pending.release(|gate, out| gate.detach(|a| out.push(a)));
     }
@@ -875,7 +892,7 @@ impl ShardNode {
         self.pending.backup = false;
         let members: BTreeSet<WorkerId> =
             self.shard.as_ref().map(|s| s.workers().iter().map(|c| c.worker).collect()).unwrap_or_default();
-        tracing::warn!(shard = self.id(), members = members.len(), "promoted to primary");
+        event!(self, warn, shard = self.id(), members = members.len(), "promoted to primary");
         self.await_members(members, self.last_now);
     }
 
@@ -898,7 +915,7 @@ mod tests {
     fn cfg() -> NodeConfig {
         let optimizer = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
         let shard = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
-        NodeConfig { shard, rejoin_grace_ns: 1_000 }
+        NodeConfig { shard, rejoin_grace_ns: 1_000, quiet: false }
     }
 
     fn node(name: &str, backup: bool) -> ShardNode {

@@ -86,19 +86,25 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
     let found = search(&rt, first, count, |done, e| {
         if last.elapsed() >= Duration::from_secs(10) {
             last = Instant::now();
-            eprintln!("simtest: {done}/{count} seeds passed ({} runs, {} failovers)", e.runs, e.failovers);
+            eprintln!(
+                "simtest: {done}/{count} seeds passed ({} runs, {} server deaths failed over)",
+                e.runs, e.failovers
+            );
         }
     });
     let e = found.exercised;
     println!(
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
-         {} server failures failed over",
+         {} server deaths failed over, {} runs with two deaths ({} of them losing a shard's last copy, \
+         as a cluster would)",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
         e.runs,
         e.events,
-        e.failovers
+        e.failovers,
+        e.double_failures,
+        e.lost
     );
     if let Some((seed, why)) = found.failed {
         anyhow::bail!("seed {seed} failed: {why}\nreplay it with: syncopate simtest --seed {seed}");

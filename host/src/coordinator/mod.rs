@@ -32,6 +32,7 @@ use crate::net::proto::{
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
 use crate::net::{self, close};
+use crate::placement::{self, Failover, Place};
 use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
@@ -118,13 +119,6 @@ pub struct CoordinatorOptions {
     pub resume: Option<PathBuf>,
     /// Backups per shard (0 or 1; 1 needs at least two servers).
     pub replicas: u32,
-}
-
-/// Where a shard lives now.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Place {
-    primary: u32,
-    backup: Option<u32>,
 }
 
 struct State {
@@ -224,12 +218,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             score: None,
             next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
             restore: resumed.map(|r| r.dir),
-            places: (0..opts.shards)
-                .map(|k| Place {
-                    primary: k % opts.servers,
-                    backup: crate::net::proto::backup_server(k, opts.servers, opts.replicas),
-                })
-                .collect(),
+            places: placement::initial(opts.shards, opts.servers, opts.replicas),
             renewed: Vec::new(),
             answered: 0,
             rebuild: None,
@@ -526,25 +515,35 @@ impl Coordinator {
             (st.servers.clone(), st.places.clone())
         };
         tracing::error!(server = dead, addr = %servers[dead as usize].0, "server lost (its lease lapsed); failing over");
-        for (k, place) in places.iter().enumerate() {
-            let shard = k as u32;
-            if place.primary == dead {
-                let Some(b) = place.backup else {
-                    tracing::error!(shard, "shard lost with its server: it had no backup");
-                    continue;
-                };
-                match command_server(&servers, b, &ServerCommand::Promote { shard }).await {
-                    Ok(()) => {
-                        self.lock().places[k] = Place { primary: b, backup: None };
-                        tracing::warn!(shard, from = dead, to = b, "failover: backup promoted to primary");
-                        self.notify_workers(WorkerNotice::Moved { shard, server: b }).await;
+        for m in placement::fail_over(&places, dead) {
+            let done = match m {
+                Failover::Promote { shard, to } => {
+                    match command_server(&servers, to, &ServerCommand::Promote { shard }).await {
+                        Ok(()) => {
+                            tracing::warn!(shard, from = dead, to, "failover: backup promoted to primary");
+                            true
+                        }
+                        Err(e) => {
+                            tracing::error!(shard, "the backup on server {to} could not take over: {e}");
+                            false
+                        }
                     }
-                    Err(e) => tracing::error!(shard, "the backup on server {b} could not take over: {e}"),
                 }
-            } else if place.backup == Some(dead) {
-                let _ = command_server(&servers, place.primary, &ServerCommand::DropBackup { shard }).await;
-                self.lock().places[k].backup = None;
-                tracing::warn!(shard, "its backup was on the lost server; it runs without one");
+                Failover::DropBackup { shard, primary } => {
+                    let _ = command_server(&servers, primary, &ServerCommand::DropBackup { shard }).await;
+                    tracing::warn!(shard, "its backup was on the lost server; it runs without one");
+                    true
+                }
+                Failover::Lost { shard } => {
+                    tracing::error!(shard, "shard lost with its server: it had no backup");
+                    false
+                }
+            };
+            if done {
+                placement::apply(&mut self.lock().places, m);
+                if let Failover::Promote { shard, to } = m {
+                    self.notify_workers(WorkerNotice::Moved { shard, server: to }).await;
+                }
             }
         }
         tracing::warn!(server = dead, ms = t.elapsed().as_millis() as u64, "failover done");
@@ -563,22 +562,19 @@ impl Coordinator {
             let live: Vec<bool> = st.renewed.iter().map(Option::is_some).collect();
             (st.servers.clone(), st.places.clone(), live)
         };
-        let n = servers.len() as u32;
+        let planned = placement::new_backups(&places, &live, self.opts.replicas);
         for (k, place) in places.iter().enumerate() {
-            // A shard lost with its server (it had no backup) has no primary to copy from.
-            if place.backup.is_some() || !live[place.primary as usize] {
-                continue;
-            }
-            let candidate = (1..n).map(|d| (place.primary + d) % n).find(|s| live[*s as usize]);
-            let Some(b) = candidate else {
+            let lost_primary = !live.get(place.primary as usize).copied().unwrap_or(false);
+            if place.backup.is_none() && !lost_primary && !planned.iter().any(|p| p.0 as usize == k) {
                 tracing::warn!(
                     shard = k,
                     "no live server to keep a new backup on; the shard runs without one"
                 );
-                continue;
-            };
-            if self.attach(&servers, k, place.primary, b).await {
-                tracing::warn!(shard = k, primary = place.primary, backup = b, "re-replicated: a new backup");
+            }
+        }
+        for (k, primary, b) in planned {
+            if self.attach(&servers, k as usize, primary, b).await {
+                tracing::warn!(shard = k, primary, backup = b, "re-replicated: a new backup");
             }
         }
     }

@@ -283,7 +283,7 @@ fn simulated(
     let sim = crate::lab::sim::SimOptions {
         gradients: opts.gradients,
         data: opts.data.clone(),
-        failure: None,
+        failures: Vec::new(),
         run,
     };
     let t = std::time::Instant::now();

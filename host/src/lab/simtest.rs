@@ -7,19 +7,25 @@
 //! server, 3 to 10 iterations, stragglers and jitter, link latency) and a policy, and runs it
 //! twice on the counter workload (worker `w` pushes `w + 1`; lr 1, no momentum, summed pushes):
 //! once undisturbed, and once with one server killed before an event drawn from the first run's
-//! events. Then it checks:
+//! events and, with three servers, half the time a second one killed at a later event. The
+//! simulator carries out the coordinator's own decisions ([`crate::placement`]): backups
+//! promoted, new backups made from the primaries' snapshots. Then it checks:
 //! - every worker ran every iteration, in both runs;
 //! - where the policy admits every push at weight 1 (all but R²SP, which weighs pushes by their
 //!   samples), the undisturbed model is exactly minus the sum of every push: nothing lost or
 //!   applied twice;
-//! - the model after the failover is the undisturbed one, bit for bit: every acknowledged push
+//! - the model after the failovers is the undisturbed one, bit for bit: every acknowledged push
 //!   survived the primary, and the workers' retries were not applied again.
 //!
+//! A second death that comes before the first failover's new backups hold their shards can
+//! take a shard's last copy (its primary and its backup both dead): a cluster loses that shard
+//! too, so such a run is counted as lost, not failed.
+//!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
-//! failure prints that command. This is the first stage of issue 36's fault search: one server
-//! failure per run, injected at any event; message loss, duplication and reordering, partitions,
-//! coordinator crashes, several failures per run and hostile modules are not drawn yet (the
-//! simulator does not model them; see `docs/fault-tolerance.md`).
+//! failure prints that command. This is the first stage of issue 36's fault search: server
+//! deaths at any event, one or two per run; message loss, duplication and reordering,
+//! partitions, coordinator crashes and hostile modules are not drawn yet (the simulator does
+//! not model them; see `docs/fault-tolerance.md`).
 
 use std::time::Instant;
 
@@ -28,7 +34,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
-use crate::lab::sim::{simulate, FailAt, SimFailure, SimOptions, Simulated};
+use crate::lab::sim::{simulate, FailAt, SimError, SimFailure, SimOptions, Simulated};
 use crate::runtime::PolicyRuntime;
 
 /// What one seed runs: the scenario, the policy and the failure.
@@ -43,6 +49,8 @@ pub struct Case {
     /// The server that dies in the second run (the event is drawn once the first run has
     /// counted its events).
     pub server: u32,
+    /// A second server that dies later in the same run, if any.
+    pub second: Option<u32>,
 }
 
 /// What a passing seed exercised.
@@ -52,9 +60,13 @@ pub struct Exercised {
     pub runs: u64,
     /// Events handled over all runs.
     pub events: u64,
-    /// Failure runs in which the backups were promoted (a death in a run's last events may
-    /// come after its end).
+    /// Server deaths failed over (a death in a run's last events may come after its end).
     pub failovers: u64,
+    /// Runs with two server deaths.
+    pub double_failures: u64,
+    /// Runs in which a shard lost its last copy (both its servers dead before a new backup
+    /// held it), as a cluster would: not checked further.
+    pub lost: u64,
 }
 
 impl std::ops::AddAssign for Exercised {
@@ -62,6 +74,8 @@ impl std::ops::AddAssign for Exercised {
         self.runs += o.runs;
         self.events += o.events;
         self.failovers += o.failovers;
+        self.double_failures += o.double_failures;
+        self.lost += o.lost;
     }
 }
 
@@ -107,24 +121,27 @@ impl Case {
         }
         let scenario: Scenario = toml::from_str(&text).expect("a drawn scenario parses");
         let policy = POLICIES[rng.random_range(0..POLICIES.len())].parse().expect("a built-in policy");
-        Case { seed, scenario, policy, server: rng.random_range(0..servers) }
+        let server = rng.random_range(0..servers);
+        let second =
+            (servers >= 3 && rng.random_bool(0.5)).then(|| (server + rng.random_range(1..servers)) % servers);
+        Case { seed, scenario, policy, server, second }
     }
 
-    fn run(&self, rt: &PolicyRuntime, failure: Option<SimFailure>) -> Result<Simulated, String> {
+    fn run(&self, rt: &PolicyRuntime, failures: Vec<SimFailure>) -> Result<Simulated, SimError> {
         let opts = SimOptions {
             run: RunSpec::new(self.scenario.clone(), self.policy.clone()),
             gradients: true,
             data: None,
-            failure,
+            failures,
         };
-        simulate(&opts, rt).map_err(|e| e.to_string())
+        simulate(&opts, rt)
     }
 
     /// Runs the case and checks its invariants (the module's doc). `Err` says what broke.
     pub fn check(&self, rt: &PolicyRuntime) -> Result<Exercised, String> {
         self.scenario.check()?;
         let iterations = self.scenario.iterations.expect("drawn with iterations");
-        let clean = self.run(rt, None).map_err(|e| format!("undisturbed run: {e}"))?;
+        let clean = self.run(rt, Vec::new()).map_err(|e| format!("undisturbed run: {e}"))?;
         every_iteration(&clean, iterations, "undisturbed run")?;
         if unit_weights(&self.policy) {
             let expected = -(1..=self.scenario.workers).map(|w| w as f32).sum::<f32>() * iterations as f32;
@@ -136,19 +153,38 @@ impl Case {
         }
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
         let at = rng.random_range(0..clean.events.max(1));
-        let failure = SimFailure { server: self.server, at: FailAt::Event(at) };
-        let failed = self
-            .run(rt, Some(failure))
-            .map_err(|e| format!("server {} killed before event {at}: {e}", self.server))?;
-        every_iteration(&failed, iterations, &format!("server {} killed before event {at}", self.server))?;
+        let mut failures = vec![SimFailure { server: self.server, at: FailAt::Event(at) }];
+        if let Some(second) = self.second {
+            let later = rng.random_range(at..clean.events.max(at + 1));
+            failures.push(SimFailure { server: second, at: FailAt::Event(later) });
+        }
+        let what = failures
+            .iter()
+            .map(|f| match f.at {
+                FailAt::Event(e) => format!("server {} killed before event {e}", f.server),
+                FailAt::Time(t) => format!("server {} killed at {t} ns", f.server),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let double = u64::from(failures.len() > 1);
+        let failed = match self.run(rt, failures) {
+            Ok(f) => f,
+            // Both copies of a shard dead before a new backup held it: a cluster loses it too.
+            Err(SimError::ShardLost { .. }) if double == 1 => {
+                let lost =
+                    Exercised { runs: 2, events: clean.events, failovers: 0, double_failures: 1, lost: 1 };
+                return Ok(lost);
+            }
+            Err(e) => return Err(format!("{what}: {e}")),
+        };
+        every_iteration(&failed, iterations, &what)?;
         let bits = |s: &Simulated| s.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         if bits(&clean) != bits(&failed) {
             let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());
             let i = i.unwrap_or(0);
             return Err(format!(
-                "server {} killed before event {at}: parameter {i} ends at {}, the undisturbed run's at {}: \
+                "{what}: parameter {i} ends at {}, the undisturbed run's at {}: \
                  an acknowledged update was lost or applied twice",
-                self.server,
                 failed.model.get(i).copied().unwrap_or(f32::NAN),
                 clean.model.get(i).copied().unwrap_or(f32::NAN),
             ));
@@ -156,7 +192,9 @@ impl Case {
         Ok(Exercised {
             runs: 2,
             events: clean.events + failed.events,
-            failovers: u64::from(!failed.report.failovers.is_empty()),
+            failovers: failed.report.failovers.len() as u64,
+            double_failures: double,
+            lost: 0,
         })
     }
 
@@ -164,13 +202,14 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
             s.iterations.unwrap_or(0),
             self.policy,
-            self.server
+            self.server,
+            self.second.map(|s| format!(", then server {s}")).unwrap_or_default()
         )
     }
 }

@@ -150,11 +150,7 @@ impl ClusterSettings {
     }
 }
 
-/// Where shard `shard`'s backup starts, with `servers` servers and `replicas` backups per
-/// shard: on the next server, if there is another.
-pub fn backup_server(shard: u32, servers: u32, replicas: u32) -> Option<u32> {
-    (replicas > 0 && servers > 1).then_some((shard + 1) % servers)
-}
+pub use crate::placement::backup_server;
 
 /// The first frame of a replication stream: which shard's ops follow.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -306,8 +306,11 @@ impl ShardTask {
     /// Runs until every sender of `rx` is gone.
     pub async fn run(mut self, mut rx: mpsc::Receiver<ShardCmd>) {
         let id = self.cfg.shard;
-        let cfg =
-            NodeConfig { shard: self.cfg.clone(), rejoin_grace_ns: self.rejoin_grace.as_nanos() as u64 };
+        let cfg = NodeConfig {
+            shard: self.cfg.clone(),
+            rejoin_grace_ns: self.rejoin_grace.as_nanos() as u64,
+            quiet: false,
+        };
         let mut obs = Obs { shard: id, pool: self.pool.clone(), recorder: None };
         let (module, config) = (self.module.clone(), self.config.clone());
         let node = match self.restored.take() {

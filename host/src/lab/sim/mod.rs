@@ -25,15 +25,17 @@
 //! the backup, confirmations, control messages), as the servers' shard tasks do. With the
 //! scenario's `replicas = 1`, every shard call is an [`Op`], applied by the primary and carried
 //! over the modelled links to the backup's node, whose confirmations release the primary's held
-//! acknowledgements. A failure (the scenario's `kill_server`, or [`SimOptions::failure`]) kills one
-//! server before a given event or time: it stops at once, what is
-//! sent to it is lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later its shards'
-//! backups are promoted, every worker rejoins them and sends again what they had not
-//! acknowledged or answered. The model is the worst case: ops still on their way from the dead
-//! primary and confirmations from a dead backup are lost too. Two things differ from a cluster:
-//! a worker that had finished and whose goodbye went to the dead server leaves at the failover
-//! (a cluster waits the rejoin grace for it), and one failure is all a run gets (nothing is
-//! re-replicated).
+//! acknowledgements. Failures (the scenario's `kill_server`, or [`SimOptions::failures`], any
+//! number) kill a server before a given event or time: it stops at once, what is sent to it is
+//! lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later the coordinator's own
+//! decisions ([`crate::placement`]) are carried out: its shards' backups are promoted, every
+//! worker rejoins them and sends again what they had not acknowledged or answered, and every
+//! shard left without a backup gets a new one on a live server, started from its primary's
+//! snapshot, as a cluster re-replicates. A shard whose primary and backup are both dead is lost
+//! ([`SimError::ShardLost`]). The model is the worst case: ops still on their way from the dead
+//! primary and confirmations from a dead backup are lost too. One thing differs from a
+//! cluster: a worker that had finished and whose goodbye went to the dead server leaves at the
+//! failover (a cluster waits the rejoin grace for it).
 //!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
@@ -51,10 +53,11 @@ use syncopate_workloads::{Evaluator, Workload};
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
+use crate::placement::{self, Failover, Place};
 use crate::runtime::{PolicyError, PolicyRuntime};
 use crate::shard::{
     NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
-    ShardNode, Stamped, Token,
+    ShardNode, ShardSnapshot, Stamped, Token,
 };
 use crate::worker::WorkerReport;
 use events::{Ev, Mailbox, Queue, ToShard};
@@ -74,7 +77,7 @@ pub struct SimOptions {
     pub data: Option<std::path::PathBuf>,
     /// A server killed during the run (needs the scenario's `replicas = 1`), instead of the
     /// scenario's `kill_server`: tests kill one at an event index.
-    pub failure: Option<SimFailure>,
+    pub failures: Vec<SimFailure>,
 }
 
 /// A server killed during a simulation. It stops at once; what reaches it is lost, and
@@ -134,6 +137,15 @@ pub enum SimError {
     /// The options do not go together.
     #[error("{0}")]
     Options(String),
+    /// A shard died with its server, its backup dead too or never made: the run cannot go on
+    /// (as a cluster's cannot).
+    #[error("shard {shard} was lost with server {server}: it had no live backup")]
+    ShardLost {
+        /// The shard.
+        shard: u32,
+        /// The server that died.
+        server: u32,
+    },
 }
 
 /// What a request to a shard was, for its reply.
@@ -205,6 +217,8 @@ struct Sim {
     queue: Queue,
     /// Per shard: its primary.
     nodes: Vec<ShardNode>,
+    /// Per shard: how its nodes run (for new backups).
+    node_cfgs: Vec<NodeConfig>,
     ranges: Vec<(usize, usize)>,
     server_of: Vec<u32>,
     /// Requests waiting for a shard's reply, by token.
@@ -282,8 +296,11 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut quiet = Quiet;
     // The scenario's rules (replicas 0 or 1, and 1 only with two servers), then the failure's.
     sc.check().map_err(SimError::Options)?;
-    let failure = opts.failure.or_else(|| SimFailure::of(sc));
-    if let Some(f) = failure {
+    let failures: Vec<SimFailure> = match &opts.failures[..] {
+        [] => SimFailure::of(sc).into_iter().collect(),
+        given => given.to_vec(),
+    };
+    for f in &failures {
         if sc.replicas == 0 {
             return Err(SimError::Options("a server failure needs replicas 1".into()));
         }
@@ -295,6 +312,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, sc.replicas)).collect();
     let mut backups = Vec::new();
     let mut shards = Vec::new();
+    let mut node_cfgs = Vec::new();
     for (i, backed) in backup_of.iter().enumerate() {
         let (lo, hi) = held(i);
         let cfg = ShardConfig {
@@ -307,7 +325,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
-        let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS };
+        let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS, quiet: true };
+        node_cfgs.push(node_cfg.clone());
         let start = |backup: bool, quiet: &mut Quiet| {
             // Each created as its shard is, from the same parameters: the ops keep them equal.
             let mut node = ShardNode::new(node_cfg.clone(), module.clone(), config.clone(), backup);
@@ -384,6 +403,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         queue: Queue::default(),
         server_of: (0..shards_n).map(|s| s % sc.servers).collect(),
         nodes: shards,
+        node_cfgs,
         ranges,
         requests: HashMap::new(),
         next_token: 0,
@@ -421,12 +441,11 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
     let mut handled = 0u64;
-    let mut failure = failure;
+    let mut failures = failures;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
-        if let Some(f) = failure.filter(|f| f.due(handled, t)) {
-            sim.kill(f.server);
-            failure = None;
+        while let Some(k) = failures.iter().position(|f| f.due(handled, t)) {
+            sim.kill(failures.remove(k).server);
         }
         handled += 1;
         sim.handle(ev)?;
@@ -623,6 +642,9 @@ impl Sim {
 
     /// Server `x` dies: from now on what reaches it is lost, and its lease lapses.
     fn kill(&mut self, x: u32) {
+        if self.dead[x as usize] {
+            return;
+        }
         tracing::debug!(server = x, t_ns = self.now, "server killed");
         self.dead[x as usize] = true;
         self.at(self.now + crate::net::proto::FAILOVER_MS * 1_000_000, Ev::FailOver(x));
@@ -634,28 +656,39 @@ impl Sim {
     /// duplicate; a parked pull answers the retried one).
     fn fail_over(&mut self, x: u32) -> Result<(), SimError> {
         self.lost.push(x);
-        let shards = self.nodes.len() as u32;
+        let places: Vec<Place> = (0..self.nodes.len())
+            .map(|k| Place { primary: self.server_of[k], backup: self.backup_of[k] })
+            .collect();
         let mut moved = Vec::new();
-        for s in 0..shards {
-            let su = s as usize;
-            if self.server_of[su] == x {
-                let (Some(b), Some(mut backup)) = (self.backup_of[su], self.backups[su].take()) else {
-                    return Err(SimError::Options(format!("shard {s} was lost with server {x}: no backup")));
-                };
-                // The dead primary's node goes, and with it the acknowledgements it held and
-                // the requests it had not answered (the workers ask again below).
-                backup.promote();
-                self.nodes[su] = backup;
-                self.requests.retain(|_, r| r.shard() != s);
-                (self.server_of[su], self.backup_of[su]) = (b, None);
-                self.epoch[su] += 1;
-                self.timer_at[su] = None;
-                moved.push(s);
-            } else if self.backup_of[su] == Some(x) {
-                (self.backups[su], self.backup_of[su]) = (None, None);
-                self.epoch[su] += 1;
-                self.nodes[su].drop_backup();
-                self.drain(s)?;
+        for m in placement::fail_over(&places, x) {
+            match m {
+                Failover::Promote { shard: s, to: b } if !self.dead[b as usize] => {
+                    let su = s as usize;
+                    let Some(mut backup) = self.backups[su].take() else {
+                        return Err(SimError::ShardLost { shard: s, server: x });
+                    };
+                    // The dead primary's node goes, and with it the acknowledgements it held and
+                    // the requests it had not answered (the workers ask again below).
+                    backup.promote();
+                    self.nodes[su] = backup;
+                    self.requests.retain(|_, r| r.shard() != s);
+                    (self.server_of[su], self.backup_of[su]) = (b, None);
+                    self.epoch[su] += 1;
+                    self.timer_at[su] = None;
+                    moved.push(s);
+                }
+                // Its backup's server is dead too (not yet failed over): the coordinator's
+                // promotion fails, and the shard is lost.
+                Failover::Promote { shard, .. } | Failover::Lost { shard } => {
+                    return Err(SimError::ShardLost { shard, server: x });
+                }
+                Failover::DropBackup { shard: s, .. } => {
+                    let su = s as usize;
+                    (self.backups[su], self.backup_of[su]) = (None, None);
+                    self.epoch[su] += 1;
+                    self.nodes[su].drop_backup();
+                    self.drain(s)?;
+                }
             }
         }
         for &s in &moved {
@@ -702,6 +735,53 @@ impl Sim {
             }
         }
         tracing::debug!(server = x, shards = moved.len(), "failed over");
+        self.re_replicate()
+    }
+
+    /// Gives every shard without a backup a new one where the coordinator would
+    /// ([`placement::new_backups`]): its primary restarts from its own snapshot, which crosses
+    /// the servers' link to the new backup, and the ops that follow it on the same link.
+    fn re_replicate(&mut self) -> Result<(), SimError> {
+        let sc = &self.opts.run.scenario;
+        let places: Vec<Place> = (0..self.nodes.len())
+            .map(|k| Place { primary: self.server_of[k], backup: self.backup_of[k] })
+            .collect();
+        let live: Vec<bool> = self.dead.iter().map(|d| !d).collect();
+        for (s, primary, b) in placement::new_backups(&places, &live, sc.replicas) {
+            let su = s as usize;
+            let (seq, snapshot) = match self.nodes[su].attach_backup(self.now, &mut Quiet) {
+                Ok(Some(started)) => started,
+                Ok(None) => (0, Vec::new()),
+                Err(e) => {
+                    tracing::warn!(shard = s, "no new backup: {e}");
+                    continue;
+                }
+            };
+            let node = &self.nodes[su];
+            let backup = if snapshot.is_empty() {
+                ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
+            } else {
+                let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
+                ShardNode::restore(
+                    self.node_cfgs[su].clone(),
+                    node.module().clone(),
+                    Vec::new(),
+                    true,
+                    snap,
+                    &mut Quiet,
+                )
+                .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?
+            };
+            self.backups[su] = Some(backup);
+            self.backup_of[su] = Some(b);
+            self.epoch[su] += 1;
+            let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
+            let t = self.transfer(from, to, snapshot.len() as u64 + 64);
+            let epoch = self.epoch[su];
+            self.at(t + self.latency_ns, Ev::Confirm(s, epoch, seq));
+            tracing::debug!(shard = s, primary, backup = b, "re-replicated");
+            self.drain(s)?;
+        }
         Ok(())
     }
 
