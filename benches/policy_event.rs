@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use syncopate::runtime::{PolicyError, PolicyInstance, PolicyModule, PolicyRuntime, DEFAULT_CALL_FUEL};
-use syncopate::shard::{PullReply, PushRequest, Shard, ShardConfig, ShardSink};
+use syncopate::shard::{Observer, PullReply, PushRequest, Shard, ShardConfig, ShardSink};
 use syncopate_policy_sdk::abi::{Decision, Envelope, Event, InitArgs, Pull, ShardView};
 use syncopate_policy_sdk::guest::{Encoder, Guest};
 use syncopate_policy_sdk::Policy;
@@ -176,6 +176,9 @@ struct Reuse {
 
 impl ShardSink for Reuse {
     fn pull_served(&mut self, _reply: PullReply<'_>) {}
+}
+
+impl Observer for Reuse {
     fn recycle(&mut self, buffer: Vec<f32>) {
         self.spare = Some(buffer);
     }

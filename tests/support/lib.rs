@@ -146,6 +146,9 @@ impl ShardSink for Recorder {
         self.controls.push((worker, msg.control));
         self.messages.push((worker, msg));
     }
+}
+
+impl syncopate::shard::Observer for Recorder {
     fn metric(&mut self, name: &str, value: f64) {
         self.metrics.push((name.to_owned(), value));
     }

@@ -38,8 +38,7 @@ mod supervisor;
 pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use node::{
-    Joined, NodeConfig, NodeOutput, Observer, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode,
-    Token,
+    Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
 };
 pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
@@ -171,7 +170,7 @@ pub struct PullReply<'a> {
 }
 
 /// Where a shard reports what happened. The network layer sends these to workers; tests record.
-pub trait ShardSink {
+pub trait ShardSink: Observer {
     /// A pull is answered.
     fn pull_served(&mut self, reply: PullReply<'_>);
     /// A push was admitted (applied or aggregated).
@@ -187,6 +186,12 @@ pub trait ShardSink {
     /// A worker has left the shard: it said goodbye (once none of its tasks were still out),
     /// or it was dropped.
     fn left(&mut self, _worker: WorkerId) {}
+}
+
+/// What a shard (or a [`ShardNode`]) tells its driver that is not protocol: metrics, policy
+/// failures and starts, recordings, and the tensor buffers it borrows and gives back. Every
+/// method has a default that keeps nothing (or allocates).
+pub trait Observer {
     /// A policy records a metric.
     fn metric(&mut self, _name: &str, _value: f64) {}
     /// The policy failed; the shard recovered as described in the module docs.
@@ -202,6 +207,13 @@ pub trait ShardSink {
     /// when a served pull still holds them and they are about to change.
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         vec![0.0; len]
+    }
+    /// A [`ShardNode`] primary's op for its backup, handed over *before* the primary applies it:
+    /// a driver that can send it at once (the servers) takes it and returns `None`, so the op
+    /// crosses the network while the primary applies it. Returned (the default), it comes out
+    /// of [`ShardNode::poll_output`] as [`NodeOutput::Replicate`] after the call, in order.
+    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
+        Some((stamped, payload))
     }
 }
 
@@ -1518,6 +1530,9 @@ mod tests {
         fn pull_served(&mut self, r: PullReply<'_>) {
             self.pulls.push(Arc::clone(r.values));
         }
+    }
+
+    impl Observer for Keep {
         fn buffer(&mut self, len: usize) -> Vec<f32> {
             self.buffers_given += 1;
             vec![0.0; len]

@@ -38,8 +38,8 @@ use std::sync::Arc;
 use syncopate_policy_sdk::abi::{Applied, Envelope, IterationReport, LeaveReason, RequestId, WorkerId};
 
 use super::{
-    AckGate, ControlMessage, Handover, Op, Outcome, PullReply, Shard, ShardConfig, ShardError, ShardSink,
-    ShardSnapshot, Stamped, TaskPart,
+    AckGate, ControlMessage, Handover, Observer, Op, Outcome, PullReply, Shard, ShardConfig, ShardError,
+    ShardSink, ShardSnapshot, Stamped, TaskPart,
 };
 use crate::recording::PolicyStart;
 use crate::runtime::{PolicyError, PolicyModule};
@@ -179,25 +179,6 @@ pub enum NodeOutput {
     },
 }
 
-/// What a node tells its driver that is not protocol: buffers, recordings, metrics, failures.
-/// Every method has a default that does nothing (or allocates).
-pub trait Observer {
-    /// A policy records a metric.
-    fn metric(&mut self, _name: &str, _value: f64) {}
-    /// The policy failed; the shard recovered.
-    fn policy_failed(&mut self, _error: &PolicyError) {}
-    /// A policy instance started.
-    fn policy_started(&mut self, _start: &PolicyStart<'_>) {}
-    /// The policy answered an event, or failed on it.
-    fn policy_called(&mut self, _env: &Envelope, _answer: Result<&[u8], &PolicyError>) {}
-    /// A buffer the node is done with.
-    fn recycle(&mut self, _buffer: Vec<f32>) {}
-    /// A buffer of exactly `len` values, which the node overwrites.
-    fn buffer(&mut self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
-    }
-}
-
 /// An observer that keeps nothing.
 #[derive(Debug, Default)]
 pub struct Quiet;
@@ -330,7 +311,9 @@ impl ShardSink for Tap<'_> {
         }
         p.out.push_back(NodeOutput::Left { worker });
     }
+}
 
+impl Observer for Tap<'_> {
     fn metric(&mut self, name: &str, value: f64) {
         self.obs.metric(name, value);
     }
@@ -353,6 +336,10 @@ impl ShardSink for Tap<'_> {
 
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         self.obs.buffer(len)
+    }
+
+    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
+        self.obs.replicate(stamped, payload)
     }
 }
 
@@ -502,7 +489,9 @@ impl ShardNode {
                 _ => Vec::new(),
             };
             let stamped = Stamped { seq, now_ns: now, op: op.clone() };
-            self.pending.out.push_back(NodeOutput::Replicate { stamped, payload });
+            if let Some((stamped, payload)) = obs.replicate(stamped, payload) {
+                self.pending.out.push_back(NodeOutput::Replicate { stamped, payload });
+            }
         }
         self.apply(op, grad, now, |_| None, obs)
     }

@@ -209,6 +209,8 @@ mod tests {
         }
     }
 
+    impl crate::shard::Observer for Said {}
+
     fn grad(w: u32, i: u64) -> f32 {
         0.5 * (w + 1) as f32 + i as f32 / 32.0
     }

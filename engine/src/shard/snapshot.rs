@@ -418,6 +418,9 @@ mod tests {
         fn left(&mut self, worker: WorkerId) {
             self.0.push(format!("left {worker}"));
         }
+    }
+
+    impl crate::shard::Observer for Log {
         fn metric(&mut self, name: &str, value: f64) {
             self.0.push(format!("metric {name} {value}"));
         }

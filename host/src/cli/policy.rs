@@ -326,6 +326,8 @@ fn exercise(module: &crate::runtime::PolicyModule, config: &[(String, String)]) 
         fn pull_served(&mut self, r: PullReply<'_>) {
             self.served.push(r.id);
         }
+    }
+    impl crate::shard::Observer for Sink {
         fn policy_failed(&mut self, e: &crate::runtime::PolicyError) {
             self.failure.get_or_insert_with(|| e.to_string());
         }

@@ -175,11 +175,14 @@ enum Waiter {
     Done(Reply<()>),
 }
 
-/// The buffers, recording and logs the node reports to.
+/// The buffers, recording, logs and replication stream the node reports to.
 struct Obs {
     shard: u32,
     pool: TensorPool,
     recorder: Option<Recorder>,
+    /// A primary's replication stream: each op goes out as soon as the node stamps it, before
+    /// the primary applies it, so the transfer overlaps the apply.
+    link: Option<ReplicaLink>,
 }
 
 type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
@@ -222,6 +225,20 @@ impl Observer for Obs {
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         self.pool.take(len)
     }
+
+    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
+        match &self.link {
+            Some(link) => {
+                if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
+                    // The writer is gone; acknowledgements wait until the coordinator drops the
+                    // backup (it may not promote it while we still answer).
+                    tracing::warn!(shard = self.shard, "the replication stream is closed");
+                }
+            }
+            None => self.pool.give(payload),
+        }
+        None
+    }
 }
 
 /// The task's moving parts around the node: who waits for what, and where outputs go.
@@ -231,8 +248,6 @@ struct Plumbing {
     waiters: HashMap<Token, Waiter>,
     next_token: Token,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
-    /// A primary's replication stream.
-    link: Option<ReplicaLink>,
     /// A backup's confirmations to its primary.
     confirm: Option<mpsc::UnboundedSender<u64>>,
 }
@@ -256,16 +271,13 @@ impl Plumbing {
                     (Some(Waiter::Done(tx)), NodeReply::Done(r)) => send(tx, r),
                     (_, reply) => tracing::error!(shard = id, token, ?reply, "a reply nobody waits for"),
                 },
-                NodeOutput::Replicate { stamped, payload } => match &self.link {
-                    Some(link) => {
-                        if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
-                            // The writer is gone; acknowledgements wait until the coordinator
-                            // drops the backup (it may not promote it while we still answer).
-                            tracing::warn!(shard = id, "the replication stream is closed");
-                        }
+                // `Obs::replicate` sends every op as it is stamped; none is left for here.
+                NodeOutput::Replicate { stamped, payload } => {
+                    if let Some((stamped, payload)) = self.obs.replicate(stamped, payload) {
+                        self.obs.recycle(payload);
+                        tracing::error!(shard = id, seq = stamped.seq, "an op with nowhere to go");
                     }
-                    None => self.obs.recycle(payload),
-                },
+                }
                 NodeOutput::Confirm { seq } => {
                     if let Some(ack) = &self.confirm {
                         let _ = ack.send(seq);
@@ -311,7 +323,7 @@ impl ShardTask {
             rejoin_grace_ns: self.rejoin_grace.as_nanos() as u64,
             quiet: false,
         };
-        let mut obs = Obs { shard: id, pool: self.pool.clone(), recorder: None };
+        let mut obs = Obs { shard: id, pool: self.pool.clone(), recorder: None, link: None };
         let (module, config) = (self.module.clone(), self.config.clone());
         let node = match self.restored.take() {
             Some(snap) => {
@@ -362,7 +374,6 @@ impl ShardTask {
             waiters: HashMap::new(),
             next_token: 0,
             controls: HashMap::new(),
-            link: None,
             confirm: None,
         };
         p.drain();
@@ -463,12 +474,12 @@ impl ShardTask {
                     Err(e) => Err(e.to_string()),
                 };
                 if r.is_ok() {
-                    p.link = Some(link);
+                    p.obs.link = Some(link);
                 }
                 let _ = reply.send(r);
             }
             ShardCmd::DropBackup => {
-                p.link = None;
+                p.obs.link = None;
                 p.node.drop_backup();
             }
             ShardCmd::Promote { reply } => {
