@@ -5,8 +5,8 @@
 //! one swapped in, or a restart after a failure) or one policy call: the event exactly as the
 //! policy received it (its [`Envelope`] bytes, with the host's time, random value and clocks)
 //! and the decisions it answered with, or its failure. The shard reports these through
-//! [`ShardSink::policy_started`](crate::shard::ShardSink::policy_started) and
-//! [`ShardSink::policy_called`](crate::shard::ShardSink::policy_called); a driver that records
+//! [`Observer::policy_started`](crate::shard::Observer::policy_started) and
+//! [`Observer::policy_called`](crate::shard::Observer::policy_called); a driver that records
 //! writes them with a [`Writer`]; [`read`] gives them back and [`crate::replay`] feeds them to
 //! any module.
 
