@@ -15,7 +15,9 @@
 //!   samples), the undisturbed model is exactly minus the sum of every push: nothing lost or
 //!   applied twice;
 //! - the model after the failovers is the undisturbed one, bit for bit: every acknowledged push
-//!   survived the primary, and the workers' retries were not applied again.
+//!   survived the primary, and the workers' retries were not applied again;
+//! - in both runs, once the ops on their way have arrived, every live backup equals its
+//!   primary: parameters bit for bit, version and members.
 //!
 //! A second death that comes before the first failover's new backups hold their shards can
 //! take a shard's last copy (its primary and its backup both dead): a cluster loses that shard
@@ -143,6 +145,9 @@ impl Case {
         let iterations = self.scenario.iterations.expect("drawn with iterations");
         let clean = self.run(rt, Vec::new()).map_err(|e| format!("undisturbed run: {e}"))?;
         every_iteration(&clean, iterations, "undisturbed run")?;
+        if let Some(d) = &clean.replicas_differ {
+            return Err(format!("undisturbed run: {d}"));
+        }
         if unit_weights(&self.policy) {
             let expected = -(1..=self.scenario.workers).map(|w| w as f32).sum::<f32>() * iterations as f32;
             if let Some((i, v)) = clean.model.iter().enumerate().find(|(_, v)| **v != expected) {
@@ -178,6 +183,9 @@ impl Case {
             Err(e) => return Err(format!("{what}: {e}")),
         };
         every_iteration(&failed, iterations, &what)?;
+        if let Some(d) = &failed.replicas_differ {
+            return Err(format!("{what}: {d}"));
+        }
         let bits = |s: &Simulated| s.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         if bits(&clean) != bits(&failed) {
             let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());

@@ -263,6 +263,9 @@ pub struct Simulated {
     pub model: Vec<f32>,
     /// Events handled: a [`SimFailure`] can name any of them.
     pub events: u64,
+    /// Where a live backup differs from its primary once the ops on their way have reached it
+    /// (parameters, version or members); `None` when every backup equals its primary.
+    pub replicas_differ: Option<String>,
 }
 
 /// Runs the scenario under the policy.
@@ -463,7 +466,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let model = sim.model();
-    Ok(Simulated { report: sim.report(), model, events: handled })
+    let replicas_differ = sim.replicas_differ()?;
+    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ })
 }
 
 impl Sim {
@@ -496,6 +500,46 @@ impl Sim {
             }
             None => (hi - lo) as u64 * 4 + 64,
         }
+    }
+
+    /// Lets the ops still on their way reach the live backups (nothing else happens), then says
+    /// where a live backup differs from its primary. The run's time is left where it ended.
+    fn replicas_differ(&mut self) -> Result<Option<String>, SimError> {
+        let end = self.now;
+        while let Some((t, ev)) = self.queue.pop() {
+            if let Ev::Replicate(..) = ev {
+                self.now = t;
+                self.handle(ev)?;
+            }
+        }
+        self.now = end;
+        for (k, backup) in self.backups.iter_mut().enumerate() {
+            let (Some(backup), Some(b)) = (backup.as_mut(), self.backup_of[k]) else { continue };
+            if self.dead[b as usize] || self.dead[self.server_of[k] as usize] {
+                continue;
+            }
+            // The whole state, policy included: both snapshots taken at the same time.
+            let snap = |n: &mut ShardNode| n.snapshot(end).map(|s| s.encode()).map_err(|e| e.to_string());
+            let (ps, qs) = (snap(&mut self.nodes[k]), snap(backup));
+            let (p, q) = (sim_shard(&self.nodes[k]), sim_shard(backup));
+            if ps != qs && bits_equal(p, q) && p.version() == q.version() && p.workers() == q.workers() {
+                return Ok(Some(format!(
+                    "shard {k}: its backup on server {b} has the primary's parameters, version and members, \
+                     but not its whole state (policy, pending requests or counters)"
+                )));
+            }
+            if !bits_equal(p, q) || p.version() != q.version() || p.workers() != q.workers() {
+                return Ok(Some(format!(
+                    "shard {k}: its backup on server {b} is at version {} with members {:?}, its primary at {} with {:?}{}",
+                    q.version(),
+                    q.workers(),
+                    p.version(),
+                    p.workers(),
+                    if bits_equal(p, q) { "" } else { ", and their parameters differ" }
+                )));
+            }
+        }
+        Ok(None)
     }
 
     /// A token for a request to a shard.
@@ -1115,4 +1159,9 @@ impl Sim {
 /// A simulated shard: the simulator creates every one before the run starts.
 fn sim_shard(node: &ShardNode) -> &Shard {
     node.shard().expect("the simulator creates every shard at the start")
+}
+
+/// Whether two shards hold the same parameters, bit for bit.
+fn bits_equal(p: &Shard, q: &Shard) -> bool {
+    p.values().iter().map(|v| v.to_bits()).eq(q.values().iter().map(|v| v.to_bits()))
 }
