@@ -208,12 +208,14 @@ pub trait Observer {
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
-    /// A [`ShardNode`] primary's op for its backup, handed over *before* the primary applies it:
-    /// a driver that can send it at once (the servers) takes it and returns `None`, so the op
-    /// crosses the network while the primary applies it. Returned (the default), it comes out
-    /// of [`ShardNode::poll_output`] as [`NodeOutput::Replicate`] after the call, in order.
-    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
-        Some((stamped, payload))
+    /// A [`ShardNode`]'s output that need not wait for the end of the call: a primary's op for
+    /// its backup ([`NodeOutput::Replicate`]), handed over before the primary applies it, and a
+    /// backup's confirmation ([`NodeOutput::Confirm`]), given before the backup applies the op.
+    /// A driver that can send it at once (the servers) takes it and returns `None`, so the
+    /// network works while the node applies the op. Returned (the default), it comes out of
+    /// [`ShardNode::poll_output`] after the call, in order.
+    fn send_now(&mut self, out: NodeOutput) -> Option<NodeOutput> {
+        Some(out)
     }
 }
 

@@ -95,6 +95,14 @@ pub enum RequestError {
         /// Why.
         reason: String,
     },
+    /// The shard's policy could not export its state for a snapshot.
+    #[error("shard {shard} cannot snapshot its policy: {reason}")]
+    Snapshot {
+        /// The shard.
+        shard: u32,
+        /// Why.
+        reason: String,
+    },
     /// A joining worker's slice of the model has another length than the shard.
     #[error("shard {shard} holds {holds} parameters, the worker's slice has {got}")]
     WrongSlice {
@@ -338,8 +346,8 @@ impl Observer for Tap<'_> {
         self.obs.buffer(len)
     }
 
-    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
-        self.obs.replicate(stamped, payload)
+    fn send_now(&mut self, out: NodeOutput) -> Option<NodeOutput> {
+        self.obs.send_now(out)
     }
 }
 
@@ -489,8 +497,8 @@ impl ShardNode {
                 _ => Vec::new(),
             };
             let stamped = Stamped { seq, now_ns: now, op: op.clone() };
-            if let Some((stamped, payload)) = obs.replicate(stamped, payload) {
-                self.pending.out.push_back(NodeOutput::Replicate { stamped, payload });
+            if let Some(out) = obs.send_now(NodeOutput::Replicate { stamped, payload }) {
+                self.pending.out.push_back(out);
             }
         }
         self.apply(op, grad, now, |_| None, obs)
@@ -803,7 +811,9 @@ impl ShardNode {
             return;
         }
         let seq = stamped.seq;
-        self.pending.out.push_back(NodeOutput::Confirm { seq });
+        if let Some(out) = obs.send_now(NodeOutput::Confirm { seq }) {
+            self.pending.out.push_back(out);
+        }
         self.pending.gate.follow(seq);
         if self.apply(stamped.op, grad, stamped.now_ns, find, obs).is_none() {
             tracing::error!(shard = id, seq, "an op arrived before the shard was created");
@@ -838,10 +848,7 @@ impl ShardNode {
         let Some(s) = self.shard.as_mut() else { return Err(RequestError::NoShardYet(id)) };
         let snapshot = s
             .snapshot(now)
-            .map_err(|e| RequestError::CannotStart {
-                shard: id,
-                reason: format!("cannot snapshot its policy: {e}"),
-            })?
+            .map_err(|e| RequestError::Snapshot { shard: id, reason: e.to_string() })?
             .encode();
         let snap = ShardSnapshot::decode(&snapshot).expect("just encoded");
         // Requests the restart hands the policy again are acknowledged only once the backup
@@ -889,10 +896,7 @@ impl ShardNode {
     pub fn snapshot(&mut self, now: u64) -> Result<ShardSnapshot, RequestError> {
         let id = self.id();
         let s = self.shard.as_mut().ok_or(RequestError::NoShardYet(id))?;
-        s.snapshot(now).map_err(|e| RequestError::CannotStart {
-            shard: id,
-            reason: format!("cannot snapshot its policy: {e}"),
-        })
+        s.snapshot(now).map_err(|e| RequestError::Snapshot { shard: id, reason: e.to_string() })
     }
 }
 

@@ -183,6 +183,8 @@ struct Obs {
     /// A primary's replication stream: each op goes out as soon as the node stamps it, before
     /// the primary applies it, so the transfer overlaps the apply.
     link: Option<ReplicaLink>,
+    /// A backup's confirmations to its primary: each goes out before the backup applies the op.
+    confirm: Option<mpsc::UnboundedSender<u64>>,
 }
 
 type Recorder = recording::Writer<std::io::BufWriter<std::fs::File>>;
@@ -226,16 +228,24 @@ impl Observer for Obs {
         self.pool.take(len)
     }
 
-    fn replicate(&mut self, stamped: Stamped, payload: Vec<f32>) -> Option<(Stamped, Vec<f32>)> {
-        match &self.link {
-            Some(link) => {
-                if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
-                    // The writer is gone; acknowledgements wait until the coordinator drops the
-                    // backup (it may not promote it while we still answer).
-                    tracing::warn!(shard = self.shard, "the replication stream is closed");
+    fn send_now(&mut self, out: NodeOutput) -> Option<NodeOutput> {
+        match out {
+            NodeOutput::Replicate { stamped, payload } => match &self.link {
+                Some(link) => {
+                    if link.tx.send(Replicate::Op(stamped, payload)).is_err() {
+                        // The writer is gone; acknowledgements wait until the coordinator drops
+                        // the backup (it may not promote it while we still answer).
+                        tracing::warn!(shard = self.shard, "the replication stream is closed");
+                    }
+                }
+                None => self.pool.give(payload),
+            },
+            NodeOutput::Confirm { seq } => {
+                if let Some(ack) = &self.confirm {
+                    let _ = ack.send(seq);
                 }
             }
-            None => self.pool.give(payload),
+            other => return Some(other),
         }
         None
     }
@@ -248,8 +258,6 @@ struct Plumbing {
     waiters: HashMap<Token, Waiter>,
     next_token: Token,
     controls: HashMap<WorkerId, mpsc::UnboundedSender<ControlMessage>>,
-    /// A backup's confirmations to its primary.
-    confirm: Option<mpsc::UnboundedSender<u64>>,
 }
 
 impl Plumbing {
@@ -271,16 +279,10 @@ impl Plumbing {
                     (Some(Waiter::Done(tx)), NodeReply::Done(r)) => send(tx, r),
                     (_, reply) => tracing::error!(shard = id, token, ?reply, "a reply nobody waits for"),
                 },
-                // `Obs::replicate` sends every op as it is stamped; none is left for here.
-                NodeOutput::Replicate { stamped, payload } => {
-                    if let Some((stamped, payload)) = self.obs.replicate(stamped, payload) {
-                        self.obs.recycle(payload);
-                        tracing::error!(shard = id, seq = stamped.seq, "an op with nowhere to go");
-                    }
-                }
-                NodeOutput::Confirm { seq } => {
-                    if let Some(ack) = &self.confirm {
-                        let _ = ack.send(seq);
+                // `Obs::send_now` takes these as the node makes them; none is left for here.
+                out @ (NodeOutput::Replicate { .. } | NodeOutput::Confirm { .. }) => {
+                    if self.obs.send_now(out).is_some() {
+                        tracing::error!(shard = id, "an op or a confirmation with nowhere to go");
                     }
                 }
                 NodeOutput::Control { worker, msg } => match self.controls.get(&worker) {
@@ -323,7 +325,7 @@ impl ShardTask {
             rejoin_grace_ns: self.rejoin_grace.as_nanos() as u64,
             quiet: false,
         };
-        let mut obs = Obs { shard: id, pool: self.pool.clone(), recorder: None, link: None };
+        let mut obs = Obs { shard: id, pool: self.pool.clone(), recorder: None, link: None, confirm: None };
         let (module, config) = (self.module.clone(), self.config.clone());
         let node = match self.restored.take() {
             Some(snap) => {
@@ -368,14 +370,7 @@ impl ShardTask {
                 Err(e) => tracing::warn!(shard = id, "cannot record to {}: {e}", path.display()),
             }
         }
-        let mut p = Plumbing {
-            node,
-            obs,
-            waiters: HashMap::new(),
-            next_token: 0,
-            controls: HashMap::new(),
-            confirm: None,
-        };
+        let mut p = Plumbing { node, obs, waiters: HashMap::new(), next_token: 0, controls: HashMap::new() };
         p.drain();
         loop {
             let cmd = match p.node.poll_timeout() {
@@ -458,7 +453,7 @@ impl ShardTask {
                 let _ = reply.send(p.node.snapshot(now).map(|s| s.encode()).map_err(|e| e.to_string()));
             }
             ShardCmd::Replicated { stamped, grad, ack } => {
-                p.confirm = Some(ack);
+                p.obs.confirm = Some(ack);
                 let modules = &self.modules;
                 let find = |sha: &[u8; 32]| modules.lock().expect("not poisoned").get(sha).cloned();
                 p.node.replicated(stamped, grad, find, &mut p.obs);
