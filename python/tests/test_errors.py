@@ -108,8 +108,17 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
         keep = "import numpy as np, syncopate, time;"
         keep += "w = syncopate.Worker([np.zeros(8, dtype=np.float32)], id=1); time.sleep(600)"
         procs.start([sys.executable, "-c", keep], env=c.env)
-    p = procs.start([sys.executable, script, call], env=c.env | {"SYNCOPATE_ID": "0"})
+    stdin = subprocess.PIPE if call == "push" else subprocess.DEVNULL
+    p = procs.start([sys.executable, script, call], env=c.env | {"SYNCOPATE_ID": "0"}, stdin=stdin)
     assert p.stdout is not None
+    if call == "push":
+        # Its server stopped before the push leaves, so no answer can come (one sent before
+        # the stop once returned the call, and the signal landed after it).
+        assert p.stdout.readline().strip() == "ready"
+        c.servers[0].send_signal(signal.SIGSTOP)
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     assert p.stdout.readline().strip() == f"calling {call}"
     if call == "join":
         # Registered with the coordinator: inside the join, at the start barrier.
@@ -117,7 +126,6 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
     elif call == "pull":
         wait_for("deferred pull", lambda: shard_stats(c)["pulls_deferred"] >= 1, p, 60)
     else:
-        c.servers[0].send_signal(signal.SIGSTOP)
         # Printing done, the script's main thread next sleeps in the push's wait (no server
         # answers): a signal sent before that would land in the printing, not in the push.
         wait_for("push", lambda: asleep(p.pid), p, 60)

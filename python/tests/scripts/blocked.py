@@ -3,7 +3,8 @@
 
 - ``join``: joins a cluster whose start barrier waits for a second worker that never comes;
 - ``pull``: pulls a second time under BSP while the other worker never pushes (deferred);
-- ``push``: pushes while the test holds the server stopped (SIGSTOP), so no answer comes.
+- ``push``: prints ``ready`` and waits for a line on stdin, by which the test has stopped the
+  server (SIGSTOP); then pushes, and no answer comes.
 
 It prints ``calling <call>`` just before the call (for ``pull`` and ``push``, from a profile
 hook as the native call starts), then, on ``KeyboardInterrupt``, ``interrupted in <function>``
@@ -45,6 +46,11 @@ def main(mode: str) -> None:
             worker.pull(model)
             if mode == "pull":
                 worker.push(model)
+            else:
+                # The server must be stopped before the push leaves: a push already answered
+                # returns, and the signal then lands after the call.
+                say("ready")
+                sys.stdin.readline()
             sys.setprofile(announce)
             if mode == "pull":
                 worker.pull(model)
