@@ -11,6 +11,9 @@
 //! - [`shard`]: one shard's parameters, optimizer, clocks and pending requests, consulting its
 //!   policy on every event, and a server's protocol for it (`ShardNode`);
 //! - [`placement`]: the shard map, and the coordinator's decisions when a server dies;
+//! - [`lease`]: the lease rule that keeps a shard from having two primaries, both sides;
+//! - [`coordinator`]: the coordinator as a state machine (server ids and leases, failover and
+//!   re-replication, worker admission);
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
 //!   hand-over, the emulated device);
@@ -18,6 +21,8 @@
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
 
 pub mod builtin;
+pub mod coordinator;
+pub mod lease;
 pub mod placement;
 pub mod recording;
 pub mod replay;

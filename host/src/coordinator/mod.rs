@@ -32,10 +32,11 @@ use crate::net::proto::{
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
 use crate::net::{self, close};
-use crate::placement::{self, Failover, Place};
+use crate::placement::Place;
 use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
+use syncopate_engine::coordinator::{Command, CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
 mod rebuild;
 
@@ -126,8 +127,8 @@ struct State {
     /// server a restarted coordinator never heard from again, or refused).
     servers: Vec<(SocketAddr, Option<quinn::Connection>)>,
     worker_conns: BTreeMap<WorkerId, quinn::Connection>,
-    workers: BTreeMap<WorkerId, WorkerStatus>,
-    model_len: Option<u64>,
+    /// The decisions: server ids and leases, the shard map, failover, worker ids.
+    machine: CoordinatorMachine,
     policy: PolicySource,
     /// The policy before the last swap, for a rollback.
     previous: Option<PolicySource>,
@@ -138,12 +139,6 @@ struct State {
     next_round: u64,
     /// The round the shards were restored from.
     restore: Option<PathBuf>,
-    /// Per shard: its primary and backup.
-    places: Vec<Place>,
-    /// Per server: when its last lease renewal arrived; `None` once it is failed over.
-    renewed: Vec<Option<std::time::Instant>>,
-    /// Servers that were welcomed (answered), in whatever order their answers went out.
-    answered: u32,
     /// After a restart: the servers rejoining, until the cluster is rebuilt from them.
     rebuild: Option<rebuild::Rebuild>,
     /// The key workers' tickets are issued under: drawn at start, or taken back from the
@@ -167,6 +162,8 @@ struct Coordinator {
     /// Set when a shutdown starts, so departures after it are not reported as losses.
     stopping: std::sync::atomic::AtomicBool,
     runtime: PolicyRuntime,
+    /// The machine's clock starts here.
+    epoch: std::time::Instant,
 }
 
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
@@ -210,17 +207,22 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         state: Mutex::new(State {
             servers: Vec::new(),
             worker_conns: BTreeMap::new(),
-            workers: BTreeMap::new(),
-            model_len: resumed.as_ref().map(|r| r.manifest.model_len),
+            machine: {
+                let mut m = CoordinatorMachine::new(CoordinatorConfig {
+                    servers: opts.servers,
+                    shards: opts.shards,
+                    replicas: opts.replicas,
+                    max_workers: opts.max_workers,
+                });
+                m.set_model_len(resumed.as_ref().map(|r| r.manifest.model_len));
+                m
+            },
             policy: opts.policy.clone(),
             previous: None,
             swaps: resumed.as_ref().map_or(0, |r| r.manifest.swaps),
             score: None,
             next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
             restore: resumed.map(|r| r.dir),
-            places: placement::initial(opts.shards, opts.servers, opts.replicas),
-            renewed: Vec::new(),
-            answered: 0,
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
         }),
@@ -232,6 +234,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         shutdown,
         stopping: Default::default(),
         runtime,
+        epoch: std::time::Instant::now(),
         opts,
     });
     let accept = {
@@ -320,7 +323,7 @@ impl State {
         self.servers
             .iter()
             .enumerate()
-            .filter(|(i, _)| self.renewed.get(*i).is_none_or(Option::is_some))
+            .filter(|(i, _)| self.machine.live().get(*i).copied().unwrap_or(true))
             .filter_map(|(i, (addr, conn))| Some((i as u32, *addr, conn.clone()?)))
             .collect()
     }
@@ -360,7 +363,7 @@ impl Coordinator {
         let started = *self.ready.borrow() > 0;
         let (servers, round, manifest, wasm) = {
             let mut st = self.lock();
-            let Some(model_len) = st.model_len.filter(|_| started || st.restore.is_some()) else {
+            let Some(model_len) = st.machine.model_len().filter(|_| started || st.restore.is_some()) else {
                 return Err("training has not started yet".into());
             };
             if (st.servers.len() as u32) < self.opts.servers {
@@ -448,26 +451,76 @@ impl Coordinator {
         (welcome, st.policy.wasm.clone())
     }
 
-    /// Once every server has registered: each primary starts streaming its shards' ops to their
-    /// backups. Workers are welcomed after this.
-    async fn attach_backups(&self) {
-        let (servers, places) = {
-            let st = self.lock();
-            (st.servers.clone(), st.places.clone())
-        };
-        for (k, place) in places.iter().enumerate() {
-            self.lock().places[k].backup = None;
-            if let Some(b) = place.backup {
-                self.attach(&servers, k, place.primary, b).await;
-            }
-        }
-        tracing::info!(shards = places.len(), "backups attached");
-        self.replicated.send_replace(true);
+    /// The machine's clock: nanoseconds since this coordinator started.
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Fails over every server whose lease has lapsed: checked every 100 ms.
+    /// Carries out what the machine decided, until it has nothing more: commands go to their
+    /// servers one at a time (their results go back to it), notices to the workers.
+    async fn drive(&self) {
+        loop {
+            let Some(out) = self.lock().machine.poll_output() else { return };
+            match out {
+                CoordOutput::Command { id, server, command } => {
+                    let servers = self.lock().servers.clone();
+                    let cmd = match command {
+                        Command::Promote { shard } => ServerCommand::Promote { shard },
+                        Command::DropBackup { shard } => ServerCommand::DropBackup { shard },
+                        Command::AttachBackup { shard, backup } => match servers.get(backup as usize) {
+                            Some((addr, _)) => ServerCommand::AttachBackup { shard, addr: *addr },
+                            None => ServerCommand::DropBackup { shard },
+                        },
+                    };
+                    let result = command_server(&servers, server, &cmd).await;
+                    match (&result, command) {
+                        (Ok(()), Command::Promote { shard }) => {
+                            tracing::warn!(shard, to = server, "failover: backup promoted to primary")
+                        }
+                        (Err(e), Command::Promote { shard }) => {
+                            tracing::error!(shard, "the backup on server {server} could not take over: {e}")
+                        }
+                        (Ok(()), Command::DropBackup { shard }) => {
+                            tracing::warn!(shard, "its backup was on the lost server; it runs without one")
+                        }
+                        (Ok(()), Command::AttachBackup { .. }) => {}
+                        (Err(e), Command::AttachBackup { shard, backup }) => {
+                            tracing::error!(shard, "no backup on server {backup}: {e}")
+                        }
+                        (Err(_), Command::DropBackup { .. }) => {}
+                    }
+                    self.lock().machine.command_done(id, result);
+                }
+                CoordOutput::Moved { shard, server } => {
+                    self.notify_workers(WorkerNotice::Moved { shard, server }).await
+                }
+                CoordOutput::Replicated => {
+                    tracing::info!(shards = self.opts.shards, "backups attached");
+                    self.replicated.send_replace(true);
+                }
+                CoordOutput::ServerLost { server } => {
+                    let addr = self.lock().servers.get(server as usize).map(|s| s.0);
+                    tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
+                }
+                CoordOutput::ShardLost { shard } => {
+                    tracing::error!(shard, "shard lost with its server: no backup could take over")
+                }
+                CoordOutput::NewBackup { shard, primary, backup } => {
+                    tracing::warn!(shard, primary, backup, "re-replicated: a new backup")
+                }
+                CoordOutput::NoBackupPlace { shard } => {
+                    tracing::warn!(
+                        shard,
+                        "no live server to keep a new backup on; the shard runs without one"
+                    )
+                }
+                CoordOutput::FailoverDone { server } => tracing::warn!(server, "failover done"),
+            }
+        }
+    }
+
+    /// Checks the servers' leases every 100 ms: the machine fails over those that lapsed.
     async fn monitor(self: Arc<Self>) {
-        let grace = Duration::from_millis(crate::net::proto::FAILOVER_MS);
         let tick = Duration::from_millis(100);
         let mut last = std::time::Instant::now();
         loop {
@@ -477,127 +530,22 @@ impl Coordinator {
             }
             let now = std::time::Instant::now();
             // Time this process did not run (a starved or paused coordinator) is not counted
-            // against the servers: their renewals may be waiting, unread, in our sockets.
-            // Crediting it only ever delays a failover, which keeps the lease rule safe.
+            // against the servers (`LeaseTable::credit`).
             let stalled = now.duration_since(last).saturating_sub(2 * tick);
             last = now;
-            let lapsed: Vec<u32> = {
+            {
+                let now_ns = self.now_ns();
                 let mut st = self.lock();
                 if !stalled.is_zero() {
                     tracing::debug!(
                         ms = stalled.as_millis() as u64,
                         "monitor stalled; lease clocks credited"
                     );
-                    for t in st.renewed.iter_mut().flatten().filter(|t| **t < now) {
-                        *t = (*t + stalled).min(now);
-                    }
+                    st.machine.credit_stall(now_ns, stalled.as_nanos() as u64);
                 }
-                st.renewed
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, r)| r.is_some_and(|t| t.elapsed() > grace))
-                    .map(|(i, _)| i as u32)
-                    .collect()
-            };
-            for server in lapsed {
-                self.fail_over(server).await;
+                st.machine.handle_timeout(now_ns);
             }
-        }
-    }
-
-    /// Server `dead` is gone: its shards' backups become their primaries (and the workers are
-    /// told), and the shards it backed up go on without a backup.
-    async fn fail_over(&self, dead: u32) {
-        let t = std::time::Instant::now();
-        let (servers, places) = {
-            let mut st = self.lock();
-            st.renewed[dead as usize] = None;
-            (st.servers.clone(), st.places.clone())
-        };
-        tracing::error!(server = dead, addr = %servers[dead as usize].0, "server lost (its lease lapsed); failing over");
-        for m in placement::fail_over(&places, dead) {
-            let done = match m {
-                Failover::Promote { shard, to } => {
-                    match command_server(&servers, to, &ServerCommand::Promote { shard }).await {
-                        Ok(()) => {
-                            tracing::warn!(shard, from = dead, to, "failover: backup promoted to primary");
-                            true
-                        }
-                        Err(e) => {
-                            tracing::error!(shard, "the backup on server {to} could not take over: {e}");
-                            false
-                        }
-                    }
-                }
-                Failover::DropBackup { shard, primary } => {
-                    let _ = command_server(&servers, primary, &ServerCommand::DropBackup { shard }).await;
-                    tracing::warn!(shard, "its backup was on the lost server; it runs without one");
-                    true
-                }
-                Failover::Lost { shard } => {
-                    tracing::error!(shard, "shard lost with its server: it had no backup");
-                    false
-                }
-            };
-            if done {
-                placement::apply(&mut self.lock().places, m);
-                if let Failover::Promote { shard, to } = m {
-                    self.notify_workers(WorkerNotice::Moved { shard, server: to }).await;
-                }
-            }
-        }
-        tracing::warn!(server = dead, ms = t.elapsed().as_millis() as u64, "failover done");
-        self.re_replicate().await;
-    }
-
-    /// Gives every shard without a backup a new one on a live server other than its primary's
-    /// (the next one, in server order), where there is one: the primary restarts from its own
-    /// snapshot and the new backup starts from the same.
-    async fn re_replicate(&self) {
-        if self.opts.replicas == 0 {
-            return;
-        }
-        let (servers, places, live) = {
-            let st = self.lock();
-            let live: Vec<bool> = st.renewed.iter().map(Option::is_some).collect();
-            (st.servers.clone(), st.places.clone(), live)
-        };
-        let planned = placement::new_backups(&places, &live, self.opts.replicas);
-        for (k, place) in places.iter().enumerate() {
-            let lost_primary = !live.get(place.primary as usize).copied().unwrap_or(false);
-            if place.backup.is_none() && !lost_primary && !planned.iter().any(|p| p.0 as usize == k) {
-                tracing::warn!(
-                    shard = k,
-                    "no live server to keep a new backup on; the shard runs without one"
-                );
-            }
-        }
-        for (k, primary, b) in planned {
-            if self.attach(&servers, k as usize, primary, b).await {
-                tracing::warn!(shard = k, primary, backup = b, "re-replicated: a new backup");
-            }
-        }
-    }
-
-    /// Has the primary of shard `k` on server `primary` stream its ops to a backup on server
-    /// `backup`, and records it; returns whether it did.
-    async fn attach(
-        &self,
-        servers: &[(SocketAddr, Option<quinn::Connection>)],
-        k: usize,
-        primary: u32,
-        backup: u32,
-    ) -> bool {
-        let cmd = ServerCommand::AttachBackup { shard: k as u32, addr: servers[backup as usize].0 };
-        match command_server(servers, primary, &cmd).await {
-            Ok(()) => {
-                self.lock().places[k].backup = Some(backup);
-                true
-            }
-            Err(e) => {
-                tracing::error!(shard = k, "no backup on server {backup}: {e}");
-                false
-            }
+            self.drive().await;
         }
     }
 
@@ -652,22 +600,16 @@ impl Coordinator {
                             ),
                             Vec::new(),
                         )
-                    } else if st.servers.len() as u32 >= self.opts.servers {
-                        (
-                            Welcome::Refused(format!(
-                                "the cluster already has its {} servers",
-                                self.opts.servers
-                            )),
-                            Vec::new(),
-                        )
                     } else {
-                        st.servers.push((data_addr, Some(conn.clone())));
                         // Its lease starts with its first heartbeat (see FIRST_HEARTBEAT_MS).
-                        let first = Duration::from_millis(crate::net::proto::FIRST_HEARTBEAT_MS);
-                        st.renewed.push(Some(std::time::Instant::now() + first));
-                        let id = st.servers.len() as u32 - 1;
-                        tracing::info!(server = id, %data_addr, "server registered");
-                        self.server_welcome(&st, id)
+                        match st.machine.register_server(self.now_ns()) {
+                            Ok(id) => {
+                                st.servers.push((data_addr, Some(conn.clone())));
+                                tracing::info!(server = id, %data_addr, "server registered");
+                                self.server_welcome(&st, id)
+                            }
+                            Err(refusal) => (Welcome::Refused(refusal.to_string()), Vec::new()),
+                        }
                     }
                 };
                 // The id this server was given: two servers registering at once must not
@@ -682,19 +624,9 @@ impl Coordinator {
                 if net::answer(&mut send, &welcome, &wasm).await.is_err() {
                     return;
                 }
-                // Servers answered so far; exactly one of them, the last, attaches the backups.
-                let answered = {
-                    let mut st = self.lock();
-                    st.answered += 1;
-                    st.answered
-                };
-                if answered == self.opts.servers {
-                    if self.opts.replicas > 0 && answered > 1 {
-                        self.attach_backups().await;
-                    } else {
-                        self.replicated.send_replace(true);
-                    }
-                }
+                // Once the last server is answered, the machine has the backups attached.
+                let answered = self.lock().machine.server_answered();
+                self.drive().await;
                 self.registered.send_modify(|n| *n = (*n).max(answered));
                 self.serve_server(&conn, server, data_addr).await;
             }
@@ -715,11 +647,10 @@ impl Coordinator {
                 self.worker_loop(&conn, id).await;
                 let mut st = self.lock();
                 st.worker_conns.remove(&id);
-                if let Some(w) = st.workers.get_mut(&id) {
-                    w.connected = false;
-                    if !w.finished && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                        tracing::warn!(worker = id, %addr, "worker lost: {}", conn.close_reason().map(|r| r.to_string()).unwrap_or_default());
-                    }
+                if st.machine.worker_disconnected(id)
+                    && !self.stopping.load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    tracing::warn!(worker = id, %addr, "worker lost: {}", conn.close_reason().map(|r| r.to_string()).unwrap_or_default());
                 }
             }
             Role::Replica { .. } => net::refuse(&mut send, "replication goes between servers".into()).await,
@@ -759,14 +690,11 @@ impl Coordinator {
                 let limits = Limits { max_header: 4096, max_payload: 0 };
                 let answer = match wire::read_message::<CoordRequest>(&mut recv, &limits).await {
                     Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
-                        let mut st = self.lock();
-                        match st.renewed.get_mut(s as usize) {
-                            Some(Some(t)) => {
-                                *t = std::time::Instant::now();
-                                CoordResponse::Ok
-                            }
+                        let now_ns = self.now_ns();
+                        match self.lock().machine.renew(now_ns, s) {
+                            Ok(()) => CoordResponse::Ok,
                             // Failed over: its shards have other primaries now.
-                            _ => CoordResponse::Error("this server was failed over".into()),
+                            Err(e) => CoordResponse::Error(e.to_string()),
                         }
                     }
                     Ok((other, _)) => CoordResponse::Error(format!("a server may not send {other:?}")),
@@ -801,39 +729,10 @@ impl Coordinator {
         }
         let _ = self.replicated.subscribe().wait_for(|r| *r).await;
         let mut st = self.lock();
-        if model_len == 0 {
-            return Welcome::Refused("a model needs at least one parameter".into());
-        }
-        match st.model_len {
-            Some(len) if len != model_len => {
-                return Welcome::Refused(format!(
-                    "this cluster trains a model of {len} parameters, the worker's has {model_len}"
-                ));
-            }
-            _ => st.model_len = Some(model_len),
-        }
-        let max = self.opts.max_workers;
-        let id = match asked {
-            Some(w) if w >= max => {
-                return Welcome::Refused(format!(
-                    "worker id {w} is out of range: this cluster admits ids 0 to {} (its --max-workers is {max})",
-                    max - 1
-                ));
-            }
-            Some(w) if st.workers.get(&w).is_some_and(|s| s.connected) => {
-                return Welcome::Refused(format!("worker id {w} is taken by a connected worker"));
-            }
-            Some(w) => w,
-            None => match (0..max).find(|w| !st.workers.contains_key(w)) {
-                Some(w) => w,
-                None => {
-                    return Welcome::Refused(format!(
-                        "the cluster is full: all {max} worker ids have been given out (--max-workers)"
-                    ))
-                }
-            },
+        let id = match st.machine.admit_worker(asked, model_len) {
+            Ok(id) => id,
+            Err(refusal) => return Welcome::Refused(refusal.to_string()),
         };
-        st.workers.insert(id, WorkerStatus { worker: id, connected: true, finished: false });
         let partition = Partition::even(model_len as usize, self.opts.shards);
         let shards = (0..self.opts.shards)
             .map(|s| {
@@ -842,7 +741,7 @@ impl Coordinator {
                     shard: s,
                     start: r.start as u64,
                     end: r.end as u64,
-                    server: st.places[s as usize].primary,
+                    server: st.machine.places()[s as usize].primary,
                 }
             })
             .collect();
@@ -854,7 +753,7 @@ impl Coordinator {
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             workers: self.opts.workers,
             optimizer: self.opts.optimizer,
-            replicated: st.places.iter().any(|p| p.backup.is_some()),
+            replicated: st.machine.places().iter().any(|p| p.backup.is_some()),
             ticket: Ticket::issue(&st.admission_key.0, id),
         }
     }
@@ -868,9 +767,7 @@ impl Coordinator {
             .await
             {
                 Ok((CoordRequest::Leaving { worker }, _)) if worker == id => {
-                    if let Some(w) = self.lock().workers.get_mut(&id) {
-                        w.finished = true;
-                    }
+                    self.lock().machine.worker_finished(id);
                     tracing::info!(worker = id, "worker finished");
                     CoordResponse::Ok
                 }
@@ -1024,25 +921,32 @@ impl Coordinator {
                 config: blob.config,
                 swaps: st.swaps,
                 servers: Vec::new(),
-                workers: st.workers.values().cloned().collect(),
+                workers: st
+                    .machine
+                    .workers()
+                    .iter()
+                    .map(|(&worker, w)| WorkerStatus { worker, connected: w.connected, finished: w.finished })
+                    .collect(),
                 score: st.score,
                 placement: st
-                    .places
+                    .machine
+                    .places()
                     .iter()
                     .enumerate()
                     .map(|(k, p)| (k as u32, p.primary, p.backup))
                     .collect(),
                 lost_servers: st
-                    .renewed
+                    .machine
+                    .live()
                     .iter()
                     .enumerate()
-                    .filter(|(_, r)| r.is_none())
+                    .filter(|(_, live)| !**live)
                     .map(|(i, _)| i as u32)
                     .collect(),
             };
             (st.servers.clone(), status)
         };
-        let lost: Vec<bool> = self.lock().renewed.iter().map(Option::is_none).collect();
+        let lost: Vec<bool> = self.lock().machine.live().iter().map(|l| !l).collect();
         for (i, (addr, conn)) in servers.iter().enumerate() {
             let Some(conn) = conn.as_ref().filter(|_| !lost.get(i).copied().unwrap_or(false)) else {
                 continue;

@@ -194,14 +194,14 @@ impl Coordinator {
                 if !st.servers.is_empty() {
                     // Not a restart: this coordinator has run all along, and the server lost its
                     // connection to it.
-                    return match (st.servers.get(id as usize), st.renewed.get(id as usize)) {
-                        (Some((a, _)), Some(Some(_))) if *a == addr => {
+                    let now_ns = self.now_ns();
+                    return match st.servers.get(id as usize) {
+                        Some((a, _)) if *a == addr || !st.machine.is_live(id) => {
+                            st.machine.renew(now_ns, id).map_err(|e| e.to_string())?;
                             st.servers[id as usize].1 = Some(conn.clone());
-                            st.renewed[id as usize] = Some(Instant::now());
                             tracing::warn!(server = id, %addr, "server reconnected");
                             Ok(())
                         }
-                        (Some(_), Some(None)) => Err("this server was failed over".into()),
                         _ => Err(format!("server {id} at {addr} is not registered here")),
                     };
                 }
@@ -293,21 +293,20 @@ impl Coordinator {
                 .collect();
             // A rejoined server's lease starts again with its next renewal, which follows the
             // welcome at once; the first heartbeat's allowance covers a slow one.
-            let first = Instant::now() + Duration::from_millis(crate::net::proto::LEASE_MS);
-            st.renewed = st.servers.iter().map(|(_, c)| c.as_ref().map(|_| first)).collect();
-            st.answered = n;
-            st.places = resolution
+            let first = self.now_ns() + crate::net::proto::LEASE_MS * 1_000_000;
+            let live: Vec<bool> = st.servers.iter().map(|(_, c)| c.is_some()).collect();
+            let places = resolution
                 .places
                 .iter()
                 .enumerate()
                 .map(|(k, p)| p.unwrap_or(Place { primary: k as u32 % n, backup: None }))
                 .collect();
+            st.machine.rebuilt(places, &live, first, resolution.model_len(&holdings));
             if let Some((swaps, blob, wasm)) = &newest {
                 st.swaps = *swaps;
                 st.policy = PolicySource::from_blob(blob, wasm.clone());
                 st.previous = None;
             }
-            st.model_len = resolution.model_len(&holdings);
             if st.restore.take().is_some() {
                 tracing::warn!(
                     "--resume ignored: the servers that ran on hold newer state than any checkpoint"
@@ -356,7 +355,7 @@ impl Coordinator {
                 }
             }
         }
-        if self.lock().model_len.is_some() {
+        if self.lock().machine.model_len().is_some() {
             // Training was under way: its start barrier had opened.
             self.ready.send_replace(self.opts.workers.max(1));
         }
@@ -374,7 +373,8 @@ impl Coordinator {
         for server in missing {
             tracing::error!(server, "server did not rejoin; its shards went to their backups");
         }
-        self.re_replicate().await;
+        self.lock().machine.re_replicate();
+        self.drive().await;
     }
 }
 

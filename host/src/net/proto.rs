@@ -300,17 +300,8 @@ pub enum CoordRequest {
     },
 }
 
-/// How often a server renews its lease, in milliseconds.
-pub const HEARTBEAT_MS: u64 = 200;
-/// How long a renewed lease lasts, counted by the server from when it asked, in milliseconds.
-/// The coordinator fails a server over only once this much (and a margin) has passed since the
-/// last renewal it answered, so a server cut off from it has stopped accepting pushes by then.
-pub const LEASE_MS: u64 = 1000;
-
-/// How long after a server's last lease renewal the coordinator fails it over: its lease
-/// ([`LEASE_MS`], counted on the server from when it asked) has surely lapsed by then, so no
-/// two primaries ever serve one shard. The simulator waits as long before its failovers.
-pub const FAILOVER_MS: u64 = LEASE_MS + 300;
+/// The lease rule's timings ([`crate::lease`]), where the messages that carry it live.
+pub use crate::lease::{FAILOVER_MS, FIRST_HEARTBEAT_MS, HEARTBEAT_MS, LEASE_MS};
 
 /// How long a server or worker waits for a lost coordinator to come back (restarted at the same
 /// address) before it gives up. Meanwhile servers with backups serve nothing (their leases
@@ -320,12 +311,6 @@ pub const COORDINATOR_WAIT_MS: u64 = 60_000;
 /// How long a restarted coordinator waits for every server to rejoin before it rebuilds the
 /// cluster from those that did: the others are failed over, as if their leases had lapsed.
 pub const REJOIN_WAIT_MS: u64 = 10_000;
-
-/// How long the coordinator waits for a new server's first heartbeat before failing it over. A
-/// server's lease starts with that heartbeat, which it sends once it has compiled the policy and
-/// restored its shards: seconds, in a debug build on a loaded machine. Until then it serves
-/// nothing, so nothing is at risk while the coordinator waits.
-pub const FIRST_HEARTBEAT_MS: u64 = 30_000;
 
 /// A model's score on held-out data, as a worker measured it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

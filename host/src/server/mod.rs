@@ -30,6 +30,7 @@ use sha2::{Digest, Sha256};
 use syncopate_policy_sdk::abi::{Applied, InitArgs, LeaveReason, WorkerId};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::lease::ServerLease;
 use crate::net::proto::{
     ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, MovedTasks, PolicyBlob, Role,
     ServerCommand, ServerReply, ServerStatus, Ticket, Welcome, PROTOCOL_VERSION,
@@ -74,8 +75,11 @@ struct Shared {
     peers: tokio::sync::Mutex<HashMap<SocketAddr, quinn::Connection>>,
     endpoint: quinn::Endpoint,
     server_name: String,
-    /// With backups: until when this server may accept pushes (its lease from the coordinator).
-    lease: Option<Mutex<Instant>>,
+    /// With backups: until when this server may accept pushes (its lease from the coordinator),
+    /// on the clock of `epoch`.
+    lease: Option<Mutex<ServerLease>>,
+    /// The server's clock starts here (its shards' and its lease's).
+    epoch: Instant,
     runtime: PolicyRuntime,
     settings: ClusterSettings,
     id: u32,
@@ -215,9 +219,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         peers: Default::default(),
         endpoint: endpoint.clone(),
         server_name: opts.tls.server_name.clone(),
-        lease: settings
-            .replicated()
-            .then(|| Mutex::new(Instant::now() + Duration::from_millis(crate::net::proto::LEASE_MS))),
+        lease: settings.replicated().then(|| Mutex::new(ServerLease::new(ns_since(epoch)))),
+        epoch,
         runtime,
         settings,
         id,
@@ -274,6 +277,11 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     result
 }
 
+/// Nanoseconds since `epoch`: the server's clock for its lease.
+fn ns_since(epoch: Instant) -> u64 {
+    epoch.elapsed().as_nanos() as u64
+}
+
 /// The shard tasks of a map, in shard order.
 fn sorted(tasks: &HashMap<u32, mpsc::Sender<ShardCmd>>) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
     let mut all: Vec<_> = tasks.iter().map(|(k, v)| (*k, v.clone())).collect();
@@ -311,7 +319,10 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
             Ok(Ok((CoordResponse::Ok, _))) => {
                 renewed = sent;
                 if let Some(lease) = &shared.lease {
-                    *lease.lock().expect("not poisoned") = sent + Duration::from_millis(LEASE_MS);
+                    lease
+                        .lock()
+                        .expect("not poisoned")
+                        .renewed(sent.saturating_duration_since(shared.epoch).as_nanos() as u64);
                 }
             }
             Ok(Ok((CoordResponse::Error(e), _))) => {
@@ -964,7 +975,9 @@ async fn handle_request(
     };
     let tx = &tx;
     if let Some(lease) = &shared.lease {
-        if *lease.lock().expect("not poisoned") < Instant::now() && !matches!(req, DataRequest::Read { .. }) {
+        if !lease.lock().expect("not poisoned").valid(ns_since(shared.epoch))
+            && !matches!(req, DataRequest::Read { .. })
+        {
             // Cut off from the coordinator: its backup may be taking over, so no more.
             let reason = format!("server {} lost its lease from the coordinator", shared.id);
             return (DataResponse::Unavailable(reason), None);

@@ -1,0 +1,507 @@
+//! The coordinator's decisions as a sans-IO machine: server ids and leases, the shard map,
+//! what a server's death calls for, and worker admission.
+//!
+//! A [`CoordinatorMachine`] takes events, each with its driver's time in nanoseconds (a server
+//! registers or renews its lease, a worker asks to join, a command a server was sent is done,
+//! time passes), and puts out what to do ([`CoordOutput`]): commands for servers, each with an
+//! id that its result comes back with ([`CoordinatorMachine::command_done`]), notices for the
+//! workers, and what happened, for the driver's log. Two drivers run it, so a simulated
+//! failover is decided exactly as a cluster's:
+//! - the tokio coordinator (`host/src/coordinator`) sends the commands over QUIC;
+//! - the simulator (`host/src/lab/sim`) carries them out on its nodes in virtual time.
+//!
+//! What it decides:
+//! - **membership.** Servers get ids in the order they register, up to the cluster's count;
+//!   once all have been answered, each primary is told to attach its shard's backup
+//!   ([`Command::AttachBackup`]), and workers are welcomed only after that
+//!   ([`CoordOutput::Replicated`]), so a backup sees its shard's every op.
+//! - **leases** ([`crate::lease`]): a server whose lease lapses is failed over: its shards'
+//!   backups are promoted ([`crate::placement::fail_over`]), the workers are told where the
+//!   shards moved, and once those commands are done every shard left without a backup gets a
+//!   new one on a live server ([`crate::placement::new_backups`]). One failover runs at a time;
+//!   a second lapse waits for the first to finish.
+//! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
+//!   that no connected worker holds, or is given the lowest never given out.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use syncopate_policy_sdk::abi::WorkerId;
+
+use crate::lease::LeaseTable;
+use crate::placement::{self, Failover, Place};
+
+/// What the cluster is set up as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoordinatorConfig {
+    /// Servers the cluster has.
+    pub servers: u32,
+    /// Shards the model is split into.
+    pub shards: u32,
+    /// Backups per shard (0 or 1).
+    pub replicas: u32,
+    /// Worker ids are `0..max_workers`.
+    pub max_workers: u32,
+}
+
+/// The machine's name for a command it sent, returned with its result.
+pub type CommandId = u64;
+
+/// What a server is told to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// Start streaming the shard's ops to a backup on server `backup` (from a snapshot, if the
+    /// shard has state already).
+    AttachBackup {
+        /// The shard.
+        shard: u32,
+        /// The server that keeps the backup.
+        backup: u32,
+    },
+    /// Its backup of the shard becomes the primary.
+    Promote {
+        /// The shard.
+        shard: u32,
+    },
+    /// Its primary of the shard goes on without a backup.
+    DropBackup {
+        /// The shard.
+        shard: u32,
+    },
+}
+
+/// What the machine asks its driver to do, or tells it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CoordOutput {
+    /// Send `command` to server `server`, and report its result with
+    /// [`CoordinatorMachine::command_done`].
+    Command {
+        /// Its id.
+        id: CommandId,
+        /// The server to send it to.
+        server: u32,
+        /// What to do.
+        command: Command,
+    },
+    /// Tell every worker that `shard`'s primary is now on `server`.
+    Moved {
+        /// The shard.
+        shard: u32,
+        /// Its new primary's server.
+        server: u32,
+    },
+    /// Every backup the cluster starts with is attached (or failed to): workers may be welcomed.
+    Replicated,
+    /// Server `server`'s lease lapsed: it is being failed over.
+    ServerLost {
+        /// The server.
+        server: u32,
+    },
+    /// A shard died with its primary: it had no backup, or its backup could not take over.
+    ShardLost {
+        /// The shard.
+        shard: u32,
+    },
+    /// A shard left without a backup by a failover has a new one.
+    NewBackup {
+        /// The shard.
+        shard: u32,
+        /// Its primary's server.
+        primary: u32,
+        /// The new backup's server.
+        backup: u32,
+    },
+    /// No live server other than its primary's can keep a new backup of the shard.
+    NoBackupPlace {
+        /// The shard.
+        shard: u32,
+    },
+    /// The failover of server `server` is done, re-replication included.
+    FailoverDone {
+        /// The server.
+        server: u32,
+    },
+}
+
+/// A request the coordinator refuses; its message is what the peer is told.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// All the cluster's servers have registered.
+    #[error("the cluster already has its {0} servers")]
+    ServersFull(u32),
+    /// The worker asked for an id at or above `max_workers`.
+    #[error("worker id {id} is out of range: this cluster admits ids 0 to {} (its --max-workers is {max})", max - 1)]
+    IdOutOfRange {
+        /// The id asked for.
+        id: WorkerId,
+        /// The cluster's `max_workers`.
+        max: u32,
+    },
+    /// A connected worker holds the id.
+    #[error("worker id {0} is taken by a connected worker")]
+    IdTaken(WorkerId),
+    /// Every id has been given out.
+    #[error("the cluster is full: all {0} worker ids have been given out (--max-workers)")]
+    WorkersFull(u32),
+    /// The worker's model has no parameters.
+    #[error("a model needs at least one parameter")]
+    EmptyModel,
+    /// The worker's model is not the cluster's.
+    #[error("this cluster trains a model of {cluster} parameters, the worker's has {worker}")]
+    ModelLength {
+        /// The cluster's model length.
+        cluster: u64,
+        /// The worker's.
+        worker: u64,
+    },
+}
+
+/// A worker the cluster has admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerEntry {
+    /// Connected now.
+    pub connected: bool,
+    /// Left cleanly.
+    pub finished: bool,
+}
+
+/// Why a command was sent: what its result changes.
+#[derive(Clone, Copy, Debug)]
+enum Purpose {
+    /// One of the backups the cluster starts with.
+    InitialBackup { shard: u32, backup: u32 },
+    /// A failover move.
+    Failover(Failover),
+    /// A new backup after a failover.
+    NewBackup { shard: u32, backup: u32 },
+}
+
+/// The coordinator's decisions (the module's doc).
+#[derive(Debug)]
+pub struct CoordinatorMachine {
+    cfg: CoordinatorConfig,
+    places: Vec<Place>,
+    leases: LeaseTable,
+    /// Servers answered (welcomed); the backups are attached when all are.
+    answered: u32,
+    replicated: bool,
+    workers: BTreeMap<WorkerId, WorkerEntry>,
+    model_len: Option<u64>,
+    /// Commands sent and not yet done.
+    pending: BTreeMap<CommandId, Purpose>,
+    next_command: CommandId,
+    /// The server being failed over, if one is.
+    failing: Option<u32>,
+    /// Whether the failover under way has planned its new backups.
+    re_replicated: bool,
+    /// Lapsed servers waiting for the failover under way.
+    queued: VecDeque<u32>,
+    outputs: VecDeque<CoordOutput>,
+}
+
+impl CoordinatorMachine {
+    /// A coordinator for a cluster set up as `cfg`, before any server has registered.
+    pub fn new(cfg: CoordinatorConfig) -> Self {
+        CoordinatorMachine {
+            places: placement::initial(cfg.shards, cfg.servers, cfg.replicas),
+            cfg,
+            leases: LeaseTable::default(),
+            answered: 0,
+            replicated: false,
+            workers: BTreeMap::new(),
+            model_len: None,
+            pending: BTreeMap::new(),
+            next_command: 0,
+            failing: None,
+            re_replicated: false,
+            queued: VecDeque::new(),
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// What it is set up as.
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.cfg
+    }
+
+    /// The next thing to do, if any.
+    pub fn poll_output(&mut self) -> Option<CoordOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When the machine wants [`handle_timeout`](Self::handle_timeout): the next lease to lapse
+    /// (with backups only: without, a lost server has nothing to fail over to).
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.watches_leases().then(|| self.leases.next_lapse()).flatten()
+    }
+
+    /// Time has passed: servers whose lease lapsed are failed over.
+    pub fn handle_timeout(&mut self, now_ns: u64) {
+        if !self.watches_leases() {
+            return;
+        }
+        for server in self.leases.lapsed(now_ns) {
+            self.leases.lose(server);
+            self.outputs.push_back(CoordOutput::ServerLost { server });
+            self.queued.push_back(server);
+        }
+        self.next_failover();
+    }
+
+    /// The driver did not run for `stalled_ns`: that time is not counted against the leases
+    /// ([`LeaseTable::credit`]).
+    pub fn credit_stall(&mut self, now_ns: u64, stalled_ns: u64) {
+        self.leases.credit(now_ns, stalled_ns);
+    }
+
+    fn watches_leases(&self) -> bool {
+        self.cfg.replicas > 0
+    }
+
+    /// A server registers at `now_ns`: its id, unless the cluster has all its servers.
+    pub fn register_server(&mut self, now_ns: u64) -> Result<u32, Refusal> {
+        if self.leases.len() as u32 >= self.cfg.servers {
+            return Err(Refusal::ServersFull(self.cfg.servers));
+        }
+        Ok(self.leases.add(now_ns))
+    }
+
+    /// A registered server was answered. Once all have been, the primaries are told to attach
+    /// their backups; [`CoordOutput::Replicated`] follows when those commands are done.
+    /// Returns how many have been answered.
+    pub fn server_answered(&mut self) -> u32 {
+        self.answered += 1;
+        if self.answered != self.cfg.servers {
+            return self.answered;
+        }
+        let planned: Vec<(u32, u32)> =
+            self.places.iter().enumerate().filter_map(|(k, p)| Some((k as u32, p.backup?))).collect();
+        for &(shard, backup) in &planned {
+            self.places[shard as usize].backup = None;
+            let primary = self.places[shard as usize].primary;
+            self.send(
+                primary,
+                Command::AttachBackup { shard, backup },
+                Purpose::InitialBackup { shard, backup },
+            );
+        }
+        self.check_replicated();
+        self.answered
+    }
+
+    /// Server `server` renews its lease at `now_ns` (its heartbeat, or its reconnection).
+    pub fn renew(&mut self, now_ns: u64, server: u32) -> Result<(), crate::lease::LeaseError> {
+        self.leases.renew(now_ns, server)
+    }
+
+    /// A restarted coordinator rebuilt the cluster: the map the servers' holdings say, the
+    /// servers that came back (`live`), whose leases run from `first_ns`. No command is sent:
+    /// the rebuild sends its own.
+    pub fn rebuilt(&mut self, places: Vec<Place>, live: &[bool], first_ns: u64, model_len: Option<u64>) {
+        self.places = places;
+        self.leases.reset(live, first_ns);
+        self.answered = self.cfg.servers;
+        self.replicated = true;
+        self.model_len = model_len;
+    }
+
+    /// The result of command `id`.
+    pub fn command_done(&mut self, id: CommandId, result: Result<(), String>) {
+        let Some(purpose) = self.pending.remove(&id) else { return };
+        let ok = result.is_ok();
+        match purpose {
+            Purpose::InitialBackup { shard, backup } => {
+                if ok {
+                    self.places[shard as usize].backup = Some(backup);
+                }
+            }
+            Purpose::NewBackup { shard, backup } => {
+                if ok {
+                    self.places[shard as usize].backup = Some(backup);
+                    let primary = self.places[shard as usize].primary;
+                    self.outputs.push_back(CoordOutput::NewBackup { shard, primary, backup });
+                }
+            }
+            Purpose::Failover(m) => match m {
+                Failover::Promote { shard, to } if ok => {
+                    placement::apply(&mut self.places, m);
+                    self.outputs.push_back(CoordOutput::Moved { shard, server: to });
+                }
+                Failover::Promote { shard, .. } => self.outputs.push_back(CoordOutput::ShardLost { shard }),
+                // Its primary goes on without a backup whatever it answered (a primary that did
+                // not answer is dying itself).
+                Failover::DropBackup { .. } => placement::apply(&mut self.places, m),
+                Failover::Lost { .. } => {}
+            },
+        }
+        self.check_replicated();
+        self.step_failover();
+    }
+
+    /// Starts the next queued failover, if none is under way.
+    fn next_failover(&mut self) {
+        while self.failing.is_none() {
+            let Some(dead) = self.queued.pop_front() else { return };
+            self.failing = Some(dead);
+            for m in placement::fail_over(&self.places, dead) {
+                match m {
+                    Failover::Promote { to, .. } if self.leases.is_live(to) => {
+                        self.send(to, Self::command_of(m), Purpose::Failover(m))
+                    }
+                    // Its backup's server is lost too: nothing can take over.
+                    Failover::Promote { shard, .. } | Failover::Lost { shard } => {
+                        self.outputs.push_back(CoordOutput::ShardLost { shard })
+                    }
+                    Failover::DropBackup { primary, .. } => {
+                        self.send(primary, Self::command_of(m), Purpose::Failover(m))
+                    }
+                }
+            }
+            self.step_failover();
+        }
+    }
+
+    fn command_of(m: Failover) -> Command {
+        match m {
+            Failover::Promote { shard, .. } => Command::Promote { shard },
+            Failover::DropBackup { shard, .. } | Failover::Lost { shard } => Command::DropBackup { shard },
+        }
+    }
+
+    /// Moves the failover under way on: once its moves are done, the new backups; once those
+    /// are done, the next failover.
+    fn step_failover(&mut self) {
+        let Some(dead) = self.failing else { return };
+        if self.pending.values().any(|p| matches!(p, Purpose::Failover(_) | Purpose::NewBackup { .. })) {
+            return;
+        }
+        if !self.re_replicated {
+            self.re_replicated = true;
+            self.re_replicate();
+            if self.pending.values().any(|p| matches!(p, Purpose::NewBackup { .. })) {
+                return;
+            }
+        }
+        self.re_replicated = false;
+        self.failing = None;
+        self.outputs.push_back(CoordOutput::FailoverDone { server: dead });
+        self.next_failover();
+    }
+
+    /// A new backup for every shard without one whose primary lives, on the next live server
+    /// (a failover does this itself; a rebuilt cluster asks for it once its promotions are done).
+    pub fn re_replicate(&mut self) {
+        if self.cfg.replicas == 0 {
+            return;
+        }
+        let live = self.leases.live();
+        let planned = placement::new_backups(&self.places, &live, self.cfg.replicas);
+        for (k, place) in self.places.iter().enumerate() {
+            let primary_lives = live.get(place.primary as usize).copied().unwrap_or(false);
+            if place.backup.is_none() && primary_lives && !planned.iter().any(|p| p.0 as usize == k) {
+                self.outputs.push_back(CoordOutput::NoBackupPlace { shard: k as u32 });
+            }
+        }
+        for (shard, primary, backup) in planned {
+            self.send(primary, Command::AttachBackup { shard, backup }, Purpose::NewBackup { shard, backup });
+        }
+    }
+
+    fn check_replicated(&mut self) {
+        let initial = self.pending.values().any(|p| matches!(p, Purpose::InitialBackup { .. }));
+        if !self.replicated && self.answered == self.cfg.servers && !initial {
+            self.replicated = true;
+            self.outputs.push_back(CoordOutput::Replicated);
+        }
+    }
+
+    fn send(&mut self, server: u32, command: Command, purpose: Purpose) {
+        let id = self.next_command;
+        self.next_command += 1;
+        self.pending.insert(id, purpose);
+        self.outputs.push_back(CoordOutput::Command { id, server, command });
+    }
+
+    /// A worker asks to join with a model of `model_len` parameters, for id `asked` or any.
+    /// Returns its id; the shard map is [`places`](Self::places).
+    pub fn admit_worker(&mut self, asked: Option<WorkerId>, model_len: u64) -> Result<WorkerId, Refusal> {
+        if model_len == 0 {
+            return Err(Refusal::EmptyModel);
+        }
+        if let Some(cluster) = self.model_len.filter(|&l| l != model_len) {
+            return Err(Refusal::ModelLength { cluster, worker: model_len });
+        }
+        let max = self.cfg.max_workers;
+        let id = match asked {
+            Some(id) if id >= max => return Err(Refusal::IdOutOfRange { id, max }),
+            Some(id) if self.workers.get(&id).is_some_and(|w| w.connected) => {
+                return Err(Refusal::IdTaken(id))
+            }
+            Some(id) => id,
+            None => (0..max).find(|w| !self.workers.contains_key(w)).ok_or(Refusal::WorkersFull(max))?,
+        };
+        self.model_len = Some(model_len);
+        self.workers.insert(id, WorkerEntry { connected: true, finished: false });
+        Ok(id)
+    }
+
+    /// Worker `id` said it leaves (it finished).
+    pub fn worker_finished(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.finished = true;
+        }
+    }
+
+    /// Worker `id`'s connection ended; returns whether it had not finished (it was lost).
+    pub fn worker_disconnected(&mut self, id: WorkerId) -> bool {
+        match self.workers.get_mut(&id) {
+            Some(w) => {
+                w.connected = false;
+                !w.finished
+            }
+            None => false,
+        }
+    }
+
+    /// The workers admitted, by id.
+    pub fn workers(&self) -> &BTreeMap<WorkerId, WorkerEntry> {
+        &self.workers
+    }
+
+    /// The model's length, once a worker has told it.
+    pub fn model_len(&self) -> Option<u64> {
+        self.model_len
+    }
+
+    /// Sets the model's length (a cluster resumed from a checkpoint knows it before any worker).
+    pub fn set_model_len(&mut self, len: Option<u64>) {
+        self.model_len = len;
+    }
+
+    /// The shard map.
+    pub fn places(&self) -> &[Place] {
+        &self.places
+    }
+
+    /// Whether every initial backup is attached (workers may be welcomed).
+    pub fn is_replicated(&self) -> bool {
+        self.replicated
+    }
+
+    /// Servers registered so far.
+    pub fn registered(&self) -> u32 {
+        self.leases.len() as u32
+    }
+
+    /// Whether server `server` is registered and not lost.
+    pub fn is_live(&self, server: u32) -> bool {
+        self.leases.is_live(server)
+    }
+
+    /// Per server: whether it is live.
+    pub fn live(&self) -> Vec<bool> {
+        self.leases.live()
+    }
+}
+
+#[cfg(test)]
+mod tests;

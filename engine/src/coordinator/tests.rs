@@ -1,0 +1,173 @@
+//! The coordinator machine's decisions, driven by hand.
+
+use super::*;
+use crate::lease::{LeaseError, FAILOVER_MS, FIRST_HEARTBEAT_MS};
+
+const MS: u64 = 1_000_000;
+
+fn machine(servers: u32, shards: u32, replicas: u32) -> CoordinatorMachine {
+    CoordinatorMachine::new(CoordinatorConfig { servers, shards, replicas, max_workers: 4 })
+}
+
+fn drain(m: &mut CoordinatorMachine) -> Vec<CoordOutput> {
+    std::iter::from_fn(|| m.poll_output()).collect()
+}
+
+/// Carries out every command with `ok`, collecting what else came out.
+fn settle(m: &mut CoordinatorMachine, ok: impl Fn(u32, Command) -> bool) -> Vec<CoordOutput> {
+    let mut seen = Vec::new();
+    while let Some(out) = m.poll_output() {
+        if let CoordOutput::Command { id, server, command } = out {
+            let r = if ok(server, command) { Ok(()) } else { Err("refused".into()) };
+            m.command_done(id, r);
+        }
+        seen.push(out);
+    }
+    seen
+}
+
+/// Registers every server and attaches the initial backups.
+fn started(servers: u32, shards: u32) -> CoordinatorMachine {
+    let mut m = machine(servers, shards, 1);
+    for s in 0..servers {
+        assert_eq!(m.register_server(0), Ok(s));
+    }
+    assert_eq!(m.register_server(0), Err(Refusal::ServersFull(servers)));
+    for _ in 0..servers {
+        assert!(!m.is_replicated());
+        m.server_answered();
+    }
+    let out = settle(&mut m, |_, _| true);
+    assert_eq!(out.last(), Some(&CoordOutput::Replicated));
+    assert!(m.is_replicated());
+    m
+}
+
+#[test]
+fn backups_are_attached_before_workers_are_welcomed() {
+    let mut m = machine(2, 2, 1);
+    m.register_server(0).unwrap();
+    m.register_server(0).unwrap();
+    m.server_answered();
+    assert!(drain(&mut m).is_empty());
+    m.server_answered();
+    let out = drain(&mut m);
+    assert_eq!(
+        out,
+        vec![
+            CoordOutput::Command { id: 0, server: 0, command: Command::AttachBackup { shard: 0, backup: 1 } },
+            CoordOutput::Command { id: 1, server: 1, command: Command::AttachBackup { shard: 1, backup: 0 } },
+        ]
+    );
+    m.command_done(0, Ok(()));
+    assert!(!m.is_replicated());
+    // A backup that could not be attached leaves its shard without one; the cluster starts.
+    m.command_done(1, Err("no".into()));
+    assert_eq!(drain(&mut m), vec![CoordOutput::Replicated]);
+    assert_eq!(m.places()[0].backup, Some(1));
+    assert_eq!(m.places()[1].backup, None);
+}
+
+#[test]
+fn a_lapsed_lease_fails_the_server_over_and_re_replicates() {
+    let mut m = started(3, 3);
+    let t = FIRST_HEARTBEAT_MS * MS;
+    m.renew(t, 0).unwrap();
+    m.renew(t, 1).unwrap();
+    // Server 2 renews no more: it lapses first.
+    assert_eq!(m.poll_timeout(), Some(t + FAILOVER_MS * MS + 1));
+    m.handle_timeout(t + FAILOVER_MS * MS);
+    assert!(drain(&mut m).is_empty());
+    m.renew(t + FAILOVER_MS * MS, 0).unwrap();
+    m.renew(t + FAILOVER_MS * MS, 1).unwrap();
+    m.handle_timeout(t + FAILOVER_MS * MS + 1);
+    let out = settle(&mut m, |_, _| true);
+    assert_eq!(
+        out,
+        vec![
+            CoordOutput::ServerLost { server: 2 },
+            // Shard 1's backup was on 2; shard 2's primary was, its backup on 0.
+            CoordOutput::Command { id: 3, server: 1, command: Command::DropBackup { shard: 1 } },
+            CoordOutput::Command { id: 4, server: 0, command: Command::Promote { shard: 2 } },
+            CoordOutput::Moved { shard: 2, server: 0 },
+            CoordOutput::Command { id: 5, server: 1, command: Command::AttachBackup { shard: 1, backup: 0 } },
+            CoordOutput::NewBackup { shard: 1, primary: 1, backup: 0 },
+            CoordOutput::Command { id: 6, server: 0, command: Command::AttachBackup { shard: 2, backup: 1 } },
+            CoordOutput::NewBackup { shard: 2, primary: 0, backup: 1 },
+            CoordOutput::FailoverDone { server: 2 },
+        ]
+    );
+    assert_eq!(m.renew(t + 2 * FAILOVER_MS * MS, 2), Err(LeaseError::FailedOver));
+    assert_eq!(m.places()[2], Place { primary: 0, backup: Some(1) });
+    assert_eq!(m.live(), vec![true, true, false]);
+}
+
+#[test]
+fn a_second_lapse_waits_for_the_first_failover_and_a_shard_without_copies_is_lost() {
+    let mut m = started(3, 3);
+    let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
+    m.renew(t, 0).unwrap();
+    m.handle_timeout(t);
+    // Servers 1 and 2 lapse together: 1 is failed over first, and its promotion of shard 1's
+    // backup on 2 cannot happen.
+    let out = drain(&mut m);
+    assert_eq!(out[..2], [CoordOutput::ServerLost { server: 1 }, CoordOutput::ServerLost { server: 2 }]);
+    assert!(out.contains(&CoordOutput::ShardLost { shard: 1 }));
+    assert!(!out.iter().any(|o| matches!(o, CoordOutput::FailoverDone { server: 2 })));
+    let done: Vec<CommandId> = out
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    for id in done {
+        m.command_done(id, Ok(()));
+    }
+    let rest = settle(&mut m, |_, _| true);
+    assert!(rest.contains(&CoordOutput::FailoverDone { server: 1 }));
+    assert_eq!(rest.last(), Some(&CoordOutput::FailoverDone { server: 2 }));
+    // One server left: nowhere for a backup.
+    assert!(rest.contains(&CoordOutput::NoBackupPlace { shard: 0 }));
+}
+
+#[test]
+fn without_backups_nothing_is_failed_over() {
+    let mut m = machine(2, 2, 0);
+    m.register_server(0).unwrap();
+    m.register_server(0).unwrap();
+    m.server_answered();
+    m.server_answered();
+    assert_eq!(drain(&mut m), vec![CoordOutput::Replicated]);
+    assert_eq!(m.poll_timeout(), None);
+    m.handle_timeout(u64::MAX / 2);
+    assert!(drain(&mut m).is_empty());
+}
+
+#[test]
+fn worker_ids_are_bounded_and_refusals_change_nothing() {
+    let mut m = started(2, 2);
+    assert_eq!(
+        m.admit_worker(Some(4_000_000_000), 10),
+        Err(Refusal::IdOutOfRange { id: 4_000_000_000, max: 4 })
+    );
+    assert_eq!(m.admit_worker(None, 0), Err(Refusal::EmptyModel));
+    assert!(m.workers().is_empty());
+    assert_eq!(m.model_len(), None);
+    assert_eq!(m.admit_worker(Some(2), 10), Ok(2));
+    assert_eq!(m.admit_worker(Some(2), 10), Err(Refusal::IdTaken(2)));
+    assert_eq!(m.admit_worker(None, 11), Err(Refusal::ModelLength { cluster: 10, worker: 11 }));
+    assert_eq!(m.admit_worker(None, 10), Ok(0));
+    assert_eq!(m.admit_worker(None, 10), Ok(1));
+    assert_eq!(m.admit_worker(None, 10), Ok(3));
+    assert_eq!(m.admit_worker(None, 10), Err(Refusal::WorkersFull(4)));
+    // A worker that went away may come back under its id; a lost one is told from a finished one.
+    m.worker_finished(2);
+    assert!(!m.worker_disconnected(2));
+    assert!(m.worker_disconnected(3));
+    assert_eq!(m.admit_worker(Some(2), 10), Ok(2));
+    assert_eq!(
+        Refusal::IdOutOfRange { id: 9, max: 4 }.to_string(),
+        "worker id 9 is out of range: this cluster admits ids 0 to 3 (its --max-workers is 4)"
+    );
+}
