@@ -47,7 +47,7 @@ pub struct CoordinatorConfig {
 pub type CommandId = u64;
 
 /// What a server is told to do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Command {
     /// Start streaming the shard's ops to a backup on server `backup` (from a snapshot, if the
     /// shard has state already).
@@ -100,6 +100,8 @@ pub enum CoordOutput {
     ShardLost {
         /// The shard.
         shard: u32,
+        /// The server being failed over.
+        server: u32,
     },
     /// A shard left without a backup by a failover has a new one.
     NewBackup {
@@ -326,7 +328,10 @@ impl CoordinatorMachine {
                     placement::apply(&mut self.places, m);
                     self.outputs.push_back(CoordOutput::Moved { shard, server: to });
                 }
-                Failover::Promote { shard, .. } => self.outputs.push_back(CoordOutput::ShardLost { shard }),
+                Failover::Promote { shard, .. } => {
+                    let server = self.failing.unwrap_or(u32::MAX);
+                    self.outputs.push_back(CoordOutput::ShardLost { shard, server })
+                }
                 // Its primary goes on without a backup whatever it answered (a primary that did
                 // not answer is dying itself).
                 Failover::DropBackup { .. } => placement::apply(&mut self.places, m),
@@ -349,7 +354,7 @@ impl CoordinatorMachine {
                     }
                     // Its backup's server is lost too: nothing can take over.
                     Failover::Promote { shard, .. } | Failover::Lost { shard } => {
-                        self.outputs.push_back(CoordOutput::ShardLost { shard })
+                        self.outputs.push_back(CoordOutput::ShardLost { shard, server: dead })
                     }
                     Failover::DropBackup { primary, .. } => {
                         self.send(primary, Self::command_of(m), Purpose::Failover(m))

@@ -112,7 +112,7 @@ fn a_second_lapse_waits_for_the_first_failover_and_a_shard_without_copies_is_los
     // backup on 2 cannot happen.
     let out = drain(&mut m);
     assert_eq!(out[..2], [CoordOutput::ServerLost { server: 1 }, CoordOutput::ServerLost { server: 2 }]);
-    assert!(out.contains(&CoordOutput::ShardLost { shard: 1 }));
+    assert!(out.contains(&CoordOutput::ShardLost { shard: 1, server: 1 }));
     assert!(!out.iter().any(|o| matches!(o, CoordOutput::FailoverDone { server: 2 })));
     let done: Vec<CommandId> = out
         .iter()

@@ -502,8 +502,8 @@ impl Coordinator {
                     let addr = self.lock().servers.get(server as usize).map(|s| s.0);
                     tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
                 }
-                CoordOutput::ShardLost { shard } => {
-                    tracing::error!(shard, "shard lost with its server: no backup could take over")
+                CoordOutput::ShardLost { shard, server } => {
+                    tracing::error!(shard, server, "shard lost with its server: no backup could take over")
                 }
                 CoordOutput::NewBackup { shard, primary, backup } => {
                     tracing::warn!(shard, primary, backup, "re-replicated: a new backup")

@@ -2,6 +2,8 @@
 
 use syncopate_policy_sdk::abi::{Applied, IterationReport};
 
+use syncopate_engine::coordinator::Command;
+
 use crate::shard::Handover;
 
 /// A message without tensors, on its way to a shard.
@@ -35,8 +37,30 @@ pub(super) enum Ev {
     Replicate(u32, usize),
     /// Shard `s`'s backup confirms, to the primary of epoch `e`, every op up to `seq`.
     Confirm(u32, u32, u64),
-    /// The coordinator fails dead server `x` over (its lease has lapsed).
-    FailOver(u32),
+    /// Server `x` asks the coordinator to renew its lease (every `HEARTBEAT_MS`).
+    Heartbeat(u32),
+    /// Server `x`'s renewal, asked at the time given, reaches the coordinator.
+    Renew(u32, u64),
+    /// The coordinator's answer to server `x`'s renewal asked at the time given reaches it.
+    Renewed(u32, u64),
+    /// Server `x` hears it was failed over, and stops.
+    Stop(u32),
+    /// The coordinator checks its leases.
+    CoordTimer,
+    /// Coordinator command `id` reaches server `x`.
+    Command(u64, u32, Command),
+    /// The result of coordinator command `id` reaches the coordinator.
+    CommandDone(u64, bool),
+    /// The workers hear that shard `s` moved.
+    Moved(u32),
+}
+
+impl Ev {
+    /// Whether the event only keeps time (lease renewals, lease checks, observations): a run
+    /// with nothing but these has stalled.
+    pub(super) fn is_clockwork(&self) -> bool {
+        matches!(self, Ev::Heartbeat(_) | Ev::Renew(..) | Ev::Renewed(..) | Ev::CoordTimer | Ev::Watch)
+    }
 }
 
 /// The events to come, by time; events due at the same time come out in the order they were
@@ -63,7 +87,8 @@ pub(super) struct Queue {
 
 impl Default for Queue {
     fn default() -> Self {
-        Queue { last: 0, buckets: std::array::from_fn(|_| Vec::new()), occupied: 0, len: 0, seq: 0 }
+        // Sequence numbers start at 1: the first key, at time 0, must be above `last`.
+        Queue { last: 0, buckets: std::array::from_fn(|_| Vec::new()), occupied: 0, len: 0, seq: 1 }
     }
 }
 

@@ -26,20 +26,22 @@
 //! scenario's `replicas = 1`, every shard call is an [`Op`], applied by the primary and carried
 //! over the modelled links to the backup's node, whose confirmations release the primary's held
 //! acknowledgements. Failures (the scenario's `kill_server`, or [`SimOptions::failures`], any
-//! number) kill a server before a given event or time: it stops at once, what is sent to it is
-//! lost, and [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later the coordinator's own
-//! decisions ([`crate::placement`]) are carried out: its shards' backups are promoted, every
-//! worker rejoins them and sends again what they had not acknowledged or answered, and every
-//! shard left without a backup gets a new one on a live server, started from its primary's
-//! snapshot, as a cluster re-replicates. A shard whose primary and backup are both dead is lost
+//! number) kill a server before a given event or time: it stops at once and renews its lease no
+//! more, and what is sent to it is lost. The control plane (`control.rs`) is the cluster's own:
+//! leases renewed over the modelled network and the coordinator's machine
+//! ([`CoordinatorMachine`]), which fails the server over when its lease lapses: its shards'
+//! backups are promoted, every worker, once it hears, rejoins them and sends again what was
+//! lost, and every shard left without a backup gets a new one on a live server, started from
+//! its primary's snapshot. A shard whose primary and backup are both dead is lost
 //! ([`SimError::ShardLost`]). The model is the worst case: ops still on their way from the dead
 //! primary and confirmations from a dead backup are lost too. One thing differs from a
-//! cluster: a worker that had finished and whose goodbye went to the dead server leaves at the
-//! failover (a cluster waits the rejoin grace for it).
+//! cluster: a worker that had finished and whose goodbye went to the dead server leaves when it
+//! hears of the move (a cluster waits the rejoin grace for it).
 //!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
 
+mod control;
 mod events;
 
 use std::collections::HashMap;
@@ -52,19 +54,24 @@ use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
+use crate::lease::ServerLease;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
-use crate::placement::{self, Failover, Place};
 use crate::runtime::{PolicyError, PolicyRuntime};
 use crate::shard::{
     NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
-    ShardNode, ShardSnapshot, Stamped, Token,
+    ShardNode, Stamped, Token,
 };
 use crate::worker::WorkerReport;
 use events::{Ev, Mailbox, Queue, ToShard};
+use syncopate_engine::coordinator::{CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
 /// How long a promoted backup waits for members to rejoin: the cluster's default peer timeout
 /// (10 s). The simulator's workers rejoin at the failover, so it never runs out.
 const REJOIN_GRACE_NS: u64 = 10_000_000_000;
+
+/// A run in which nothing happens for this long but lease renewals and observations has
+/// stalled, and ends (10 minutes of virtual time).
+const STALL_NS: u64 = 600_000_000_000;
 
 /// How to simulate.
 #[derive(Clone, Debug)]
@@ -252,6 +259,14 @@ struct Sim {
     lost: Vec<u32>,
     /// Requests that reached a dead server before its failover.
     limbo: Vec<Ev>,
+    /// The coordinator's decisions (`control.rs`).
+    coord: CoordinatorMachine,
+    /// Per shard: moved, and the workers have not heard yet.
+    unheard: Vec<bool>,
+    /// When the coordinator's next lease check is scheduled.
+    coord_timer_at: Option<u64>,
+    /// Per server: its own view of its lease.
+    leases: Vec<ServerLease>,
 }
 
 /// A finished simulation.
@@ -398,6 +413,33 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             done: false,
         });
     }
+    // The coordinator: every server registers and is answered, and the backups made above are
+    // the ones it has attached.
+    let mut coord = CoordinatorMachine::new(CoordinatorConfig {
+        servers: sc.servers,
+        shards: shards_n,
+        replicas: sc.replicas,
+        max_workers: n.max(crate::shard::DEFAULT_MAX_WORKERS),
+    });
+    for _ in 0..sc.servers {
+        coord.register_server(0).map_err(|e| SimError::Options(e.to_string()))?;
+        coord.server_answered();
+    }
+    while let Some(out) = coord.poll_output() {
+        if let CoordOutput::Command { id, .. } = out {
+            coord.command_done(id, Ok(()));
+        }
+    }
+    let places: Vec<Option<u32>> = coord.places().iter().map(|p| p.backup).collect();
+    assert_eq!(places, backup_of, "the simulator's backups are where the coordinator puts them");
+    // The simulated servers are ready at once: their first renewals are in at time 0 (a cluster's
+    // come once each has compiled the policy).
+    for x in 0..sc.servers {
+        coord.renew(0, x).map_err(|e| SimError::Options(e.to_string()))?;
+    }
+    for w in 0..n {
+        coord.admit_worker(Some(w), len as u64).map_err(|e| SimError::Options(e.to_string()))?;
+    }
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
     let mut sim = Sim {
@@ -430,7 +472,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         dead: vec![false; sc.servers as usize],
         lost: Vec::new(),
         limbo: Vec::new(),
+        coord,
+        coord_timer_at: None,
+        unheard: vec![false; shards_n as usize],
+        leases: vec![ServerLease::new(0); sc.servers as usize],
     };
+    sim.start_control();
     for s in 0..shards_n {
         for w in 0..n {
             let token = sim.token(Req::Join { s });
@@ -445,12 +492,22 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut stopped_at = None;
     let mut handled = 0u64;
     let mut failures = failures;
+    let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
         while let Some(k) = failures.iter().position(|f| f.due(handled, t)) {
             sim.kill(failures.remove(k).server);
         }
         handled += 1;
+        if !ev.is_clockwork() {
+            progress_at = t;
+        } else if t - progress_at > STALL_NS {
+            tracing::warn!(
+                "simulation ended: nothing but lease renewals and observations for {} s of virtual time",
+                STALL_NS / 1_000_000_000
+            );
+            break;
+        }
         sim.handle(ev)?;
         if sim.done == sim.workers.len() && sim.nodes.iter().all(|s| sim_shard(s).view().workers == 0) {
             break;
@@ -684,151 +741,6 @@ impl Sim {
         self.at(t, Ev::Replicate(s, i));
     }
 
-    /// Server `x` dies: from now on what reaches it is lost, and its lease lapses.
-    fn kill(&mut self, x: u32) {
-        if self.dead[x as usize] {
-            return;
-        }
-        tracing::debug!(server = x, t_ns = self.now, "server killed");
-        self.dead[x as usize] = true;
-        self.at(self.now + crate::net::proto::FAILOVER_MS * 1_000_000, Ev::FailOver(x));
-    }
-
-    /// The coordinator fails dead server `x` over, as on a cluster: its shards' backups become
-    /// their primaries, the shards it backed up go on without a backup, and every worker asks
-    /// the new primaries again for what it had no answer to (a push applied twice is a
-    /// duplicate; a parked pull answers the retried one).
-    fn fail_over(&mut self, x: u32) -> Result<(), SimError> {
-        self.lost.push(x);
-        let places: Vec<Place> = (0..self.nodes.len())
-            .map(|k| Place { primary: self.server_of[k], backup: self.backup_of[k] })
-            .collect();
-        let mut moved = Vec::new();
-        for m in placement::fail_over(&places, x) {
-            match m {
-                Failover::Promote { shard: s, to: b } if !self.dead[b as usize] => {
-                    let su = s as usize;
-                    let Some(mut backup) = self.backups[su].take() else {
-                        return Err(SimError::ShardLost { shard: s, server: x });
-                    };
-                    // The dead primary's node goes, and with it the acknowledgements it held and
-                    // the requests it had not answered (the workers ask again below).
-                    backup.promote();
-                    self.nodes[su] = backup;
-                    self.requests.retain(|_, r| r.shard() != s);
-                    (self.server_of[su], self.backup_of[su]) = (b, None);
-                    self.epoch[su] += 1;
-                    self.timer_at[su] = None;
-                    moved.push(s);
-                }
-                // Its backup's server is dead too (not yet failed over): the coordinator's
-                // promotion fails, and the shard is lost.
-                Failover::Promote { shard, .. } | Failover::Lost { shard } => {
-                    return Err(SimError::ShardLost { shard, server: x });
-                }
-                Failover::DropBackup { shard: s, .. } => {
-                    let su = s as usize;
-                    (self.backups[su], self.backup_of[su]) = (None, None);
-                    self.epoch[su] += 1;
-                    self.nodes[su].drop_backup();
-                    self.drain(s)?;
-                }
-            }
-        }
-        for &s in &moved {
-            let node = self.server_node(s);
-            for w in 0..self.workers.len() as u32 {
-                let wk = &self.workers[w as usize];
-                let member = sim_shard(&self.nodes[s as usize]).is_member(w);
-                if wk.machine.is_done() {
-                    // Its goodbye went to the dead primary. The cluster waits the rejoin grace
-                    // for a member that does not come back; the simulator lets it leave now.
-                    if member {
-                        self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
-                        self.drain(s)?;
-                    }
-                    continue;
-                }
-                // It rejoins the promoted backup (a member) or, if its join had not reached
-                // the backup, joins again.
-                let token = self.token(Req::Join { s });
-                self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
-                self.drain(s)?;
-                let wk = &self.workers[w as usize];
-                let (own, help) = (wk.own.is_some(), wk.help.is_some());
-                let (own_acked, help_acked) = (wk.own_acked[s as usize], wk.help_acked[s as usize]);
-                let pull = wk.pulling.filter(|_| !wk.replied[s as usize]);
-                for (ask, help) in [(own && !own_acked, false), (help && !help_acked, true)] {
-                    if ask {
-                        let t = self.transfer(w as usize, node, self.shard_bytes(s));
-                        self.at(t, Ev::PushArrive(w, s, help));
-                    }
-                }
-                if let Some(iteration) = pull {
-                    let t = self.transfer(w as usize, node, 64);
-                    self.at(t, Ev::PullArrive(w, s, iteration));
-                }
-            }
-            self.arm_timer(s);
-        }
-        // What reached the dead server meanwhile: pulls and pushes were asked again above; the
-        // other messages go to the new primaries.
-        for ev in std::mem::take(&mut self.limbo) {
-            if let Ev::ToShard(..) = ev {
-                self.at(self.now + self.latency_ns, ev);
-            }
-        }
-        tracing::debug!(server = x, shards = moved.len(), "failed over");
-        self.re_replicate()
-    }
-
-    /// Gives every shard without a backup a new one where the coordinator would
-    /// ([`placement::new_backups`]): its primary restarts from its own snapshot, which crosses
-    /// the servers' link to the new backup, and the ops that follow it on the same link.
-    fn re_replicate(&mut self) -> Result<(), SimError> {
-        let sc = &self.opts.run.scenario;
-        let places: Vec<Place> = (0..self.nodes.len())
-            .map(|k| Place { primary: self.server_of[k], backup: self.backup_of[k] })
-            .collect();
-        let live: Vec<bool> = self.dead.iter().map(|d| !d).collect();
-        for (s, primary, b) in placement::new_backups(&places, &live, sc.replicas) {
-            let su = s as usize;
-            let (seq, snapshot) = match self.nodes[su].attach_backup(self.now, &mut Quiet) {
-                Ok(Some(started)) => started,
-                Ok(None) => (0, Vec::new()),
-                Err(e) => {
-                    tracing::warn!(shard = s, "no new backup: {e}");
-                    continue;
-                }
-            };
-            let node = &self.nodes[su];
-            let backup = if snapshot.is_empty() {
-                ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
-            } else {
-                let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
-                ShardNode::restore(
-                    self.node_cfgs[su].clone(),
-                    node.module().clone(),
-                    Vec::new(),
-                    true,
-                    snap,
-                    &mut Quiet,
-                )
-                .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?
-            };
-            self.backups[su] = Some(backup);
-            self.backup_of[su] = Some(b);
-            self.epoch[su] += 1;
-            let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
-            let t = self.transfer(from, to, snapshot.len() as u64 + 64);
-            let epoch = self.epoch[su];
-            self.at(t + self.latency_ns, Ev::Confirm(s, epoch, seq));
-            tracing::debug!(shard = s, primary, backup = b, "re-replicated");
-            self.drain(s)?;
-        }
-        Ok(())
-    }
-
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
         self.dead[self.server_of[s as usize] as usize]
@@ -923,7 +835,11 @@ impl Sim {
                 self.workers[w as usize].wake_at = None;
                 self.feed(w, Input::Timer)?;
             }
-            Ev::PullArrive(_, s, _) | Ev::PushArrive(_, s, _) | Ev::ToShard(_, s, _) if self.down(s) => {
+            // Sent to a dead primary, or to one the workers do not know has moved (they address
+            // the old one until they hear): lost, until they hear of the move.
+            Ev::PullArrive(_, s, _) | Ev::PushArrive(_, s, _) | Ev::ToShard(_, s, _)
+                if self.down(s) || self.unheard[s as usize] =>
+            {
                 self.limbo.push(ev);
             }
             Ev::PullArrive(w, s, iteration) => {
@@ -1029,7 +945,14 @@ impl Sim {
                 self.nodes[s as usize].confirmed(seq);
                 self.drain(s)?;
             }
-            Ev::FailOver(x) => self.fail_over(x)?,
+            Ev::Heartbeat(_)
+            | Ev::Renew(..)
+            | Ev::Renewed(..)
+            | Ev::Stop(_)
+            | Ev::CoordTimer
+            | Ev::Command(..)
+            | Ev::CommandDone(..)
+            | Ev::Moved(_) => self.control(ev)?,
             Ev::Watch => {
                 self.observe();
                 let every = self.opts.run.scenario.eval_every_ms;

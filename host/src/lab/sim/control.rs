@@ -1,0 +1,276 @@
+//! The simulated control plane: leases and the coordinator.
+//!
+//! With backups (`replicas = 1`) the simulator runs the cluster's own coordinator machine
+//! ([`CoordinatorMachine`]) and both sides of the lease rule ([`crate::lease`]), over the
+//! modelled network, as the tokio coordinator and servers do:
+//! - every live server asks for a renewal every [`HEARTBEAT_MS`]; the request and its answer
+//!   each take the latency, and the server's own lease runs from when it asked;
+//! - the coordinator fails a server over when its lease lapses in the machine, and sends the
+//!   machine's commands (promote, drop a backup, attach a new one) to the servers, each taking
+//!   the latency there and back; a command to a dead server fails;
+//! - the workers hear where a shard moved after the latency, rejoin its new primary and ask it
+//!   again for every pull and push it had not answered. Until they hear, they address the old
+//!   primary, so what they send meanwhile is lost as if it had gone to the dead server.
+//!
+//! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
+
+use syncopate_engine::coordinator::{Command, CoordOutput};
+use syncopate_policy_sdk::abi::LeaveReason;
+
+use super::events::Ev;
+use super::{sim_shard, Req, Sim, SimError};
+use crate::lease::HEARTBEAT_MS;
+use crate::shard::{Quiet, ShardNode, ShardSnapshot};
+
+const MS: u64 = 1_000_000;
+
+impl Sim {
+    /// Whether the control plane runs (with backups: without, nothing fails over).
+    pub(super) fn controlled(&self) -> bool {
+        self.opts.run.scenario.replicas > 0
+    }
+
+    /// Starts the servers' lease renewals and the coordinator's lease watch.
+    pub(super) fn start_control(&mut self) {
+        if !self.controlled() {
+            return;
+        }
+        for x in 0..self.dead.len() as u32 {
+            self.at(self.now, Ev::Heartbeat(x));
+        }
+        self.arm_coordinator();
+    }
+
+    /// Server `x` dies: from now on what reaches it is lost, and it renews its lease no more.
+    pub(super) fn kill(&mut self, x: u32) {
+        if !std::mem::replace(&mut self.dead[x as usize], true) {
+            tracing::debug!(server = x, t_ns = self.now, "server killed");
+        }
+    }
+
+    /// Schedules the coordinator's next lease check, unless one as early is scheduled.
+    fn arm_coordinator(&mut self) {
+        if let Some(t) = self.coord.poll_timeout() {
+            if self.coord_timer_at.is_none_or(|at| t < at || at < self.now) {
+                self.coord_timer_at = Some(t);
+                self.at(t.max(self.now), Ev::CoordTimer);
+            }
+        }
+    }
+
+    /// Handles a control-plane event (the events this file schedules).
+    pub(super) fn control(&mut self, ev: Ev) -> Result<(), SimError> {
+        match ev {
+            Ev::Heartbeat(x) if !self.dead[x as usize] => {
+                self.at(self.now + self.latency_ns, Ev::Renew(x, self.now));
+                self.at(self.now + HEARTBEAT_MS * MS, Ev::Heartbeat(x));
+            }
+            Ev::Heartbeat(_) => {}
+            Ev::Renew(x, asked) => match self.coord.renew(self.now, x) {
+                Ok(()) => self.at(self.now + self.latency_ns, Ev::Renewed(x, asked)),
+                // Told it was failed over, a server stops (its shards have other primaries).
+                Err(_) => self.at(self.now + self.latency_ns, Ev::Stop(x)),
+            },
+            Ev::Renewed(x, asked) => self.leases[x as usize].renewed(asked),
+            Ev::Stop(x) => self.kill(x),
+            Ev::CoordTimer => {
+                if self.coord_timer_at == Some(self.now) {
+                    self.coord_timer_at = None;
+                }
+                self.coord.handle_timeout(self.now);
+                self.drive_coordinator()?;
+            }
+            Ev::Command(id, x, command) => {
+                let ok = !self.dead[x as usize] && self.carry_out(x, command)?;
+                self.at(self.now + self.latency_ns, Ev::CommandDone(id, ok));
+            }
+            Ev::CommandDone(id, ok) => {
+                let result = if ok { Ok(()) } else { Err("the server did not carry it out".to_string()) };
+                self.coord.command_done(id, result);
+                self.drive_coordinator()?;
+            }
+            Ev::Moved(s) => self.moved(s)?,
+            _ => unreachable!("not a control-plane event: {ev:?}"),
+        }
+        Ok(())
+    }
+
+    /// Carries out what the coordinator machine decided.
+    fn drive_coordinator(&mut self) -> Result<(), SimError> {
+        while let Some(out) = self.coord.poll_output() {
+            match out {
+                CoordOutput::Command { id, server, command } => {
+                    self.at(self.now + self.latency_ns, Ev::Command(id, server, command));
+                }
+                CoordOutput::Moved { shard, .. } => self.at(self.now + self.latency_ns, Ev::Moved(shard)),
+                CoordOutput::ServerLost { server } => {
+                    tracing::debug!(server, t_ns = self.now, "lease lapsed: failing over");
+                    self.lost.push(server);
+                }
+                CoordOutput::ShardLost { shard, server } => {
+                    return Err(SimError::ShardLost { shard, server })
+                }
+                CoordOutput::NewBackup { shard, primary, backup } => {
+                    tracing::debug!(shard, primary, backup, "re-replicated")
+                }
+                CoordOutput::NoBackupPlace { shard } => tracing::debug!(shard, "no server for a new backup"),
+                CoordOutput::FailoverDone { server } => tracing::debug!(server, "failed over"),
+                CoordOutput::Replicated => {}
+            }
+        }
+        self.arm_coordinator();
+        Ok(())
+    }
+
+    /// Server `x` carries out a coordinator's command; returns whether it could.
+    fn carry_out(&mut self, x: u32, command: Command) -> Result<bool, SimError> {
+        match command {
+            Command::Promote { shard } => Ok(self.promote(shard, x)),
+            Command::DropBackup { shard } => {
+                let su = shard as usize;
+                if self.server_of[su] != x {
+                    return Ok(false);
+                }
+                (self.backups[su], self.backup_of[su]) = (None, None);
+                self.epoch[su] += 1;
+                self.nodes[su].drop_backup();
+                self.drain(shard)?;
+                Ok(true)
+            }
+            Command::AttachBackup { shard, backup } => self.attach(shard, x, backup),
+        }
+    }
+
+    /// Shard `s`'s backup on server `b` becomes its primary; the old primary's node goes, and
+    /// with it the acknowledgements it held and the requests it had not answered (the workers
+    /// ask again when they hear of the move).
+    fn promote(&mut self, s: u32, b: u32) -> bool {
+        let su = s as usize;
+        if self.backup_of[su] != Some(b) {
+            return false;
+        }
+        let Some(mut backup) = self.backups[su].take() else { return false };
+        backup.promote();
+        self.nodes[su] = backup;
+        // The requests the old primary had not answered are lost with it: the workers ask
+        // again when they hear of the move.
+        let mut lost = Vec::new();
+        self.requests.retain(|_, r| match *r {
+            Req::Pull { w, s: x, iteration } if x == s => {
+                lost.push(Ev::PullArrive(w, s, iteration));
+                false
+            }
+            Req::Push { w, s: x, help, .. } if x == s => {
+                lost.push(Ev::PushArrive(w, s, help));
+                false
+            }
+            _ => r.shard() != s,
+        });
+        self.limbo.extend(lost);
+        (self.server_of[su], self.backup_of[su]) = (b, None);
+        self.epoch[su] += 1;
+        self.timer_at[su] = None;
+        self.unheard[su] = true;
+        self.arm_timer(s);
+        true
+    }
+
+    /// Shard `s`'s primary, on server `primary`, starts streaming to a new backup on server `b`:
+    /// it restarts from its own snapshot, which crosses the servers' link to the new backup, and
+    /// the ops that follow it on the same link. Returns whether it could.
+    fn attach(&mut self, s: u32, primary: u32, b: u32) -> Result<bool, SimError> {
+        let su = s as usize;
+        if self.server_of[su] != primary || self.dead[b as usize] {
+            return Ok(false);
+        }
+        let (seq, snapshot) = match self.nodes[su].attach_backup(self.now, &mut Quiet) {
+            Ok(Some(started)) => started,
+            Ok(None) => (0, Vec::new()),
+            Err(e) => {
+                tracing::warn!(shard = s, "no new backup: {e}");
+                return Ok(false);
+            }
+        };
+        let node = &self.nodes[su];
+        let backup = if snapshot.is_empty() {
+            ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
+        } else {
+            let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
+            ShardNode::restore(
+                self.node_cfgs[su].clone(),
+                node.module().clone(),
+                Vec::new(),
+                true,
+                snap,
+                &mut Quiet,
+            )
+            .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?
+        };
+        self.backups[su] = Some(backup);
+        self.backup_of[su] = Some(b);
+        self.epoch[su] += 1;
+        let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
+        let t = self.transfer(from, to, snapshot.len() as u64 + 64);
+        let epoch = self.epoch[su];
+        self.at(t + self.latency_ns, Ev::Confirm(s, epoch, seq));
+        self.drain(s)?;
+        Ok(true)
+    }
+
+    /// The workers hear that shard `s` moved: each rejoins its new primary (a member, or, if its
+    /// join had not reached the backup, anew) and sends again the pulls and pushes that were
+    /// lost on the way to the old primary or with it, if it still waits for them (a push
+    /// applied twice is a duplicate; a parked pull answers the retried one).
+    fn moved(&mut self, s: u32) -> Result<(), SimError> {
+        self.unheard[s as usize] = false;
+        let node = self.server_node(s);
+        // What was lost on the way to the old primary, or with it.
+        let (mine, rest): (Vec<Ev>, Vec<Ev>) = std::mem::take(&mut self.limbo).into_iter().partition(|ev| {
+            matches!(ev, Ev::PullArrive(_, x, _) | Ev::PushArrive(_, x, _) | Ev::ToShard(_, x, _) if *x == s)
+        });
+        self.limbo = rest;
+        for w in 0..self.workers.len() as u32 {
+            let wk = &self.workers[w as usize];
+            let member = sim_shard(&self.nodes[s as usize]).is_member(w);
+            if wk.machine.is_done() {
+                // Its goodbye went to the dead primary. The cluster waits the rejoin grace for
+                // a member that does not come back; the simulator lets it leave now.
+                if member {
+                    self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                    self.drain(s)?;
+                }
+                continue;
+            }
+            let token = self.token(Req::Join { s });
+            self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+            self.drain(s)?;
+        }
+        // Each lost pull and push is asked again, once, if the worker still waits for it.
+        let mut asked = std::collections::BTreeSet::new();
+        for ev in mine {
+            match ev {
+                Ev::ToShard(..) => self.at(self.now + self.latency_ns, ev),
+                Ev::PullArrive(w, _, iteration) => {
+                    let wk = &self.workers[w as usize];
+                    let waiting = wk.pulling == Some(iteration) && !wk.replied[s as usize];
+                    if waiting && !wk.machine.is_done() && asked.insert(ev) {
+                        let t = self.transfer(w as usize, node, 64);
+                        self.at(t, ev);
+                    }
+                }
+                Ev::PushArrive(w, _, help) => {
+                    let wk = &self.workers[w as usize];
+                    let (slot, acked) =
+                        if help { (wk.help, &wk.help_acked) } else { (wk.own, &wk.own_acked) };
+                    if slot.is_some() && !acked[s as usize] && !wk.machine.is_done() && asked.insert(ev) {
+                        let t = self.transfer(w as usize, node, self.shard_bytes(s));
+                        self.at(t, ev);
+                    }
+                }
+                _ => {}
+            }
+        }
+        tracing::debug!(shard = s, "moved");
+        Ok(())
+    }
+}
