@@ -95,8 +95,9 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
     let e = found.exercised;
     println!(
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
-         {} server deaths failed over, {} runs with two deaths ({} of them losing a shard's last copy, \
-         as a cluster would)",
+         {} failovers, {} runs with two deaths, {} with a server cut off from the coordinator, {} losing a \
+         shard's last copy (as a cluster would); the longest a disturbed run took beyond its undisturbed \
+         one, partitions aside: {:.3} s",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
@@ -104,7 +105,9 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.events,
         e.failovers,
         e.double_failures,
-        e.lost
+        e.partitions,
+        e.lost,
+        e.max_delay_ms as f64 / 1e3
     );
     if let Some((seed, why)) = found.failed {
         anyhow::bail!("seed {seed} failed: {why}\nreplay it with: syncopate simtest --seed {seed}");

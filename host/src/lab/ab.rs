@@ -284,6 +284,7 @@ fn simulated(
         gradients: opts.gradients,
         data: opts.data.clone(),
         failures: Vec::new(),
+        partitions: Vec::new(),
         run,
     };
     let t = std::time::Instant::now();

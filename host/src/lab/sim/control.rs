@@ -8,6 +8,10 @@
 //! - the coordinator fails a server over when its lease lapses in the machine, and sends the
 //!   machine's commands (promote, drop a backup, attach a new one) to the servers, each taking
 //!   the latency there and back; a command to a dead server fails;
+//! - a partition ([`SimPartition`]) cuts a server's messages to the coordinator, or the
+//!   coordinator's to it, or both: lease renewals and their answers are lost (new ones are
+//!   sent), commands and their answers wait for the partition to heal, as a connection's
+//!   retransmissions make them;
 //! - the workers hear where a shard moved after the latency, rejoin its new primary and ask it
 //!   again for every pull and push it had not answered. Until they hear, they address the old
 //!   primary, so what they send meanwhile is lost as if it had gone to the dead server.
@@ -18,11 +22,22 @@ use syncopate_engine::coordinator::{Command, CoordOutput};
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
-use super::{sim_shard, Req, Sim, SimError};
+use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::HEARTBEAT_MS;
 use crate::shard::{Quiet, ShardNode, ShardSnapshot};
 
 const MS: u64 = 1_000_000;
+
+/// What becomes of a worker's message to a shard when it arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arrival {
+    /// The shard's primary handles it.
+    Primary,
+    /// It went to a dead server: lost, until the worker hears where the shard moved.
+    Lost,
+    /// The server it went to has no lease: refused, and asked again after a pause.
+    Refused,
+}
 
 impl Sim {
     /// Whether the control plane runs (with backups: without, nothing fails over).
@@ -58,19 +73,72 @@ impl Sim {
         }
     }
 
+    /// Where worker `w`'s message to shard `s` (a push if `push`) lands. The workers address a
+    /// shard's old primary until they hear it moved: if that server still runs (cut off from
+    /// the coordinator), its lease has lapsed and it refuses; were it to accept a push, the
+    /// shard would have two primaries, which is recorded.
+    pub(super) fn arrival(&mut self, w: u32, s: u32, push: bool) -> Arrival {
+        let su = s as usize;
+        let x = match (self.unheard[su], self.zombie_of[su]) {
+            (true, Some(x)) if !self.dead[x as usize] => x,
+            (true, _) => return Arrival::Lost,
+            (false, _) if self.down(s) => return Arrival::Lost,
+            (false, _) => self.server_of[su],
+        };
+        if self.controlled() && !self.leases[x as usize].valid(self.now) {
+            return Arrival::Refused;
+        }
+        if self.unheard[su] {
+            if push && self.two_primaries.is_none() {
+                self.two_primaries = Some(format!(
+                    "at {} ns, server {x} accepted worker {w}'s push for shard {s}, which server {} had \
+                     been promoted to",
+                    self.now, self.server_of[su]
+                ));
+            }
+            // What the old primary does with it is lost to the run: the worker asks again.
+            return Arrival::Refused;
+        }
+        Arrival::Primary
+    }
+
+    /// A partition begins: the server's messages to the coordinator, or the coordinator's to
+    /// it, or both, are lost until it heals.
+    pub(super) fn cut(&mut self, p: SimPartition) {
+        let x = p.server as usize;
+        self.cut_to[x] |= matches!(p.cut, Cut::Both | Cut::ToCoordinator);
+        self.cut_from[x] |= matches!(p.cut, Cut::Both | Cut::FromCoordinator);
+        tracing::debug!(server = p.server, cut = ?p.cut, t_ns = self.now, "partition");
+        self.at(self.now + p.heal_after_ns, Ev::Heal(p.server));
+    }
+
     /// Handles a control-plane event (the events this file schedules).
     pub(super) fn control(&mut self, ev: Ev) -> Result<(), SimError> {
         match ev {
             Ev::Heartbeat(x) if !self.dead[x as usize] => {
-                self.at(self.now + self.latency_ns, Ev::Renew(x, self.now));
+                if !self.cut_to[x as usize] {
+                    self.at(self.now + self.latency_ns, Ev::Renew(x, self.now));
+                }
                 self.at(self.now + HEARTBEAT_MS * MS, Ev::Heartbeat(x));
             }
             Ev::Heartbeat(_) => {}
-            Ev::Renew(x, asked) => match self.coord.renew(self.now, x) {
-                Ok(()) => self.at(self.now + self.latency_ns, Ev::Renewed(x, asked)),
-                // Told it was failed over, a server stops (its shards have other primaries).
-                Err(_) => self.at(self.now + self.latency_ns, Ev::Stop(x)),
-            },
+            Ev::Renew(x, asked) => {
+                let answer = match self.coord.renew(self.now, x) {
+                    Ok(()) => Ev::Renewed(x, asked),
+                    // Told it was failed over, a server stops (its shards have other primaries).
+                    Err(_) => Ev::Stop(x),
+                };
+                if !self.cut_from[x as usize] {
+                    self.at(self.now + self.latency_ns, answer);
+                }
+            }
+            // What the partition held up goes on its way (the connection retransmits it).
+            Ev::Heal(x) => {
+                (self.cut_to[x as usize], self.cut_from[x as usize]) = (false, false);
+                for ev in std::mem::take(&mut self.held[x as usize]) {
+                    self.at(self.now + self.latency_ns, ev);
+                }
+            }
             Ev::Renewed(x, asked) => self.leases[x as usize].renewed(asked),
             Ev::Stop(x) => self.kill(x),
             Ev::CoordTimer => {
@@ -82,7 +150,11 @@ impl Sim {
             }
             Ev::Command(id, x, command) => {
                 let ok = !self.dead[x as usize] && self.carry_out(x, command)?;
-                self.at(self.now + self.latency_ns, Ev::CommandDone(id, ok));
+                if self.cut_to[x as usize] {
+                    self.held[x as usize].push(Ev::CommandDone(id, ok));
+                } else {
+                    self.at(self.now + self.latency_ns, Ev::CommandDone(id, ok));
+                }
             }
             Ev::CommandDone(id, ok) => {
                 let result = if ok { Ok(()) } else { Err("the server did not carry it out".to_string()) };
@@ -95,12 +167,23 @@ impl Sim {
         Ok(())
     }
 
+    /// Sends a command to server `x`: after the latency, or, while a partition cuts the
+    /// coordinator's messages to it, once the partition heals (the connection retransmits it;
+    /// simulated partitions are shorter than the peer timeout that would end it).
+    fn command_to(&mut self, x: u32, ev: Ev) {
+        if self.cut_from[x as usize] {
+            self.held[x as usize].push(ev);
+        } else {
+            self.at(self.now + self.latency_ns, ev);
+        }
+    }
+
     /// Carries out what the coordinator machine decided.
     fn drive_coordinator(&mut self) -> Result<(), SimError> {
         while let Some(out) = self.coord.poll_output() {
             match out {
                 CoordOutput::Command { id, server, command } => {
-                    self.at(self.now + self.latency_ns, Ev::Command(id, server, command));
+                    self.command_to(server, Ev::Command(id, server, command))
                 }
                 CoordOutput::Moved { shard, .. } => self.at(self.now + self.latency_ns, Ev::Moved(shard)),
                 CoordOutput::ServerLost { server } => {
@@ -151,6 +234,8 @@ impl Sim {
         }
         let Some(mut backup) = self.backups[su].take() else { return false };
         backup.promote();
+        let old = self.server_of[su];
+        self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
         self.nodes[su] = backup;
         // The requests the old primary had not answered are lost with it: the workers ask
         // again when they hear of the move.

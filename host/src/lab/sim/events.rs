@@ -45,6 +45,8 @@ pub(super) enum Ev {
     Renewed(u32, u64),
     /// Server `x` hears it was failed over, and stops.
     Stop(u32),
+    /// The partition between server `x` and the coordinator heals.
+    Heal(u32),
     /// The coordinator checks its leases.
     CoordTimer,
     /// Coordinator command `id` reaches server `x`.

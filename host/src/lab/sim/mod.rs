@@ -62,6 +62,7 @@ use crate::shard::{
     ShardNode, Stamped, Token,
 };
 use crate::worker::WorkerReport;
+use control::Arrival;
 use events::{Ev, Mailbox, Queue, ToShard};
 use syncopate_engine::coordinator::{CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
@@ -85,6 +86,36 @@ pub struct SimOptions {
     /// A server killed during the run (needs the scenario's `replicas = 1`), instead of the
     /// scenario's `kill_server`: tests kill one at an event index.
     pub failures: Vec<SimFailure>,
+    /// Servers cut off from the coordinator for a while (needs `replicas = 1`).
+    pub partitions: Vec<SimPartition>,
+}
+
+/// A server cut off from the coordinator for a while: the workers and the other servers still
+/// reach it, but its lease renewals, or the coordinator's answers, or both, are lost, as are
+/// the coordinator's commands to it. Its lease lapses, so it refuses requests (the workers ask
+/// again after a pause); if the coordinator's lease on it lapses too, it is failed over, and it
+/// stops once the partition heals and it hears so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimPartition {
+    /// The server.
+    pub server: u32,
+    /// When the partition begins.
+    pub at: FailAt,
+    /// How long it lasts, in nanoseconds.
+    pub heal_after_ns: u64,
+    /// Which way messages are lost.
+    pub cut: Cut,
+}
+
+/// Which messages between a server and the coordinator a partition loses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Both ways.
+    Both,
+    /// The server's to the coordinator (the coordinator hears no renewal).
+    ToCoordinator,
+    /// The coordinator's to the server (renewals arrive, the answers do not).
+    FromCoordinator,
 }
 
 /// A server killed during a simulation. It stops at once; what reaches it is lost, and
@@ -116,7 +147,13 @@ impl SimFailure {
     }
 
     fn due(&self, event: u64, now_ns: u64) -> bool {
-        match self.at {
+        self.at.due(event, now_ns)
+    }
+}
+
+impl FailAt {
+    fn due(&self, event: u64, now_ns: u64) -> bool {
+        match *self {
             FailAt::Event(e) => e == event,
             FailAt::Time(t) => now_ns >= t,
         }
@@ -267,6 +304,16 @@ struct Sim {
     coord_timer_at: Option<u64>,
     /// Per server: its own view of its lease.
     leases: Vec<ServerLease>,
+    /// Per server: whether its messages to the coordinator, and the coordinator's to it, are
+    /// lost (a partition).
+    cut_to: Vec<bool>,
+    cut_from: Vec<bool>,
+    /// Per server: commands and answers a partition holds up until it heals.
+    held: Vec<Vec<Ev>>,
+    /// Per shard: the server of the primary it was promoted from, while that one lives.
+    zombie_of: Vec<Option<u32>>,
+    /// The first time a server accepted a push for a shard another server had been promoted to.
+    two_primaries: Option<String>,
 }
 
 /// A finished simulation.
@@ -281,6 +328,9 @@ pub struct Simulated {
     /// Where a live backup differs from its primary once the ops on their way have reached it
     /// (parameters, version or members); `None` when every backup equals its primary.
     pub replicas_differ: Option<String>,
+    /// The first time a server accepted a push for a shard after another server had been
+    /// promoted to it (two primaries in one term); `None` when that never happened.
+    pub two_primaries: Option<String>,
 }
 
 /// Runs the scenario under the policy.
@@ -318,12 +368,13 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         [] => SimFailure::of(sc).into_iter().collect(),
         given => given.to_vec(),
     };
-    for f in &failures {
+    let struck = failures.iter().map(|f| f.server).chain(opts.partitions.iter().map(|p| p.server));
+    for server in struck {
         if sc.replicas == 0 {
             return Err(SimError::Options("a server failure needs replicas 1".into()));
         }
-        if f.server >= sc.servers {
-            return Err(SimError::Options(format!("server {} does not exist", f.server)));
+        if server >= sc.servers {
+            return Err(SimError::Options(format!("server {server} does not exist")));
         }
     }
     let backup_of: Vec<Option<u32>> =
@@ -476,6 +527,11 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         coord_timer_at: None,
         unheard: vec![false; shards_n as usize],
         leases: vec![ServerLease::new(0); sc.servers as usize],
+        cut_to: vec![false; sc.servers as usize],
+        cut_from: vec![false; sc.servers as usize],
+        held: vec![Vec::new(); sc.servers as usize],
+        zombie_of: vec![None; shards_n as usize],
+        two_primaries: None,
     };
     sim.start_control();
     for s in 0..shards_n {
@@ -492,11 +548,15 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut stopped_at = None;
     let mut handled = 0u64;
     let mut failures = failures;
+    let mut partitions = opts.partitions.clone();
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
         while let Some(k) = failures.iter().position(|f| f.due(handled, t)) {
             sim.kill(failures.remove(k).server);
+        }
+        while let Some(k) = partitions.iter().position(|p| p.at.due(handled, t)) {
+            sim.cut(partitions.remove(k));
         }
         handled += 1;
         if !ev.is_clockwork() {
@@ -524,7 +584,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     let model = sim.model();
     let replicas_differ = sim.replicas_differ()?;
-    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ })
+    let two_primaries = sim.two_primaries.take();
+    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ, two_primaries })
 }
 
 impl Sim {
@@ -830,17 +891,25 @@ impl Sim {
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
         let shards = self.nodes.len() as u32;
+        if let Ev::PullArrive(w, s, _) | Ev::PushArrive(w, s, _) | Ev::ToShard(w, s, _) = ev {
+            match self.arrival(w, s, matches!(ev, Ev::PushArrive(..))) {
+                Arrival::Primary => {}
+                Arrival::Lost => {
+                    self.limbo.push(ev);
+                    return Ok(());
+                }
+                // Refused for want of a lease: the worker asks again after a pause.
+                Arrival::Refused => {
+                    let pause = crate::lease::HEARTBEAT_MS * 1_000_000;
+                    self.at(self.now + 2 * self.latency_ns + pause, ev);
+                    return Ok(());
+                }
+            }
+        }
         match ev {
             Ev::Wake(w) => {
                 self.workers[w as usize].wake_at = None;
                 self.feed(w, Input::Timer)?;
-            }
-            // Sent to a dead primary, or to one the workers do not know has moved (they address
-            // the old one until they hear): lost, until they hear of the move.
-            Ev::PullArrive(_, s, _) | Ev::PushArrive(_, s, _) | Ev::ToShard(_, s, _)
-                if self.down(s) || self.unheard[s as usize] =>
-            {
-                self.limbo.push(ev);
             }
             Ev::PullArrive(w, s, iteration) => {
                 let token = self.token(Req::Pull { w, s, iteration });
@@ -949,6 +1018,7 @@ impl Sim {
             | Ev::Renew(..)
             | Ev::Renewed(..)
             | Ev::Stop(_)
+            | Ev::Heal(_)
             | Ev::CoordTimer
             | Ev::Command(..)
             | Ev::CommandDone(..)
