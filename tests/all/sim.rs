@@ -7,7 +7,7 @@
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
 use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
-use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimOptions};
+use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimFaults, SimOptions};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -30,7 +30,7 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
         gradients,
         data: None,
         failures: Vec::new(),
-        partitions: Vec::new(),
+        faults: SimFaults::default(),
     };
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
 }
@@ -42,7 +42,7 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
         gradients: true,
         data: None,
         failures: Vec::new(),
-        partitions: Vec::new(),
+        faults: SimFaults::default(),
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     (out.model.iter().map(|x| x.to_bits()).collect(), out.report.final_accuracy)
@@ -173,7 +173,7 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
         gradients: true,
         data: None,
         failures: Vec::new(),
-        partitions: Vec::new(),
+        faults: SimFaults::default(),
     };
     let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
     // Worker w's iterations push w + 1 whoever computed their tasks: each of the 30 iterations
@@ -360,7 +360,7 @@ fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncop
         gradients: true,
         data: None,
         failures: failure.into_iter().collect(),
-        partitions: Vec::new(),
+        faults: SimFaults::default(),
     };
     simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}, {failure:?}: {e}"))
 }
@@ -422,7 +422,7 @@ fn a_second_server_death_after_re_replication_loses_nothing() {
             gradients: true,
             data: None,
             failures,
-            partitions: Vec::new(),
+            faults: SimFaults::default(),
         };
         let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
         assert_eq!(out.report.failovers.len(), 2, "{policy}: {:?}", out.report.failovers);
@@ -468,7 +468,7 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
             gradients: false,
             data: None,
             failures: vec![SimFailure { server, at: FailAt::Event(10) }],
-            partitions: Vec::new(),
+            faults: SimFaults::default(),
         };
         simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string())
     };

@@ -91,8 +91,8 @@ fn a_lapsed_lease_fails_the_server_over_and_re_replicates() {
             CoordOutput::Command { id: 4, server: 0, command: Command::Promote { shard: 2 } },
             CoordOutput::Moved { shard: 2, server: 0 },
             CoordOutput::Command { id: 5, server: 1, command: Command::AttachBackup { shard: 1, backup: 0 } },
-            CoordOutput::NewBackup { shard: 1, primary: 1, backup: 0 },
             CoordOutput::Command { id: 6, server: 0, command: Command::AttachBackup { shard: 2, backup: 1 } },
+            CoordOutput::NewBackup { shard: 1, primary: 1, backup: 0 },
             CoordOutput::NewBackup { shard: 2, primary: 0, backup: 1 },
             CoordOutput::FailoverDone { server: 2 },
         ]

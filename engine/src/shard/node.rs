@@ -13,7 +13,9 @@
 //!   if the policy holds it, the acknowledgement waits for the policy's decision.
 //! - **replication.** A primary with a backup stamps every change as an [`Op`] and hands it out
 //!   ([`NodeOutput::Replicate`]) before applying it; a push's acknowledgement is held by the
-//!   [`AckGate`] until the backup has confirmed the op that admitted it ([`confirmed`]). A
+//!   [`AckGate`] until the backup has confirmed the op that admitted it ([`confirmed`]), and a
+//!   join's answer until the backup has every op so far (the join included), so that a worker
+//!   that goes on is known to a promoted backup. A
 //!   backup applies its primary's ops ([`replicated`]) at the primary's times, answers nobody,
 //!   and confirms each ([`NodeOutput::Confirm`]). A backup attached mid-run starts from a
 //!   snapshot that the primary restarts itself from ([`attach_backup`]).
@@ -237,16 +239,22 @@ struct Pending {
     pushes: BTreeMap<(WorkerId, u64), Token>,
     /// Goodbyes the shard has not completed yet (tasks of the worker's were still out).
     goodbyes: BTreeMap<WorkerId, Token>,
-    /// Op numbering, and push acknowledgements held until the backup has their op.
-    gate: AckGate<(Token, PushOutcome)>,
+    /// Op numbering, and the replies held until the backup has the op they follow: push
+    /// acknowledgements and joins.
+    gate: AckGate<(Token, Reply)>,
     out: VecDeque<NodeOutput>,
 }
 
 impl Pending {
     /// Acknowledges a push now, or once the backup has the op that admitted it.
     fn ack(&mut self, token: Token, outcome: PushOutcome) {
-        if let Some((token, outcome)) = self.gate.ack((token, outcome)) {
-            self.reply(token, Reply::Pushed(Ok(outcome)));
+        self.gated(token, Reply::Pushed(Ok(outcome)));
+    }
+
+    /// Sends a reply now, or once the backup has every op so far.
+    fn gated(&mut self, token: Token, reply: Reply) {
+        if let Some((token, reply)) = self.gate.ack((token, reply)) {
+            self.reply(token, reply);
         }
     }
 
@@ -254,14 +262,11 @@ impl Pending {
         self.out.push_back(NodeOutput::Reply { token, reply });
     }
 
-    fn release(
-        &mut self,
-        open: impl FnOnce(&mut AckGate<(Token, PushOutcome)>, &mut Vec<(Token, PushOutcome)>),
-    ) {
+    fn release(&mut self, open: impl FnOnce(&mut AckGate<(Token, Reply)>, &mut Vec<(Token, Reply)>)) {
         let mut released = Vec::new();
         open(&mut self.gate, &mut released);
-        for (token, outcome) in released {
-            self.reply(token, Reply::Pushed(Ok(outcome)));
+        for (token, reply) in released {
+            self.reply(token, reply);
         }
     }
 }
@@ -562,7 +567,12 @@ impl ShardNode {
             }
             e
         });
-        self.pending.reply(token, Reply::Joined(reply));
+        // Answered once the backup has the join (and the shard's creation): a worker that goes
+        // on is a member of the backup too, so a promoted backup knows it. Answered at once, a
+        // worker whose join died with its primary would join the promoted backup afresh at
+        // the other workers' clock, and its pushes below it would be acknowledged as
+        // duplicates, not applied.
+        self.pending.gated(token, Reply::Joined(reply));
     }
 
     fn join_inner(
@@ -944,15 +954,16 @@ mod tests {
     }
 
     #[test]
-    fn a_push_is_acknowledged_once_the_backup_holds_it_and_a_retry_after_promotion_is_a_duplicate() {
+    fn a_join_and_a_push_are_answered_once_the_backup_holds_them_and_a_retry_after_promotion_is_a_duplicate()
+    {
         let (mut primary, mut backup) = (node("asp", false), node("asp", true));
         primary.attach_backup(0, &mut Quiet).unwrap();
         primary.join(1, 1, 0, vec![0.0; 4], &mut Quiet);
         let out = drain(&mut primary);
-        assert_eq!(replies(&out), vec![1], "a join is answered at once");
+        assert!(replies(&out).is_empty(), "a join is answered once the backup has it");
         let seq = deliver(out, &mut backup).unwrap();
         primary.confirmed(seq);
-        assert!(drain(&mut primary).is_empty());
+        assert_eq!(replies(&drain(&mut primary)), vec![1]);
 
         primary.push(2, 2, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
         let out = drain(&mut primary);

@@ -284,7 +284,7 @@ fn simulated(
         gradients: opts.gradients,
         data: opts.data.clone(),
         failures: Vec::new(),
-        partitions: Vec::new(),
+        faults: crate::lab::sim::SimFaults::default(),
         run,
     };
     let t = std::time::Instant::now();

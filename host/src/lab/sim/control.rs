@@ -18,6 +18,7 @@
 //!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
+use rand::Rng;
 use syncopate_engine::coordinator::{Command, CoordOutput};
 use syncopate_policy_sdk::abi::LeaveReason;
 
@@ -79,7 +80,8 @@ impl Sim {
     /// shard would have two primaries, which is recorded.
     pub(super) fn arrival(&mut self, w: u32, s: u32, push: bool) -> Arrival {
         let su = s as usize;
-        let x = match (self.unheard[su], self.zombie_of[su]) {
+        let unheard = self.known[w as usize][su] < self.term[su];
+        let x = match (unheard, self.zombie_of[su]) {
             (true, Some(x)) if !self.dead[x as usize] => x,
             (true, _) => return Arrival::Lost,
             (false, _) if self.down(s) => return Arrival::Lost,
@@ -88,7 +90,7 @@ impl Sim {
         if self.controlled() && !self.leases[x as usize].valid(self.now) {
             return Arrival::Refused;
         }
-        if self.unheard[su] {
+        if unheard {
             if push && self.two_primaries.is_none() {
                 self.two_primaries = Some(format!(
                     "at {} ns, server {x} accepted worker {w}'s push for shard {s}, which server {} had \
@@ -161,7 +163,7 @@ impl Sim {
                 self.coord.command_done(id, result);
                 self.drive_coordinator()?;
             }
-            Ev::Moved(s) => self.moved(s)?,
+            Ev::Moved(w, s) => self.moved(w, s)?,
             _ => unreachable!("not a control-plane event: {ev:?}"),
         }
         Ok(())
@@ -185,7 +187,13 @@ impl Sim {
                 CoordOutput::Command { id, server, command } => {
                     self.command_to(server, Ev::Command(id, server, command))
                 }
-                CoordOutput::Moved { shard, .. } => self.at(self.now + self.latency_ns, Ev::Moved(shard)),
+                CoordOutput::Moved { shard, .. } => {
+                    let most = self.opts.faults.notice_delay_ns;
+                    for w in 0..self.workers.len() as u32 {
+                        let delay = if most > 0 { self.rng.random_range(0..=most) } else { 0 };
+                        self.at(self.now + self.latency_ns + delay, Ev::Moved(w, shard));
+                    }
+                }
                 CoordOutput::ServerLost { server } => {
                     tracing::debug!(server, t_ns = self.now, "lease lapsed: failing over");
                     self.lost.push(server);
@@ -255,7 +263,7 @@ impl Sim {
         (self.server_of[su], self.backup_of[su]) = (b, None);
         self.epoch[su] += 1;
         self.timer_at[su] = None;
-        self.unheard[su] = true;
+        self.term[su] += 1;
         self.arm_timer(s);
         true
     }
@@ -278,7 +286,15 @@ impl Sim {
         };
         let node = &self.nodes[su];
         let backup = if snapshot.is_empty() {
-            ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
+            // No op yet: the primary holds the parameters the simulator created it with (outside
+            // the op stream), and the backup starts from the same.
+            let primary = sim_shard(node);
+            let config = primary.policy_config().to_vec();
+            let mut backup = ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), config, true);
+            backup
+                .create(primary.values().to_vec(), &mut Quiet)
+                .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?;
+            backup
         } else {
             let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
             ShardNode::restore(
@@ -302,60 +318,57 @@ impl Sim {
         Ok(true)
     }
 
-    /// The workers hear that shard `s` moved: each rejoins its new primary (a member, or, if its
+    /// Worker `w` hears that shard `s` moved: it rejoins the new primary (a member, or, if its
     /// join had not reached the backup, anew) and sends again the pulls and pushes that were
     /// lost on the way to the old primary or with it, if it still waits for them (a push
     /// applied twice is a duplicate; a parked pull answers the retried one).
-    fn moved(&mut self, s: u32) -> Result<(), SimError> {
-        self.unheard[s as usize] = false;
+    fn moved(&mut self, w: u32, s: u32) -> Result<(), SimError> {
+        let (su, wu) = (s as usize, w as usize);
+        self.known[wu][su] = self.term[su];
         let node = self.server_node(s);
-        // What was lost on the way to the old primary, or with it.
+        // What it sent that was lost on the way to the old primary, or with it.
         let (mine, rest): (Vec<Ev>, Vec<Ev>) = std::mem::take(&mut self.limbo).into_iter().partition(|ev| {
-            matches!(ev, Ev::PullArrive(_, x, _) | Ev::PushArrive(_, x, _) | Ev::ToShard(_, x, _) if *x == s)
+            matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
         });
         self.limbo = rest;
-        for w in 0..self.workers.len() as u32 {
-            let wk = &self.workers[w as usize];
-            let member = sim_shard(&self.nodes[s as usize]).is_member(w);
-            if wk.machine.is_done() {
-                // Its goodbye went to the dead primary. The cluster waits the rejoin grace for
-                // a member that does not come back; the simulator lets it leave now.
-                if member {
-                    self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
-                    self.drain(s)?;
-                }
-                continue;
+        let member = sim_shard(&self.nodes[su]).is_member(w);
+        if self.workers[wu].machine.is_done() {
+            // Its goodbye went to the dead primary. The cluster waits the rejoin grace for a
+            // member that does not come back; the simulator lets it leave now.
+            if member {
+                self.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                self.drain(s)?;
             }
-            let token = self.token(Req::Join { s });
-            self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
-            self.drain(s)?;
+            return Ok(());
         }
+        let token = self.token(Req::Join { w, s });
+        self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
+        self.drain(s)?;
         // Each lost pull and push is asked again, once, if the worker still waits for it.
         let mut asked = std::collections::BTreeSet::new();
         for ev in mine {
+            let wk = &self.workers[wu];
             match ev {
                 Ev::ToShard(..) => self.at(self.now + self.latency_ns, ev),
-                Ev::PullArrive(w, _, iteration) => {
-                    let wk = &self.workers[w as usize];
-                    let waiting = wk.pulling == Some(iteration) && !wk.replied[s as usize];
-                    if waiting && !wk.machine.is_done() && asked.insert(ev) {
-                        let t = self.transfer(w as usize, node, 64);
+                Ev::PullArrive(_, _, iteration) => {
+                    let waiting = wk.pulling == Some(iteration) && !wk.replied[su];
+                    if waiting && asked.insert(ev) {
+                        let t = self.transfer(wu, node, 64);
                         self.at(t, ev);
                     }
                 }
-                Ev::PushArrive(w, _, help) => {
-                    let wk = &self.workers[w as usize];
+                Ev::PushArrive(_, _, help) => {
                     let (slot, acked) =
                         if help { (wk.help, &wk.help_acked) } else { (wk.own, &wk.own_acked) };
-                    if slot.is_some() && !acked[s as usize] && !wk.machine.is_done() && asked.insert(ev) {
-                        let t = self.transfer(w as usize, node, self.shard_bytes(s));
+                    if slot.is_some() && !acked[su] && asked.insert(ev) {
+                        let t = self.transfer(wu, node, self.shard_bytes(s));
                         self.at(t, ev);
                     }
                 }
                 _ => {}
             }
         }
-        tracing::debug!(shard = s, "moved");
+        tracing::debug!(worker = w, shard = s, "heard the shard moved");
         Ok(())
     }
 }

@@ -53,8 +53,8 @@ pub(super) enum Ev {
     Command(u64, u32, Command),
     /// The result of coordinator command `id` reaches the coordinator.
     CommandDone(u64, bool),
-    /// The workers hear that shard `s` moved.
-    Moved(u32),
+    /// Worker `w` hears that shard `s` moved.
+    Moved(u32, u32),
 }
 
 impl Ev {

@@ -86,8 +86,19 @@ pub struct SimOptions {
     /// A server killed during the run (needs the scenario's `replicas = 1`), instead of the
     /// scenario's `kill_server`: tests kill one at an event index.
     pub failures: Vec<SimFailure>,
-    /// Servers cut off from the coordinator for a while (needs `replicas = 1`).
+    /// Faults besides server deaths (they need `replicas = 1`).
+    pub faults: SimFaults,
+}
+
+/// Faults a simulation injects besides server deaths.
+#[derive(Clone, Debug, Default)]
+pub struct SimFaults {
+    /// Servers cut off from the coordinator for a while.
     pub partitions: Vec<SimPartition>,
+    /// Each notice from the coordinator to a worker (a shard moved) takes up to this much
+    /// longer than the latency, in nanoseconds, drawn per notice from the scenario's seed: a
+    /// worker may go on addressing a shard's old primary for that long.
+    pub notice_delay_ns: u64,
 }
 
 /// A server cut off from the coordinator for a while: the workers and the other servers still
@@ -199,8 +210,8 @@ enum Req {
     Pull { w: WorkerId, s: u32, iteration: u64 },
     /// A worker's push (`help`: of tasks moved to it; `whole`: its own whole iteration).
     Push { w: WorkerId, s: u32, help: bool, iteration: u64, whole: bool },
-    /// A join: only a refusal matters.
-    Join { s: u32 },
+    /// Worker `w`'s join: it starts once every shard has answered its first.
+    Join { w: WorkerId, s: u32 },
     /// A reply nobody acts on (a skip).
     Ignore { s: u32 },
 }
@@ -208,7 +219,7 @@ enum Req {
 impl Req {
     fn shard(&self) -> u32 {
         match *self {
-            Req::Pull { s, .. } | Req::Push { s, .. } | Req::Join { s } | Req::Ignore { s } => s,
+            Req::Pull { s, .. } | Req::Push { s, .. } | Req::Join { s, .. } | Req::Ignore { s } => s,
         }
     }
 }
@@ -298,8 +309,18 @@ struct Sim {
     limbo: Vec<Ev>,
     /// The coordinator's decisions (`control.rs`).
     coord: CoordinatorMachine,
-    /// Per shard: moved, and the workers have not heard yet.
-    unheard: Vec<bool>,
+    /// Per worker: the shards that answered its first join; it starts once all have.
+    joins: Vec<u32>,
+    /// Per worker: started.
+    started: Vec<bool>,
+    /// Setting up: workers start once every join has been asked.
+    starting: bool,
+    /// Per shard: how many times it moved (its promotions).
+    term: Vec<u32>,
+    /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
+    known: Vec<Vec<u32>>,
+    /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
+    rng: rand_chacha::ChaCha8Rng,
     /// When the coordinator's next lease check is scheduled.
     coord_timer_at: Option<u64>,
     /// Per server: its own view of its lease.
@@ -368,7 +389,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         [] => SimFailure::of(sc).into_iter().collect(),
         given => given.to_vec(),
     };
-    let struck = failures.iter().map(|f| f.server).chain(opts.partitions.iter().map(|p| p.server));
+    let struck = failures.iter().map(|f| f.server).chain(opts.faults.partitions.iter().map(|p| p.server));
     for server in struck {
         if sc.replicas == 0 {
             return Err(SimError::Options("a server failure needs replicas 1".into()));
@@ -525,7 +546,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         limbo: Vec::new(),
         coord,
         coord_timer_at: None,
-        unheard: vec![false; shards_n as usize],
+        joins: vec![0; n as usize],
+        started: vec![false; n as usize],
+        starting: true,
+        term: vec![0; shards_n as usize],
+        known: vec![vec![0; shards_n as usize]; n as usize],
+        rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         leases: vec![ServerLease::new(0); sc.servers as usize],
         cut_to: vec![false; sc.servers as usize],
         cut_from: vec![false; sc.servers as usize],
@@ -534,21 +560,34 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         two_primaries: None,
     };
     sim.start_control();
+    // Each worker joins every shard, and starts once all have answered (with backups, once
+    // its join is on the backup too).
     for s in 0..shards_n {
         for w in 0..n {
-            let token = sim.token(Req::Join { s });
+            let token = sim.token(Req::Join { w, s });
             sim.nodes[s as usize].join(0, token, w, Vec::new(), &mut Quiet);
             sim.drain(s)?;
         }
     }
+    sim.starting = false;
     for w in 0..n {
-        sim.drive(w)?;
+        if sim.joins[w as usize] == shards_n {
+            sim.start(w)?;
+        }
+    }
+    // Training starts once every worker has joined: what it takes (with backups, the joins'
+    // way to the backups and back) comes before the first event a failure can name, as a
+    // cluster's workers start only once they are in (a death while they join fails their join).
+    while sim.started.iter().any(|s| !s) {
+        let Some((t, ev)) = sim.queue.pop() else { break };
+        sim.now = t;
+        sim.handle(ev)?;
     }
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
     let mut stopped_at = None;
     let mut handled = 0u64;
     let mut failures = failures;
-    let mut partitions = opts.partitions.clone();
+    let mut partitions = opts.faults.partitions.clone();
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
@@ -676,6 +715,12 @@ impl Sim {
                     match (req, reply) {
                         (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
                             self.served(s, w, iteration, served)
+                        }
+                        (Req::Join { w, .. }, Reply::Joined(Ok(_))) => {
+                            self.joins[w as usize] += 1;
+                            if !self.starting && self.joins[w as usize] == self.nodes.len() as u32 {
+                                self.start(w)?;
+                            }
                         }
                         // The worker left while its pull waited: nobody is left to answer.
                         (Req::Pull { .. }, Reply::Pulled(Err(RequestError::Left(..)))) => {}
@@ -805,6 +850,14 @@ impl Sim {
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
         self.dead[self.server_of[s as usize] as usize]
+    }
+
+    /// Worker `w` has joined every shard: it starts (once).
+    fn start(&mut self, w: u32) -> Result<(), SimError> {
+        if std::mem::replace(&mut self.started[w as usize], true) {
+            return Ok(());
+        }
+        self.drive(w)
     }
 
     /// Feeds worker `w`'s machine an input, then carries out its actions.
@@ -1022,7 +1075,7 @@ impl Sim {
             | Ev::CoordTimer
             | Ev::Command(..)
             | Ev::CommandDone(..)
-            | Ev::Moved(_) => self.control(ev)?,
+            | Ev::Moved(..) => self.control(ev)?,
             Ev::Watch => {
                 self.observe();
                 let every = self.opts.run.scenario.eval_every_ms;
