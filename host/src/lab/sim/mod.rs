@@ -335,6 +335,8 @@ struct Sim {
     zombie_of: Vec<Option<u32>>,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
+    /// The first time a backup that had applied every op of its primary's differed from it.
+    drift: Option<String>,
 }
 
 /// A finished simulation.
@@ -346,8 +348,10 @@ pub struct Simulated {
     pub model: Vec<f32>,
     /// Events handled: a [`SimFailure`] can name any of them.
     pub events: u64,
-    /// Where a live backup differs from its primary once the ops on their way have reached it
-    /// (parameters, version or members); `None` when every backup equals its primary.
+    /// Where a backup differed from its primary: at any point where it had applied every op its
+    /// primary had (parameters, version or members), or, at the end, once the ops on their way
+    /// have reached it (their whole snapshots); `None` when every backup always equalled its
+    /// primary.
     pub replicas_differ: Option<String>,
     /// The first time a server accepted a push for a shard after another server had been
     /// promoted to it (two primaries in one term); `None` when that never happened.
@@ -558,6 +562,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         held: vec![Vec::new(); sc.servers as usize],
         zombie_of: vec![None; shards_n as usize],
         two_primaries: None,
+        drift: None,
     };
     sim.start_control();
     // Each worker joins every shard, and starts once all have answered (with backups, once
@@ -622,7 +627,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let model = sim.model();
-    let replicas_differ = sim.replicas_differ()?;
+    let replicas_differ = match sim.drift.take() {
+        Some(drift) => Some(drift),
+        None => sim.replicas_differ()?,
+    };
     let two_primaries = sim.two_primaries.take();
     Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ, two_primaries })
 }
@@ -1048,6 +1056,25 @@ impl Sim {
                     return Ok(());
                 };
                 backup.replicated(stamped, grad, |_| None, &mut Quiet);
+                // Every time the backup has applied every op its primary has, the two must be
+                // equal (the end of the run compares their whole snapshots).
+                let primary = &self.nodes[su];
+                if self.drift.is_none() && backup.replication().0 == primary.replication().0 {
+                    let (p, q) = (sim_shard(primary), sim_shard(backup));
+                    if !bits_equal(p, q) || p.version() != q.version() || p.workers() != q.workers() {
+                        self.drift = Some(format!(
+                            "shard {s}: at {} ns, after op {}, its backup is at version {} with members {:?}, its \
+                             primary at {} with {:?}{}",
+                            self.now,
+                            primary.replication().0,
+                            q.version(),
+                            q.workers(),
+                            p.version(),
+                            p.workers(),
+                            if bits_equal(p, q) { "" } else { ", and their parameters differ" }
+                        ));
+                    }
+                }
                 let mut confirmed = None;
                 while let Some(out) = backup.poll_output() {
                     if let NodeOutput::Confirm { seq } = out {
