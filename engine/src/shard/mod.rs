@@ -1437,7 +1437,10 @@ impl Shard {
     /// Applies, in round order, every aggregate whose round all live workers have passed
     /// (`round < min_clock`), whatever mode their pushes arrived in.
     fn complete_aggregates(&mut self, sink: &mut dyn ShardSink) {
-        let min_clock = self.clocks.view().min_clock;
+        // With no live worker left, nobody can add to a round: every one is complete (its
+        // pushes were acknowledged when they were counted).
+        let view = self.clocks.view();
+        let min_clock = if view.workers == 0 { u64::MAX } else { view.min_clock };
         while let Some(entry) = self.aggregates.first_entry() {
             if *entry.key() >= min_clock {
                 break;
@@ -1587,6 +1590,37 @@ mod tests {
         shard.push(push(1), 2, &mut sink).unwrap();
         assert_eq!(shard.values(), [0.0; 8]);
         assert_eq!(sink.buffers_given, 1);
+    }
+
+    /// A BSP round's pushes are acknowledged once counted in its aggregate. If the round's last
+    /// contributor never pushes (its process died, and the servers made it leave) after the
+    /// others have left, the round still happens: found by `syncopate simtest` (a worker death
+    /// during the last round lost that round's acknowledged pushes).
+    #[test]
+    fn a_round_whose_missing_contributor_leaves_last_is_applied() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let bsp = rt.compile("bsp", crate::builtin::wasm("bsp").unwrap()).unwrap();
+        let optimizer = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+        let mut sink = Keep::default();
+        let cfg = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+        let mut shard = Shard::new(cfg, vec![0.0; 2], &bsp, &[], &mut sink).unwrap();
+        shard.join(0, 0, &mut sink).unwrap();
+        shard.join(1, 0, &mut sink).unwrap();
+        let push = PushRequest {
+            worker: 0,
+            iteration: 0,
+            samples: 1,
+            grad: vec![1.0; 2],
+            based_on: None,
+            tasks: None,
+        };
+        shard.push(push, 1, &mut sink).unwrap();
+        assert_eq!(shard.values(), [0.0; 2], "the round waits for worker 1");
+        shard.leave(0, LeaveReason::Finished, 2, &mut sink).unwrap();
+        assert_eq!(shard.values(), [0.0; 2], "worker 1 may still push");
+        shard.leave(1, LeaveReason::TimedOut, 3, &mut sink).unwrap();
+        assert_eq!(shard.values(), [-1.0; 2], "worker 0's acknowledged push is applied");
+        assert_eq!(shard.stats().steps, 1);
     }
 
     #[test]

@@ -95,9 +95,9 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
     let e = found.exercised;
     println!(
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
-         {} failovers, {} runs with two deaths, {} with a server cut off from the coordinator, {} losing a \
-         shard's last copy (as a cluster would); the longest a disturbed run took beyond its undisturbed \
-         one, partitions aside: {:.3} s",
+         {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
+         with a worker death, {} losing a shard's last copy (as a cluster would); the longest a disturbed \
+         run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
@@ -106,6 +106,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.failovers,
         e.double_failures,
         e.partitions,
+        e.worker_deaths,
         e.lost,
         e.max_delay_ms as f64 / 1e3
     );

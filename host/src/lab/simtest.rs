@@ -60,6 +60,8 @@ pub struct Case {
     pub partition: Option<(u32, Cut, u64)>,
     /// How much later than the latency a worker may hear that a shard moved, in milliseconds.
     pub notice_delay_ms: u64,
+    /// A worker that dies in the same run, if any (only under policies whose sums are exact).
+    pub worker_death: Option<u32>,
 }
 
 /// What a passing seed exercised.
@@ -78,8 +80,10 @@ pub struct Exercised {
     pub lost: u64,
     /// Runs with a server cut off from the coordinator.
     pub partitions: u64,
+    /// Runs with a worker that died.
+    pub worker_deaths: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
-    /// time, less its partition's length.
+    /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
 }
 
@@ -91,6 +95,7 @@ impl std::ops::AddAssign for Exercised {
         self.double_failures += o.double_failures;
         self.lost += o.lost;
         self.partitions += o.partitions;
+        self.worker_deaths += o.worker_deaths;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
 }
@@ -145,7 +150,9 @@ impl Case {
             (rng.random_range(0..servers), cut, rng.random_range(100..=4000))
         });
         let notice_delay_ms = if rng.random_bool(0.5) { rng.random_range(0..=1000) } else { 0 };
-        Case { seed, scenario, policy, server, second, partition, notice_delay_ms }
+        let worker_death =
+            (unit_weights(&policy) && rng.random_bool(0.3)).then(|| rng.random_range(0..workers));
+        Case { seed, scenario, policy, server, second, partition, notice_delay_ms, worker_death }
     }
 
     fn run(
@@ -199,6 +206,11 @@ impl Case {
             })
             .into_iter()
             .collect();
+        let worker_deaths: Vec<(u32, FailAt)> = self
+            .worker_death
+            .map(|w| (w, FailAt::Event(rng.random_range(0..clean.events.max(1)))))
+            .into_iter()
+            .collect();
         let what = failures
             .iter()
             .map(|f| format!("server {} killed before {}", f.server, when(f.at)))
@@ -206,16 +218,18 @@ impl Case {
                 let ms = p.heal_after_ns / 1_000_000;
                 format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
             }))
+            .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
             .collect::<Vec<_>>()
             .join(", ");
+        let dead_worker = worker_deaths.first().map(|d| d.0);
         let double = u64::from(failures.len() > 1);
-        let faults = failures.len() + partitions.len();
+        let faults = failures.len() + partitions.len() + worker_deaths.len();
         let partitioned = partitions.len() as u64;
         let partition_ns = partitions.iter().map(|p| p.heal_after_ns).sum::<u64>();
         let failed = match self.run(
             rt,
             failures,
-            SimFaults { partitions, notice_delay_ns: self.notice_delay_ms * 1_000_000 },
+            SimFaults { partitions, worker_deaths, notice_delay_ns: self.notice_delay_ms * 1_000_000 },
         ) {
             Ok(f) => f,
             // Both copies of a shard dead (or cut off) before a new backup held it: a cluster
@@ -227,6 +241,7 @@ impl Case {
                     double_failures: double,
                     lost: 1,
                     partitions: partitioned,
+                    worker_deaths: u64::from(dead_worker.is_some()),
                     ..Exercised::default()
                 };
                 return Ok(lost);
@@ -238,25 +253,30 @@ impl Case {
                 return Err(format!("{name}: two primaries: {two}"));
             }
         }
-        every_iteration(&failed, iterations, &what)?;
+        every_iteration_but(&failed, iterations, &what, dead_worker)?;
         if let Some(d) = &failed.replicas_differ {
             return Err(format!("{what}: {d}"));
         }
         // Liveness: once the faults are over, the run finishes within a bound.
         let delay_ns = ((failed.report.elapsed_s - clean.report.elapsed_s).max(0.0) * 1e9) as u64;
-        let delay_ns = delay_ns.saturating_sub(partition_ns);
+        // A dead worker is made to leave a peer timeout after its death, and synchronous rules
+        // wait for it until then; a backup promoted later waits as long again for it to rejoin.
+        let waits = 1 + u64::from(faults > 1);
+        let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
+        let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
         let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000) * faults as u64;
         if delay_ns > bound_ns {
             return Err(format!(
-                "{what}: the run took {:.3} s beyond the undisturbed one's {:.3} s, the partition's length \
-                 aside (the bound is {:.1} s): not live",
+                "{what}: the run took {:.3} s beyond the undisturbed one's {:.3} s, partitions and peer \
+                 timeouts aside (the bound is {:.1} s): not live",
                 delay_ns as f64 / 1e9,
                 clean.report.elapsed_s,
                 bound_ns as f64 / 1e9
             ));
         }
-        let bits = |s: &Simulated| s.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        if bits(&clean) != bits(&failed) {
+        if let Some(d) = dead_worker {
+            exact_with_a_dead_worker(&failed, &self.scenario, iterations, d, &what)?;
+        } else if bits(&clean) != bits(&failed) {
             let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());
             let i = i.unwrap_or(0);
             return Err(format!(
@@ -273,6 +293,7 @@ impl Case {
             double_failures: double,
             lost: 0,
             partitions: partitioned,
+            worker_deaths: u64::from(dead_worker.is_some()),
             max_delay_ms: delay_ns / 1_000_000,
         })
     }
@@ -281,7 +302,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -297,7 +318,8 @@ impl Case {
             match self.notice_delay_ms {
                 0 => String::new(),
                 ms => format!(", workers hear of moves up to {ms} ms late"),
-            }
+            },
+            self.worker_death.map(|w| format!(", worker {w} dies")).unwrap_or_default()
         )
     }
 }
@@ -318,8 +340,51 @@ fn when(at: FailAt) -> String {
     }
 }
 
+fn bits(s: &Simulated) -> Vec<u32> {
+    s.model.iter().map(|v| v.to_bits()).collect()
+}
+
+/// With a dead worker the model is not the undisturbed one, but every acknowledged push is in
+/// it exactly once: each parameter is minus the live workers' every push, plus the dead
+/// worker's acknowledged ones, plus perhaps the one it had sent and not heard back about.
+fn exact_with_a_dead_worker(
+    run: &Simulated,
+    scenario: &Scenario,
+    iterations: u64,
+    dead: u32,
+    what: &str,
+) -> Result<(), String> {
+    let done = run.report.workers.iter().find(|w| w.worker == dead).map_or(0, |w| w.iterations);
+    let live: f32 = (1..=scenario.workers).filter(|w| *w != dead + 1).map(|w| w as f32).sum();
+    let own = (dead + 1) as f32;
+    let base = -(live * iterations as f32 + own * done as f32);
+    let allowed = [base, base - own];
+    match run.model.iter().enumerate().find(|(_, v)| !allowed.contains(v)) {
+        Some((i, v)) => Err(format!(
+            "{what}: parameter {i} ends at {v}, not {base} (or {}, with the dead worker's last push): \
+             an acknowledged update was lost or applied twice",
+            base - own
+        )),
+        None => Ok(()),
+    }
+}
+
 fn every_iteration(run: &Simulated, iterations: u64, what: &str) -> Result<(), String> {
-    match run.report.workers.iter().find(|w| w.iterations != iterations) {
+    every_iteration_but(run, iterations, what, None)
+}
+
+/// Every worker but `dead` ran every iteration (and `dead` no more than that).
+fn every_iteration_but(
+    run: &Simulated,
+    iterations: u64,
+    what: &str,
+    dead: Option<u32>,
+) -> Result<(), String> {
+    let short = |w: &crate::worker::WorkerReport| match Some(w.worker) == dead {
+        true => w.iterations > iterations,
+        false => w.iterations != iterations,
+    };
+    match run.report.workers.iter().find(|w| short(w)) {
         Some(w) => {
             Err(format!("{what}: worker {} ran {} of {iterations} iterations", w.worker, w.iterations))
         }

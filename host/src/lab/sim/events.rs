@@ -37,6 +37,8 @@ pub(super) enum Ev {
     Replicate(u32, usize),
     /// Shard `s`'s backup confirms, to the primary of epoch `e`, every op up to `seq`.
     Confirm(u32, u32, u64),
+    /// The servers' connections to dead worker `w` time out.
+    WorkerLost(u32),
     /// Server `x` asks the coordinator to renew its lease (every `HEARTBEAT_MS`).
     Heartbeat(u32),
     /// Server `x`'s renewal, asked at the time given, reaches the coordinator.

@@ -66,9 +66,11 @@ use control::Arrival;
 use events::{Ev, Mailbox, Queue, ToShard};
 use syncopate_engine::coordinator::{CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
-/// How long a promoted backup waits for members to rejoin: the cluster's default peer timeout
-/// (10 s). The simulator's workers rejoin at the failover, so it never runs out.
-const REJOIN_GRACE_NS: u64 = 10_000_000_000;
+/// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
+/// rejoin (the simulator's live workers rejoin once they hear of the move, so it runs out only
+/// for a dead one), and how long after a worker's death the servers make it leave.
+pub const PEER_TIMEOUT_NS: u64 = 10_000_000_000;
+const REJOIN_GRACE_NS: u64 = PEER_TIMEOUT_NS;
 
 /// A run in which nothing happens for this long but lease renewals and observations has
 /// stalled, and ends (10 minutes of virtual time).
@@ -95,6 +97,10 @@ pub struct SimOptions {
 pub struct SimFaults {
     /// Servers cut off from the coordinator for a while.
     pub partitions: Vec<SimPartition>,
+    /// Workers that die (their process stops): what they sent is still delivered, nothing
+    /// reaches them any more, and each server makes a dead worker leave its shards a peer
+    /// timeout (10 s) after its death, as a cluster's servers do when its connection times out.
+    pub worker_deaths: Vec<(WorkerId, FailAt)>,
     /// Each notice from the coordinator to a worker (a shard moved) takes up to this much
     /// longer than the latency, in nanoseconds, drawn per notice from the scenario's seed: a
     /// worker may go on addressing a shard's old primary for that long.
@@ -257,6 +263,8 @@ struct SimWorker {
     wake_at: Option<u64>,
     /// Counted in [`Sim::done`].
     done: bool,
+    /// Its process died.
+    dead: bool,
 }
 
 /// One link direction: busy until `free_ns`.
@@ -393,6 +401,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         [] => SimFailure::of(sc).into_iter().collect(),
         given => given.to_vec(),
     };
+    if let Some((w, _)) = opts.faults.worker_deaths.iter().find(|(w, _)| *w >= n) {
+        return Err(SimError::Options(format!("worker {w} does not exist")));
+    }
     let struck = failures.iter().map(|f| f.server).chain(opts.faults.partitions.iter().map(|p| p.server));
     for server in struck {
         if sc.replicas == 0 {
@@ -487,6 +498,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             replied: vec![false; shards_n as usize],
             wake_at: None,
             done: false,
+            dead: false,
         });
     }
     // The coordinator: every server registers and is answered, and the backups made above are
@@ -593,6 +605,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut handled = 0u64;
     let mut failures = failures;
     let mut partitions = opts.faults.partitions.clone();
+    let mut worker_deaths = opts.faults.worker_deaths.clone();
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
@@ -601,6 +614,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         while let Some(k) = partitions.iter().position(|p| p.at.due(handled, t)) {
             sim.cut(partitions.remove(k));
+        }
+        while let Some(k) = worker_deaths.iter().position(|d| d.1.due(handled, t)) {
+            sim.kill_worker(worker_deaths.remove(k).0);
         }
         handled += 1;
         if !ev.is_clockwork() {
@@ -860,9 +876,36 @@ impl Sim {
         self.dead[self.server_of[s as usize] as usize]
     }
 
+    /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
+    /// it; a peer timeout later, the servers make it leave their shards.
+    fn kill_worker(&mut self, w: u32) {
+        let wk = &mut self.workers[w as usize];
+        if std::mem::replace(&mut wk.dead, true) {
+            return;
+        }
+        tracing::debug!(worker = w, t_ns = self.now, "worker killed");
+        if !wk.done {
+            wk.done = true;
+            self.done += 1;
+        }
+        self.at(self.now + PEER_TIMEOUT_NS, Ev::WorkerLost(w));
+    }
+
+    /// The servers' connections to dead worker `w` time out: it leaves every shard it is a
+    /// member of.
+    fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
+        for s in 0..self.nodes.len() as u32 {
+            if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
+                self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                self.drain(s)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Worker `w` has joined every shard: it starts (once).
     fn start(&mut self, w: u32) -> Result<(), SimError> {
-        if std::mem::replace(&mut self.started[w as usize], true) {
+        if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
             return Ok(());
         }
         self.drive(w)
@@ -952,6 +995,15 @@ impl Sim {
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
         let shards = self.nodes.len() as u32;
+        if let Ev::Wake(w) | Ev::PullDone(w) | Ev::AckArrive(w, _) | Ev::Control(w, _) | Ev::Moved(w, _) = ev
+        {
+            if self.workers[w as usize].dead {
+                if let Ev::Control(_, i) = ev {
+                    self.controls.deliver(i);
+                }
+                return Ok(());
+            }
+        }
         if let Ev::PullArrive(w, s, _) | Ev::PushArrive(w, s, _) | Ev::ToShard(w, s, _) = ev {
             match self.arrival(w, s, matches!(ev, Ev::PushArrive(..))) {
                 Arrival::Primary => {}
@@ -1031,6 +1083,7 @@ impl Sim {
                 }
                 self.drain(s)?;
             }
+            Ev::WorkerLost(w) => self.worker_lost(w)?,
             Ev::Control(w, i) => {
                 let msg = self.controls.deliver(i);
                 if !self.workers[w as usize].machine.is_done() {
