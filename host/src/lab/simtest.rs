@@ -62,6 +62,9 @@ pub struct Case {
     pub notice_delay_ms: u64,
     /// A worker that dies in the same run, if any (only under policies whose sums are exact).
     pub worker_death: Option<u32>,
+    /// How much later than the link says a worker's message may reach a shard, in
+    /// microseconds (in both runs: the undisturbed one too).
+    pub reorder_us: u64,
 }
 
 /// What a passing seed exercised.
@@ -152,7 +155,8 @@ impl Case {
         let notice_delay_ms = if rng.random_bool(0.5) { rng.random_range(0..=1000) } else { 0 };
         let worker_death =
             (unit_weights(&policy) && rng.random_bool(0.3)).then(|| rng.random_range(0..workers));
-        Case { seed, scenario, policy, server, second, partition, notice_delay_ms, worker_death }
+        let reorder_us = if rng.random_bool(0.5) { rng.random_range(0..=5000) } else { 0 };
+        Case { seed, scenario, policy, server, second, partition, notice_delay_ms, worker_death, reorder_us }
     }
 
     fn run(
@@ -175,8 +179,9 @@ impl Case {
     pub fn check(&self, rt: &PolicyRuntime) -> Result<Exercised, String> {
         self.scenario.check()?;
         let iterations = self.scenario.iterations.expect("drawn with iterations");
-        let clean =
-            self.run(rt, Vec::new(), SimFaults::default()).map_err(|e| format!("undisturbed run: {e}"))?;
+        let clean = self
+            .run(rt, Vec::new(), SimFaults { reorder_ns: self.reorder_us * 1000, ..SimFaults::default() })
+            .map_err(|e| format!("undisturbed run: {e}"))?;
         every_iteration(&clean, iterations, "undisturbed run")?;
         if let Some(d) = &clean.replicas_differ {
             return Err(format!("undisturbed run: {d}"));
@@ -229,7 +234,12 @@ impl Case {
         let failed = match self.run(
             rt,
             failures,
-            SimFaults { partitions, worker_deaths, notice_delay_ns: self.notice_delay_ms * 1_000_000 },
+            SimFaults {
+                partitions,
+                worker_deaths,
+                notice_delay_ns: self.notice_delay_ms * 1_000_000,
+                reorder_ns: self.reorder_us * 1000,
+            },
         ) {
             Ok(f) => f,
             // Both copies of a shard dead (or cut off) before a new backup held it: a cluster
@@ -302,7 +312,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -319,7 +329,11 @@ impl Case {
                 0 => String::new(),
                 ms => format!(", workers hear of moves up to {ms} ms late"),
             },
-            self.worker_death.map(|w| format!(", worker {w} dies")).unwrap_or_default()
+            self.worker_death.map(|w| format!(", worker {w} dies")).unwrap_or_default(),
+            match self.reorder_us {
+                0 => String::new(),
+                us => format!(", messages to shards up to {us} µs late (reordered)"),
+            }
         )
     }
 }

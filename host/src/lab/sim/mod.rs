@@ -101,6 +101,10 @@ pub struct SimFaults {
     /// reaches them any more, and each server makes a dead worker leave its shards a peer
     /// timeout (10 s) after its death, as a cluster's servers do when its connection times out.
     pub worker_deaths: Vec<(WorkerId, FailAt)>,
+    /// Each message from a worker to a shard (pull, push, report, hand-over, goodbye) takes up
+    /// to this much longer than the link says, in nanoseconds, drawn per message: a cluster
+    /// sends each request on a stream of its own, and streams overtake each other.
+    pub reorder_ns: u64,
     /// Each notice from the coordinator to a worker (a shard moved) takes up to this much
     /// longer than the latency, in nanoseconds, drawn per notice from the scenario's seed: a
     /// worker may go on addressing a shard's old primary for that long.
@@ -929,6 +933,7 @@ impl Sim {
                     wk.replied.fill(false);
                     for s in 0..shards {
                         let t = self.transfer(w as usize, self.server_node(s), 64);
+                        let t = self.reorder(t);
                         self.at(t, Ev::PullArrive(w, s, iteration));
                     }
                 }
@@ -956,6 +961,7 @@ impl Sim {
                     for s in 0..shards {
                         let bytes = self.shard_bytes(s);
                         let t = self.transfer(w as usize, self.server_node(s), bytes);
+                        let t = self.reorder(t);
                         self.at(t, Ev::PushArrive(w, s, help));
                     }
                 }
@@ -985,11 +991,22 @@ impl Sim {
         Ok(())
     }
 
+    /// When a worker's message due at `t` arrives: later by a drawn delay, with
+    /// [`SimFaults::reorder_ns`], so that its requests, each on a stream of its own in a
+    /// cluster, may overtake each other.
+    fn reorder(&mut self, t: u64) -> u64 {
+        match self.opts.faults.reorder_ns {
+            0 => t,
+            most => t + rand::Rng::random_range(&mut self.rng, 0..=most),
+        }
+    }
+
     /// A message without tensors from worker `w` to each of `shards`: the latency alone.
     fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
         let i = self.to_shard.post(msg, shards.len() as u32);
         for s in shards {
-            self.at(self.now + self.latency_ns, Ev::ToShard(w, s, i));
+            let t = self.reorder(self.now + self.latency_ns);
+            self.at(t, Ev::ToShard(w, s, i));
         }
     }
 
