@@ -65,12 +65,15 @@ pub struct Case {
     /// How much later than the link says a worker's message may reach a shard, in
     /// microseconds (in both runs: the undisturbed one too).
     pub reorder_us: u64,
+    /// A policy hot-swapped to during both runs, at a time drawn from the undisturbed run's
+    /// length (only between policies whose sums are exact).
+    pub swap: Option<PolicySpec>,
 }
 
 /// What a passing seed exercised.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Exercised {
-    /// Simulated runs (two per seed).
+    /// Simulated runs (two per seed, three with a swap).
     pub runs: u64,
     /// Events handled over all runs.
     pub events: u64,
@@ -85,6 +88,8 @@ pub struct Exercised {
     pub partitions: u64,
     /// Runs with a worker that died.
     pub worker_deaths: u64,
+    /// Seeds with a hot swap (each runs a third time: the undisturbed run, with the swap).
+    pub swaps: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
@@ -99,6 +104,7 @@ impl std::ops::AddAssign for Exercised {
         self.lost += o.lost;
         self.partitions += o.partitions;
         self.worker_deaths += o.worker_deaths;
+        self.swaps += o.swaps;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
 }
@@ -156,7 +162,22 @@ impl Case {
         let worker_death =
             (unit_weights(&policy) && rng.random_bool(0.3)).then(|| rng.random_range(0..workers));
         let reorder_us = if rng.random_bool(0.5) { rng.random_range(0..=5000) } else { 0 };
-        Case { seed, scenario, policy, server, second, partition, notice_delay_ms, worker_death, reorder_us }
+        let swap = (unit_weights(&policy) && rng.random_bool(0.3)).then(|| {
+            let exact: Vec<&str> = POLICIES.iter().copied().filter(|p| *p != "r2sp").collect();
+            exact[rng.random_range(0..exact.len())].parse().expect("a built-in policy")
+        });
+        Case {
+            seed,
+            scenario,
+            policy,
+            server,
+            second,
+            partition,
+            notice_delay_ms,
+            worker_death,
+            reorder_us,
+            swap,
+        }
     }
 
     fn run(
@@ -179,9 +200,25 @@ impl Case {
     pub fn check(&self, rt: &PolicyRuntime) -> Result<Exercised, String> {
         self.scenario.check()?;
         let iterations = self.scenario.iterations.expect("drawn with iterations");
-        let clean = self
-            .run(rt, Vec::new(), SimFaults { reorder_ns: self.reorder_us * 1000, ..SimFaults::default() })
-            .map_err(|e| format!("undisturbed run: {e}"))?;
+        let quiet = SimFaults { reorder_ns: self.reorder_us * 1000, ..SimFaults::default() };
+        let mut clean =
+            self.run(rt, Vec::new(), quiet.clone()).map_err(|e| format!("undisturbed run: {e}"))?;
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
+        // The swap's time is drawn from the run without it, and both runs swap then.
+        let swaps: Vec<(FailAt, PolicySpec)> = self
+            .swap
+            .clone()
+            .map(|spec| {
+                let end = (clean.report.elapsed_s * 1e9) as u64;
+                (FailAt::Time(rng.random_range(0..end.max(1))), spec)
+            })
+            .into_iter()
+            .collect();
+        let swapped = swaps.len() as u64;
+        if !swaps.is_empty() {
+            let with = SimFaults { swaps: swaps.clone(), ..quiet };
+            clean = self.run(rt, Vec::new(), with).map_err(|e| format!("undisturbed run: {e}"))?;
+        }
         every_iteration(&clean, iterations, "undisturbed run")?;
         if let Some(d) = &clean.replicas_differ {
             return Err(format!("undisturbed run: {d}"));
@@ -194,7 +231,6 @@ impl Case {
                 ));
             }
         }
-        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
         let at = rng.random_range(0..clean.events.max(1));
         let mut failures = vec![SimFailure { server: self.server, at: FailAt::Event(at) }];
         if let Some(second) = self.second {
@@ -224,6 +260,7 @@ impl Case {
                 format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
             }))
             .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
+            .chain(swaps.iter().map(|(at, spec)| format!("swap to {spec} at {}", when(*at))))
             .collect::<Vec<_>>()
             .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
@@ -239,6 +276,7 @@ impl Case {
                 worker_deaths,
                 notice_delay_ns: self.notice_delay_ms * 1_000_000,
                 reorder_ns: self.reorder_us * 1000,
+                swaps: swaps.clone(),
             },
         ) {
             Ok(f) => f,
@@ -246,7 +284,8 @@ impl Case {
             // loses it too.
             Err(SimError::ShardLost { .. }) if faults > 1 => {
                 let lost = Exercised {
-                    runs: 2,
+                    runs: 2 + swapped,
+                    swaps: swapped,
                     events: clean.events,
                     double_failures: double,
                     lost: 1,
@@ -268,7 +307,9 @@ impl Case {
             return Err(format!("{what}: {d}"));
         }
         // Liveness: once the faults are over, the run finishes within a bound.
-        let delay_ns = ((failed.report.elapsed_s - clean.report.elapsed_s).max(0.0) * 1e9) as u64;
+        // Liveness is the live workers': a run goes on after they are done while the servers
+        // wait out a dead worker's timeouts.
+        let delay_ns = finished_at(&failed, dead_worker).saturating_sub(finished_at(&clean, None));
         // A dead worker is made to leave a peer timeout after its death, and synchronous rules
         // wait for it until then; a backup promoted later waits as long again for it to rejoin.
         let waits = 1 + u64::from(faults > 1);
@@ -277,10 +318,10 @@ impl Case {
         let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000) * faults as u64;
         if delay_ns > bound_ns {
             return Err(format!(
-                "{what}: the run took {:.3} s beyond the undisturbed one's {:.3} s, partitions and peer \
-                 timeouts aside (the bound is {:.1} s): not live",
+                "{what}: the live workers finished {:.3} s after the undisturbed run's did (at {:.3} s), \
+                 partitions and peer timeouts aside (the bound is {:.1} s): not live",
                 delay_ns as f64 / 1e9,
-                clean.report.elapsed_s,
+                finished_at(&clean, None) as f64 / 1e9,
                 bound_ns as f64 / 1e9
             ));
         }
@@ -297,7 +338,8 @@ impl Case {
             ));
         }
         Ok(Exercised {
-            runs: 2,
+            runs: 2 + swapped,
+            swaps: swapped,
             events: clean.events + failed.events,
             failovers: failed.report.failovers.len() as u64,
             double_failures: double,
@@ -312,7 +354,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -333,7 +375,8 @@ impl Case {
             match self.reorder_us {
                 0 => String::new(),
                 us => format!(", messages to shards up to {us} µs late (reordered)"),
-            }
+            },
+            self.swap.as_ref().map(|p| format!(", hot swap to {p}")).unwrap_or_default()
         )
     }
 }
@@ -352,6 +395,12 @@ fn when(at: FailAt) -> String {
         FailAt::Event(e) => format!("event {e}"),
         FailAt::Time(t) => format!("{t} ns"),
     }
+}
+
+/// When the last worker but `dead` was done (or the run ended, for one that never was), in
+/// nanoseconds of virtual time.
+fn finished_at(run: &Simulated, dead: Option<u32>) -> u64 {
+    run.report.workers.iter().filter(|w| Some(w.worker) != dead).map(|w| w.elapsed_ns).max().unwrap_or(0)
 }
 
 fn bits(s: &Simulated) -> Vec<u32> {

@@ -56,7 +56,7 @@ use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::lease::ServerLease;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
-use crate::runtime::{PolicyError, PolicyRuntime};
+use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
 use crate::shard::{
     NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
     ShardNode, Stamped, Token,
@@ -101,6 +101,10 @@ pub struct SimFaults {
     /// reaches them any more, and each server makes a dead worker leave its shards a peer
     /// timeout (10 s) after its death, as a cluster's servers do when its connection times out.
     pub worker_deaths: Vec<(WorkerId, FailAt)>,
+    /// Hot swaps: at each time, every live primary switches to the policy (its backup follows
+    /// by the op stream), as a cluster's commit does; a shard whose primary is dead then keeps
+    /// its old policy, as on a cluster, where the swap's commit fails for that server.
+    pub swaps: Vec<(FailAt, crate::builtin::PolicySpec)>,
     /// Each message from a worker to a shard (pull, push, report, hand-over, goodbye) takes up
     /// to this much longer than the link says, in nanoseconds, drawn per message: a cluster
     /// sends each request on a stream of its own, and streams overtake each other.
@@ -331,6 +335,8 @@ struct Sim {
     term: Vec<u32>,
     /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
     known: Vec<Vec<u32>>,
+    /// The policy modules the run may use (the first and those swapped to).
+    modules: Vec<PolicyModule>,
     /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
     rng: rand_chacha::ChaCha8Rng,
     /// When the coordinator's next lease check is scheduled.
@@ -379,6 +385,16 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let n = sc.workers;
     let shards_n = opts.run.shards();
     let module = policy.load(rt).map_err(|e| SimError::Policy(policy.to_string(), e))?;
+    let mut swaps = Vec::new();
+    for (at, spec) in &opts.faults.swaps {
+        swaps.push((
+            *at,
+            spec.load(rt).map_err(|e| SimError::Policy(spec.to_string(), e))?,
+            spec.config.clone(),
+        ));
+    }
+    let modules: Vec<PolicyModule> =
+        std::iter::once(module.clone()).chain(swaps.iter().map(|s| s.1.clone())).collect();
     let data = opts.data.clone().unwrap_or_else(|| syncopate_workloads::fashion::DEFAULT_DIR.into());
     let wopts = sc.workload_options(&data);
     let (workloads, evaluator) = if opts.gradients {
@@ -572,6 +588,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         term: vec![0; shards_n as usize],
         known: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
+        modules,
         leases: vec![ServerLease::new(0); sc.servers as usize],
         cut_to: vec![false; sc.servers as usize],
         cut_from: vec![false; sc.servers as usize],
@@ -610,6 +627,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut failures = failures;
     let mut partitions = opts.faults.partitions.clone();
     let mut worker_deaths = opts.faults.worker_deaths.clone();
+    let mut swaps = swaps;
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
@@ -621,6 +639,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         while let Some(k) = worker_deaths.iter().position(|d| d.1.due(handled, t)) {
             sim.kill_worker(worker_deaths.remove(k).0);
+        }
+        while let Some(k) = swaps.iter().position(|d| d.0.due(handled, t)) {
+            let (_, module, config) = swaps.remove(k);
+            sim.swap(module, config)?;
         }
         handled += 1;
         if !ev.is_clockwork() {
@@ -880,6 +902,35 @@ impl Sim {
         self.dead[self.server_of[s as usize] as usize]
     }
 
+    /// A hot swap, two-phase as the coordinator's: every server it has not failed over must
+    /// prepare the module, or none switches (a dead server, or one cut off from the
+    /// coordinator, does not answer); then every primary switches to `module` (with `config`,
+    /// and the run's per-shard overrides), and the op stream carries the switch to its backup.
+    /// A shard that refuses the module (its state) says why in the log, as on a cluster.
+    fn swap(&mut self, module: PolicyModule, config: Vec<(String, String)>) -> Result<(), SimError> {
+        let silent = (0..self.dead.len())
+            .find(|&x| self.coord.is_live(x as u32) && (self.dead[x] || self.cut_to[x] || self.cut_from[x]));
+        if let Some(x) = silent {
+            tracing::debug!(
+                policy = module.label(),
+                server = x,
+                t_ns = self.now,
+                "hot swap refused: a server did not prepare"
+            );
+            return Ok(());
+        }
+        tracing::debug!(policy = module.label(), t_ns = self.now, "hot swap");
+        for s in 0..self.nodes.len() as u32 {
+            let overrides = &self.opts.run.overrides;
+            let config = crate::builtin::shard_config(&config, overrides, s);
+            self.next_token += 1;
+            self.requests.insert(self.next_token, Req::Ignore { s });
+            self.nodes[s as usize].swap(self.now, self.next_token, module.clone(), config, &mut Quiet);
+            self.drain(s)?;
+        }
+        Ok(())
+    }
+
     /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
     /// it; a peer timeout later, the servers make it leave their shards.
     fn kill_worker(&mut self, w: u32) {
@@ -1125,7 +1176,9 @@ impl Sim {
                 else {
                     return Ok(());
                 };
-                backup.replicated(stamped, grad, |_| None, &mut Quiet);
+                let modules = &self.modules;
+                let find = |sha: &[u8; 32]| modules.iter().find(|m| m.sha256() == *sha).cloned();
+                backup.replicated(stamped, grad, find, &mut Quiet);
                 // Every time the backup has applied every op its primary has, the two must be
                 // equal (the end of the run compares their whole snapshots).
                 let primary = &self.nodes[su];
