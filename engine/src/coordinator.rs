@@ -22,6 +22,9 @@
 //!   a second lapse waits for the first to finish.
 //! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
 //!   that no connected worker holds, or is given the lowest never given out.
+//! - **hot swaps**, two-phase: every live server prepares the module off the hot path; only if
+//!   all can does every one commit (each switching its primaries as the commit arrives; the
+//!   backups follow by their op streams), else all abort and none switches. One at a time.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -66,6 +69,50 @@ pub enum Command {
     DropBackup {
         /// The shard.
         shard: u32,
+    },
+    /// Load the policy module of hot swap `swap` off the hot path, and answer whether it can
+    /// run it (the driver attaches the module).
+    Prepare {
+        /// The swap's number.
+        swap: u64,
+    },
+    /// Switch every primary it holds to the module of swap `swap`, prepared before.
+    Commit {
+        /// The swap's number.
+        swap: u64,
+    },
+    /// Forget the module of swap `swap`: another server could not prepare it.
+    Abort {
+        /// The swap's number.
+        swap: u64,
+    },
+}
+
+/// How a hot swap ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SwapOutcome {
+    /// Every server switched.
+    Committed,
+    /// These servers could not prepare the module, with why: no server switched.
+    Refused(Vec<(u32, String)>),
+    /// Every server prepared it, but these could not switch all their shards, with why (a
+    /// shard's state refused it, or the server died meanwhile): the others switched.
+    Partial(Vec<(u32, String)>),
+}
+
+/// A hot swap that cannot begin.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SwapError {
+    /// Another swap is under way.
+    #[error("swap {0} is under way")]
+    Busy(u64),
+    /// Not every server has registered yet.
+    #[error("only {registered} of {servers} servers are registered")]
+    Registering {
+        /// Servers registered.
+        registered: u32,
+        /// Servers the cluster has.
+        servers: u32,
     },
 }
 
@@ -122,6 +169,13 @@ pub enum CoordOutput {
         /// The server.
         server: u32,
     },
+    /// Hot swap `swap` ended.
+    SwapDone {
+        /// The swap's number.
+        swap: u64,
+        /// How.
+        outcome: SwapOutcome,
+    },
 }
 
 /// A request the coordinator refuses; its message is what the peer is told.
@@ -175,6 +229,22 @@ enum Purpose {
     Failover(Failover),
     /// A new backup after a failover.
     NewBackup { shard: u32, backup: u32 },
+    /// A swap's preparation or commit on a server.
+    Swap { server: u32 },
+    /// A swap's abort (nothing waits for it).
+    Abort,
+}
+
+/// The hot swap under way.
+#[derive(Debug)]
+struct SwapRound {
+    swap: u64,
+    /// The servers it involves: those live when it began.
+    servers: Vec<u32>,
+    /// Preparing, or (once every server prepared) committing.
+    committing: bool,
+    /// Servers whose preparation or commit failed, with why.
+    failed: Vec<(u32, String)>,
 }
 
 /// The coordinator's decisions (the module's doc).
@@ -197,6 +267,10 @@ pub struct CoordinatorMachine {
     re_replicated: bool,
     /// Lapsed servers waiting for the failover under way.
     queued: VecDeque<u32>,
+    /// Hot swaps committed (the number of the last).
+    swaps: u64,
+    /// The hot swap under way, if one is.
+    swap: Option<SwapRound>,
     outputs: VecDeque<CoordOutput>,
 }
 
@@ -216,6 +290,8 @@ impl CoordinatorMachine {
             failing: None,
             re_replicated: false,
             queued: VecDeque::new(),
+            swaps: 0,
+            swap: None,
             outputs: VecDeque::new(),
         }
     }
@@ -337,9 +413,78 @@ impl CoordinatorMachine {
                 Failover::DropBackup { .. } => placement::apply(&mut self.places, m),
                 Failover::Lost { .. } => {}
             },
+            Purpose::Swap { server } => {
+                if let (Err(e), Some(round)) = (result, self.swap.as_mut()) {
+                    round.failed.push((server, e));
+                }
+                self.step_swap();
+            }
+            Purpose::Abort => {}
         }
         self.check_replicated();
         self.step_failover();
+    }
+
+    /// Begins hot swap number [`swaps`](Self::swaps) + 1: every live server is told to prepare
+    /// its module. If all can, all are told to commit; if any cannot, all are told to abort and
+    /// none switches. [`CoordOutput::SwapDone`] says how it ended.
+    pub fn begin_swap(&mut self) -> Result<u64, SwapError> {
+        if let Some(round) = &self.swap {
+            return Err(SwapError::Busy(round.swap));
+        }
+        let registered = self.registered();
+        if registered < self.cfg.servers {
+            return Err(SwapError::Registering { registered, servers: self.cfg.servers });
+        }
+        let swap = self.swaps + 1;
+        let servers: Vec<u32> = (0..registered).filter(|&x| self.leases.is_live(x)).collect();
+        for &server in &servers {
+            self.send(server, Command::Prepare { swap }, Purpose::Swap { server });
+        }
+        self.swap = Some(SwapRound { swap, servers, committing: false, failed: Vec::new() });
+        self.step_swap();
+        Ok(swap)
+    }
+
+    /// Moves the swap under way on once its servers have answered.
+    fn step_swap(&mut self) {
+        if self.pending.values().any(|p| matches!(p, Purpose::Swap { .. })) {
+            return;
+        }
+        let Some(round) = self.swap.take() else { return };
+        let swap = round.swap;
+        if !round.committing && round.failed.is_empty() {
+            for &server in &round.servers {
+                self.send(server, Command::Commit { swap }, Purpose::Swap { server });
+            }
+            self.swap = Some(SwapRound { committing: true, ..round });
+            return self.step_swap();
+        }
+        let outcome = match (round.committing, round.failed.is_empty()) {
+            (true, true) => SwapOutcome::Committed,
+            (true, false) => SwapOutcome::Partial(round.failed),
+            (false, _) => {
+                for &server in &round.servers {
+                    self.send(server, Command::Abort { swap }, Purpose::Abort);
+                }
+                SwapOutcome::Refused(round.failed)
+            }
+        };
+        if round.committing {
+            self.swaps = swap;
+        }
+        self.outputs.push_back(CoordOutput::SwapDone { swap, outcome });
+    }
+
+    /// Hot swaps committed so far (each the number of the last).
+    pub fn swaps(&self) -> u64 {
+        self.swaps
+    }
+
+    /// Sets the swaps committed (a cluster resumed from a checkpoint, or rebuilt from servers
+    /// that ran on).
+    pub fn set_swaps(&mut self, swaps: u64) {
+        self.swaps = swaps;
     }
 
     /// Starts the next queued failover, if none is under way.
@@ -366,6 +511,7 @@ impl CoordinatorMachine {
     }
 
     fn command_of(m: Failover) -> Command {
+        // (`Failover::Lost` sends nothing: `next_failover` reports it.)
         match m {
             Failover::Promote { shard, .. } => Command::Promote { shard },
             Failover::DropBackup { shard, .. } | Failover::Lost { shard } => Command::DropBackup { shard },

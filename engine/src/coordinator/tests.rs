@@ -171,3 +171,64 @@ fn worker_ids_are_bounded_and_refusals_change_nothing() {
         "worker id 9 is out of range: this cluster admits ids 0 to 3 (its --max-workers is 4)"
     );
 }
+
+#[test]
+fn a_swap_commits_only_once_every_live_server_has_prepared_it() {
+    let mut m = started(3, 3);
+    assert_eq!(m.begin_swap(), Ok(1));
+    assert_eq!(m.begin_swap(), Err(SwapError::Busy(1)));
+    // Server 1 cannot load the module: everyone aborts, nobody switches.
+    let out = settle(&mut m, |server, _| server != 1);
+    let prepares = out
+        .iter()
+        .filter(|o| matches!(o, CoordOutput::Command { command: Command::Prepare { swap: 1 }, .. }));
+    assert_eq!(prepares.count(), 3);
+    assert!(!out.iter().any(|o| matches!(o, CoordOutput::Command { command: Command::Commit { .. }, .. })));
+    let aborts =
+        out.iter().filter(|o| matches!(o, CoordOutput::Command { command: Command::Abort { swap: 1 }, .. }));
+    assert_eq!(aborts.count(), 3);
+    assert!(out.contains(&CoordOutput::SwapDone {
+        swap: 1,
+        outcome: SwapOutcome::Refused(vec![(1, "refused".into())])
+    }));
+    assert_eq!(m.swaps(), 0);
+    // The next try commits everywhere.
+    assert_eq!(m.begin_swap(), Ok(1));
+    let out = settle(&mut m, |_, _| true);
+    let commits =
+        out.iter().filter(|o| matches!(o, CoordOutput::Command { command: Command::Commit { swap: 1 }, .. }));
+    assert_eq!(commits.count(), 3);
+    assert_eq!(out.last(), Some(&CoordOutput::SwapDone { swap: 1, outcome: SwapOutcome::Committed }));
+    assert_eq!(m.swaps(), 1);
+    // A commit that fails on one server: the others switched.
+    assert_eq!(m.begin_swap(), Ok(2));
+    let out = settle(&mut m, |server, c| !(server == 2 && matches!(c, Command::Commit { .. })));
+    assert_eq!(
+        out.last(),
+        Some(&CoordOutput::SwapDone { swap: 2, outcome: SwapOutcome::Partial(vec![(2, "refused".into())]) })
+    );
+    assert_eq!(m.swaps(), 2);
+}
+
+#[test]
+fn a_swap_involves_the_servers_not_failed_over_and_waits_for_all_to_register() {
+    let mut m = machine(2, 2, 1);
+    m.register_server(0).unwrap();
+    assert_eq!(m.begin_swap(), Err(SwapError::Registering { registered: 1, servers: 2 }));
+    let mut m = started(3, 3);
+    let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
+    m.renew(t, 0).unwrap();
+    m.renew(t, 1).unwrap();
+    m.handle_timeout(t);
+    settle(&mut m, |_, _| true);
+    assert_eq!(m.begin_swap(), Ok(1));
+    let out = settle(&mut m, |_, _| true);
+    let servers: Vec<u32> = out
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { server, command: Command::Prepare { .. }, .. } => Some(*server),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(servers, vec![0, 1], "server 2 was failed over");
+}

@@ -36,7 +36,9 @@ use crate::placement::Place;
 use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
-use syncopate_engine::coordinator::{Command, CoordOutput, CoordinatorConfig, CoordinatorMachine};
+use syncopate_engine::coordinator::{
+    Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
+};
 
 mod rebuild;
 
@@ -132,7 +134,10 @@ struct State {
     policy: PolicySource,
     /// The policy before the last swap, for a rollback.
     previous: Option<PolicySource>,
-    swaps: u64,
+    /// The hot swap under way: its module, which its `Prepare` commands carry.
+    preparing: Option<Preparing>,
+    /// Who waits for the hot swap under way to end.
+    swap_waiter: Option<(u64, tokio::sync::oneshot::Sender<SwapOutcome>)>,
     /// The latest score a worker reported.
     score: Option<ReportedScore>,
     /// The next checkpoint round's number.
@@ -144,6 +149,14 @@ struct State {
     /// The key workers' tickets are issued under: drawn at start, or taken back from the
     /// servers after a restart.
     admission_key: AdmissionKey,
+}
+
+/// A hot swap's module, while the swap is under way.
+#[derive(Clone)]
+struct Preparing {
+    swap: u64,
+    blob: PolicyBlob,
+    wasm: Vec<u8>,
 }
 
 struct Coordinator {
@@ -215,11 +228,13 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                     max_workers: opts.max_workers,
                 });
                 m.set_model_len(resumed.as_ref().map(|r| r.manifest.model_len));
+                m.set_swaps(resumed.as_ref().map_or(0, |r| r.manifest.swaps));
                 m
             },
             policy: opts.policy.clone(),
             previous: None,
-            swaps: resumed.as_ref().map_or(0, |r| r.manifest.swaps),
+            preparing: None,
+            swap_waiter: None,
             score: None,
             next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
             restore: resumed.map(|r| r.dir),
@@ -384,7 +399,7 @@ impl Coordinator {
                 policy_sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
                 config: blob.config,
                 overrides: blob.overrides,
-                swaps: st.swaps,
+                swaps: st.machine.swaps(),
                 shards: self.opts.shards,
                 model_len,
             };
@@ -446,7 +461,7 @@ impl Coordinator {
             server: id,
             settings: self.settings(st),
             policy: st.policy.blob(),
-            swaps: st.swaps,
+            swaps: st.machine.swaps(),
         };
         (welcome, st.policy.wasm.clone())
     }
@@ -460,61 +475,111 @@ impl Coordinator {
     /// servers one at a time (their results go back to it), notices to the workers.
     async fn drive(&self) {
         loop {
-            let Some(out) = self.lock().machine.poll_output() else { return };
-            match out {
-                CoordOutput::Command { id, server, command } => {
-                    let servers = self.lock().servers.clone();
-                    let cmd = match command {
-                        Command::Promote { shard } => ServerCommand::Promote { shard },
-                        Command::DropBackup { shard } => ServerCommand::DropBackup { shard },
-                        Command::AttachBackup { shard, backup } => match servers.get(backup as usize) {
-                            Some((addr, _)) => ServerCommand::AttachBackup { shard, addr: *addr },
-                            None => ServerCommand::DropBackup { shard },
-                        },
-                    };
-                    let result = command_server(&servers, server, &cmd).await;
-                    match (&result, command) {
-                        (Ok(()), Command::Promote { shard }) => {
-                            tracing::warn!(shard, to = server, "failover: backup promoted to primary")
-                        }
-                        (Err(e), Command::Promote { shard }) => {
-                            tracing::error!(shard, "the backup on server {server} could not take over: {e}")
-                        }
-                        (Ok(()), Command::DropBackup { shard }) => {
-                            tracing::warn!(shard, "its backup was on the lost server; it runs without one")
-                        }
-                        (Ok(()), Command::AttachBackup { .. }) => {}
-                        (Err(e), Command::AttachBackup { shard, backup }) => {
-                            tracing::error!(shard, "no backup on server {backup}: {e}")
-                        }
-                        (Err(_), Command::DropBackup { .. }) => {}
-                    }
-                    self.lock().machine.command_done(id, result);
+            let outputs: Vec<CoordOutput> = {
+                let mut st = self.lock();
+                std::iter::from_fn(|| st.machine.poll_output()).collect()
+            };
+            if outputs.is_empty() {
+                return;
+            }
+            // The commands decided together go out together; their results go back in order.
+            let mut commands = Vec::new();
+            for out in outputs {
+                match out {
+                    CoordOutput::Command { id, server, command } => commands.push((id, server, command)),
+                    other => self.happened(other).await,
                 }
-                CoordOutput::Moved { shard, server } => {
-                    self.notify_workers(WorkerNotice::Moved { shard, server }).await
+            }
+            let results =
+                futures::future::join_all(commands.iter().map(|&(_, server, c)| self.carry_out(server, c)))
+                    .await;
+            let mut st = self.lock();
+            for ((id, ..), result) in commands.into_iter().zip(results) {
+                st.machine.command_done(id, result);
+            }
+        }
+    }
+
+    /// Sends server `server` a command of the machine's, and logs what came of it.
+    async fn carry_out(&self, server: u32, what: Command) -> Result<(), String> {
+        let (servers, preparing) = {
+            let st = self.lock();
+            (st.servers.clone(), st.preparing.clone())
+        };
+        let (cmd, payload) = match what {
+            Command::Promote { shard } => (ServerCommand::Promote { shard }, Vec::new()),
+            Command::DropBackup { shard } => (ServerCommand::DropBackup { shard }, Vec::new()),
+            Command::AttachBackup { shard, backup } => match servers.get(backup as usize) {
+                Some((addr, _)) => (ServerCommand::AttachBackup { shard, addr: *addr }, Vec::new()),
+                None => return Err(format!("server {backup} is not registered")),
+            },
+            Command::Prepare { swap } => match preparing {
+                Some(p) if p.swap == swap => (ServerCommand::Prepare { swap, policy: p.blob }, p.wasm),
+                _ => return Err(format!("swap {swap}'s module is not here")),
+            },
+            Command::Commit { swap } => (ServerCommand::Commit { swap }, Vec::new()),
+            Command::Abort { swap } => (ServerCommand::Abort { swap }, Vec::new()),
+        };
+        let result = match servers.get(server as usize) {
+            Some((_, Some(c))) => command(c, &cmd, &payload).await,
+            _ => Err(format!("server {server} is not connected")),
+        };
+        match (&result, what) {
+            (Ok(()), Command::Promote { shard }) => {
+                tracing::warn!(shard, to = server, "failover: backup promoted to primary")
+            }
+            (Err(e), Command::Promote { shard }) => {
+                tracing::error!(shard, "the backup on server {server} could not take over: {e}")
+            }
+            (Ok(()), Command::DropBackup { shard }) => {
+                tracing::warn!(shard, "its backup was on the lost server; it runs without one")
+            }
+            (Err(e), Command::AttachBackup { shard, backup }) => {
+                tracing::error!(shard, "no backup on server {backup}: {e}")
+            }
+            (Err(e), Command::Prepare { swap } | Command::Commit { swap }) => {
+                tracing::warn!(swap, server, "swap not carried out: {e}")
+            }
+            _ => {}
+        }
+        result
+    }
+
+    /// What the machine says happened: logged, and passed on to whom it concerns.
+    async fn happened(&self, out: CoordOutput) {
+        match out {
+            CoordOutput::Command { .. } => unreachable!("commands are carried out by `drive`"),
+            CoordOutput::Moved { shard, server } => {
+                self.notify_workers(WorkerNotice::Moved { shard, server }).await
+            }
+            CoordOutput::Replicated => {
+                tracing::info!(shards = self.opts.shards, "backups attached");
+                self.replicated.send_replace(true);
+            }
+            CoordOutput::ServerLost { server } => {
+                let addr = self.lock().servers.get(server as usize).map(|s| s.0);
+                tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
+            }
+            CoordOutput::ShardLost { shard, server } => {
+                tracing::error!(shard, server, "shard lost with its server: no backup could take over")
+            }
+            CoordOutput::NewBackup { shard, primary, backup } => {
+                tracing::warn!(shard, primary, backup, "re-replicated: a new backup")
+            }
+            CoordOutput::NoBackupPlace { shard } => {
+                tracing::warn!(shard, "no live server to keep a new backup on; the shard runs without one")
+            }
+            CoordOutput::FailoverDone { server } => tracing::warn!(server, "failover done"),
+            CoordOutput::SwapDone { swap, outcome } => {
+                let mut st = self.lock();
+                let preparing = st.preparing.take_if(|p| p.swap == swap);
+                if let (Some(p), SwapOutcome::Committed | SwapOutcome::Partial(_)) = (preparing, &outcome) {
+                    let new = PolicySource::from_blob(&p.blob, p.wasm);
+                    st.previous = Some(std::mem::replace(&mut st.policy, new));
                 }
-                CoordOutput::Replicated => {
-                    tracing::info!(shards = self.opts.shards, "backups attached");
-                    self.replicated.send_replace(true);
+                if let Some((_, waiter)) = st.swap_waiter.take_if(|w| w.0 == swap) {
+                    let _ = waiter.send(outcome);
                 }
-                CoordOutput::ServerLost { server } => {
-                    let addr = self.lock().servers.get(server as usize).map(|s| s.0);
-                    tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
-                }
-                CoordOutput::ShardLost { shard, server } => {
-                    tracing::error!(shard, server, "shard lost with its server: no backup could take over")
-                }
-                CoordOutput::NewBackup { shard, primary, backup } => {
-                    tracing::warn!(shard, primary, backup, "re-replicated: a new backup")
-                }
-                CoordOutput::NoBackupPlace { shard } => {
-                    tracing::warn!(
-                        shard,
-                        "no live server to keep a new backup on; the shard runs without one"
-                    )
-                }
-                CoordOutput::FailoverDone { server } => tracing::warn!(server, "failover done"),
             }
         }
     }
@@ -875,40 +940,44 @@ impl Coordinator {
         crate::node::compile(&self.runtime, blob.label.clone(), wasm.clone())
             .await
             .map_err(|e| e.to_string())?;
-        let (servers, swap, registered) = {
-            let st = self.lock();
-            (st.live_servers(), st.swaps + 1, st.servers.len() as u32)
+        let (swap, done) = {
+            let mut st = self.lock();
+            let swap = st.machine.begin_swap().map_err(|e| e.to_string())?;
+            st.preparing = Some(Preparing { swap, blob: blob.clone(), wasm });
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            st.swap_waiter = Some((swap, tx));
+            (swap, rx)
         };
-        if registered < self.opts.servers {
-            return Err(format!("only {registered} of {} servers are registered", self.opts.servers));
-        }
-        let prepare = ServerCommand::Prepare { swap, policy: blob.clone() };
-        let prepared =
-            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &prepare, &wasm))).await;
-        let failed = failures(&servers, &prepared);
-        if !failed.is_empty() {
-            let abort = ServerCommand::Abort { swap };
-            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &abort, &[]))).await;
-            tracing::warn!(swap, "swap to {} refused: {}", blob.label, failed.join("; "));
-            return Err(format!("no server switched: {}", failed.join("; ")));
-        }
-        let commit = ServerCommand::Commit { swap };
-        let committed =
-            futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &commit, &[]))).await;
-        let mut st = self.lock();
-        st.swaps = swap;
-        let new = PolicySource::from_blob(&blob, wasm);
-        st.previous = Some(std::mem::replace(&mut st.policy, new));
-        let failed = failures(&servers, &committed);
-        if !failed.is_empty() {
-            // Preparation succeeded everywhere, so only a shard's own refusal (its state) gets here.
-            return Err(format!(
+        self.drive().await;
+        let outcome = done.await.map_err(|_| format!("swap {swap} was abandoned"))?;
+        let named = |failed: Vec<(u32, String)>| {
+            let servers = self.lock().servers.clone();
+            failed
+                .into_iter()
+                .map(|(id, e)| match servers.get(id as usize) {
+                    Some((addr, _)) => format!("server {id} ({addr}): {e}"),
+                    None => format!("server {id}: {e}"),
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        match outcome {
+            SwapOutcome::Committed => {
+                tracing::info!(swap, policy = %blob.label, "swap done on every server");
+                Ok((swap, self.opts.shards))
+            }
+            SwapOutcome::Refused(failed) => {
+                let failed = named(failed);
+                tracing::warn!(swap, "swap to {} refused: {failed}", blob.label);
+                Err(format!("no server switched: {failed}"))
+            }
+            // Preparation succeeded everywhere, so only a shard's own refusal (its state), or a
+            // server's death meanwhile, gets here.
+            SwapOutcome::Partial(failed) => Err(format!(
                 "swap {swap} committed, but some shards kept their old policy: {}",
-                failed.join("; ")
-            ));
+                named(failed)
+            )),
         }
-        tracing::info!(swap, policy = %blob.label, "swap done on every server");
-        Ok((swap, self.opts.shards))
     }
 
     async fn status(&self) -> Result<ClusterStatus, String> {
@@ -919,7 +988,7 @@ impl Coordinator {
                 policy: blob.label,
                 sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
                 config: blob.config,
-                swaps: st.swaps,
+                swaps: st.machine.swaps(),
                 servers: Vec::new(),
                 workers: st
                     .machine

@@ -303,7 +303,7 @@ impl Coordinator {
                 .collect();
             st.machine.rebuilt(places, &live, first, resolution.model_len(&holdings));
             if let Some((swaps, blob, wasm)) = &newest {
-                st.swaps = *swaps;
+                st.machine.set_swaps(*swaps);
                 st.policy = PolicySource::from_blob(blob, wasm.clone());
                 st.previous = None;
             }

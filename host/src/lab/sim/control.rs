@@ -25,6 +25,7 @@ use syncopate_policy_sdk::abi::LeaveReason;
 use super::events::Ev;
 use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::HEARTBEAT_MS;
+use crate::runtime::PolicyModule;
 use crate::shard::{Quiet, ShardNode, ShardSnapshot};
 
 const MS: u64 = 1_000_000;
@@ -180,6 +181,50 @@ impl Sim {
         }
     }
 
+    /// A hot swap, begun by the coordinator's machine, two-phase: every server it has not
+    /// failed over is asked to prepare the module (a dead one cannot), and only if all can,
+    /// each switches its primaries when its commit arrives ([`Sim::commit`]). While another
+    /// swap is under way, this one is not begun (the log says so).
+    pub(super) fn swap(
+        &mut self,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+    ) -> Result<(), SimError> {
+        match self.coord.begin_swap() {
+            Ok(swap) => {
+                tracing::debug!(swap, policy = module.label(), t_ns = self.now, "hot swap begins");
+                self.swapping = Some((swap, module, config));
+                self.drive_coordinator()
+            }
+            Err(e) => {
+                tracing::debug!(policy = module.label(), t_ns = self.now, "hot swap not begun: {e}");
+                Ok(())
+            }
+        }
+    }
+
+    /// Server `x` commits a hot swap: each primary it holds switches to `module` (with
+    /// `config`, and the run's per-shard overrides), and the op stream carries the switch to
+    /// its backup. A shard that refuses the module (its state) says why in the log.
+    fn commit(
+        &mut self,
+        x: u32,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+    ) -> Result<(), SimError> {
+        for s in 0..self.nodes.len() as u32 {
+            if self.server_of[s as usize] != x {
+                continue;
+            }
+            let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
+            self.next_token += 1;
+            self.requests.insert(self.next_token, Req::Ignore { s });
+            self.nodes[s as usize].swap(self.now, self.next_token, module.clone(), config, &mut Quiet);
+            self.drain(s)?;
+        }
+        Ok(())
+    }
+
     /// Carries out what the coordinator machine decided.
     fn drive_coordinator(&mut self) -> Result<(), SimError> {
         while let Some(out) = self.coord.poll_output() {
@@ -206,6 +251,10 @@ impl Sim {
                 }
                 CoordOutput::NoBackupPlace { shard } => tracing::debug!(shard, "no server for a new backup"),
                 CoordOutput::FailoverDone { server } => tracing::debug!(server, "failed over"),
+                CoordOutput::SwapDone { swap, outcome } => {
+                    tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
+                    self.swapping = None;
+                }
                 CoordOutput::Replicated => {}
             }
         }
@@ -229,6 +278,17 @@ impl Sim {
                 Ok(true)
             }
             Command::AttachBackup { shard, backup } => self.attach(shard, x, backup),
+            // Every module the run may swap to was compiled before it began.
+            Command::Prepare { swap } | Command::Abort { swap } => {
+                Ok(self.swapping.as_ref().is_some_and(|p| p.0 == swap))
+            }
+            Command::Commit { swap } => match self.swapping.clone() {
+                Some((n, module, config)) if n == swap => {
+                    self.commit(x, module, config)?;
+                    Ok(true)
+                }
+                _ => Ok(false),
+            },
         }
     }
 

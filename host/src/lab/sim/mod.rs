@@ -101,9 +101,10 @@ pub struct SimFaults {
     /// reaches them any more, and each server makes a dead worker leave its shards a peer
     /// timeout (10 s) after its death, as a cluster's servers do when its connection times out.
     pub worker_deaths: Vec<(WorkerId, FailAt)>,
-    /// Hot swaps: at each time, every live primary switches to the policy (its backup follows
-    /// by the op stream), as a cluster's commit does; a shard whose primary is dead then keeps
-    /// its old policy, as on a cluster, where the swap's commit fails for that server.
+    /// Hot swaps, begun at each time by the coordinator's machine as an operator's `policy
+    /// swap` is: two-phase, so a swap that a server not yet failed over cannot prepare (dead)
+    /// switches nobody; once all have prepared, each switches its primaries as its commit
+    /// arrives, and the backups follow by their op streams.
     pub swaps: Vec<(FailAt, crate::builtin::PolicySpec)>,
     /// Each message from a worker to a shard (pull, push, report, hand-over, goodbye) takes up
     /// to this much longer than the link says, in nanoseconds, drawn per message: a cluster
@@ -275,6 +276,9 @@ struct SimWorker {
     dead: bool,
 }
 
+/// A hot swap under way: its number, module and configuration.
+type Swapping = (u64, PolicyModule, Vec<(String, String)>);
+
 /// One link direction: busy until `free_ns`.
 #[derive(Clone, Copy, Default)]
 struct Link {
@@ -335,6 +339,8 @@ struct Sim {
     term: Vec<u32>,
     /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
     known: Vec<Vec<u32>>,
+    /// The hot swap under way: its number, module and configuration.
+    swapping: Option<Swapping>,
     /// The policy modules the run may use (the first and those swapped to).
     modules: Vec<PolicyModule>,
     /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
@@ -588,6 +594,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         term: vec![0; shards_n as usize],
         known: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
+        swapping: None,
         modules,
         leases: vec![ServerLease::new(0); sc.servers as usize],
         cut_to: vec![false; sc.servers as usize],
@@ -900,35 +907,6 @@ impl Sim {
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
         self.dead[self.server_of[s as usize] as usize]
-    }
-
-    /// A hot swap, two-phase as the coordinator's: every server it has not failed over must
-    /// prepare the module, or none switches (a dead server, or one cut off from the
-    /// coordinator, does not answer); then every primary switches to `module` (with `config`,
-    /// and the run's per-shard overrides), and the op stream carries the switch to its backup.
-    /// A shard that refuses the module (its state) says why in the log, as on a cluster.
-    fn swap(&mut self, module: PolicyModule, config: Vec<(String, String)>) -> Result<(), SimError> {
-        let silent = (0..self.dead.len())
-            .find(|&x| self.coord.is_live(x as u32) && (self.dead[x] || self.cut_to[x] || self.cut_from[x]));
-        if let Some(x) = silent {
-            tracing::debug!(
-                policy = module.label(),
-                server = x,
-                t_ns = self.now,
-                "hot swap refused: a server did not prepare"
-            );
-            return Ok(());
-        }
-        tracing::debug!(policy = module.label(), t_ns = self.now, "hot swap");
-        for s in 0..self.nodes.len() as u32 {
-            let overrides = &self.opts.run.overrides;
-            let config = crate::builtin::shard_config(&config, overrides, s);
-            self.next_token += 1;
-            self.requests.insert(self.next_token, Req::Ignore { s });
-            self.nodes[s as usize].swap(self.now, self.next_token, module.clone(), config, &mut Quiet);
-            self.drain(s)?;
-        }
-        Ok(())
     }
 
     /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
