@@ -72,6 +72,7 @@ fn sim_group(
             gradients: false,
             data: None,
             failures: Vec::new(),
+            faults: Default::default(),
         };
         g.bench_with_input(BenchmarkId::from_parameter(policy), &opts, |b, o| {
             b.iter(|| simulate(o, &rt).expect("simulates"));

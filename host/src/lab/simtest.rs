@@ -1,33 +1,37 @@
-//! `syncopate simtest`: a seeded search for lost or doubled updates, in the deterministic
-//! simulator ([`crate::lab::sim`]), which runs the engine's shards (with their real wasm
-//! policies, the replication gate and `Shard::apply_op` on the backups) and the workers' own
-//! state machine in virtual time.
+//! `syncopate simtest`: a seeded search for lost or doubled updates, two primaries, diverging
+//! backups and stalls, in the deterministic simulator ([`crate::lab::sim`]), which runs the
+//! servers' protocol machine (`ShardNode`, with real wasm policies) for every primary and
+//! backup, the workers' own state machine, and the coordinator's machine with the lease rule,
+//! in virtual time.
 //!
 //! Each seed draws a replicated cluster (2 to 5 workers, 2 or 3 servers, a shard or more per
-//! server, 3 to 10 iterations, stragglers and jitter, link latency) and a policy, and runs it
-//! twice on the counter workload (worker `w` pushes `w + 1`; lr 1, no momentum, summed pushes):
-//! once undisturbed, and once with one server killed before an event drawn from the first run's
-//! events and, with three servers, half the time a second one killed at a later event. The
-//! simulator carries out the coordinator's own decisions ([`crate::placement`]): backups
-//! promoted, new backups made from the primaries' snapshots. Then it checks:
-//! - every worker ran every iteration, in both runs;
-//! - where the policy admits every push at weight 1 (all but R²SP, which weighs pushes by their
-//!   samples), the undisturbed model is exactly minus the sum of every push: nothing lost or
-//!   applied twice;
-//! - the model after the failovers is the undisturbed one, bit for bit: every acknowledged push
-//!   survived the primary, and the workers' retries were not applied again;
-//! - in both runs, once the ops on their way have arrived, every live backup equals its
-//!   primary: parameters bit for bit, version and members.
+//! server, 3 to 10 iterations of 1 to 400 ms, stragglers and jitter, link latency), a policy
+//! and faults: a server killed at an event drawn from the undisturbed run's, a second one later
+//! (half the three-server seeds), a server cut off from the coordinator one way or both for a
+//! while, the coordinator's notices of moves reaching the workers late, a worker killed, the
+//! workers' messages to shards delayed so that they overtake each other, and a hot swap (each
+//! in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`;
+//! lr 1, no momentum, summed pushes) undisturbed, and with the faults, and checks:
+//! - every live worker ran every iteration, in both runs;
+//! - where the policy admits every push at weight 1 (all but R²SP), the undisturbed model is
+//!   exactly minus the sum of every push, and the run with faults ends at it bit for bit (with
+//!   a dead worker: at the live workers' pushes plus its acknowledged ones, perhaps plus the one
+//!   it had not heard back about);
+//! - no server accepted a push for a shard another server had been promoted to, at any step;
+//! - every backup equalled its primary whenever it had applied every op its primary had, and at
+//!   the end their whole snapshots are the same bytes;
+//! - liveness: the live workers finish within a bound of the undisturbed run's
+//!   (twice `FAILOVER_MS` per fault, plus the notices' delay, partitions and a dead
+//!   worker's peer timeouts aside).
 //!
-//! A second death that comes before the first failover's new backups hold their shards can
-//! take a shard's last copy (its primary and its backup both dead): a cluster loses that shard
-//! too, so such a run is counted as lost, not failed.
+//! A second fault that comes before the first failover's new backups hold their shards can take
+//! a shard's last copy: a cluster loses that shard too, so such a run is counted as lost, not
+//! failed.
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
-//! failure prints that command. This is the first stage of issue 36's fault search: server
-//! deaths at any event, one or two per run; message loss, duplication and reordering,
-//! partitions, coordinator crashes and hostile modules are not drawn yet (the simulator does
-//! not model them; see `docs/fault-tolerance.md`).
+//! failure prints that command. Not drawn yet: coordinator crashes, hostile modules, bad wire
+//! inputs, partitions between servers or between a worker and a server, late joins (see
+//! `docs/fault-tolerance.md`).
 
 use std::time::Instant;
 

@@ -85,8 +85,8 @@ pub struct SimOptions {
     pub gradients: bool,
     /// The Fashion-MNIST directory (default: where Debian's package puts it).
     pub data: Option<std::path::PathBuf>,
-    /// A server killed during the run (needs the scenario's `replicas = 1`), instead of the
-    /// scenario's `kill_server`: tests kill one at an event index.
+    /// Servers killed during the run (needs the scenario's `replicas = 1`), instead of the
+    /// scenario's `kill_server`: tests kill them at event indices.
     pub failures: Vec<SimFailure>,
     /// Faults besides server deaths (they need `replicas = 1`).
     pub faults: SimFaults,
@@ -144,9 +144,11 @@ pub enum Cut {
     FromCoordinator,
 }
 
-/// A server killed during a simulation. It stops at once; what reaches it is lost, and
-/// [`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) later, as on a cluster, its shards' backups
-/// are promoted and the workers ask them again for every pull and push they had no answer to.
+/// A server killed during a simulation. It stops at once and renews its lease no more; what
+/// reaches it is lost. When its lease lapses in the coordinator's machine
+/// ([`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) after its last renewal), as on a cluster,
+/// its shards' backups are promoted and the workers, once they hear, ask them again for every
+/// pull and push that was lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimFailure {
     /// The server.
