@@ -504,7 +504,9 @@ impl Coordinator {
     async fn carry_out(&self, server: u32, what: Command) -> Result<(), String> {
         let (servers, preparing) = {
             let st = self.lock();
-            (st.servers.clone(), st.preparing.clone())
+            // Only a preparation carries the module.
+            let preparing = matches!(what, Command::Prepare { .. }).then(|| st.preparing.clone()).flatten();
+            (st.servers.clone(), preparing)
         };
         let (cmd, payload) = match what {
             Command::Promote { shard } => (ServerCommand::Promote { shard }, Vec::new()),
