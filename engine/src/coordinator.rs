@@ -296,11 +296,6 @@ impl CoordinatorMachine {
         }
     }
 
-    /// What it is set up as.
-    pub fn config(&self) -> &CoordinatorConfig {
-        &self.cfg
-    }
-
     /// The next thing to do, if any.
     pub fn poll_output(&mut self) -> Option<CoordOutput> {
         self.outputs.pop_front()

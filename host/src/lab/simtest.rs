@@ -277,7 +277,8 @@ impl Case {
             .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
         let double = u64::from(failures.len() > 1);
-        let faults = failures.len() + partitions.len() + worker_deaths.len();
+        let server_faults = failures.len() + partitions.len();
+        let faults = server_faults + worker_deaths.len();
         let partitioned = partitions.len() as u64;
         let partition_ns = partitions.iter().map(|p| p.heal_after_ns).sum::<u64>();
         let failed = match self.run(
@@ -293,8 +294,8 @@ impl Case {
         ) {
             Ok(f) => f,
             // Both copies of a shard dead (or cut off) before a new backup held it: a cluster
-            // loses it too.
-            Err(SimError::ShardLost { .. }) if faults > 1 => {
+            // loses it too. (A worker's death takes no copy.)
+            Err(SimError::ShardLost { .. }) if server_faults > 1 => {
                 let lost = Exercised {
                     runs: 2 + swapped,
                     swaps: swapped,

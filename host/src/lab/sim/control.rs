@@ -12,9 +12,14 @@
 //!   coordinator's to it, or both: lease renewals and their answers are lost (new ones are
 //!   sent), commands and their answers wait for the partition to heal, as a connection's
 //!   retransmissions make them;
-//! - the workers hear where a shard moved after the latency, rejoin its new primary and ask it
-//!   again for every pull and push it had not answered. Until they hear, they address the old
-//!   primary, so what they send meanwhile is lost as if it had gone to the dead server.
+//! - each worker hears where a shard moved after the latency (and, with
+//!   [`SimFaults::notice_delay_ns`](super::SimFaults::notice_delay_ns), a drawn delay of its
+//!   own), rejoins its new primary and asks it again for every pull and push that was lost.
+//!   Until it hears, it addresses the old primary: what it sends meanwhile is lost if that
+//!   server is dead, and refused if it lives without a lease; were it accepted, the shard would
+//!   have two primaries, which the run records;
+//! - a hot swap is the machine's, two-phase: every server not failed over prepares, then each
+//!   switches its primaries when its commit arrives.
 //!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
