@@ -375,7 +375,7 @@ pub struct Simulated {
     /// Events handled: a [`SimFailure`] can name any of them.
     pub events: u64,
     /// Where a backup differed from its primary: at any point where it had applied every op its
-    /// primary had (parameters, version or members), or, at the end, once the ops on their way
+    /// primary had (parameters, version or the clocks' view), or, at the end, once the ops on their way
     /// have reached it (their whole snapshots); `None` when every backup always equalled its
     /// primary.
     pub replicas_differ: Option<String>,
