@@ -13,7 +13,7 @@
 //! - [`placement`]: the shard map, and the coordinator's decisions when a server dies;
 //! - [`lease`]: the lease rule that keeps a shard from having two primaries, both sides;
 //! - [`coordinator`]: the coordinator as a state machine (server ids and leases, failover and
-//!   re-replication, worker admission);
+//!   re-replication, worker admission, two-phase hot swaps);
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
 //!   hand-over, the emulated device);

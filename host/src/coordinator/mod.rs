@@ -335,10 +335,11 @@ type LiveServer = (u32, SocketAddr, quinn::Connection);
 impl State {
     /// The servers not lost (failed over servers take no more commands).
     fn live_servers(&self) -> Vec<LiveServer> {
+        let live = self.machine.live();
         self.servers
             .iter()
             .enumerate()
-            .filter(|(i, _)| self.machine.live().get(*i).copied().unwrap_or(true))
+            .filter(|(i, _)| live.get(*i).copied().unwrap_or(true))
             .filter_map(|(i, (addr, conn))| Some((i as u32, *addr, conn.clone()?)))
             .collect()
     }
@@ -354,14 +355,15 @@ fn failures(servers: &[LiveServer], results: &[Result<(), String>]) -> Vec<Strin
         .collect()
 }
 
-/// Sends `cmd` to server `i`, an error if it has no connection.
+/// Sends `cmd` (with `payload`) to server `i`, an error if it has no connection.
 async fn command_server(
     servers: &[(SocketAddr, Option<quinn::Connection>)],
     i: u32,
     cmd: &ServerCommand,
+    payload: &[u8],
 ) -> Result<(), String> {
     match servers.get(i as usize) {
-        Some((_, Some(c))) => command(c, cmd, &[]).await,
+        Some((_, Some(c))) => command(c, cmd, payload).await,
         _ => Err(format!("server {i} is not connected")),
     }
 }
@@ -471,8 +473,9 @@ impl Coordinator {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Carries out what the machine decided, until it has nothing more: commands go to their
-    /// servers one at a time (their results go back to it), notices to the workers.
+    /// Carries out what the machine decided, until it has nothing more: the commands of each
+    /// decision go to their servers together (their results go back to it), notices to the
+    /// workers.
     async fn drive(&self) {
         loop {
             let outputs: Vec<CoordOutput> = {
@@ -522,10 +525,7 @@ impl Coordinator {
             Command::Commit { swap } => (ServerCommand::Commit { swap }, Vec::new()),
             Command::Abort { swap } => (ServerCommand::Abort { swap }, Vec::new()),
         };
-        let result = match servers.get(server as usize) {
-            Some((_, Some(c))) => command(c, &cmd, &payload).await,
-            _ => Err(format!("server {server} is not connected")),
-        };
+        let result = command_server(&servers, server, &cmd, &payload).await;
         match (&result, what) {
             (Ok(()), Command::Promote { shard }) => {
                 tracing::warn!(shard, to = server, "failover: backup promoted to primary")

@@ -323,7 +323,7 @@ impl Coordinator {
         }
         let servers = self.lock().servers.clone();
         for &(shard, server) in &resolution.promote {
-            match command_server(&servers, server, &ServerCommand::Promote { shard }).await {
+            match command_server(&servers, server, &ServerCommand::Promote { shard }, &[]).await {
                 Ok(()) => tracing::warn!(
                     shard,
                     to = server,
@@ -336,7 +336,8 @@ impl Coordinator {
         for (k, place) in resolution.places.iter().enumerate() {
             if let Some(Place { primary, backup: None }) = place {
                 let _ =
-                    command_server(&servers, *primary, &ServerCommand::DropBackup { shard: k as u32 }).await;
+                    command_server(&servers, *primary, &ServerCommand::DropBackup { shard: k as u32 }, &[])
+                        .await;
             }
         }
         if let Some((swaps, blob, _)) = &newest {
