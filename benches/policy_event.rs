@@ -146,7 +146,7 @@ fn hot_swap(c: &mut Criterion) {
         b.iter(|| {
             flip = !flip;
             let (m, cfg) = if flip { (&ssp, &ssp_cfg[..]) } else { (&bsp, &[][..]) };
-            shard.swap_policy(m, cfg, 0, &mut rec).expect("swaps");
+            shard.swap_policy(m, cfg, &[], 0, &mut rec).expect("swaps");
         })
     });
     let ssp_bytes = ssp.precompiled().expect("serializes");
@@ -162,7 +162,7 @@ fn hot_swap(c: &mut Criterion) {
             // SAFETY: the bytes were produced by `precompiled` in this process.
             let m =
                 unsafe { PolicyModule::from_precompiled(runtime(), "bench", bytes, digest) }.expect("loads");
-            shard.swap_policy(&m, cfg, 0, &mut rec).expect("swaps");
+            shard.swap_policy(&m, cfg, &[], 0, &mut rec).expect("swaps");
         })
     });
     group.finish();

@@ -22,16 +22,20 @@
 //!   a second lapse waits for the first to finish.
 //! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
 //!   that no connected worker holds, or is given the lowest never given out.
-//! - **hot swaps**, two-phase: every live server prepares the module off the hot path; only if
-//!   all can does every one commit (each switching its primaries as the commit arrives; the
-//!   backups follow by their op streams), else all abort and none switches. One at a time.
+//! - **hot swaps**, two-phase: every live server prepares the module off the hot path and answers
+//!   with its primaries' clocks; only if all can does every one commit (each switching its
+//!   primaries as the commit arrives; the backups follow by their op streams), else all abort and
+//!   none switches. The commit levels the workers by one raise per worker that every shard
+//!   applies alike ([`CoordinatorMachine::levelling`], see [`crate::shard::Frontier`]). One at a
+//!   time.
 
 use std::collections::{BTreeMap, VecDeque};
 
-use syncopate_policy_sdk::abi::WorkerId;
+use syncopate_policy_sdk::abi::{WorkerClock, WorkerId};
 
 use crate::lease::LeaseTable;
 use crate::placement::{self, Failover, Place};
+use crate::shard::{ClockRaise, Frontier};
 
 /// What the cluster is set up as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,12 +75,14 @@ pub enum Command {
         shard: u32,
     },
     /// Load the policy module of hot swap `swap` off the hot path, and answer whether it can
-    /// run it (the driver attaches the module).
+    /// run it (the driver attaches the module), with its primaries' clocks
+    /// ([`Answer::Clocks`]).
     Prepare {
         /// The swap's number.
         swap: u64,
     },
-    /// Switch every primary it holds to the module of swap `swap`, prepared before.
+    /// Switch every primary it holds to the module of swap `swap`, prepared before, raising its
+    /// workers' clocks by [`CoordinatorMachine::levelling`].
     Commit {
         /// The swap's number.
         swap: u64,
@@ -86,6 +92,16 @@ pub enum Command {
         /// The swap's number.
         swap: u64,
     },
+}
+
+/// What a server answered a command with, when it could carry it out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Done.
+    Done,
+    /// Done; the clocks of the workers on its primaries, each worker's largest (the answer to
+    /// [`Command::Prepare`]).
+    Clocks(Vec<WorkerClock>),
 }
 
 /// How a hot swap ended.
@@ -245,6 +261,10 @@ struct SwapRound {
     committing: bool,
     /// Servers whose preparation or commit failed, with why.
     failed: Vec<(u32, String)>,
+    /// The workers' clocks the servers answered their preparation with.
+    frontier: Frontier,
+    /// What the commit raises the workers' clocks by (set once every server prepared).
+    raise: Vec<ClockRaise>,
 }
 
 /// The coordinator's decisions (the module's doc).
@@ -378,7 +398,7 @@ impl CoordinatorMachine {
     }
 
     /// The result of command `id`.
-    pub fn command_done(&mut self, id: CommandId, result: Result<(), String>) {
+    pub fn command_done(&mut self, id: CommandId, result: Result<Answer, String>) {
         let Some(purpose) = self.pending.remove(&id) else { return };
         let ok = result.is_ok();
         match purpose {
@@ -409,8 +429,12 @@ impl CoordinatorMachine {
                 Failover::Lost { .. } => {}
             },
             Purpose::Swap { server } => {
-                if let (Err(e), Some(round)) = (result, self.swap.as_mut()) {
-                    round.failed.push((server, e));
+                if let Some(round) = self.swap.as_mut() {
+                    match result {
+                        Ok(Answer::Clocks(clocks)) => round.frontier.merge(clocks),
+                        Ok(Answer::Done) => {}
+                        Err(e) => round.failed.push((server, e)),
+                    }
                 }
                 self.step_swap();
             }
@@ -436,7 +460,14 @@ impl CoordinatorMachine {
         for &server in &servers {
             self.send(server, Command::Prepare { swap }, Purpose::Swap { server });
         }
-        self.swap = Some(SwapRound { swap, servers, committing: false, failed: Vec::new() });
+        self.swap = Some(SwapRound {
+            swap,
+            servers,
+            committing: false,
+            failed: Vec::new(),
+            frontier: Frontier::default(),
+            raise: Vec::new(),
+        });
         self.step_swap();
         Ok(swap)
     }
@@ -452,7 +483,8 @@ impl CoordinatorMachine {
             for &server in &round.servers {
                 self.send(server, Command::Commit { swap }, Purpose::Swap { server });
             }
-            self.swap = Some(SwapRound { committing: true, ..round });
+            let raise = round.frontier.levelling();
+            self.swap = Some(SwapRound { committing: true, raise, ..round });
             return self.step_swap();
         }
         let outcome = match (round.committing, round.failed.is_empty()) {
@@ -469,6 +501,15 @@ impl CoordinatorMachine {
             self.swaps = swap;
         }
         self.outputs.push_back(CoordOutput::SwapDone { swap, outcome });
+    }
+
+    /// What the commit of swap `swap` raises the workers' clocks by, the same on every shard
+    /// (empty unless that swap is committing). A driver sends it with [`Command::Commit`].
+    pub fn levelling(&self, swap: u64) -> &[ClockRaise] {
+        match &self.swap {
+            Some(round) if round.swap == swap && round.committing => &round.raise,
+            _ => &[],
+        }
     }
 
     /// Hot swaps committed so far (each the number of the last).

@@ -192,9 +192,10 @@ pub struct WorkerClock {
 /// `clock[w]` is the number of iterations worker `w` has pushed to this shard (admitted or
 /// dropped pushes; held pushes do not count until decided), counted from the clock it joined
 /// with. At a hot swap the host rebases the clocks: every live worker's clock is raised to the
-/// largest, so the incoming policy starts with the workers level instead of making the fast ones
-/// wait while a slow one replays the outgoing policy's drift. Only live workers count towards the
-/// minimum and the maximum; with no live worker both are 0.
+/// largest (on a cluster, the largest as of the swap's preparation, each worker by the same
+/// amount on every shard), so the incoming policy starts with the workers level instead of making
+/// the fast ones wait while a slow one replays the outgoing policy's drift. Only live workers
+/// count towards the minimum and the maximum; with no live worker both are 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardView {
     /// The smallest clock among live workers.

@@ -130,6 +130,23 @@ impl Clocks {
         moved
     }
 
+    /// Raises live workers' clocks, each by its amount (the levelling a cluster agrees on at a
+    /// hot swap, see [`ShardView`]); workers not live are passed over. Returns how many clocks
+    /// moved.
+    pub fn raise(&mut self, by: impl IntoIterator<Item = (WorkerId, u64)>) -> u32 {
+        let mut moved = 0;
+        for (worker, n) in by {
+            if let Some(Some(c)) = self.clock.get_mut(worker as usize) {
+                if n > 0 {
+                    *c = c.saturating_add(n);
+                    moved += 1;
+                }
+            }
+        }
+        self.recompute();
+        moved
+    }
+
     /// The live workers and their clocks, by worker id.
     pub fn workers(&self) -> impl Iterator<Item = WorkerClock> + '_ {
         self.clock
@@ -192,6 +209,8 @@ mod tests {
         assert_eq!(c.rebase_to_max(), 1, "only worker 5 was behind");
         assert_eq!(c.view(), ShardView { min_clock: 3, max_clock: 3, workers: 2 });
         assert_eq!(c.get(5), Some(3));
+        assert_eq!(c.raise([(2, 2), (5, 1), (9, 4), (5, 0)]), 2, "worker 9 is not live");
+        assert_eq!(c.view(), ShardView { min_clock: 4, max_clock: 5, workers: 2 });
     }
 
     /// The incremental minimum and maximum (and their counts) equal a rescan after every one of

@@ -34,7 +34,10 @@ fn bsp_to_ssp_and_back_under_a_stream_of_events_counts_every_push_once() {
             if steps.is_multiple_of(37) && next < plan.len() {
                 let (name, cfg) = &plan[next];
                 let now = c.now;
-                c.shard.swap_policy(&builtin_module(name), &config(cfg), now, &mut c.rec).expect("swap");
+                let level = c.shard.levelling();
+                c.shard
+                    .swap_policy(&builtin_module(name), &config(cfg), &level, now, &mut c.rec)
+                    .expect("swap");
                 assert_eq!(c.shard.policy().info().name, *name);
                 next += 1;
             }
@@ -67,7 +70,7 @@ fn swapping_to_a_looser_policy_releases_parked_pulls() {
     let id = shard.pull(PullRequest { worker: 0, iteration: 1 }, 2, &mut rec).unwrap();
     assert!(!rec.was_served(id), "BSP holds the fast worker");
     assert_eq!(shard.update_mode(), UpdateMode::Aggregate);
-    shard.swap_policy(&builtin_module("asp"), &[], 3, &mut rec).unwrap();
+    shard.swap_policy(&builtin_module("asp"), &[], &shard.levelling(), 3, &mut rec).unwrap();
     assert!(rec.was_served(id), "ASP serves the parked pull at once");
     assert_eq!(shard.update_mode(), UpdateMode::OnArrival);
     // The partial BSP aggregate was applied when the mode changed: the push is not lost.
@@ -83,13 +86,15 @@ fn a_refused_swap_changes_nothing() {
     let now = c.now;
     let err = c
         .shard
-        .swap_policy(&hostile_module(), &config(&[("mode", "refuse-state")]), now, &mut c.rec)
+        .swap_policy(&hostile_module(), &config(&[("mode", "refuse-state")]), &[], now, &mut c.rec)
         .unwrap_err();
     assert!(matches!(err, PolicyError::Refused { .. }), "{err}");
     assert!(err.to_string().contains("cannot take over from `bsp`"), "{err}");
     assert_eq!(c.shard.policy().info().name, "bsp");
-    let err =
-        c.shard.swap_policy(&builtin_module("ssp"), &config(&[("s", "-1")]), now, &mut c.rec).unwrap_err();
+    let err = c
+        .shard
+        .swap_policy(&builtin_module("ssp"), &config(&[("s", "-1")]), &[], now, &mut c.rec)
+        .unwrap_err();
     assert!(err.to_string().contains("parameter `s` must be a uint, got `-1`"), "{err}");
     assert_eq!(c.shard.policy().info().name, "bsp");
     c.run_to_end();
@@ -142,7 +147,7 @@ fn events_sent_during_a_swap_wait_in_line_and_none_is_dropped() {
                     pulls += 1;
                 }
                 Msg::Swap(name, cfg) => {
-                    shard.swap_policy(&builtin_module(name), &cfg, now, &mut rec).unwrap()
+                    shard.swap_policy(&builtin_module(name), &cfg, &shard.levelling(), now, &mut rec).unwrap()
                 }
             }
         }
@@ -232,7 +237,7 @@ fn a_stateful_policy_takes_its_state_across_a_swap() {
     }
     assert_eq!(rec.metrics, vec![("started_at_ns".to_owned(), 0.0)], "a shard starts at time 0");
     shard
-        .swap_policy(&hostile, &config(&[("mode", "pull:panic"), ("after", "21")]), now.get(), &mut rec)
+        .swap_policy(&hostile, &config(&[("mode", "pull:panic"), ("after", "21")]), &[], now.get(), &mut rec)
         .unwrap();
     assert_eq!(rec.metrics[1], ("started_at_ns".to_owned(), 20.0), "on_start sees the swap's time");
     step(&mut shard, &mut rec, 0, 5, false); // event 21

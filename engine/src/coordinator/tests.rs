@@ -18,7 +18,7 @@ fn settle(m: &mut CoordinatorMachine, ok: impl Fn(u32, Command) -> bool) -> Vec<
     let mut seen = Vec::new();
     while let Some(out) = m.poll_output() {
         if let CoordOutput::Command { id, server, command } = out {
-            let r = if ok(server, command) { Ok(()) } else { Err("refused".into()) };
+            let r = if ok(server, command) { Ok(Answer::Done) } else { Err("refused".into()) };
             m.command_done(id, r);
         }
         seen.push(out);
@@ -59,7 +59,7 @@ fn backups_are_attached_before_workers_are_welcomed() {
             CoordOutput::Command { id: 1, server: 1, command: Command::AttachBackup { shard: 1, backup: 0 } },
         ]
     );
-    m.command_done(0, Ok(()));
+    m.command_done(0, Ok(Answer::Done));
     assert!(!m.is_replicated());
     // A backup that could not be attached leaves its shard without one; the cluster starts.
     m.command_done(1, Err("no".into()));
@@ -122,7 +122,7 @@ fn a_second_lapse_waits_for_the_first_failover_and_a_shard_without_copies_is_los
         })
         .collect();
     for id in done {
-        m.command_done(id, Ok(()));
+        m.command_done(id, Ok(Answer::Done));
     }
     let rest = settle(&mut m, |_, _| true);
     assert!(rest.contains(&CoordOutput::FailoverDone { server: 1 }));
@@ -208,6 +208,42 @@ fn a_swap_commits_only_once_every_live_server_has_prepared_it() {
         Some(&CoordOutput::SwapDone { swap: 2, outcome: SwapOutcome::Partial(vec![(2, "refused".into())]) })
     );
     assert_eq!(m.swaps(), 2);
+}
+
+/// The commit raises each worker by what its largest clock on any server lacks to the largest of
+/// all: one amount for every shard, whichever moment each commits at.
+#[test]
+fn a_swap_levels_the_workers_by_one_raise_each_on_every_server() {
+    let mut m = started(2, 2);
+    assert_eq!(m.begin_swap(), Ok(1));
+    let wc = |worker, clock| WorkerClock { worker, clock };
+    let prepares: Vec<(CommandId, u32)> = drain(&mut m)
+        .into_iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { id, server, command: Command::Prepare { .. } } => Some((id, server)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(prepares.len(), 2);
+    // Worker 1's push 9 reached server 0's shard, not yet server 1's.
+    m.command_done(prepares[0].0, Ok(Answer::Clocks(vec![wc(0, 4), wc(1, 9), wc(2, 6)])));
+    assert!(m.levelling(1).is_empty(), "not committing before every server prepared");
+    m.command_done(prepares[1].0, Ok(Answer::Clocks(vec![wc(0, 5), wc(1, 8), wc(2, 6)])));
+    let commits: Vec<CommandId> = drain(&mut m)
+        .into_iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { id, command: Command::Commit { swap: 1 }, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(commits.len(), 2);
+    assert_eq!(m.levelling(1), [ClockRaise { worker: 0, by: 4 }, ClockRaise { worker: 2, by: 3 }]);
+    assert!(m.levelling(2).is_empty());
+    for id in commits {
+        m.command_done(id, Ok(Answer::Done));
+    }
+    assert_eq!(drain(&mut m), vec![CoordOutput::SwapDone { swap: 1, outcome: SwapOutcome::Committed }]);
+    assert!(m.levelling(1).is_empty(), "the swap is over");
 }
 
 #[test]

@@ -29,6 +29,7 @@
 
 mod gate;
 mod layout;
+mod level;
 mod node;
 mod ops;
 mod parked;
@@ -37,6 +38,7 @@ mod supervisor;
 
 pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
+pub use level::{levelling, ClockRaise, Frontier};
 pub use node::{
     Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
 };
@@ -556,6 +558,12 @@ impl Shard {
         self.clocks.workers().collect()
     }
 
+    /// What levels this shard's workers at a swap when it is the only one: each raised to the
+    /// largest clock (a cluster agrees on one levelling for all its shards, see [`Frontier`]).
+    pub fn levelling(&self) -> Vec<ClockRaise> {
+        levelling(&self.workers())
+    }
+
     /// Per live worker: nanoseconds its pulls have spent deferred on this shard.
     pub fn worker_waits(&self) -> Vec<(WorkerId, u64)> {
         self.clocks
@@ -1023,27 +1031,33 @@ impl Shard {
     }
 
     /// Replaces the policy with `module` and `config`, handing over the old policy's state. The
-    /// live workers' clocks are rebased to the largest (see [`ShardView`]), so a policy with a
-    /// tighter bound does not make the fast workers wait while a slow one replays the drift the
-    /// outgoing policy allowed; aggregates of rounds now passed are applied. On error (the
-    /// module refuses the state or its configuration, or fails to start) the old policy keeps
-    /// running and nothing changes.
+    /// live workers' clocks are raised by `raise` (the cluster's [`levelling`]; [`Shard::levelling`]
+    /// on a shard alone), so a policy with a tighter bound does not make the fast workers wait
+    /// while a slow one replays the drift the outgoing policy allowed; aggregates of rounds now
+    /// passed are applied. On error (the module refuses the state or its configuration, or fails
+    /// to start) the old policy keeps running and nothing changes.
     pub fn swap_policy(
         &mut self,
         module: &PolicyModule,
         config: &[(String, String)],
+        raise: &[ClockRaise],
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), PolicyError> {
-        // The rebase: the incoming policy starts with the workers level (see `ShardView`), and
-        // its hand-over already shows them so; the clocks move only if the swap succeeds.
-        let level = self.clocks.view().max_clock;
-        let workers = self.clocks.workers().map(|w| WorkerClock { clock: level, ..w }).collect();
+        // The incoming policy starts with the workers level (see `ShardView`), and its hand-over
+        // already shows them so; the clocks move only if the swap succeeds.
+        let by =
+            |w: WorkerId| raise.iter().filter(|r| r.worker == w).fold(0u64, |n, r| n.saturating_add(r.by));
+        let workers = self
+            .clocks
+            .workers()
+            .map(|w| WorkerClock { clock: w.clock.saturating_add(by(w.worker)), ..w })
+            .collect();
         let start = self.supervisor.swap(module, config, workers, now_ns)?;
         self.policy_started(StartKind::Swap, now_ns, &start, sink);
         self.stats.swaps += 1;
         self.timers.clear();
-        self.stats.clocks_rebased += u64::from(self.clocks.rebase_to_max());
+        self.stats.clocks_rebased += u64::from(self.clocks.raise(raise.iter().map(|r| (r.worker, r.by))));
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
         tracing::info!(shard = self.shard, policy = module.display_name(), "policy swapped");

@@ -40,8 +40,8 @@ use std::sync::Arc;
 use syncopate_policy_sdk::abi::{Applied, Envelope, IterationReport, LeaveReason, RequestId, WorkerId};
 
 use super::{
-    AckGate, ControlMessage, Handover, Observer, Op, Outcome, PullReply, Shard, ShardConfig, ShardError,
-    ShardSink, ShardSnapshot, Stamped, TaskPart,
+    AckGate, ClockRaise, ControlMessage, Handover, Observer, Op, Outcome, PullReply, Shard, ShardConfig,
+    ShardError, ShardSink, ShardSnapshot, Stamped, TaskPart,
 };
 use crate::recording::PolicyStart;
 use crate::runtime::{PolicyError, PolicyModule};
@@ -534,7 +534,7 @@ impl ShardNode {
         }
         let s = self.shard.as_mut()?;
         let swap = match &op {
-            Op::Swap { sha256, config } => Some((*sha256, config.clone())),
+            Op::Swap { sha256, config, .. } => Some((*sha256, config.clone())),
             _ => None,
         };
         let mut chosen = None;
@@ -769,14 +769,17 @@ impl ShardNode {
         }
     }
 
-    /// The cluster commits a swap to `module`. A backup swaps when its primary's op says (the
-    /// reply is `Ok` at once); a shard not created yet starts with the new module.
+    /// The cluster commits a swap to `module`, raising the workers' clocks by `raise` (the
+    /// levelling it agreed on, see [`Frontier`](super::Frontier)). A backup swaps when its
+    /// primary's op says (the reply is `Ok` at once); a shard not created yet starts with the
+    /// new module.
     pub fn swap(
         &mut self,
         now: u64,
         token: Token,
         module: PolicyModule,
         config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
         obs: &mut dyn Observer,
     ) {
         if self.pending.backup {
@@ -788,7 +791,7 @@ impl ShardNode {
         }
         let sha256 = module.sha256();
         let previous = std::mem::replace(&mut self.module, module);
-        let r = match self.step(Op::Swap { sha256, config }, Vec::new(), now, obs) {
+        let r = match self.step(Op::Swap { sha256, config, raise }, Vec::new(), now, obs) {
             Some(Outcome::Swapped(r)) => r.map_err(RequestError::Swap),
             _ => Err(RequestError::NoShardYet(self.id())),
         };

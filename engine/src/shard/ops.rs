@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId};
 
-use super::{Handover, PullRequest, PushRequest, Shard, ShardError, ShardSink, TaskPart};
+use super::{ClockRaise, Handover, PullRequest, PushRequest, Shard, ShardError, ShardSink, TaskPart};
 use crate::runtime::PolicyModule;
 
 /// One change to a shard.
@@ -86,6 +86,8 @@ pub enum Op {
         sha256: [u8; 32],
         /// Its configuration for this shard.
         config: Vec<(String, String)>,
+        /// How far each worker's clock is raised (the cluster's levelling).
+        raise: Vec<ClockRaise>,
     },
     /// Only the time moves: timers due fire.
     Advance,
@@ -165,10 +167,10 @@ impl Shard {
             Op::Finished { report } => Outcome::Done(self.iteration_finished(report, now, sink)),
             Op::Leave { worker, reason } => Outcome::Done(self.leave(worker, reason, now, sink)),
             Op::Goodbye { worker } => Outcome::Left(self.goodbye(worker, now, sink)),
-            Op::Swap { sha256, config } => match module(&sha256) {
-                Some(m) => {
-                    Outcome::Swapped(self.swap_policy(&m, &config, now, sink).map_err(|e| e.to_string()))
-                }
+            Op::Swap { sha256, config, raise } => match module(&sha256) {
+                Some(m) => Outcome::Swapped(
+                    self.swap_policy(&m, &config, &raise, now, sink).map_err(|e| e.to_string()),
+                ),
                 None => Outcome::Swapped(Err("the swapped-in module is not here".into())),
             },
         }

@@ -373,7 +373,8 @@ fn exercise(module: &crate::runtime::PolicyModule, config: &[(String, String)]) 
             shard.iteration_finished(report, now, &mut sink)?;
             next[i] += 1;
             if w == 0 && next[i] == ITERATIONS / 2 {
-                shard.swap_policy(module, config, now, &mut sink)?;
+                let level = shard.levelling();
+                shard.swap_policy(module, config, &level, now, &mut sink)?;
             }
         }
         if let Some(f) = &sink.failure {

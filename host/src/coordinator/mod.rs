@@ -37,7 +37,7 @@ use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
 use syncopate_engine::coordinator::{
-    Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
+    Answer, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
 };
 
 mod rebuild;
@@ -347,7 +347,7 @@ impl State {
 
 /// The commands of one round sent to `servers` that failed, each named by its server's id and
 /// address (not its place in the list: failed-over servers are left out of it).
-fn failures(servers: &[LiveServer], results: &[Result<(), String>]) -> Vec<String> {
+fn failures(servers: &[LiveServer], results: &[Result<Answer, String>]) -> Vec<String> {
     servers
         .iter()
         .zip(results)
@@ -361,7 +361,7 @@ async fn command_server(
     i: u32,
     cmd: &ServerCommand,
     payload: &[u8],
-) -> Result<(), String> {
+) -> Result<Answer, String> {
     match servers.get(i as usize) {
         Some((_, Some(c))) => command(c, cmd, payload).await,
         _ => Err(format!("server {i} is not connected")),
@@ -504,12 +504,16 @@ impl Coordinator {
     }
 
     /// Sends server `server` a command of the machine's, and logs what came of it.
-    async fn carry_out(&self, server: u32, what: Command) -> Result<(), String> {
-        let (servers, preparing) = {
+    async fn carry_out(&self, server: u32, what: Command) -> Result<Answer, String> {
+        let (servers, preparing, raise) = {
             let st = self.lock();
-            // Only a preparation carries the module.
+            // Only a preparation carries the module, and only a commit the levelling.
             let preparing = matches!(what, Command::Prepare { .. }).then(|| st.preparing.clone()).flatten();
-            (st.servers.clone(), preparing)
+            let raise = match what {
+                Command::Commit { swap } => st.machine.levelling(swap).to_vec(),
+                _ => Vec::new(),
+            };
+            (st.servers.clone(), preparing, raise)
         };
         let (cmd, payload) = match what {
             Command::Promote { shard } => (ServerCommand::Promote { shard }, Vec::new()),
@@ -522,18 +526,18 @@ impl Coordinator {
                 Some(p) if p.swap == swap => (ServerCommand::Prepare { swap, policy: p.blob }, p.wasm),
                 _ => return Err(format!("swap {swap}'s module is not here")),
             },
-            Command::Commit { swap } => (ServerCommand::Commit { swap }, Vec::new()),
+            Command::Commit { swap } => (ServerCommand::Commit { swap, raise }, Vec::new()),
             Command::Abort { swap } => (ServerCommand::Abort { swap }, Vec::new()),
         };
         let result = command_server(&servers, server, &cmd, &payload).await;
         match (&result, what) {
-            (Ok(()), Command::Promote { shard }) => {
+            (Ok(_), Command::Promote { shard }) => {
                 tracing::warn!(shard, to = server, "failover: backup promoted to primary")
             }
             (Err(e), Command::Promote { shard }) => {
                 tracing::error!(shard, "the backup on server {server} could not take over: {e}")
             }
-            (Ok(()), Command::DropBackup { shard }) => {
+            (Ok(_), Command::DropBackup { shard }) => {
                 tracing::warn!(shard, "its backup was on the lost server; it runs without one")
             }
             (Err(e), Command::AttachBackup { shard, backup }) => {
@@ -1041,9 +1045,10 @@ impl Coordinator {
     }
 }
 
-async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) -> Result<(), String> {
+async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) -> Result<Answer, String> {
     match command_reply(conn, cmd, payload).await?.0 {
-        ServerReply::Ok => Ok(()),
+        ServerReply::Ok => Ok(Answer::Done),
+        ServerReply::Clocks(clocks) => Ok(Answer::Clocks(clocks)),
         ServerReply::Error(e) => Err(e),
         other => Err(format!("unexpected answer {other:?}")),
     }

@@ -277,10 +277,9 @@ impl Coordinator {
         // The newest policy a live server runs: the others were prepared for it, if a swap's
         // commit was under way when the old coordinator died.
         let live: Vec<(&u32, &Rejoined)> = reports.iter().filter(|(s, _)| !refused.contains_key(s)).collect();
-        let newest = live
-            .iter()
-            .max_by_key(|(_, r)| r.holdings.swaps)
-            .map(|(_, r)| (r.holdings.swaps, r.holdings.policy.clone(), r.wasm.clone()));
+        let newest = live.iter().max_by_key(|(_, r)| r.holdings.swaps).map(|(_, r)| {
+            (r.holdings.swaps, r.holdings.policy.clone(), r.wasm.clone(), r.holdings.levelled.clone())
+        });
         {
             let mut st = self.lock();
             let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
@@ -302,7 +301,7 @@ impl Coordinator {
                 .map(|(k, p)| p.unwrap_or(Place { primary: k as u32 % n, backup: None }))
                 .collect();
             st.machine.rebuilt(places, &live, first, resolution.model_len(&holdings));
-            if let Some((swaps, blob, wasm)) = &newest {
+            if let Some((swaps, blob, wasm, _)) = &newest {
                 st.machine.set_swaps(*swaps);
                 st.policy = PolicySource::from_blob(blob, wasm.clone());
                 st.previous = None;
@@ -324,7 +323,7 @@ impl Coordinator {
         let servers = self.lock().servers.clone();
         for &(shard, server) in &resolution.promote {
             match command_server(&servers, server, &ServerCommand::Promote { shard }, &[]).await {
-                Ok(()) => tracing::warn!(
+                Ok(_) => tracing::warn!(
                     shard,
                     to = server,
                     "failover: backup promoted (its primary did not rejoin)"
@@ -340,11 +339,13 @@ impl Coordinator {
                         .await;
             }
         }
-        if let Some((swaps, blob, _)) = &newest {
+        if let Some((swaps, blob, _, levelled)) = &newest {
             for (&server, r) in &live {
                 if r.holdings.swaps < *swaps {
-                    match command(&r.conn, &ServerCommand::Commit { swap: *swaps }, &[]).await {
-                        Ok(()) => {
+                    // The same levelling as the servers that committed: raised alike everywhere.
+                    let commit = ServerCommand::Commit { swap: *swaps, raise: levelled.clone() };
+                    match command(&r.conn, &commit, &[]).await {
+                        Ok(_) => {
                             tracing::warn!(server, swap = swaps, policy = %blob.label, "finished a swap the old coordinator began")
                         }
                         Err(e) => tracing::error!(
@@ -401,6 +402,7 @@ mod tests {
                 admission_key: crate::net::proto::AdmissionKey([7; 32]),
             },
             policy: PolicyBlob { label: "bsp".into(), sha256: [0; 32], config: vec![], overrides: vec![] },
+            levelled: vec![],
             swaps: 0,
             primaries: primaries.iter().map(|&(k, t)| (k, t, 10)).collect(),
             backups: backups.iter().map(|&(k, t)| (k, t, 10)).collect(),

@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
 
-use crate::shard::{OptimizerConfig, PushWeight, ShardStats};
+use crate::shard::{ClockRaise, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -179,6 +179,9 @@ pub struct Holdings {
     pub policy: PolicyBlob,
     /// Swaps committed on this server so far.
     pub swaps: u64,
+    /// What the last of them raised the workers' clocks by (a restarted coordinator finishes an
+    /// interrupted swap with it).
+    pub levelled: Vec<ClockRaise>,
     /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
     /// creation.
     pub primaries: Vec<(u32, u64, u64)>,
@@ -370,7 +373,8 @@ pub enum CoordResponse {
 /// Commands from the coordinator to a server, on the server's registration connection.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ServerCommand {
-    /// Compile and check a module off the hot path (the bytes are the payload).
+    /// Compile and check a module off the hot path (the bytes are the payload); answered with
+    /// [`ServerReply::Clocks`].
     Prepare {
         /// The swap.
         swap: u64,
@@ -381,6 +385,9 @@ pub enum ServerCommand {
     Commit {
         /// The swap.
         swap: u64,
+        /// How far each worker's clock is raised on every shard (the levelling the coordinator
+        /// chose from the servers' clocks, see [`crate::shard::Frontier`]).
+        raise: Vec<ClockRaise>,
     },
     /// Forget a prepared module.
     Abort {
@@ -432,6 +439,8 @@ pub enum ServerReply {
     Error(String),
     /// What it holds (the module its shards run is the payload).
     Holdings(Holdings),
+    /// Prepared: the clocks of the workers on its primaries (each worker's largest).
+    Clocks(Vec<WorkerClock>),
 }
 
 /// Requests on a server's data plane.

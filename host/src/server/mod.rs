@@ -39,7 +39,7 @@ use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
-use crate::shard::{Handover, ShardConfig, SupervisorConfig, TaskPart};
+use crate::shard::{ClockRaise, Frontier, Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
 
@@ -88,6 +88,9 @@ struct Shared {
     prepared: Mutex<HashMap<u64, Prepared>>,
     /// The policy the shards run, with its bytes, and the swaps committed here so far.
     policy: Mutex<(u64, PolicyBlob, Arc<Vec<u8>>)>,
+    /// What the last swap committed here raised the workers' clocks by: a restarted coordinator
+    /// finishes an interrupted swap with it on the servers that had not committed.
+    levelled: Mutex<Vec<ClockRaise>>,
     /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
     /// [`Holdings`](crate::net::proto::Holdings).
     terms: Mutex<HashMap<u32, u64>>,
@@ -227,6 +230,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         addr: advertise,
         prepared: Mutex::new(HashMap::new()),
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
+        levelled: Mutex::new(Vec::new()),
         terms: Mutex::new(terms),
         coordinator: opts.coordinator,
         limits: opts.limits,
@@ -692,21 +696,28 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                         .lock()
                         .expect("not poisoned")
                         .insert(swap, (module, policy, Arc::new(payload)));
-                    ServerReply::Ok
+                    // Each worker's largest clock here, for the levelling the commit brings.
+                    let mut frontier = Frontier::default();
+                    for status in statuses(shared.primaries()).await {
+                        frontier.merge(status.workers);
+                    }
+                    ServerReply::Clocks(frontier.clocks().collect())
                 }
                 Err(e) => ServerReply::Error(e),
             }
         }
-        ServerCommand::Commit { swap } => {
+        ServerCommand::Commit { swap, raise } => {
             let Some((module, policy, wasm)) = shared.prepared.lock().expect("not poisoned").remove(&swap)
             else {
                 return ServerReply::Error(format!("swap {swap} was not prepared here"));
             };
             *shared.policy.lock().expect("not poisoned") = (swap, policy.clone(), wasm);
+            *shared.levelled.lock().expect("not poisoned") = raise.clone();
             let mut failed = Vec::new();
             for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
-                let cmd = ShardCmd::Swap { module: module.clone(), config: policy.config_for(shard), reply };
+                let config = policy.config_for(shard);
+                let cmd = ShardCmd::Swap { module: module.clone(), config, raise: raise.clone(), reply };
                 let result = match tx.send(cmd).await {
                     Ok(()) => rx.await.unwrap_or_else(|_| Err("shard task gone".into())),
                     Err(_) => Err("shard task gone".into()),

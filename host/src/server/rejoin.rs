@@ -38,7 +38,16 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let held = |shard: u32| (shard, shared.term(shard), lens.get(&shard).copied().unwrap_or(0));
     let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
     let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
-    Holdings { server: shared.id, settings: shared.settings.clone(), policy, swaps, primaries, backups }
+    let levelled = shared.levelled.lock().expect("not poisoned").clone();
+    Holdings {
+        server: shared.id,
+        settings: shared.settings.clone(),
+        policy,
+        swaps,
+        levelled,
+        primaries,
+        backups,
+    }
 }
 
 /// Reaches the coordinator again, for up to [`COORDINATOR_WAIT_MS`], and rejoins it: the new

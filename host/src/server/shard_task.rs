@@ -19,8 +19,8 @@ use crate::net::proto::{ControlMessage, ShardStatus};
 use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{
-    Handover, NodeConfig, NodeOutput, Observer, Reply as NodeReply, ShardConfig, ShardNode, ShardSnapshot,
-    TaskPart, Token,
+    ClockRaise, Handover, NodeConfig, NodeOutput, Observer, Reply as NodeReply, ShardConfig, ShardNode,
+    ShardSnapshot, TaskPart, Token,
 };
 pub(crate) use crate::shard::{Joined, PushOutcome, Served, Stamped};
 
@@ -79,6 +79,7 @@ pub(crate) enum ShardCmd {
     Swap {
         module: PolicyModule,
         config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
         reply: Reply<()>,
     },
     Status {
@@ -434,9 +435,9 @@ impl ShardTask {
                     None => Err(crate::shard::RequestError::NoShardYet(id).to_string()),
                 });
             }
-            ShardCmd::Swap { module, config, reply } => {
+            ShardCmd::Swap { module, config, raise, reply } => {
                 let token = p.wait(Waiter::Done(reply));
-                p.node.swap(now, token, module, config, &mut p.obs);
+                p.node.swap(now, token, module, config, raise, &mut p.obs);
             }
             ShardCmd::Status { reply } => {
                 let (applied, confirmed) = p.node.replication();

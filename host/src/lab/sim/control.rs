@@ -18,20 +18,21 @@
 //!   Until it hears, it addresses the old primary: what it sends meanwhile is lost if that
 //!   server is dead, and refused if it lives without a lease; were it accepted, the shard would
 //!   have two primaries, which the run records;
-//! - a hot swap is the machine's, two-phase: every server not failed over prepares, then each
-//!   switches its primaries when its commit arrives.
+//! - a hot swap is the machine's, two-phase: every server not failed over prepares and answers
+//!   with its primaries' clocks, then each switches its primaries when its commit arrives,
+//!   raising the clocks by the levelling the machine chose.
 //!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
 use rand::Rng;
-use syncopate_engine::coordinator::{Command, CoordOutput};
+use syncopate_engine::coordinator::{Answer, Command, CoordOutput};
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
 use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::HEARTBEAT_MS;
 use crate::runtime::PolicyModule;
-use crate::shard::{Quiet, ShardNode, ShardSnapshot};
+use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot};
 
 const MS: u64 = 1_000_000;
 
@@ -158,6 +159,13 @@ impl Sim {
             }
             Ev::Command(id, x, command) => {
                 let ok = !self.dead[x as usize] && self.carry_out(x, command)?;
+                if ok && matches!(command, Command::Prepare { .. }) {
+                    let mut frontier = Frontier::default();
+                    for s in (0..self.nodes.len()).filter(|&s| self.server_of[s] == x) {
+                        frontier.merge(self.nodes[s].shard().map(|sh| sh.workers()).unwrap_or_default());
+                    }
+                    self.prepared.insert(id, frontier.clocks().collect());
+                }
                 if self.cut_to[x as usize] {
                     self.held[x as usize].push(Ev::CommandDone(id, ok));
                 } else {
@@ -165,7 +173,8 @@ impl Sim {
                 }
             }
             Ev::CommandDone(id, ok) => {
-                let result = if ok { Ok(()) } else { Err("the server did not carry it out".to_string()) };
+                let answer = self.prepared.remove(&id).map_or(Answer::Done, Answer::Clocks);
+                let result = if ok { Ok(answer) } else { Err("the server did not carry it out".to_string()) };
                 self.coord.command_done(id, result);
                 self.drive_coordinator()?;
             }
@@ -216,6 +225,7 @@ impl Sim {
         x: u32,
         module: PolicyModule,
         config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
     ) -> Result<(), SimError> {
         for s in 0..self.nodes.len() as u32 {
             if self.server_of[s as usize] != x {
@@ -224,7 +234,8 @@ impl Sim {
             let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
             self.next_token += 1;
             self.requests.insert(self.next_token, Req::Ignore { s });
-            self.nodes[s as usize].swap(self.now, self.next_token, module.clone(), config, &mut Quiet);
+            let (module, raise) = (module.clone(), raise.clone());
+            self.nodes[s as usize].swap(self.now, self.next_token, module, config, raise, &mut Quiet);
             self.drain(s)?;
         }
         Ok(())
@@ -289,7 +300,8 @@ impl Sim {
             }
             Command::Commit { swap } => match self.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
-                    self.commit(x, module, config)?;
+                    let raise = self.coord.levelling(swap).to_vec();
+                    self.commit(x, module, config, raise)?;
                     Ok(true)
                 }
                 _ => Ok(false),

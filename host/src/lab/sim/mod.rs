@@ -44,12 +44,12 @@
 mod control;
 mod events;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
 
-use syncopate_policy_sdk::abi::{Applied, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, LeaveReason, WorkerClock, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
@@ -64,7 +64,7 @@ use crate::shard::{
 use crate::worker::WorkerReport;
 use control::Arrival;
 use events::{Ev, Mailbox, Queue, ToShard};
-use syncopate_engine::coordinator::{CoordOutput, CoordinatorConfig, CoordinatorMachine};
+use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
 /// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
 /// rejoin (the simulator's live workers rejoin once they hear of the move, so it runs out only
@@ -343,6 +343,9 @@ struct Sim {
     known: Vec<Vec<u32>>,
     /// The hot swap under way: its number, module and configuration.
     swapping: Option<Swapping>,
+    /// The clocks servers prepared a swap with, by the preparation's command, until the answer
+    /// reaches the coordinator.
+    prepared: BTreeMap<u64, Vec<WorkerClock>>,
     /// The policy modules the run may use (the first and those swapped to).
     modules: Vec<PolicyModule>,
     /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
@@ -543,7 +546,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     while let Some(out) = coord.poll_output() {
         if let CoordOutput::Command { id, .. } = out {
-            coord.command_done(id, Ok(()));
+            coord.command_done(id, Ok(Answer::Done));
         }
     }
     let places: Vec<Option<u32>> = coord.places().iter().map(|p| p.backup).collect();
@@ -597,6 +600,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         known: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         swapping: None,
+        prepared: BTreeMap::new(),
         modules,
         leases: vec![ServerLease::new(0); sc.servers as usize],
         cut_to: vec![false; sc.servers as usize],
