@@ -76,8 +76,18 @@ pub enum PushOutcome {
 /// How a worker joined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Joined {
-    /// A new member, starting at this clock.
-    Fresh(u64),
+    /// A new member, starting at clock `clock`. A worker this shard had as a member before (one
+    /// a promoted shard dropped when it did not come back within the rejoin grace, say) was
+    /// expected to push iteration `next` next, in the numbering it had here (0 if it never was
+    /// a member): its iterations from `next` on are now numbered from `clock`, and those below
+    /// `next` were all applied. A worker joining again after losing its primary renumbers so
+    /// (see `WorkerClient`); a worker starting out just starts at `clock`.
+    Fresh {
+        /// The clock it starts at.
+        clock: u64,
+        /// The iteration it was expected to push next when it last was a member.
+        next: u64,
+    },
     /// A member of a restored or promoted shard, back: the next iteration the shard expects
     /// from it.
     Rejoined(u64),
@@ -200,8 +210,10 @@ impl Observer for Quiet {}
 pub struct NodeConfig {
     /// The shard's configuration.
     pub shard: ShardConfig,
-    /// How long the members of a restored or promoted shard have to come back once the first
-    /// has, in nanoseconds.
+    /// How long the members of a restored shard have to come back once the first has, in
+    /// nanoseconds. A promoted shard gives its members no such grace: they are its backup's,
+    /// alive and connected to this server until [`ShardNode::lost`] says otherwise, and may be
+    /// in the middle of a long iteration.
     pub rejoin_grace_ns: u64,
     /// Log the node's events (creation, rejoins, promotion, departures, backups attached and
     /// dropped) at debug level, not info and warn: for the simulator, whose nodes' events are
@@ -220,7 +232,10 @@ macro_rules! event {
     };
 }
 
-/// How long a restored or promoted shard waits for its first member to come back, at least.
+/// How long a restored shard waits for its first member to come back, at least, and a promoted
+/// one for each member (a backstop: a member whose connection ends leaves at once, see
+/// [`ShardNode::lost`]; one away longer is dropped, and taken back afresh, renumbered, when it
+/// returns: see [`Joined::Fresh`]).
 const FIRST_REJOIN_NS: u64 = 60_000_000_000;
 
 /// Members of a restored or promoted shard that have not rejoined yet, and until when they may.
@@ -228,6 +243,9 @@ const FIRST_REJOIN_NS: u64 = 60_000_000_000;
 struct Awaiting {
     workers: BTreeSet<WorkerId>,
     deadline_ns: u64,
+    /// Whether the deadline shortens to the rejoin grace once a member is back (a restored
+    /// shard's; a promoted one waits for its members' connections to end instead).
+    shortens: bool,
 }
 
 /// Requests waiting for the shard, and what the shard said.
@@ -404,7 +422,7 @@ impl ShardNode {
         node.shard = Some(Shard::restore(node.cfg.shard.clone(), snap, &node.module, &mut tap)?);
         node.last_now = now;
         if !backup {
-            node.await_members(members, now);
+            node.await_members(members, now, true);
         }
         Ok(node)
     }
@@ -480,10 +498,20 @@ impl ShardNode {
         }
     }
 
-    fn await_members(&mut self, members: BTreeSet<WorkerId>, now: u64) {
+    fn await_members(&mut self, members: BTreeSet<WorkerId>, now: u64, shortens: bool) {
         let wait = self.cfg.rejoin_grace_ns.max(FIRST_REJOIN_NS);
         self.awaiting =
-            (!members.is_empty()).then_some(Awaiting { workers: members, deadline_ns: now + wait });
+            (!members.is_empty()).then_some(Awaiting { workers: members, deadline_ns: now + wait, shortens });
+    }
+
+    /// The driver lost its connection to `worker` (it died, or it finished and closed it): a
+    /// member this node still awaits after a promotion or restore, which it would never hear
+    /// from again, leaves now. Others leave by the connection they joined through.
+    pub fn lost(&mut self, now: u64, worker: WorkerId, reason: LeaveReason, obs: &mut dyn Observer) {
+        if self.awaiting.as_ref().is_some_and(|a| a.workers.contains(&worker)) {
+            event!(self, warn, shard = self.id(), worker, ?reason, "an awaited member is gone; it leaves");
+            self.leave(now, None, worker, reason, obs);
+        }
     }
 
     /// Applies an op (handing it to the backup first, if there is one).
@@ -604,7 +632,7 @@ impl ShardNode {
                 a.workers.remove(&worker);
                 if a.workers.is_empty() {
                     self.awaiting = None;
-                } else {
+                } else if a.shortens {
                     a.deadline_ns = a.deadline_ns.min(now + self.cfg.rejoin_grace_ns);
                 }
             }
@@ -612,8 +640,9 @@ impl ShardNode {
             event!(self, info, shard = id, worker, next, "worker rejoined");
             return Ok(Joined::Rejoined(next));
         }
+        let next = shard.resumes_at(worker);
         match self.step(Op::Join { worker }, Vec::new(), now, obs) {
-            Some(Outcome::Joined(r)) => Ok(Joined::Fresh(r?)),
+            Some(Outcome::Joined(r)) => Ok(Joined::Fresh { clock: r?, next }),
             _ => Err(RequestError::NoShardYet(id)),
         }
     }
@@ -902,7 +931,7 @@ impl ShardNode {
         let members: BTreeSet<WorkerId> =
             self.shard.as_ref().map(|s| s.workers().iter().map(|c| c.worker).collect()).unwrap_or_default();
         event!(self, warn, shard = self.id(), members = members.len(), "promoted to primary");
-        self.await_members(members, self.last_now);
+        self.await_members(members, self.last_now, false);
     }
 
     /// The shard's snapshot at `now` (checkpoints, re-replication).
@@ -1065,21 +1094,44 @@ mod tests {
         ));
     }
 
+    /// A promoted backup waits for each member until its connection ends (or the backstop),
+    /// not a short grace after the first comes back: a worker in a long iteration is no loss.
+    /// One dropped after all is taken back afresh and told where its old numbering stopped.
     #[test]
-    fn members_of_a_promoted_backup_that_do_not_come_back_are_made_to_leave() {
-        let (mut primary, mut backup) = (node("bsp", false), node("bsp", true));
+    fn members_of_a_promoted_backup_leave_when_their_connection_ends_and_a_dropped_one_is_renumbered() {
+        let (mut primary, mut backup) = (node("asp", false), node("asp", true));
         primary.attach_backup(0, &mut Quiet).unwrap();
         primary.join(5, 1, 0, vec![0.0; 2], &mut Quiet);
         primary.join(5, 2, 1, Vec::new(), &mut Quiet);
+        primary.join(5, 3, 2, Vec::new(), &mut Quiet);
+        primary.push(6, 4, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        primary.push(6, 5, 0, 1, 1, None, vec![1.0; 2], None, &mut Quiet);
         deliver(drain(&mut primary), &mut backup);
         backup.promote();
-        let deadline = backup.poll_timeout().expect("members awaited");
-        assert_eq!(deadline, 5 + FIRST_REJOIN_NS);
-        backup.join(10, 3, 1, Vec::new(), &mut Quiet);
-        assert_eq!(backup.poll_timeout(), Some(10 + 1_000), "the grace counts from the first return");
-        backup.handle_timeout(10 + 1_000, &mut Quiet);
+        assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "members awaited");
+        backup.join(10, 6, 1, Vec::new(), &mut Quiet);
+        assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "no shorter grace once one is back");
+        // Worker 2's connection ends: it leaves at once. Worker 0 is still computing.
+        backup.lost(11, 2, LeaveReason::TimedOut, &mut Quiet);
+        let out = drain(&mut backup);
+        assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 2 })), "{out:?}");
+        backup.lost(11, 1, LeaveReason::TimedOut, &mut Quiet);
+        assert!(backup.shard().unwrap().is_member(1), "a member back is not the awaited one");
+        // Worker 0 stays away past the backstop: dropped.
+        backup.handle_timeout(6 + FIRST_REJOIN_NS, &mut Quiet);
         let out = drain(&mut backup);
         assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 0 })), "{out:?}");
-        assert!(!backup.shard().unwrap().is_member(0) && backup.shard().unwrap().is_member(1));
+        // Worker 1 pushes on; worker 0 returns: a new member at the shard's clock, told that its
+        // iterations from 2 on (its pushes 0 and 1 were applied) are now numbered from there.
+        backup.push(20, 7, 1, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        backup.join(21, 8, 0, Vec::new(), &mut Quiet);
+        let out = drain(&mut backup);
+        assert!(
+            out.iter().any(|o| matches!(
+                o,
+                NodeOutput::Reply { token: 8, reply: Reply::Joined(Ok(Joined::Fresh { clock: 1, next: 2 })) }
+            )),
+            "{out:?}"
+        );
     }
 }

@@ -360,6 +360,13 @@ impl Shard {
         }
     }
 
+    /// The iteration this shard expects next from `worker`, in the numbering of its last
+    /// membership here: a member's next push, or where one that left stopped; 0 for a worker
+    /// that never joined.
+    pub fn resumes_at(&self, worker: WorkerId) -> u64 {
+        self.next_push.get(worker as usize).copied().unwrap_or(0)
+    }
+
     /// Whether `worker` is a live member.
     pub fn is_member(&self, worker: WorkerId) -> bool {
         self.clocks.is_live(worker)

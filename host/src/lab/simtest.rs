@@ -72,6 +72,9 @@ pub struct Case {
     /// A policy hot-swapped to during both runs, at a time drawn from the undisturbed run's
     /// length (only between policies whose sums are exact).
     pub swap: Option<PolicySpec>,
+    /// A worker that hears of moves this many milliseconds later still, in the disturbed run
+    /// (10-30 s: longer than a restored shard's rejoin grace).
+    pub late_worker: Option<(u32, u64)>,
 }
 
 /// What a passing seed exercised.
@@ -176,6 +179,9 @@ impl Case {
         let swap = (unit_weights(&policy) && rng.random_bool(0.3)).then(|| {
             SWAP_TARGETS[rng.random_range(0..SWAP_TARGETS.len())].parse().expect("a built-in policy")
         });
+        // Drawn last, so that the draws above are what they were before it.
+        let late_worker =
+            rng.random_bool(0.2).then(|| (rng.random_range(0..workers), rng.random_range(10_000..=30_000)));
         Case {
             seed,
             scenario,
@@ -187,6 +193,7 @@ impl Case {
             worker_death,
             reorder_us,
             swap,
+            late_worker,
         }
     }
 
@@ -288,6 +295,7 @@ impl Case {
                 notice_delay_ns: self.notice_delay_ms * 1_000_000,
                 reorder_ns: self.reorder_us * 1000,
                 swaps: swaps.clone(),
+                late_worker: self.late_worker.map(|(w, ms)| (w, ms * 1_000_000)),
             },
         ) {
             Ok(f) => f,
@@ -326,7 +334,8 @@ impl Case {
         let waits = 1 + u64::from(faults > 1);
         let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
         let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
-        let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000) * faults as u64;
+        let late_ns = self.late_worker.map_or(0, |l| l.1 * 1_000_000);
+        let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64;
         if delay_ns > bound_ns {
             return Err(format!(
                 "{what}: the live workers finished {:.3} s after the undisturbed run's did (at {:.3} s), \
@@ -365,7 +374,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -387,7 +396,10 @@ impl Case {
                 0 => String::new(),
                 us => format!(", messages to shards up to {us} µs late (reordered)"),
             },
-            self.swap.as_ref().map(|p| format!(", hot swap to {p}")).unwrap_or_default()
+            self.swap.as_ref().map(|p| format!(", hot swap to {p}")).unwrap_or_default(),
+            self.late_worker
+                .map(|(w, ms)| format!(", worker {w} hears of moves {ms} ms later still"))
+                .unwrap_or_default()
         )
     }
 }

@@ -548,10 +548,15 @@ pub enum DataRequest {
 /// Answers on the data plane.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum DataResponse {
-    /// Joined; the worker starts at this iteration.
+    /// Joined as a new member; the worker starts at this iteration.
     Joined {
         /// Its clock.
         clock: u64,
+        /// The iteration the shard expected from it next when it last was a member, in the
+        /// numbering it had then (0 if it never was): a worker joining again after losing its
+        /// primary numbers its iterations from `next` on from `clock` now
+        /// ([`crate::shard::Joined::Fresh`]).
+        next: u64,
     },
     /// The push was admitted.
     PushAcked,

@@ -91,6 +91,9 @@ struct Shared {
     /// What the last swap committed here raised the workers' clocks by: a restarted coordinator
     /// finishes an interrupted swap with it on the servers that had not committed.
     levelled: Mutex<Vec<ClockRaise>>,
+    /// Workers whose connection here ended and who have not connected again: a shard promoted
+    /// here later does not wait for them (at most `--max-workers` ids).
+    gone: Mutex<BTreeSet<WorkerId>>,
     /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
     /// [`Holdings`](crate::net::proto::Holdings).
     terms: Mutex<HashMap<u32, u64>>,
@@ -231,6 +234,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         prepared: Mutex::new(HashMap::new()),
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
         levelled: Mutex::new(Vec::new()),
+        gone: Mutex::new(BTreeSet::new()),
         terms: Mutex::new(terms),
         coordinator: opts.coordinator,
         limits: opts.limits,
@@ -761,6 +765,12 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             };
             match ask(&tx, |reply| ShardCmd::Promote { reply }).await {
                 Ok(()) => {
+                    // Members whose connection here has ended already will not come back.
+                    let gone: Vec<WorkerId> =
+                        shared.gone.lock().expect("not poisoned").iter().copied().collect();
+                    for worker in gone {
+                        let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
+                    }
                     shared.shards.write().expect("not poisoned").insert(shard, tx);
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
                     ServerReply::Ok
@@ -856,6 +866,9 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
         return;
     }
     tracing::debug!(%addr, ?worker, "peer connected");
+    if let Some(w) = worker {
+        shared.gone.lock().expect("not poisoned").remove(&w);
+    }
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let _sharing = shared.windows.join(&conn);
     let (controls, control_rx) = mpsc::unbounded_channel();
@@ -882,6 +895,13 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                         if let Some(tx) = shared.shard(shard) {
                             let _ = tx.send(ShardCmd::Leave { worker: w, reason, reply: None }).await;
                         }
+                    }
+                }
+                // Shards promoted here may await it still: it joined them on their old primary.
+                if let Some(w) = worker {
+                    shared.gone.lock().expect("not poisoned").insert(w);
+                    for (_, tx) in shared.primaries() {
+                        let _ = tx.send(ShardCmd::Lost { worker: w, reason }).await;
                     }
                 }
                 break;
@@ -1007,7 +1027,7 @@ async fn handle_request(
                 Ok(joined) => {
                     peer.joined.lock().expect("not poisoned").insert(shard);
                     match joined {
-                        Joined::Fresh(clock) => (DataResponse::Joined { clock }, None),
+                        Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
                         Joined::Rejoined(next) => (DataResponse::Rejoined { next }, None),
                     }
                 }

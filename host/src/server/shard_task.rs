@@ -76,6 +76,12 @@ pub(crate) enum ShardCmd {
     Read {
         reply: Reply<(u64, Arc<Vec<f32>>)>,
     },
+    /// The server's connection to a worker ended: a member the shard awaits since a promotion
+    /// leaves ([`ShardNode::lost`]).
+    Lost {
+        worker: WorkerId,
+        reason: LeaveReason,
+    },
     Swap {
         module: PolicyModule,
         config: Vec<(String, String)>,
@@ -429,6 +435,7 @@ impl ShardTask {
                 let token = reply.map(|r| p.wait(Waiter::Done(r)));
                 p.node.leave(now, token, worker, reason, &mut p.obs);
             }
+            ShardCmd::Lost { worker, reason } => p.node.lost(now, worker, reason, &mut p.obs),
             ShardCmd::Read { reply } => {
                 let _ = reply.send(match p.node.shard() {
                     Some(s) => Ok((s.version(), Arc::clone(s.shared_values()))),

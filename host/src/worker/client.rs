@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
@@ -56,8 +56,14 @@ pub struct WorkerClient {
     leaving: Arc<AtomicBool>,
     servers: Vec<quinn::Connection>,
     shards: Vec<ShardPlace>,
-    /// Per shard: how far the shard's clock is behind the worker's iteration numbering.
-    offsets: Vec<u64>,
+    /// Per shard: what the shard's numbering of this worker's iterations adds to the worker's
+    /// own (negative for a late joiner, whom shards behind the others number from their
+    /// clock; changed when a shard that dropped this worker takes it back, see
+    /// [`on_primary`](Self::on_primary)).
+    offsets: Vec<AtomicI64>,
+    /// Per shard: held while this worker joins it again after losing its primary, so that the
+    /// renumbering a fresh join brings is in place before any other request goes there.
+    rejoining: Vec<tokio::sync::Mutex<()>>,
     /// Per shard: the version of the parameters last pulled (what the next push is based on).
     pulled: Vec<AtomicU64>,
     model_len: usize,
@@ -218,7 +224,8 @@ impl WorkerClient {
             coordinator: linked,
             leaving,
             servers: conns,
-            offsets: vec![0; shards.len()],
+            offsets: shards.iter().map(|_| AtomicI64::new(0)).collect(),
+            rejoining: shards.iter().map(|_| tokio::sync::Mutex::new(())).collect(),
             pulled: shards.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
             shards,
             model_len,
@@ -236,7 +243,12 @@ impl WorkerClient {
     /// (the coordinator moves the shard, or the server says it no longer holds it), the worker
     /// rejoins the shard on its new primary and runs `f` again there: a push is then
     /// acknowledged once (as a duplicate if the new primary had it), a parked pull is answered
-    /// by the one the new primary has parked.
+    /// by the one the new primary has parked. `f` numbers iterations as the shard does each time
+    /// it runs ([`shard_iteration`](Self::shard_iteration)): a new primary that had dropped this
+    /// worker (it came back after the rejoin grace) takes it as a new member, and says where its
+    /// old numbering stopped; from there on its iterations are numbered from the clock it joined
+    /// at, and those before were all applied, so a retried push is applied once or
+    /// acknowledged as the duplicate it is.
     async fn on_primary<T>(
         &self,
         shard: u32,
@@ -290,6 +302,8 @@ impl WorkerClient {
                 "shard moved ({lost}); retrying there"
             );
             let conn = &self.servers[to as usize];
+            let index = self.shards.iter().position(|p| p.shard == shard).unwrap_or(0);
+            let _alone = self.rejoining[index].lock().await;
             match net::request::<_, DataResponse>(
                 conn,
                 &DataRequest::Join { shard },
@@ -298,7 +312,18 @@ impl WorkerClient {
             )
             .await?
             {
-                (DataResponse::Rejoined { .. } | DataResponse::Joined { .. }, _) => {}
+                (DataResponse::Rejoined { .. }, _) => {}
+                (DataResponse::Joined { clock, next }, _) => {
+                    let by = clock as i64 - next as i64;
+                    self.offsets[index].fetch_add(by, Ordering::SeqCst);
+                    tracing::warn!(
+                        worker = self.id,
+                        shard,
+                        next,
+                        clock,
+                        "the shard's new primary had dropped this worker: it numbers our iterations from {next} on from {clock} now"
+                    );
+                }
                 (other, _) => return Err(refused(conn, other)),
             }
         }
@@ -359,7 +384,7 @@ impl WorkerClient {
                 )
                 .await?
                 {
-                    (DataResponse::Joined { clock }, _) => Ok((clock, false)),
+                    (DataResponse::Joined { clock, .. }, _) => Ok((clock, false)),
                     (DataResponse::Rejoined { next }, _) => Ok((next, true)),
                     (other, _) => Err(refused(conn, other)),
                 }
@@ -368,12 +393,12 @@ impl WorkerClient {
         let joined = futures::future::try_join_all(joins).await?;
         if joined.iter().any(|j| j.1) {
             let start = joined.iter().map(|j| j.0).min().unwrap_or(0);
-            self.offsets = vec![0; joined.len()];
+            self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
             tracing::info!(worker = self.id, start, "rejoined restored shards");
             return Ok(start);
         }
         let start = joined.iter().map(|j| j.0).max().unwrap_or(0);
-        self.offsets = joined.iter().map(|j| start - j.0).collect();
+        self.offsets = joined.iter().map(|j| AtomicI64::new(j.0 as i64 - start as i64)).collect();
         Ok(start)
     }
 
@@ -388,8 +413,9 @@ impl WorkerClient {
         }
     }
 
+    /// How shard `i` numbers this worker's iteration `iteration`.
     fn shard_iteration(&self, i: usize, iteration: u64) -> u64 {
-        iteration.saturating_sub(self.offsets[i])
+        iteration.saturating_add_signed(self.offsets[i].load(Ordering::SeqCst))
     }
 
     /// Pulls the whole model before computing `iteration`, into `out`. Returns when every shard
@@ -415,11 +441,11 @@ impl WorkerClient {
         let mut pulls = Vec::with_capacity(self.shards.len());
         for (i, p) in self.shards.iter().enumerate() {
             let mut mine = parts.next().expect("one part per shard");
-            let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
             let limits = self.limits;
-            pulls.push(
-                self.on_primary(p.shard, async move |conn| pull_into(conn, &req, &mut mine, limits).await),
-            );
+            pulls.push(self.on_primary(p.shard, async move |conn| {
+                let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
+                pull_into(conn, &req, &mut mine, limits).await
+            }));
         }
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
         for (i, (waited_ns, version)) in futures::future::try_join_all(pulls).await?.into_iter().enumerate() {
@@ -539,9 +565,10 @@ impl WorkerClient {
         assert_eq!(grad.as_slice().len(), self.model_len * f32s, "grad must be the whole model");
         let pushes = self.shards.iter().enumerate().map(|(i, p)| {
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            let req = make(i, p.shard, based_on);
             let values = grad.slice(p.start as usize * f32s..p.end as usize * f32s);
+            let make = &make;
             self.on_primary(p.shard, async move |conn| {
+                let req = make(i, p.shard, based_on);
                 match net::request::<_, DataResponse>(conn, &req, values.clone(), &self.limits).await? {
                     // A duplicate is an iteration the shard already has (the worker redoes it
                     // after a restore, or retries it after a failover): acknowledged, applied once.
@@ -557,16 +584,18 @@ impl WorkerClient {
     /// Whether every shard numbers this worker's iterations as it does (it joined before
     /// training started, or when all shards were level): only then can its tasks move.
     pub fn numbering_shared(&self) -> bool {
-        self.offsets.iter().all(|o| *o == 0)
+        self.offsets.iter().all(|o| o.load(Ordering::SeqCst) == 0)
     }
 
-    /// Sends one request to the server holding `shard`; it must answer Ok.
-    async fn on_shard(&self, shard: u32, req: DataRequest) -> Result<(), NodeError> {
-        let place = self.shards.iter().find(|p| p.shard == shard).ok_or_else(|| {
+    /// Sends the server holding `shard` the request `make(index)` builds (`index`: the shard's
+    /// place in [`shards`](Self::shards)); it must answer Ok.
+    async fn on_shard(&self, shard: u32, make: impl Fn(usize) -> DataRequest) -> Result<(), NodeError> {
+        let index = self.shards.iter().position(|p| p.shard == shard).ok_or_else(|| {
             NodeError::Protocol(format!("a control message named shard {shard}, which we do not use"))
         })?;
         let result = self
-            .on_primary(place.shard, async |conn| {
+            .on_primary(shard, async |conn| {
+                let req = make(index);
                 match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
                     (other, _) => Err(refused(conn, other)),
@@ -590,7 +619,7 @@ impl WorkerClient {
         part: u32,
     ) -> Result<(), NodeError> {
         let req = DataRequest::TasksYielded { shard, to, iteration, first, count, total, batch, part };
-        self.on_shard(shard, req).await
+        self.on_shard(shard, |_| req.clone()).await
     }
 
     /// Acknowledges a control message from `shard`'s policy: it applies from `iteration` on.
@@ -600,9 +629,12 @@ impl WorkerClient {
         control: Control,
         iteration: u64,
     ) -> Result<(), NodeError> {
-        let index = self.shards.iter().position(|p| p.shard == shard).unwrap_or(0);
-        let iteration = self.shard_iteration(index, iteration);
-        self.on_shard(shard, DataRequest::ControlApplied { shard, control, iteration }).await
+        self.on_shard(shard, |i| DataRequest::ControlApplied {
+            shard,
+            control,
+            iteration: self.shard_iteration(i, iteration),
+        })
+        .await
     }
 
     /// Tells every shard this worker skips to iteration `to` (a policy's `SkipTo`); returns once
@@ -629,9 +661,10 @@ impl WorkerClient {
 
     /// Sends every shard the request `make(index, shard)` builds, at once; each must answer Ok.
     async fn on_every_shard(&self, make: impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
+        let make = &make;
         let calls = self.shards.iter().enumerate().map(|(i, p)| {
-            let req = make(i, p.shard);
             self.on_primary(p.shard, async move |conn| {
+                let req = make(i, p.shard);
                 match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
                     (other, _) => Err(refused(conn, other)),

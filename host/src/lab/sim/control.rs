@@ -251,7 +251,11 @@ impl Sim {
                 CoordOutput::Moved { shard, .. } => {
                     let most = self.opts.faults.notice_delay_ns;
                     for w in 0..self.workers.len() as u32 {
-                        let delay = if most > 0 { self.rng.random_range(0..=most) } else { 0 };
+                        let mut delay = if most > 0 { self.rng.random_range(0..=most) } else { 0 };
+                        if let Some((late, by)) = self.opts.faults.late_worker.filter(|l| l.0 == w) {
+                            debug_assert_eq!(late, w);
+                            delay += by;
+                        }
                         self.at(self.now + self.latency_ns + delay, Ev::Moved(w, shard));
                     }
                 }
@@ -281,7 +285,17 @@ impl Sim {
     /// Server `x` carries out a coordinator's command; returns whether it could.
     fn carry_out(&mut self, x: u32, command: Command) -> Result<bool, SimError> {
         match command {
-            Command::Promote { shard } => Ok(self.promote(shard, x)),
+            Command::Promote { shard } => {
+                let promoted = self.promote(shard, x);
+                // A member whose connection to this server timed out already leaves at once, as
+                // the server tells its promoted shards.
+                for w in (0..self.workers.len() as u32).filter(|&w| promoted && self.workers[w as usize].gone)
+                {
+                    self.nodes[shard as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
+                }
+                self.drain(shard)?;
+                Ok(promoted)
+            }
             Command::DropBackup { shard } => {
                 let su = shard as usize;
                 if self.server_of[su] != x {
@@ -418,7 +432,7 @@ impl Sim {
             }
             return Ok(());
         }
-        let token = self.token(Req::Join { w, s });
+        let token = self.token(Req::Join { w, s, again: true });
         self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
         self.drain(s)?;
         // Each lost pull and push is asked again, once, if the worker still waits for it.

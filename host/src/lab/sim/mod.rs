@@ -49,7 +49,7 @@ use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
 
-use syncopate_policy_sdk::abi::{Applied, LeaveReason, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerClock, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
@@ -58,7 +58,7 @@ use crate::lease::ServerLease;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
 use crate::shard::{
-    NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
+    Joined, NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
     ShardNode, Stamped, Token,
 };
 use crate::worker::WorkerReport;
@@ -114,6 +114,10 @@ pub struct SimFaults {
     /// longer than the latency, in nanoseconds, drawn per notice from the scenario's seed: a
     /// worker may go on addressing a shard's old primary for that long.
     pub notice_delay_ns: u64,
+    /// One worker that hears of every move this much later still, in nanoseconds: a worker in
+    /// a long iteration, or paused, while its shards fail over (longer than the rejoin grace a
+    /// restored shard gives).
+    pub late_worker: Option<(WorkerId, u64)>,
 }
 
 /// A server cut off from the coordinator for a while: the workers and the other servers still
@@ -228,7 +232,8 @@ enum Req {
     /// A worker's push (`help`: of tasks moved to it; `whole`: its own whole iteration).
     Push { w: WorkerId, s: u32, help: bool, iteration: u64, whole: bool },
     /// Worker `w`'s join: it starts once every shard has answered its first.
-    Join { w: WorkerId, s: u32 },
+    /// A worker's join (`again`: after it heard the shard moved).
+    Join { w: WorkerId, s: u32, again: bool },
     /// A reply nobody acts on (a skip).
     Ignore { s: u32 },
 }
@@ -276,6 +281,8 @@ struct SimWorker {
     done: bool,
     /// Its process died.
     dead: bool,
+    /// The servers' connections to it have timed out (a peer timeout after its death).
+    gone: bool,
 }
 
 /// A hot swap under way: its number, module and configuration.
@@ -341,6 +348,10 @@ struct Sim {
     term: Vec<u32>,
     /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
     known: Vec<Vec<u32>>,
+    /// Per worker, per shard: what the shard's numbering of the worker's iterations adds to the
+    /// worker's own, changed when a new primary that had dropped the worker takes it back (as
+    /// `WorkerClient` renumbers, see [`Joined::Fresh`](crate::shard::Joined::Fresh)).
+    renumbered: Vec<Vec<i64>>,
     /// The hot swap under way: its number, module and configuration.
     swapping: Option<Swapping>,
     /// The clocks servers prepared a swap with, by the preparation's command, until the answer
@@ -530,6 +541,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             wake_at: None,
             done: false,
             dead: false,
+            gone: false,
         });
     }
     // The coordinator: every server registers and is answered, and the backups made above are
@@ -598,6 +610,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         starting: true,
         term: vec![0; shards_n as usize],
         known: vec![vec![0; shards_n as usize]; n as usize],
+        renumbered: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         swapping: None,
         prepared: BTreeMap::new(),
@@ -615,7 +628,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     // its join is on the backup too).
     for s in 0..shards_n {
         for w in 0..n {
-            let token = sim.token(Req::Join { w, s });
+            let token = sim.token(Req::Join { w, s, again: false });
             sim.nodes[s as usize].join(0, token, w, Vec::new(), &mut Quiet);
             sim.drain(s)?;
         }
@@ -763,6 +776,11 @@ impl Sim {
     }
 
     /// A token for a request to a shard.
+    /// How shard `s` numbers worker `w`'s iteration `iteration`.
+    fn numbered(&self, w: WorkerId, s: u32, iteration: u64) -> u64 {
+        iteration.saturating_add_signed(self.renumbered[w as usize][s as usize])
+    }
+
     fn token(&mut self, req: Req) -> Token {
         self.next_token += 1;
         self.requests.insert(self.next_token, req);
@@ -779,7 +797,12 @@ impl Sim {
                         (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
                             self.served(s, w, iteration, served)
                         }
-                        (Req::Join { w, .. }, Reply::Joined(Ok(_))) => {
+                        (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
+                            if let (true, Joined::Fresh { clock, next }) = (again, joined) {
+                                // A new primary that had dropped it: its numbering there moves.
+                                self.renumbered[w as usize][s as usize] += clock as i64 - next as i64;
+                                tracing::debug!(worker = w, shard = s, next, clock, "taken back afresh");
+                            }
                             self.joins[w as usize] += 1;
                             if !self.starting && self.joins[w as usize] == self.nodes.len() as u32 {
                                 self.start(w)?;
@@ -933,6 +956,7 @@ impl Sim {
     /// The servers' connections to dead worker `w` time out: it leaves every shard it is a
     /// member of.
     fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
+        self.workers[w as usize].gone = true;
         for s in 0..self.nodes.len() as u32 {
             if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
                 self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
@@ -1078,7 +1102,8 @@ impl Sim {
             }
             Ev::PullArrive(w, s, iteration) => {
                 let token = self.token(Req::Pull { w, s, iteration });
-                self.nodes[s as usize].pull(self.now, token, w, iteration, &mut Quiet);
+                let numbered = self.numbered(w, s, iteration);
+                self.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
                 self.drain(s)?;
             }
             Ev::PullDone(w) => {
@@ -1105,8 +1130,10 @@ impl Sim {
                 let (iteration, whole) = (job.iteration, job.tasks.is_none());
                 let token = self.token(Req::Push { w, s, help, iteration, whole });
                 let tasks = job.tasks.map(|part| (job.owner, part));
+                // Another worker's tasks are numbered as their owner numbers them.
+                let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
                 self.nodes[s as usize]
-                    .push(self.now, token, w, iteration, samples, based_on, grad, tasks, &mut Quiet);
+                    .push(self.now, token, w, numbered, samples, based_on, grad, tasks, &mut Quiet);
                 self.drain(s)?;
             }
             Ev::AckArrive(w, help) => {
@@ -1121,15 +1148,22 @@ impl Sim {
             Ev::ToShard(w, s, i) => {
                 // A worker that has left cannot be heard from: the shard says so, and that is
                 // what the cluster's servers do too.
+                let by = self.renumbered[w as usize][s as usize];
                 let (now, node) = (self.now, &mut self.nodes[s as usize]);
                 match self.to_shard.deliver(i) {
                     ToShard::Handover(handover) => node.yielded(now, handover, &mut Quiet),
-                    ToShard::Applied(applied) => node.applied(now, applied, &mut Quiet),
-                    ToShard::Finished(report) => node.finished(now, report, &mut Quiet),
+                    ToShard::Applied(applied) => {
+                        let iteration = applied.iteration.saturating_add_signed(by);
+                        node.applied(now, Applied { iteration, ..applied }, &mut Quiet)
+                    }
+                    ToShard::Finished(report) => {
+                        let iteration = report.iteration.saturating_add_signed(by);
+                        node.finished(now, IterationReport { iteration, ..report }, &mut Quiet)
+                    }
                     ToShard::Skip(to) => {
                         self.next_token += 1;
                         self.requests.insert(self.next_token, Req::Ignore { s });
-                        node.skip(now, self.next_token, w, to, &mut Quiet)
+                        node.skip(now, self.next_token, w, to.saturating_add_signed(by), &mut Quiet)
                     }
                     ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
                 }
