@@ -9,8 +9,9 @@
 //! and faults: a server killed at an event drawn from the undisturbed run's, a second one later
 //! (half the three-server seeds), a server cut off from the coordinator one way or both for a
 //! while, the coordinator's notices of moves reaching the workers late, a worker killed, the
-//! workers' messages to shards delayed so that they overtake each other, and a hot swap (each
-//! in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`;
+//! workers' messages to shards delayed so that they overtake each other, a hot swap, and a
+//! worker that hears of moves 10-30 s later still, as one stalled in a long iteration (each in
+//! some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`;
 //! lr 1, no momentum, summed pushes) undisturbed, and with the faults, and checks:
 //! - every live worker ran every iteration, in both runs;
 //! - where the policy admits every push at weight 1 (all but R²SP), the undisturbed model is
@@ -21,7 +22,7 @@
 //! - every backup equalled its primary whenever it had applied every op its primary had, and at
 //!   the end their whole snapshots are the same bytes;
 //! - liveness: the live workers finish within a bound of the undisturbed run's
-//!   (twice `FAILOVER_MS` per fault, plus the notices' delay, partitions and a dead
+//!   (twice `FAILOVER_MS` per fault, plus the notices' delays, partitions and a dead
 //!   worker's peer timeouts aside).
 //!
 //! A second fault that comes before the first failover's new backups hold their shards can take
@@ -330,7 +331,7 @@ impl Case {
         // wait out a dead worker's timeouts.
         let delay_ns = finished_at(&failed, dead_worker).saturating_sub(finished_at(&clean, None));
         // A dead worker is made to leave a peer timeout after its death, and synchronous rules
-        // wait for it until then; a backup promoted later waits as long again for it to rejoin.
+        // wait for it until then; a backup promoted before then waits for it as long.
         let waits = 1 + u64::from(faults > 1);
         let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
         let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
