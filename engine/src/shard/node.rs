@@ -19,9 +19,11 @@
 //!   backup applies its primary's ops ([`replicated`]) at the primary's times, answers nobody,
 //!   and confirms each ([`NodeOutput::Confirm`]). A backup attached mid-run starts from a
 //!   snapshot that the primary restarts itself from ([`attach_backup`]).
-//! - **promotion and returning members.** A promoted backup, or a shard restored from a
-//!   checkpoint, waits for its members to rejoin: a minute for the first (or the rejoin grace,
-//!   if longer), then the grace for the rest; those that do not come back are made to leave.
+//! - **promotion and returning members.** A shard restored from a checkpoint waits for its
+//!   members to rejoin: a minute for the first (or the rejoin grace, if longer), then the grace
+//!   for the rest. A promoted backup waits for each member until the driver says its connection
+//!   ended ([`ShardNode::lost`]), or a minute. Those that do not come back are made to leave;
+//!   one that comes back later joins afresh, renumbered ([`Joined::Fresh`]).
 //! - **time.** Every input carries the driver's time in nanoseconds; [`poll_timeout`] says
 //!   when the node wants [`handle_timeout`] (a policy timer, on a primary; a rejoin deadline).
 //!

@@ -74,7 +74,7 @@ pub struct Case {
     /// length (only between policies whose sums are exact).
     pub swap: Option<PolicySpec>,
     /// A worker that hears of moves this many milliseconds later still, in the disturbed run
-    /// (10-30 s: longer than a restored shard's rejoin grace).
+    /// (10-30 s: longer than the grace promoted shards used to give).
     pub late_worker: Option<(u32, u64)>,
 }
 

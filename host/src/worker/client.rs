@@ -245,10 +245,10 @@ impl WorkerClient {
     /// acknowledged once (as a duplicate if the new primary had it), a parked pull is answered
     /// by the one the new primary has parked. `f` numbers iterations as the shard does each time
     /// it runs ([`shard_iteration`](Self::shard_iteration)): a new primary that had dropped this
-    /// worker (it came back after the rejoin grace) takes it as a new member, and says where its
-    /// old numbering stopped; from there on its iterations are numbered from the clock it joined
-    /// at, and those before were all applied, so a retried push is applied once or
-    /// acknowledged as the duplicate it is.
+    /// worker (it stayed away past the promoted shard's backstop) takes it as a new member, and
+    /// says where its old numbering stopped; from there on its iterations are numbered from the
+    /// clock it joined at, and those before were all applied, so a retried push is applied once
+    /// or acknowledged as the duplicate it is.
     async fn on_primary<T>(
         &self,
         shard: u32,

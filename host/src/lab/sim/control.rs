@@ -423,8 +423,8 @@ impl Sim {
         self.limbo = rest;
         let member = sim_shard(&self.nodes[su]).is_member(w);
         if self.workers[wu].machine.is_done() {
-            // Its goodbye went to the dead primary. The cluster waits the rejoin grace for a
-            // member that does not come back; the simulator lets it leave now.
+            // Its goodbye went to the dead primary. A cluster makes it leave when it closes its
+            // connection to the new primary's server, after its goodbye; the simulator, now.
             if member {
                 self.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
                 self.drain(s)?;

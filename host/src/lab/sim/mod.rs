@@ -36,7 +36,7 @@
 //! ([`SimError::ShardLost`]). The model is the worst case: ops still on their way from the dead
 //! primary and confirmations from a dead backup are lost too. One thing differs from a
 //! cluster: a worker that had finished and whose goodbye went to the dead server leaves when it
-//! hears of the move (a cluster waits the rejoin grace for it).
+//! hears of the move (a cluster's server, when it closes its connection there).
 //!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
@@ -115,8 +115,8 @@ pub struct SimFaults {
     /// worker may go on addressing a shard's old primary for that long.
     pub notice_delay_ns: u64,
     /// One worker that hears of every move this much later still, in nanoseconds: a worker in
-    /// a long iteration, or paused, while its shards fail over (longer than the rejoin grace a
-    /// restored shard gives).
+    /// a long iteration, or paused, while its shards fail over (longer than the 10 s grace
+    /// promoted shards used to give).
     pub late_worker: Option<(WorkerId, u64)>,
 }
 
