@@ -39,9 +39,28 @@ fn main() {
         writeln!(out, "    ({name:?}, {entry:?}),").unwrap();
     }
     out.push_str("];\n");
-    let dest =
-        PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("policy_template.rs");
-    std::fs::write(dest, out).expect("write OUT_DIR file");
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    std::fs::write(out_dir.join("policy_template.rs"), out).expect("write OUT_DIR file");
+
+    // The fault search's misbehaving module (`tests/hostile-policy`), which `syncopate simtest`
+    // hot-swaps to in some seeds: it traps, spins or panics on the events it is told to.
+    let hostile = syncopate_policy_build::build(
+        &root,
+        &["syncopate-hostile-policy"],
+        &["tests/hostile-policy", "policy-sdk", "policy-build"],
+    );
+    let hostile = match hostile {
+        Ok(paths) => paths[0].display().to_string(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let text = format!(
+        "/// The fault search's misbehaving policy module (`tests/hostile-policy`), as wasm.\n\
+         pub const HOSTILE_WASM: &[u8] = include_bytes!({hostile:?});\n"
+    );
+    std::fs::write(out_dir.join("hostile_policy.rs"), text).expect("write OUT_DIR file");
 }
 
 fn read_toml(path: &Path) -> toml::Table {

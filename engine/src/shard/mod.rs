@@ -196,8 +196,12 @@ pub trait ShardSink: Observer {
 pub trait Observer {
     /// A policy records a metric.
     fn metric(&mut self, _name: &str, _value: f64) {}
-    /// The policy failed; the shard recovered as described in the module docs.
+    /// The policy failed; the shard recovered as described in the module docs. The shard logs
+    /// it at debug level only: the driver says it where it is news (a server warns).
     fn policy_failed(&mut self, _error: &PolicyError) {}
+    /// The policy failed too often: the shard no longer calls it, and runs on the fallback
+    /// rules until a swap. Logged by the driver, as [`policy_failed`](Self::policy_failed).
+    fn policy_quarantined(&mut self, _policy: &str) {}
     /// A policy instance started: the first, one swapped in, or a restart (for recordings:
     /// [`crate::recording`]).
     fn policy_started(&mut self, _start: &PolicyStart<'_>) {}
@@ -1308,7 +1312,7 @@ impl Shard {
     /// restart or quarantine the policy.
     fn fail(&mut self, error: PolicyError, kind: EventKind, now_ns: u64, sink: &mut dyn ShardSink) {
         self.stats.policy_failures += 1;
-        tracing::warn!(shard = self.shard, %error, "policy failure");
+        tracing::debug!(shard = self.shard, %error, "policy failure");
         self.last_failure = Some(error.to_string());
         sink.policy_failed(&error);
         self.fallback(now_ns, sink);
@@ -1321,11 +1325,13 @@ impl Shard {
                 if let Some(e) = cause {
                     sink.policy_failed(&e);
                 }
-                tracing::error!(
+                let policy = self.supervisor.module().display_name();
+                tracing::debug!(
                     shard = self.shard,
-                    policy = self.supervisor.module().display_name(),
+                    policy,
                     "policy quarantined; fallback rules in force until a swap"
                 );
+                sink.policy_quarantined(policy);
                 self.parked.explicit_to_fallback();
                 while let Some(h) = self.held.pop() {
                     self.admit(h, None, sink);

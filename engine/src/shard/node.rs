@@ -355,6 +355,10 @@ impl Observer for Tap<'_> {
         self.obs.policy_failed(error);
     }
 
+    fn policy_quarantined(&mut self, policy: &str) {
+        self.obs.policy_quarantined(policy);
+    }
+
     fn policy_started(&mut self, start: &PolicyStart<'_>) {
         self.obs.policy_started(start);
     }
@@ -835,7 +839,9 @@ impl ShardNode {
     /// A backup receives its primary's op (`grad`: a push's gradient, a creation's
     /// parameters), applies it at the primary's time and confirms it. `find` gives a swap's
     /// module by SHA-256. A node that is no longer a backup (promoted) ignores the old
-    /// primary's late ops, and confirms none.
+    /// primary's late ops, and confirms none. The ops' numbers come from a peer and are
+    /// checked: an op the backup holds already is confirmed again, not applied twice, and one
+    /// past a gap in the numbering is refused.
     pub fn replicated(
         &mut self,
         stamped: Stamped,
@@ -854,7 +860,22 @@ impl ShardNode {
             );
             return;
         }
-        let seq = stamped.seq;
+        let (seq, have) = (stamped.seq, self.pending.gate.seq());
+        // The stream is numbered 1, 2, 3... A backup that has taken no op yet (one started
+        // from a snapshot) takes its place in it from the first; after that an op it holds is
+        // confirmed again and not applied twice, and one past a gap is refused: applying it
+        // would make the backup differ from its primary.
+        if have != 0 && seq != have + 1 {
+            if seq <= have {
+                tracing::debug!(shard = id, seq, have, "an op the backup holds already; not applied again");
+                if let Some(out) = obs.send_now(NodeOutput::Confirm { seq: have }) {
+                    self.pending.out.push_back(out);
+                }
+            } else {
+                tracing::error!(shard = id, seq, have, "an op past a gap in the replication stream; refused");
+            }
+            return;
+        }
         if let Some(out) = obs.send_now(NodeOutput::Confirm { seq }) {
             self.pending.out.push_back(out);
         }
@@ -1028,6 +1049,49 @@ mod tests {
         ));
         assert_eq!(backup.shard().unwrap().values(), &[-1.0; 4][..]);
         assert_eq!(primary.shard().unwrap().values(), backup.shard().unwrap().values());
+    }
+
+    #[test]
+    fn a_backup_applies_a_repeated_op_once_and_refuses_one_past_a_gap() {
+        let (mut primary, mut backup) = (node("asp", false), node("asp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(1, 1, 0, vec![0.0; 2], &mut Quiet);
+        let ops = |out: Vec<NodeOutput>| -> Vec<(Stamped, Vec<f32>)> {
+            out.into_iter()
+                .filter_map(|o| match o {
+                    NodeOutput::Replicate { stamped, payload } => Some((stamped, payload)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut stream = ops(drain(&mut primary));
+        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        stream.extend(ops(drain(&mut primary)));
+        primary.push(3, 3, 0, 1, 1, None, vec![1.0; 2], None, &mut Quiet);
+        let last = ops(drain(&mut primary));
+        let confirms = |b: &mut ShardNode| -> Vec<u64> {
+            drain(b)
+                .iter()
+                .filter_map(|o| if let NodeOutput::Confirm { seq } = o { Some(*seq) } else { None })
+                .collect()
+        };
+        for (stamped, payload) in stream.iter().chain(stream.iter()) {
+            backup.replicated(stamped.clone(), payload.clone(), |_| None, &mut Quiet);
+        }
+        let have = stream.last().unwrap().0.seq;
+        assert!(confirms(&mut backup).iter().all(|&c| c <= have), "repeats confirm what it holds");
+        assert_eq!(backup.replication().0, have);
+        assert_eq!(backup.shard().unwrap().values(), &[-1.0; 2][..], "the repeated push is applied once");
+
+        // An op numbered past the next one is refused; the next one is then taken.
+        let (mut skipped, payload) = last[0].clone();
+        skipped.seq += 1;
+        backup.replicated(skipped, payload.clone(), |_| None, &mut Quiet);
+        assert!(confirms(&mut backup).is_empty(), "nothing past a gap is confirmed");
+        assert_eq!(backup.replication().0, have);
+        backup.replicated(last[0].0.clone(), payload, |_| None, &mut Quiet);
+        assert_eq!(confirms(&mut backup), vec![have + 1]);
+        assert_eq!(backup.shard().unwrap().values(), primary.shard().unwrap().values());
     }
 
     #[test]

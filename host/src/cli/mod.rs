@@ -96,8 +96,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
     println!(
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
-         with a worker death, {} with a hot swap, {} losing a shard's last copy (as a cluster would); the \
-         longest a disturbed \
+         with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
+         delivered twice, {} losing a shard's last copy (as a cluster would); the longest a disturbed \
          run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
         found.seconds,
@@ -109,6 +109,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.partitions,
         e.worker_deaths,
         e.swaps,
+        e.hostile,
+        e.duplicates,
         e.lost,
         e.max_delay_ms as f64 / 1e3
     );

@@ -42,7 +42,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
-    simulate, Cut, FailAt, SimError, SimFailure, SimFaults, SimOptions, SimPartition, Simulated,
+    simulate, Cut, FailAt, SimError, SimFailure, SimFaults, SimOptions, SimPartition, Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
 
@@ -76,6 +76,9 @@ pub struct Case {
     /// A worker that hears of moves this many milliseconds later still, in the disturbed run
     /// (10-30 s: longer than the grace promoted shards used to give).
     pub late_worker: Option<(u32, u64)>,
+    /// The chance that a message a shard took (from a worker, or a backup from its primary)
+    /// reaches it again (in both runs).
+    pub duplicate: f64,
 }
 
 /// What a passing seed exercised.
@@ -98,6 +101,10 @@ pub struct Exercised {
     pub worker_deaths: u64,
     /// Seeds with a hot swap (each runs a third time: the undisturbed run, with the swap).
     pub swaps: u64,
+    /// Of those, swaps to a module that traps, spins or panics.
+    pub hostile: u64,
+    /// Messages that reached a shard's primary or backup twice.
+    pub duplicates: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
@@ -113,6 +120,8 @@ impl std::ops::AddAssign for Exercised {
         self.partitions += o.partitions;
         self.worker_deaths += o.worker_deaths;
         self.swaps += o.swaps;
+        self.duplicates += o.duplicates;
+        self.hostile += o.hostile;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
 }
@@ -183,6 +192,22 @@ impl Case {
         // Drawn last, so that the draws above are what they were before it.
         let late_worker =
             rng.random_bool(0.2).then(|| (rng.random_range(0..workers), rng.random_range(10_000..=30_000)));
+        let duplicate = if rng.random_bool(0.3) { rng.random_range(0.01..0.25) } else { 0.0 };
+        // In some seeds the swap is to a module that traps, spins or panics on every pull or
+        // every push after a while: the shards restart it, then quarantine it and go on under
+        // the fallback rules (a push admitted, a pull served by BSP's rule), alike on every
+        // primary and backup (fuel, not time, stops a spin).
+        let hostile = swap.is_some() && rng.random_bool(0.3);
+        let swap = match hostile {
+            true => {
+                let on = ["pull", "push"][rng.random_range(0..2)];
+                let how = ["trap", "loop", "panic"][rng.random_range(0..3)];
+                let after = rng.random_range(0..=60);
+                let spec = format!("{HOSTILE}:mode={on}:{how},after={after}");
+                Some(spec.parse().expect("the hostile module's spec parses"))
+            }
+            false => swap,
+        };
         Case {
             seed,
             scenario,
@@ -195,6 +220,7 @@ impl Case {
             reorder_us,
             swap,
             late_worker,
+            duplicate,
         }
     }
 
@@ -218,7 +244,11 @@ impl Case {
     pub fn check(&self, rt: &PolicyRuntime) -> Result<Exercised, String> {
         self.scenario.check()?;
         let iterations = self.scenario.iterations.expect("drawn with iterations");
-        let quiet = SimFaults { reorder_ns: self.reorder_us * 1000, ..SimFaults::default() };
+        let quiet = SimFaults {
+            reorder_ns: self.reorder_us * 1000,
+            duplicate: self.duplicate,
+            ..SimFaults::default()
+        };
         let mut clean =
             self.run(rt, Vec::new(), quiet.clone()).map_err(|e| format!("undisturbed run: {e}"))?;
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
@@ -233,6 +263,7 @@ impl Case {
             .into_iter()
             .collect();
         let swapped = swaps.len() as u64;
+        let hostile = u64::from(self.swap.as_ref().is_some_and(|p| p.source == HOSTILE));
         if !swaps.is_empty() {
             let with = SimFaults { swaps: swaps.clone(), ..quiet };
             clean = self.run(rt, Vec::new(), with).map_err(|e| format!("undisturbed run: {e}"))?;
@@ -297,6 +328,7 @@ impl Case {
                 reorder_ns: self.reorder_us * 1000,
                 swaps: swaps.clone(),
                 late_worker: self.late_worker.map(|(w, ms)| (w, ms * 1_000_000)),
+                duplicate: self.duplicate,
             },
         ) {
             Ok(f) => f,
@@ -306,6 +338,8 @@ impl Case {
                 let lost = Exercised {
                     runs: 2 + swapped,
                     swaps: swapped,
+                    hostile,
+                    duplicates: clean.duplicates,
                     events: clean.events,
                     double_failures: double,
                     lost: 1,
@@ -367,6 +401,8 @@ impl Case {
             lost: 0,
             partitions: partitioned,
             worker_deaths: u64::from(dead_worker.is_some()),
+            duplicates: clean.duplicates + failed.duplicates,
+            hostile,
             max_delay_ms: delay_ns / 1_000_000,
         })
     }
@@ -375,7 +411,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -400,7 +436,11 @@ impl Case {
             self.swap.as_ref().map(|p| format!(", hot swap to {p}")).unwrap_or_default(),
             self.late_worker
                 .map(|(w, ms)| format!(", worker {w} hears of moves {ms} ms later still"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            match self.duplicate {
+                0.0 => String::new(),
+                p => format!(", {:.0}% of the messages shards take arrive twice", p * 100.0),
+            }
         )
     }
 }

@@ -216,6 +216,14 @@ impl Observer for Obs {
         tracing::warn!(shard = self.shard, "policy failed, shard recovered: {error}");
     }
 
+    fn policy_quarantined(&mut self, policy: &str) {
+        tracing::error!(
+            shard = self.shard,
+            policy,
+            "policy quarantined; fallback rules in force until a swap"
+        );
+    }
+
     fn policy_started(&mut self, start: &PolicyStart<'_>) {
         self.record(|r| r.started(start));
     }

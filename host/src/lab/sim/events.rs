@@ -1,10 +1,10 @@
 //! The simulator's event queue, its events, and the mailbox that holds messages in flight.
 
-use syncopate_policy_sdk::abi::{Applied, IterationReport};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, WorkerId};
 
 use syncopate_engine::coordinator::Command;
 
-use crate::shard::Handover;
+use crate::shard::{Handover, TaskPart};
 
 /// A message without tensors, on its way to a shard.
 #[derive(Clone, Copy, Debug)]
@@ -14,6 +14,24 @@ pub(super) enum ToShard {
     Finished(IterationReport),
     Skip(u64),
     Goodbye,
+}
+
+/// A worker's message that a shard's primary took, as it will reach that primary again (a
+/// duplicate, [`SimFaults::duplicate`](super::SimFaults::duplicate)), numbered as the shard
+/// numbered the original.
+#[derive(Clone, Debug)]
+pub(super) enum Copied {
+    Pull {
+        iteration: u64,
+    },
+    Push {
+        iteration: u64,
+        samples: u32,
+        based_on: Option<u64>,
+        grad: Vec<f32>,
+        tasks: Option<(WorkerId, TaskPart)>,
+    },
+    Note(ToShard),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -29,6 +47,9 @@ pub(super) enum Ev {
     AckArrive(u32, bool),
     /// Message `i` of the `ToShard` mailbox from a worker reaches a shard.
     ToShard(u32, u32, usize),
+    /// Copy `i` of the copies' mailbox (of a message from worker `w` that shard `s`'s primary
+    /// took) reaches it again.
+    Again(u32, u32, usize),
     /// Control message `i` of the mailbox reaches a worker.
     Control(u32, usize),
     Timer(u32),

@@ -45,6 +45,8 @@ mod control;
 mod events;
 
 use std::collections::{BTreeMap, HashMap};
+
+use rand::Rng as _;
 use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
@@ -63,7 +65,7 @@ use crate::shard::{
 };
 use crate::worker::WorkerReport;
 use control::Arrival;
-use events::{Ev, Mailbox, Queue, ToShard};
+use events::{Copied, Ev, Mailbox, Queue, ToShard};
 use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
 /// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
@@ -118,7 +120,15 @@ pub struct SimFaults {
     /// a long iteration, or paused, while its shards fail over (longer than the 10 s grace
     /// promoted shards used to give).
     pub late_worker: Option<(WorkerId, u64)>,
+    /// The chance that a message a shard's primary took from a worker (pull, push, report,
+    /// hand-over, goodbye), or an op a backup took from its primary, reaches it a second time,
+    /// up to [`DUPLICATE_WITHIN_NS`] later: a request asked again, an op sent again. The copy's
+    /// answer goes to nobody; a copy that finds the shard moved is lost.
+    pub duplicate: f64,
 }
+
+/// How much later than the original a duplicate arrives, at most (50 ms).
+pub const DUPLICATE_WITHIN_NS: u64 = 50_000_000;
 
 /// A server cut off from the coordinator for a while: the workers and the other servers still
 /// reach it, but its lease renewals, or the coordinator's answers, or both, are lost, as are
@@ -316,6 +326,11 @@ struct Sim {
     timer_at: Vec<Option<u64>>,
     controls: Mailbox<ControlMessage>,
     to_shard: Mailbox<ToShard>,
+    /// Duplicates on their way to a shard's primary, with the shard's term when the original
+    /// arrived ([`SimFaults::duplicate`]).
+    copies: Mailbox<(u32, Copied)>,
+    /// Copies that reached a primary or backup.
+    duplicates: u64,
     /// Workers whose machine is done.
     done: usize,
     watch: Vec<WatchPoint>,
@@ -396,6 +411,27 @@ pub struct Simulated {
     /// The first time a server accepted a push for a shard after another server had been
     /// promoted to it (two primaries in one term); `None` when that never happened.
     pub two_primaries: Option<String>,
+    /// Messages that reached a shard's primary or backup a second time
+    /// ([`SimFaults::duplicate`]).
+    pub duplicates: u64,
+}
+
+include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
+
+/// The name by which a [`PolicySpec`](crate::builtin::PolicySpec) given to the simulator
+/// names the fault search's misbehaving module (`tests/hostile-policy`, built into the binary):
+/// `simtest:hostile:mode=push:trap,after=40` behaves as BSP for 40 events, then traps on every
+/// push. Its modes: `pull:` or `push:`, then `trap`, `loop` (burns its fuel) or `panic`. It is
+/// no policy anyone runs, so only `syncopate simtest` names it.
+pub const HOSTILE: &str = "simtest:hostile";
+
+/// Compiles the module `spec` names: a built-in, a file, or [`HOSTILE`].
+fn load(spec: &crate::builtin::PolicySpec, rt: &PolicyRuntime) -> Result<PolicyModule, SimError> {
+    let module = match spec.source == HOSTILE {
+        true => rt.compile(HOSTILE, HOSTILE_WASM),
+        false => spec.load(rt),
+    };
+    module.map_err(|e| SimError::Policy(spec.to_string(), e))
 }
 
 /// Runs the scenario under the policy.
@@ -406,14 +442,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     let n = sc.workers;
     let shards_n = opts.run.shards();
-    let module = policy.load(rt).map_err(|e| SimError::Policy(policy.to_string(), e))?;
+    let module = load(policy, rt)?;
     let mut swaps = Vec::new();
     for (at, spec) in &opts.faults.swaps {
-        swaps.push((
-            *at,
-            spec.load(rt).map_err(|e| SimError::Policy(spec.to_string(), e))?,
-            spec.config.clone(),
-        ));
+        swaps.push((*at, load(spec, rt)?, spec.config.clone()));
     }
     let modules: Vec<PolicyModule> =
         std::iter::once(module.clone()).chain(swaps.iter().map(|s| s.1.clone())).collect();
@@ -590,6 +622,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         timer_at: vec![None; shards_n as usize],
         controls: Mailbox::default(),
         to_shard: Mailbox::default(),
+        copies: Mailbox::default(),
+        duplicates: 0,
         done: 0,
         watch: Vec::new(),
         stopping: false,
@@ -699,8 +733,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
     };
-    let two_primaries = sim.two_primaries.take();
-    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ, two_primaries })
+    let (two_primaries, duplicates) = (sim.two_primaries.take(), sim.duplicates);
+    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ, two_primaries, duplicates })
 }
 
 impl Sim {
@@ -794,6 +828,7 @@ impl Sim {
                 NodeOutput::Reply { token, reply } => {
                     let Some(req) = self.requests.remove(&token) else { continue };
                     match (req, reply) {
+                        (Req::Ignore { .. }, _) => {}
                         (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
                             self.served(s, w, iteration, served)
                         }
@@ -1069,6 +1104,37 @@ impl Sim {
         }
     }
 
+    /// With [`SimFaults::duplicate`]'s chance, the message worker `w`'s shard `s` just took
+    /// will reach it again, a little later.
+    fn duplicate(&mut self, w: u32, s: u32, copy: impl FnOnce(&Self) -> Copied) {
+        let p = self.opts.faults.duplicate;
+        if p <= 0.0 || !self.rng.random_bool(p) {
+            return;
+        }
+        let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
+        let i = self.copies.post((self.term[s as usize], copy(self)), 1);
+        self.at(again, Ev::Again(w, s, i));
+    }
+
+    /// A message without tensors from worker `w` reaches shard `s`'s primary, numbered as the
+    /// shard numbers the worker's iterations. A worker that has left cannot be heard from: the
+    /// shard says so, and that is what the cluster's servers do too.
+    fn note(&mut self, w: u32, s: u32, msg: ToShard) -> Result<(), SimError> {
+        let (now, node) = (self.now, &mut self.nodes[s as usize]);
+        match msg {
+            ToShard::Handover(handover) => node.yielded(now, handover, &mut Quiet),
+            ToShard::Applied(applied) => node.applied(now, applied, &mut Quiet),
+            ToShard::Finished(report) => node.finished(now, report, &mut Quiet),
+            ToShard::Skip(to) => {
+                self.next_token += 1;
+                self.requests.insert(self.next_token, Req::Ignore { s });
+                node.skip(now, self.next_token, w, to, &mut Quiet)
+            }
+            ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
+        }
+        self.drain(s)
+    }
+
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
         let shards = self.nodes.len() as u32;
         if let Ev::Wake(w) | Ev::PullDone(w) | Ev::AckArrive(w, _) | Ev::Control(w, _) | Ev::Moved(w, _) = ev
@@ -1103,6 +1169,7 @@ impl Sim {
             Ev::PullArrive(w, s, iteration) => {
                 let token = self.token(Req::Pull { w, s, iteration });
                 let numbered = self.numbered(w, s, iteration);
+                self.duplicate(w, s, |_| Copied::Pull { iteration: numbered });
                 self.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
                 self.drain(s)?;
             }
@@ -1132,6 +1199,13 @@ impl Sim {
                 let tasks = job.tasks.map(|part| (job.owner, part));
                 // Another worker's tasks are numbered as their owner numbers them.
                 let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
+                self.duplicate(w, s, |_| Copied::Push {
+                    iteration: numbered,
+                    samples,
+                    based_on,
+                    grad: grad.clone(),
+                    tasks,
+                });
                 self.nodes[s as usize]
                     .push(self.now, token, w, numbered, samples, based_on, grad, tasks, &mut Quiet);
                 self.drain(s)?;
@@ -1146,26 +1220,38 @@ impl Sim {
                 self.feed(w, Input::Pushed { kind, result })?;
             }
             Ev::ToShard(w, s, i) => {
-                // A worker that has left cannot be heard from: the shard says so, and that is
-                // what the cluster's servers do too.
+                // The shard numbers the worker's iterations its own way (after a renumbering).
                 let by = self.renumbered[w as usize][s as usize];
-                let (now, node) = (self.now, &mut self.nodes[s as usize]);
-                match self.to_shard.deliver(i) {
-                    ToShard::Handover(handover) => node.yielded(now, handover, &mut Quiet),
-                    ToShard::Applied(applied) => {
-                        let iteration = applied.iteration.saturating_add_signed(by);
-                        node.applied(now, Applied { iteration, ..applied }, &mut Quiet)
+                let msg = match self.to_shard.deliver(i) {
+                    ToShard::Applied(a) => {
+                        ToShard::Applied(Applied { iteration: a.iteration.saturating_add_signed(by), ..a })
                     }
-                    ToShard::Finished(report) => {
-                        let iteration = report.iteration.saturating_add_signed(by);
-                        node.finished(now, IterationReport { iteration, ..report }, &mut Quiet)
+                    ToShard::Finished(r) => ToShard::Finished(IterationReport {
+                        iteration: r.iteration.saturating_add_signed(by),
+                        ..r
+                    }),
+                    ToShard::Skip(to) => ToShard::Skip(to.saturating_add_signed(by)),
+                    msg @ (ToShard::Handover(_) | ToShard::Goodbye) => msg,
+                };
+                self.duplicate(w, s, |_| Copied::Note(msg));
+                self.note(w, s, msg)?;
+            }
+            Ev::Again(w, s, i) => {
+                let (term, copy) = self.copies.deliver(i);
+                let x = self.server_of[s as usize] as usize;
+                let leased = !self.controlled() || self.leases[x].valid(self.now);
+                if term != self.term[s as usize] || self.down(s) || !leased {
+                    return Ok(());
+                }
+                self.duplicates += 1;
+                let (now, token) = (self.now, self.token(Req::Ignore { s }));
+                let node = &mut self.nodes[s as usize];
+                match copy {
+                    Copied::Pull { iteration } => node.pull(now, token, w, iteration, &mut Quiet),
+                    Copied::Push { iteration, samples, based_on, grad, tasks } => {
+                        node.push(now, token, w, iteration, samples, based_on, grad, tasks, &mut Quiet)
                     }
-                    ToShard::Skip(to) => {
-                        self.next_token += 1;
-                        self.requests.insert(self.next_token, Req::Ignore { s });
-                        node.skip(now, self.next_token, w, to.saturating_add_signed(by), &mut Quiet)
-                    }
-                    ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
+                    Copied::Note(msg) => return self.note(w, s, msg),
                 }
                 self.drain(s)?;
             }
@@ -1190,10 +1276,17 @@ impl Sim {
                 // never arrives (it may still be in the dead process's buffers), and a dead
                 // backup applies nothing.
                 let on_live = self.backup_of[su].is_some_and(|b| !self.dead[b as usize]) && !self.down(s);
-                let Some(backup) = self.backups[su].as_mut().filter(|_| on_live && epoch == self.epoch[su])
-                else {
+                if self.backups[su].is_none() || !on_live || epoch != self.epoch[su] {
                     return Ok(());
-                };
+                }
+                let p = self.opts.faults.duplicate;
+                if p > 0.0 && self.rng.random_bool(p) {
+                    let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
+                    let i = self.replication.post((epoch, stamped.clone(), grad.clone()), 1);
+                    self.at(again, Ev::Replicate(s, i));
+                }
+                let Some(backup) = self.backups[su].as_mut() else { return Ok(()) };
+                self.duplicates += u64::from(stamped.seq <= backup.replication().0);
                 let modules = &self.modules;
                 let find = |sha: &[u8; 32]| modules.iter().find(|m| m.sha256() == *sha).cloned();
                 backup.replicated(stamped, grad, find, &mut Quiet);
