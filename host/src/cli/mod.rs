@@ -97,7 +97,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
-         delivered twice, {} losing a shard's last copy (as a cluster would); the longest a disturbed \
+         delivered twice, {} bad requests refused, {} losing a shard's last copy (as a cluster would); the longest a disturbed \
          run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
         found.seconds,
@@ -111,6 +111,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.swaps,
         e.hostile,
         e.duplicates,
+        e.bad_inputs,
         e.lost,
         e.max_delay_ms as f64 / 1e3
     );

@@ -79,6 +79,8 @@ pub struct Case {
     /// The chance that a message a shard took (from a worker, or a backup from its primary)
     /// reaches it again (in both runs).
     pub duplicate: f64,
+    /// The chance that a bad request reaches a shard just before a worker's (in both runs).
+    pub bad_inputs: f64,
 }
 
 /// What a passing seed exercised.
@@ -105,6 +107,8 @@ pub struct Exercised {
     pub hostile: u64,
     /// Messages that reached a shard's primary or backup twice.
     pub duplicates: u64,
+    /// Bad requests the shards refused.
+    pub bad_inputs: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
@@ -121,6 +125,7 @@ impl std::ops::AddAssign for Exercised {
         self.worker_deaths += o.worker_deaths;
         self.swaps += o.swaps;
         self.duplicates += o.duplicates;
+        self.bad_inputs += o.bad_inputs;
         self.hostile += o.hostile;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
@@ -198,6 +203,7 @@ impl Case {
         // the fallback rules (a push admitted, a pull served by BSP's rule), alike on every
         // primary and backup (fuel, not time, stops a spin).
         let hostile = swap.is_some() && rng.random_bool(0.3);
+        let bad_inputs = if rng.random_bool(0.3) { rng.random_range(0.01..0.2) } else { 0.0 };
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -221,6 +227,7 @@ impl Case {
             swap,
             late_worker,
             duplicate,
+            bad_inputs,
         }
     }
 
@@ -247,6 +254,7 @@ impl Case {
         let quiet = SimFaults {
             reorder_ns: self.reorder_us * 1000,
             duplicate: self.duplicate,
+            bad_inputs: self.bad_inputs,
             ..SimFaults::default()
         };
         let mut clean =
@@ -329,6 +337,7 @@ impl Case {
                 swaps: swaps.clone(),
                 late_worker: self.late_worker.map(|(w, ms)| (w, ms * 1_000_000)),
                 duplicate: self.duplicate,
+                bad_inputs: self.bad_inputs,
             },
         ) {
             Ok(f) => f,
@@ -340,6 +349,7 @@ impl Case {
                     swaps: swapped,
                     hostile,
                     duplicates: clean.duplicates,
+                    bad_inputs: clean.bad_inputs,
                     events: clean.events,
                     double_failures: double,
                     lost: 1,
@@ -402,6 +412,7 @@ impl Case {
             partitions: partitioned,
             worker_deaths: u64::from(dead_worker.is_some()),
             duplicates: clean.duplicates + failed.duplicates,
+            bad_inputs: clean.bad_inputs + failed.bad_inputs,
             hostile,
             max_delay_ms: delay_ns / 1_000_000,
         })
@@ -411,7 +422,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -440,6 +451,10 @@ impl Case {
             match self.duplicate {
                 0.0 => String::new(),
                 p => format!(", {:.0}% of the messages shards take arrive twice", p * 100.0),
+            },
+            match self.bad_inputs {
+                0.0 => String::new(),
+                p => format!(", a bad request before {:.0}% of the requests", p * 100.0),
             }
         )
     }

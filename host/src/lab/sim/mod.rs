@@ -125,6 +125,13 @@ pub struct SimFaults {
     /// up to [`DUPLICATE_WITHIN_NS`] later: a request asked again, an op sent again. The copy's
     /// answer goes to nobody; a copy that finds the shard moved is lost.
     pub duplicate: f64,
+    /// The chance that a bad request from a buggy or hostile peer reaches a shard's primary
+    /// just before a worker's pull or push does: a push from an id past `max_workers`, one of
+    /// the wrong length, with a NaN, or skipping iterations (numbered as the worker's own); a
+    /// pull from an id that never joined; a join with a slice of the wrong length; a skip from
+    /// an impossible id. Each must be refused and change nothing: one that a shard accepts
+    /// ends the run ([`SimError::AcceptedBad`]).
+    pub bad_inputs: f64,
 }
 
 /// How much later than the original a duplicate arrives, at most (50 ms).
@@ -223,6 +230,9 @@ pub enum SimError {
     /// The options do not go together.
     #[error("{0}")]
     Options(String),
+    /// A shard accepted a bad request ([`SimFaults::bad_inputs`]).
+    #[error("shard {0} accepted a bad request: {1}")]
+    AcceptedBad(u32, &'static str),
     /// A shard died with its server, its backup dead too or never made: the run cannot go on
     /// (as a cluster's cannot).
     #[error("shard {shard} was lost with server {server}: it had no live backup")]
@@ -246,12 +256,18 @@ enum Req {
     Join { w: WorkerId, s: u32, again: bool },
     /// A reply nobody acts on (a skip).
     Ignore { s: u32 },
+    /// A bad request ([`SimFaults::bad_inputs`]), which must be refused.
+    Bad { s: u32, what: &'static str },
 }
 
 impl Req {
     fn shard(&self) -> u32 {
         match *self {
-            Req::Pull { s, .. } | Req::Push { s, .. } | Req::Join { s, .. } | Req::Ignore { s } => s,
+            Req::Pull { s, .. }
+            | Req::Push { s, .. }
+            | Req::Join { s, .. }
+            | Req::Ignore { s }
+            | Req::Bad { s, .. } => s,
         }
     }
 }
@@ -331,6 +347,8 @@ struct Sim {
     copies: Mailbox<(u32, Copied)>,
     /// Copies that reached a primary or backup.
     duplicates: u64,
+    /// Bad requests shards refused.
+    bad_inputs: u64,
     /// Workers whose machine is done.
     done: usize,
     watch: Vec<WatchPoint>,
@@ -414,6 +432,8 @@ pub struct Simulated {
     /// Messages that reached a shard's primary or backup a second time
     /// ([`SimFaults::duplicate`]).
     pub duplicates: u64,
+    /// Bad requests the shards refused ([`SimFaults::bad_inputs`]).
+    pub bad_inputs: u64,
 }
 
 include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
@@ -624,6 +644,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         to_shard: Mailbox::default(),
         copies: Mailbox::default(),
         duplicates: 0,
+        bad_inputs: 0,
         done: 0,
         watch: Vec::new(),
         stopping: false,
@@ -733,8 +754,16 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
     };
-    let (two_primaries, duplicates) = (sim.two_primaries.take(), sim.duplicates);
-    Ok(Simulated { report: sim.report(), model, events: handled, replicas_differ, two_primaries, duplicates })
+    let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
+    Ok(Simulated {
+        report: sim.report(),
+        model,
+        events: handled,
+        replicas_differ,
+        two_primaries,
+        duplicates,
+        bad_inputs,
+    })
 }
 
 impl Sim {
@@ -829,6 +858,17 @@ impl Sim {
                     let Some(req) = self.requests.remove(&token) else { continue };
                     match (req, reply) {
                         (Req::Ignore { .. }, _) => {}
+                        (Req::Bad { s, what }, reply) => {
+                            let accepted = match reply {
+                                Reply::Joined(r) => r.is_ok(),
+                                Reply::Pushed(r) => r.is_ok(),
+                                Reply::Pulled(r) => r.is_ok(),
+                                Reply::Done(r) => r.is_ok(),
+                            };
+                            if accepted {
+                                return Err(SimError::AcceptedBad(s, what));
+                            }
+                        }
                         (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
                             self.served(s, w, iteration, served)
                         }
@@ -1116,6 +1156,50 @@ impl Sim {
         self.at(again, Ev::Again(w, s, i));
     }
 
+    /// With [`SimFaults::bad_inputs`]' chance, a bad request reaches shard `s`'s primary just
+    /// before worker `w`'s request for (the shard's numbering of) `iteration`. It must be
+    /// refused (see `drain`).
+    fn stranger(&mut self, w: u32, s: u32, iteration: u64) -> Result<(), SimError> {
+        let p = self.opts.faults.bad_inputs;
+        if p <= 0.0 || !self.rng.random_bool(p) {
+            return Ok(());
+        }
+        let max = self.node_cfgs[s as usize].shard.max_workers;
+        let len = self.ranges[s as usize].1 - self.ranges[s as usize].0;
+        let len = if self.opts.gradients { len } else { 1 };
+        let never_joined =
+            self.workers.len() as u32 + self.rng.random_range(0..max - self.workers.len() as u32);
+        let (kind, r) = (self.rng.random_range(0..7u32), self.rng.random_range(1..4u64));
+        let now = self.now;
+        let what = match kind {
+            0 => "a push from an id past max_workers",
+            1 => "a push of the wrong length",
+            2 => "a push with a NaN",
+            3 => "a push that skips iterations",
+            4 => "a pull from an id that never joined",
+            5 => "a join with a slice of the wrong length",
+            _ => "a skip from an impossible id",
+        };
+        let token = self.token(Req::Bad { s, what });
+        let node = &mut self.nodes[s as usize];
+        let ones = |n: usize| vec![1.0f32; n];
+        match kind {
+            0 => node.push(now, token, max + r as u32, iteration, 1, None, ones(len), None, &mut Quiet),
+            1 => node.push(now, token, w, iteration, 1, None, ones(len + r as usize), None, &mut Quiet),
+            2 => {
+                let mut grad = ones(len);
+                grad[0] = f32::NAN;
+                node.push(now, token, w, iteration, 1, None, grad, None, &mut Quiet)
+            }
+            3 => node.push(now, token, w, iteration + r, 1, None, ones(len), None, &mut Quiet),
+            4 => node.pull(now, token, never_joined, iteration, &mut Quiet),
+            5 => node.join(now, token, never_joined, ones(len + r as usize), &mut Quiet),
+            _ => node.skip(now, token, u32::MAX, iteration + r, &mut Quiet),
+        }
+        self.bad_inputs += 1;
+        self.drain(s)
+    }
+
     /// A message without tensors from worker `w` reaches shard `s`'s primary, numbered as the
     /// shard numbers the worker's iterations. A worker that has left cannot be heard from: the
     /// shard says so, and that is what the cluster's servers do too.
@@ -1170,6 +1254,7 @@ impl Sim {
                 let token = self.token(Req::Pull { w, s, iteration });
                 let numbered = self.numbered(w, s, iteration);
                 self.duplicate(w, s, |_| Copied::Pull { iteration: numbered });
+                self.stranger(w, s, numbered)?;
                 self.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
                 self.drain(s)?;
             }
@@ -1199,6 +1284,7 @@ impl Sim {
                 let tasks = job.tasks.map(|part| (job.owner, part));
                 // Another worker's tasks are numbered as their owner numbers them.
                 let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
+                self.stranger(w, s, numbered)?;
                 self.duplicate(w, s, |_| Copied::Push {
                     iteration: numbered,
                     samples,
