@@ -733,13 +733,15 @@ impl ShardNode {
         }
     }
 
-    /// A worker skips ahead to iteration `to`.
+    /// A worker skips ahead to iteration `to`. Answered once the backup has the skip, as a
+    /// join is: a worker that goes on pushes `to` next, which a promoted backup without the
+    /// skip would refuse as out of order.
     pub fn skip(&mut self, now: u64, token: Token, worker: WorkerId, to: u64, obs: &mut dyn Observer) {
         let r = match self.step(Op::Skip { worker, to }, Vec::new(), now, obs) {
             Some(Outcome::Done(r)) => r.map_err(RequestError::from),
             _ => Err(RequestError::NoShardYet(self.id())),
         };
-        self.pending.reply(token, Reply::Done(r));
+        self.pending.gated(token, Reply::Done(r));
     }
 
     /// The owner of moved tasks handed them over.

@@ -81,6 +81,9 @@ pub struct Case {
     pub duplicate: f64,
     /// The chance that a bad request reaches a shard just before a worker's (in both runs).
     pub bad_inputs: f64,
+    /// Workers that join this many milliseconds after the start, not with the others (in
+    /// both runs; each runs the iterations from the clock it joins at to the end).
+    pub late_join: Vec<(u32, u64)>,
 }
 
 /// What a passing seed exercised.
@@ -204,6 +207,16 @@ impl Case {
         // primary and backup (fuel, not time, stops a spin).
         let hostile = swap.is_some() && rng.random_bool(0.3);
         let bad_inputs = if rng.random_bool(0.3) { rng.random_range(0.01..0.2) } else { 0.0 };
+        // One late joiner in a fifth of the seeds, and in half of those a second one.
+        let mut late_join = Vec::new();
+        if rng.random_bool(0.2) {
+            let first = rng.random_range(0..workers);
+            late_join.push((first, rng.random_range(0..=iterations * compute_ms)));
+            if workers >= 3 && rng.random_bool(0.5) {
+                let second = (first + rng.random_range(1..workers)) % workers;
+                late_join.push((second, rng.random_range(0..=iterations * compute_ms)));
+            }
+        }
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -228,7 +241,28 @@ impl Case {
             late_worker,
             duplicate,
             bad_inputs,
+            late_join,
         }
+    }
+
+    /// How much longer late joiners may rightly take in the disturbed run: a fault that
+    /// slowed the others means one joins at a lower clock and has more iterations to run, and
+    /// a clock-gated policy holds the others back for it. Twice its time per iteration there,
+    /// per extra iteration.
+    fn late_joiner_extra_ns(&self, clean: &Simulated, failed: &Simulated) -> u64 {
+        let ran = |run: &Simulated, w: u32| {
+            run.report.workers.iter().find(|r| r.worker == w).cloned().unwrap_or_default()
+        };
+        let extra_ns = |&(w, _): &(u32, u64)| {
+            let (before, after) = (ran(clean, w), ran(failed, w));
+            let extra = after.iterations.saturating_sub(before.iterations);
+            extra * 2 * (after.elapsed_ns / after.iterations.max(1))
+        };
+        self.late_join.iter().map(extra_ns).sum()
+    }
+
+    fn late_join(&self) -> Vec<(u32, FailAt)> {
+        self.late_join.iter().map(|&(w, ms)| (w, FailAt::Time(ms * 1_000_000))).collect()
     }
 
     fn run(
@@ -255,6 +289,7 @@ impl Case {
             reorder_ns: self.reorder_us * 1000,
             duplicate: self.duplicate,
             bad_inputs: self.bad_inputs,
+            late_join: self.late_join(),
             ..SimFaults::default()
         };
         let mut clean =
@@ -281,12 +316,7 @@ impl Case {
             return Err(format!("undisturbed run: {d}"));
         }
         if unit_weights(&self.policy) {
-            let expected = -(1..=self.scenario.workers).map(|w| w as f32).sum::<f32>() * iterations as f32;
-            if let Some((i, v)) = clean.model.iter().enumerate().find(|(_, v)| **v != expected) {
-                return Err(format!(
-                    "undisturbed run: parameter {i} is {v}, not {expected}: an update was lost or applied twice"
-                ));
-            }
+            exact(&clean, None, "undisturbed run")?;
         }
         let at = rng.random_range(0..clean.events.max(1));
         let mut failures = vec![SimFailure { server: self.server, at: FailAt::Event(at) }];
@@ -338,6 +368,7 @@ impl Case {
                 late_worker: self.late_worker.map(|(w, ms)| (w, ms * 1_000_000)),
                 duplicate: self.duplicate,
                 bad_inputs: self.bad_inputs,
+                late_join: self.late_join(),
             },
         ) {
             Ok(f) => f,
@@ -380,7 +411,8 @@ impl Case {
         let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
         let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
         let late_ns = self.late_worker.map_or(0, |l| l.1 * 1_000_000);
-        let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64;
+        let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64
+            + self.late_joiner_extra_ns(&clean, &failed);
         if delay_ns > bound_ns {
             return Err(format!(
                 "{what}: the live workers finished {:.3} s after the undisturbed run's did (at {:.3} s), \
@@ -390,8 +422,12 @@ impl Case {
                 bound_ns as f64 / 1e9
             ));
         }
-        if let Some(d) = dead_worker {
-            exact_with_a_dead_worker(&failed, &self.scenario, iterations, d, &what)?;
+        if dead_worker.is_some() || !self.late_join.is_empty() {
+            // Not the undisturbed model: a dead worker pushed less, and a late joiner starts
+            // where the shards' clocks are when it joins. Still, every push exactly once.
+            if unit_weights(&self.policy) {
+                exact(&failed, dead_worker, &what)?;
+            }
         } else if bits(&clean) != bits(&failed) {
             let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());
             let i = i.unwrap_or(0);
@@ -422,7 +458,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -455,7 +491,11 @@ impl Case {
             match self.bad_inputs {
                 0.0 => String::new(),
                 p => format!(", a bad request before {:.0}% of the requests", p * 100.0),
-            }
+            },
+            self.late_join
+                .iter()
+                .map(|(w, ms)| format!(", worker {w} joins {ms} ms late"))
+                .collect::<String>()
         )
     }
 }
@@ -487,26 +527,21 @@ fn bits(s: &Simulated) -> Vec<u32> {
     s.model.iter().map(|v| v.to_bits()).collect()
 }
 
-/// With a dead worker the model is not the undisturbed one, but every acknowledged push is in
-/// it exactly once: each parameter is minus the live workers' every push, plus the dead
-/// worker's acknowledged ones, plus perhaps the one it had sent and not heard back about.
-fn exact_with_a_dead_worker(
-    run: &Simulated,
-    scenario: &Scenario,
-    iterations: u64,
-    dead: u32,
-    what: &str,
-) -> Result<(), String> {
-    let done = run.report.workers.iter().find(|w| w.worker == dead).map_or(0, |w| w.iterations);
-    let live: f32 = (1..=scenario.workers).filter(|w| *w != dead + 1).map(|w| w as f32).sum();
-    let own = (dead + 1) as f32;
-    let base = -(live * iterations as f32 + own * done as f32);
+/// Under a policy that admits every push at weight 1, with lr 1 and summed pushes, every
+/// parameter ends at minus the sum of every push: worker `w` pushes `w + 1` per iteration it
+/// ran (a late joiner from the clock it joined at). A `dead` worker's last push may be in it
+/// though the worker never heard it was.
+fn exact(run: &Simulated, dead: Option<u32>, what: &str) -> Result<(), String> {
+    let base = -run.report.workers.iter().map(|w| (w.worker + 1) as f32 * w.iterations as f32).sum::<f32>();
+    let own = dead.map_or(0.0, |d| (d + 1) as f32);
     let allowed = [base, base - own];
     match run.model.iter().enumerate().find(|(_, v)| !allowed.contains(v)) {
         Some((i, v)) => Err(format!(
-            "{what}: parameter {i} ends at {v}, not {base} (or {}, with the dead worker's last push): \
-             an acknowledged update was lost or applied twice",
-            base - own
+            "{what}: parameter {i} ends at {v}, not {base}{}: an acknowledged update was lost or applied twice",
+            match dead {
+                Some(_) => format!(" (or {}, with the dead worker's last push)", base - own),
+                None => String::new(),
+            }
         )),
         None => Ok(()),
     }
@@ -523,14 +558,18 @@ fn every_iteration_but(
     what: &str,
     dead: Option<u32>,
 ) -> Result<(), String> {
+    // A late joiner runs from the clock it joined at.
     let short = |w: &crate::worker::WorkerReport| match Some(w.worker) == dead {
-        true => w.iterations > iterations,
-        false => w.iterations != iterations,
+        true => w.iterations > iterations - w.start.min(iterations),
+        false => w.iterations != iterations - w.start.min(iterations),
     };
     match run.report.workers.iter().find(|w| short(w)) {
-        Some(w) => {
-            Err(format!("{what}: worker {} ran {} of {iterations} iterations", w.worker, w.iterations))
-        }
+        Some(w) => Err(format!(
+            "{what}: worker {} ran {} of {} iterations",
+            w.worker,
+            w.iterations,
+            iterations - w.start.min(iterations)
+        )),
         None => Ok(()),
     }
 }

@@ -362,7 +362,8 @@ impl WorkerClient {
 
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
     /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
-    /// with the slowest worker. A worker that comes back to shards restored from a checkpoint,
+    /// with the slowest worker (of the shard whose slowest is furthest on; the others skip it up
+    /// to there, so that every shard numbers its iterations alike). A worker that comes back to shards restored from a checkpoint,
     /// which still count it as a member, starts at the earliest iteration any of them expects
     /// from it; the shards already past it acknowledge those pushes as duplicates.
     ///
@@ -397,8 +398,18 @@ impl WorkerClient {
             tracing::info!(worker = self.id, start, "rejoined restored shards");
             return Ok(start);
         }
+        // A late joiner starts at the largest clock the shards gave it, and the shards that gave
+        // less skip it up to there, so that every shard numbers its iterations alike. (Offsets
+        // per shard would let two late joiners cross: each ahead where the other is behind, and
+        // under BSP each waiting for the other.)
         let start = joined.iter().map(|j| j.0).max().unwrap_or(0);
-        self.offsets = joined.iter().map(|j| AtomicI64::new(j.0 as i64 - start as i64)).collect();
+        self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
+        let behind = self.shards.iter().zip(&joined).filter(|(_, j)| j.0 < start).map(|(p, _)| p.shard);
+        let skips = behind.map(|shard| self.on_shard(shard, move |_| DataRequest::Skip { shard, to: start }));
+        futures::future::try_join_all(skips).await?;
+        if start > 0 {
+            tracing::info!(worker = self.id, start, "joined a running cluster");
+        }
         Ok(start)
     }
 

@@ -415,6 +415,10 @@ impl Sim {
     fn moved(&mut self, w: u32, s: u32) -> Result<(), SimError> {
         let (su, wu) = (s as usize, w as usize);
         self.known[wu][su] = self.term[su];
+        if self.workers[wu].absent {
+            // A late joiner before its time: it asks where the shards are when it joins.
+            return Ok(());
+        }
         let node = self.server_node(s);
         // What it sent that was lost on the way to the old primary, or with it.
         let (mine, rest): (Vec<Ev>, Vec<Ev>) = std::mem::take(&mut self.limbo).into_iter().partition(|ev| {

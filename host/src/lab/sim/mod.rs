@@ -132,6 +132,11 @@ pub struct SimFaults {
     /// an impossible id. Each must be refused and change nothing: one that a shard accepts
     /// ends the run ([`SimError::AcceptedBad`]).
     pub bad_inputs: f64,
+    /// Workers that join late, each at its time, rather than with the others: as a cluster's
+    /// `WorkerClient::join` does, each joins every shard, starts at the largest clock they gave
+    /// it, and first skips the shards that gave it less up to there, so that every shard
+    /// numbers its iterations alike.
+    pub late_join: Vec<(WorkerId, FailAt)>,
 }
 
 /// How much later than the original a duplicate arrives, at most (50 ms).
@@ -258,6 +263,8 @@ enum Req {
     Ignore { s: u32 },
     /// A bad request ([`SimFaults::bad_inputs`]), which must be refused.
     Bad { s: u32, what: &'static str },
+    /// A late joiner's skip up to its start ([`SimFaults::late_join`]).
+    LateSkip { w: WorkerId, s: u32 },
 }
 
 impl Req {
@@ -267,7 +274,8 @@ impl Req {
             | Req::Push { s, .. }
             | Req::Join { s, .. }
             | Req::Ignore { s }
-            | Req::Bad { s, .. } => s,
+            | Req::Bad { s, .. }
+            | Req::LateSkip { s, .. } => s,
         }
     }
 }
@@ -282,8 +290,22 @@ struct InFlight {
     dropped: u32,
 }
 
+/// A late joiner on its way in ([`SimFaults::late_join`]): per shard, the clock its join gave
+/// (the next iteration it numbers, for a member taken back), whether that shard numbers its
+/// iterations from the start (skipped up to it), and the start once every shard has answered.
+struct Joining {
+    clocks: Vec<Option<u64>>,
+    level: Vec<bool>,
+    start: Option<u64>,
+}
+
 /// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
 struct SimWorker {
+    cfg: WorkerConfig,
+    /// Not joined yet: a late joiner before its time.
+    absent: bool,
+    /// A late joiner joining.
+    joining: Option<Joining>,
     machine: WorkerMachine,
     bufs: Buffers,
     workload: Option<Box<dyn Workload>>,
@@ -576,6 +598,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         };
         let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
         workers.push(SimWorker {
+            cfg,
+            absent: opts.faults.late_join.iter().any(|l| l.0 == w),
+            joining: None,
             machine,
             bufs,
             workload,
@@ -683,6 +708,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     // its join is on the backup too).
     for s in 0..shards_n {
         for w in 0..n {
+            if sim.workers[w as usize].absent {
+                continue;
+            }
             let token = sim.token(Req::Join { w, s, again: false });
             sim.nodes[s as usize].join(0, token, w, Vec::new(), &mut Quiet);
             sim.drain(s)?;
@@ -697,7 +725,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     // Training starts once every worker has joined: what it takes (with backups, the joins'
     // way to the backups and back) comes before the first event a failure can name, as a
     // cluster's workers start only once they are in (a death while they join fails their join).
-    while sim.started.iter().any(|s| !s) {
+    while sim.started.iter().zip(&sim.workers).any(|(s, w)| !s && !w.absent) {
         let Some((t, ev)) = sim.queue.pop() else { break };
         sim.now = t;
         sim.handle(ev)?;
@@ -709,6 +737,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut partitions = opts.faults.partitions.clone();
     let mut worker_deaths = opts.faults.worker_deaths.clone();
     let mut swaps = swaps;
+    let mut late_join = opts.faults.late_join.clone();
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
@@ -724,6 +753,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         while let Some(k) = swaps.iter().position(|d| d.0.due(handled, t)) {
             let (_, module, config) = swaps.remove(k);
             sim.swap(module, config)?;
+        }
+        while let Some(k) = late_join.iter().position(|l| l.1.due(handled, t)) {
+            sim.late_join(late_join.remove(k).0)?;
         }
         handled += 1;
         if !ev.is_clockwork() {
@@ -861,7 +893,9 @@ impl Sim {
                         (Req::Bad { s, what }, reply) => {
                             let accepted = match reply {
                                 Reply::Joined(r) => r.is_ok(),
-                                Reply::Pushed(r) => r.is_ok(),
+                                // A push the shard already has is acknowledged as the
+                                // duplicate it is, whatever it holds: nothing is applied.
+                                Reply::Pushed(r) => r.is_ok_and(|o| o != PushOutcome::Duplicate),
                                 Reply::Pulled(r) => r.is_ok(),
                                 Reply::Done(r) => r.is_ok(),
                             };
@@ -871,6 +905,24 @@ impl Sim {
                         }
                         (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
                             self.served(s, w, iteration, served)
+                        }
+                        (Req::Join { w, .. }, Reply::Joined(Ok(joined)))
+                            if self.workers[w as usize].joining.is_some() =>
+                        {
+                            let clock = match joined {
+                                Joined::Fresh { clock, .. } => clock,
+                                Joined::Rejoined(next) => next,
+                            };
+                            self.joined_late(w, s, clock)?;
+                        }
+                        (Req::LateSkip { .. }, Reply::Done(Err(e))) => {
+                            return Err(SimError::Refused(s, e.to_string()))
+                        }
+                        (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => {
+                            if let Some(j) = self.workers[w as usize].joining.as_mut() {
+                                j.level[s as usize] = true;
+                            }
+                            self.begin(w)?;
                         }
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
                             if let (true, Joined::Fresh { clock, next }) = (again, joined) {
@@ -1039,6 +1091,73 @@ impl Sim {
             }
         }
         Ok(())
+    }
+
+    /// Worker `w`, a late joiner, joins every shard whose primary it can reach (those on a
+    /// dead server it joins once it hears where they moved).
+    fn late_join(&mut self, w: u32) -> Result<(), SimError> {
+        let shards = self.nodes.len();
+        let wk = &mut self.workers[w as usize];
+        if wk.dead {
+            return Ok(());
+        }
+        wk.absent = false;
+        wk.joining = Some(Joining { clocks: vec![None; shards], level: vec![false; shards], start: None });
+        tracing::debug!(worker = w, t_ns = self.now, "a late joiner joins");
+        for s in 0..shards as u32 {
+            // It asks the coordinator where the shards are: it knows every move so far.
+            self.known[w as usize][s as usize] = self.term[s as usize];
+            if !self.down(s) {
+                let token = self.token(Req::Join { w, s, again: false });
+                self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+                self.drain(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Late joiner `w`'s join of shard `s` gave it `clock` (the next iteration the shard
+    /// expects from it). Once every shard has answered, it starts at the largest clock; a
+    /// shard that gave it less is first told to skip up to there (again, if the shard moved
+    /// before the skip reached its backup, and its new primary gives the old clock).
+    fn joined_late(&mut self, w: u32, s: u32, clock: u64) -> Result<(), SimError> {
+        let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
+        j.clocks[s as usize] = Some(clock);
+        let shards: Vec<u32> = match j.start {
+            Some(_) => vec![s],
+            None if j.clocks.iter().all(Option::is_some) => {
+                j.start = j.clocks.iter().flatten().max().copied();
+                (0..j.clocks.len() as u32).collect()
+            }
+            None => return Ok(()),
+        };
+        let start = j.start.expect("set above");
+        for x in shards {
+            let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
+            let c = j.clocks[x as usize].expect("every shard answered");
+            j.level[x as usize] = c >= start;
+            if c >= start {
+                // Past the start (a swap raised its clock meanwhile): it numbers from there.
+                self.renumbered[w as usize][x as usize] = c as i64 - start as i64;
+            } else if !self.down(x) {
+                let token = self.token(Req::LateSkip { w, s: x });
+                self.nodes[x as usize].skip(self.now, token, w, start, &mut Quiet);
+                self.drain(x)?;
+            }
+        }
+        self.begin(w)
+    }
+
+    /// Late joiner `w` starts once every shard numbers its iterations from its start.
+    fn begin(&mut self, w: u32) -> Result<(), SimError> {
+        let wk = &mut self.workers[w as usize];
+        let Some(j) = wk.joining.as_ref().filter(|j| j.level.iter().all(|l| *l)) else { return Ok(()) };
+        let start = j.start.expect("level only once started");
+        let cfg = WorkerConfig { start, numbering_shared: false, ..wk.cfg };
+        wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
+        wk.joining = None;
+        tracing::debug!(worker = w, start, t_ns = self.now, "the late joiner starts");
+        self.start(w)
     }
 
     /// Worker `w` has joined every shard: it starts (once).
