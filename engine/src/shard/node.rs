@@ -1097,6 +1097,31 @@ mod tests {
     }
 
     #[test]
+    fn a_skip_is_answered_once_the_backup_has_it() {
+        let (mut primary, mut backup) = (node("bsp", false), node("bsp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(1, 1, 0, vec![0.0; 2], &mut Quiet);
+        let seq = deliver(drain(&mut primary), &mut backup).unwrap();
+        primary.confirmed(seq);
+        drain(&mut primary);
+        primary.skip(2, 2, 0, 5, &mut Quiet);
+        let out = drain(&mut primary);
+        assert!(replies(&out).is_empty(), "a skip the backup lacks would be lost with the primary");
+        let seq = deliver(out, &mut backup).unwrap();
+        primary.confirmed(seq);
+        assert!(matches!(
+            drain(&mut primary)[..],
+            [NodeOutput::Reply { token: 2, reply: Reply::Done(Ok(())) }]
+        ));
+        backup.promote();
+        backup.join(3, 3, 0, Vec::new(), &mut Quiet);
+        assert!(matches!(
+            drain(&mut backup)[..],
+            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined(5))), .. }]
+        ));
+    }
+
+    #[test]
     fn requests_are_refused_with_typed_errors() {
         let mut n = node("bsp", false);
         n.push(0, 1, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);

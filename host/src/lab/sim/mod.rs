@@ -1119,11 +1119,14 @@ impl Sim {
     /// Late joiner `w`'s join of shard `s` gave it `clock` (the next iteration the shard
     /// expects from it). Once every shard has answered, it starts at the largest clock; a
     /// shard that gave it less is first told to skip up to there (again, if the shard moved
-    /// before the skip reached its backup, and its new primary gives the old clock).
+    /// before it answered the skip, as `WorkerClient` asks again what was not answered).
     fn joined_late(&mut self, w: u32, s: u32, clock: u64) -> Result<(), SimError> {
         let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
         j.clocks[s as usize] = Some(clock);
         let shards: Vec<u32> = match j.start {
+            // A shard that moved after answering the skip: the worker, which has its answer,
+            // asks nothing again (an answer means the backup has the skip).
+            Some(_) if j.level[s as usize] => vec![],
             Some(_) => vec![s],
             None if j.clocks.iter().all(Option::is_some) => {
                 j.start = j.clocks.iter().flatten().max().copied();
