@@ -9,29 +9,33 @@
 //! and faults: a server killed at an event drawn from the undisturbed run's, a second one later
 //! (half the three-server seeds), a server cut off from the coordinator one way or both for a
 //! while, the coordinator's notices of moves reaching the workers late, a worker killed, the
-//! workers' messages to shards delayed so that they overtake each other, a hot swap, and a
-//! worker that hears of moves 10-30 s later still, as one stalled in a long iteration (each in
-//! some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`;
-//! lr 1, no momentum, summed pushes) undisturbed, and with the faults, and checks:
-//! - every live worker ran every iteration, in both runs;
-//! - where the policy admits every push at weight 1 (all but R²SP), the undisturbed model is
-//!   exactly minus the sum of every push, and the run with faults ends at it bit for bit (with
-//!   a dead worker: at the live workers' pushes plus its acknowledged ones, perhaps plus the one
-//!   it had not heard back about);
+//! workers' messages to shards delayed so that they overtake each other, a hot swap (perhaps to
+//! a module that traps, spins or panics: [`HOSTILE`]), a worker that hears of moves 10-30 s
+//! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
+//! requests from a buggy or hostile peer, and one or two late joiners (each in some of the
+//! seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
+//! momentum, summed pushes) undisturbed, and with the faults, and checks:
+//! - every live worker ran every iteration (a late joiner from its start), in both runs;
+//! - where the policy admits every push at weight 1 (all but R²SP), each parameter is exactly
+//!   minus the sum of every push (`w + 1` per iteration worker `w` ran), and the run with faults
+//!   ends at the undisturbed model bit for bit (with a dead worker or a late joiner, at that sum
+//!   over what each ran, perhaps plus a dead worker's last push, which it had not heard back
+//!   about);
+//! - no shard accepted a bad request;
 //! - no server accepted a push for a shard another server had been promoted to, at any step;
 //! - every backup equalled its primary whenever it had applied every op its primary had, and at
 //!   the end their whole snapshots are the same bytes;
 //! - liveness: the live workers finish within a bound of the undisturbed run's
 //!   (twice `FAILOVER_MS` per fault, plus the notices' delays, partitions and a dead
-//!   worker's peer timeouts aside).
+//!   worker's peer timeouts aside, and a late joiner's extra iterations).
 //!
 //! A second fault that comes before the first failover's new backups hold their shards can take
 //! a shard's last copy: a cluster loses that shard too, so such a run is counted as lost, not
 //! failed.
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
-//! failure prints that command. Not drawn yet: coordinator crashes, hostile modules, bad wire
-//! inputs, partitions between servers or between a worker and a server, late joins (see
+//! failure prints that command. Not drawn yet: coordinator crashes, server restarts, partitions
+//! between servers or between a worker and a server, checkpoint rounds (see
 //! `docs/fault-tolerance.md`).
 
 use std::time::Instant;
