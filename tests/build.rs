@@ -1,5 +1,6 @@
 //! Builds the test suite's hostile policy module from `tests/hostile-policy`, and the example
-//! user policies from `policies/example-deadline` and `policies/example-backup`, to wasm32
+//! user policies from `policies/example-deadline`, `policies/example-backup` and
+//! `policies/example-firstk`, to wasm32
 //! (none is built into the host).
 
 use std::path::Path;
@@ -8,14 +9,26 @@ fn main() {
     let workspace = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
     let built = syncopate_policy_build::build(
         Path::new(&workspace),
-        &["syncopate-hostile-policy", "syncopate-policy-example-deadline", "syncopate-policy-example-backup"],
-        &["tests/hostile-policy", "policies/example-deadline", "policies/example-backup", "policy-sdk"],
+        &[
+            "syncopate-hostile-policy",
+            "syncopate-policy-example-deadline",
+            "syncopate-policy-example-backup",
+            "syncopate-policy-example-firstk",
+        ],
+        &[
+            "tests/hostile-policy",
+            "policies/example-deadline",
+            "policies/example-backup",
+            "policies/example-firstk",
+            "policy-sdk",
+        ],
     );
     match built {
         Ok(paths) => {
             println!("cargo:rustc-env=SYNCOPATE_HOSTILE_WASM={}", paths[0].display());
             println!("cargo:rustc-env=SYNCOPATE_EXAMPLE_WASM={}", paths[1].display());
             println!("cargo:rustc-env=SYNCOPATE_BACKUP_WASM={}", paths[2].display());
+            println!("cargo:rustc-env=SYNCOPATE_FIRSTK_WASM={}", paths[3].display());
         }
         Err(e) => {
             eprintln!("error: {e}");

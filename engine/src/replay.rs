@@ -182,10 +182,10 @@ impl Side {
             let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| format!("undecodable decision: {e}"))?;
             bytes = rest;
-            if check {
-                rules.check(&d, &*self)?;
-            }
-            let mine = rules.is_verdict(&d);
+            let mine = match check {
+                true => rules.check(&d, &*self)?,
+                false => rules.verdict(&d),
+            };
             let now = env.now_ns;
             match d {
                 Decision::ServePull { .. } => {

@@ -3,12 +3,15 @@
 //! for the clock rules), so a policy that passes its native tests is held to the same rules on
 //! a cluster.
 //!
-//! For each event, [`EventRules::check`] checks every decision before it takes effect, and
+//! For each event, [`EventRules::check`] checks every decision before it takes effect, and says
+//! whether it is the event's verdict on its own request or an action on an earlier one, and
 //! [`EventRules::finish`] checks what the event as a whole owed:
 //! - a pull or push event's request gets exactly one verdict (serve or defer; admit, hold or
 //!   drop), and
 //!   no decision gives a verdict on another event's request;
-//! - only a parked pull can be released, only a held push admitted or dropped later;
+//! - only a parked pull can be released, only a held push admitted or dropped later (the
+//!   event's own push too, once a decision of the same event held it: `on_push` holds it and
+//!   `after_push` admits it);
 //! - control messages go to live workers only, and moved tasks come from another live worker,
 //!   within 1 to [`MAX_TASKS`] tasks; a task share is 1 to [`MAX_TASKS`];
 //! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
@@ -76,25 +79,36 @@ impl EventRules {
         EventRules { request: Request::None }
     }
 
-    /// Whether `decision` is this event's verdict on its own request (`true`), or an action on
-    /// an earlier request or none (`false`), once [`check`](Self::check) has passed it.
-    pub fn is_verdict(&self, decision: &Decision<'_>) -> bool {
-        match (*decision, self.request) {
-            (Decision::ServePull { pull } | Decision::DeferPull { pull, .. }, Request::Pull { id, .. }) => {
-                pull == id
-            }
+    /// Whether `decision` is this event's verdict on its own request (`true`: the first
+    /// decision on it), or an action on an earlier request, on the event's own once a decision
+    /// before held it, or on none (`false`), without checking it: for decisions checked
+    /// already (a recording's). [`check`](Self::check) says the same of the decisions it passes.
+    pub fn verdict(&mut self, decision: &Decision<'_>) -> bool {
+        match (*decision, &mut self.request) {
             (
-                Decision::AdmitPush { push, .. } | Decision::HoldPush { push } | Decision::DropPush { push },
-                Request::Push { id, .. },
-            ) => push == id,
+                Decision::ServePull { pull: r } | Decision::DeferPull { pull: r, .. },
+                Request::Pull { id, decided, .. },
+            )
+            | (
+                Decision::AdmitPush { push: r, .. }
+                | Decision::HoldPush { push: r }
+                | Decision::DropPush { push: r },
+                Request::Push { id, decided },
+            ) if r == *id && !*decided => {
+                *decided = true;
+                true
+            }
             _ => false,
         }
     }
 
-    /// Checks `decision` before it takes effect on `state`. On `Ok`, the caller applies it.
-    pub fn check(&mut self, decision: &Decision<'_>, state: &impl DecisionState) -> Result<(), String> {
+    /// Checks `decision` before it takes effect on `state`. On `Ok`, the caller applies it:
+    /// `Ok(true)` says it is the event's verdict on its own request (the first decision on it),
+    /// `Ok(false)` that it acts on an earlier request (a parked pull, a held push: the event's
+    /// own too, once a decision before held it), or on none.
+    pub fn check(&mut self, decision: &Decision<'_>, state: &impl DecisionState) -> Result<bool, String> {
         match *decision {
-            Decision::ServePull { pull } => self.verdict_on_pull(pull, "serve")?,
+            Decision::ServePull { pull } => return self.verdict_on_pull(pull, "serve"),
             Decision::DeferPull { pull, until } => {
                 if let (Release::MinClockAtLeast(c), Request::Pull { id, clock, .. }) = (until, self.request)
                 {
@@ -104,7 +118,7 @@ impl EventRules {
                         ));
                     }
                 }
-                self.verdict_on_pull(pull, "defer")?;
+                return self.verdict_on_pull(pull, "defer");
             }
             Decision::ReleasePull { pull } => {
                 if !state.is_parked(pull) {
@@ -118,7 +132,10 @@ impl EventRules {
                     }
                 }
                 match self.request {
-                    Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                    Request::Push { id, ref mut decided } if id == push && !*decided => {
+                        *decided = true;
+                        return Ok(true);
+                    }
                     _ if state.is_held(push) => {}
                     _ => {
                         return Err(format!(
@@ -128,14 +145,20 @@ impl EventRules {
                 }
             }
             Decision::DropPush { push } => match self.request {
-                Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                Request::Push { id, ref mut decided } if id == push && !*decided => {
+                    *decided = true;
+                    return Ok(true);
+                }
                 _ if state.is_held(push) => {}
                 _ => {
                     return Err(format!("dropped push #{push}, which is neither this event's push nor held"))
                 }
             },
             Decision::HoldPush { push } => match self.request {
-                Request::Push { id, ref mut decided } if id == push && !*decided => *decided = true,
+                Request::Push { id, ref mut decided } if id == push && !*decided => {
+                    *decided = true;
+                    return Ok(true);
+                }
                 _ => return Err(not_this("hold", push)),
             },
             Decision::Control { worker, control } => {
@@ -175,7 +198,7 @@ impl EventRules {
             | Decision::Metric { .. }
             | Decision::CompleteAggregate { .. } => {}
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Checks, after the event's last decision, that its request got a verdict.
@@ -187,11 +210,11 @@ impl EventRules {
         }
     }
 
-    fn verdict_on_pull(&mut self, pull: RequestId, kind: &str) -> Result<(), String> {
+    fn verdict_on_pull(&mut self, pull: RequestId, kind: &str) -> Result<bool, String> {
         match self.request {
             Request::Pull { id, ref mut decided, .. } if id == pull && !*decided => {
                 *decided = true;
-                Ok(())
+                Ok(true)
             }
             _ => Err(not_this(kind, pull)),
         }
@@ -246,18 +269,34 @@ mod tests {
         let mut r = EventRules::new(&pull(7));
         assert_eq!(r.finish(), Err("the pull got no verdict".into()));
         assert!(r.check(&Decision::ServePull { pull: 8 }, &s).is_err(), "another request");
-        r.check(&Decision::ServePull { pull: 7 }, &s).unwrap();
-        assert!(r.is_verdict(&Decision::ServePull { pull: 7 }));
+        assert_eq!(r.check(&Decision::ServePull { pull: 7 }, &s), Ok(true));
         assert!(r.check(&Decision::DeferPull { pull: 7, until: Release::Explicit }, &s).is_err(), "twice");
         r.finish().unwrap();
         let mut r =
             EventRules::new(&Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 }));
         assert!(r.check(&Decision::AdmitPush { push: 2, weight: Some(f32::NAN) }, &s).is_err());
-        r.check(&Decision::HoldPush { push: 2 }, &s).unwrap();
+        assert_eq!(r.check(&Decision::HoldPush { push: 2 }, &s), Ok(true));
         assert!(
             r.check(&Decision::AdmitPush { push: 2, weight: None }, &s).is_err(),
-            "held, not yet decided twice"
+            "not held (the caller did not apply the hold): not decided twice"
         );
+    }
+
+    /// `on_push` holds its push and `after_push` admits it (the guide's pattern): the admission
+    /// acts on the held push, not as a second verdict (it once took the event's verdict slot,
+    /// which was empty by then, and left the push held forever).
+    #[test]
+    fn a_push_held_and_then_admitted_in_one_event_is_admitted_as_held() {
+        let push = Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 });
+        let (hold, admit) = (Decision::HoldPush { push: 2 }, Decision::AdmitPush { push: 2, weight: None });
+        let mut s = State::default();
+        let mut r = EventRules::new(&push);
+        assert_eq!(r.check(&hold, &s), Ok(true));
+        s.held.push(2);
+        assert_eq!(r.check(&admit, &s), Ok(false), "an action on the held push");
+        r.finish().unwrap();
+        let mut r = EventRules::new(&push);
+        assert!(r.verdict(&hold) && !r.verdict(&admit), "unchecked, the same");
     }
 
     #[test]

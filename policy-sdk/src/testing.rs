@@ -387,8 +387,7 @@ impl<P: Policy> Driver<P> {
             let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| alloc::format!("undecodable decision: {e}"))?;
             bytes = rest;
-            rules.check(&d, &*self)?;
-            let mine = rules.is_verdict(&d);
+            let mine = rules.check(&d, &*self)?;
             match d {
                 Decision::ServePull { pull } => {
                     v.pull = Some(PullVerdict::Serve);

@@ -11,6 +11,7 @@ mod net;
 mod oracles;
 mod partition;
 mod restart;
+mod rules;
 mod sandbox;
 mod sim;
 mod swap;

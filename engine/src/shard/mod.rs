@@ -1179,8 +1179,7 @@ impl Shard {
             let (decision, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| format!("undecodable decision: {e}"))?;
             bytes = rest;
-            rules.check(&decision, &*self)?;
-            let verdict = rules.is_verdict(&decision);
+            let verdict = rules.check(&decision, &*self)?;
             self.apply_one(decision, verdict, now_ns, sink);
         }
         rules.finish()

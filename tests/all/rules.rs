@@ -1,0 +1,84 @@
+//! Issue 37: one implementation of the decision rules. A policy that holds its push in `on_push`
+//! and admits it from `after_push` of the same event (the pattern `docs/writing-a-policy.md`
+//! shows; `policies/example-firstk`) once passed `policy check` and then hung a cluster: the
+//! shard took the admission for a second verdict on the event's push, found its verdict slot
+//! empty, and left the push held forever, unacknowledged. The SDK's test driver went wrong
+//! another way. Now `EventRules::check` says which decision is the event's verdict, and the
+//! shard, the driver and the replayer all act on that.
+
+use std::time::Duration;
+
+use syncopate::shard::{OptimizerConfig, PushRequest, PushWeight, Shard, ShardConfig};
+use syncopate_policy_example_firstk::FirstK;
+use syncopate_policy_sdk::testing::Driver;
+use syncopate_suite::{config, runtime, Recorder};
+
+use crate::cluster::{assert_all, LocalRun};
+
+const WORKERS: u32 = 3;
+
+/// The same pushes, in the same seeded order, through the SDK's test driver (the policy built
+/// natively) and a host shard (its wasm build), with momentum: after every push the same pushes
+/// are acknowledged, and the parameters end the same, bit for bit.
+#[test]
+fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_event() {
+    let wasm = std::fs::read(env!("SYNCOPATE_FIRSTK_WASM")).expect("built by tests/build.rs");
+    let module = runtime().compile("firstk.wasm", &wasm).unwrap();
+    let optimizer = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0, nesterov: false };
+    for (seed, k) in [(1u64, "2"), (2, "2"), (3, "3"), (4, "1")] {
+        let params = vec![0.5f32, -1.0];
+        let mut driver =
+            Driver::<FirstK>::new(&[("k", k)]).unwrap().with_optimizer(optimizer, params.clone());
+        let cfg = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+        let mut rec = Recorder::default();
+        let mut shard = Shard::new(cfg, params, &module, &config(&[("k", k)]), &mut rec).unwrap();
+        for w in 0..WORKERS {
+            driver.join(w);
+            shard.join(w, 0, &mut rec).unwrap();
+        }
+        // A worker whose push is not yet acknowledged waits: it pushes again only once it is.
+        let mut next = [0u64; WORKERS as usize];
+        let mut rng = seed;
+        for step in 0..120u64 {
+            let ready: Vec<u32> = (0..WORKERS)
+                .filter(|&w| rec.acked.iter().filter(|a| a.1 == w).count() as u64 == next[w as usize])
+                .collect();
+            assert!(!ready.is_empty(), "seed {seed}, k {k}, step {step}: every worker waits on a held push");
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let w = ready[(rng >> 33) as usize % ready.len()];
+            let grad = vec![(w + 1) as f32, step as f32 * 0.25];
+            let iteration = next[w as usize];
+            driver.push_gradient(w, iteration, &grad).unwrap();
+            let req = PushRequest { worker: w, iteration, samples: 1, grad, based_on: None, tasks: None };
+            shard.push(req, step, &mut rec).unwrap();
+            next[w as usize] += 1;
+            for v in 0..WORKERS {
+                let acked = rec.acked.iter().filter(|a| a.1 == v).count() as u64;
+                assert_eq!(
+                    driver.clock(v),
+                    Some(acked),
+                    "seed {seed}, k {k}, step {step}: worker {v}'s pushes"
+                );
+            }
+        }
+        assert!(rec.errors.is_empty(), "{:?}", rec.errors);
+        let bits = |p: &[f32]| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(driver.params()), bits(shard.values()), "seed {seed}, k {k}");
+        assert!(driver.steps() > 0);
+    }
+}
+
+/// On a real cluster (two servers, so each push goes to two shards): clocks advance, every
+/// worker runs every iteration, and every push is applied once at its weight 1/3.
+#[test]
+fn a_policy_that_holds_and_admits_in_one_event_runs_on_a_real_cluster() {
+    let policy = format!("{}:k=3", env!("SYNCOPATE_FIRSTK_WASM"));
+    let args = ["--workers", "3", "--servers", "2", "--iterations", "30", "--delay-ms", "2", "--params", "8"];
+    let run = LocalRun::start("firstk", &[&args[..], &["--policy", &policy]].concat());
+    let (code, run) = run.finish(Duration::from_secs(120));
+    assert!(code.success(), "{}", run.output());
+    let report = run.report();
+    assert!(report.workers.iter().all(|w| w.iterations == 30), "{:?}", report.workers);
+    // Worker w pushes w + 1; each push counts at 1/3 (lr 1, summed pushes).
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 30.0 / 3.0, "every push once, at 1/3");
+}
