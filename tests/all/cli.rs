@@ -79,7 +79,7 @@ fn policy_check_runs_events_through_the_module() {
         let out = Command::new(syncopate_bin()).args(["policy", "check"]).arg(path).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{name}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("exercised:   3 workers x 20 iterations"), "{name}: {stdout}");
+        assert!(stdout.contains("exercised:   64 generated cases"), "{name}: {stdout}");
     }
     // A module that loads and starts but panics on its first push fails the check, by name.
     let out = Command::new(syncopate_bin())
@@ -88,7 +88,39 @@ fn policy_check_runs_events_through_the_module() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("fails on a short run") && stderr.contains("panics on purpose"), "{stderr}");
+    assert!(stderr.contains("breaks a rule") && stderr.contains("panics on purpose"), "{stderr}");
+}
+
+/// Issue 37: `policy check` explores generated event sequences and reports the first that
+/// breaks a rule, shrunk, with its events: a push held forever, a pull parked forever. A module
+/// given as `FILE:k=v` is checked with that configuration.
+#[test]
+fn policy_check_reports_a_request_never_answered_with_the_shrunk_sequence() {
+    for (mode, waits) in [
+        ("push:hold", "push for iteration 0 (#2) is held"),
+        ("pull:park", "pull for iteration 0 (#1) is parked"),
+    ] {
+        let spec = format!("{}:mode={mode}", env!("SYNCOPATE_HOSTILE_WASM"));
+        let out = Command::new(syncopate_bin()).args(["policy", "check", &spec]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{mode}: {stderr}");
+        assert!(stderr.contains("(1 workers, 1 iterations each): stuck"), "{mode}, shrunk: {stderr}");
+        assert!(stderr.contains(&format!("worker 0's {waits}")), "{mode}: {stderr}");
+        assert!(
+            stderr.contains("worker 0 joins") && stderr.contains("(x61)"),
+            "{mode}, the events: {stderr}"
+        );
+    }
+    // The example that holds its pushes and admits them from after_push passes, k from the spec.
+    let spec = format!("{}:k=3", env!("SYNCOPATE_FIRSTK_WASM"));
+    let out =
+        Command::new(syncopate_bin()).args(["policy", "check", &spec, "--cases", "100"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("exercised:   100 generated cases") && !stdout.contains(" 0 pushes held"),
+        "{stdout}"
+    );
 }
 
 #[test]

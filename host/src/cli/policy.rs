@@ -13,18 +13,33 @@ use crate::net::proto::ClusterStatus;
 use crate::operator::Operator;
 use crate::runtime::{PolicyInstance, PolicyRuntime};
 
+/// How many generated event sequences `policy check` drives a module through.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct CasesArgs {
+    /// Generated cases to run (each a few workers and iterations; 64 take a few seconds).
+    #[arg(long, default_value_t = crate::lab::explore::DEFAULT_CASES)]
+    pub cases: u32,
+    /// The first case's seed (a failure names its case: `--seed N --cases 1` runs it again).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
 /// Policy subcommands.
 #[derive(Debug, Subcommand)]
 pub enum PolicyCommand {
     /// Validate a policy module, print its name, version, ABI version and parameters, and drive
-    /// it through a short run on a real shard (joins, pulls, pushes, reports, timers, a state
-    /// hand-over to itself, leaves): any failure fails the check.
+    /// it on a real shard through generated event sequences (joins, late joins, pulls, pushes,
+    /// reports, timers, leaves, state hand-overs to itself): a failure, a push acknowledged
+    /// twice, or a request never answered fails the check, with the events that led there.
     Check {
-        /// The module file.
-        file: PathBuf,
+        /// The module file (or a built-in's name), optionally with its configuration
+        /// (`my_policy.wasm:k=3`).
+        file: String,
         /// Configuration to try it with, as k=v pairs (defaults are used for the rest).
         #[arg(long = "config", value_name = "K=V", value_delimiter = ',')]
         config: Vec<String>,
+        #[command(flatten)]
+        cases: CasesArgs,
     },
     /// Write a new policy crate to start from: a workspace of its own with the SDK of this
     /// `syncopate` vendored and its dependencies pinned, a working policy (SSP) and a native test.
@@ -44,6 +59,8 @@ pub enum PolicyCommand {
         /// Configuration to check it with, as k=v pairs (defaults are used for the rest).
         #[arg(long = "config", value_name = "K=V", value_delimiter = ',')]
         config: Vec<String>,
+        #[command(flatten)]
+        cases: CasesArgs,
     },
     /// Feed a recorded run (`syncopate local --record DIR`, or a server's `--record`) to a
     /// policy module, deterministically, and set its decisions beside the recorded ones: pulls
@@ -144,7 +161,7 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     let rt = PolicyRuntime::new()?;
     match cmd {
         PolicyCommand::Swap { .. } | PolicyCommand::Status { .. } => unreachable!("handled above"),
-        PolicyCommand::Check { file, config } => check(&rt, &file, &config)?,
+        PolicyCommand::Check { file, config, cases } => check(&rt, &file, &config, cases)?,
         PolicyCommand::Replay { recording, policy, shard, json } => {
             let reports = replay(&rt, &recording, policy.as_ref(), shard)?;
             if json {
@@ -162,9 +179,9 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
             println!("  cd {} && cargo test             # the native tests", dir.display());
             println!("  syncopate policy build {}        # the wasm module, checked", dir.display());
         }
-        PolicyCommand::Build { dir, config } => {
+        PolicyCommand::Build { dir, config, cases } => {
             let module = crate::authoring::build_policy(&dir)?;
-            check(&rt, &module, &config)?;
+            check(&rt, &module.display().to_string(), &config, cases)?;
             let size = std::fs::metadata(&module).map(|m| m.len()).unwrap_or(0);
             println!("  size:        {:.1} KB", size as f64 / 1024.0);
             println!("load it with: syncopate policy swap {}", module.display());
@@ -288,12 +305,15 @@ fn print_replay(r: &crate::replay::Report) {
     println!();
 }
 
-/// `policy check`: validates the module, starts it, exercises it, and prints what it is.
-fn check(rt: &PolicyRuntime, file: &std::path::Path, config: &[String]) -> anyhow::Result<()> {
-    let label = file.display().to_string();
-    let wasm = std::fs::read(file).with_context(|| format!("{label}: cannot read the file"))?;
+/// `policy check`: validates the module, starts it, explores it
+/// ([`crate::lab::explore`]), and prints what it is. `file` is a module file or a built-in's
+/// name, perhaps with a configuration (`FILE:k=v,...`), which `config` adds to.
+fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) -> anyhow::Result<()> {
+    let mut spec: PolicySpec = file.parse()?;
+    let extra: PolicySpec = format!("x:{}", config.join(",")).parse()?;
+    spec.config.extend(extra.config);
+    let (label, wasm) = spec.bytes()?;
     let module = rt.compile(&label, &wasm)?;
-    let spec: PolicySpec = format!("x:{}", config.join(",")).parse()?;
     let args = InitArgs {
         shard: 0,
         shards: 1,
@@ -301,111 +321,16 @@ fn check(rt: &PolicyRuntime, file: &std::path::Path, config: &[String]) -> anyho
         config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
     };
     PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
-    let events = exercise(&module, &spec.config).context("the module fails on a short run")?;
-    println!("ok: {}", file.display());
+    let explored = crate::lab::explore::explore(&module, &spec.config, cases.seed, cases.cases)
+        .map_err(|broken| anyhow::anyhow!("the module breaks a rule in a generated case: {broken}"))?;
+    println!("ok: {}", spec.source);
     println!("  sha256:      {}", module.sha256_hex());
     print_info(module.info(), "  ");
-    println!("  exercised:   {events}");
+    println!(
+        "  exercised:   {} generated cases, {} events: {} pulls deferred, {} pushes held, {} dropped, {} state hand-overs",
+        explored.cases, explored.events, explored.deferred, explored.held, explored.dropped, explored.handovers
+    );
     Ok(())
-}
-
-/// Drives `module` through a short run on a real shard: three workers join, each pulls, pushes
-/// and reports 20 iterations in turn while time advances (so timers fire), the policy hands its
-/// state over to a fresh instance of itself halfway, and the workers leave. Returns a summary;
-/// `Err` on the first policy failure or on a run that cannot finish (a request never answered).
-fn exercise(module: &crate::runtime::PolicyModule, config: &[(String, String)]) -> anyhow::Result<String> {
-    use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
-    use syncopate_policy_sdk::abi::IterationReport;
-
-    #[derive(Default)]
-    struct Sink {
-        served: Vec<u64>,
-        failure: Option<String>,
-    }
-    impl ShardSink for Sink {
-        fn pull_served(&mut self, r: PullReply<'_>) {
-            self.served.push(r.id);
-        }
-    }
-    impl crate::shard::Observer for Sink {
-        fn policy_failed(&mut self, e: &crate::runtime::PolicyError) {
-            self.failure.get_or_insert_with(|| e.to_string());
-        }
-    }
-    const WORKERS: u32 = 3;
-    const ITERATIONS: u64 = 20;
-    let mut sink = Sink::default();
-    let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 4], module, config, &mut sink)?;
-    let mut now = 0u64;
-    for w in 0..WORKERS {
-        shard.join(w, now, &mut sink)?;
-    }
-    // Each worker's pending pull, if deferred.
-    let mut waiting: Vec<Option<u64>> = vec![None; WORKERS as usize];
-    let mut next = vec![0u64; WORKERS as usize];
-    let mut stuck = 0;
-    while next.iter().any(|i| *i < ITERATIONS) {
-        let before = (next.clone(), sink.served.len());
-        for w in 0..WORKERS {
-            let i = w as usize;
-            now += 5_000_000;
-            shard.advance(now, &mut sink);
-            if let Some(id) = waiting[i] {
-                if !sink.served.contains(&id) {
-                    continue;
-                }
-                waiting[i] = None;
-            } else if next[i] < ITERATIONS {
-                let id = shard.pull(PullRequest { worker: w, iteration: next[i] }, now, &mut sink)?;
-                if !sink.served.contains(&id) {
-                    waiting[i] = Some(id);
-                    continue;
-                }
-            } else {
-                continue;
-            }
-            let grad = vec![0.01; 4];
-            let req =
-                PushRequest { worker: w, iteration: next[i], samples: 32, grad, based_on: None, tasks: None };
-            shard.push(req, now, &mut sink)?;
-            let report =
-                IterationReport { worker: w, iteration: next[i], compute_ns: 5_000_000, samples: 32 };
-            shard.iteration_finished(report, now, &mut sink)?;
-            next[i] += 1;
-            if w == 0 && next[i] == ITERATIONS / 2 {
-                let level = shard.levelling();
-                shard.swap_policy(module, config, &level, now, &mut sink)?;
-            }
-        }
-        if let Some(f) = &sink.failure {
-            anyhow::bail!("{f}");
-        }
-        stuck = if (next.clone(), sink.served.len()) == before { stuck + 1 } else { 0 };
-        if stuck > 200 {
-            anyhow::bail!(
-                "no progress for 3 s of host time: workers at iterations {next:?}, {} pulls parked, {} pushes held",
-                shard.parked_pulls(),
-                shard.held_pushes()
-            );
-        }
-    }
-    for w in 0..WORKERS {
-        shard.leave(w, syncopate_policy_sdk::abi::LeaveReason::Finished, now, &mut sink)?;
-    }
-    if let Some(f) = &sink.failure {
-        anyhow::bail!("{f}");
-    }
-    let s = shard.stats();
-    Ok(format!(
-        "{WORKERS} workers x {ITERATIONS} iterations and a hand-over: {} pulls ({} deferred), {} pushes admitted, {} dropped, {} held, {} steps, {} metrics",
-        s.pulls_served,
-        s.pulls_deferred,
-        s.pushes_admitted,
-        s.pushes_dropped,
-        s.pushes_held,
-        s.steps,
-        shard.metrics().len()
-    ))
 }
 
 /// What watching a swapped-in policy found.

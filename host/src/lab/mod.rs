@@ -11,13 +11,16 @@
 //! - [`plots`]: the SVG plots of a run and of a comparison;
 //! - [`stats`]: medians, confidence intervals and rank tests for repeated comparisons;
 //! - [`simtest`]: a seeded search for lost or doubled updates under server failures, in the
-//!   simulator (`syncopate simtest`).
+//!   simulator (`syncopate simtest`);
+//! - [`explore`]: generated event sequences for one policy module on one shard, the rules a
+//!   policy must keep, and the shrunk sequence that broke one (`syncopate policy check`).
 //!
 //! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on
 //! `report` and `stats`; `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of
-//! them but `simtest`; `simtest` on `scenario` and `sim`.
+//! them but `simtest`; `simtest` on `scenario` and `sim`; `explore` on none.
 
 pub mod ab;
+pub mod explore;
 pub mod local;
 pub mod plots;
 pub mod report;

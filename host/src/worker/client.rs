@@ -592,8 +592,9 @@ impl WorkerClient {
         Ok(futures::future::try_join_all(pushes).await?.into_iter().sum())
     }
 
-    /// Whether every shard numbers this worker's iterations as it does (it joined before
-    /// training started, or when all shards were level): only then can its tasks move.
+    /// Whether every shard numbers this worker's iterations as it does (always, unless a
+    /// promoted shard dropped the worker and took it back renumbered): only then can its tasks
+    /// move and can it skip ahead.
     pub fn numbering_shared(&self) -> bool {
         self.offsets.iter().all(|o| o.load(Ordering::SeqCst) == 0)
     }

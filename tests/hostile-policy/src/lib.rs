@@ -2,8 +2,8 @@
 //!
 //! `mode` picks the misbehaviour and `after` how many events it behaves (as BSP) before it
 //! starts. Every mode is something a buggy or hostile module could really do from inside the
-//! sandbox: trap, spin forever, allocate without bound, panic, or answer with decisions that
-//! break the ABI's rules.
+//! sandbox: trap, spin forever, allocate without bound, panic, answer with decisions that
+//! break the ABI's rules, or park a pull or hold a push and never let it go.
 
 use std::hint::black_box;
 use syncopate_policy_sdk::prelude::*;
@@ -68,7 +68,7 @@ impl Policy for Hostile {
         "0.0.0",
         "Misbehaves on purpose (tests only).",
         &[
-            ParamSpec::new("mode", ParamKind::Text, "none", "pull:MODE or push:MODE, MODE one of trap, loop, bomb, panic, release-unknown, admit-unknown, control-stranger; or refuse-state"),
+            ParamSpec::new("mode", ParamKind::Text, "none", "pull:MODE or push:MODE, MODE one of trap, loop, bomb, panic, release-unknown, admit-unknown, control-stranger; pull:park (never released), push:hold (never admitted); or refuse-state"),
             ParamSpec::new("after", ParamKind::Uint, "0", "events to behave before misbehaving"),
         ],
     );
@@ -89,6 +89,10 @@ impl Policy for Hostile {
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
         if self.armed("pull:") {
+            if self.mode == "pull:park" {
+                // Parked until released, and never released.
+                return PullVerdict::Defer(Release::Explicit);
+            }
             self.misbehave(ctx, pull.id);
         }
         Self::bsp(ctx, pull)
@@ -96,6 +100,10 @@ impl Policy for Hostile {
 
     fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
         if self.armed("push:") {
+            if self.mode == "push:hold" {
+                // Held, and never admitted.
+                return PushVerdict::Hold;
+            }
             self.misbehave(ctx, push.id);
         }
         PushVerdict::Admit

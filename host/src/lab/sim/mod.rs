@@ -1156,7 +1156,10 @@ impl Sim {
         let wk = &mut self.workers[w as usize];
         let Some(j) = wk.joining.as_ref().filter(|j| j.level.iter().all(|l| *l)) else { return Ok(()) };
         let start = j.start.expect("level only once started");
-        let cfg = WorkerConfig { start, numbering_shared: false, ..wk.cfg };
+        // Every shard numbers its iterations alike once the skips are in, as the client's
+        // `numbering_shared` says (unless a shard past the start renumbered it).
+        let shared = self.renumbered[w as usize].iter().all(|&o| o == 0);
+        let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg };
         wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
         wk.joining = None;
         tracing::debug!(worker = w, start, t_ns = self.now, "the late joiner starts");
@@ -1313,7 +1316,12 @@ impl Sim {
                 grad[0] = f32::NAN;
                 node.push(now, token, w, iteration, 1, None, grad, None, &mut Quiet)
             }
-            3 => node.push(now, token, w, iteration + r, 1, None, ones(len), None, &mut Quiet),
+            3 => {
+                // Past the next push the shard expects (one numbered as that next push would be
+                // the worker's own, as far as a shard can tell: the servers authenticate workers).
+                let ahead = sim_shard(node).resumes_at(w).max(iteration) + r;
+                node.push(now, token, w, ahead, 1, None, ones(len), None, &mut Quiet)
+            }
             4 => node.pull(now, token, never_joined, iteration, &mut Quiet),
             5 => node.join(now, token, never_joined, ones(len + r as usize), &mut Quiet),
             _ => node.skip(now, token, u32::MAX, iteration + r, &mut Quiet),
