@@ -513,3 +513,26 @@ fn a_simtest_seed_replays_bit_for_bit() {
         "{text}"
     );
 }
+
+/// Issue 37: the simulator drives the shard's decision rules, so a policy that holds its pushes
+/// and admits them from `after_push` (`policies/example-firstk`) runs there as on a cluster
+/// (`rules::a_policy_that_holds_and_admits_in_one_event_runs_on_a_real_cluster`): every worker
+/// runs every iteration, and every push is applied once at 1/k.
+#[test]
+fn the_simulator_runs_a_policy_that_holds_and_admits_in_one_event() {
+    let text = "name = \"firstk\"\nworkers = 3\nservers = 2\nworkload = \"counter\"\nparams = 8\n\
+        compute_ms = 5\niterations = 30\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
+        [[slow]]\nworker = 1\nfactor = 3.0\n";
+    let policy = format!("{}:k=3", env!("SYNCOPATE_FIRSTK_WASM"));
+    let opts = SimOptions {
+        run: RunSpec::new(scenario(text), policy.parse::<PolicySpec>().unwrap()),
+        gradients: true,
+        data: None,
+        failures: Vec::new(),
+        faults: SimFaults::default(),
+    };
+    let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
+    assert!(out.report.workers.iter().all(|w| w.iterations == 30), "{:?}", out.report.workers);
+    let expected = -(1.0 + 2.0 + 3.0) * 30.0 / 3.0;
+    assert!(out.model.iter().all(|v| *v == expected), "{:?}, not all {expected}", out.model);
+}
