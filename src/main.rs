@@ -14,6 +14,17 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = syncopate::cli::Cli::parse();
+    // Commands that only print (`policy replay ... | head`) end quietly when their reader goes,
+    // as Unix tools do, rather than panicking on the closed pipe. Not those that run nodes,
+    // which must stop their children on the way out.
+    #[cfg(unix)]
+    if matches!(cli.command, syncopate::cli::Command::Policy(_)) {
+        // SAFETY: resetting a signal's disposition to its default before any other thread
+        // exists (the tokio runtime starts inside `run`) races with nothing.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match syncopate::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -88,7 +88,9 @@ pub fn render(name: &str) -> Result<Vec<(PathBuf, String)>, AuthoringError> {
 /// The new crate's `Cargo.lock`: its own entry among the SDK's pinned packages, sorted as cargo
 /// writes them (so that cargo finds nothing to change).
 fn lockfile(name: &str) -> String {
-    let own = format!("[[package]]\nname = \"{name}\"\nversion = \"0.1.0\"\ndependencies = [\n \"syncopate-policy-sdk\",\n]\n");
+    let own = format!(
+        "[[package]]\nname = \"{name}\"\nversion = \"0.1.0\"\ndependencies = [\n \"serde\",\n \"syncopate-policy-sdk\",\n]\n"
+    );
     let mut entries: Vec<(&str, &str)> = LOCK_PACKAGES.to_vec();
     entries.push((name, &own));
     entries.sort_by_key(|(n, _)| *n);

@@ -73,6 +73,17 @@ impl std::fmt::Display for PolicySpec {
 }
 
 impl PolicySpec {
+    /// A short name for tables and plots: the spec as written, but a module file by its file
+    /// name, not its whole path (`my_policy.wasm:k=3`).
+    pub fn label(&self) -> String {
+        let source = match wasm(&self.source) {
+            Some(_) => self.source.as_str(),
+            None => Path::new(&self.source).file_name().and_then(|f| f.to_str()).unwrap_or(&self.source),
+        };
+        let short = PolicySpec { source: source.to_owned(), config: self.config.clone() };
+        short.to_string()
+    }
+
     /// Compiles the module this spec names: a built-in, or a file.
     pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {
         let (label, bytes) = self.bytes()?;
@@ -105,6 +116,22 @@ impl PolicySpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn labels_name_a_file_by_its_file_name() {
+        let s: PolicySpec =
+            "/very/long/target/wasm32-unknown-unknown/release/my_policy.wasm:k=3".parse().unwrap();
+        assert_eq!(s.label(), "my_policy.wasm:k=3");
+        let s: PolicySpec = "ssp:s=2".parse().unwrap();
+        assert_eq!(s.label(), "ssp:s=2");
+        let specs: Vec<PolicySpec> =
+            ["/a/p.wasm", "/b/p.wasm", "/c/q.wasm:k=1"].iter().map(|x| x.parse().unwrap()).collect();
+        assert_eq!(
+            crate::lab::ab::labels(&specs),
+            ["/a/p.wasm", "/b/p.wasm", "q.wasm:k=1"],
+            "the same file name twice: whole paths"
+        );
+    }
 
     #[test]
     fn parses_names_files_and_configs() {

@@ -90,6 +90,18 @@ impl AccessArgs {
     /// The access these arguments describe.
     pub fn access(&self) -> anyhow::Result<ClusterAccess> {
         if let Some(path) = &self.cluster {
+            // `syncopate local` writes the report when the run ends: nobody listens any more.
+            let report = path.with_file_name("report.json");
+            let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            if let (Some(done), Some(started)) = (modified(&report), modified(path)) {
+                if done >= started {
+                    anyhow::bail!(
+                        "the run of {} has finished (its report is {}): there is no cluster to reach",
+                        path.display(),
+                        report.display()
+                    );
+                }
+            }
             let mut access = ClusterFile::read(path)?.access();
             if let Some(t) = &self.token {
                 access.token = Token::new(t.clone());

@@ -384,8 +384,18 @@ fn print_info(info: &ModuleInfo, indent: &str) {
         println!("{indent}parameters:  none");
     } else {
         println!("{indent}parameters:");
+        // Columns as wide as their longest entry, so long names line up too.
+        let name = info.params.iter().map(|p| p.name.len()).max().unwrap_or(0).max(10);
+        let kind = info.params.iter().map(|p| p.kind.name().len()).max().unwrap_or(0).max(6);
+        let default = info.params.iter().map(|p| p.default.len()).max().unwrap_or(0).max(8);
         for p in &info.params {
-            println!("{indent}  {:<10} {:<6} default {:<8} {}", p.name, p.kind.name(), p.default, p.doc);
+            println!(
+                "{indent}  {:<name$} {:<kind$} default {:<default$} {}",
+                p.name,
+                p.kind.name(),
+                p.default,
+                p.doc
+            );
         }
     }
 }

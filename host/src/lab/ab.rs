@@ -103,7 +103,15 @@ pub fn parse_policies(list: &str) -> Result<Vec<PolicySpec>, String> {
 
 /// A folder name for a policy spec.
 fn slug(spec: &PolicySpec) -> String {
-    spec.to_string().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+    spec.label().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+}
+
+/// What tables, plots and verdicts call each policy: its [`PolicySpec::label`] (a module file
+/// by its file name, not its whole path), or the whole spec where two labels would be the same.
+pub fn labels(policies: &[PolicySpec]) -> Vec<String> {
+    let short: Vec<String> = policies.iter().map(PolicySpec::label).collect();
+    let unique = |i: usize| short.iter().filter(|l| **l == short[i]).count() == 1;
+    (0..policies.len()).map(|i| if unique(i) { short[i].clone() } else { policies[i].to_string() }).collect()
 }
 
 /// The order of a comparison's runs: repeat by repeat, every policy once per repeat, each
@@ -139,6 +147,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         ),
     };
     let order = schedule(opts.policies.len(), opts.repeat);
+    let labels = labels(&opts.policies);
     let total = order.len();
     let mut runs: Vec<(usize, AbRow, RunReport)> = Vec::with_capacity(total);
     for (n, &(i, r)) in order.iter().enumerate() {
@@ -149,7 +158,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
             _ => opts.out.join(slug(spec)).join(format!("seed-{seed}")),
         };
         let _ = std::fs::remove_dir_all(&dir);
-        println!("[{}/{total}] {} — scenario `{}`, seed {seed}", n + 1, spec, opts.scenario.name);
+        println!("[{}/{total}] {} — scenario `{}`, seed {seed}", n + 1, labels[i], opts.scenario.name);
         let mut scenario = opts.scenario.clone();
         scenario.seed = seed;
         let run = RunSpec::new(scenario, spec.clone());
@@ -157,7 +166,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
             true => simulated(opts, run, &dir, sim_rt.as_ref().expect("built for simulated runs"))?,
             false => real(opts, run, &dir, rt.as_ref().expect("built for real runs"))?,
         };
-        let row = AbRow { seed, ..AbRow::from_report(spec.to_string(), &report, dir) };
+        let row = AbRow { seed, ..AbRow::from_report(labels[i].clone(), &report, dir) };
         runs.push((i, row, report));
     }
     // Rows by policy, then seed: the order a reader looks for them.
@@ -169,7 +178,7 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
         scenario: opts.scenario.clone(),
         rows,
         repeat: opts.repeat,
-        baseline: Some(opts.policies[baseline].to_string()),
+        baseline: Some(labels[baseline].clone()),
         summaries,
         verdicts,
         files: Vec::new(),
@@ -228,21 +237,22 @@ fn summarize(
     };
     let has = |f: &Figure| f.key != "time_to_target_s" || opts.scenario.target_accuracy.is_some();
     let mut summaries = Vec::new();
-    for (i, spec) in opts.policies.iter().enumerate() {
+    let labels = labels(&opts.policies);
+    for (i, label) in labels.iter().enumerate() {
         let seeds = runs.iter().filter(|(p, _, _)| *p == i).map(|(_, row, _)| row.seed).collect();
         let figures = FIGURES
             .iter()
             .filter(|f| has(f))
             .filter_map(|f| samples(i, f).map(|xs| (f.key.to_string(), median_ci(&xs))))
             .collect();
-        summaries.push(PolicySummary { policy: spec.to_string(), seeds, figures });
+        summaries.push(PolicySummary { policy: label.clone(), seeds, figures });
     }
     let mut verdicts = Vec::new();
-    let base_name = opts.policies[baseline].to_string();
-    for (i, spec) in opts.policies.iter().enumerate().filter(|(i, _)| *i != baseline) {
+    let base_name = labels[baseline].clone();
+    for i in (0..opts.policies.len()).filter(|i| *i != baseline) {
         for f in FIGURES.iter().filter(|f| has(f)) {
             let (Some(a), Some(b)) = (samples(i, f), samples(baseline, f)) else { continue };
-            verdicts.push(verdict(spec.to_string(), base_name.clone(), f, &a, &b));
+            verdicts.push(verdict(labels[i].clone(), base_name.clone(), f, &a, &b));
         }
     }
     (summaries, verdicts)

@@ -11,12 +11,22 @@ use crate::worker::WorkerReport;
 
 type PlotResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// The run's policy, as plots name it.
+/// The run's policy, as plots name it: each policy it ran under, in order, for a run with hot
+/// swaps (the first and last of a long series).
 fn label(report: &RunReport) -> String {
+    let names: Vec<&str> = report.phases.iter().map(|p| p.policy.as_str()).collect();
+    let policy = match names.len() {
+        // A module file by its file name, not its whole path.
+        0 | 1 => {
+            report.policy.parse::<crate::builtin::PolicySpec>().map_or(report.policy.clone(), |s| s.label())
+        }
+        2..=4 => names.join(" → "),
+        n => format!("{} → ({} swaps) → {}", names[0], n - 2, names[n - 1]),
+    };
     match (report.simulated, &report.modelled) {
-        (true, Some(m)) => format!("{} (simulated; wire costs of {m})", report.policy),
-        (true, None) => format!("{} (simulated)", report.policy),
-        _ => report.policy.clone(),
+        (true, Some(m)) => format!("{policy} (simulated; wire costs of {m})"),
+        (true, None) => format!("{policy} (simulated)"),
+        _ => policy,
     }
 }
 
@@ -127,7 +137,8 @@ fn time_line(
     Ok(())
 }
 
-/// The policy's metrics over time, one line per name (last value, averaged over shards).
+/// The policy's metrics over time (last value, averaged over shards): one panel per name,
+/// each on its own axis, so that a counter in the thousands does not flatten a ratio near 1.
 fn metrics(report: &RunReport, path: &Path) -> PlotResult<()> {
     let mut names: Vec<&str> = Vec::new();
     for p in &report.watch {
@@ -137,32 +148,37 @@ fn metrics(report: &RunReport, path: &Path) -> PlotResult<()> {
             }
         }
     }
-    let values = || report.watch.iter().flat_map(|p| p.metrics.iter().map(|m| m.1));
-    let (lo, hi) = (values().fold(0.0, f64::min), values().fold(1.0, f64::max));
     let t_max = report.watch.iter().map(|p| p.t_s).fold(1.0, f64::max);
-    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    let panel_h = 190u32;
+    let root = SVGBackend::new(path, (900, 50 + panel_h * names.len() as u32)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Policy metrics — {}", label(report)), ("sans-serif", 22))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0.0..t_max * 1.02, lo..hi * 1.05)?;
-    chart.configure_mesh().x_desc(TIME_AXIS).y_desc("value (ctx.metric, last sample)").draw()?;
-    for (i, name) in names.iter().enumerate() {
+    let root = root.titled(&format!("Policy metrics — {}", label(report)), ("sans-serif", 22))?;
+    let panels = root.split_evenly((names.len(), 1));
+    for (i, (name, area)) in names.iter().zip(&panels).enumerate() {
         let color = PALETTE[i % PALETTE.len()];
         let pts: Vec<(f64, f64)> = report
             .watch
             .iter()
             .filter_map(|p| p.metrics.iter().find(|m| m.0 == *name).map(|m| (p.t_s, m.1)))
             .collect();
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-            .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        let lo = pts.iter().map(|p| p.1).fold(f64::INFINITY, f64::min).min(0.0);
+        let hi = pts.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+        let hi = if hi > lo { hi + (hi - lo) * 0.05 } else { lo + 1.0 };
+        let last = i + 1 == names.len();
+        let mut chart = ChartBuilder::on(area)
+            .caption(*name, ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(if last { 40 } else { 20 })
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..t_max * 1.02, lo..hi)?;
+        let mut mesh = chart.configure_mesh();
+        if last {
+            mesh.x_desc(TIME_AXIS);
+        }
+        mesh.y_labels(4).draw()?;
+        chart.draw_series(LineSeries::new(pts, color.stroke_width(2)))?;
+        mark_swaps(&mut chart, report, lo, hi)?;
     }
-    mark_swaps(&mut chart, report, lo, hi * 1.05)?;
-    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
     root.present()?;
     Ok(())
 }
