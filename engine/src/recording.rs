@@ -13,7 +13,7 @@
 use std::io::Write;
 
 use serde::{Deserialize, Serialize};
-use syncopate_policy_sdk::abi::{Envelope, ENVELOPE_LEN};
+use syncopate_policy_sdk::abi::{Envelope, WorkerClock, ENVELOPE_LEN};
 
 use crate::runtime::PolicyModule;
 
@@ -63,6 +63,14 @@ pub enum Entry<'a> {
         /// The decisions (postcard `Decision`s, back to back), or the failure.
         answer: Result<&'a [u8], &'a str>,
     },
+    /// The live workers and their clocks handed to the policy swapped in next (the
+    /// [`Handoff`](syncopate_policy_sdk::abi::Handoff)'s), written just before its
+    /// [`Entry::Started`], so that a replay can hand its own state over as the host did.
+    /// (Last of the variants: recordings from before it read as they did.)
+    Handoff {
+        /// The workers, at their clocks after the swap's levelling.
+        workers: Vec<WorkerClock>,
+    },
 }
 
 impl Entry<'_> {
@@ -70,7 +78,7 @@ impl Entry<'_> {
     pub fn envelope(&self) -> Option<Envelope> {
         match self {
             Entry::Called { envelope, .. } => Envelope::from_bytes(envelope).ok(),
-            Entry::Started { .. } => None,
+            Entry::Started { .. } | Entry::Handoff { .. } => None,
         }
     }
 }
@@ -92,6 +100,8 @@ pub struct PolicyStart<'a> {
     pub now_ns: u64,
     /// The start-up decisions (empty for a restart: those of the first start stay in force).
     pub decisions: &'a [u8],
+    /// The workers handed over to a policy swapped in (empty for the others).
+    pub workers: &'a [WorkerClock],
 }
 
 /// A recording that cannot be read.
@@ -128,6 +138,9 @@ impl<W: Write> Writer<W> {
 
     /// Appends a policy start.
     pub fn started(&mut self, s: &PolicyStart<'_>) -> std::io::Result<()> {
+        if s.kind == StartKind::Swap {
+            self.write(&Entry::Handoff { workers: s.workers.to_vec() })?;
+        }
         let info = s.module.info();
         let policy = format!("{} {}", info.name, info.version);
         self.write(&Entry::Started {

@@ -17,7 +17,8 @@ use std::collections::BTreeSet;
 
 use serde::Serialize;
 use syncopate_policy_sdk::abi::{
-    Decision, Envelope, Event, InitArgs, Release, RequestId, ShardView, TimerId, WorkerId,
+    Decision, Envelope, Event, Handoff, InitArgs, Release, RequestId, ShardView, TimerId, WorkerClock,
+    WorkerId,
 };
 use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
@@ -258,7 +259,20 @@ impl Side {
     fn finish(&mut self) {
         self.out.pulls_never_served = self.parked.len() as u64;
     }
+
+    /// A policy was swapped in: the host hands every pending request to it again as a fresh
+    /// event (they follow in the recording), and the old policy's timers are gone.
+    fn swapped(&mut self) {
+        self.parked.clear();
+        self.held.clear();
+        self.timers.clear();
+    }
 }
+
+/// Where a replay that follows the recording's hot swaps finds each module swapped in: from the
+/// recorded source (`builtin:ssp`, a file path) and SHA-256, the module, or why not. (The
+/// engine reads no files: the caller's resolver does.)
+pub type Resolve<'a> = &'a dyn Fn(&str, &[u8; 32]) -> Result<PolicyModule, String>;
 
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -272,11 +286,16 @@ pub enum ReplayError {
 }
 
 /// Replays `entries` (a recording, see [`crate::recording::read`]) through `module` with
-/// `config`. `Err` if the module cannot start or the recording has no start.
+/// `config`. With `follow`, it follows the recording's hot swaps: at each, the replayed policy
+/// hands its state over to the module swapped in (with the recorded configuration and the
+/// workers the host handed over), as the host did, so a replay through the recorded modules is
+/// exact; without, every event goes to `module`. `Err` if the module cannot start or the
+/// recording has no start.
 pub fn replay(
     entries: &[Entry<'_>],
     module: &PolicyModule,
     config: &[(String, String)],
+    follow: Option<Resolve<'_>>,
 ) -> Result<Report, ReplayError> {
     let mut report = Report::default();
     let Some(Entry::Started { shard, shards, now_ns, .. }) = entries.first() else {
@@ -298,13 +317,51 @@ pub fn replay(
         report.stopped = Some(format!("its start-up decisions: {e}"));
     }
     let mut last_view = start_env.view;
+    let mut current = module.clone();
+    let mut handed: Vec<WorkerClock> = Vec::new();
     for (i, entry) in entries.iter().enumerate() {
         match entry {
-            Entry::Started { kind, policy, config, decisions, now_ns, .. } => {
-                if *kind != StartKind::Restart {
-                    report.recorded_policies.push(describe_policy(policy, config));
-                    let env = Envelope { now_ns: *now_ns, ..start_env };
-                    let _ = rec.apply(decisions, &env, false);
+            Entry::Handoff { workers } => handed.clone_from(workers),
+            Entry::Started { kind, source, policy, sha256, config, decisions, now_ns, .. } => {
+                if *kind == StartKind::Restart {
+                    continue;
+                }
+                report.recorded_policies.push(describe_policy(policy, config));
+                let env = Envelope { now_ns: *now_ns, ..start_env };
+                if *kind == StartKind::Swap {
+                    rec.swapped();
+                }
+                let _ = rec.apply(decisions, &env, false);
+                let (Some(resolve), StartKind::Swap, None) = (follow, kind, &report.stopped) else {
+                    continue;
+                };
+                // The replayed policy hands over to the module swapped in, as the host's did.
+                let swapped = resolve(source, sha256).and_then(|m| {
+                    let state = instance.export_state().map_err(|e| e.to_string())?;
+                    let info = current.info();
+                    let handoff = Handoff {
+                        from_name: &info.name,
+                        from_version: &info.version,
+                        state: &state,
+                        workers: std::mem::take(&mut handed),
+                    };
+                    let init =
+                        InitArgs { shard: *shard, shards: *shards, now_ns: *now_ns, config: config.clone() };
+                    let (next, start) =
+                        PolicyInstance::import(&m, &init, &handoff).map_err(|e| e.to_string())?;
+                    Ok((m, next, start))
+                });
+                match swapped {
+                    Ok((m, next, start)) => {
+                        report.replayed_policy +=
+                            &format!(", then {}", describe_policy(m.display_name(), config));
+                        (current, instance) = (m, next);
+                        rep.swapped();
+                        if let Err(e) = rep.apply(&start, &env, false) {
+                            report.stopped = Some(format!("the start-up decisions of {policy}: {e}"));
+                        }
+                    }
+                    Err(e) => report.stopped = Some(format!("cannot follow the swap to {source}: {e}")),
                 }
             }
             Entry::Called { answer, .. } => {

@@ -443,9 +443,23 @@ fn replays_exactly_and_reports_another_policys_differences(recording: &Path) {
 
 #[test]
 fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
+    let recording = run_dir("swap-recording");
     let mut run = LocalRun::start(
         "swap",
-        &["--workers", "3", "--servers", "2", "--iterations", "200", "--delay-ms", "25", "--params", "64"],
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--iterations",
+            "200",
+            "--delay-ms",
+            "25",
+            "--params",
+            "64",
+            "--record",
+            recording.to_str().expect("a UTF-8 path"),
+        ],
     );
     let cluster = run.cluster_file();
     // SSP with s=2 everywhere but shard 1, which gets s=4; then ASP.
@@ -478,6 +492,20 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     let (status, run) = run.finish(Duration::from_secs(120));
     assert!(status.success(), "{}", run.output());
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "after two swaps");
+    // Issue 37: the replay follows the recording's swaps through the recorded modules, each
+    // policy taking over the last one's state as on the cluster, and is exact.
+    let out =
+        Command::new(syncopate_bin()).args(["policy", "replay", "--json"]).arg(&recording).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reports: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("replay JSON");
+    assert_eq!(reports.len(), 2, "one recording per shard");
+    for r in &reports {
+        assert_eq!(r["recorded_policies"].as_array().map(Vec::len), Some(3), "bsp, then ssp, then asp: {r}");
+        assert!(r["replayed_policy"].as_str().unwrap().contains(", then policy `asp`"), "{r}");
+        assert_eq!(r["identical"], r["compared"], "the same decisions, byte for byte, across the swaps: {r}");
+        assert!(r["stopped"].is_null(), "{r}");
+    }
+    let _ = std::fs::remove_dir_all(&recording);
     let report = run.report();
     assert_eq!(report.swaps, 2);
     for s in report.servers.iter().flat_map(|s| &s.shards) {

@@ -499,6 +499,7 @@ impl Shard {
             shards: cfg.shards,
             now_ns: 0,
             decisions: &start,
+            workers: &[],
         });
         let mut shard = Shard {
             shard: cfg.shard,
@@ -1052,13 +1053,13 @@ impl Shard {
         // already shows them so; the clocks move only if the swap succeeds.
         let by =
             |w: WorkerId| raise.iter().filter(|r| r.worker == w).fold(0u64, |n, r| n.saturating_add(r.by));
-        let workers = self
+        let workers: Vec<WorkerClock> = self
             .clocks
             .workers()
             .map(|w| WorkerClock { clock: w.clock.saturating_add(by(w.worker)), ..w })
             .collect();
-        let start = self.supervisor.swap(module, config, workers, now_ns)?;
-        self.policy_started(StartKind::Swap, now_ns, &start, sink);
+        let start = self.supervisor.swap(module, config, workers.clone(), now_ns)?;
+        self.policy_started(StartKind::Swap, now_ns, &start, &workers, sink);
         self.stats.swaps += 1;
         self.timers.clear();
         self.stats.clocks_rebased += u64::from(self.clocks.raise(raise.iter().map(|r| (r.worker, r.by))));
@@ -1073,7 +1074,14 @@ impl Shard {
         Ok(())
     }
 
-    fn policy_started(&self, kind: StartKind, now_ns: u64, decisions: &[u8], sink: &mut dyn ShardSink) {
+    fn policy_started(
+        &self,
+        kind: StartKind,
+        now_ns: u64,
+        decisions: &[u8],
+        workers: &[WorkerClock],
+        sink: &mut dyn ShardSink,
+    ) {
         sink.policy_started(&PolicyStart {
             kind,
             module: self.supervisor.module(),
@@ -1082,6 +1090,7 @@ impl Shard {
             shards: self.supervisor.shards(),
             now_ns,
             decisions,
+            workers,
         });
     }
 
@@ -1317,7 +1326,7 @@ impl Shard {
         self.fallback(now_ns, sink);
         match self.supervisor.failed(kind, now_ns) {
             Recovery::Restarted => {
-                self.policy_started(StartKind::Restart, now_ns, &[], sink);
+                self.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
                 self.requeue_pending();
             }
             Recovery::Quarantined(cause) => {

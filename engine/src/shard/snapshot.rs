@@ -344,7 +344,7 @@ impl Shard {
             last_failure: snap.last_failure,
         };
         shard.recount_departed();
-        shard.policy_started(StartKind::Restart, now_ns, &[], sink);
+        shard.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
         shard.requeue_pending();
         shard.drain(now_ns, sink);
         Ok(shard)

@@ -65,11 +65,14 @@ pub enum PolicyCommand {
     /// Feed a recorded run (`syncopate local --record DIR`, or a server's `--record`) to a
     /// policy module, deterministically, and set its decisions beside the recorded ones: pulls
     /// served or deferred and how long they would have waited, pushes held or dropped, and the
-    /// first events where the two differ. Test a new rule offline against a real run.
+    /// first events where the two differ. Test a new rule offline against a real run. Without
+    /// `--policy`, it replays through the recorded modules, following the run's hot swaps, and
+    /// its decisions are the recorded ones exactly.
     Replay {
         /// The recording: a directory of shard-N.rec files, or one such file.
         recording: PathBuf,
-        /// The policy to replay through, with its configuration (default: the recorded one).
+        /// The policy to replay the whole recording through, with its configuration (default:
+        /// the recorded ones, swaps followed).
         #[arg(long)]
         policy: Option<PolicySpec>,
         /// Only this shard.
@@ -243,7 +246,23 @@ fn replay(
         let module = spec
             .load(rt)
             .with_context(|| format!("loading the policy to replay through ({})", spec.source))?;
-        let report = crate::replay::replay(&entries, &module, &spec.config)
+        // Without --policy, the replay follows the recording's swaps through the recorded
+        // modules (each checked by its SHA-256), and is exact.
+        let resolve = |source: &str, sha256: &[u8; 32]| -> Result<crate::runtime::PolicyModule, String> {
+            let spec = PolicySpec {
+                source: source.strip_prefix("builtin:").unwrap_or(source).to_string(),
+                config: Vec::new(),
+            };
+            let module = spec.load(rt).map_err(|e| e.to_string())?;
+            match module.sha256() == *sha256 {
+                true => Ok(module),
+                false => {
+                    Err(format!("{} is no longer the module recorded (its SHA-256 differs)", spec.source))
+                }
+            }
+        };
+        let follow: Option<crate::replay::Resolve<'_>> = policy.is_none().then_some(&resolve);
+        let report = crate::replay::replay(&entries, &module, &spec.config, follow)
             .with_context(|| format!("replaying {}", file.display()))?;
         reports.push(report);
     }
