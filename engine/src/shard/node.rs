@@ -90,9 +90,15 @@ pub enum Joined {
         /// The iteration it was expected to push next when it last was a member.
         next: u64,
     },
-    /// A member of a restored or promoted shard, back: the next iteration the shard expects
-    /// from it.
-    Rejoined(u64),
+    /// A member, back (to a restored or promoted shard, or asking where it stands): the next
+    /// iteration the shard expects from it, and its clock there. The two differ by the raises
+    /// of hot swaps' levellings since it joined.
+    Rejoined {
+        /// The next iteration the shard expects from it.
+        next: u64,
+        /// Its clock.
+        clock: u64,
+    },
 }
 
 /// Why a request was refused.
@@ -643,8 +649,9 @@ impl ShardNode {
                 }
             }
             let next = shard.rejoin(worker)?;
-            event!(self, info, shard = id, worker, next, "worker rejoined");
-            return Ok(Joined::Rejoined(next));
+            let clock = shard.workers().iter().find(|c| c.worker == worker).map_or(next, |c| c.clock);
+            event!(self, info, shard = id, worker, next, clock, "worker rejoined");
+            return Ok(Joined::Rejoined { next, clock });
         }
         let next = shard.resumes_at(worker);
         match self.step(Op::Join { worker }, Vec::new(), now, obs) {
@@ -1040,7 +1047,7 @@ mod tests {
         backup.join(3, 3, 0, Vec::new(), &mut Quiet);
         assert!(matches!(
             drain(&mut backup)[..],
-            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined(1))), .. }]
+            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined { next: 1, clock: 1 })), .. }]
         ));
         assert_eq!(backup.poll_timeout(), None, "nobody is awaited any more");
         backup.push(4, 4, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
@@ -1117,7 +1124,7 @@ mod tests {
         backup.join(3, 3, 0, Vec::new(), &mut Quiet);
         assert!(matches!(
             drain(&mut backup)[..],
-            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined(5))), .. }]
+            [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined { next: 5, clock: 5 })), .. }]
         ));
     }
 

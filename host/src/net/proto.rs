@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{ClockRaise, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -587,10 +587,13 @@ pub enum DataResponse {
     /// moved): the worker asks where it is and tries there.
     Unavailable(String),
     /// Joined again a shard that already counted the worker as a member (it was restored from
-    /// a checkpoint): the next iteration the shard expects from it.
+    /// a checkpoint, or promoted, or the worker asks where it stands): the next iteration the
+    /// shard expects from it, and its clock there.
     Rejoined {
         /// That iteration; earlier ones it pushes are acknowledged as duplicates.
         next: u64,
+        /// Its clock (ahead of `next` by the raises of the hot swaps since it joined).
+        clock: u64,
     },
 }
 

@@ -1028,7 +1028,7 @@ async fn handle_request(
                     peer.joined.lock().expect("not poisoned").insert(shard);
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
-                        Joined::Rejoined(next) => (DataResponse::Rejoined { next }, None),
+                        Joined::Rejoined { next, clock } => (DataResponse::Rejoined { next, clock }, None),
                     }
                 }
                 Err(e) => err(e),

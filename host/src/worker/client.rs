@@ -385,32 +385,71 @@ impl WorkerClient {
                 )
                 .await?
                 {
-                    (DataResponse::Joined { clock, .. }, _) => Ok((clock, false)),
-                    (DataResponse::Rejoined { next }, _) => Ok((next, true)),
+                    // (the next iteration it numbers there, its clock, a member back)
+                    (DataResponse::Joined { clock, .. }, _) => Ok((clock, clock, false)),
+                    (DataResponse::Rejoined { next, clock }, _) => Ok((next, clock, true)),
                     (other, _) => Err(refused(conn, other)),
                 }
             }
         });
         let joined = futures::future::try_join_all(joins).await?;
-        if joined.iter().any(|j| j.1) {
+        if joined.iter().any(|j| j.2) {
             let start = joined.iter().map(|j| j.0).min().unwrap_or(0);
             self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
             tracing::info!(worker = self.id, start, "rejoined restored shards");
             return Ok(start);
         }
-        // A late joiner starts at the largest clock the shards gave it, and the shards that gave
-        // less skip it up to there, so that every shard numbers its iterations alike. (Offsets
-        // per shard would let two late joiners cross: each ahead where the other is behind, and
-        // under BSP each waiting for the other.)
-        let start = joined.iter().map(|j| j.0).max().unwrap_or(0);
         self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
-        let behind = self.shards.iter().zip(&joined).filter(|(_, j)| j.0 < start).map(|(p, _)| p.shard);
-        let skips = behind.map(|shard| self.on_shard(shard, move |_| DataRequest::Skip { shard, to: start }));
-        futures::future::try_join_all(skips).await?;
-        if start > 0 {
-            tracing::info!(worker = self.id, start, "joined a running cluster");
+        let top = joined.iter().map(|j| j.1).max().unwrap_or(0);
+        if top == 0 {
+            return Ok(0);
         }
-        Ok(start)
+        // A late joiner. Its clocks must be level on every shard, or two late joiners could
+        // cross (each ahead where the other is behind, and under BSP each waiting for the
+        // other). It asks every shard where it stands (a member's join changes nothing), since
+        // a hot swap's levelling may have raised its clock on the shards it had joined before
+        // it joined the others; the shards where its clock is below the largest skip it up to
+        // there, and it asks again, until its clocks are level. Each shard then numbers the
+        // worker's iterations from its own `next` (the same on every shard unless a swap raised
+        // some). `lab::sim` models these steps.
+        loop {
+            let checks = self.shards.iter().map(|p| {
+                self.on_primary(p.shard, async |conn| {
+                    match net::request::<_, DataResponse>(
+                        conn,
+                        &DataRequest::Join { shard: p.shard },
+                        Payload::EMPTY,
+                        &limits,
+                    )
+                    .await?
+                    {
+                        (DataResponse::Rejoined { next, clock }, _) => Ok((next, clock)),
+                        (DataResponse::Joined { clock, .. }, _) => Ok((clock, clock)),
+                        (other, _) => Err(refused(conn, other)),
+                    }
+                })
+            });
+            let at: Vec<(u64, u64)> = futures::future::try_join_all(checks).await?;
+            let top = at.iter().map(|a| a.1).max().unwrap_or(0);
+            let behind: Vec<(u32, u64)> = self
+                .shards
+                .iter()
+                .zip(&at)
+                .filter(|(_, a)| a.1 < top)
+                .map(|(p, a)| (p.shard, a.0 + (top - a.1)))
+                .collect();
+            if behind.is_empty() {
+                for (offset, a) in self.offsets.iter().zip(&at) {
+                    offset.store(a.0 as i64 - top as i64, Ordering::SeqCst);
+                }
+                tracing::info!(worker = self.id, start = top, "joined a running cluster");
+                return Ok(top);
+            }
+            let skips = behind
+                .into_iter()
+                .map(|(shard, to)| self.on_shard(shard, move |_| DataRequest::Skip { shard, to }));
+            futures::future::try_join_all(skips).await?;
+        }
     }
 
     /// Waits until training may start: the coordinator answers once the cluster's expected

@@ -290,13 +290,23 @@ struct InFlight {
     dropped: u32,
 }
 
-/// A late joiner on its way in ([`SimFaults::late_join`]): per shard, the clock its join gave
-/// (the next iteration it numbers, for a member taken back), whether that shard numbers its
-/// iterations from the start (skipped up to it), and the start once every shard has answered.
+/// A late joiner on its way in ([`SimFaults::late_join`]), as `WorkerClient::join` goes: per
+/// shard, the next iteration it expects from the worker and the worker's clock there, as its
+/// last answer said (`None` while a join or a skip is unanswered); whether these answers are a
+/// check's (joins again, after the skips), which the start waits for; and, per shard, where its
+/// skip asked last goes.
 struct Joining {
-    clocks: Vec<Option<u64>>,
-    level: Vec<bool>,
-    start: Option<u64>,
+    at: Vec<Option<(u64, u64)>>,
+    checked: bool,
+    skips: Vec<(u64, u64)>,
+}
+
+impl Joining {
+    /// The largest clock of the shards, once all have answered.
+    fn top(&self) -> Option<u64> {
+        let at: Option<Vec<(u64, u64)>> = self.at.iter().copied().collect();
+        at.and_then(|a| a.into_iter().map(|a| a.1).max())
+    }
 }
 
 /// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
@@ -909,20 +919,20 @@ impl Sim {
                         (Req::Join { w, .. }, Reply::Joined(Ok(joined)))
                             if self.workers[w as usize].joining.is_some() =>
                         {
-                            let clock = match joined {
-                                Joined::Fresh { clock, .. } => clock,
-                                Joined::Rejoined(next) => next,
+                            let at = match joined {
+                                Joined::Fresh { clock, .. } => (clock, clock),
+                                Joined::Rejoined { next, clock } => (next, clock),
                             };
-                            self.joined_late(w, s, clock)?;
+                            self.joined_late(w, s, at)?;
                         }
                         (Req::LateSkip { .. }, Reply::Done(Err(e))) => {
                             return Err(SimError::Refused(s, e.to_string()))
                         }
                         (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => {
-                            if let Some(j) = self.workers[w as usize].joining.as_mut() {
-                                j.level[s as usize] = true;
+                            let to = self.workers[w as usize].joining.as_ref().map(|j| j.skips[s as usize]);
+                            if let Some(to) = to {
+                                self.joined_late(w, s, to)?;
                             }
-                            self.begin(w)?;
                         }
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
                             if let (true, Joined::Fresh { clock, next }) = (again, joined) {
@@ -1102,7 +1112,7 @@ impl Sim {
             return Ok(());
         }
         wk.absent = false;
-        wk.joining = Some(Joining { clocks: vec![None; shards], level: vec![false; shards], start: None });
+        wk.joining = Some(Joining { at: vec![None; shards], checked: false, skips: vec![(0, 0); shards] });
         tracing::debug!(worker = w, t_ns = self.now, "a late joiner joins");
         for s in 0..shards as u32 {
             // It asks the coordinator where the shards are: it knows every move so far.
@@ -1116,53 +1126,67 @@ impl Sim {
         Ok(())
     }
 
-    /// Late joiner `w`'s join of shard `s` gave it `clock` (the next iteration the shard
-    /// expects from it). Once every shard has answered, it starts at the largest clock; a
-    /// shard that gave it less is first told to skip up to there (again, if the shard moved
-    /// before it answered the skip, as `WorkerClient` asks again what was not answered).
-    fn joined_late(&mut self, w: u32, s: u32, clock: u64) -> Result<(), SimError> {
+    /// Late joiner `w` heard from shard `s` where it stands there: the next iteration the
+    /// shard expects from it and its clock (a join's answer, or a skip's). Once every shard has
+    /// answered, every shard is asked again (a member's join says where it stands and changes
+    /// nothing), since a hot swap's levelling may have raised its clock meanwhile on the shards
+    /// it had joined; the worker starts once such a check finds its clocks level, each shard
+    /// numbering its iterations from its own next one; if they are not, the shards where its
+    /// clock is below the largest are told to skip it up to there, and it checks again. A shard that moves
+    /// meanwhile answers the worker's join of its new primary, which counts as its answer.
+    fn joined_late(&mut self, w: u32, s: u32, at: (u64, u64)) -> Result<(), SimError> {
         let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
-        j.clocks[s as usize] = Some(clock);
-        let shards: Vec<u32> = match j.start {
-            // A shard that moved after answering the skip: the worker, which has its answer,
-            // asks nothing again (an answer means the backup has the skip).
-            Some(_) if j.level[s as usize] => vec![],
-            Some(_) => vec![s],
-            None if j.clocks.iter().all(Option::is_some) => {
-                j.start = j.clocks.iter().flatten().max().copied();
-                (0..j.clocks.len() as u32).collect()
-            }
-            None => return Ok(()),
+        j.at[s as usize] = Some(at);
+        let Some(top) = j.top() else { return Ok(()) };
+        let level = j.at.iter().all(|a| a.is_some_and(|a| a.1 == top));
+        // (Joined where every clock is 0, it starts there, as the client does: nobody has
+        // pushed, and no swap has raised anything.)
+        if level && (j.checked || top == 0) {
+            let next: Vec<u64> = j.at.iter().map(|a| a.map_or(top, |a| a.0)).collect();
+            return self.begin(w, top, &next);
+        }
+        let shards = j.at.len() as u32;
+        // The check (after the joins, or after skips), or skips up to the largest clock.
+        let check = !j.checked;
+        let asks: Vec<u32> = match check {
+            true => (0..shards).collect(),
+            false => (0..shards).filter(|&x| j.at[x as usize].is_some_and(|a| a.1 < top)).collect(),
         };
-        let start = j.start.expect("set above");
-        for x in shards {
-            let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
-            let c = j.clocks[x as usize].expect("every shard answered");
-            j.level[x as usize] = c >= start;
-            if c >= start {
-                // Past the start (a swap raised its clock meanwhile): it numbers from there.
-                self.renumbered[w as usize][x as usize] = c as i64 - start as i64;
-            } else if !self.down(x) {
-                let token = self.token(Req::LateSkip { w, s: x });
-                self.nodes[x as usize].skip(self.now, token, w, start, &mut Quiet);
-                self.drain(x)?;
+        j.checked = check;
+        for &x in &asks {
+            if let Some((next, clock)) = j.at[x as usize].take() {
+                j.skips[x as usize] = (next + (top - clock.min(top)), top);
             }
         }
-        self.begin(w)
+        let skips = j.skips.clone();
+        for x in asks {
+            if self.down(x) {
+                continue;
+            }
+            if check {
+                let token = self.token(Req::Join { w, s: x, again: false });
+                self.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+            } else {
+                let token = self.token(Req::LateSkip { w, s: x });
+                self.nodes[x as usize].skip(self.now, token, w, skips[x as usize].0, &mut Quiet);
+            }
+            self.drain(x)?;
+        }
+        Ok(())
     }
 
-    /// Late joiner `w` starts once every shard numbers its iterations from its start.
-    fn begin(&mut self, w: u32) -> Result<(), SimError> {
+    /// Late joiner `w` starts at `start` (its clock on every shard), each shard numbering its
+    /// iterations from `next` (the same on every shard but those a swap raised it on).
+    fn begin(&mut self, w: u32, start: u64, next: &[u64]) -> Result<(), SimError> {
+        for (s, n) in next.iter().enumerate() {
+            self.renumbered[w as usize][s] = *n as i64 - start as i64;
+        }
+        let shared = next.iter().all(|n| *n == start);
         let wk = &mut self.workers[w as usize];
-        let Some(j) = wk.joining.as_ref().filter(|j| j.level.iter().all(|l| *l)) else { return Ok(()) };
-        let start = j.start.expect("level only once started");
-        // Every shard numbers its iterations alike once the skips are in, as the client's
-        // `numbering_shared` says (unless a shard past the start renumbered it).
-        let shared = self.renumbered[w as usize].iter().all(|&o| o == 0);
         let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg };
         wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
         wk.joining = None;
-        tracing::debug!(worker = w, start, t_ns = self.now, "the late joiner starts");
+        tracing::debug!(worker = w, start, ?next, t_ns = self.now, "the late joiner starts");
         self.start(w)
     }
 
