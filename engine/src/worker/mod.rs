@@ -265,6 +265,7 @@ struct Current {
     busy_ns: u64,
     started_at: u64,
     pulled_at: u64,
+    pushed_at: u64,
 }
 
 /// Tasks moved to this worker.
@@ -450,6 +451,7 @@ impl WorkerMachine {
                 if dropped > 0 {
                     self.report.pushes_dropped += 1;
                 }
+                self.report.push_wait_ns += now.saturating_sub(self.cur.pushed_at);
                 let c = self.cur;
                 self.report.compute_ns += c.busy_ns;
                 self.report.last_loss = c.loss / c.samples.max(1) as f32;
@@ -762,6 +764,7 @@ impl WorkerMachine {
             mean_over: c.folded.then_some(c.samples),
         };
         self.own = Own::Pushing;
+        self.cur.pushed_at = self.now;
         self.out.push_back(Action::Push(push));
     }
 

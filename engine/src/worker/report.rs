@@ -16,6 +16,11 @@ pub struct WorkerReport {
     /// Time spent in pulls, in nanoseconds: from asking for the parameters until every shard's
     /// answer has arrived (deferral and transfer).
     pub wait_ns: u64,
+    /// Time spent waiting for its own pushes' acknowledgements, in nanoseconds: from sending an
+    /// iteration's push until every shard acknowledged it (the transfer, and as long as a
+    /// policy held it: a holding policy's waiting, as deferral is a gating one's).
+    #[serde(default)]
+    pub push_wait_ns: u64,
     /// Of that, the time policies held its pulls back: per pull, the longest any shard
     /// deferred it, summed. The same quantity as the shards' deferral counters.
     #[serde(default)]

@@ -225,14 +225,22 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     for f in &report.failovers {
         println!("failover:   server {} lost at {:.1} s; its shards' backups took over", f.server, f.t_s);
     }
+    // Per worker: how fast, how long computing, how long waiting (for pulls a policy deferred,
+    // for pushes a policy held: both count), so a straggler and what the policy does about it
+    // show.
     for w in &report.workers {
+        let s = |ns: u64| ns as f64 / 1e9;
         println!(
-            "worker {:<3} {:>6} iterations  {:>8.2} it/s  in pulls {:>7.2} s  deferred pulls {:>5}",
+            "worker {:<3} {:>6} iterations  {:>8.2} it/s  computing {:>7.2} s  waiting {:>7.2} s ({:>3.0}%: pulls {:.2} s, {} deferred; acks {:.2} s)",
             w.worker,
             w.iterations,
-            w.iterations as f64 / (w.elapsed_ns as f64 / 1e9).max(1e-9),
-            w.wait_ns as f64 / 1e9,
-            w.deferred_pulls
+            w.iterations as f64 / s(w.elapsed_ns).max(1e-9),
+            s(w.compute_ns),
+            s(w.wait_ns + w.push_wait_ns),
+            100.0 * (w.wait_ns + w.push_wait_ns) as f64 / w.elapsed_ns.max(1) as f64,
+            s(w.wait_ns),
+            w.deferred_pulls,
+            s(w.push_wait_ns),
         );
     }
     println!(

@@ -426,7 +426,7 @@ fn print_status(s: &ClusterStatus) {
         println!("config: {}", cfg.join(","));
     }
     println!(
-        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>9} {:>8} {:>7} {:>8} {:<11}",
+        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>7} {:>8} {:<11}",
         "server",
         "shard",
         "policy",
@@ -434,6 +434,7 @@ fn print_status(s: &ClusterStatus) {
         "workers",
         "pushes",
         "dropped",
+        "held (now)",
         "pulls",
         "deferred",
         "swaps",
@@ -443,7 +444,7 @@ fn print_status(s: &ClusterStatus) {
     for server in &s.servers {
         for sh in &server.shards {
             println!(
-                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>9} {:>8} {:>7} {:>8} {:<11}",
+                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>7} {:>8} {:<11}",
                 server.server,
                 sh.shard,
                 sh.policy,
@@ -451,6 +452,7 @@ fn print_status(s: &ClusterStatus) {
                 sh.workers.len(),
                 sh.stats.pushes_admitted,
                 sh.stats.pushes_dropped,
+                format!("{} ({})", sh.stats.pushes_held, sh.held),
                 sh.stats.pulls_served,
                 sh.stats.pulls_deferred,
                 sh.stats.swaps,

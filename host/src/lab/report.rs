@@ -291,9 +291,15 @@ pub struct AbRow {
     pub best_accuracy: Option<f32>,
     /// Iterations per second, mean over workers.
     pub iterations_per_s: f64,
-    /// Seconds each worker spent waiting for pulls, mean over workers.
+    /// Seconds each worker spent waiting, mean over workers: for pulls (a gating policy's
+    /// deferral, and the transfer) and for its pushes' acknowledgements (a holding policy's
+    /// holds, and the transfer).
     pub wait_s: f64,
-    /// The share of the run workers spent waiting, mean over workers (0-1).
+    /// Of that, the seconds waiting for acknowledgements.
+    #[serde(default)]
+    pub push_wait_s: f64,
+    /// The share of the run workers spent waiting, pulls and acknowledgements, mean over
+    /// workers (0-1).
     pub wait_share: f64,
     /// Pulls any shard deferred, all workers.
     pub deferred_pulls: u64,
@@ -401,8 +407,9 @@ impl AbRow {
             final_accuracy: r.final_accuracy,
             best_accuracy: r.best_accuracy,
             iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
-            wait_s: mean(&|w| w.wait_ns as f64 / 1e9),
-            wait_share: mean(&|w| w.wait_ns as f64 / w.elapsed_ns.max(1) as f64),
+            wait_s: mean(&|w| (w.wait_ns + w.push_wait_ns) as f64 / 1e9),
+            push_wait_s: mean(&|w| w.push_wait_ns as f64 / 1e9),
+            wait_share: mean(&|w| (w.wait_ns + w.push_wait_ns) as f64 / w.elapsed_ns.max(1) as f64),
             deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
             iterations: r.workers.iter().map(|w| w.iterations).sum(),
             bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
