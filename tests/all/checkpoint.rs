@@ -159,3 +159,43 @@ fn resume_from_a_directory_without_checkpoints_says_so() {
     assert!(!st.success());
     assert!(run.output().contains("no usable checkpoint"), "{}", run.output());
 }
+
+/// Issue 37: `--resume <run>` alone continues the run as it was started (the `command.json` it
+/// wrote): its workers, policy, workload, budget and seeds. A flag that would change the run is
+/// refused before anything starts; one a run may change (its time limit) is taken.
+#[test]
+fn resume_alone_continues_the_run_as_it_was_started() {
+    let mut first = LocalRun::start("resume-alone-1", &args("ssp:s=3", &[]));
+    first.cluster_file();
+    wait_for_rounds(&mut first, 2);
+    first.kill();
+    let dir = first.dir.display().to_string();
+    let bad = LocalRun::start_plain("resume-alone-bad", &["--resume", &dir, "--workers", "4"]);
+    let (st, bad) = bad.finish(Duration::from_secs(60));
+    assert!(!st.success());
+    assert!(bad.output().contains("--workers 4 would change it (it had --workers 3)"), "{}", bad.output());
+    let resumed = LocalRun::start_plain("resume-alone-2", &["--resume", &dir, "--time-limit-s", "300"]);
+    let (st, resumed) = resumed.finish(Duration::from_secs(180));
+    assert!(st.success(), "{}", resumed.output());
+    assert_all(
+        &resumed.model(),
+        -(1.0 + 2.0 + 3.0) * ITERATIONS as f32,
+        "resumed with the run's own settings",
+    );
+    let report = resumed.report();
+    assert_eq!(report.workers.len(), 3, "the run's three workers, not the default four");
+    assert_eq!(report.policy, "builtin:ssp");
+    for w in &report.workers {
+        assert!(
+            w.start > 0 && w.start + w.iterations == ITERATIONS,
+            "worker {}: the run's budget: {w:?}",
+            w.worker
+        );
+    }
+    // The resumed run keeps what it was started with, for a resume of its own.
+    let kept = std::fs::read_to_string(resumed.dir.join("command.json")).unwrap();
+    assert!(
+        kept.contains("\"--workers\"") && kept.contains("\"300\"") && !kept.contains("--resume"),
+        "{kept}"
+    );
+}
