@@ -32,7 +32,7 @@ fn envelope(i: u64) -> Envelope {
         now_ns: 1_000_000 + i,
         random: i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
         view: ShardView { min_clock: 40, max_clock: 43, workers: 8 },
-        event: Event::Pull(Pull { id: i, worker: 3, iteration: 42, clock: 42 }),
+        event: Event::Pull(Pull { id: i, worker: 3, iteration: 42, clock: 42, version: 40 }),
     }
 }
 

@@ -17,8 +17,9 @@ use syncopate_policy_sdk::abi::{Envelope, WorkerClock, ENVELOPE_LEN};
 
 use crate::runtime::PolicyModule;
 
-/// The first bytes of every recording (format version 1).
-pub const MAGIC: &[u8; 8] = b"SYNCREC1";
+/// The first bytes of every recording (format version 2: ABI v2's 88-byte envelopes, and the
+/// workers handed over at each swap).
+pub const MAGIC: &[u8; 8] = b"SYNCREC2";
 
 /// Why a policy instance started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,9 +172,16 @@ impl<W: Write> Writer<W> {
 /// The entries of a recording's bytes, in order. A recording cut short (its writer killed) ends
 /// at its last whole entry.
 pub fn read(bytes: &[u8]) -> Result<Vec<Entry<'_>>, RecordingError> {
+    if bytes.starts_with(b"SYNCREC1") {
+        return Err(RecordingError(
+            "a recording of an older Syncopate (format 1: its events are 72-byte envelopes, ABI v2's are 88); \
+             record the run again"
+                .into(),
+        ));
+    }
     let mut rest = bytes
         .strip_prefix(MAGIC.as_slice())
-        .ok_or_else(|| RecordingError("it does not start with SYNCREC1".into()))?;
+        .ok_or_else(|| RecordingError("it does not start with SYNCREC2".into()))?;
     let mut entries = Vec::new();
     while rest.len() >= 4 {
         let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;

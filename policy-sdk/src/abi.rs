@@ -19,7 +19,7 @@
 //! | `sp_info` | `() -> i64` | - | [`PolicyInfo`] |
 //! | `sp_init` | `(len: i32) -> i64` | [`InitArgs`] | `Result<(), String>` then the start-up [`Decision`]s |
 //! | `sp_import_state` | `(len: i32) -> i64` | [`InitArgs`] + [`Handoff`] | `Result<(), String>` then [`Decision`]s |
-//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] (fixed 72-byte record, not postcard) | a run of [`Decision`]s |
+//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] (fixed 88-byte record, not postcard) | a run of [`Decision`]s |
 //! | `sp_export_state` | `() -> i64` | - | opaque state bytes |
 //! | `sp_last_panic` | `() -> i64` | - | UTF-8 panic message, empty if none |
 //!
@@ -35,11 +35,12 @@ use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
 
 /// The ABI version this crate speaks.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
-/// Name of the exported marker function that declares ABI v1. Modules built for another version
-/// export `syncopate_abi_v<N>` instead; the host names the version it found in its error.
-pub const ABI_MARKER: &str = "syncopate_abi_v1";
+/// Name of the exported marker function that declares ABI v2 (v2 added staleness and versions to
+/// pushes and pulls). Modules built for another version export `syncopate_abi_v<N>` instead; the
+/// host names the version it found in its error.
+pub const ABI_MARKER: &str = "syncopate_abi_v2";
 
 /// Prefix shared by the ABI marker exports of every version.
 pub const ABI_MARKER_PREFIX: &str = "syncopate_abi_v";
@@ -213,9 +214,10 @@ pub struct ShardView {
 /// encodes and decodes in a few nanoseconds instead of ~90 ns through serde. Layout (offsets in
 /// bytes): `0` now_ns u64, `8` random u64, `16` min_clock u64, `24` max_clock u64, `32` workers
 /// u32, `36` kind u8, `37` sub u8, `38` two zero bytes, `40` a u64, `48` b u32, `52` c u32, `56` d
-/// u64, `64` e u64, with per kind: `0` WorkerJoined {b: worker, a: clock}; `1` WorkerLeft
-/// {b: worker, sub: reason}; `2` Push {a: id, b: worker, c: samples, d: iteration, e: clock};
-/// `3` Pull {a: id, b: worker, d: iteration, e: clock}; `4` IterationFinished {b: worker,
+/// u64, `64` e u64, `72` f u64, `80` g u64, with per kind: `0` WorkerJoined {b: worker, a: clock};
+/// `1` WorkerLeft {b: worker, sub: reason}; `2` Push {a: id, b: worker, c: samples, d: iteration,
+/// e: clock, f: staleness, g: version}; `3` Pull {a: id, b: worker, d: iteration, e: clock,
+/// f: version}; `4` IterationFinished {b: worker,
 /// c: samples, d: iteration, e: compute_ns}; `5` Timer {a: timer}; `6` ControlApplied {b: worker,
 /// d: iteration, sub: control kind (0 Pause {e: for_ns}, 1 Resume, 2 SetBatchSize {c: samples},
 /// 3 SetTaskShare {c: tasks}, 4 MoveTasks {a: from, c: first, e: count; its iteration is d})}.
@@ -303,6 +305,12 @@ pub struct Push {
     pub clock: u64,
     /// How many training samples the gradient was computed on.
     pub samples: u32,
+    /// Its staleness: the optimizer steps applied to this shard since the pull the gradient was
+    /// computed from was served (0 when the worker did not say which version it computed on).
+    /// Staleness-weighted rules weigh a push by it (`AdmitWeighted`).
+    pub staleness: u64,
+    /// The shard's version: the optimizer steps applied to it so far.
+    pub version: u64,
 }
 
 /// A pull: a request for the current parameters before computing an iteration.
@@ -316,6 +324,8 @@ pub struct Pull {
     pub iteration: u64,
     /// The worker's clock (iterations it has pushed to this shard).
     pub clock: u64,
+    /// The shard's version (optimizer steps applied so far): what the pull sees if served now.
+    pub version: u64,
 }
 
 /// A worker's report of one finished iteration.
@@ -497,7 +507,7 @@ pub fn pack_ptr_len(ptr: u32, len: u32) -> i64 {
 }
 
 /// Size of an encoded [`Envelope`].
-pub const ENVELOPE_LEN: usize = 72;
+pub const ENVELOPE_LEN: usize = 88;
 
 /// Bytes that are not a valid [`Envelope`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -557,6 +567,13 @@ impl Envelope {
         put64(&mut b, 16, self.view.min_clock);
         put64(&mut b, 24, self.view.max_clock);
         put32(&mut b, 32, self.view.workers);
+        let (f, g) = match self.event {
+            Event::Push(p) => (p.staleness, p.version),
+            Event::Pull(p) => (p.version, 0),
+            _ => (0, 0),
+        };
+        put64(&mut b, 72, f);
+        put64(&mut b, 80, g);
         let (kind, sub, a, wb, c, d, e) = match self.event {
             Event::WorkerJoined { worker, clock } => (0, 0, clock, worker, 0, 0, 0),
             Event::WorkerLeft { worker, reason } => (1, reason.code(), 0, worker, 0, 0, 0),
@@ -588,17 +605,26 @@ impl Envelope {
     /// Decodes the fixed-layout encoding.
     pub fn from_bytes(b: &[u8]) -> Result<Self, EnvelopeError> {
         if b.len() != ENVELOPE_LEN {
-            return Err(EnvelopeError("an envelope is exactly 72 bytes"));
+            return Err(EnvelopeError("an envelope is exactly 88 bytes"));
         }
         let (a, worker, c, d, e) = (get64(b, 40), get32(b, 48), get32(b, 52), get64(b, 56), get64(b, 64));
+        let (f, g) = (get64(b, 72), get64(b, 80));
         let event = match b[36] {
             0 => Event::WorkerJoined { worker, clock: a },
             1 => Event::WorkerLeft {
                 worker,
                 reason: LeaveReason::from_code(b[37]).ok_or(EnvelopeError("unknown leave reason"))?,
             },
-            2 => Event::Push(Push { id: a, worker, iteration: d, clock: e, samples: c }),
-            3 => Event::Pull(Pull { id: a, worker, iteration: d, clock: e }),
+            2 => Event::Push(Push {
+                id: a,
+                worker,
+                iteration: d,
+                clock: e,
+                samples: c,
+                staleness: f,
+                version: g,
+            }),
+            3 => Event::Pull(Pull { id: a, worker, iteration: d, clock: e, version: f }),
             4 => {
                 Event::IterationFinished(IterationReport { worker, iteration: d, compute_ns: e, samples: c })
             }
@@ -641,8 +667,16 @@ mod tests {
         let events = [
             Event::WorkerJoined { worker: 1, clock: 9 },
             Event::WorkerLeft { worker: u32::MAX, reason: LeaveReason::TimedOut },
-            Event::Push(Push { id: 1, worker: 2, iteration: 3, clock: 4, samples: 5 }),
-            Event::Pull(Pull { id: u64::MAX, worker: 2, iteration: 3, clock: 4 }),
+            Event::Push(Push {
+                id: 1,
+                worker: 2,
+                iteration: 3,
+                clock: 4,
+                samples: 5,
+                staleness: 6,
+                version: 7,
+            }),
+            Event::Pull(Pull { id: u64::MAX, worker: 2, iteration: 3, clock: 4, version: u64::MAX - 2 }),
             Event::IterationFinished(IterationReport { worker: 2, iteration: 3, compute_ns: 4, samples: 5 }),
             Event::Timer { timer: 77 },
             Event::ControlApplied(Applied {
@@ -673,7 +707,7 @@ mod tests {
         let mut b =
             Envelope { now_ns: 0, random: 0, view: ShardView::default(), event: Event::Timer { timer: 1 } }
                 .to_bytes();
-        assert!(Envelope::from_bytes(&b[..71]).is_err());
+        assert!(Envelope::from_bytes(&b[..ENVELOPE_LEN - 1]).is_err());
         b[36] = 7;
         assert_eq!(Envelope::from_bytes(&b), Err(EnvelopeError("unknown event kind")));
         b[36] = 1;

@@ -244,7 +244,7 @@ macro_rules! export_policy {
                     const { ::core::cell::RefCell::new(Guest::new()) };
             }
             #[unsafe(no_mangle)]
-            pub extern "C" fn syncopate_abi_v1() -> u32 {
+            pub extern "C" fn syncopate_abi_v2() -> u32 {
                 $crate::abi::ABI_VERSION
             }
             #[unsafe(no_mangle)]

@@ -260,7 +260,7 @@ mod tests {
     }
 
     fn pull(id: RequestId) -> Event {
-        Event::Pull(Pull { id, worker: 0, iteration: 3, clock: 3 })
+        Event::Pull(Pull { id, worker: 0, iteration: 3, clock: 3, version: 0 })
     }
 
     #[test]
@@ -272,8 +272,15 @@ mod tests {
         assert_eq!(r.check(&Decision::ServePull { pull: 7 }, &s), Ok(true));
         assert!(r.check(&Decision::DeferPull { pull: 7, until: Release::Explicit }, &s).is_err(), "twice");
         r.finish().unwrap();
-        let mut r =
-            EventRules::new(&Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 }));
+        let mut r = EventRules::new(&Event::Push(Push {
+            id: 2,
+            worker: 0,
+            iteration: 0,
+            clock: 0,
+            samples: 1,
+            staleness: 0,
+            version: 0,
+        }));
         assert!(r.check(&Decision::AdmitPush { push: 2, weight: Some(f32::NAN) }, &s).is_err());
         assert_eq!(r.check(&Decision::HoldPush { push: 2 }, &s), Ok(true));
         assert!(
@@ -287,7 +294,15 @@ mod tests {
     /// which was empty by then, and left the push held forever).
     #[test]
     fn a_push_held_and_then_admitted_in_one_event_is_admitted_as_held() {
-        let push = Event::Push(Push { id: 2, worker: 0, iteration: 0, clock: 0, samples: 1 });
+        let push = Event::Push(Push {
+            id: 2,
+            worker: 0,
+            iteration: 0,
+            clock: 0,
+            samples: 1,
+            staleness: 0,
+            version: 0,
+        });
         let (hold, admit) = (Decision::HoldPush { push: 2 }, Decision::AdmitPush { push: 2, weight: None });
         let mut s = State::default();
         let mut r = EventRules::new(&push);

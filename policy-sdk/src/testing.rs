@@ -68,6 +68,8 @@ pub struct Driver<P> {
     model: Option<Model>,
     /// The gradient of the push being decided.
     incoming: Vec<f32>,
+    /// Per worker: the version (steps) its last served pull saw, for its pushes' staleness.
+    served_at: BTreeMap<WorkerId, u64>,
 }
 
 /// The host's optimizer over a parameter vector, as [`Driver::with_optimizer`] sets it up.
@@ -96,6 +98,7 @@ impl<P: Policy> Driver<P> {
             rng: 0x5EED,
             next_id: 0,
             parked: Vec::new(),
+            served_at: BTreeMap::new(),
             held: Vec::new(),
             timers: Vec::new(),
             log: Vec::new(),
@@ -152,6 +155,7 @@ impl<P: Policy> Driver<P> {
             rng: self.rng,
             next_id: self.next_id,
             parked: Vec::new(),
+            served_at: BTreeMap::new(),
             held: Vec::new(),
             timers: Vec::new(),
             log: self.log,
@@ -207,12 +211,13 @@ impl<P: Policy> Driver<P> {
     ) -> Result<(), String> {
         for (id, worker, _) in parked {
             let clock = self.clocks.get(worker).unwrap_or(0);
-            let pull = Pull { id, worker, iteration: clock, clock };
+            let pull = Pull { id, worker, iteration: clock, clock, version: self.steps() };
             self.send(self.clocks.view(), Event::Pull(pull), Some(id))?;
         }
         for (id, worker, grad) in held {
             let clock = self.clocks.get(worker).unwrap_or(0);
-            let push = Push { id, worker, iteration: clock, clock, samples: 1 };
+            let (staleness, version) = (self.staleness(worker), self.steps());
+            let push = Push { id, worker, iteration: clock, clock, samples: 1, staleness, version };
             self.incoming = grad;
             self.send(self.clocks.view(), Event::Push(push), Some(id))?;
         }
@@ -301,7 +306,8 @@ impl<P: Policy> Driver<P> {
         self.incoming.extend_from_slice(grad);
         let id = self.id();
         let view = self.clocks.view();
-        let push = Push { id, worker, iteration, clock, samples: 1 };
+        let (staleness, version) = (self.staleness(worker), self.steps());
+        let push = Push { id, worker, iteration, clock, samples: 1, staleness, version };
         let verdict = self.send(view, Event::Push(push), Some(id))?;
         verdict.push.ok_or_else(|| alloc::format!("push {id} got no verdict"))
     }
@@ -323,8 +329,11 @@ impl<P: Policy> Driver<P> {
         let clock = self.clocks.get(worker).ok_or("pull from a worker that is not live")?;
         let id = self.id();
         let view = self.clocks.view();
-        let pull = Pull { id, worker, iteration: clock, clock };
+        let pull = Pull { id, worker, iteration: clock, clock, version: self.steps() };
         let verdict = self.send(view, Event::Pull(pull), Some(id))?;
+        if verdict.pull == Some(PullVerdict::Serve) {
+            self.served_at.insert(worker, self.steps());
+        }
         verdict.pull.ok_or_else(|| alloc::format!("pull {id} got no verdict"))
     }
 
@@ -401,6 +410,9 @@ impl<P: Policy> Driver<P> {
                     }
                 }
                 Decision::ReleasePull { pull } => {
+                    if let Some(p) = self.parked.iter().find(|p| p.0 == pull) {
+                        self.served_at.insert(p.1, self.model.as_ref().map_or(0, |m| m.steps));
+                    }
                     self.parked.retain(|p| p.0 != pull);
                     self.released.push_back(pull);
                     self.log.push(Recorded::Served(pull));
@@ -528,14 +540,22 @@ impl<P: Policy> Driver<P> {
 
     fn release_ready(&mut self) {
         let view = self.clocks.view();
-        let released = &mut self.released;
-        self.parked.retain(|(id, _, until)| {
+        let steps = self.steps();
+        let (released, served_at) = (&mut self.released, &mut self.served_at);
+        self.parked.retain(|(id, worker, until)| {
             let met = until.is_met(view);
             if met {
                 released.push_back(*id);
+                served_at.insert(*worker, steps);
             }
             !met
         });
+    }
+
+    /// The staleness of `worker`'s push now: the steps since its last served pull (0 if it
+    /// pulled nothing yet), as the host counts it.
+    fn staleness(&self, worker: WorkerId) -> u64 {
+        self.served_at.get(&worker).map_or(0, |&at| self.steps().saturating_sub(at))
     }
 }
 

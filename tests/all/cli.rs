@@ -24,7 +24,7 @@ fn policy_check_describes_a_good_module() {
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     for needle in [
         "name:        ssp",
-        "abi:         v1",
+        "abi:         v2",
         "version:     0.1.0",
         "s          uint   default 3",
         "sha256:",

@@ -123,7 +123,7 @@ fn compile_wat(wat: &str) -> Result<syncopate::runtime::PolicyModule, PolicyErro
 
 const ABI_EXPORTS: &str = r#"
     (memory (export "memory") 1)
-    (func (export "syncopate_abi_v1") (result i32) i32.const 1)
+    (func (export "syncopate_abi_v2") (result i32) i32.const 2)
     (func (export "sp_buffer") (param i32) (result i32) i32.const 0)
     (func (export "sp_info") (result i64) i64.const 0)
     (func (export "sp_init") (param i32) (result i64) i64.const 0)
@@ -145,9 +145,10 @@ fn forbidden_import_is_rejected() {
 
 #[test]
 fn wrong_abi_version_is_rejected() {
-    let e = compile_wat(r#"(module (memory (export "memory") 1) (func (export "syncopate_abi_v2") (result i32) i32.const 2))"#)
+    // A module built with the SDK before pushes and pulls carried staleness and versions.
+    let e = compile_wat(r#"(module (memory (export "memory") 1) (func (export "syncopate_abi_v1") (result i32) i32.const 1))"#)
         .unwrap_err();
-    assert_eq!(e.to_string(), "test.wasm: built for policy ABI v2, but this host speaks v1");
+    assert_eq!(e.to_string(), "test.wasm: built for policy ABI v1, but this host speaks v2");
 }
 
 #[test]
@@ -200,7 +201,7 @@ fn raw_policy(reply: &str, ptr: u32, len: u32) -> syncopate::runtime::PolicyModu
             (data (i32.const 16) "\03raw\010\00\00")
             (data (i32.const 32) "\00")
             (data (i32.const 48) "{reply}")
-            (func (export "syncopate_abi_v1") (result i32) i32.const 1)
+            (func (export "syncopate_abi_v2") (result i32) i32.const 2)
             (func (export "sp_buffer") (param i32) (result i32) i32.const 1024)
             (func (export "sp_info") (result i64) i64.const 0x0000001000000008)
             (func (export "sp_init") (param i32) (result i64) i64.const 0x0000002000000001)

@@ -884,7 +884,8 @@ impl Shard {
     ) {
         let clock = self.clocks.get(worker).unwrap_or(0);
         self.next_push[worker as usize] = iteration + 1;
-        let push = Push { id, worker, iteration, clock, samples };
+        let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
+        let push = Push { id, worker, iteration, clock, samples, staleness, version };
         self.incoming = Some(Held { push, grad, based_on });
         let view = self.clocks.view();
         self.run(Event::Push(push), view, now_ns, sink);
@@ -1004,7 +1005,7 @@ impl Shard {
             return Ok(p);
         }
         let id = self.id();
-        let pull = Pull { id, worker: req.worker, iteration: req.iteration, clock };
+        let pull = Pull { id, worker: req.worker, iteration: req.iteration, clock, version: self.version };
         self.undecided_pull = Some(Parked { pull, until: Release::Explicit, since_ns: now_ns });
         let view = self.clocks.view();
         self.run(Event::Pull(pull), view, now_ns, sink);
@@ -1570,6 +1571,61 @@ mod tests {
             self.buffers_given += 1;
             vec![0.0; len]
         }
+    }
+
+    /// ABI v2: a push carries its staleness (steps since the pull it was computed from was
+    /// served) and the shard's version; a pull carries the version it would see.
+    #[test]
+    fn pushes_carry_their_staleness_and_pulls_the_version_they_see() {
+        #[derive(Default)]
+        struct Seen(Vec<Event>);
+        impl ShardSink for Seen {
+            fn pull_served(&mut self, _r: PullReply<'_>) {}
+        }
+        impl Observer for Seen {
+            fn policy_called(&mut self, env: &Envelope, _answer: Result<&[u8], &PolicyError>) {
+                self.0.push(env.event);
+            }
+        }
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let asp = rt.compile("asp", crate::builtin::wasm("asp").unwrap()).unwrap();
+        let mut sink = Seen::default();
+        let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 2], &asp, &[], &mut sink).unwrap();
+        for w in 0..2 {
+            shard.join(w, 0, &mut sink).unwrap();
+        }
+        let push = |worker, iteration, based_on| PushRequest {
+            worker,
+            iteration,
+            samples: 1,
+            grad: vec![1.0; 2],
+            based_on: Some(based_on),
+            tasks: None,
+        };
+        shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
+        for i in 0..3 {
+            shard.push(push(1, i, i), 1, &mut sink).unwrap();
+        }
+        shard.push(push(0, 0, 0), 2, &mut sink).unwrap();
+        shard.pull(PullRequest { worker: 0, iteration: 1 }, 3, &mut sink).unwrap();
+        let pushes: Vec<(WorkerId, u64, u64)> = sink
+            .0
+            .iter()
+            .filter_map(
+                |e| if let Event::Push(p) = e { Some((p.worker, p.staleness, p.version)) } else { None },
+            )
+            .collect();
+        assert_eq!(
+            pushes,
+            vec![(1, 0, 0), (1, 0, 1), (1, 0, 2), (0, 3, 3)],
+            "worker 0's push is 3 steps stale"
+        );
+        let pulls: Vec<u64> = sink
+            .0
+            .iter()
+            .filter_map(|e| if let Event::Pull(p) = e { Some(p.version) } else { None })
+            .collect();
+        assert_eq!(pulls, vec![0, 4]);
     }
 
     #[test]
