@@ -82,3 +82,27 @@ fn a_policy_that_holds_and_admits_in_one_event_runs_on_a_real_cluster() {
     // Worker w pushes w + 1; each push counts at 1/3 (lr 1, summed pushes).
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 30.0 / 3.0, "every push once, at 1/3");
 }
+
+/// A rule that holds a push and never admits it hangs that push's worker: `policy status` names
+/// the push and how long it has been held (and the server logs it once it passes a minute).
+#[test]
+fn policy_status_names_a_push_held_and_for_how_long() {
+    let policy = format!("{}:mode=push:hold,after=6", env!("SYNCOPATE_HOSTILE_WASM"));
+    let args = ["--workers", "2", "--servers", "1", "--iterations", "50", "--delay-ms", "2", "--params", "8"];
+    let mut run = LocalRun::start("held-forever", &[&args[..], &["--policy", &policy]].concat());
+    let cluster = run.cluster_file();
+    let t = std::time::Instant::now();
+    loop {
+        let st = crate::cluster::status(&cluster);
+        let held: Vec<_> = st.servers.iter().flat_map(|s| &s.shards).filter_map(|s| s.held_longest).collect();
+        if held.iter().any(|h| h.held_ns > 500_000_000) {
+            let out = crate::cluster::syncopate(&["policy", "status"], &cluster);
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("holds worker") && text.contains("its worker waits"), "{text}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no push reported held: {st:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    run.kill();
+}

@@ -436,6 +436,9 @@ pub struct Shard {
     spare_sums: Vec<Vec<f32>>,
     parked: ParkedPulls,
     held: Vec<Held>,
+    /// When each push still held was held (its time here; a restored shard counts from the
+    /// restore): how long a policy has held one, for operators. Pruned as pushes are held.
+    held_at: Vec<(RequestId, u64)>,
     partials: Vec<Partial>,
     ledger: TaskLedger,
     incoming: Option<Held>,
@@ -519,6 +522,7 @@ impl Shard {
             spare_sums: Vec::new(),
             parked: ParkedPulls::new(),
             held: Vec::new(),
+            held_at: Vec::new(),
             partials: Vec::new(),
             ledger: TaskLedger::default(),
             incoming: None,
@@ -620,6 +624,18 @@ impl Shard {
     /// Pushes currently held.
     pub fn held_pushes(&self) -> usize {
         self.held.len()
+    }
+
+    /// The push held longest, if any: its worker, iteration and since when (the shard's time).
+    /// A rule that holds a push and never admits it hangs its worker; operators see this.
+    pub fn oldest_held(&self) -> Option<(WorkerId, u64, u64)> {
+        self.held
+            .iter()
+            .map(|h| {
+                let since = self.held_at.iter().find(|a| a.0 == h.push.id).map_or(0, |a| a.1);
+                (h.push.worker, h.push.iteration, since)
+            })
+            .min_by_key(|h| h.2)
     }
 
     /// (worker, iteration) pairs whose tasks have partly arrived, or that wait for an earlier
@@ -1244,6 +1260,9 @@ impl Shard {
             Decision::HoldPush { .. } => {
                 if let Some(h) = self.incoming.take() {
                     self.stats.pushes_held += 1;
+                    let held = &self.held;
+                    self.held_at.retain(|(id, _)| held.iter().any(|h| h.push.id == *id));
+                    self.held_at.push((h.push.id, now_ns));
                     self.held.push(h);
                 }
             }

@@ -328,6 +328,7 @@ impl Shard {
             aggregates: snap.aggregates.into_iter().collect(),
             spare_sums: Vec::new(),
             parked,
+            held_at: snap.held.iter().map(|h| (h.push.id, snap.now_ns)).collect(),
             held: snap.held,
             partials: snap.partials,
             ledger: snap.ledger,

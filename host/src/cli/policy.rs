@@ -463,6 +463,15 @@ fn print_status(s: &ClusterStatus) {
     }
     for server in &s.servers {
         for sh in &server.shards {
+            if let Some(h) = sh.held_longest {
+                println!(
+                    "shard {} holds worker {}'s push for iteration {}: held for {:.1} s (its worker waits)",
+                    sh.shard,
+                    h.worker,
+                    h.iteration,
+                    h.held_ns as f64 / 1e9
+                );
+            }
             if let Some(e) = &sh.last_failure {
                 println!("shard {} last failure: {e}", sh.shard);
             }

@@ -635,6 +635,21 @@ pub struct ShardStatus {
     /// Its replication, where it has a backup or is one.
     #[serde(default)]
     pub replication: Option<Replication>,
+    /// The push its policy has held longest, if it holds one: a rule that never admits it hangs
+    /// that push's worker.
+    #[serde(default)]
+    pub held_longest: Option<HeldPush>,
+}
+
+/// A push a policy holds, and for how long so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldPush {
+    /// Its worker.
+    pub worker: WorkerId,
+    /// Its iteration (as the shard numbers the worker's).
+    pub iteration: u64,
+    /// How long it has been held, in nanoseconds.
+    pub held_ns: u64,
 }
 
 /// A shard's replication as its task sees it.
@@ -669,6 +684,7 @@ impl ShardStatus {
             metrics: shard.metrics().to_vec(),
             last_failure: shard.last_failure().map(str::to_owned),
             replication: None,
+            held_longest: None,
         }
     }
 }

@@ -317,6 +317,35 @@ impl Plumbing {
     }
 }
 
+/// How often a shard task looks for a push its policy has held too long.
+const HELD_CHECK: Duration = Duration::from_secs(5);
+
+/// How long a policy may hold a push before the server reports it (a minute: a synchronous
+/// rule holds a push for a straggler's iteration, never for this long on a healthy cluster).
+const HELD_TOO_LONG_NS: u64 = 60_000_000_000;
+
+/// Reports, once per push, the push the node's policy has held longest if it has held it for
+/// more than [`HELD_TOO_LONG_NS`]: its worker waits, and a rule that never admits it hangs the
+/// run silently otherwise.
+fn report_held(node: &ShardNode, now: u64, reported: &mut Option<(WorkerId, u64)>) {
+    let Some(shard) = node.shard() else { return };
+    let Some((worker, iteration, since)) = shard.oldest_held() else { return };
+    let held_ns = now.saturating_sub(since);
+    if held_ns < HELD_TOO_LONG_NS || *reported == Some((worker, iteration)) {
+        return;
+    }
+    *reported = Some((worker, iteration));
+    tracing::warn!(
+        shard = node.id(),
+        policy = shard.policy().display_name(),
+        worker,
+        iteration,
+        held_s = held_ns / 1_000_000_000,
+        "the policy has held this push for over a minute; its worker waits for the acknowledgement \
+         (a rule that never admits a push hangs the run: `syncopate policy check` finds such rules)"
+    );
+}
+
 fn send<T>(tx: Reply<T>, r: Result<T, crate::shard::RequestError>) {
     let _ = tx.send(r.map_err(|e| e.to_string()));
 }
@@ -387,22 +416,25 @@ impl ShardTask {
         }
         let mut p = Plumbing { node, obs, waiters: HashMap::new(), next_token: 0, controls: HashMap::new() };
         p.drain();
+        // Every few seconds: a push the policy has held too long is reported, by name.
+        let mut held_check = tokio::time::interval(HELD_CHECK);
+        held_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut reported = None;
         loop {
-            let cmd = match p.node.poll_timeout() {
-                Some(at) => {
-                    let wait = Duration::from_nanos(at.saturating_sub(self.now()));
-                    // Biased: a timer that is due fires before requests that arrive after it.
-                    tokio::select! {
-                        biased;
-                        () = tokio::time::sleep(wait) => {
-                            p.node.handle_timeout(self.now(), &mut p.obs);
-                            p.drain();
-                            continue;
-                        }
-                        cmd = rx.recv() => cmd,
-                    }
+            let timer = p.node.poll_timeout().map(|at| Duration::from_nanos(at.saturating_sub(self.now())));
+            // Biased: a timer that is due fires before requests that arrive after it.
+            let cmd = tokio::select! {
+                biased;
+                () = tokio::time::sleep(timer.unwrap_or(HELD_CHECK)), if timer.is_some() => {
+                    p.node.handle_timeout(self.now(), &mut p.obs);
+                    p.drain();
+                    continue;
                 }
-                None => rx.recv().await,
+                _ = held_check.tick() => {
+                    report_held(&p.node, self.now(), &mut reported);
+                    continue;
+                }
+                cmd = rx.recv() => cmd,
             };
             let Some(cmd) = cmd else { break };
             self.handle(cmd, &mut p);
@@ -462,8 +494,15 @@ impl ShardTask {
                     applied,
                     confirmed,
                 });
-                let _ =
-                    reply.send(p.node.shard().map(|s| ShardStatus { replication, ..ShardStatus::of(id, s) }));
+                let held_longest =
+                    p.node.shard().and_then(|s| s.oldest_held()).map(|(worker, iteration, since)| {
+                        crate::net::proto::HeldPush { worker, iteration, held_ns: now.saturating_sub(since) }
+                    });
+                let _ = reply.send(p.node.shard().map(|s| ShardStatus {
+                    replication,
+                    held_longest,
+                    ..ShardStatus::of(id, s)
+                }));
             }
             ShardCmd::Snapshot { reply } => {
                 let _ = reply.send(p.node.snapshot(now).map(|s| s.encode()).map_err(|e| e.to_string()));
