@@ -54,7 +54,7 @@ pub struct Outcomes {
     pub pushes_held: u64,
     /// Pushes dropped.
     pub pushes_dropped: u64,
-    /// Rounds completed early.
+    /// Rounds completed early, and groups applied.
     pub aggregates_completed: u64,
     /// Control messages sent.
     pub controls: u64,
@@ -239,7 +239,16 @@ impl Side {
                     }
                     answer = Some("hold".into());
                 }
-                Decision::CompleteAggregate { .. } => self.out.aggregates_completed += 1,
+                Decision::AdmitToGroup { push, group, .. } => {
+                    self.held.retain(|h| h.0 != push);
+                    self.out.pushes_admitted += 1;
+                    if mine {
+                        answer = Some(format!("admit to group {group}"));
+                    }
+                }
+                Decision::CompleteAggregate { .. } | Decision::CompleteGroup { .. } => {
+                    self.out.aggregates_completed += 1
+                }
                 Decision::Control { .. } => self.out.controls += 1,
                 Decision::Metric { .. } => self.out.metrics += 1,
                 Decision::SetTimer { timer, after_ns } => {

@@ -493,6 +493,25 @@ pub enum Decision<'a> {
         /// The round.
         clock: u64,
     },
+    /// Admit a push (this event's, or a held one) into group `group`, named by the policy,
+    /// whatever the pushing worker's clock: its gradient, times `weight` (`None`: 1, so that the
+    /// group's step is the plain mean), joins the group's sum, the push is acknowledged and its worker's clock
+    /// advances. Nothing reaches the parameters until [`Decision::CompleteGroup`]. Groups are
+    /// the shard's, in either update mode, kept across swaps and in snapshots (ABI v2).
+    AdmitToGroup {
+        /// The push.
+        push: RequestId,
+        /// The group.
+        group: u64,
+        /// Its weight.
+        weight: Option<f32>,
+    },
+    /// Apply group `group` now as one optimizer step on its weighted mean (`sum of w * g`
+    /// divided by `sum of w`), and forget it. Nothing happens for a group with no push in it.
+    CompleteGroup {
+        /// The group.
+        group: u64,
+    },
 }
 
 /// Splits the `i64` a data-returning export gives back into `(ptr, len)`.

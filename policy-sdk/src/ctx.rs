@@ -75,6 +75,25 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::CompleteAggregate { clock });
     }
 
+    /// Admit a push (held, or the event's own from `after_push` once `on_push` held it) into
+    /// group `group`, at weight 1: it is acknowledged, and its gradient waits
+    /// in the group for [`complete_group`](Self::complete_group), whatever its worker's clock
+    /// (see [`Decision::AdmitToGroup`](crate::abi::Decision::AdmitToGroup)).
+    pub fn admit_to_group(&mut self, push: RequestId, group: u64) {
+        self.emit(&Decision::AdmitToGroup { push, group, weight: None });
+    }
+
+    /// [`admit_to_group`](Self::admit_to_group) with an explicit weight.
+    pub fn admit_to_group_weighted(&mut self, push: RequestId, group: u64, weight: f32) {
+        self.emit(&Decision::AdmitToGroup { push, group, weight: Some(weight) });
+    }
+
+    /// Apply group `group` as one optimizer step on the weighted mean of its gradients (see
+    /// [`Decision::CompleteGroup`](crate::abi::Decision::CompleteGroup)).
+    pub fn complete_group(&mut self, group: u64) {
+        self.emit(&Decision::CompleteGroup { group });
+    }
+
     /// Choose how admitted gradients are applied from now on.
     pub fn set_update_mode(&mut self, mode: UpdateMode) {
         self.emit(&Decision::SetUpdateMode(mode));

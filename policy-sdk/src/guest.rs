@@ -141,6 +141,7 @@ pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Encoder) {
                 PushVerdict::AdmitWeighted(w) => Decision::AdmitPush { push: push.id, weight: Some(w) },
                 PushVerdict::Hold => Decision::HoldPush { push: push.id },
                 PushVerdict::Drop => Decision::DropPush { push: push.id },
+                PushVerdict::Group(group) => Decision::AdmitToGroup { push: push.id, group, weight: None },
             };
             ctx.emit(&decision);
             policy.after_push(&mut ctx, push, verdict);

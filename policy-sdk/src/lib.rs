@@ -127,6 +127,10 @@ pub enum PushVerdict {
     /// and weight decay do not move them either), the worker's clock advances and the worker is
     /// told its push was dropped. Admitting with weight 0 means the same and is treated the same.
     Drop,
+    /// Admit it into group `group` (weight 1), whatever its worker's clock: it is acknowledged,
+    /// and its gradient waits in the group until [`Ctx::complete_group`] applies the group as
+    /// one optimizer step of its mean ("the first K gradients from any workers").
+    Group(u64),
 }
 
 /// A synchronization policy. Implement this, then register it with [`export_policy!`].

@@ -92,7 +92,8 @@ impl EventRules {
             | (
                 Decision::AdmitPush { push: r, .. }
                 | Decision::HoldPush { push: r }
-                | Decision::DropPush { push: r },
+                | Decision::DropPush { push: r }
+                | Decision::AdmitToGroup { push: r, .. },
                 Request::Push { id, decided },
             ) if r == *id && !*decided => {
                 *decided = true;
@@ -140,6 +141,25 @@ impl EventRules {
                     _ => {
                         return Err(format!(
                             "admitted push #{push}, which is neither this event's push nor held"
+                        ))
+                    }
+                }
+            }
+            Decision::AdmitToGroup { push, weight, .. } => {
+                if let Some(w) = weight {
+                    if !w.is_finite() || w < 0.0 {
+                        return Err(format!("admitted push #{push} to a group with weight {w}"));
+                    }
+                }
+                match self.request {
+                    Request::Push { id, ref mut decided } if id == push && !*decided => {
+                        *decided = true;
+                        return Ok(true);
+                    }
+                    _ if state.is_held(push) => {}
+                    _ => {
+                        return Err(format!(
+                            "admitted push #{push} to a group, and it is neither this event's push nor held"
                         ))
                     }
                 }
@@ -196,7 +216,8 @@ impl EventRules {
             Decision::SetUpdateMode(_)
             | Decision::CancelTimer { .. }
             | Decision::Metric { .. }
-            | Decision::CompleteAggregate { .. } => {}
+            | Decision::CompleteAggregate { .. }
+            | Decision::CompleteGroup { .. } => {}
         }
         Ok(false)
     }

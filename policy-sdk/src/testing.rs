@@ -30,6 +30,10 @@ pub enum Recorded {
     Dropped(RequestId),
     /// A round's aggregate was completed early.
     AggregateCompleted(u64),
+    /// A push was admitted into a group (with its weight if not 1).
+    AdmittedToGroup(RequestId, u64, Option<f32>),
+    /// A group was applied as one step.
+    GroupCompleted(u64),
     /// The update mode was set.
     UpdateMode(UpdateMode),
     /// A control message was sent.
@@ -80,6 +84,8 @@ struct Model {
     steps: u64,
     /// Open aggregates by round: the weighted sum, the sum of weights and the contributors.
     rounds: BTreeMap<u64, (Vec<f32>, f32, Vec<WorkerId>)>,
+    /// Open groups by name: the weighted sum and the sum of weights.
+    groups: BTreeMap<u64, (Vec<f32>, f32)>,
 }
 
 impl<P: Policy> Driver<P> {
@@ -125,6 +131,7 @@ impl<P: Policy> Driver<P> {
             params,
             steps: 0,
             rounds: BTreeMap::new(),
+            groups: BTreeMap::new(),
         });
         self
     }
@@ -442,6 +449,42 @@ impl<P: Policy> Driver<P> {
                     }
                     self.complete_rounds();
                     self.log.push(Recorded::Dropped(push));
+                }
+                Decision::AdmitToGroup { push, group, weight } => {
+                    let taken = match (mine, request) {
+                        (true, Some((_, Event::Push(p)))) => {
+                            v.push = Some(PushVerdict::Group(group));
+                            Some((p.worker, core::mem::take(&mut self.incoming)))
+                        }
+                        _ => self.held.iter().position(|h| h.0 == push).map(|pos| {
+                            let (_, worker, grad) = self.held.remove(pos);
+                            (worker, grad)
+                        }),
+                    };
+                    if let Some((worker, grad)) = taken {
+                        self.clocks.tick(worker);
+                        if let Some(m) = self.model.as_mut() {
+                            let w = weight.unwrap_or(1.0);
+                            let len = m.params.len();
+                            let (sum, total) =
+                                m.groups.entry(group).or_insert_with(|| (alloc::vec![0.0; len], 0.0));
+                            for (s, g) in sum.iter_mut().zip(&grad) {
+                                *s += w * g;
+                            }
+                            *total += w;
+                        }
+                        self.complete_rounds();
+                    }
+                    self.log.push(Recorded::AdmittedToGroup(push, group, weight));
+                }
+                Decision::CompleteGroup { group } => {
+                    if let Some(m) = self.model.as_mut() {
+                        if let Some((sum, weight)) = m.groups.remove(&group) {
+                            m.optimizer.step(&mut m.params, &sum, 1.0 / weight.max(f32::MIN_POSITIVE));
+                            m.steps += 1;
+                        }
+                    }
+                    self.log.push(Recorded::GroupCompleted(group));
                 }
                 Decision::CompleteAggregate { clock } => {
                     if let Some(m) = self.model.as_mut() {

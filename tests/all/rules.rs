@@ -13,7 +13,7 @@ use syncopate_policy_example_firstk::FirstK;
 use syncopate_policy_sdk::testing::Driver;
 use syncopate_suite::{config, runtime, Recorder};
 
-use crate::cluster::{assert_all, LocalRun};
+use crate::cluster::LocalRun;
 
 const WORKERS: u32 = 3;
 
@@ -69,18 +69,50 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
 }
 
 /// On a real cluster (two servers, so each push goes to two shards): clocks advance, every
-/// worker runs every iteration, and every push is applied once at its weight 1/3.
+/// worker runs every iteration, and each group of three pushes (one per worker: each waits for
+/// its group) is one optimizer step of their mean, with momentum 0.9, as computed by hand.
 #[test]
 fn a_policy_that_holds_and_admits_in_one_event_runs_on_a_real_cluster() {
     let policy = format!("{}:k=3", env!("SYNCOPATE_FIRSTK_WASM"));
-    let args = ["--workers", "3", "--servers", "2", "--iterations", "30", "--delay-ms", "2", "--params", "8"];
-    let run = LocalRun::start("firstk", &[&args[..], &["--policy", &policy]].concat());
+    let args = [
+        "--workload",
+        "counter",
+        "--lr",
+        "0.1",
+        "--momentum",
+        "0.9",
+        "--push-weight",
+        "sum",
+        "--workers",
+        "3",
+        "--servers",
+        "2",
+        "--iterations",
+        "30",
+        "--delay-ms",
+        "2",
+        "--params",
+        "8",
+        "--policy",
+        &policy,
+    ];
+    let run = LocalRun::start_plain("firstk", &args);
     let (code, run) = run.finish(Duration::from_secs(120));
     assert!(code.success(), "{}", run.output());
     let report = run.report();
     assert!(report.workers.iter().all(|w| w.iterations == 30), "{:?}", report.workers);
-    // Worker w pushes w + 1; each push counts at 1/3 (lr 1, summed pushes).
-    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 30.0 / 3.0, "every push once, at 1/3");
+    for s in report.shards() {
+        assert_eq!(s.stats.steps, 30, "shard {}: one step per group", s.shard);
+    }
+    // Worker w pushes w + 1 everywhere: every group's mean is 2. By hand, 30 steps of
+    // v = 0.9 v + 2, p = p - 0.1 v.
+    let (mut v, mut p) = (0.0f64, 0.0f64);
+    for _ in 0..30 {
+        v = 0.9 * v + 2.0;
+        p -= 0.1 * v;
+    }
+    let model = run.model();
+    assert!(model.iter().all(|x| (f64::from(*x) - p).abs() < 1e-3), "{model:?}, by hand {p}");
 }
 
 /// A rule that holds a push and never admits it hangs that push's worker: `policy status` names

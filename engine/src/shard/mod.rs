@@ -439,6 +439,8 @@ pub struct Shard {
     /// When each push still held was held (its time here; a restored shard counts from the
     /// restore): how long a policy has held one, for operators. Pruned as pushes are held.
     held_at: Vec<(RequestId, u64)>,
+    /// The policy's open groups ([`Decision::AdmitToGroup`]), by name.
+    groups: BTreeMap<u64, Aggregate>,
     partials: Vec<Partial>,
     ledger: TaskLedger,
     incoming: Option<Held>,
@@ -523,6 +525,7 @@ impl Shard {
             parked: ParkedPulls::new(),
             held: Vec::new(),
             held_at: Vec::new(),
+            groups: BTreeMap::new(),
             partials: Vec::new(),
             ledger: TaskLedger::default(),
             incoming: None,
@@ -1247,6 +1250,18 @@ impl Shard {
                     self.drop_push(held, sink);
                 }
             }
+            Decision::AdmitToGroup { push, group, weight } => {
+                if let Some(held) = self.decided_push(push, verdict) {
+                    self.admit_to_group(held, group, weight.unwrap_or(1.0), sink);
+                }
+            }
+            Decision::CompleteGroup { group } => {
+                if let Some(agg) = self.groups.remove(&group) {
+                    // One step on the group's weighted mean.
+                    let scale = 1.0 / agg.weight.max(f32::MIN_POSITIVE);
+                    self.apply_aggregate(agg, scale, sink);
+                }
+            }
             Decision::CompleteAggregate { clock } => {
                 if self.mode == UpdateMode::Aggregate {
                     if let Some(agg) = self.aggregates.remove(&clock) {
@@ -1448,6 +1463,35 @@ impl Shard {
                 self.complete_aggregates(sink);
             }
         }
+        sink.recycle(grad);
+        sink.push_acked(push.id, push.worker, push.iteration);
+    }
+
+    /// Admits a push into the policy's group `group` at `weight`, whatever its worker's clock:
+    /// acknowledged, the clock ticks, and the gradient waits in the group for its step
+    /// ([`Decision::CompleteGroup`]).
+    fn admit_to_group(&mut self, h: Held, group: u64, weight: f32, sink: &mut dyn ShardSink) {
+        let Held { push, grad, based_on } = h;
+        if let Some(base) = based_on {
+            let staleness = self.version.saturating_sub(base) as usize;
+            self.stats.staleness[staleness.min(STALENESS_BUCKETS - 1)] += 1;
+        }
+        self.clocks.tick(push.worker);
+        self.stats.pushes_admitted += 1;
+        let len = self.params.len();
+        let spare = &mut self.spare_sums;
+        let agg = self.groups.entry(group).or_insert_with(|| {
+            let mut sum = spare.pop().unwrap_or_default();
+            sum.clear();
+            sum.resize(len, 0.0);
+            Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
+        });
+        for (s, g) in agg.sum.iter_mut().zip(&grad) {
+            *s += weight * g;
+        }
+        agg.weight += weight;
+        agg.contributors.push(push.worker);
+        self.complete_aggregates(sink);
         sink.recycle(grad);
         sink.push_acked(push.id, push.worker, push.iteration);
     }

@@ -33,7 +33,7 @@ use super::{
 use crate::runtime::{PolicyError, PolicyModule};
 
 /// The snapshot format [`ShardSnapshot::encode`] writes; [`ShardSnapshot::decode`] reads only this one.
-pub const SNAPSHOT_FORMAT: u32 = 1;
+pub const SNAPSHOT_FORMAT: u32 = 2;
 
 const MAGIC: &[u8; 8] = b"SYNCSNAP";
 /// Magic, format (u32), body length (u64), SHA-256 of the body.
@@ -117,6 +117,8 @@ pub struct ShardSnapshot {
     waited: Vec<u64>,
     mode: UpdateMode,
     aggregates: Vec<(u64, Aggregate)>,
+    /// The policy's open groups (format 2).
+    groups: Vec<(u64, Aggregate)>,
     parked: Vec<Parked>,
     held: Vec<Held>,
     partials: Vec<Partial>,
@@ -247,6 +249,7 @@ impl Shard {
             waited: self.waited.clone(),
             mode: self.mode,
             aggregates: self.aggregates.iter().map(|(k, a)| (*k, a.clone())).collect(),
+            groups: self.groups.iter().map(|(k, a)| (*k, a.clone())).collect(),
             parked: self.parked.as_slice().to_vec(),
             held: self.held.clone(),
             partials: self.partials.clone(),
@@ -326,6 +329,7 @@ impl Shard {
             version: snap.version,
             mode: snap.mode,
             aggregates: snap.aggregates.into_iter().collect(),
+            groups: snap.groups.into_iter().collect(),
             spare_sums: Vec::new(),
             parked,
             held_at: snap.held.iter().map(|h| (h.push.id, snap.now_ns)).collect(),

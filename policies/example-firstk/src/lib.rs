@@ -4,13 +4,13 @@
 //!
 //! Rule:
 //! - **Push admission.** Every push is held, unacknowledged (its worker waits), until `k`
-//!   pushes are held; then all `k` are admitted, each at weight `1 / k`, in `after_push` (so
-//!   the push that completes the group is held by `on_push` and admitted by `after_push` of the
-//!   same event). With plain SGD the `k` steps of weight `1 / k` are one step of their mean;
-//!   with momentum they are not quite (each step adds to the velocity).
+//!   pushes are held; then, in `after_push` (so the push that completes the group is held by
+//!   `on_push` and admitted by `after_push` of the same event), all `k` are admitted into one
+//!   group (`ctx.admit_to_group`) and the group is applied as one optimizer step of their mean
+//!   (`ctx.complete_group`), with momentum as with plain SGD.
 //! - **Departures.** When a worker leaves, a group that can no longer fill (fewer live workers
-//!   than pushes it lacks, counting one push per live worker not yet in it) is admitted as it
-//!   stands, each push at `1 / k`, so nobody waits for a push that cannot come.
+//!   than pushes it lacks, counting one push per live worker not yet in it) is applied as it
+//!   stands, so nobody waits for a push that cannot come.
 //! - Pulls are always served.
 
 use syncopate_policy_sdk::prelude::*;
@@ -22,16 +22,19 @@ pub struct FirstK {
     /// Pushes held for the group being filled: (worker, push).
     group: Vec<(WorkerId, RequestId)>,
     live: Vec<WorkerId>,
+    /// Groups applied so far (the next group's name).
+    groups: u64,
 }
 
 impl FirstK {
-    /// Admits the group as it stands, each push at `1 / k`.
+    /// Applies the group as it stands: one optimizer step of its pushes' mean.
     fn admit_group(&mut self, ctx: &mut Ctx<'_>) {
-        let weight = 1.0 / self.k as f32;
         for (_, push) in self.group.drain(..) {
-            ctx.admit_push_weighted(push, weight);
+            ctx.admit_to_group(push, self.groups);
         }
-        ctx.metric("firstk.groups", 1.0);
+        ctx.complete_group(self.groups);
+        self.groups += 1;
+        ctx.metric("firstk.groups", self.groups as f64);
     }
 
     /// Whether the group can still fill: each live worker not in it may add one push.
@@ -54,7 +57,7 @@ impl Policy for FirstK {
         if k == 0 {
             return Err("k must be at least 1".into());
         }
-        Ok(FirstK { k, group: Vec::new(), live: Vec::new() })
+        Ok(FirstK { k, group: Vec::new(), live: Vec::new(), groups: 0 })
     }
 
     fn on_worker_joined(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _clock: u64) {
@@ -110,7 +113,7 @@ mod tests {
         assert_eq!(d.steps(), 0);
         // The third push is held by on_push, then admitted with the others by after_push.
         assert_eq!(d.push_gradient(2, 0, &[0.0, 3.0]).unwrap(), PushVerdict::Hold);
-        assert_eq!(d.steps(), 3, "one step of weight 1/3 per push");
+        assert_eq!(d.steps(), 1, "one step for the group");
         assert_eq!(d.params(), &[-3.0, -2.0], "minus the group's mean");
         assert_eq!((d.clock(0), d.clock(1), d.clock(2)), (Some(1), Some(1), Some(1)), "each once");
     }
@@ -127,10 +130,29 @@ mod tests {
         assert_eq!(d.params(), &[-3.0]);
         // Worker 0 again, before worker 2's first: the group is whoever comes first.
         d.push_gradient(0, 1, &[2.0]).unwrap();
-        assert_eq!(d.steps(), 2, "half a group waits");
+        assert_eq!(d.steps(), 1, "half a group waits");
         d.push_gradient(2, 0, &[6.0]).unwrap();
         assert_eq!(d.params(), &[-7.0]);
         assert_eq!((d.clock(0), d.clock(1), d.clock(2)), (Some(2), Some(1), Some(1)));
+    }
+
+    /// With momentum 0.9, each group is one optimizer step on its mean: the velocity grows once
+    /// per group, not once per push (k steps of weight 1/k would give another answer).
+    #[test]
+    fn with_momentum_each_group_is_one_step_of_its_mean() {
+        let cfg = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0, nesterov: false };
+        let mut d = Driver::<FirstK>::new(&[("k", "3")]).unwrap().with_optimizer(cfg, vec![0.0]);
+        for w in 0..3 {
+            d.join(w);
+        }
+        // Two groups: means 2 and 4.
+        for (w, g) in [(0, 1.0), (1, 2.0), (2, 3.0), (2, 5.0), (0, 3.0), (1, 4.0)] {
+            let iteration = d.clock(w).unwrap();
+            d.push_gradient(w, iteration, &[g]).unwrap();
+        }
+        assert_eq!(d.steps(), 2);
+        // By hand: v1 = 2, p1 = -0.2; v2 = 0.9 * 2 + 4 = 5.8, p2 = -0.2 - 0.58 = -0.78.
+        assert!((d.params()[0] - -0.78).abs() < 1e-6, "{:?}", d.params());
     }
 
     #[test]
