@@ -126,7 +126,7 @@ impl EventRules {
                     return Err(format!("released pull #{pull}, which is not parked"));
                 }
             }
-            Decision::AdmitPush { push, weight } => {
+            Decision::AdmitPush { push, weight } | Decision::AdmitToGroup { push, weight, .. } => {
                 if let Some(w) = weight {
                     if !w.is_finite() || w < 0.0 {
                         return Err(format!("admitted push #{push} with weight {w}"));
@@ -141,25 +141,6 @@ impl EventRules {
                     _ => {
                         return Err(format!(
                             "admitted push #{push}, which is neither this event's push nor held"
-                        ))
-                    }
-                }
-            }
-            Decision::AdmitToGroup { push, weight, .. } => {
-                if let Some(w) = weight {
-                    if !w.is_finite() || w < 0.0 {
-                        return Err(format!("admitted push #{push} to a group with weight {w}"));
-                    }
-                }
-                match self.request {
-                    Request::Push { id, ref mut decided } if id == push && !*decided => {
-                        *decided = true;
-                        return Ok(true);
-                    }
-                    _ if state.is_held(push) => {}
-                    _ => {
-                        return Err(format!(
-                            "admitted push #{push} to a group, and it is neither this event's push nor held"
                         ))
                     }
                 }

@@ -1428,10 +1428,7 @@ impl Shard {
 
     fn admit(&mut self, h: Held, weight: Option<f32>, sink: &mut dyn ShardSink) {
         let Held { push, grad, based_on } = h;
-        if let Some(base) = based_on {
-            let staleness = self.version.saturating_sub(base) as usize;
-            self.stats.staleness[staleness.min(STALENESS_BUCKETS - 1)] += 1;
-        }
+        self.count_staleness(based_on);
         let round = self.clocks.get(push.worker).unwrap_or(push.clock);
         let weight = weight.unwrap_or_else(|| match self.push_weight {
             PushWeight::Mean => 1.0 / self.round_size(round) as f32,
@@ -1447,19 +1444,7 @@ impl Shard {
                 self.bump_applied(push.worker);
             }
             UpdateMode::Aggregate => {
-                let len = self.params.len();
-                let spare = &mut self.spare_sums;
-                let agg = self.aggregates.entry(round).or_insert_with(|| {
-                    let mut sum = spare.pop().unwrap_or_default();
-                    sum.clear();
-                    sum.resize(len, 0.0);
-                    Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
-                });
-                for (s, g) in agg.sum.iter_mut().zip(&grad) {
-                    *s += weight * g;
-                }
-                agg.weight += weight;
-                agg.contributors.push(push.worker);
+                contribute(&mut self.aggregates, round, &mut self.spare_sums, &grad, weight, push.worker);
                 self.complete_aggregates(sink);
             }
         }
@@ -1472,28 +1457,21 @@ impl Shard {
     /// ([`Decision::CompleteGroup`]).
     fn admit_to_group(&mut self, h: Held, group: u64, weight: f32, sink: &mut dyn ShardSink) {
         let Held { push, grad, based_on } = h;
+        self.count_staleness(based_on);
+        self.clocks.tick(push.worker);
+        self.stats.pushes_admitted += 1;
+        contribute(&mut self.groups, group, &mut self.spare_sums, &grad, weight, push.worker);
+        self.complete_aggregates(sink);
+        sink.recycle(grad);
+        sink.push_acked(push.id, push.worker, push.iteration);
+    }
+
+    /// Counts an admitted push's staleness (the steps since the version it was computed from).
+    fn count_staleness(&mut self, based_on: Option<u64>) {
         if let Some(base) = based_on {
             let staleness = self.version.saturating_sub(base) as usize;
             self.stats.staleness[staleness.min(STALENESS_BUCKETS - 1)] += 1;
         }
-        self.clocks.tick(push.worker);
-        self.stats.pushes_admitted += 1;
-        let len = self.params.len();
-        let spare = &mut self.spare_sums;
-        let agg = self.groups.entry(group).or_insert_with(|| {
-            let mut sum = spare.pop().unwrap_or_default();
-            sum.clear();
-            sum.resize(len, 0.0);
-            Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
-        });
-        for (s, g) in agg.sum.iter_mut().zip(&grad) {
-            *s += weight * g;
-        }
-        agg.weight += weight;
-        agg.contributors.push(push.worker);
-        self.complete_aggregates(sink);
-        sink.recycle(grad);
-        sink.push_acked(push.id, push.worker, push.iteration);
     }
 
     /// The workers a mean push of `round` is averaged over: the live ones and, in aggregate
@@ -1610,6 +1588,29 @@ fn all_finite(values: &[f32]) -> bool {
     values.chunks(256).all(|block| {
         block.iter().fold(0u32, |bad, v| bad | u32::from(v.to_bits() & EXPONENT == EXPONENT)) == 0
     })
+}
+
+/// Adds `weight * grad` from `worker` to the aggregate `key` of `open` (a round's, or a
+/// policy's group), started from a spare buffer if it is new.
+fn contribute(
+    open: &mut BTreeMap<u64, Aggregate>,
+    key: u64,
+    spare: &mut Vec<Vec<f32>>,
+    grad: &[f32],
+    weight: f32,
+    worker: WorkerId,
+) {
+    let agg = open.entry(key).or_insert_with(|| {
+        let mut sum = spare.pop().unwrap_or_default();
+        sum.clear();
+        sum.resize(grad.len(), 0.0);
+        Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
+    });
+    for (s, g) in agg.sum.iter_mut().zip(grad) {
+        *s += weight * g;
+    }
+    agg.weight += weight;
+    agg.contributors.push(worker);
 }
 
 #[cfg(test)]
