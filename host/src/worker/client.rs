@@ -363,7 +363,8 @@ impl WorkerClient {
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
     /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
     /// with the slowest worker (of the shard whose slowest is furthest on; the others skip it up
-    /// to there, so that every shard numbers its iterations alike). A worker that comes back to shards restored from a checkpoint,
+    /// to there, so that its clock is the same on every shard). A worker that comes back to
+    /// shards restored from a checkpoint,
     /// which still count it as a member, starts at the earliest iteration any of them expects
     /// from it; the shards already past it acknowledge those pushes as duplicates.
     ///

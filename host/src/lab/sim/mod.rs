@@ -133,9 +133,9 @@ pub struct SimFaults {
     /// ends the run ([`SimError::AcceptedBad`]).
     pub bad_inputs: f64,
     /// Workers that join late, each at its time, rather than with the others: as a cluster's
-    /// `WorkerClient::join` does, each joins every shard, starts at the largest clock they gave
-    /// it, and first skips the shards that gave it less up to there, so that every shard
-    /// numbers its iterations alike.
+    /// `WorkerClient::join` does, each joins every shard and levels its clocks before it starts
+    /// (it asks every shard where it stands, skips those where its clock is behind up to the
+    /// largest, and asks again).
     pub late_join: Vec<(WorkerId, FailAt)>,
 }
 
