@@ -43,6 +43,7 @@
 
 mod control;
 mod events;
+mod faults;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -66,6 +67,7 @@ use crate::shard::{
 use crate::worker::WorkerReport;
 use control::Arrival;
 use events::{Copied, Ev, Mailbox, Queue, ToShard};
+use faults::Joining;
 use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
 
 /// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
@@ -288,25 +290,6 @@ struct InFlight {
     refused: bool,
     /// Shards whose policy dropped it.
     dropped: u32,
-}
-
-/// A late joiner on its way in ([`SimFaults::late_join`]), as `WorkerClient::join` goes: per
-/// shard, the next iteration it expects from the worker and the worker's clock there, as its
-/// last answer said (`None` while a join or a skip is unanswered); whether these answers are a
-/// check's (joins again, after the skips), which the start waits for; and, per shard, where its
-/// skip asked last goes.
-struct Joining {
-    at: Vec<Option<(u64, u64)>>,
-    checked: bool,
-    skips: Vec<(u64, u64)>,
-}
-
-impl Joining {
-    /// The largest clock of the shards, once all have answered.
-    fn top(&self) -> Option<u64> {
-        let at: Option<Vec<(u64, u64)>> = self.at.iter().copied().collect();
-        at.and_then(|a| a.into_iter().map(|a| a.1).max())
-    }
 }
 
 /// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
@@ -928,12 +911,7 @@ impl Sim {
                         (Req::LateSkip { .. }, Reply::Done(Err(e))) => {
                             return Err(SimError::Refused(s, e.to_string()))
                         }
-                        (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => {
-                            let to = self.workers[w as usize].joining.as_ref().map(|j| j.skips[s as usize]);
-                            if let Some(to) = to {
-                                self.joined_late(w, s, to)?;
-                            }
-                        }
+                        (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => self.skipped_late(w, s)?,
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
                             if let (true, Joined::Fresh { clock, next }) = (again, joined) {
                                 // A new primary that had dropped it: its numbering there moves.
@@ -1103,93 +1081,6 @@ impl Sim {
         Ok(())
     }
 
-    /// Worker `w`, a late joiner, joins every shard whose primary it can reach (those on a
-    /// dead server it joins once it hears where they moved).
-    fn late_join(&mut self, w: u32) -> Result<(), SimError> {
-        let shards = self.nodes.len();
-        let wk = &mut self.workers[w as usize];
-        if wk.dead {
-            return Ok(());
-        }
-        wk.absent = false;
-        wk.joining = Some(Joining { at: vec![None; shards], checked: false, skips: vec![(0, 0); shards] });
-        tracing::debug!(worker = w, t_ns = self.now, "a late joiner joins");
-        for s in 0..shards as u32 {
-            // It asks the coordinator where the shards are: it knows every move so far.
-            self.known[w as usize][s as usize] = self.term[s as usize];
-            if !self.down(s) {
-                let token = self.token(Req::Join { w, s, again: false });
-                self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
-                self.drain(s)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Late joiner `w` heard from shard `s` where it stands there: the next iteration the
-    /// shard expects from it and its clock (a join's answer, or a skip's). Once every shard has
-    /// answered, every shard is asked again (a member's join says where it stands and changes
-    /// nothing), since a hot swap's levelling may have raised its clock meanwhile on the shards
-    /// it had joined; the worker starts once such a check finds its clocks level, each shard
-    /// numbering its iterations from its own next one; if they are not, the shards where its
-    /// clock is below the largest are told to skip it up to there, and it checks again. A shard that moves
-    /// meanwhile answers the worker's join of its new primary, which counts as its answer.
-    fn joined_late(&mut self, w: u32, s: u32, at: (u64, u64)) -> Result<(), SimError> {
-        let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
-        j.at[s as usize] = Some(at);
-        let Some(top) = j.top() else { return Ok(()) };
-        let level = j.at.iter().all(|a| a.is_some_and(|a| a.1 == top));
-        // (Joined where every clock is 0, it starts there, as the client does: nobody has
-        // pushed, and no swap has raised anything.)
-        if level && (j.checked || top == 0) {
-            let next: Vec<u64> = j.at.iter().map(|a| a.map_or(top, |a| a.0)).collect();
-            return self.begin(w, top, &next);
-        }
-        let shards = j.at.len() as u32;
-        // The check (after the joins, or after skips), or skips up to the largest clock.
-        let check = !j.checked;
-        let asks: Vec<u32> = match check {
-            true => (0..shards).collect(),
-            false => (0..shards).filter(|&x| j.at[x as usize].is_some_and(|a| a.1 < top)).collect(),
-        };
-        j.checked = check;
-        for &x in &asks {
-            if let Some((next, clock)) = j.at[x as usize].take() {
-                j.skips[x as usize] = (next + (top - clock.min(top)), top);
-            }
-        }
-        let skips = j.skips.clone();
-        for x in asks {
-            if self.down(x) {
-                continue;
-            }
-            if check {
-                let token = self.token(Req::Join { w, s: x, again: false });
-                self.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
-            } else {
-                let token = self.token(Req::LateSkip { w, s: x });
-                self.nodes[x as usize].skip(self.now, token, w, skips[x as usize].0, &mut Quiet);
-            }
-            self.drain(x)?;
-        }
-        Ok(())
-    }
-
-    /// Late joiner `w` starts at `start` (its clock on every shard), each shard numbering its
-    /// iterations from `next` (the same on every shard but those a swap raised it on).
-    fn begin(&mut self, w: u32, start: u64, next: &[u64]) -> Result<(), SimError> {
-        for (s, n) in next.iter().enumerate() {
-            self.renumbered[w as usize][s] = *n as i64 - start as i64;
-        }
-        let shared = next.iter().all(|n| *n == start);
-        let wk = &mut self.workers[w as usize];
-        let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg };
-        wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
-        wk.joining = None;
-        tracing::debug!(worker = w, start, ?next, t_ns = self.now, "the late joiner starts");
-        self.start(w)
-    }
-
     /// Worker `w` has joined every shard: it starts (once).
     fn start(&mut self, w: u32) -> Result<(), SimError> {
         if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
@@ -1293,67 +1184,6 @@ impl Sim {
         }
     }
 
-    /// With [`SimFaults::duplicate`]'s chance, the message worker `w`'s shard `s` just took
-    /// will reach it again, a little later.
-    fn duplicate(&mut self, w: u32, s: u32, copy: impl FnOnce(&Self) -> Copied) {
-        let p = self.opts.faults.duplicate;
-        if p <= 0.0 || !self.rng.random_bool(p) {
-            return;
-        }
-        let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
-        let i = self.copies.post((self.term[s as usize], copy(self)), 1);
-        self.at(again, Ev::Again(w, s, i));
-    }
-
-    /// With [`SimFaults::bad_inputs`]' chance, a bad request reaches shard `s`'s primary just
-    /// before worker `w`'s request for (the shard's numbering of) `iteration`. It must be
-    /// refused (see `drain`).
-    fn stranger(&mut self, w: u32, s: u32, iteration: u64) -> Result<(), SimError> {
-        let p = self.opts.faults.bad_inputs;
-        if p <= 0.0 || !self.rng.random_bool(p) {
-            return Ok(());
-        }
-        let max = self.node_cfgs[s as usize].shard.max_workers;
-        let len = self.ranges[s as usize].1 - self.ranges[s as usize].0;
-        let len = if self.opts.gradients { len } else { 1 };
-        let never_joined =
-            self.workers.len() as u32 + self.rng.random_range(0..max - self.workers.len() as u32);
-        let (kind, r) = (self.rng.random_range(0..7u32), self.rng.random_range(1..4u64));
-        let now = self.now;
-        let what = match kind {
-            0 => "a push from an id past max_workers",
-            1 => "a push of the wrong length",
-            2 => "a push with a NaN",
-            3 => "a push that skips iterations",
-            4 => "a pull from an id that never joined",
-            5 => "a join with a slice of the wrong length",
-            _ => "a skip from an impossible id",
-        };
-        let token = self.token(Req::Bad { s, what });
-        let node = &mut self.nodes[s as usize];
-        let ones = |n: usize| vec![1.0f32; n];
-        match kind {
-            0 => node.push(now, token, max + r as u32, iteration, 1, None, ones(len), None, &mut Quiet),
-            1 => node.push(now, token, w, iteration, 1, None, ones(len + r as usize), None, &mut Quiet),
-            2 => {
-                let mut grad = ones(len);
-                grad[0] = f32::NAN;
-                node.push(now, token, w, iteration, 1, None, grad, None, &mut Quiet)
-            }
-            3 => {
-                // Past the next push the shard expects (one numbered as that next push would be
-                // the worker's own, as far as a shard can tell: the servers authenticate workers).
-                let ahead = sim_shard(node).resumes_at(w).max(iteration) + r;
-                node.push(now, token, w, ahead, 1, None, ones(len), None, &mut Quiet)
-            }
-            4 => node.pull(now, token, never_joined, iteration, &mut Quiet),
-            5 => node.join(now, token, never_joined, ones(len + r as usize), &mut Quiet),
-            _ => node.skip(now, token, u32::MAX, iteration + r, &mut Quiet),
-        }
-        self.bad_inputs += 1;
-        self.drain(s)
-    }
-
     /// A message without tensors from worker `w` reaches shard `s`'s primary, numbered as the
     /// shard numbers the worker's iterations. A worker that has left cannot be heard from: the
     /// shard says so, and that is what the cluster's servers do too.
@@ -1407,7 +1237,7 @@ impl Sim {
             Ev::PullArrive(w, s, iteration) => {
                 let token = self.token(Req::Pull { w, s, iteration });
                 let numbered = self.numbered(w, s, iteration);
-                self.duplicate(w, s, |_| Copied::Pull { iteration: numbered });
+                self.duplicate(w, s, || Copied::Pull { iteration: numbered });
                 self.stranger(w, s, numbered)?;
                 self.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
                 self.drain(s)?;
@@ -1439,7 +1269,7 @@ impl Sim {
                 // Another worker's tasks are numbered as their owner numbers them.
                 let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
                 self.stranger(w, s, numbered)?;
-                self.duplicate(w, s, |_| Copied::Push {
+                self.duplicate(w, s, || Copied::Push {
                     iteration: numbered,
                     samples,
                     based_on,
@@ -1473,7 +1303,7 @@ impl Sim {
                     ToShard::Skip(to) => ToShard::Skip(to.saturating_add_signed(by)),
                     msg @ (ToShard::Handover(_) | ToShard::Goodbye) => msg,
                 };
-                self.duplicate(w, s, |_| Copied::Note(msg));
+                self.duplicate(w, s, || Copied::Note(msg));
                 self.note(w, s, msg)?;
             }
             Ev::Again(w, s, i) => {
