@@ -340,7 +340,13 @@ fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) ->
         config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
     };
     PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
-    let explored = crate::lab::explore::explore(&module, &spec.config, cases.seed, cases.cases)
+    // Swapped out to and back from two built-ins that differ in kind: one that defers nothing
+    // and one that defers every pull to a barrier.
+    let others: Vec<_> = ["asp", "bsp"]
+        .iter()
+        .map(|n| rt.compile(n, builtin::wasm(n).expect("built in")))
+        .collect::<Result<_, _>>()?;
+    let explored = crate::lab::explore::explore(&module, &spec.config, &others, cases.seed, cases.cases)
         .map_err(|broken| anyhow::anyhow!("the module breaks a rule in a generated case: {broken}"))?;
     println!("ok: {}", spec.source);
     println!("  sha256:      {}", module.sha256_hex());

@@ -5,8 +5,9 @@
 //! which, at each step, a worker that is not waiting acts (it pulls, pushes once its pull is
 //! served, and reports its iteration once its push is acknowledged, as a worker does: a held
 //! push holds its worker), or time advances (timers fire), or now and then a worker joins
-//! late, one leaves between iterations, or the policy hands its state to a fresh instance of
-//! itself (as a hot swap or a recovery does). The rules:
+//! late, one leaves between iterations, or a hot swap hands the policy's state to a fresh
+//! instance of itself (as a recovery does) or to another policy, which hands it back at the next
+//! swap. The rules:
 //! - the policy never fails (a trap, a spin past its fuel, a decision the rules refuse);
 //! - every push is acknowledged at most once, and every request is answered: once every
 //!   worker that has not finished waits, time passing (a minute of it, timers firing) must
@@ -90,13 +91,14 @@ impl std::fmt::Display for Broken {
 pub fn explore(
     module: &PolicyModule,
     config: &[(String, String)],
+    others: &[PolicyModule],
     first: u64,
     cases: u32,
 ) -> Result<Explored, Box<Broken>> {
     let mut out = Explored::default();
     for seed in first..first + u64::from(cases) {
         let (workers, iterations) = draw(seed);
-        let case = Case { module, config, seed, workers, iterations };
+        let case = Case { module, config, others, seed, workers, iterations };
         match case.run() {
             Ok(ran) => {
                 out.cases += 1;
@@ -160,6 +162,8 @@ impl Rng {
 struct Case<'a> {
     module: &'a PolicyModule,
     config: &'a [(String, String)],
+    /// Policies the module is swapped out to, and back from.
+    others: &'a [PolicyModule],
     seed: u64,
     workers: u32,
     iterations: u64,
@@ -244,6 +248,8 @@ impl Case<'_> {
             log.push(format!("worker {w} joins"));
         }
         let (mut events, mut handovers, mut idle_ns) = (0u64, 0u64, 0u64);
+        // Swapped out to another policy (the next swap goes back).
+        let mut away = false;
         loop {
             check(&sink, &shard)?;
             // Requests answered since the last step.
@@ -298,13 +304,33 @@ impl Case<'_> {
             }
             idle_ns = 0;
             if roll < 18 {
-                // The policy's state goes to a fresh instance of itself (a swap, a recovery).
+                // A hot swap: out to another policy (then, at the next, back), or the policy's
+                // state to a fresh instance of itself (as a recovery does).
                 let raise = shard.levelling();
-                shard
-                    .swap_policy(self.module, self.config, &raise, now, &mut sink)
-                    .map_err(|e| format!("the policy refused its own state: {e}"))?;
+                let out = match (away, self.others.is_empty()) {
+                    (false, false) if rng.below(2) == 0 => {
+                        Some(&self.others[rng.below(self.others.len() as u64) as usize])
+                    }
+                    _ => None,
+                };
+                let (to, config): (&PolicyModule, &[(String, String)]) = match out {
+                    Some(other) => (other, &[]),
+                    None => (self.module, self.config),
+                };
+                shard.swap_policy(to, config, &raise, now, &mut sink).map_err(|e| match away {
+                    true => format!(
+                        "the policy refused the state {} handed it: {e}",
+                        shard.policy().display_name()
+                    ),
+                    false => format!("the policy refused its own state: {e}"),
+                })?;
                 handovers += 1;
-                log.push("the policy hands its state to a fresh instance".into());
+                log.push(match (out, away) {
+                    (Some(other), _) => format!("hot swap to {}", other.display_name()),
+                    (None, true) => "hot swap back to the policy".into(),
+                    (None, false) => "the policy hands its state to a fresh instance".into(),
+                });
+                away = out.is_some();
                 continue;
             }
             let w = ready[rng.below(ready.len() as u64) as usize];
