@@ -29,7 +29,7 @@ pub struct CasesArgs {
 pub enum PolicyCommand {
     /// Validate a policy module, print its name, version, ABI version and parameters, and drive
     /// it on a real shard through generated event sequences (joins, late joins, pulls, pushes,
-    /// reports, timers, leaves, state hand-overs to itself): a failure, a push acknowledged
+    /// reports, timers, leaves, hot swaps to itself, ASP and BSP): a failure, a push acknowledged
     /// twice, or a request never answered fails the check, with the events that led there.
     Check {
         /// The module file (or a built-in's name), optionally with its configuration

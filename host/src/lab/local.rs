@@ -636,7 +636,17 @@ fn describe_point(p: &WatchPoint) -> String {
         _ => String::new(),
     };
     let waits: Vec<String> = p.worker_waits_s.iter().map(|(w, s)| format!("w{w} {s:.1}s")).collect();
-    format!("{}  {acc}deferred pulls {}  deferred wait: {}", p.policy, p.pulls_deferred, waits.join(" "))
+    // A policy that holds pushes makes their workers wait too: shown beside deferral.
+    let held = match p.pushes_held {
+        0 => String::new(),
+        n => format!("  held pushes {n} (now {}, longest {:.1}s)", p.held_now, p.held_longest_s),
+    };
+    format!(
+        "{}  {acc}deferred pulls {}  deferred wait: {}{held}",
+        p.policy,
+        p.pulls_deferred,
+        waits.join(" ")
+    )
 }
 
 /// The longest a reading of the cluster may take before the watcher skips it.

@@ -45,6 +45,16 @@ pub struct WatchPoint {
     /// Servers lost and failed over so far.
     #[serde(default)]
     pub lost_servers: Vec<u32>,
+    /// Pushes a policy held so far, all shards.
+    #[serde(default)]
+    pub pushes_held: u64,
+    /// Pushes held now, all shards, and the longest any has been held, in seconds: a holding
+    /// policy's waiting, as deferred pulls are a gating one's.
+    #[serde(default)]
+    pub held_now: u64,
+    /// See [`held_now`](Self::held_now).
+    #[serde(default)]
+    pub held_longest_s: f64,
 }
 
 /// A stretch of a run under one policy: between hot swaps.
@@ -100,6 +110,11 @@ impl WatchPoint {
             iterations: first.map_or(0, |s| s.stats.pushes_admitted + s.stats.pushes_dropped),
             metrics: metrics.into_iter().map(|(n, sum, k)| (n, sum / f64::from(k))).collect(),
             lost_servers: Vec::new(),
+            pushes_held: shards.iter().map(|s| s.stats.pushes_held).sum(),
+            held_now: shards.iter().map(|s| u64::from(s.held)).sum(),
+            held_longest_s: shards.iter().filter_map(|s| s.held_longest).map(|h| h.held_ns).max().unwrap_or(0)
+                as f64
+                / 1e9,
         }
     }
 }
