@@ -142,3 +142,25 @@ fn policy_list_shows_the_builtins() {
         assert!(at.windows(2).all(|w| w[0] == w[1]), "misaligned:\n{block}");
     }
 }
+
+/// Issue 37: a coordinator keeps the command line it was started with beside its checkpoints
+/// (`coordinator.json`, tokens left out), and `--resume DIR` continues with it: a flag that
+/// would change the cluster is refused before anything starts, with the value it had.
+#[test]
+fn a_resumed_coordinator_refuses_flags_that_would_change_the_cluster() {
+    let dir = crate::cluster::run_dir("coordinator-resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let kept = serde_json::json!({ "args": ["--servers", "2", "--shards", "3", "--policy", "ssp:s=3"] });
+    std::fs::write(dir.join("coordinator.json"), kept.to_string()).unwrap();
+    let out = Command::new(syncopate_bin())
+        .args(["coordinator", "--resume"])
+        .arg(&dir)
+        .args(["--servers", "5", "--listen", "127.0.0.1:0"])
+        .env("SYNCOPATE_TOKEN", "t")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--servers 5 would change it (it had --servers 2)"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::args::{tokio, FaultArgs, PlacementArg, PolicyArgs, SpinArgs, TrainArgs};
+use super::resume;
 use crate::lab::local::LocalOptions;
 use crate::lab::scenario::{Jitter, KillServer, RunSpec, Scenario, Slow, Stall};
 
@@ -208,13 +209,6 @@ fn resume_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
     Ok(std::path::absolute(dir)?)
 }
 
-/// The command line a run was started with (after `local`), kept in its directory as
-/// `command.json` so that `--resume <run>` alone continues the run as it was.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Started {
-    args: Vec<String>,
-}
-
 /// Flags a resumed run may set anew: when to stop, what to watch and record, and where; not
 /// what the run is (its cluster, workload, policy, budget, seeds and devices).
 const CHANGEABLE: &[&str] = &[
@@ -230,81 +224,6 @@ const CHANGEABLE: &[&str] = &[
     "--resume",
 ];
 
-/// `args` as flags and their values, in order (`--flag=value` split; a positional argument
-/// under the name ""; `--script` takes everything after it).
-fn flags(args: &[String]) -> Vec<(String, Vec<String>)> {
-    let mut out: Vec<(String, Vec<String>)> = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let t = &args[i];
-        i += 1;
-        if t == "--script" {
-            out.push((t.clone(), args[i..].to_vec()));
-            break;
-        }
-        match t.strip_prefix("--").map(|_| t.split_once('=')) {
-            Some(Some((f, v))) => out.push((f.to_string(), vec![v.to_string()])),
-            Some(None) => {
-                let mut values = Vec::new();
-                while i < args.len() && !args[i].starts_with("--") {
-                    values.push(args[i].clone());
-                    i += 1;
-                }
-                out.push((t.clone(), values));
-            }
-            None => out.push((String::new(), vec![t.clone()])),
-        }
-    }
-    out
-}
-
-/// The arguments of the run `--resume DIR` continues, with `now` (this command's) applied: the
-/// flags it may change replace the run's, and any other flag that differs from how the run
-/// was started is refused. `None` when the run left no `command.json` (a checkpoint directory
-/// of its own, or a run from before it was written): then `now` is taken as it is.
-fn resumed(dir: &std::path::Path, now: &[String]) -> anyhow::Result<Option<Vec<String>>> {
-    let run =
-        [dir.to_path_buf(), dir.join("..")].into_iter().map(|d| d.join("command.json")).find(|f| f.is_file());
-    let Some(file) = run else { return Ok(None) };
-    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-    let started: Started =
-        serde_json::from_str(&text).with_context(|| format!("reading {}", file.display()))?;
-    let (was, is) = (flags(&started.args), flags(now));
-    let values = |set: &[(String, Vec<String>)], name: &str| -> Vec<Vec<String>> {
-        set.iter().filter(|f| f.0 == name).map(|f| f.1.clone()).collect()
-    };
-    for (name, _) in is.iter().filter(|f| !CHANGEABLE.contains(&f.0.as_str())) {
-        let (before, after) = (values(&was, name), values(&is, name));
-        if before != after {
-            let show = |v: &[Vec<String>]| match v {
-                [] => "not given".to_string(),
-                v => v.iter().map(|x| format!("{name} {}", x.join(" "))).collect::<Vec<_>>().join(", "),
-            };
-            anyhow::bail!(
-                "--resume continues the run as it was started ({}): {} would change it (it had {}); \
-                 give --resume alone, or with the flags a run may change ({})",
-                file.display(),
-                show(&after),
-                show(&before),
-                CHANGEABLE.join(", ")
-            );
-        }
-    }
-    let set_now: Vec<&str> = is.iter().map(|f| f.0.as_str()).filter(|f| CHANGEABLE.contains(f)).collect();
-    let kept = was.iter().filter(|f| !set_now.contains(&f.0.as_str()));
-    let changed = is.iter().filter(|f| CHANGEABLE.contains(&f.0.as_str()));
-    // `--script` takes what follows it: it comes last.
-    let (script, others): (Vec<_>, Vec<_>) = kept.chain(changed).partition(|f| f.0 == "--script");
-    let merged = others
-        .into_iter()
-        .chain(script)
-        .flat_map(|(name, values)| {
-            (!name.is_empty()).then(|| name.clone()).into_iter().chain(values.iter().cloned())
-        })
-        .collect();
-    Ok(Some(merged))
-}
-
 /// The policy the newest checkpoint in `dir` holds (its manifest's), to name a resumed run by.
 fn restored_policy(dir: &std::path::Path) -> Option<String> {
     let newest = std::fs::read_dir(dir)
@@ -319,18 +238,14 @@ fn restored_policy(dir: &std::path::Path) -> Option<String> {
 
 /// Runs `syncopate local`.
 pub fn run(a: LocalArgs) -> anyhow::Result<()> {
-    // This command's arguments after `local`, as given.
-    let now: Vec<String> = std::env::args().skip_while(|t| t != "local").skip(1).collect();
-    let (a, args) = match a.faults.resume.as_deref() {
-        Some(dir) => match resumed(dir, &now)? {
-            Some(merged) => {
-                let argv = ["syncopate", "local"].into_iter().map(String::from).chain(merged.iter().cloned());
-                match <super::Cli as clap::Parser>::try_parse_from(argv)?.command {
-                    super::Command::Local(resumed) => (resumed, merged),
-                    _ => unreachable!("parsed as `local`"),
-                }
-            }
-            None => (a, now),
+    let now = resume::given("local");
+    // `--resume <run>` continues the run with the settings its `command.json` kept.
+    let kept =
+        a.faults.resume.as_deref().map(|d| [d.join("command.json"), d.join("..").join("command.json")]);
+    let (a, args) = match kept.map(|files| resume::resumed(&files, &now, CHANGEABLE)).transpose()?.flatten() {
+        Some(merged) => match resume::parse("local", &merged)? {
+            super::Command::Local(resumed) => (resumed, merged),
+            _ => unreachable!("parsed as `local`"),
         },
         None => (a, now),
     };
@@ -342,14 +257,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     eprintln!("run directory: {}", run_dir.display());
     // What this run was started with, for a later `--resume` (`--run-dir` and `--resume` are
     // the new run's own).
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    let kept: Vec<String> = flags(&args)
-        .into_iter()
-        .filter(|f| f.0 != "--run-dir" && f.0 != "--resume")
-        .flat_map(|(name, values)| (!name.is_empty()).then_some(name).into_iter().chain(values))
-        .collect();
-    let started = serde_json::to_string_pretty(&Started { args: kept })?;
-    std::fs::write(run_dir.join("command.json"), started).context("writing command.json")?;
+    resume::remember(&run_dir.join("command.json"), &args, &["--run-dir", "--resume"])?;
     let report = tokio()?.block_on(crate::lab::local::run(opts))?;
     println!("policy:     {} (swaps: {})", report.policy, report.swaps);
     println!("elapsed:    {:.2} s", report.elapsed_s);

@@ -3,6 +3,7 @@
 mod args;
 mod local;
 mod policy;
+mod resume;
 pub use roles::{policy_source, WorkerArgs};
 mod roles;
 

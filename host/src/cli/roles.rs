@@ -252,8 +252,45 @@ pub fn policy_source(
     Ok(PolicySource { label, wasm, config: spec.config.clone(), overrides })
 }
 
+/// Flags a resumed coordinator may set anew: where it listens and with which certificates and
+/// tokens, where it checkpoints, how long it waits; not what the cluster is.
+const COORDINATOR_CHANGEABLE: &[&str] = &[
+    "--listen",
+    "--ready-file",
+    "--startup-timeout-s",
+    "--token",
+    "--operator-token",
+    "--tls-dir",
+    "--cert",
+    "--key",
+    "--ca",
+    "--server-name",
+    "--checkpoint-dir",
+    "--checkpoint-every-s",
+    "--resume",
+];
+
 /// Runs `syncopate coordinator`.
 pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
+    // `--resume DIR` continues with the settings the coordinator that checkpointed into DIR kept
+    // there (`coordinator.json`; tokens are not kept).
+    let now = super::resume::given("coordinator");
+    let kept = a.faults.resume.as_deref().map(|d| [d.join("coordinator.json")]);
+    let (a, args) =
+        match kept.map(|f| super::resume::resumed(&f, &now, COORDINATOR_CHANGEABLE)).transpose()?.flatten() {
+            Some(merged) => match super::resume::parse("coordinator", &merged)? {
+                super::Command::Coordinator(resumed) => (resumed, merged),
+                _ => unreachable!("parsed as `coordinator`"),
+            },
+            None => (a, now),
+        };
+    if let Some(dir) = &a.faults.checkpoint_dir {
+        super::resume::remember(
+            &dir.join("coordinator.json"),
+            &args,
+            &["--resume", "--token", "--operator-token"],
+        )?;
+    }
     let replicas = a.faults.replicas(a.servers);
     let opts = CoordinatorOptions {
         listen: a.listen,
