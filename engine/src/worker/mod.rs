@@ -266,6 +266,8 @@ struct Current {
     started_at: u64,
     pulled_at: u64,
     pushed_at: u64,
+    /// How long its push waited for its acknowledgements.
+    acked_after_ns: u64,
 }
 
 /// Tasks moved to this worker.
@@ -451,7 +453,8 @@ impl WorkerMachine {
                 if dropped > 0 {
                     self.report.pushes_dropped += 1;
                 }
-                self.report.push_wait_ns += now.saturating_sub(self.cur.pushed_at);
+                self.cur.acked_after_ns = now.saturating_sub(self.cur.pushed_at);
+                self.report.push_wait_ns += self.cur.acked_after_ns;
                 let c = self.cur;
                 self.report.compute_ns += c.busy_ns;
                 self.report.last_loss = c.loss / c.samples.max(1) as f32;
@@ -776,6 +779,7 @@ impl WorkerMachine {
             (c.pulled_at - c.started_at) as f32 / 1e9,
             (self.now - c.pulled_at) as f32 / 1e9,
         ));
+        self.report.timeline_acks.push(c.acked_after_ns as f32 / 1e9);
         self.iteration += 1;
         self.own = Own::Start;
     }

@@ -56,4 +56,8 @@ pub struct WorkerReport {
     /// Per iteration: start (seconds on the driver's clock: Unix time on a cluster), time in the
     /// pull, time busy (compute, injected delays, push) in seconds.
     pub timeline: Vec<(f64, f32, f32)>,
+    /// Per iteration, as `timeline`: of its busy time, the seconds its push waited for its
+    /// acknowledgements (as long as a policy held it, and the transfer).
+    #[serde(default)]
+    pub timeline_acks: Vec<f32>,
 }

@@ -218,10 +218,10 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
     let n = lanes.len().max(1) as u32;
     let caption = match report.workers.len() {
         all if all > lanes.len() => format!(
-            "Worker timeline ({} of {all} workers, from the least to the most waiting): pulling, deferrals included (red), and working (blue)",
+            "Worker timeline ({} of {all} workers, from the least to the most waiting): pulling (red), working (blue), waiting for acknowledgements (orange)",
             lanes.len()
         ),
-        _ => "Worker timeline: pulling, deferrals included (red), and working (blue)".to_owned(),
+        _ => "Worker timeline: pulling (red), working (blue), waiting for acknowledgements (orange)".to_owned(),
     };
     let t_max = report
         .workers
@@ -248,12 +248,17 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
         .draw()?;
     for (lane, w) in lanes.iter().enumerate() {
         let y = lane as f64;
-        let bars = w.timeline.iter().flat_map(|(s, wait, busy)| {
+        let orange = RGBColor(230, 140, 20);
+        let bars = w.timeline.iter().enumerate().flat_map(|(i, (s, wait, busy))| {
             let s = s - t0;
             let (wait, busy) = (f64::from(*wait), f64::from(*busy));
+            // The end of the busy stretch that waited for acknowledgements (0 in older reports).
+            let acks = w.timeline_acks.get(i).map_or(0.0, |a| f64::from(*a)).min(busy);
+            let end = s + wait + busy;
             [
                 Rectangle::new([(s, y - 0.35), (s + wait, y + 0.35)], RED.mix(0.7).filled()),
-                Rectangle::new([(s + wait, y - 0.35), (s + wait + busy, y + 0.35)], BLUE.mix(0.5).filled()),
+                Rectangle::new([(s + wait, y - 0.35), (end - acks, y + 0.35)], BLUE.mix(0.5).filled()),
+                Rectangle::new([(end - acks, y - 0.35), (end, y + 0.35)], orange.mix(0.8).filled()),
             ]
         });
         chart.draw_series(bars)?;
@@ -266,8 +271,17 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], RED.mix(0.7).filled()));
     chart
         .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], BLUE.mix(0.5).filled())))?
-        .label("computing and pushing")
+        .label("computing and sending its push")
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], BLUE.mix(0.5).filled()));
+    chart
+        .draw_series(std::iter::once(Rectangle::new(
+            [(0.0, 0.0), (0.0, 0.0)],
+            RGBColor(230, 140, 20).mix(0.8).filled(),
+        )))?
+        .label("waiting for acknowledgements (held pushes included)")
+        .legend(|(x, y)| {
+            Rectangle::new([(x, y - 5), (x + 15, y + 5)], RGBColor(230, 140, 20).mix(0.8).filled())
+        });
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
