@@ -138,3 +138,79 @@ fn policy_status_names_a_push_held_and_for_how_long() {
     }
     run.kill();
 }
+
+/// Groups are the shard's: with `wait=false` a push joins the open group at once, and a shard
+/// snapshotted with a group open, restored, and its backup fed the primary's ops, all end at
+/// the same parameters as a shard that ran straight through (momentum 0.9).
+#[test]
+fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
+    use syncopate::shard::{NodeConfig, NodeOutput, Quiet, ShardNode, ShardSnapshot};
+    let wasm = std::fs::read(env!("SYNCOPATE_FIRSTK_WASM")).expect("built by tests/build.rs");
+    let module = runtime().compile("firstk.wasm", &wasm).unwrap();
+    let optimizer = OptimizerConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0, nesterov: false };
+    let cfg = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+    let conf = config(&[("k", "3"), ("wait", "false")]);
+    let push = |worker, iteration| PushRequest {
+        worker,
+        iteration,
+        samples: 1,
+        grad: vec![(worker + 1) as f32 + iteration as f32, 1.0],
+        based_on: None,
+        tasks: None,
+    };
+    // Straight through: nine pushes, three groups.
+    let mut rec = Recorder::default();
+    let mut straight = Shard::new(cfg.clone(), vec![0.5, -1.0], &module, &conf, &mut rec).unwrap();
+    let order = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (2, 1), (1, 2), (2, 2)];
+    for w in 0..3 {
+        straight.join(w, 0, &mut rec).unwrap();
+    }
+    for &(w, i) in &order {
+        straight.push(push(w, i), 1, &mut rec).unwrap();
+    }
+    assert_eq!(straight.stats().steps, 3, "three groups of three");
+    // Snapshotted with a group open (after 4 pushes), restored, then the rest.
+    let mut rec2 = Recorder::default();
+    let mut first = Shard::new(cfg.clone(), vec![0.5, -1.0], &module, &conf, &mut rec2).unwrap();
+    for w in 0..3 {
+        first.join(w, 0, &mut rec2).unwrap();
+    }
+    for &(w, i) in &order[..4] {
+        first.push(push(w, i), 1, &mut rec2).unwrap();
+    }
+    let snap = ShardSnapshot::decode(&first.snapshot(2).unwrap().encode()).unwrap();
+    let mut restored = Shard::restore(cfg.clone(), snap, &module, &mut rec2).unwrap();
+    for &(w, i) in &order[4..] {
+        restored.push(push(w, i), 3, &mut rec2).unwrap();
+    }
+    let bits = |p: &[f32]| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(restored.values()), bits(straight.values()), "the open group came through the snapshot");
+    // A primary streaming its ops to a backup: the backup's groups are the primary's.
+    let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: 1, quiet: true };
+    let mut primary = ShardNode::new(node_cfg.clone(), module.clone(), conf.clone(), false);
+    let mut backup = ShardNode::new(node_cfg, module, conf, true);
+    primary.attach_backup(0, &mut Quiet).unwrap();
+    let mut token = 0;
+    let mut relay = |primary: &mut ShardNode, backup: &mut ShardNode| {
+        while let Some(out) = primary.poll_output() {
+            if let NodeOutput::Replicate { stamped, payload } = out {
+                backup.replicated(stamped, payload, |_| None, &mut Quiet);
+            }
+        }
+        while backup.poll_output().is_some() {}
+    };
+    for w in 0..3 {
+        token += 1;
+        primary.join(0, token, w, if w == 0 { vec![0.5, -1.0] } else { Vec::new() }, &mut Quiet);
+        relay(&mut primary, &mut backup);
+    }
+    for &(w, i) in &order {
+        token += 1;
+        let p = push(w, i);
+        primary.push(1, token, w, i, 1, None, p.grad, None, &mut Quiet);
+        relay(&mut primary, &mut backup);
+    }
+    let (p, b) = (primary.shard().unwrap(), backup.shard().unwrap());
+    assert_eq!(bits(p.values()), bits(straight.values()));
+    assert_eq!(bits(b.values()), bits(p.values()), "the backup applied the same groups");
+}

@@ -11,9 +11,21 @@
 //! - **Departures.** When a worker leaves, a group that can no longer fill (fewer live workers
 //!   than pushes it lacks, counting one push per live worker not yet in it) is applied as it
 //!   stands, so nobody waits for a push that cannot come.
+//! - **`wait=false`.** A push is not held: it joins the open group at once (`PushVerdict::Group`)
+//!   and its worker goes on; the k-th push to arrive applies the group. The open group is the
+//!   shard's, so it survives a swap, a checkpoint and a failover; the policy keeps only its
+//!   count, which it hands over (`state`).
 //! - Pulls are always served.
 
 use syncopate_policy_sdk::prelude::*;
+use syncopate_policy_sdk::{state, Handoff};
+
+/// What `wait=false` hands over across swaps and restarts: the open group and its size.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Saved {
+    groups: u64,
+    open: u32,
+}
 
 /// The first `k` gradients from any workers (an example).
 #[derive(Debug)]
@@ -24,6 +36,10 @@ pub struct FirstK {
     live: Vec<WorkerId>,
     /// Groups applied so far (the next group's name).
     groups: u64,
+    /// Whether pushes wait (held) for their group's step.
+    wait: bool,
+    /// Pushes in the open group (`wait=false`).
+    open: u32,
 }
 
 impl FirstK {
@@ -49,7 +65,10 @@ impl Policy for FirstK {
         "firstk",
         "0.1.0",
         "The first k gradients from any workers make one step (an example).",
-        &[ParamSpec::new("k", ParamKind::Uint, "2", "gradients per step")],
+        &[
+            ParamSpec::new("k", ParamKind::Uint, "2", "gradients per step"),
+            ParamSpec::new("wait", ParamKind::Bool, "true", "a push waits (held) for its group's step"),
+        ],
     );
 
     fn new(init: &Init) -> Result<Self, String> {
@@ -57,7 +76,14 @@ impl Policy for FirstK {
         if k == 0 {
             return Err("k must be at least 1".into());
         }
-        Ok(FirstK { k, group: Vec::new(), live: Vec::new(), groups: 0 })
+        Ok(FirstK {
+            k,
+            group: Vec::new(),
+            live: Vec::new(),
+            groups: 0,
+            wait: init.config.get("wait")?,
+            open: 0,
+        })
     }
 
     fn on_worker_joined(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _clock: u64) {
@@ -76,14 +102,37 @@ impl Policy for FirstK {
     }
 
     fn on_push(&mut self, _ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
+        if !self.wait {
+            self.open += 1;
+            return PushVerdict::Group(self.groups);
+        }
         self.group.push((push.worker, push.id));
         PushVerdict::Hold
     }
 
     fn after_push(&mut self, ctx: &mut Ctx<'_>, _push: &Push, _verdict: PushVerdict) {
+        if !self.wait {
+            if self.open >= self.k {
+                ctx.complete_group(self.groups);
+                (self.groups, self.open) = (self.groups + 1, 0);
+            }
+            return;
+        }
         if self.group.len() >= self.k as usize || !self.can_fill() {
             self.admit_group(ctx);
         }
+    }
+
+    fn export_state(&self) -> Vec<u8> {
+        state::save(&Saved { groups: self.groups, open: self.open })
+    }
+
+    fn import_state(init: &Init, handoff: &Handoff<'_>) -> Result<Self, String> {
+        let mut me = Self::new(init)?;
+        let saved = state::load::<Saved>(handoff, Self::INFO.name)?.unwrap_or_default();
+        (me.groups, me.open) = (saved.groups, saved.open);
+        me.live = handoff.workers.iter().map(|w| w.worker).collect();
+        Ok(me)
     }
 
     fn on_pull(&mut self, _ctx: &mut Ctx<'_>, _pull: &Pull) -> PullVerdict {
