@@ -191,7 +191,7 @@ fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
     let mut backup = ShardNode::new(node_cfg, module, conf, true);
     primary.attach_backup(0, &mut Quiet).unwrap();
     let mut token = 0;
-    let mut relay = |primary: &mut ShardNode, backup: &mut ShardNode| {
+    let relay = |primary: &mut ShardNode, backup: &mut ShardNode| {
         while let Some(out) = primary.poll_output() {
             if let NodeOutput::Replicate { stamped, payload } = out {
                 backup.replicated(stamped, payload, |_| None, &mut Quiet);
