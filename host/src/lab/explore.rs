@@ -415,7 +415,7 @@ fn stuck(step: &[Step], next: &[u64], shard: &Shard) -> String {
             Step::Pushing(id) => Some(format!(
                 "worker {w}'s push for iteration {} (#{id}) is {}",
                 next[w],
-                if shard.held_pushes() > 0 { "held" } else { "not acknowledged" }
+                if shard.is_push_held(w as WorkerId, next[w]) { "held" } else { "not acknowledged" }
             )),
             _ => None,
         })
