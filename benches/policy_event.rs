@@ -197,7 +197,15 @@ fn shard_push(c: &mut Criterion) {
         group.bench_function(label, |b| {
             b.iter(|| {
                 let grad = sink.spare.take().expect("the last push's buffer came back");
-                let req = PushRequest { worker: 0, iteration, samples: 1, grad, based_on: None, tasks: None };
+                let req = PushRequest {
+                    worker: 0,
+                    iteration,
+                    samples: 1,
+                    grad,
+                    based_on: None,
+                    tasks: None,
+                    local_steps: 0,
+                };
                 shard.push(req, iteration, &mut sink).expect("admitted");
                 iteration += 1;
             })

@@ -256,7 +256,9 @@ impl Side {
                     self.timers.push((timer, now.saturating_add(after_ns)));
                 }
                 Decision::CancelTimer { timer } => self.timers.retain(|t| t.0 != timer),
-                Decision::SetUpdateMode(_) => {}
+                Decision::SetUpdateMode(_)
+                | Decision::SetLocalSteps { .. }
+                | Decision::SetOuterOptimizer { .. } => {}
             }
         }
         if check {

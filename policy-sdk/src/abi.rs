@@ -512,6 +512,36 @@ pub enum Decision<'a> {
         /// The group.
         group: u64,
     },
+    /// From their next pull on, workers take `steps` local steps per iteration: they compute
+    /// `steps` gradients, each applied at once to their own copy of the model by their inner
+    /// optimizer, and push the **pseudo-gradient**, the parameters they pulled minus the ones
+    /// they reached, which this shard applies with its outer optimizer
+    /// ([`Decision::SetOuterOptimizer`]). 0 (the default) is ordinary training: one gradient
+    /// per iteration, applied by the shard's optimizer. `worker`: that worker only; `None`:
+    /// every worker, present and future, overriding any per-worker setting. A worker learns
+    /// its setting with each pull, so an iteration uses what the pull that began it said; a
+    /// hot swap sets every worker back to the cluster's default (ABI v2).
+    SetLocalSteps {
+        /// One worker, or every worker.
+        worker: Option<WorkerId>,
+        /// Local steps per iteration (0: push gradients).
+        steps: u32,
+    },
+    /// The optimizer this shard applies to pseudo-gradients (pushes of local steps, see
+    /// [`Decision::SetLocalSteps`]): SGD with learning rate `lr` and momentum `momentum`
+    /// (Nesterov's when `nesterov`), on the round's weighted mean as for gradients. The default,
+    /// `lr` 1 and no momentum, replaces the model by the mean of the workers' models (local
+    /// SGD's averaging); DiLoCo's outer optimizer is `lr` 0.7, momentum 0.9, Nesterov. Its
+    /// momentum is the shard's, kept across swaps and changes of these numbers, in checkpoints
+    /// and on backups; a hot swap sets the numbers back to the default (ABI v2).
+    SetOuterOptimizer {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum coefficient (0: none).
+        momentum: f32,
+        /// Nesterov momentum.
+        nesterov: bool,
+    },
 }
 
 /// Splits the `i64` a data-returning export gives back into `(ptr, len)`.

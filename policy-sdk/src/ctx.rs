@@ -99,6 +99,24 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::SetUpdateMode(mode));
     }
 
+    /// Every worker, present and future, takes `steps` local steps per iteration from its next
+    /// pull on and pushes pseudo-gradients (0: gradients, the default); see
+    /// [`Decision::SetLocalSteps`](crate::abi::Decision::SetLocalSteps).
+    pub fn set_local_steps(&mut self, steps: u32) {
+        self.emit(&Decision::SetLocalSteps { worker: None, steps });
+    }
+
+    /// [`set_local_steps`](Self::set_local_steps) for one worker.
+    pub fn set_local_steps_of(&mut self, worker: WorkerId, steps: u32) {
+        self.emit(&Decision::SetLocalSteps { worker: Some(worker), steps });
+    }
+
+    /// The optimizer this shard applies to pseudo-gradients; see
+    /// [`Decision::SetOuterOptimizer`](crate::abi::Decision::SetOuterOptimizer).
+    pub fn set_outer_optimizer(&mut self, lr: f32, momentum: f32, nesterov: bool) {
+        self.emit(&Decision::SetOuterOptimizer { lr, momentum, nesterov });
+    }
+
     /// Send a control message to a worker.
     pub fn control(&mut self, worker: WorkerId, control: Control) {
         self.emit(&Decision::Control { worker, control });

@@ -32,6 +32,14 @@ impl OptimizerConfig {
     }
 }
 
+impl OptimizerConfig {
+    /// Learning rate 1, no momentum, no decay: applied to the mean of the workers'
+    /// pseudo-gradients, it replaces the model by the mean of their models (local SGD's
+    /// averaging). The default outer optimizer.
+    pub const AVERAGING: OptimizerConfig =
+        OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+}
+
 impl Default for OptimizerConfig {
     fn default() -> Self {
         OptimizerConfig { lr: 0.05, momentum: 0.9, weight_decay: 0.0, nesterov: false }
@@ -56,6 +64,15 @@ impl Optimizer {
     /// The hyper-parameters.
     pub fn config(&self) -> OptimizerConfig {
         self.cfg
+    }
+
+    /// Takes new hyper-parameters for `len` parameters and keeps the velocity: a momentum
+    /// switched off and on again resumes where it was.
+    pub fn reconfigure(&mut self, cfg: OptimizerConfig, len: usize) {
+        if cfg.momentum != 0.0 && self.velocity.len() != len {
+            self.velocity = vec![0.0; len];
+        }
+        self.cfg = cfg;
     }
 
     /// Turns `grad`, computed at `params`, into the step direction momentum and weight decay give

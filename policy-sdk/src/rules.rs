@@ -15,7 +15,9 @@
 //! - control messages go to live workers only, and moved tasks come from another live worker,
 //!   within 1 to [`MAX_TASKS`] tasks; a task share is 1 to [`MAX_TASKS`];
 //! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
-//!   reach; a shard holds at most [`MAX_TIMERS`] timers.
+//!   reach; a shard holds at most [`MAX_TIMERS`] timers;
+//! - local steps are at most [`MAX_LOCAL_STEPS`], set for every worker or a live one; an outer
+//!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1).
 //!
 //! A policy that breaks a rule is treated like one that crashed.
 
@@ -29,6 +31,32 @@ pub const MAX_TASKS: u32 = 64;
 
 /// The most timers one shard's policy can have set at once.
 pub const MAX_TIMERS: usize = 1024;
+
+/// The most local steps per iteration a policy may ask of a worker
+/// ([`Decision::SetLocalSteps`]): DiLoCo syncs every 500 steps; this leaves room and keeps a
+/// hostile module from setting a worker computing for ever.
+pub const MAX_LOCAL_STEPS: u32 = 10_000;
+
+/// Whether `steps` local steps per iteration are within bounds (at most [`MAX_LOCAL_STEPS`]);
+/// the error says why not. Policies, scenarios and the command line check with this.
+pub fn check_local_steps(steps: u32) -> Result<(), String> {
+    if steps > MAX_LOCAL_STEPS {
+        return Err(format!("{steps} local steps per iteration: at most {MAX_LOCAL_STEPS}"));
+    }
+    Ok(())
+}
+
+/// Whether an outer optimizer's learning rate (in (0, 16]) and momentum (in [0, 1)) are within
+/// bounds; the error says why not.
+pub fn check_outer_optimizer(lr: f32, momentum: f32) -> Result<(), String> {
+    if !(lr.is_finite() && lr > 0.0 && lr <= 16.0 && (0.0..1.0).contains(&momentum)) {
+        return Err(format!(
+            "an outer optimizer of learning rate {lr} and momentum {momentum} \
+             (0 < lr <= 16 and 0 <= momentum < 1)"
+        ));
+    }
+    Ok(())
+}
 
 /// How far beyond a pull's clock a deferral may wait for the minimum clock (2^32 iterations:
 /// a deferral beyond that can never be released).
@@ -193,6 +221,17 @@ impl EventRules {
                 if !state.has_timer(timer) && state.timers() >= MAX_TIMERS {
                     return Err(format!("set more than {MAX_TIMERS} timers"));
                 }
+            }
+            Decision::SetLocalSteps { worker, steps } => {
+                check_local_steps(steps).map_err(|e| format!("set {e}"))?;
+                if let Some(w) = worker {
+                    if !state.is_live(w) {
+                        return Err(format!("set local steps of worker {w}, which is not live"));
+                    }
+                }
+            }
+            Decision::SetOuterOptimizer { lr, momentum, .. } => {
+                check_outer_optimizer(lr, momentum).map_err(|e| format!("set {e}"))?;
             }
             Decision::SetUpdateMode(_)
             | Decision::CancelTimer { .. }

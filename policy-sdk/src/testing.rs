@@ -44,6 +44,10 @@ pub enum Recorded {
     TimerCancelled(TimerId),
     /// A metric was recorded.
     Metric(String, f64),
+    /// Local steps were set, for one worker or (`None`) every worker.
+    LocalSteps(Option<WorkerId>, u32),
+    /// The outer optimizer was set: learning rate, momentum, Nesterov.
+    OuterOptimizer(f32, f32, bool),
 }
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
@@ -74,6 +78,8 @@ pub struct Driver<P> {
     incoming: Vec<f32>,
     /// Per worker: the version (steps) its last served pull saw, for its pushes' staleness.
     served_at: BTreeMap<WorkerId, u64>,
+    /// Local steps for every worker, and per worker where set since.
+    local_steps: (u32, BTreeMap<WorkerId, u32>),
 }
 
 /// The host's optimizer over a parameter vector, as [`Driver::with_optimizer`] sets it up.
@@ -105,6 +111,7 @@ impl<P: Policy> Driver<P> {
             next_id: 0,
             parked: Vec::new(),
             served_at: BTreeMap::new(),
+            local_steps: (0, BTreeMap::new()),
             held: Vec::new(),
             timers: Vec::new(),
             log: Vec::new(),
@@ -163,6 +170,7 @@ impl<P: Policy> Driver<P> {
             next_id: self.next_id,
             parked: Vec::new(),
             served_at: BTreeMap::new(),
+            local_steps: (0, BTreeMap::new()),
             held: Vec::new(),
             timers: Vec::new(),
             log: self.log,
@@ -244,6 +252,13 @@ impl<P: Policy> Driver<P> {
     /// `worker`'s clock, if live.
     pub fn clock(&self, worker: WorkerId) -> Option<u64> {
         self.clocks.get(worker)
+    }
+
+    /// The local steps per iteration `worker` would be told with its next pull (0: it pushes
+    /// gradients); a swap sets them back to 0, as the host does when the cluster has no
+    /// default of its own.
+    pub fn local_steps(&self, worker: WorkerId) -> u32 {
+        self.local_steps.1.get(&worker).copied().unwrap_or(self.local_steps.0)
     }
 
     /// The update mode the policy last chose.
@@ -527,6 +542,18 @@ impl<P: Policy> Driver<P> {
                     self.log.push(Recorded::TimerCancelled(timer));
                 }
                 Decision::Metric { name, value } => self.log.push(Recorded::Metric(name.into(), value)),
+                Decision::SetLocalSteps { worker, steps } => {
+                    match worker {
+                        Some(w) => {
+                            self.local_steps.1.insert(w, steps);
+                        }
+                        None => self.local_steps = (steps, BTreeMap::new()),
+                    }
+                    self.log.push(Recorded::LocalSteps(worker, steps));
+                }
+                Decision::SetOuterOptimizer { lr, momentum, nesterov } => {
+                    self.log.push(Recorded::OuterOptimizer(lr, momentum, nesterov))
+                }
             }
         }
         rules.finish()?;

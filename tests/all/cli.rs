@@ -69,7 +69,7 @@ fn policy_check_runs_events_through_the_module() {
     // Every built-in and both examples get through the short run: joins, pulls, pushes, reports,
     // timers, a hand-over to themselves and leaves.
     let mut modules: Vec<(String, std::path::PathBuf)> =
-        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp"]
+        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco"]
             .iter()
             .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
             .collect();
@@ -128,7 +128,7 @@ fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps"] {
+    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco"] {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
     // Each with a one-line description and its parameters, defaults and meaning.

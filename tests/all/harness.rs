@@ -219,11 +219,11 @@ impl Cluster {
         match self.workers[w].wait {
             Wait::Pull(id) => {
                 let Some(s) = self.rec.served(id) else { return false };
-                let (version, waited) = (s.version, s.waited_ns);
+                let (version, waited, local_steps) = (s.version, s.waited_ns, s.local_steps);
                 let wk = &mut self.workers[w];
                 (wk.based_on, wk.wait) = (Some(version), Wait::Nothing);
                 wk.machine
-                    .handle(self.now, Input::Pulled { deferred: true, deferred_ns: waited })
+                    .handle(self.now, Input::Pulled { deferred: true, deferred_ns: waited, local_steps })
                     .expect("pulled");
                 true
             }
@@ -282,14 +282,14 @@ impl Cluster {
                     let clock = self.shard.workers().iter().find(|c| c.worker == worker).expect("live").clock;
                     let id =
                         self.shard.pull(PullRequest { worker, iteration }, now, &mut self.rec).expect("pull");
-                    let served = self.rec.served(id).map(|s| s.version);
+                    let served = self.rec.served(id).map(|s| (s.version, s.local_steps));
                     self.pull_log.push((worker, served.is_none()));
                     self.pulls.push(PullSeen { worker, clock, view, deferred: served.is_none() });
                     let wk = &mut self.workers[w];
                     match served {
-                        Some(version) => {
+                        Some((version, local_steps)) => {
                             wk.based_on = Some(version);
-                            let pulled = Input::Pulled { deferred: false, deferred_ns: 0 };
+                            let pulled = Input::Pulled { deferred: false, deferred_ns: 0, local_steps };
                             wk.machine.handle(now, pulled).expect("pulled");
                         }
                         None => wk.wait = Wait::Pull(id),
@@ -305,6 +305,7 @@ impl Cluster {
                         grad,
                         based_on: wk.based_on,
                         tasks: job.tasks,
+                        local_steps: job.local_steps,
                     };
                     let id = self.shard.push_by(worker, req, now, &mut self.rec).expect("push");
                     self.pushes += 1;

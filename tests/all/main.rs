@@ -7,6 +7,7 @@ mod cli;
 mod cluster;
 mod failover;
 mod harness;
+mod local_sgd;
 mod net;
 mod oracles;
 mod partition;

@@ -49,7 +49,15 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
             let grad = vec![(w + 1) as f32, step as f32 * 0.25];
             let iteration = next[w as usize];
             driver.push_gradient(w, iteration, &grad).unwrap();
-            let req = PushRequest { worker: w, iteration, samples: 1, grad, based_on: None, tasks: None };
+            let req = PushRequest {
+                worker: w,
+                iteration,
+                samples: 1,
+                grad,
+                based_on: None,
+                tasks: None,
+                local_steps: 0,
+            };
             shard.push(req, step, &mut rec).unwrap();
             next[w as usize] += 1;
             for v in 0..WORKERS {
@@ -157,6 +165,7 @@ fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
         grad: vec![(worker + 1) as f32 + iteration as f32, 1.0],
         based_on: None,
         tasks: None,
+        local_steps: 0,
     };
     // Straight through: nine pushes, three groups.
     let mut rec = Recorder::default();
@@ -207,7 +216,7 @@ fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
     for &(w, i) in &order {
         token += 1;
         let p = push(w, i);
-        primary.push(1, token, w, i, 1, None, p.grad, None, &mut Quiet);
+        primary.push(1, token, w, i, 1, None, p.grad, None, 0, &mut Quiet);
         relay(&mut primary, &mut backup);
     }
     let (p, b) = (primary.shard().unwrap(), backup.shard().unwrap());

@@ -266,8 +266,15 @@ fn quarantine_during_redelivery_keeps_every_queued_pull() {
     for w in 0..3 {
         shard.join(w, 0, &mut rec).expect("joins");
     }
-    let push =
-        |w| PushRequest { worker: w, iteration: 0, samples: 1, grad: vec![1.0], based_on: None, tasks: None };
+    let push = |w| PushRequest {
+        worker: w,
+        iteration: 0,
+        samples: 1,
+        grad: vec![1.0],
+        based_on: None,
+        tasks: None,
+        local_steps: 0,
+    };
     shard.push(push(0), 1, &mut rec).expect("push");
     shard.push(push(1), 2, &mut rec).expect("push");
     let p0 = shard.pull(PullRequest { worker: 0, iteration: 1 }, 3, &mut rec).expect("pull");

@@ -62,7 +62,15 @@ fn swapping_to_a_looser_policy_releases_parked_pulls() {
     shard.join(1, 0, &mut rec).unwrap();
     shard
         .push(
-            PushRequest { worker: 0, iteration: 0, samples: 1, grad: vec![1.0], based_on: None, tasks: None },
+            PushRequest {
+                worker: 0,
+                iteration: 0,
+                samples: 1,
+                grad: vec![1.0],
+                based_on: None,
+                tasks: None,
+                local_steps: 0,
+            },
             1,
             &mut rec,
         )
@@ -135,6 +143,7 @@ fn events_sent_during_a_swap_wait_in_line_and_none_is_dropped() {
                                 grad: vec![1.0; 8],
                                 based_on: None,
                                 tasks: None,
+                                local_steps: 0,
                             },
                             now,
                             &mut rec,
@@ -220,6 +229,7 @@ fn a_stateful_policy_takes_its_state_across_a_swap() {
                         grad: vec![1.0],
                         based_on: None,
                         tasks: None,
+                        local_steps: 0,
                     },
                     now,
                     rec,

@@ -20,7 +20,15 @@ fn momentum_and_decay() -> OptimizerConfig {
 }
 
 fn push(worker: u32, iteration: u64, grad: &[f32]) -> PushRequest {
-    PushRequest { worker, iteration, samples: 1, grad: grad.to_vec(), based_on: Some(0), tasks: None }
+    PushRequest {
+        worker,
+        iteration,
+        samples: 1,
+        grad: grad.to_vec(),
+        based_on: Some(0),
+        tasks: None,
+        local_steps: 0,
+    }
 }
 
 #[test]

@@ -85,6 +85,8 @@ pub struct Served {
     pub first_value: f32,
     /// The shard version (optimizer steps) served.
     pub version: u64,
+    /// The local steps the worker was told to take.
+    pub local_steps: u32,
 }
 
 /// A [`ShardSink`] that records everything.
@@ -133,6 +135,7 @@ impl ShardSink for Recorder {
             waited_ns: r.waited_ns,
             first_value: r.values.first().copied().unwrap_or(0.0),
             version: r.version,
+            local_steps: r.local_steps,
         });
     }
     fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {

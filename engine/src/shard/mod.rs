@@ -30,6 +30,7 @@
 mod gate;
 mod layout;
 mod level;
+mod local;
 mod node;
 mod ops;
 mod parked;
@@ -39,6 +40,7 @@ mod supervisor;
 pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use level::{levelling, ClockRaise, Frontier};
+pub use local::{LocalSgd, LocalSgdConfig};
 pub use node::{
     Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
 };
@@ -77,6 +79,9 @@ pub struct ShardConfig {
     pub seed: u64,
     /// The optimizer.
     pub optimizer: OptimizerConfig,
+    /// Local steps and the outer optimizer until a policy says otherwise, and again after
+    /// every hot swap.
+    pub local_sgd: LocalSgdConfig,
     /// Checkpointing and quarantine.
     pub supervisor: SupervisorConfig,
     /// The weight of a push whose policy admits it without one.
@@ -108,6 +113,7 @@ impl Default for ShardConfig {
             shards: 1,
             seed: 0,
             optimizer: OptimizerConfig::default(),
+            local_sgd: LocalSgdConfig::default(),
             supervisor: SupervisorConfig::default(),
             push_weight: PushWeight::Mean,
             max_workers: DEFAULT_MAX_WORKERS,
@@ -131,6 +137,9 @@ pub struct PushRequest {
     pub based_on: Option<u64>,
     /// Which of the iteration's tasks the gradient covers; `None` is the whole iteration.
     pub tasks: Option<TaskPart>,
+    /// The local steps it covers: 0, a gradient (applied by the shard's optimizer); more, a
+    /// pseudo-gradient (applied by the outer optimizer, see [`LocalSgd`]).
+    pub local_steps: u32,
 }
 
 /// How far ahead of its oldest incomplete iteration a worker's parts may run.
@@ -165,6 +174,9 @@ pub struct PullReply<'a> {
     pub min_applied: u64,
     /// How long the pull was parked, in host nanoseconds.
     pub waited_ns: u64,
+    /// The local steps the worker takes in the iteration it pulled for (0: it pushes a
+    /// gradient); see [`LocalSgd`].
+    pub local_steps: u32,
     /// The parameters, shared: a sink that keeps them (to send them, say) clones the `Arc`,
     /// which copies nothing; the shard copies its parameters before it next changes them if a
     /// clone is still alive then.
@@ -332,6 +344,9 @@ pub struct ShardStats {
     /// Iterations workers skipped on a policy's `SkipTo` (their clocks moved past them).
     #[serde(default)]
     pub iterations_skipped: u64,
+    /// Admitted pushes of local steps (pseudo-gradients, applied by the outer optimizer).
+    #[serde(default)]
+    pub local_pushes: u64,
     /// Admitted pushes by staleness: how many optimizer steps the shard took between the pull
     /// the gradient was computed from and its admission (last bucket: that many or more).
     pub staleness: [u64; STALENESS_BUCKETS],
@@ -349,6 +364,8 @@ struct Held {
     push: Push,
     grad: Vec<f32>,
     based_on: Option<u64>,
+    /// The local steps it covers (0: a gradient).
+    local_steps: u32,
 }
 
 /// The tasks of one (worker, iteration) received so far.
@@ -370,6 +387,10 @@ struct Aggregate {
     sum: Vec<f32>,
     /// The sum of the contributions' weights.
     weight: f32,
+    /// The weighted sum of the pseudo-gradients among the contributions (empty: none), which
+    /// the outer optimizer steps, and the sum of their weights.
+    outer_sum: Vec<f32>,
+    outer_weight: f32,
     contributors: Vec<WorkerId>,
     /// How many contributors have left since: a mean push of the round still counts them (see
     /// `round_size`). Kept as leaves and joins happen, so pushes need not scan the
@@ -441,6 +462,8 @@ pub struct Shard {
     held_at: Vec<(RequestId, u64)>,
     /// The policy's open groups ([`Decision::AdmitToGroup`]), by name.
     groups: BTreeMap<u64, Aggregate>,
+    /// Local steps and the outer optimizer.
+    local: LocalSgd,
     partials: Vec<Partial>,
     ledger: TaskLedger,
     incoming: Option<Held>,
@@ -506,6 +529,7 @@ impl Shard {
             decisions: &start,
             workers: &[],
         });
+        let params_len = params.len();
         let mut shard = Shard {
             shard: cfg.shard,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
@@ -526,6 +550,7 @@ impl Shard {
             held: Vec::new(),
             held_at: Vec::new(),
             groups: BTreeMap::new(),
+            local: LocalSgd::new(cfg.local_sgd, params_len),
             partials: Vec::new(),
             ledger: TaskLedger::default(),
             incoming: None,
@@ -709,6 +734,7 @@ impl Shard {
             self.admit(h, None, sink);
         }
         self.parked.forget_worker(worker);
+        self.local.forget(worker);
         let view = self.clocks.view();
         self.clocks.leave(worker);
         self.applied_min = None;
@@ -856,7 +882,7 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
-        let PushRequest { worker, iteration, samples, grad, based_on, tasks } = req;
+        let PushRequest { worker, iteration, samples, grad, based_on, tasks, local_steps } = req;
         if !self.clocks.is_live(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
@@ -879,12 +905,17 @@ impl Shard {
         if !all_finite(&grad) {
             return Err(ShardError::NonFinite(worker, iteration));
         }
+        if partial && local_steps > 0 {
+            let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
+            let reason = "local steps cannot be split into tasks".to_string();
+            return Err(ShardError::BadTasks { worker, iteration, mask: part.mask, reason });
+        }
         if partial {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
             return self.push_part(worker, iteration, samples, grad, based_on, part, now_ns, sink);
         }
         let id = self.id();
-        self.offer(id, worker, iteration, samples, grad, based_on, now_ns, sink);
+        self.offer(id, worker, iteration, samples, grad, based_on, local_steps, now_ns, sink);
         Ok(id)
     }
 
@@ -898,6 +929,7 @@ impl Shard {
         samples: u32,
         grad: Vec<f32>,
         based_on: Option<u64>,
+        local_steps: u32,
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) {
@@ -905,7 +937,7 @@ impl Shard {
         self.next_push[worker as usize] = iteration + 1;
         let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
         let push = Push { id, worker, iteration, clock, samples, staleness, version };
-        self.incoming = Some(Held { push, grad, based_on });
+        self.incoming = Some(Held { push, grad, based_on, local_steps });
         let view = self.clocks.view();
         self.run(Event::Push(push), view, now_ns, sink);
     }
@@ -989,7 +1021,7 @@ impl Shard {
             // Division, not a reciprocal: (n * g) / n is exactly g.
             let n = p.samples as f32;
             p.sum.iter_mut().for_each(|g| *g /= n);
-            self.offer(p.id, worker, p.iteration, p.samples, p.sum, p.based_on, now_ns, sink);
+            self.offer(p.id, worker, p.iteration, p.samples, p.sum, p.based_on, 0, now_ns, sink);
         }
     }
 
@@ -1082,6 +1114,7 @@ impl Shard {
         self.policy_started(StartKind::Swap, now_ns, &start, &workers, sink);
         self.stats.swaps += 1;
         self.timers.clear();
+        self.local.reset(self.params.len());
         self.stats.clocks_rebased += u64::from(self.clocks.raise(raise.iter().map(|r| (r.worker, r.by))));
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
@@ -1258,17 +1291,15 @@ impl Shard {
             Decision::CompleteGroup { group } => {
                 if let Some(agg) = self.groups.remove(&group) {
                     // One step on the group's weighted mean.
-                    let scale = 1.0 / agg.weight.max(f32::MIN_POSITIVE);
-                    self.apply_aggregate(agg, scale, sink);
+                    self.apply_aggregate(agg, true, sink);
                 }
             }
             Decision::CompleteAggregate { clock } => {
                 if self.mode == UpdateMode::Aggregate {
                     if let Some(agg) = self.aggregates.remove(&clock) {
                         // The weighted mean of the contributions present, scaled in the step.
-                        let scale = 1.0 / agg.weight.max(f32::MIN_POSITIVE);
                         self.stats.aggregates_completed_early += 1;
-                        self.apply_aggregate(agg, scale, sink);
+                        self.apply_aggregate(agg, true, sink);
                     }
                 }
             }
@@ -1282,6 +1313,10 @@ impl Shard {
                 }
             }
             Decision::SetUpdateMode(mode) => self.set_mode(mode, sink),
+            Decision::SetLocalSteps { worker, steps } => self.local.set_steps(worker, steps),
+            Decision::SetOuterOptimizer { lr, momentum, nesterov } => {
+                self.local.set_outer(lr, momentum, nesterov, self.params.len())
+            }
             Decision::Control { worker, control: control @ Control::MoveTasks { from, .. } } => {
                 // The owner is asked first; it hands over what it has not started.
                 let ask =
@@ -1422,12 +1457,13 @@ impl Shard {
             version: self.version,
             min_applied,
             waited_ns,
+            local_steps: self.local.steps_of(p.pull.worker),
             values: &self.params,
         });
     }
 
     fn admit(&mut self, h: Held, weight: Option<f32>, sink: &mut dyn ShardSink) {
-        let Held { push, grad, based_on } = h;
+        let Held { push, grad, based_on, local_steps } = h;
         self.count_staleness(based_on);
         let round = self.clocks.get(push.worker).unwrap_or(push.clock);
         let weight = weight.unwrap_or_else(|| match self.push_weight {
@@ -1436,15 +1472,19 @@ impl Shard {
         });
         self.clocks.tick(push.worker);
         self.stats.pushes_admitted += 1;
+        let outer = local_steps > 0;
+        self.stats.local_pushes += u64::from(outer);
         match self.mode {
             UpdateMode::OnArrival => {
-                self.optimizer.step(unshare(&mut self.params, sink), &grad, weight);
+                let optimizer = if outer { self.local.outer() } else { &mut self.optimizer };
+                optimizer.step(unshare(&mut self.params, sink), &grad, weight);
                 self.version += 1;
                 self.stats.steps += 1;
                 self.bump_applied(push.worker);
             }
             UpdateMode::Aggregate => {
-                contribute(&mut self.aggregates, round, &mut self.spare_sums, &grad, weight, push.worker);
+                let c = Contribution { grad: &grad, weight, worker: push.worker, outer };
+                contribute(&mut self.aggregates, round, &mut self.spare_sums, c);
                 self.complete_aggregates(sink);
             }
         }
@@ -1456,11 +1496,14 @@ impl Shard {
     /// acknowledged, the clock ticks, and the gradient waits in the group for its step
     /// ([`Decision::CompleteGroup`]).
     fn admit_to_group(&mut self, h: Held, group: u64, weight: f32, sink: &mut dyn ShardSink) {
-        let Held { push, grad, based_on } = h;
+        let Held { push, grad, based_on, local_steps } = h;
         self.count_staleness(based_on);
         self.clocks.tick(push.worker);
         self.stats.pushes_admitted += 1;
-        contribute(&mut self.groups, group, &mut self.spare_sums, &grad, weight, push.worker);
+        let outer = local_steps > 0;
+        self.stats.local_pushes += u64::from(outer);
+        let c = Contribution { grad: &grad, weight, worker: push.worker, outer };
+        contribute(&mut self.groups, group, &mut self.spare_sums, c);
         self.complete_aggregates(sink);
         sink.recycle(grad);
         sink.push_acked(push.id, push.worker, push.iteration);
@@ -1516,7 +1559,7 @@ impl Shard {
                 break;
             }
             let agg = entry.remove();
-            self.apply_aggregate(agg, 1.0, sink);
+            self.apply_aggregate(agg, false, sink);
         }
     }
 
@@ -1545,11 +1588,22 @@ impl Shard {
         self.applied_min.map_or(0, |m| m.0)
     }
 
-    /// One optimizer step on an aggregate's sum times `scale`.
-    fn apply_aggregate(&mut self, agg: Aggregate, scale: f32, sink: &mut dyn ShardSink) {
-        self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, scale);
-        if self.spare_sums.len() < 4 {
-            self.spare_sums.push(agg.sum);
+    /// One step on an aggregate: its gradients' sum by the optimizer, its pseudo-gradients'
+    /// by the outer optimizer (each part only if it has a contribution), each sum as it stands
+    /// or, with `mean`, divided by its weights.
+    fn apply_aggregate(&mut self, agg: Aggregate, mean: bool, sink: &mut dyn ShardSink) {
+        let scale = |w: f32| if mean { 1.0 / w.max(f32::MIN_POSITIVE) } else { 1.0 };
+        if !agg.sum.is_empty() {
+            self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, scale(agg.weight));
+        }
+        if !agg.outer_sum.is_empty() {
+            let outer = self.local.outer();
+            outer.step(unshare(&mut self.params, sink), &agg.outer_sum, scale(agg.outer_weight));
+        }
+        for sum in [agg.sum, agg.outer_sum] {
+            if self.spare_sums.len() < 4 && !sum.is_empty() {
+                self.spare_sums.push(sum);
+            }
         }
         self.version += 1;
         self.stats.steps += 1;
@@ -1562,7 +1616,7 @@ impl Shard {
         if self.mode == UpdateMode::Aggregate && mode == UpdateMode::OnArrival {
             // Partial aggregates are applied as they stand: each push keeps the weight it had.
             while let Some((_, agg)) = self.aggregates.pop_first() {
-                self.apply_aggregate(agg, 1.0, sink);
+                self.apply_aggregate(agg, false, sink);
             }
         }
         self.mode = mode;
@@ -1590,27 +1644,44 @@ fn all_finite(values: &[f32]) -> bool {
     })
 }
 
-/// Adds `weight * grad` from `worker` to the aggregate `key` of `open` (a round's, or a
-/// policy's group), started from a spare buffer if it is new.
-fn contribute(
-    open: &mut BTreeMap<u64, Aggregate>,
-    key: u64,
-    spare: &mut Vec<Vec<f32>>,
-    grad: &[f32],
+/// One push's part in an aggregate.
+struct Contribution<'a> {
+    grad: &'a [f32],
     weight: f32,
     worker: WorkerId,
-) {
-    let agg = open.entry(key).or_insert_with(|| {
+    /// A pseudo-gradient (for the outer optimizer), not a gradient.
+    outer: bool,
+}
+
+/// Adds `weight * grad` from `worker` to the aggregate `key` of `open` (a round's, or a
+/// policy's group), to its gradients' sum or its pseudo-gradients', started from a spare buffer
+/// if it is new.
+fn contribute(open: &mut BTreeMap<u64, Aggregate>, key: u64, spare: &mut Vec<Vec<f32>>, c: Contribution<'_>) {
+    let len = c.grad.len();
+    let mut zeroed = || {
         let mut sum = spare.pop().unwrap_or_default();
         sum.clear();
-        sum.resize(grad.len(), 0.0);
-        Aggregate { sum, weight: 0.0, contributors: Vec::new(), departed: 0 }
+        sum.resize(len, 0.0);
+        sum
+    };
+    let agg = open.entry(key).or_insert_with(|| Aggregate {
+        sum: Vec::new(),
+        weight: 0.0,
+        outer_sum: Vec::new(),
+        outer_weight: 0.0,
+        contributors: Vec::new(),
+        departed: 0,
     });
-    for (s, g) in agg.sum.iter_mut().zip(grad) {
-        *s += weight * g;
+    let (sum, weight) =
+        if c.outer { (&mut agg.outer_sum, &mut agg.outer_weight) } else { (&mut agg.sum, &mut agg.weight) };
+    if sum.is_empty() {
+        *sum = zeroed();
     }
-    agg.weight += weight;
-    agg.contributors.push(worker);
+    for (s, g) in sum.iter_mut().zip(c.grad) {
+        *s += c.weight * g;
+    }
+    *weight += c.weight;
+    agg.contributors.push(c.worker);
 }
 
 #[cfg(test)]
@@ -1665,6 +1736,7 @@ mod tests {
             grad: vec![1.0; 2],
             based_on: Some(based_on),
             tasks: None,
+            local_steps: 0,
         };
         shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
         for i in 0..3 {
@@ -1726,6 +1798,7 @@ mod tests {
             grad: vec![0.5; 8],
             based_on: None,
             tasks: None,
+            local_steps: 0,
         };
         shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
         assert!(Arc::ptr_eq(&sink.pulls[0], shard.shared_values()), "served without a copy");
@@ -1761,6 +1834,7 @@ mod tests {
             grad: vec![1.0; 2],
             based_on: None,
             tasks: None,
+            local_steps: 0,
         };
         shard.push(push, 1, &mut sink).unwrap();
         assert_eq!(shard.values(), [0.0; 2], "the round waits for worker 1");

@@ -60,6 +60,8 @@ pub struct Served {
     pub version: u64,
     /// How long the pull waited at the shard.
     pub waited_ns: u64,
+    /// The local steps the worker takes in this iteration (0: it pushes a gradient).
+    pub local_steps: u32,
     /// The parameters as they were when served, shared (no copy).
     pub values: Arc<Vec<f32>>,
 }
@@ -311,6 +313,7 @@ impl ShardSink for Tap<'_> {
                 clock: r.clock,
                 version: r.version,
                 waited_ns: r.waited_ns,
+                local_steps: r.local_steps,
                 values: Arc::clone(r.values),
             };
             self.pending.reply(token, Reply::Pulled(Ok(served)));
@@ -673,6 +676,7 @@ impl ShardNode {
         based_on: Option<u64>,
         grad: Vec<f32>,
         tasks: Option<(WorkerId, TaskPart)>,
+        local_steps: u32,
         obs: &mut dyn Observer,
     ) {
         let id = self.id();
@@ -682,7 +686,7 @@ impl ShardNode {
         if self.shard.is_none() {
             return self.pending.reply(token, Reply::Pushed(Err(RequestError::NoShardYet(id))));
         }
-        let op = Op::Push { worker, iteration, samples, based_on, tasks };
+        let op = Op::Push { worker, iteration, samples, based_on, tasks, local_steps };
         if tasks.is_some() {
             match self.step(op, grad, now, obs) {
                 Some(Outcome::Pushed(Ok(()))) => self.pending.ack(token, PushOutcome::Applied),
@@ -1029,7 +1033,7 @@ mod tests {
         primary.confirmed(seq);
         assert_eq!(replies(&drain(&mut primary)), vec![1]);
 
-        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
+        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 4], None, 0, &mut Quiet);
         let out = drain(&mut primary);
         assert!(replies(&out).is_empty(), "held until the backup has the op");
         let seq = deliver(out, &mut backup).unwrap();
@@ -1050,7 +1054,7 @@ mod tests {
             [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined { next: 1, clock: 1 })), .. }]
         ));
         assert_eq!(backup.poll_timeout(), None, "nobody is awaited any more");
-        backup.push(4, 4, 0, 0, 1, None, vec![1.0; 4], None, &mut Quiet);
+        backup.push(4, 4, 0, 0, 1, None, vec![1.0; 4], None, 0, &mut Quiet);
         let out = drain(&mut backup);
         assert!(matches!(
             out[..],
@@ -1074,9 +1078,9 @@ mod tests {
                 .collect()
         };
         let mut stream = ops(drain(&mut primary));
-        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
         stream.extend(ops(drain(&mut primary)));
-        primary.push(3, 3, 0, 1, 1, None, vec![1.0; 2], None, &mut Quiet);
+        primary.push(3, 3, 0, 1, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
         let last = ops(drain(&mut primary));
         let confirms = |b: &mut ShardNode| -> Vec<u64> {
             drain(b)
@@ -1131,7 +1135,7 @@ mod tests {
     #[test]
     fn requests_are_refused_with_typed_errors() {
         let mut n = node("bsp", false);
-        n.push(0, 1, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        n.push(0, 1, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
         n.pull(0, 2, 0, 0, &mut Quiet);
         n.join(0, 3, 0, Vec::new(), &mut Quiet);
         let out = drain(&mut n);
@@ -1149,9 +1153,9 @@ mod tests {
         ));
         n.join(0, 4, 0, vec![0.0; 2], &mut Quiet);
         n.join(0, 5, 1, vec![0.0; 3], &mut Quiet);
-        n.push(0, 6, 0, 0, 1, None, vec![f32::NAN; 2], None, &mut Quiet);
-        n.push(0, 7, 0, 5, 1, None, vec![0.0; 2], None, &mut Quiet);
-        n.push(0, 8, 9, 0, 1, None, vec![0.0; 2], None, &mut Quiet);
+        n.push(0, 6, 0, 0, 1, None, vec![f32::NAN; 2], None, 0, &mut Quiet);
+        n.push(0, 7, 0, 5, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
+        n.push(0, 8, 9, 0, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
         let out = drain(&mut n);
         let errs: Vec<&RequestError> = out
             .iter()
@@ -1166,7 +1170,7 @@ mod tests {
         assert!(matches!(errs[3], RequestError::Shard(ShardError::UnknownWorker(9, 0))), "{errs:?}");
         // Under BSP with two members a pull of iteration 1 waits; the same pull again is refused.
         n.join(0, 9, 1, Vec::new(), &mut Quiet);
-        n.push(0, 10, 0, 0, 1, None, vec![0.0; 2], None, &mut Quiet);
+        n.push(0, 10, 0, 0, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
         n.pull(0, 11, 0, 1, &mut Quiet);
         n.pull(0, 12, 0, 1, &mut Quiet);
         let out = drain(&mut n);
@@ -1204,8 +1208,8 @@ mod tests {
         primary.join(5, 1, 0, vec![0.0; 2], &mut Quiet);
         primary.join(5, 2, 1, Vec::new(), &mut Quiet);
         primary.join(5, 3, 2, Vec::new(), &mut Quiet);
-        primary.push(6, 4, 0, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
-        primary.push(6, 5, 0, 1, 1, None, vec![1.0; 2], None, &mut Quiet);
+        primary.push(6, 4, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        primary.push(6, 5, 0, 1, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
         deliver(drain(&mut primary), &mut backup);
         backup.promote();
         assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "members awaited");
@@ -1223,7 +1227,7 @@ mod tests {
         assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 0 })), "{out:?}");
         // Worker 1 pushes on; worker 0 returns: a new member at the shard's clock, told that its
         // iterations from 2 on (its pushes 0 and 1 were applied) are now numbered from there.
-        backup.push(20, 7, 1, 0, 1, None, vec![1.0; 2], None, &mut Quiet);
+        backup.push(20, 7, 1, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
         backup.join(21, 8, 0, Vec::new(), &mut Quiet);
         let out = drain(&mut backup);
         assert!(

@@ -37,6 +37,8 @@ pub enum Op {
         based_on: Option<u64>,
         /// Some tasks only: their owner and which.
         tasks: Option<(WorkerId, TaskPart)>,
+        /// The local steps it covers (0: a gradient; [`PushRequest::local_steps`]).
+        local_steps: u32,
     },
     /// [`Shard::tasks_yielded`].
     Yielded {
@@ -138,7 +140,7 @@ impl Shard {
         match op {
             Op::Create | Op::Advance => Outcome::Done(Ok(())),
             Op::Join { worker } => Outcome::Joined(self.join(worker, now, sink)),
-            Op::Push { worker, iteration, samples, based_on, tasks } => {
+            Op::Push { worker, iteration, samples, based_on, tasks, local_steps } => {
                 let r = match tasks {
                     Some((owner, part)) => {
                         let req = PushRequest {
@@ -148,11 +150,20 @@ impl Shard {
                             grad,
                             based_on,
                             tasks: Some(part),
+                            local_steps,
                         };
                         self.push_by(worker, req, now, sink)
                     }
                     None => {
-                        let req = PushRequest { worker, iteration, samples, grad, based_on, tasks: None };
+                        let req = PushRequest {
+                            worker,
+                            iteration,
+                            samples,
+                            grad,
+                            based_on,
+                            tasks: None,
+                            local_steps,
+                        };
                         self.push(req, now, sink)
                     }
                 };
@@ -312,7 +323,14 @@ mod tests {
                 }
                 let worker = self.workers[w as usize].clone();
                 for i in worker.unacked {
-                    let op = Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None };
+                    let op = Op::Push {
+                        worker: w,
+                        iteration: i,
+                        samples: 1,
+                        based_on: None,
+                        tasks: None,
+                        local_steps: 0,
+                    };
                     self.op(op, vec![grad(w, i); 4]);
                 }
                 if !worker.done && !worker.served {
@@ -345,7 +363,7 @@ mod tests {
             let i = wk.pulled;
             self.workers[w as usize].unacked.push(i);
             self.op(
-                Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None },
+                Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None, local_steps: 0 },
                 vec![grad(w, i); 4],
             );
             let report = IterationReport { worker: w, iteration: i, samples: 1, compute_ns: 1_000 };

@@ -27,13 +27,13 @@ use syncopate_policy_sdk::clocks::Clocks;
 use super::parked::ParkedPulls;
 use super::supervisor::Supervisor;
 use super::{
-    Aggregate, Held, Metric, Optimizer, Parked, Partial, PushWeight, Shard, ShardConfig, ShardSink,
+    Aggregate, Held, LocalSgd, Metric, Optimizer, Parked, Partial, PushWeight, Shard, ShardConfig, ShardSink,
     ShardStats, StartKind, TaskLedger,
 };
 use crate::runtime::{PolicyError, PolicyModule};
 
 /// The snapshot format [`ShardSnapshot::encode`] writes; [`ShardSnapshot::decode`] reads only this one.
-pub const SNAPSHOT_FORMAT: u32 = 2;
+pub const SNAPSHOT_FORMAT: u32 = 3;
 
 const MAGIC: &[u8; 8] = b"SYNCSNAP";
 /// Magic, format (u32), body length (u64), SHA-256 of the body.
@@ -119,6 +119,8 @@ pub struct ShardSnapshot {
     aggregates: Vec<(u64, Aggregate)>,
     /// The policy's open groups (format 2).
     groups: Vec<(u64, Aggregate)>,
+    /// Local steps and the outer optimizer, its momentum included (format 3).
+    local: LocalSgd,
     parked: Vec<Parked>,
     held: Vec<Held>,
     partials: Vec<Partial>,
@@ -250,6 +252,7 @@ impl Shard {
             mode: self.mode,
             aggregates: self.aggregates.iter().map(|(k, a)| (*k, a.clone())).collect(),
             groups: self.groups.iter().map(|(k, a)| (*k, a.clone())).collect(),
+            local: self.local.clone(),
             parked: self.parked.as_slice().to_vec(),
             held: self.held.clone(),
             partials: self.partials.clone(),
@@ -330,6 +333,7 @@ impl Shard {
             mode: snap.mode,
             aggregates: snap.aggregates.into_iter().collect(),
             groups: snap.groups.into_iter().collect(),
+            local: snap.local,
             spare_sums: Vec::new(),
             parked,
             held_at: snap.held.iter().map(|h| (h.push.id, snap.now_ns)).collect(),
@@ -511,8 +515,15 @@ mod tests {
             let (iteration, served) = self.at[w as usize];
             if served && iteration < ITERATIONS && (w != 2 || self.step.is_multiple_of(9)) {
                 let g = vec![grad(w, iteration); shard.values().len()];
-                let req =
-                    PushRequest { worker: w, iteration, samples: 4, grad: g, based_on: None, tasks: None };
+                let req = PushRequest {
+                    worker: w,
+                    iteration,
+                    samples: 4,
+                    grad: g,
+                    based_on: None,
+                    tasks: None,
+                    local_steps: 0,
+                };
                 shard.push(req, now, log).unwrap();
                 let report = syncopate_policy_sdk::abi::IterationReport {
                     worker: w,

@@ -1,7 +1,8 @@
 //! A worker's tensors and the one place gradients are computed and combined for the worker
 //! machine's [`ComputeJob`]s, whoever drives it: a whole iteration, one task of a split
-//! iteration (summed, samples-weighted, into the iteration's gradient), or tasks moved from
-//! another worker (computed on the model this worker last pulled).
+//! iteration (summed, samples-weighted, into the iteration's gradient), tasks moved from
+//! another worker (computed on the model this worker last pulled), or an iteration of local
+//! steps (each gradient applied by the inner optimizer, the pseudo-gradient left to push).
 
 use syncopate_policy_sdk::abi::WorkerId;
 use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
@@ -27,6 +28,12 @@ pub struct Buffers {
     /// Momentum and weight decay run here when the optimizer is placed on the workers
     /// ([`Buffers::place_optimizer`]); `None`: the servers run the whole optimizer.
     optimizer: Option<Optimizer>,
+    /// The optimizer of local steps ([`Buffers::set_inner_optimizer`]), its state kept from one
+    /// iteration of local steps to the next; made at the first.
+    inner: Option<Optimizer>,
+    inner_cfg: OptimizerConfig,
+    /// The parameters an iteration of local steps started from.
+    start: Vec<f32>,
 }
 
 impl Buffers {
@@ -39,7 +46,18 @@ impl Buffers {
             task: vec![0.0; len],
             help: vec![0.0; len],
             optimizer: None,
+            inner: None,
+            inner_cfg: OptimizerConfig::default(),
+            start: Vec::new(),
         }
+    }
+
+    /// The optimizer local steps take (the servers' optimizer is the natural choice: with one
+    /// local step and the outer optimizer averaging, an iteration is then plain SGD). Its state
+    /// (momentum) lives on this worker across iterations, as DiLoCo's inner optimizer's does.
+    pub fn set_inner_optimizer(&mut self, cfg: OptimizerConfig) {
+        self.inner_cfg = cfg;
+        self.inner = None;
     }
 
     /// Places the optimizer's momentum and weight decay on this worker: every push of a whole
@@ -81,13 +99,14 @@ impl Buffers {
     ) -> Option<StepStats> {
         let Some(workload) = workload else {
             let samples = if job.whole {
-                job.batch
+                job.batch.saturating_mul(job.local_steps.max(1))
             } else {
                 syncopate_workloads::task_samples(job.batch, &job.tasks, job.total).len() as u32
             };
             return Some(StepStats { samples, loss: 0.0 });
         };
         match job.kind {
+            JobKind::Own if job.whole && job.local_steps > 0 => Some(self.local_steps(worker, job, workload)),
             JobKind::Own if job.whole => {
                 let step = workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad);
                 // Here, while `params` still holds the parameters the gradient was computed at
@@ -126,6 +145,26 @@ impl Buffers {
                 &mut self.help,
             ),
         }
+    }
+
+    /// `job.local_steps` gradients, each applied to `params` by the inner optimizer; `grad` is
+    /// left holding the pseudo-gradient, the parameters pulled minus the ones reached.
+    fn local_steps(&mut self, worker: WorkerId, job: &ComputeJob, workload: &mut dyn Workload) -> StepStats {
+        let len = self.params.len();
+        let inner = self.inner.get_or_insert_with(|| Optimizer::new(self.inner_cfg, len));
+        self.start.clear();
+        self.start.extend_from_slice(&self.params);
+        let (mut samples, mut loss) = (0u32, 0.0f32);
+        for _ in 0..job.local_steps {
+            let step = workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad);
+            inner.step(&mut self.params, &self.grad, 1.0);
+            samples = samples.saturating_add(step.samples);
+            loss += step.samples as f32 * step.loss;
+        }
+        for ((g, s), p) in self.grad.iter_mut().zip(&self.start).zip(&self.params) {
+            *g = s - p;
+        }
+        StepStats { samples, loss: loss / samples.max(1) as f32 }
     }
 
     /// The gradient `push` sends. A split iteration's sum becomes its mean here: division, not

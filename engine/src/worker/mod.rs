@@ -13,7 +13,12 @@
 //!
 //! # Rules the machine keeps
 //! - One iteration at a time, its steps in order: pull every shard, compute (whole, or task by
-//!   task when a policy split iterations), the injected delay, push, report.
+//!   task when a policy split iterations, or `H` local steps when the pulls said so), the
+//!   injected delay, push, report.
+//! - Local steps: an iteration takes the local steps the pulls that began it said (the most any
+//!   shard said; 0: one gradient). It is computed whole (never split into tasks, none handed
+//!   over) and its push is the pseudo-gradient, marked with its step count so that every shard
+//!   applies it with its outer optimizer, whatever the shard's setting is by then.
 //! - One computation at a time: moved tasks are computed between this worker's own tasks, while
 //!   it waits for a pull or a push, or between iterations, never during its injected delay.
 //! - A task is computed once: a hand-over yields only tasks not yet started, and a task handed
@@ -96,6 +101,10 @@ pub struct ComputeJob {
     pub whole: bool,
     /// The first task computed of a split iteration: the iteration's gradient starts at zero.
     pub first_of_iteration: bool,
+    /// Local steps: compute this many gradients, each applied at once by the worker's inner
+    /// optimizer, and leave the pseudo-gradient for the push ([`Buffers::compute`]); 0: one
+    /// gradient.
+    pub local_steps: u32,
 }
 
 /// A push to send to every shard.
@@ -114,6 +123,8 @@ pub struct PushJob {
     /// A split iteration's summed gradient, to be divided by this many samples before sending
     /// ([`Buffers::gradient`] does).
     pub mean_over: Option<u32>,
+    /// The local steps the push covers (0: a gradient; more: a pseudo-gradient).
+    pub local_steps: u32,
 }
 
 /// What the driver must do.
@@ -164,12 +175,14 @@ pub enum Action {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
     /// Every shard answered the pull. `deferred`: at least one deferred it; `deferred_ns`:
-    /// the longest any did.
+    /// the longest any did; `local_steps`: the most local steps any said to take.
     Pulled {
         /// Whether any shard deferred it.
         deferred: bool,
         /// The longest deferral, in nanoseconds.
         deferred_ns: u64,
+        /// Local steps for this iteration (0: one gradient).
+        local_steps: u32,
     },
     /// The computation finished: what it computed (`None`: the workload cannot split
     /// iterations) and how long the arithmetic took (0 in virtual time).
@@ -268,6 +281,8 @@ struct Current {
     pushed_at: u64,
     /// How long its push waited for its acknowledgements.
     acked_after_ns: u64,
+    /// Local steps (0: one gradient), from the pulls.
+    local_steps: u32,
 }
 
 /// Tasks moved to this worker.
@@ -411,9 +426,10 @@ impl WorkerMachine {
         self.now = self.now.max(now_ns);
         let now = self.now;
         match input {
-            Input::Pulled { deferred, deferred_ns } => {
+            Input::Pulled { deferred, deferred_ns, local_steps } => {
                 self.expect(self.own == Own::Pulling, "Pulled")?;
                 self.cur.pulled_at = now;
+                self.cur.local_steps = local_steps;
                 self.report.wait_ns += now - self.cur.started_at;
                 self.report.deferred_ns += deferred_ns;
                 self.report.deferred_pulls += u64::from(deferred);
@@ -457,6 +473,8 @@ impl WorkerMachine {
                 self.report.push_wait_ns += self.cur.acked_after_ns;
                 let c = self.cur;
                 self.report.compute_ns += c.busy_ns;
+                self.report.steps += u64::from(c.local_steps.max(1));
+                self.report.local_iterations += u64::from(c.local_steps > 0);
                 self.report.last_loss = c.loss / c.samples.max(1) as f32;
                 let report = IterationReport {
                     worker: self.cfg.id,
@@ -544,7 +562,7 @@ impl WorkerMachine {
                 while end < hi && c.given & (1 << end) == 0 {
                     end += 1;
                 }
-                let splittable = self.cfg.can_split && self.cfg.numbering_shared;
+                let splittable = self.cfg.can_split && self.cfg.numbering_shared && c.local_steps == 0;
                 let (first, count) = if iteration == c.iteration && splittable && end > lo {
                     (lo, end - lo)
                 } else {
@@ -642,8 +660,15 @@ impl WorkerMachine {
         if let After::Help(job, samples) = then {
             let tasks = Some(TaskPart::range(job.first, job.count, job.moved.total));
             let kind = JobKind::Help { owner: job.owner };
-            let push =
-                PushJob { kind, owner: job.owner, iteration: job.iteration, tasks, samples, mean_over: None };
+            let push = PushJob {
+                kind,
+                owner: job.owner,
+                iteration: job.iteration,
+                tasks,
+                samples,
+                mean_over: None,
+                local_steps: 0,
+            };
             self.out.push_back(Action::Push(push));
             self.busy = Some(Busy::HelpPushing(job));
         }
@@ -686,6 +711,7 @@ impl WorkerMachine {
                         total: job.moved.total,
                         whole: false,
                         first_of_iteration: false,
+                        local_steps: 0,
                     }));
                 } else if self.own == Own::Computing {
                     self.next_own_task();
@@ -722,9 +748,11 @@ impl WorkerMachine {
             total: c.total.max(1),
             whole,
             first_of_iteration: first,
+            local_steps: if whole { c.local_steps } else { 0 },
         };
-        if c.next == 0 && c.total <= 1 && c.given == 0 {
-            self.cur.next = 1;
+        if c.next == 0 && (c.total <= 1 || c.local_steps > 0) && c.given == 0 {
+            // Computed whole: no task of it is left to start.
+            self.cur.next = c.total.max(1);
             self.busy = Some(Busy::Computing(None));
             self.out.push_back(Action::Compute(job(0..1, true, false)));
             return;
@@ -765,6 +793,7 @@ impl WorkerMachine {
             tasks,
             samples: c.samples,
             mean_over: c.folded.then_some(c.samples),
+            local_steps: c.local_steps,
         };
         self.own = Own::Pushing;
         self.cur.pushed_at = self.now;

@@ -39,6 +39,13 @@ pub struct WorkerReport {
     /// (an iteration it abandoned included): never pushed, never counted in `iterations`.
     #[serde(default)]
     pub iterations_skipped: u64,
+    /// Gradients it computed for its own iterations that reached the shards: one per iteration
+    /// pushed as a gradient, `H` per iteration of `H` local steps pushed as a pseudo-gradient.
+    #[serde(default)]
+    pub steps: u64,
+    /// Of its iterations, those of local steps (pushed as pseudo-gradients).
+    #[serde(default)]
+    pub local_iterations: u64,
     /// Control messages received.
     pub controls: u64,
     /// Tasks of this worker's iterations that other workers computed.

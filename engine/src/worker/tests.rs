@@ -41,7 +41,7 @@ fn control(control: Control) -> Input {
 fn an_iteration_is_pull_compute_push_report_then_the_next_and_finally_leave() {
     let mut m = machine(2, Device::default());
     assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
-    m.handle(5, Input::Pulled { deferred: true, deferred_ns: 3 }).unwrap();
+    m.handle(5, Input::Pulled { deferred: true, deferred_ns: 3, local_steps: 0 }).unwrap();
     let a = actions(&mut m, 5);
     assert!(matches!(&a[..], [Action::Compute(j)] if j.whole && j.kind == JobKind::Own), "{a:?}");
     m.handle(5, computed(32)).unwrap();
@@ -53,7 +53,7 @@ fn an_iteration_is_pull_compute_push_report_then_the_next_and_finally_leave() {
         matches!(&a[..], [Action::Finished(r), Action::Pull { iteration: 1 }] if r.iteration == 0),
         "{a:?}"
     );
-    m.handle(10, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(10, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     actions(&mut m, 10);
     m.handle(10, computed(32)).unwrap();
     actions(&mut m, 10);
@@ -77,7 +77,7 @@ fn a_hand_over_yields_exactly_the_tasks_not_started_and_the_push_covers_the_rest
     m.handle(0, control(Control::SetTaskShare { tasks: 4 })).unwrap();
     let a = actions(&mut m, 0);
     assert!(matches!(a[0], Action::Applied { iteration: 0, .. }), "applies from the next iteration: {a:?}");
-    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     let a = actions(&mut m, 1);
     assert!(
         matches!(&a[..], [Action::Compute(j)] if j.tasks == (0..1) && j.first_of_iteration),
@@ -122,7 +122,7 @@ fn moved_tasks_are_computed_between_own_work_and_pushed_for_their_owner() {
     assert_eq!(actions(&mut m, 1), []);
     assert_eq!(m.poll_timeout(), Some(1 + 10 * MS / 4));
     // Our pull is answered meanwhile; our own compute waits for the device.
-    m.handle(2, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(2, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     assert_eq!(actions(&mut m, 2), []);
     m.handle(1 + 10 * MS / 4, Input::Timer).unwrap();
     let a = actions(&mut m, 1 + 10 * MS / 4);
@@ -140,7 +140,7 @@ fn a_pause_delays_the_next_pull_and_a_stop_ends_after_the_iteration() {
     actions(&mut m, 0);
     m.handle(0, control(Control::Pause { for_ns: 50 * MS })).unwrap();
     assert!(matches!(actions(&mut m, 0)[..], [Action::Applied { iteration: 1, .. }]));
-    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     actions(&mut m, 1);
     m.handle(1, computed(32)).unwrap();
     // The jitter (5 ms, no spread) comes after computing, before pushing.
@@ -161,7 +161,7 @@ fn a_pause_delays_the_next_pull_and_a_stop_ends_after_the_iteration() {
 fn a_skip_abandons_the_computation_in_progress_tells_the_shards_and_is_acknowledged_once_done() {
     let mut m = machine(10, Device::default());
     assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
-    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     assert!(matches!(actions(&mut m, 1)[..], [Action::Compute(_)]));
     // The skip arrives mid-computation: the gradient, once computed, is not pushed.
     m.handle(2, control(Control::SkipTo { iteration: 4 })).unwrap();
@@ -182,7 +182,7 @@ fn a_skip_abandons_the_computation_in_progress_tells_the_shards_and_is_acknowled
 fn a_push_already_sent_completes_before_the_skip() {
     let mut m = machine(10, Device::default());
     actions(&mut m, 0);
-    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0 }).unwrap();
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     actions(&mut m, 1);
     m.handle(2, computed(32)).unwrap();
     assert!(matches!(actions(&mut m, 2)[..], [Action::Push(_)]));
@@ -195,4 +195,72 @@ fn a_push_already_sent_completes_before_the_skip() {
         "the pushed iteration counts, then the skip: {a:?}"
     );
     assert_eq!((m.report().iterations, m.report().iterations_skipped), (1, 5));
+}
+
+/// An iteration of local steps is computed whole even with a task share set, hands no task
+/// over, pushes its pseudo-gradient marked with its steps, and counts them; the next iteration
+/// takes what its own pull says.
+#[test]
+fn an_iteration_takes_the_local_steps_its_pull_said_whole_and_pushes_them_marked() {
+    let mut m = machine(2, Device::default());
+    m.handle(0, control(Control::SetTaskShare { tasks: 4 })).unwrap();
+    actions(&mut m, 0);
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 8 }).unwrap();
+    let a = actions(&mut m, 1);
+    let [Action::Compute(j)] = &a[..] else { panic!("{a:?}") };
+    assert!(j.whole && j.local_steps == 8, "{j:?}");
+    let ask = ControlMessage {
+        yield_to: Some(2),
+        ..ControlMessage::plain(0, Control::MoveTasks { from: 1, iteration: 0, first: 0, count: 4 })
+    };
+    m.handle(2, Input::Control(ask)).unwrap();
+    let a = actions(&mut m, 2);
+    assert!(matches!(&a[..], [Action::Handover { handover, .. }] if handover.count == 0), "{a:?}");
+    m.handle(3, computed(8 * 32)).unwrap();
+    let a = actions(&mut m, 3);
+    let [Action::Push(p)] = &a[..] else { panic!("{a:?}") };
+    assert_eq!((p.tasks, p.mean_over, p.local_steps, p.samples), (None, None, 8, 256));
+    m.handle(4, own_pushed()).unwrap();
+    actions(&mut m, 4);
+    m.handle(5, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
+    let a = actions(&mut m, 5);
+    assert!(matches!(&a[..], [Action::Compute(j)] if j.local_steps == 0 && !j.whole), "{a:?}");
+    let r = m.report();
+    assert_eq!((r.iterations, r.steps, r.local_iterations), (1, 8, 1));
+}
+
+/// `H` local steps of plain SGD at learning rate 1 on the counter workload move the model by
+/// `H` times the worker's value: the pseudo-gradient is exactly that, from the pulled model.
+#[test]
+fn local_steps_leave_the_pseudo_gradient_of_the_inner_optimizer() {
+    use syncopate_policy_sdk::optimizer::OptimizerConfig;
+    use syncopate_workloads::counter::Counter;
+    let mut bufs = Buffers::new(3, false);
+    bufs.params.copy_from_slice(&[10.0, 0.0, -4.0]);
+    bufs.set_inner_optimizer(OptimizerConfig::AVERAGING);
+    let job = ComputeJob {
+        kind: JobKind::Own,
+        iteration: 0,
+        part: 2,
+        batch: 4,
+        tasks: 0..1,
+        total: 1,
+        whole: true,
+        first_of_iteration: false,
+        local_steps: 5,
+    };
+    let step = bufs.compute(2, &job, Some(&mut Counter::new(3))).unwrap();
+    assert_eq!(step.samples, 20);
+    assert_eq!(bufs.grad, [15.0; 3], "5 steps of worker 2's value, 3");
+    assert_eq!(bufs.params, [-5.0, -15.0, -19.0], "the local model reached");
+    // With momentum, the inner optimizer's velocity carries over to the next iteration.
+    let cfg = OptimizerConfig { lr: 1.0, momentum: 0.5, weight_decay: 0.0, nesterov: false };
+    bufs.set_inner_optimizer(cfg);
+    bufs.params.fill(0.0);
+    let one = ComputeJob { local_steps: 1, ..job };
+    bufs.compute(0, &one, Some(&mut Counter::new(3))).unwrap();
+    assert_eq!(bufs.grad, [1.0; 3]);
+    bufs.params.fill(0.0);
+    bufs.compute(0, &one, Some(&mut Counter::new(3))).unwrap();
+    assert_eq!(bufs.grad, [1.5; 3], "v = 0.5 * 1 + 1");
 }

@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::Placement;
 use crate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token, DEFAULT_SERVER_NAME};
-use crate::shard::{OptimizerConfig, PushWeight};
+use crate::shard::{LocalSgdConfig, OptimizerConfig, PushWeight};
 
 /// Where a node finds its certificates.
 #[derive(Debug, Clone, Args)]
@@ -173,6 +173,23 @@ pub struct TrainArgs {
     /// L2 weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f32,
+    /// Local steps per iteration: each worker computes this many gradients, applying each to
+    /// its own copy of the model with the optimizer above, then pushes the pseudo-gradient
+    /// (pulled minus reached parameters), which the servers apply with the outer optimizer.
+    /// 0: push every gradient. Policies may set another (`diloco`, `localsgd`); every hot
+    /// swap comes back to this.
+    #[arg(long, default_value_t = 0)]
+    pub local_steps: u32,
+    /// Learning rate of the outer optimizer (pseudo-gradients; 1 with no momentum: the mean of
+    /// the workers' models, local SGD's averaging).
+    #[arg(long, default_value_t = 1.0)]
+    pub outer_lr: f32,
+    /// Momentum of the outer optimizer (DiLoCo: 0.9 with --outer-nesterov, lr 0.7).
+    #[arg(long, default_value_t = 0.0)]
+    pub outer_momentum: f32,
+    /// Nesterov momentum for the outer optimizer.
+    #[arg(long)]
+    pub outer_nesterov: bool,
     /// How pushes are weighed when the policy does not say.
     #[arg(long, value_enum, default_value = "mean")]
     pub push_weight: WeightArg,
@@ -193,6 +210,17 @@ impl TrainArgs {
             weight_decay: self.weight_decay,
             nesterov: false,
         }
+    }
+
+    /// Local steps and the outer optimizer, within the bounds policies are held to.
+    pub fn local_sgd(&self) -> anyhow::Result<LocalSgdConfig> {
+        use syncopate_policy_sdk::rules::{check_local_steps, check_outer_optimizer};
+        let (lr, momentum) = (self.outer_lr, self.outer_momentum);
+        check_local_steps(self.local_steps).map_err(|e| anyhow::anyhow!("--local-steps: {e}"))?;
+        check_outer_optimizer(lr, momentum)
+            .map_err(|e| anyhow::anyhow!("--outer-lr, --outer-momentum: {e}"))?;
+        let outer = OptimizerConfig { lr, momentum, weight_decay: 0.0, nesterov: self.outer_nesterov };
+        Ok(LocalSgdConfig { local_steps: self.local_steps, outer })
     }
 
     /// The push weight.

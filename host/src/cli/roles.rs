@@ -302,6 +302,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         shards: a.shards.unwrap_or(a.servers),
         policy: policy_source(&a.policy.policy, a.policy.overrides)?,
         optimizer: a.train.optimizer(),
+        local_sgd: a.train.local_sgd()?,
         push_weight: a.train.push_weight(),
         seed: a.train.seed,
         peer_timeout: a.train.peer_timeout(),

@@ -100,6 +100,8 @@ pub struct CoordinatorOptions {
     pub policy: PolicySource,
     /// The servers' optimizer.
     pub optimizer: OptimizerConfig,
+    /// Local steps and the outer optimizer the shards start with.
+    pub local_sgd: crate::shard::LocalSgdConfig,
     /// Weight of pushes the policy does not weigh.
     pub push_weight: PushWeight,
     /// Seed of the policies' random sources.
@@ -446,6 +448,7 @@ impl Coordinator {
             shards: self.opts.shards,
             servers: self.opts.servers,
             optimizer: self.opts.optimizer,
+            local_sgd: self.opts.local_sgd,
             push_weight: self.opts.push_weight,
             seed: self.opts.seed,
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,

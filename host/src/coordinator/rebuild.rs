@@ -163,7 +163,7 @@ fn same_cluster(
 /// Asks a server what it holds; its policy module comes as the payload.
 async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), String> {
     match command_reply(conn, &ServerCommand::Holdings, &[]).await? {
-        (ServerReply::Holdings(h), wasm) => Ok((h, wasm)),
+        (ServerReply::Holdings(h), wasm) => Ok((*h, wasm)),
         (other, _) => Err(format!("it answered {other:?} when asked what it holds")),
     }
 }
@@ -393,6 +393,7 @@ mod tests {
                 shards: 3,
                 servers: 3,
                 optimizer: OptimizerConfig::default(),
+                local_sgd: crate::shard::LocalSgdConfig::default(),
                 push_weight: PushWeight::default(),
                 seed: 0,
                 peer_timeout_ms: 1000,

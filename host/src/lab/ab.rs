@@ -79,8 +79,15 @@ fn list(policies: &[PolicySpec]) -> String {
 }
 
 /// The figures a verdict table shows, when the runs have them.
-const VERDICT_FIGURES: &[&str] =
-    &["time_to_target_s", "best_accuracy", "iterations_per_s", "wait_share", "deferred_per_100_iterations"];
+const VERDICT_FIGURES: &[&str] = &[
+    "time_to_target_s",
+    "best_accuracy",
+    "iterations_per_s",
+    "steps_per_s",
+    "wait_share",
+    "deferred_per_100_iterations",
+    "mb_moved",
+];
 
 /// Parses a `--policies` list: specs separated by commas, where a `k=v` item without a colon
 /// continues the previous policy's configuration (`dssp:s_lo=3,s_hi=15,bsp` is two policies).
@@ -411,7 +418,7 @@ pub fn markdown(c: &Comparison) -> String {
 pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
     let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
     let mut t = format!(
-        "| policy |{} time to {target} | final acc | best acc | it/s per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n",
+        "| policy |{} time to {target} | final acc | best acc | it/s (steps/s) per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n",
         if seeds { " seed |" } else { "" }
     );
     t.push_str(if seeds { "|---|---|" } else { "|---|" });
@@ -419,7 +426,7 @@ pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
     let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
     for r in rows {
         t.push_str(&format!(
-            "| {} |{} {} | {} | {} | {:.1} | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
+            "| {} |{} {} | {} | {} | {:.1} ({:.1}) | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
             r.policy,
             if seeds { format!(" {} |", r.seed) } else { String::new() },
             match (scenario.target_accuracy, r.time_to_target_s) {
@@ -430,6 +437,7 @@ pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
             pct(r.final_accuracy),
             pct(r.best_accuracy),
             r.iterations_per_s,
+            r.steps_per_s,
             r.wait_s - r.push_wait_s,
             r.push_wait_s,
             r.wait_share * 100.0,

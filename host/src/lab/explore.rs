@@ -365,6 +365,7 @@ impl Case<'_> {
                         grad,
                         based_on: None,
                         tasks: None,
+                        local_steps: 0,
                     };
                     let push = shard.push(req, now, &mut sink).map_err(|e| e.to_string())?;
                     log.push(format!("worker {w} pushes iteration {} (request #{push})", next[w]));

@@ -87,7 +87,7 @@ impl LocalOptions {
         for (shard, k, v) in &run.overrides {
             a.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
         }
-        let o = sc.server_optimizer();
+        let (o, local) = (sc.server_optimizer(), sc.local_sgd());
         let weight = match sc.push_weight.unwrap_or_default() {
             PushWeight::Mean => "mean",
             PushWeight::Sum => "sum",
@@ -97,6 +97,9 @@ impl LocalOptions {
             ("--momentum", o.momentum.to_string()),
             ("--weight-decay", o.weight_decay.to_string()),
             ("--push-weight", weight.to_string()),
+            ("--local-steps", local.local_steps.to_string()),
+            ("--outer-lr", local.outer.lr.to_string()),
+            ("--outer-momentum", local.outer.momentum.to_string()),
             ("--seed", sc.seed.to_string()),
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
             ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),
@@ -104,6 +107,9 @@ impl LocalOptions {
             ("--max-workers", sc.workers.max(crate::net::proto::DEFAULT_MAX_WORKERS).to_string()),
         ];
         a.extend(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]));
+        if local.outer.nesterov {
+            a.push("--outer-nesterov".into());
+        }
         if let Some(dir) = &self.checkpoint_dir {
             a.extend(["--checkpoint-dir".into(), dir.display().to_string()]);
         }

@@ -306,6 +306,10 @@ pub struct AbRow {
     pub best_accuracy: Option<f32>,
     /// Iterations per second, mean over workers.
     pub iterations_per_s: f64,
+    /// Gradients computed per second (an iteration of `H` local steps counts `H`), mean over
+    /// workers.
+    #[serde(default)]
+    pub steps_per_s: f64,
     /// Seconds each worker spent waiting, mean over workers: for pulls (a gating policy's
     /// deferral, and the transfer) and for its pushes' acknowledgements (a holding policy's
     /// holds, and the transfer).
@@ -422,6 +426,7 @@ impl AbRow {
             final_accuracy: r.final_accuracy,
             best_accuracy: r.best_accuracy,
             iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
+            steps_per_s: mean(&|w| w.steps as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
             wait_s: mean(&|w| (w.wait_ns + w.push_wait_ns) as f64 / 1e9),
             push_wait_s: mean(&|w| w.push_wait_ns as f64 / 1e9),
             wait_share: mean(&|w| (w.wait_ns + w.push_wait_ns) as f64 / w.elapsed_ns.max(1) as f64),
@@ -495,6 +500,14 @@ pub const FIGURES: &[Figure] = &[
         lower_is_better: Some(false),
         words: ("slower iterations", "faster iterations"),
         get: |r| Some(r.iterations_per_s),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "steps_per_s",
+        label: "steps/s per worker",
+        lower_is_better: Some(false),
+        words: ("fewer steps", "more steps"),
+        get: |r| Some(r.steps_per_s),
         unit: Unit::Plain(1),
     },
     Figure {

@@ -21,6 +21,10 @@
 //! optimizer_on = "server"  # or "worker": momentum and decay on the workers, plain SGD on the
 //!                          # servers (FluentPS's placement)
 //! push_weight = "mean"     # or "sum"
+//! local_steps = 0          # local SGD: gradients per push until a policy says (0: one)
+//! outer_lr = 1.0           # the optimizer of pseudo-gradients (these three: averaging)
+//! outer_momentum = 0.0
+//! outer_nesterov = false
 //!
 //! [[slow]]
 //! worker = 0
@@ -53,7 +57,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_workloads::WorkloadOptions;
 
 use crate::builtin::PolicySpec;
-use crate::shard::{OptimizerConfig, PushWeight};
+use crate::shard::{LocalSgdConfig, OptimizerConfig, PushWeight};
 
 /// A scenario file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -117,6 +121,14 @@ pub struct Scenario {
     pub optimizer_on: Placement,
     /// How pushes are weighed when the policy does not say: `mean` (default) or `sum`.
     pub push_weight: Option<PushWeight>,
+    /// Local steps per iteration until a policy sets others (default 0: push gradients).
+    pub local_steps: Option<u32>,
+    /// The outer optimizer's learning rate (default 1: with no momentum, model averaging).
+    pub outer_lr: Option<f32>,
+    /// The outer optimizer's momentum (default 0).
+    pub outer_momentum: Option<f32>,
+    /// Nesterov momentum for the outer optimizer (default false).
+    pub outer_nesterov: Option<bool>,
     /// The costs of a larger model than the workload's, modelled by the simulator: the real
     /// (small) workload still supplies the gradients and the accuracy, but every transfer moves
     /// this model's bytes. Set `compute_ms` to its compute time on the device you model. Every
@@ -310,6 +322,11 @@ impl Scenario {
                 o.lr, o.momentum, o.weight_decay
             ));
         }
+        let l = self.local_sgd();
+        syncopate_policy_sdk::rules::check_local_steps(l.local_steps)
+            .map_err(|e| format!("local_steps: {e}"))?;
+        syncopate_policy_sdk::rules::check_outer_optimizer(l.outer.lr, l.outer.momentum)
+            .map_err(|e| format!("outer_lr, outer_momentum: {e}"))?;
         if self.modelled.as_ref().is_some_and(|m| m.bytes == 0 || m.name.is_empty()) {
             return Err("a modelled model needs a name and a positive size in bytes".into());
         }
@@ -346,6 +363,18 @@ impl Scenario {
             Placement::Server => self.optimizer(),
             Placement::Worker => self.optimizer().plain(),
         }
+    }
+
+    /// Local steps and the outer optimizer the shards start with.
+    pub fn local_sgd(&self) -> LocalSgdConfig {
+        let d = LocalSgdConfig::default();
+        let outer = OptimizerConfig {
+            lr: self.outer_lr.unwrap_or(d.outer.lr),
+            momentum: self.outer_momentum.unwrap_or(d.outer.momentum),
+            weight_decay: 0.0,
+            nesterov: self.outer_nesterov.unwrap_or(d.outer.nesterov),
+        };
+        LocalSgdConfig { local_steps: self.local_steps.unwrap_or(d.local_steps), outer }
     }
 
     /// The workers' half of the optimizer, when it is placed on them.

@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
 
-use crate::shard::{ClockRaise, OptimizerConfig, PushWeight, ShardStats};
+use crate::shard::{ClockRaise, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -109,6 +109,8 @@ pub struct ClusterSettings {
     pub servers: u32,
     /// The optimizer every shard runs.
     pub optimizer: OptimizerConfig,
+    /// Local steps and the outer optimizer every shard starts with (protocol 8).
+    pub local_sgd: LocalSgdConfig,
     /// The weight of a push the policy does not weigh itself.
     pub push_weight: PushWeight,
     /// Seed of the policies' random sources.
@@ -438,7 +440,7 @@ pub enum ServerReply {
     /// The command failed.
     Error(String),
     /// What it holds (the module its shards run is the payload).
-    Holdings(Holdings),
+    Holdings(Box<Holdings>),
     /// Prepared: the clocks of the workers on its primaries (each worker's largest).
     Clocks(Vec<WorkerClock>),
 }
@@ -462,6 +464,8 @@ pub enum DataRequest {
         samples: u32,
         /// The shard version of the parameters it was computed from (for staleness).
         based_on: Option<u64>,
+        /// The local steps it covers: 0, a gradient; more, a pseudo-gradient (protocol 8).
+        local_steps: u32,
     },
     /// Pull the parameters before computing `iteration`.
     Pull {
@@ -568,6 +572,8 @@ pub enum DataResponse {
         version: u64,
         /// How long the pull was deferred, in nanoseconds.
         waited_ns: u64,
+        /// The local steps to take in this iteration (0: push a gradient; protocol 8).
+        local_steps: u32,
     },
     /// Done.
     Ok,

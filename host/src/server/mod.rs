@@ -570,6 +570,7 @@ fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
         shards: settings.shards,
         seed: settings.seed,
         optimizer: settings.optimizer,
+        local_sgd: settings.local_sgd,
         supervisor: SupervisorConfig::default(),
         push_weight: settings.push_weight,
         max_workers: settings.max_workers,
@@ -793,7 +794,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             ServerReply::Ok
         }
         // Answered by `coordinator_loop`, with the module as the payload.
-        ServerCommand::Holdings => ServerReply::Holdings(rejoin::holdings(shared).await),
+        ServerCommand::Holdings => ServerReply::Holdings(Box::new(rejoin::holdings(shared).await)),
     }
 }
 
@@ -1036,14 +1037,25 @@ async fn handle_request(
         }
         DataRequest::Push { iteration, samples, based_on, .. }
         | DataRequest::PushTasks { iteration, samples, based_on, .. } => {
-            let tasks = match req {
-                DataRequest::PushTasks { owner, mask, total, .. } => Some((owner, TaskPart { mask, total })),
-                _ => None,
+            let (tasks, local_steps) = match req {
+                DataRequest::PushTasks { owner, mask, total, .. } => {
+                    (Some((owner, TaskPart { mask, total })), 0)
+                }
+                DataRequest::Push { local_steps, .. } => (None, local_steps),
+                _ => (None, 0),
             };
             let grad = payload;
-            match ask(tx, |reply| ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, reply })
-                .await
-            {
+            let push = |reply| ShardCmd::Push {
+                worker,
+                iteration,
+                samples,
+                based_on,
+                grad,
+                tasks,
+                local_steps,
+                reply,
+            };
+            match ask(tx, push).await {
                 Ok(PushOutcome::Applied) => (DataResponse::PushAcked, None),
                 Ok(PushOutcome::Dropped) => (DataResponse::PushDropped, None),
                 Ok(PushOutcome::Duplicate) => (DataResponse::PushDuplicate, None),
@@ -1074,7 +1086,12 @@ async fn handle_request(
         DataRequest::Pull { iteration, .. } => {
             match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
                 Ok(s) => (
-                    DataResponse::Pulled { clock: s.clock, version: s.version, waited_ns: s.waited_ns },
+                    DataResponse::Pulled {
+                        clock: s.clock,
+                        version: s.version,
+                        waited_ns: s.waited_ns,
+                        local_steps: s.local_steps,
+                    },
                     Some(s.values),
                 ),
                 Err(e) => err(e),
@@ -1118,6 +1135,7 @@ mod tests {
             shards: 2,
             servers: 2,
             optimizer: OptimizerConfig::default(),
+            local_sgd: crate::shard::LocalSgdConfig::default(),
             push_weight: PushWeight::default(),
             seed: 0,
             peer_timeout_ms: 1000,

@@ -44,6 +44,8 @@ pub(crate) enum ShardCmd {
         /// Some tasks only: the owner of the iteration and which of its tasks. Acknowledged as
         /// soon as they are counted.
         tasks: Option<(WorkerId, TaskPart)>,
+        /// The local steps it covers (0: a gradient).
+        local_steps: u32,
         reply: Reply<PushOutcome>,
     },
     /// The owner of moved tasks handed them over.
@@ -453,12 +455,23 @@ impl ShardTask {
                 let token = p.wait(Waiter::Joined(reply));
                 p.node.join(now, token, worker, init, &mut p.obs);
             }
-            ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, reply } => {
+            ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, local_steps, reply } => {
                 if let Some((owner, _)) = tasks.filter(|t| t.0 != worker) {
                     tracing::debug!(shard = id, worker, owner, iteration, "moved tasks pushed");
                 }
                 let token = p.wait(Waiter::Pushed(reply));
-                p.node.push(now, token, worker, iteration, samples, based_on, grad, tasks, &mut p.obs);
+                p.node.push(
+                    now,
+                    token,
+                    worker,
+                    iteration,
+                    samples,
+                    based_on,
+                    grad,
+                    tasks,
+                    local_steps,
+                    &mut p.obs,
+                );
             }
             ShardCmd::Yielded { handover } => p.node.yielded(now, handover, obs),
             ShardCmd::Applied { applied } => p.node.applied(now, applied, obs),

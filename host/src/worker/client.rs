@@ -43,6 +43,9 @@ pub struct PullStats {
     pub deferred_shards: u32,
     /// The fewest optimizer steps of any shard.
     pub min_version: u64,
+    /// The local steps to take in this iteration: the most any shard said (0: push a
+    /// gradient; see [`push_local`](WorkerClient::push_local)).
+    pub local_steps: u32,
 }
 
 /// A worker's connection to the cluster.
@@ -499,8 +502,11 @@ impl WorkerClient {
             }));
         }
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
-        for (i, (waited_ns, version)) in futures::future::try_join_all(pulls).await?.into_iter().enumerate() {
+        for (i, (waited_ns, version, local_steps)) in
+            futures::future::try_join_all(pulls).await?.into_iter().enumerate()
+        {
             self.pulled[i].store(version, Ordering::Relaxed);
+            stats.local_steps = stats.local_steps.max(local_steps);
             stats.waited_ns = stats.waited_ns.max(waited_ns);
             stats.deferred_shards += u32::from(waited_ns > 0);
             stats.min_version = stats.min_version.min(version);
@@ -553,7 +559,7 @@ impl WorkerClient {
     /// QUIC copies `grad` into its send buffer; [`push_buffer`](Self::push_buffer) saves that
     /// copy, which matters for large models.
     pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<u32, NodeError> {
-        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), self.whole(iteration, samples)).await
+        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), self.whole(iteration, samples, 0)).await
     }
 
     /// A buffer for a gradient to push with [`push_buffer`](Self::push_buffer): as long as the
@@ -569,16 +575,37 @@ impl WorkerClient {
     /// as fast this way as borrowed ones.
     pub async fn push_buffer(&self, iteration: u64, grad: Vec<f32>, samples: u32) -> Result<u32, NodeError> {
         let bytes = self.pool.send_shared(Arc::new(grad));
-        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples)).await
+        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples, 0)).await
     }
 
-    /// The request that pushes a whole iteration's gradient to a shard.
-    fn whole(&self, iteration: u64, samples: u32) -> impl Fn(usize, u32, Option<u64>) -> DataRequest + '_ {
+    /// Pushes the pseudo-gradient of an iteration of `local_steps` local steps (the parameters
+    /// pulled minus those reached), taken by value as [`push_buffer`](Self::push_buffer) takes
+    /// a gradient: every shard applies it with its outer optimizer. `local_steps` 0 is
+    /// [`push_buffer`](Self::push_buffer).
+    pub async fn push_local(
+        &self,
+        iteration: u64,
+        delta: Vec<f32>,
+        samples: u32,
+        local_steps: u32,
+    ) -> Result<u32, NodeError> {
+        let bytes = self.pool.send_shared(Arc::new(delta));
+        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples, local_steps)).await
+    }
+
+    /// The request that pushes a whole iteration's gradient (or pseudo-gradient) to a shard.
+    fn whole(
+        &self,
+        iteration: u64,
+        samples: u32,
+        local_steps: u32,
+    ) -> impl Fn(usize, u32, Option<u64>) -> DataRequest + '_ {
         move |i, shard, based_on| DataRequest::Push {
             shard,
             iteration: self.shard_iteration(i, iteration),
             samples,
             based_on,
+            local_steps,
         }
     }
 
@@ -854,7 +881,7 @@ async fn pull_into(
     req: &DataRequest,
     out: &mut [&mut [f32]],
     limits: Limits,
-) -> Result<(u64, u64), NetError> {
+) -> Result<(u64, u64, u32), NetError> {
     let addr = conn.remote_address();
     let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
     let mut scratch = Vec::new();
@@ -862,7 +889,7 @@ async fn pull_into(
     wire::write_frame(&mut send, req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;
     let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
     match head.header {
-        DataResponse::Pulled { waited_ns, version, .. } => {
+        DataResponse::Pulled { waited_ns, version, local_steps, .. } => {
             let values: usize = out.iter().map(|p| p.len()).sum();
             if head.payload_len != values * 4 {
                 let e = wire::WireError::Stream(format!(
@@ -875,7 +902,7 @@ async fn pull_into(
                 wire::read_payload_into(&mut recv, piece.len() * 4, piece).await.map_err(wire_err)?;
             }
             wire::expect_end(&mut recv).await.map_err(wire_err)?;
-            Ok((waited_ns, version))
+            Ok((waited_ns, version, local_steps))
         }
         other => Err(refused(conn, other)),
     }

@@ -115,6 +115,10 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     if let Some(o) = opts.optimizer {
         bufs.place_optimizer(o);
     }
+    // Local steps take the cluster's whole optimizer: the servers' learning rate, with the
+    // momentum and decay placed here if they run here.
+    let server = client.server_optimizer();
+    bufs.set_inner_optimizer(opts.optimizer.map_or(server, |o| OptimizerConfig { lr: server.lr, ..o }));
     let cfg = opts.config(id, start, can_split, client.numbering_shared());
     let clock = Clock::new();
     let mut m = WorkerMachine::new(cfg, clock.now())?;
@@ -159,7 +163,8 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                         let (iteration, samples) = (job.iteration, job.samples);
                         match job.tasks {
                             None => {
-                                let r = client_ref.push_buffer(iteration, grad, samples).await;
+                                let r =
+                                    client_ref.push_local(iteration, grad, samples, job.local_steps).await;
                                 Done::Pushed(job, r, None)
                             }
                             Some(t) => {
@@ -223,7 +228,8 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     let stats = r?;
                     bufs.pulled();
                     let deferred = stats.deferred_shards > 0;
-                    m.handle(clock.now(), Input::Pulled { deferred, deferred_ns: stats.waited_ns })?;
+                    let (deferred_ns, local_steps) = (stats.waited_ns, stats.local_steps);
+                    m.handle(clock.now(), Input::Pulled { deferred, deferred_ns, local_steps })?;
                 }
                 Done::Pushed(job, r, grad) => {
                     if let Some(grad) = grad {

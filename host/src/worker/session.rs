@@ -250,7 +250,13 @@ impl Session {
             let into = &mut *out;
             let op = async move {
                 let r = client.pull_segments(iteration, into).await?;
-                Ok(Input::Pulled { deferred: r.deferred_shards > 0, deferred_ns: r.waited_ns })
+                // The caller's training loop computes one gradient per pull and pushes it as
+                // such, whatever local steps the shards ask for: its machine is told none.
+                Ok(Input::Pulled {
+                    deferred: r.deferred_shards > 0,
+                    deferred_ns: r.waited_ns,
+                    local_steps: 0,
+                })
             }
             .boxed_local();
             // A skip may abandon the pulled iteration: the machine then pulls the next one into

@@ -30,6 +30,7 @@ pub(super) enum Copied {
         based_on: Option<u64>,
         grad: Vec<f32>,
         tasks: Option<(WorkerId, TaskPart)>,
+        local_steps: u32,
     },
     Note(ToShard),
 }

@@ -307,6 +307,8 @@ struct SimWorker {
     replies_at: u64,
     deferred: bool,
     deferred_ns: u64,
+    /// The most local steps any shard's reply to the current pull said.
+    local_steps: u32,
     based_on: Vec<Option<u64>>,
     own: Option<InFlight>,
     help: Option<InFlight>,
@@ -534,6 +536,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             shards: shards_n,
             seed: sc.seed,
             optimizer: sc.server_optimizer(),
+            local_sgd: sc.local_sgd(),
             push_weight: sc.push_weight.unwrap_or_default(),
             max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
             ..ShardConfig::default()
@@ -567,6 +570,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         if let Some(o) = sc.worker_optimizer() {
             bufs.place_optimizer(o);
         }
+        bufs.set_inner_optimizer(sc.optimizer());
         let device = Device {
             compute_ns: sc.compute_ms.max(1) * 1_000_000,
             slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
@@ -601,6 +605,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             replies_at: 0,
             deferred: false,
             deferred_ns: 0,
+            local_steps: 0,
             based_on: vec![None; shards_n as usize],
             own: None,
             help: None,
@@ -957,6 +962,7 @@ impl Sim {
         wk.based_on[s as usize] = Some(served.version);
         wk.deferred |= served.waited_ns > 0;
         wk.deferred_ns = wk.deferred_ns.max(served.waited_ns);
+        wk.local_steps = wk.local_steps.max(served.local_steps);
         if self.opts.gradients {
             let (lo, hi) = self.ranges[s as usize];
             wk.bufs.params[lo..hi].copy_from_slice(&served.values);
@@ -1103,6 +1109,7 @@ impl Sim {
                 Action::Pull { iteration } => {
                     let wk = &mut self.workers[w as usize];
                     (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
+                    wk.local_steps = 0;
                     wk.pulling = Some(iteration);
                     wk.replied.fill(false);
                     for s in 0..shards {
@@ -1246,8 +1253,8 @@ impl Sim {
                 let wk = &mut self.workers[w as usize];
                 wk.pulling = None;
                 wk.bufs.pulled();
-                let (deferred, deferred_ns) = (wk.deferred, wk.deferred_ns);
-                self.feed(w, Input::Pulled { deferred, deferred_ns })?;
+                let (deferred, deferred_ns, local_steps) = (wk.deferred, wk.deferred_ns, wk.local_steps);
+                self.feed(w, Input::Pulled { deferred, deferred_ns, local_steps })?;
             }
             Ev::PushArrive(w, s, help) => {
                 let wk = &self.workers[w as usize];
@@ -1263,7 +1270,7 @@ impl Sim {
                 // A whole push is the owner's own; parts say whose tasks they are.
                 debug_assert!(job.tasks.is_some() || job.owner == w);
                 let (samples, based_on) = (job.samples, wk.based_on[s as usize]);
-                let (iteration, whole) = (job.iteration, job.tasks.is_none());
+                let (iteration, whole, local_steps) = (job.iteration, job.tasks.is_none(), job.local_steps);
                 let token = self.token(Req::Push { w, s, help, iteration, whole });
                 let tasks = job.tasks.map(|part| (job.owner, part));
                 // Another worker's tasks are numbered as their owner numbers them.
@@ -1275,9 +1282,20 @@ impl Sim {
                     based_on,
                     grad: grad.clone(),
                     tasks,
+                    local_steps,
                 });
-                self.nodes[s as usize]
-                    .push(self.now, token, w, numbered, samples, based_on, grad, tasks, &mut Quiet);
+                self.nodes[s as usize].push(
+                    self.now,
+                    token,
+                    w,
+                    numbered,
+                    samples,
+                    based_on,
+                    grad,
+                    tasks,
+                    local_steps,
+                    &mut Quiet,
+                );
                 self.drain(s)?;
             }
             Ev::AckArrive(w, help) => {
@@ -1318,9 +1336,18 @@ impl Sim {
                 let node = &mut self.nodes[s as usize];
                 match copy {
                     Copied::Pull { iteration } => node.pull(now, token, w, iteration, &mut Quiet),
-                    Copied::Push { iteration, samples, based_on, grad, tasks } => {
-                        node.push(now, token, w, iteration, samples, based_on, grad, tasks, &mut Quiet)
-                    }
+                    Copied::Push { iteration, samples, based_on, grad, tasks, local_steps } => node.push(
+                        now,
+                        token,
+                        w,
+                        iteration,
+                        samples,
+                        based_on,
+                        grad,
+                        tasks,
+                        local_steps,
+                        &mut Quiet,
+                    ),
                     Copied::Note(msg) => return self.note(w, s, msg),
                 }
                 self.drain(s)?;

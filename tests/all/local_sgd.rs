@@ -1,0 +1,54 @@
+//! Local steps and the outer optimizer (issue 38): DiLoCo and local SGD on real clusters of
+//! processes and in the simulator, counted exactly with the `counter` workload.
+//!
+//! With the counter workload, plain SGD at learning rate 1 and summed pushes, worker `w`'s
+//! gradient is always `w + 1`; `H` local steps move its model by `H (w + 1)`, which is the
+//! pseudo-gradient it pushes, and an outer optimizer at learning rate 1 without momentum adds
+//! it as it is. Every parameter then ends at minus the sum over workers of `(w + 1)` times the
+//! steps of theirs the shards applied: a lost, doubled or misapplied push shows.
+
+use std::time::Duration;
+
+use syncopate::lab::report::RunReport;
+
+use crate::cluster::{assert_all, status, syncopate, LocalRun};
+
+/// Minus the sum of every worker's value times its steps: where the model must end.
+fn exact(report: &RunReport) -> f32 {
+    -report.workers.iter().map(|w| (w.worker + 1) as f32 * w.steps as f32).sum::<f32>()
+}
+
+/// A real cluster hot-swaps BSP → DiLoCo (4 local steps, outer SGD at lr 1) → BSP while it
+/// trains: every gradient and pseudo-gradient is applied once, each by the optimizer it was
+/// meant for, and the workers push gradients again after the swap back.
+#[test]
+fn hot_swap_bsp_to_diloco_to_bsp_applies_every_local_step_once() {
+    let mut run = LocalRun::start(
+        "local-sgd-swap",
+        &["--workers", "3", "--servers", "2", "--iterations", "150", "--delay-ms", "20", "--params", "64"],
+    );
+    let cluster = run.cluster_file();
+    for (policy, label, pause_ms) in
+        [("diloco:h=4,outer_lr=1,outer_momentum=0", "diloco 0.1.0", 500), ("bsp", "bsp 0.1.0", 1200)]
+    {
+        std::thread::sleep(Duration::from_millis(pause_ms));
+        let out = syncopate(&["policy", "swap", policy, "--watch-s", "0.3"], &cluster);
+        assert!(out.status.success(), "swap to {policy}: {}", String::from_utf8_lossy(&out.stderr));
+        let st = status(&cluster);
+        assert!(st.servers.iter().flat_map(|s| &s.shards).all(|s| s.policy == label), "{st:?}");
+        assert!(st.workers.iter().all(|w| w.connected && !w.finished), "run ended before the swap: {st:?}");
+    }
+    let (status, run) = run.finish(Duration::from_secs(180));
+    assert!(status.success(), "{}", run.output());
+    let report = run.report();
+    assert_all(&run.model(), exact(&report), "gradients and pseudo-gradients, each once");
+    let local: u64 = report.workers.iter().map(|w| w.local_iterations).sum();
+    for w in &report.workers {
+        assert_eq!(w.iterations, 150, "{w:?}");
+        assert!(w.local_iterations > 0 && w.local_iterations < w.iterations, "both kinds: {w:?}");
+        assert_eq!(w.steps, w.iterations + 3 * w.local_iterations, "4 steps per local iteration: {w:?}");
+    }
+    for s in report.servers.iter().flat_map(|s| &s.shards) {
+        assert_eq!((s.stats.swaps, s.stats.pushes_admitted, s.stats.local_pushes), (2, 450, local), "{s:?}");
+    }
+}
