@@ -134,7 +134,7 @@ fn policy_list_shows_the_builtins() {
     // Each with a one-line description and its parameters, defaults and meaning.
     assert!(stdout.contains("s_hi       uint   default 15"), "{stdout}");
     assert!(stdout.contains("text   default enforced"), "{stdout}");
-    assert_eq!(stdout.matches("description: ").count(), 7, "{stdout}");
+    assert_eq!(stdout.matches("description: ").count(), 9, "{stdout}");
     // Within a module, the columns line up however long its parameters' names are.
     for block in stdout.split("\n\n") {
         let at: Vec<usize> =

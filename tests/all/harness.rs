@@ -146,13 +146,10 @@ impl Cluster {
                     device: Device::default(),
                 };
                 let machine = WorkerMachine::new(cfg, 0).expect("worker starts");
-                Worker {
-                    machine,
-                    bufs: Buffers::new(4, false),
-                    wait: Wait::Nothing,
-                    next: None,
-                    based_on: None,
-                }
+                let mut bufs = Buffers::new(4, false);
+                // Local steps take the shard's plain SGD: a pseudo-gradient of H ones is H.
+                bufs.set_inner_optimizer(exact_sgd());
+                Worker { machine, bufs, wait: Wait::Nothing, next: None, based_on: None }
             })
             .collect();
         let n = workers.len();

@@ -52,3 +52,47 @@ fn hot_swap_bsp_to_diloco_to_bsp_applies_every_local_step_once() {
         assert_eq!((s.stats.swaps, s.stats.pushes_admitted, s.stats.local_pushes), (2, 450, local), "{s:?}");
     }
 }
+
+/// The outer optimizer in the simulator, counted: 3 workers of the counter workload take 4
+/// local steps per round at lr 1, so every round's summed pseudo-gradient is 4 × (1 + 2 + 3)
+/// = 24 (integers: exact whatever the order), and DiLoCo's outer Nesterov step (lr 0.7,
+/// momentum 0.9) on it, round after round, is what the shards end at, bit for bit. Local SGD
+/// (averaging, lr 1) adds the rounds' sums as they are.
+#[test]
+fn the_simulator_steps_every_rounds_pseudo_gradients_with_the_outer_optimizer() {
+    use syncopate::builtin::PolicySpec;
+    use syncopate::lab::scenario::{RunSpec, Scenario};
+    use syncopate::lab::sim::{simulate, SimFaults, SimOptions};
+    use syncopate::shard::{Optimizer, OptimizerConfig};
+
+    let text =
+        "name = \"local\"\nworkers = 3\nservers = 2\nworkload = \"counter\"\nparams = 8\ncompute_ms = 5\n\
+                iterations = 12\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
+                [[slow]]\nworker = 1\nfactor = 3.0\n";
+    let scenario: Scenario = toml::from_str(text).unwrap();
+    let run = |policy: &str| {
+        let opts = SimOptions {
+            run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults::default(),
+        };
+        simulate(&opts, syncopate_suite::runtime()).expect("simulates")
+    };
+    let diloco = run("diloco:h=4");
+    let outer = OptimizerConfig { lr: 0.7, momentum: 0.9, weight_decay: 0.0, nesterov: true };
+    let (mut expected, mut o) = (vec![0.0f32; 8], Optimizer::new(outer, 8));
+    for _ in 0..12 {
+        o.step(&mut expected, &[24.0; 8], 1.0);
+    }
+    assert_eq!(diloco.model, expected, "12 outer Nesterov steps on 24");
+    for w in &diloco.report.workers {
+        assert_eq!((w.iterations, w.steps, w.local_iterations), (12, 48, 12), "{w:?}");
+    }
+    let local = run("localsgd:h=4");
+    assert_eq!(local.model, vec![-24.0 * 12.0; 8]);
+    // The straggler's rounds take 3x as long; synchronous rounds wait for it: no round is
+    // applied before all three pseudo-gradients are in, or the Nesterov sequence would differ.
+    assert!(local.report.workers.iter().all(|w| w.steps == 48));
+}

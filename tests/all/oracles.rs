@@ -286,6 +286,34 @@ fn r2sp_batch_sizes_converge_to_throughput_shares() {
     assert_eq!(c.batch.iter().sum::<u32>(), 128);
 }
 
+/// Local SGD and DiLoCo keep BSP's barrier on rounds of `h` local steps: every pull sees every
+/// worker's previous round; each round's mean pseudo-gradient (`h` ones) is stepped once by
+/// the outer optimizer, averaging (local SGD: exactly -h per round) or DiLoCo's Nesterov
+/// (the same sequence of outer steps, bit for bit), over random interleavings.
+#[test]
+fn local_sgd_and_diloco_keep_the_barrier_and_step_each_round_once() {
+    use syncopate::shard::{Optimizer, OptimizerConfig};
+    for seed in 0..6 {
+        let mut local = Cluster::new(&builtin_module("localsgd"), &[("h", "4")], N, 10, seed);
+        local.run_to_end();
+        let mut diloco = Cluster::new(&builtin_module("diloco"), &[("h", "4")], N, 10, seed);
+        diloco.run_to_end();
+        for c in [&local, &diloco] {
+            assert!(c.rec.served.iter().all(|p| p.min_applied >= p.clock && p.local_steps == 4));
+            assert_eq!(c.rec.acked.len() as u64, c.pushes);
+            assert_eq!(c.shard.stats().local_pushes, c.pushes);
+            assert!(c.reports().iter().all(|r| (r.iterations, r.steps) == (10, 40)), "seed {seed}");
+        }
+        assert_eq!(local.shard.values()[0], -4.0 * 10.0, "seed {seed}");
+        let outer = OptimizerConfig { lr: 0.7, momentum: 0.9, weight_decay: 0.0, nesterov: true };
+        let (mut p, mut o) = ([0.0f32], Optimizer::new(outer, 1));
+        for _ in 0..10 {
+            o.step(&mut p, &[4.0], 1.0);
+        }
+        assert_eq!(diloco.shard.values()[0], p[0], "seed {seed}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

@@ -148,8 +148,21 @@ const POLICIES: &[&str] = &["bsp", "asp", "ssp:s=1", "ssp:s=3", "dssp", "fluentp
 /// holds pulls back by the clocks (BSP, SSP, DSSP, FluentPS) once deadlocked a cluster of several
 /// servers, when each shard levelled its clocks to its own largest at its own commit (seed 504
 /// found it); the levelling is now one raise per worker that every shard applies alike
-/// (`syncopate_engine::shard::Frontier`).
-const SWAP_TARGETS: &[&str] = &["asp", "bsp", "ssp:s=1", "dssp", "fluentps"];
+/// (`syncopate_engine::shard::Frontier`). Local SGD and DiLoCo (its outer optimizer at
+/// learning rate 1 without momentum, so that sums stay exact) make workers push
+/// pseudo-gradients of 2 or 3 steps after the swap: each shard must step them with its outer
+/// optimizer, and the workers' gradients in flight across the swap with its own.
+const SWAP_TARGETS: &[&str] =
+    &["asp", "bsp", "ssp:s=1", "dssp", "fluentps", "localsgd:h=2", "diloco:h=3,outer_lr=1,outer_momentum=0"];
+
+/// The local steps a swap target sets (0: none).
+fn local_steps(policy: &PolicySpec) -> u64 {
+    let h = policy.config.iter().find(|(k, _)| k == "h").and_then(|(_, v)| v.parse().ok());
+    match policy.source.as_str() {
+        "localsgd" | "diloco" => h.unwrap_or(0),
+        _ => 0,
+    }
+}
 
 /// Whether a policy admits every push at weight 1, so that the counter's sums are exact.
 fn unit_weights(policy: &PolicySpec) -> bool {
@@ -320,7 +333,7 @@ impl Case {
             return Err(format!("undisturbed run: {d}"));
         }
         if unit_weights(&self.policy) {
-            exact(&clean, None, "undisturbed run")?;
+            exact(&clean, None, 0, "undisturbed run")?;
         }
         let at = rng.random_range(0..clean.events.max(1));
         let mut failures = vec![SimFailure { server: self.server, at: FailAt::Event(at) }];
@@ -415,8 +428,14 @@ impl Case {
         let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
         let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
         let late_ns = self.late_worker.map_or(0, |l| l.1 * 1_000_000);
+        // After a swap to local steps, an iteration computes that many steps: a fault that
+        // left more iterations after the swap than the undisturbed run had makes the run
+        // longer by their extra steps (the slowest device is at most 4x slower).
+        let h = self.swap.as_ref().map_or(0, local_steps);
+        let local_ns = h.saturating_sub(1) * iterations * self.scenario.compute_ms * 4 * 1_000_000;
         let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64
-            + self.late_joiner_extra_ns(&clean, &failed);
+            + self.late_joiner_extra_ns(&clean, &failed)
+            + local_ns;
         if delay_ns > bound_ns {
             return Err(format!(
                 "{what}: the live workers finished {:.3} s after the undisturbed run's did (at {:.3} s), \
@@ -426,11 +445,12 @@ impl Case {
                 bound_ns as f64 / 1e9
             ));
         }
-        if dead_worker.is_some() || !self.late_join.is_empty() {
-            // Not the undisturbed model: a dead worker pushed less, and a late joiner starts
-            // where the shards' clocks are when it joins. Still, every push exactly once.
+        if dead_worker.is_some() || !self.late_join.is_empty() || h > 0 {
+            // Not the undisturbed model: a dead worker pushed less, a late joiner starts where
+            // the shards' clocks are when it joins, and after a swap to local steps a fault
+            // changes how many iterations take them. Still, every push exactly once.
             if unit_weights(&self.policy) {
-                exact(&failed, dead_worker, &what)?;
+                exact(&failed, dead_worker, h, &what)?;
             }
         } else if bits(&clean) != bits(&failed) {
             let i = (0..clean.model.len()).find(|&i| clean.model[i].to_bits() != failed.model[i].to_bits());
@@ -532,13 +552,14 @@ fn bits(s: &Simulated) -> Vec<u32> {
 }
 
 /// Under a policy that admits every push at weight 1, with lr 1 and summed pushes, every
-/// parameter ends at minus the sum of every push: worker `w` pushes `w + 1` per iteration it
-/// ran (a late joiner from the clock it joined at). A `dead` worker's last push may be in it
-/// though the worker never heard it was.
-fn exact(run: &Simulated, dead: Option<u32>, what: &str) -> Result<(), String> {
-    let base = -run.report.workers.iter().map(|w| (w.worker + 1) as f32 * w.iterations as f32).sum::<f32>();
+/// parameter ends at minus the sum of every push: worker `w` pushes `w + 1` per step it took
+/// (one per iteration, `H` per iteration of `H` local steps; a late joiner from the clock it
+/// joined at). A `dead` worker's last push may be in it though the worker never heard it
+/// was: a gradient, or a pseudo-gradient of `h` steps.
+fn exact(run: &Simulated, dead: Option<u32>, h: u64, what: &str) -> Result<(), String> {
+    let base = -run.report.workers.iter().map(|w| (w.worker + 1) as f32 * w.steps as f32).sum::<f32>();
     let own = dead.map_or(0.0, |d| (d + 1) as f32);
-    let allowed = [base, base - own];
+    let allowed = [base, base - own, base - own * h as f32];
     match run.model.iter().enumerate().find(|(_, v)| !allowed.contains(v)) {
         Some((i, v)) => Err(format!(
             "{what}: parameter {i} ends at {v}, not {base}{}: an acknowledged update was lost or applied twice",
