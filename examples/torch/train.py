@@ -11,7 +11,13 @@ reports it to the cluster (``Worker.score``), so the launcher's ``--target-accur
 run and its report and plots show the accuracy.
 ``--mode server`` pushes gradients (the servers' SGD steps: the cluster's ``--lr`` and
 ``--momentum``); ``--mode delta`` steps a local Adam and pushes its weight changes (run the
-cluster with ``--lr 1 --momentum 0``).
+cluster with ``--lr 1 --momentum 0``); ``--mode diloco`` takes ``--sync-every`` local steps of
+AdamW (``--local-lr``) per round and pushes their pseudo-gradient, which the servers' outer
+optimizer steps (run it under ``--policy diloco`` or ``localsgd``; worker 0 scores the model
+right after a round, so ``--eval-every`` is rounded up to a multiple of ``--sync-every``)::
+
+    syncopate local --workers 4 --policy diloco:h=8 \
+        --script examples/torch/train.py --mode diloco --sync-every 8
 
 ``--backend ddp`` trains the same model with the same loop through
 ``torch.nn.parallel.DistributedDataParallel`` over gloo instead (started as torchrun starts
@@ -98,6 +104,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, model: nn.Module) -> None:
         self.backend = args.backend
+        self.mode = args.mode
         self.model = model
         if args.backend == "ddp":
             import torch.distributed as dist
@@ -109,6 +116,12 @@ class Trainer:
             self.net: nn.Module = DistributedDataParallel(model)  # broadcasts rank 0's model
             self.opt: Any = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
             self.batch = args.batch
+        elif args.mode == "diloco":
+            self.opt = torch.optim.AdamW(model.parameters(), lr=args.local_lr)
+            self.diloco = sps.DiLoCo(model, self.opt, sync_every=args.sync_every)
+            self.diloco.__enter__()
+            self.net = model
+            self.rank, self.size = self.diloco.worker.rank, self.diloco.worker.size
         else:
             local = (
                 torch.optim.Adam(model.parameters(), lr=args.local_lr)
@@ -123,25 +136,34 @@ class Trainer:
     @property
     def done(self) -> bool:
         """Whether the cluster ended training (Syncopate: a target, a budget, an operator)."""
+        if self.mode == "diloco":
+            return self.diloco.done
         return self.backend != "ddp" and self.opt.done
 
     @property
     def batch_size(self) -> int:
         """The batch size in force (a Syncopate policy may change it)."""
+        if self.mode == "diloco":
+            return self.diloco.batch_size
         return self.batch if self.backend == "ddp" else self.opt.batch_size
 
     def step(self, loss: torch.Tensor, samples: int) -> None:
         """Backward and the optimizer's step (DDP averages the gradients in backward)."""
         self.opt.zero_grad()
         loss.backward()
-        if self.backend == "ddp":
+        if self.mode == "diloco":
+            self.diloco.record_loss(loss.item())
+            self.opt.step()  # every --sync-every steps, DiLoCo's hook syncs
+        elif self.backend == "ddp":
             self.opt.step()
         else:
             self.opt.step(loss=loss.item(), samples=samples)
 
     def score(self, acc: float, loss: float) -> None:
         """Reports rank 0's score (to the launcher's watcher, under Syncopate)."""
-        if self.backend != "ddp":
+        if self.mode == "diloco":
+            self.diloco.worker.score(acc, loss)
+        elif self.backend != "ddp":
             self.opt.worker.score(acc, loss)
 
     def agree_to_stop(self, stop: bool) -> bool:
@@ -157,7 +179,11 @@ class Trainer:
         if self.backend == "ddp":
             self.dist.destroy_process_group()
             return
-        report = self.opt.leave()
+        if self.mode == "diloco":
+            self.diloco.__exit__(None, None, None)
+            report = self.diloco.leave()
+        else:
+            report = self.opt.leave()
         if report is not None:
             its, deferred = report["iterations"], report["deferred_pulls"]
             print(f"worker {self.rank}: {its} iterations, {deferred} deferred pulls", flush=True)
@@ -175,9 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="syncopate",
         help="ddp: torch DistributedDataParallel over gloo (torchrun's environment), to compare",
     )
-    p.add_argument("--mode", choices=["server", "delta"], default="server")
+    p.add_argument("--mode", choices=["server", "delta", "diloco"], default="server")
+    p.add_argument("--sync-every", type=int, default=8, help="local steps per round (diloco)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over this worker's part")
-    p.add_argument("--local-lr", type=float, default=1e-3, help="Adam's learning rate (delta mode)")
+    p.add_argument(
+        "--local-lr", type=float, default=1e-3, help="Adam (delta) or AdamW (diloco) learning rate"
+    )
     p.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate (ddp)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (ddp)")
     p.add_argument("--batch", type=int, default=32, help="batch size per worker (ddp)")
@@ -201,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.mode == "diloco":
+        # Score right after a round: the model is then the servers', not one worker's.
+        args.eval_every = -(-args.eval_every // args.sync_every) * args.sync_every
     if args.threads:
         torch.set_num_threads(args.threads)
 

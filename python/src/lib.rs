@@ -344,24 +344,26 @@ impl NativeSession {
         py: Python<'_>,
         out: Vec<(usize, usize)>,
         wake: Option<RawFd>,
-    ) -> PyResult<Option<(u64, u32)>> {
+    ) -> PyResult<Option<(u64, u32, u32)>> {
         let cancel = self.cancel.subscribe();
         self.with(py, |s| {
             // SAFETY: the Python half's contract (see `slices`).
             let mut out = unsafe { slices(&out)? };
             let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut out, stop))?;
-            Ok(step.map(|st| (st.iteration, st.batch)))
+            Ok(step.map(|st| (st.iteration, st.batch, st.local_steps)))
         })
     }
 
-    /// Pushes `grad`; returns how many shards dropped it, or None if it was not pushed.
-    #[pyo3(signature = (grad, samples, loss, wake=None))]
+    /// Pushes `grad` (a pseudo-gradient of `local_steps` steps if above 0); returns how many
+    /// shards dropped it, or None if it was not pushed.
+    #[pyo3(signature = (grad, samples, loss, local_steps=0, wake=None))]
     fn push(
         &self,
         py: Python<'_>,
         grad: Vec<(usize, usize)>,
         samples: u32,
         loss: f32,
+        local_steps: u32,
         wake: Option<RawFd>,
     ) -> PyResult<Option<u32>> {
         let cancel = self.cancel.subscribe();
@@ -369,7 +371,9 @@ impl NativeSession {
             // SAFETY: the Python half's contract (see `slices`); the values are only read.
             let grad = unsafe { slices(&grad)? };
             let grad: Vec<&[f32]> = grad.into_iter().map(|g| &*g).collect();
-            detached(py, wake, Some(cancel), move |stop| s.push(&grad, StepStats { samples, loss }, stop))
+            detached(py, wake, Some(cancel), move |stop| {
+                s.push(&grad, StepStats { samples, loss }, local_steps, stop)
+            })
         })
     }
 

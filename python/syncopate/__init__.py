@@ -87,6 +87,10 @@ class Step(NamedTuple):
     a policy may skip iterations)."""
     batch: int
     """Samples to compute it on: the batch size in force (a policy may change it)."""
+    local_steps: int = 0
+    """The local steps the cluster's policy asks this iteration to take (0: push one
+    gradient). A loop that takes local steps pushes the pseudo-gradient with
+    ``push(..., local_steps=H)``; :class:`syncopate.torch.DiLoCo` does."""
 
 
 def _flags(settings: dict[str, Any]) -> list[str]:
@@ -279,12 +283,15 @@ class Worker:
         *,
         samples: int | None = None,
         loss: float = 0.0,
+        local_steps: int = 0,
     ) -> int | None:
         """Pushes the gradient computed on what the last :meth:`pull` returned (the model's
         tensors' gradients, in order), computed on ``samples`` samples (default: the step's
-        batch) with mean loss ``loss`` (it goes into the run's report). Returns how many shards'
-        policies dropped it (0: applied everywhere), or ``None`` if a policy's skip abandoned
-        the iteration and it was not sent.
+        batch) with mean loss ``loss`` (it goes into the run's report). With ``local_steps``
+        above 0, ``grads`` is the pseudo-gradient of that many local steps (the model pulled
+        minus the model they reached), which the servers step with their outer optimizer.
+        Returns how many shards' policies dropped it (0: applied everywhere), or ``None`` if a
+        policy's skip abandoned the iteration and it was not sent.
         """
         if self._last is None:
             raise UsageError("push called without a pull first")
@@ -297,7 +304,7 @@ class Worker:
         self._last = None
         session = self._session()
         with _interruptible() as wake:
-            dropped = session.push(bufs, n, float(loss), wake)
+            dropped = session.push(bufs, n, float(loss), int(local_steps), wake)
         self._done = session.done
         return dropped
 

@@ -29,6 +29,9 @@ Two modes:
 
 Every parameter (any shapes, any number) is mapped onto the cluster's flat key space in
 ``named_parameters`` order; the user never sees keys. Parameters must be float32 CPU tensors.
+
+:class:`DiLoCo` runs local steps instead: any inner optimizer, a pseudo-gradient pushed every
+``sync_every`` steps, the outer optimizer on the servers (the ``diloco`` or ``localsgd`` policy).
 """
 
 from __future__ import annotations
@@ -166,6 +169,137 @@ class DistributedOptimizer:
 
     def leave(self) -> dict[str, Any] | None:
         """Leaves the cluster; returns this worker's report."""
+        return self.worker.leave()
+
+
+class DiLoCo:
+    """Local steps with any torch optimizer, synchronized every ``sync_every`` steps: DiLoCo's
+    and local SGD's loop, in the shape of torchft's ``DiLoCo``.
+
+    ::
+
+        model = Net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with sps.DiLoCo(model, inner, sync_every=8) as diloco:
+            while not diloco.done:
+                x, y = next_batch(diloco.batch_size)
+                inner.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                inner.step()         # every 8th step: push the pseudo-gradient, pull the model
+
+    The inner optimizer steps the local model as usual (its state stays on this worker, across
+    rounds, as in the paper). After every ``sync_every``-th of its steps (a post-step hook),
+    the worker pushes the **pseudo-gradient**, the parameters pulled at the round's start
+    minus the ones reached, marked as ``sync_every`` local steps, and pulls the new model.
+    The **outer optimizer runs on the servers**: the policy chooses it (``diloco``: SGD with
+    Nesterov momentum, lr 0.7, momentum 0.9; ``localsgd`` or any other: averaging, unless the
+    cluster was started with ``--outer-lr/--outer-momentum/--outer-nesterov``); the policy's
+    rule decides when a round's model is served (``diloco`` and ``localsgd``: once every
+    worker's round is in). ``sync_every=None`` takes, each round, the local steps the policy
+    asks for (at least 1).
+
+    Joins the cluster on construction with the model's current values (the first worker's
+    seed the servers); ``settings`` are :class:`syncopate.Worker`'s keywords. Parameters must
+    be float32 CPU tensors. Attributes: ``worker``, ``step_info``, ``done``, ``batch_size``,
+    ``local_step`` (steps taken in the current round).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int | None = None,
+        **settings: Any,
+    ) -> None:
+        if sync_every is not None and not 1 <= int(sync_every) <= 10_000:
+            raise ValueError(f"sync_every must be 1 to 10000, not {sync_every!r}")
+        self.sync_every = None if sync_every is None else int(sync_every)
+        self.inner_optimizer = inner_optimizer
+        seen: set[int] = set()
+        self.params: list[torch.nn.Parameter] = []
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        ours = {id(p) for p in self.params}
+        for group in inner_optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ours:
+                    raise TensorError("the inner optimizer has a parameter that is not the model's")
+        with torch.no_grad():
+            self.worker = Worker([p.data for p in self.params], **settings)
+        self._start = [torch.empty_like(p.data) for p in self.params]
+        self._delta = [torch.empty_like(p.data) for p in self.params]
+        self.step_info: Step | None = None
+        self.local_step = 0
+        self._loss = 0.0
+        self._hook: Any = None
+        self._pull()
+
+    def __enter__(self) -> DiLoCo:
+        self._hook = self.inner_optimizer.register_step_post_hook(self._stepped)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def done(self) -> bool:
+        """Whether training is over (the budget spent, a target reached, the run stopped)."""
+        return self.step_info is None
+
+    @property
+    def batch_size(self) -> int:
+        """Samples each local step should be computed on (a policy may change it)."""
+        if self.step_info is None:
+            raise UsageError("training is over")
+        return self.step_info.batch
+
+    def _round_length(self) -> int:
+        if self.sync_every is not None:
+            return self.sync_every
+        return max(1, self.step_info.local_steps if self.step_info is not None else 1)
+
+    def record_loss(self, loss: float) -> None:
+        """Notes a local step's loss: the round's mean goes into the run's report."""
+        self._loss += float(loss)
+
+    def _pull(self) -> None:
+        with torch.no_grad():
+            self.step_info = self.worker.pull([p.data for p in self.params])
+            if self.step_info is not None:
+                for s, p in zip(self._start, self.params, strict=True):
+                    s.copy_(p.data)
+        self.local_step = 0
+        self._loss = 0.0
+
+    def _stepped(self, *_: Any) -> None:
+        if self.step_info is None:
+            raise UsageError("training is over (check .done)")
+        self.local_step += 1
+        if self.local_step >= self._round_length():
+            self.sync()
+
+    def sync(self) -> None:
+        """Ends the round now: pushes the pseudo-gradient of the local steps taken so far and
+        pulls the new model (the hook calls it every ``sync_every`` steps; nothing happens with
+        no step taken)."""
+        if self.step_info is None or self.local_step == 0:
+            return
+        steps = self.local_step
+        with torch.no_grad():
+            for d, s, p in zip(self._delta, self._start, self.params, strict=True):
+                torch.sub(s, p.data, out=d)
+        samples = self.step_info.batch * steps
+        self.worker.push(self._delta, samples=samples, loss=self._loss / steps, local_steps=steps)
+        self._pull()
+
+    def leave(self) -> dict[str, Any] | None:
+        """Leaves the cluster (local steps of an unfinished round are not pushed); returns this
+        worker's report."""
         return self.worker.leave()
 
 

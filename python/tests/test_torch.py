@@ -68,6 +68,45 @@ def test_both_modes_train_the_example(
         assert m and int(m.group(1)) >= 180, out
 
 
+def test_diloco_trains_the_example_with_adamw_and_a_round_every_8_steps(
+    cluster: ClusterFactory, procs: Procs
+) -> None:
+    # DiLoCo on the servers (outer Nesterov, lr 0.7, momentum 0.9), AdamW on the workers.
+    c = cluster(workers=2, servers=2, policy="diloco:h=8", lr=0.05, momentum=0.9)
+    outs = train(procs, c, "diloco", "--sync-every", "8", "--local-lr", "0.002")
+    assert final_accuracy(outs[0]) > 0.72, outs[0]
+    for out in outs:
+        m = re.search(r"worker \d: (\d+) iterations", out)
+        # About 190 local steps each: 23 or 24 rounds of 8 (iterations are rounds).
+        assert m and 20 <= int(m.group(1)) <= 24, out
+
+
+def test_diloco_pushes_the_pseudo_gradient_and_the_servers_average_it(
+    cluster: ClusterFactory,
+) -> None:
+    # One worker under local SGD (averaging, lr 1): after a round of 3 plain-SGD steps the
+    # servers' model is exactly the worker's local model, and the report counts 3 steps.
+    c = cluster(workers=1, servers=2, policy="localsgd:h=3", lr=0.05, momentum=0.9)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    inner = torch.optim.SGD(model.parameters(), lr=0.125)
+    with sps.DiLoCo(model, inner, **c.settings, iterations=2) as diloco:
+        assert diloco.step_info is not None and diloco.step_info.local_steps == 3
+        for _ in range(3):
+            inner.zero_grad()
+            model(torch.ones(5, 3)).sum().backward()
+            inner.step()
+            local = [p.detach().clone() for p in model.parameters()]
+        # The third step's hook pushed and pulled: the model is the servers' (the local one).
+        assert diloco.local_step == 0 and diloco.step_info.iteration == 1
+        for a, p in zip(local, model.parameters(), strict=True):
+            assert torch.allclose(a, p.detach(), rtol=0, atol=1e-6)
+        with pytest.raises(ValueError):
+            sps.DiLoCo(model, inner, sync_every=0)
+    report = diloco.leave()
+    assert report["steps"] == 3 and report["local_iterations"] == 1, report
+
+
 def test_delta_mode_refuses_servers_with_momentum(cluster: ClusterFactory) -> None:
     c = cluster(workers=1, servers=1, lr=0.05, momentum=0.9)
     model = torch.nn.Linear(4, 2)

@@ -530,6 +530,16 @@ impl WorkerMachine {
         Ok(())
     }
 
+    /// The own iteration being computed took `steps` local steps (0: one gradient), whatever
+    /// its pulls said: a driver whose caller runs the training loop (a Python session) decides
+    /// for itself. Its push is marked so, and the report counts them. Outside a computation of
+    /// the own iteration it does nothing.
+    pub fn took_local_steps(&mut self, steps: u32) {
+        if self.own == Own::Computing {
+            self.cur.local_steps = steps;
+        }
+    }
+
     fn expect(&self, ok: bool, input: &'static str) -> Result<(), WorkerError> {
         if ok {
             Ok(())

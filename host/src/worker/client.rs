@@ -529,9 +529,9 @@ impl WorkerClient {
         self.workers
     }
 
-    /// [`push_buffer`](Self::push_buffer) of a model held in several pieces (one per tensor):
+    /// [`push_local`](Self::push_local) of a model held in several pieces (one per tensor):
     /// they are gathered into one of this client's pooled buffers (the one copy QUIC needs),
-    /// which is sent without another.
+    /// which is sent without another. `local_steps` 0 pushes a gradient.
     ///
     /// # Panics
     /// If the pieces do not add up to the whole model.
@@ -540,6 +540,7 @@ impl WorkerClient {
         iteration: u64,
         grad: &[&[f32]],
         samples: u32,
+        local_steps: u32,
     ) -> Result<u32, NodeError> {
         let total: usize = grad.iter().map(|s| s.len()).sum();
         assert_eq!(total, self.model_len, "grad must be the whole model");
@@ -549,7 +550,7 @@ impl WorkerClient {
             buf[at..at + piece.len()].copy_from_slice(piece);
             at += piece.len();
         }
-        self.push_buffer(iteration, buf, samples).await
+        self.push_local(iteration, buf, samples, local_steps).await
     }
 
     /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.

@@ -96,6 +96,9 @@ pub struct Step {
     pub iteration: u64,
     /// Samples to compute it on: the batch size in force (a policy may change it).
     pub batch: u32,
+    /// The local steps the shards ask this iteration to take (0: one gradient). The caller
+    /// decides what it takes and says so when it pushes ([`Session::push`]).
+    pub local_steps: u32,
 }
 
 /// What the machine wants next from the caller.
@@ -106,7 +109,7 @@ enum Next {
     /// A gradient for this iteration.
     Compute(Step),
     /// The gradient computed for this iteration, pushed now.
-    Push { iteration: u64, samples: u32 },
+    Push { iteration: u64, samples: u32, local_steps: u32 },
     /// Training is over.
     Leave,
 }
@@ -250,12 +253,10 @@ impl Session {
             let into = &mut *out;
             let op = async move {
                 let r = client.pull_segments(iteration, into).await?;
-                // The caller's training loop computes one gradient per pull and pushes it as
-                // such, whatever local steps the shards ask for: its machine is told none.
                 Ok(Input::Pulled {
                     deferred: r.deferred_shards > 0,
                     deferred_ns: r.waited_ns,
-                    local_steps: 0,
+                    local_steps: r.local_steps,
                 })
             }
             .boxed_local();
@@ -279,15 +280,20 @@ impl Session {
     }
 
     /// Pushes the gradient of the iteration the last [`pull`](Self::pull) returned (the whole
-    /// model, in pieces), computed on `stats.samples` samples with mean loss `stats.loss`.
-    /// Returns how many shards' policies dropped it (0: every shard applied it), or `None` when
-    /// a policy's skip abandoned the iteration and it was not pushed.
+    /// model, in pieces), computed on `stats.samples` samples with mean loss `stats.loss`; with
+    /// `local_steps` above 0, the pseudo-gradient of that many local steps (the model pulled
+    /// minus the model they reached), which the shards step with their outer optimizer,
+    /// whatever the pull asked for. Returns how many shards' policies dropped it (0: every
+    /// shard applied it), or `None` when a policy's skip abandoned the iteration and it was not
+    /// pushed.
     pub fn push(
         &mut self,
         grad: &[&[f32]],
         stats: StepStats,
+        local_steps: u32,
         interrupt: &mut dyn Interrupt,
     ) -> Result<Option<u32>, SessionError> {
+        syncopate_policy_sdk::rules::check_local_steps(local_steps).map_err(SessionError::Usage)?;
         self.check_len(grad.iter().map(|s| s.len()).sum(), "push")?;
         let Phase::Computing { since, .. } = self.phase else {
             return Err(SessionError::Usage(match self.phase {
@@ -296,15 +302,16 @@ impl Session {
             }));
         };
         let now = self.driver.clock.now();
+        self.driver.machine.took_local_steps(local_steps);
         let computed = Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) };
         self.driver.machine.handle(now, computed)?;
         let mut dropped = None;
         let client = self.client.as_ref().expect("a session has its client until it leaves");
         let mut next = self.driver.drive(&self.rt, client, None, interrupt)?;
-        if let Next::Push { iteration, samples } = next {
+        if let Next::Push { iteration, samples, local_steps } = next {
             let d = &mut dropped;
             let op = async move {
-                let r = client.push_segments(iteration, grad, samples).await?;
+                let r = client.push_segments(iteration, grad, samples, local_steps).await?;
                 *d = Some(r);
                 Ok(Input::Pushed { kind: JobKind::Own, result: Ok(r) })
             }
@@ -401,10 +408,12 @@ impl Driver {
                     match action {
                         Action::Pull { iteration } => return Ok(Next::Pull(iteration)),
                         Action::Compute(job) => {
-                            return Ok(Next::Compute(Step { iteration: job.iteration, batch: job.batch }))
+                            let (iteration, batch, local_steps) = (job.iteration, job.batch, job.local_steps);
+                            return Ok(Next::Compute(Step { iteration, batch, local_steps }));
                         }
                         Action::Push(job) if job.kind == JobKind::Own && job.tasks.is_none() => {
-                            return Ok(Next::Push { iteration: job.iteration, samples: job.samples })
+                            let (iteration, samples, local_steps) = (job.iteration, job.samples, job.local_steps);
+                            return Ok(Next::Push { iteration, samples, local_steps });
                         }
                         Action::Push(job) => {
                             return Err(SessionError::Usage(format!(
