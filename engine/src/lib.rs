@@ -21,6 +21,7 @@
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
 
 pub mod builtin;
+pub mod codec;
 pub mod coordinator;
 pub mod lease;
 pub mod placement;

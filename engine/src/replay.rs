@@ -258,7 +258,8 @@ impl Side {
                 Decision::CancelTimer { timer } => self.timers.retain(|t| t.0 != timer),
                 Decision::SetUpdateMode(_)
                 | Decision::SetLocalSteps { .. }
-                | Decision::SetOuterOptimizer { .. } => {}
+                | Decision::SetOuterOptimizer { .. }
+                | Decision::SetPullCodec { .. } => {}
             }
         }
         if check {

@@ -26,4 +26,4 @@ pub mod server;
 pub mod worker;
 
 pub use node::{ErrorKind, NodeError};
-pub use syncopate_engine::{lease, placement, recording, replay, runtime, shard, tasks};
+pub use syncopate_engine::{codec, lease, placement, recording, replay, runtime, shard, tasks};

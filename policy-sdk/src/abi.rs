@@ -34,6 +34,8 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
 
+pub use crate::codec::Codec;
+
 /// The ABI version this crate speaks.
 pub const ABI_VERSION: u32 = 2;
 
@@ -412,6 +414,16 @@ pub enum Control {
         /// The iteration to continue from.
         iteration: u64,
     },
+    /// Push to this shard in `codec` from the next iteration on: the worker encodes its part
+    /// of the gradient (or pseudo-gradient), adding what its earlier pushes' codecs left out
+    /// (error feedback), and the shard decodes it before anything else sees it, so the
+    /// optimizer and the backups see float32. Acknowledged like the others
+    /// ([`Event::ControlApplied`]); the setting stays with the worker across swaps, as batch
+    /// sizes do. Added in ABI v2.
+    SetPushCodec {
+        /// The codec.
+        codec: Codec,
+    },
 }
 
 /// One thing a policy asks the host to do.
@@ -542,6 +554,13 @@ pub enum Decision<'a> {
         /// Nesterov momentum.
         nesterov: bool,
     },
+    /// Answer this shard's pulls in `codec` from now on (not top-k: pulls carry parameters,
+    /// not updates that error feedback could make up for). Kept across swaps and in
+    /// checkpoints (ABI v2).
+    SetPullCodec {
+        /// The codec.
+        codec: Codec,
+    },
 }
 
 /// Splits the `i64` a data-returning export gives back into `(ptr, len)`.
@@ -639,6 +658,10 @@ impl Envelope {
                     (6, 4, u64::from(from), worker, first, iteration, u64::from(count))
                 }
                 Control::SkipTo { iteration: to } => (6, 5, 0, worker, 0, iteration, to),
+                Control::SetPushCodec { codec } => {
+                    let (code, param) = codec.code();
+                    (6, 6, 0, worker, code, iteration, param)
+                }
             },
         };
         b[36] = kind;
@@ -691,6 +714,9 @@ impl Envelope {
                         count: u32::try_from(e).map_err(|_| EnvelopeError("task count out of range"))?,
                     },
                     5 => Control::SkipTo { iteration: e },
+                    6 => Control::SetPushCodec {
+                        codec: Codec::from_code(c, e).ok_or(EnvelopeError("unknown codec"))?,
+                    },
                     _ => return Err(EnvelopeError("unknown control kind")),
                 };
                 Event::ControlApplied(Applied { worker, control, iteration: d })
@@ -743,6 +769,16 @@ mod tests {
                 worker: 1,
                 control: Control::SkipTo { iteration: u64::MAX },
                 iteration: 7,
+            }),
+            Event::ControlApplied(Applied {
+                worker: 2,
+                control: Control::SetPushCodec { codec: Codec::TopK { ppm: 10_000 } },
+                iteration: 3,
+            }),
+            Event::ControlApplied(Applied {
+                worker: 2,
+                control: Control::SetPushCodec { codec: Codec::Int8 { block: 512 } },
+                iteration: 3,
             }),
         ];
         for event in events {

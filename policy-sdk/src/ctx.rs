@@ -117,6 +117,14 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::SetOuterOptimizer { lr, momentum, nesterov });
     }
 
+    /// Answer this shard's pulls in `codec` from now on; see
+    /// [`Decision::SetPullCodec`](crate::abi::Decision::SetPullCodec). Push codecs are set per
+    /// worker with [`control`](Self::control) and
+    /// [`Control::SetPushCodec`](crate::abi::Control::SetPushCodec).
+    pub fn set_pull_codec(&mut self, codec: crate::abi::Codec) {
+        self.emit(&Decision::SetPullCodec { codec });
+    }
+
     /// Send a control message to a worker.
     pub fn control(&mut self, worker: WorkerId, control: Control) {
         self.emit(&Decision::Control { worker, control });

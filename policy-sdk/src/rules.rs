@@ -17,14 +17,15 @@
 //! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
 //!   reach; a shard holds at most [`MAX_TIMERS`] timers;
 //! - local steps are at most [`MAX_LOCAL_STEPS`], set for every worker or a live one; an outer
-//!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1).
+//!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1);
+//! - codecs are within their bounds ([`Codec::check`]), and pulls are never top-k.
 //!
 //! A policy that breaks a rule is treated like one that crashed.
 
 use alloc::format;
 use alloc::string::String;
 
-use crate::abi::{Control, Decision, Event, Release, RequestId, TimerId, WorkerId};
+use crate::abi::{Codec, Control, Decision, Event, Release, RequestId, TimerId, WorkerId};
 
 /// The most tasks an iteration can be split into (task sets are bit masks of a `u64`).
 pub const MAX_TASKS: u32 = 64;
@@ -214,6 +215,9 @@ impl EventRules {
                             "split iterations into {tasks} tasks (1 to {MAX_TASKS} allowed)"
                         ));
                     }
+                    Control::SetPushCodec { codec } => {
+                        codec.check().map_err(|e| format!("set a push codec of {e}"))?;
+                    }
                     _ => {}
                 }
             }
@@ -232,6 +236,12 @@ impl EventRules {
             }
             Decision::SetOuterOptimizer { lr, momentum, .. } => {
                 check_outer_optimizer(lr, momentum).map_err(|e| format!("set {e}"))?;
+            }
+            Decision::SetPullCodec { codec } => {
+                codec.check().map_err(|e| format!("set a pull codec of {e}"))?;
+                if matches!(codec, Codec::TopK { .. }) {
+                    return Err("set top-k as the pull codec: pulls carry parameters, not updates".into());
+                }
             }
             Decision::SetUpdateMode(_)
             | Decision::CancelTimer { .. }

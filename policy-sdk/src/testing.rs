@@ -48,6 +48,8 @@ pub enum Recorded {
     LocalSteps(Option<WorkerId>, u32),
     /// The outer optimizer was set: learning rate, momentum, Nesterov.
     OuterOptimizer(f32, f32, bool),
+    /// The pull codec was set.
+    PullCodec(crate::abi::Codec),
 }
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
@@ -554,6 +556,7 @@ impl<P: Policy> Driver<P> {
                 Decision::SetOuterOptimizer { lr, momentum, nesterov } => {
                     self.log.push(Recorded::OuterOptimizer(lr, momentum, nesterov))
                 }
+                Decision::SetPullCodec { codec } => self.log.push(Recorded::PullCodec(codec)),
             }
         }
         rules.finish()?;

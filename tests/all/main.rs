@@ -5,6 +5,7 @@ mod ab;
 mod checkpoint;
 mod cli;
 mod cluster;
+mod codecs;
 mod failover;
 mod harness;
 mod local_sgd;

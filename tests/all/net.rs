@@ -96,7 +96,14 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
         let mut unknown = good.clone();
         unknown[12] = 200; // no such DataRequest variant
         let misaligned = wire::encode_frame(
-            &DataRequest::Push { shard: 0, iteration: 0, samples: 1, based_on: None, local_steps: 0 },
+            &DataRequest::Push {
+                shard: 0,
+                iteration: 0,
+                samples: 1,
+                based_on: None,
+                local_steps: 0,
+                codec: syncopate::codec::Codec::None,
+            },
             &[1, 2, 3],
         );
         for (bytes, expect) in [
@@ -198,7 +205,7 @@ proptest! {
         values in proptest::collection::vec(any::<f32>(), 0..64),
         cut in any::<prop::sample::Index>(), flip in any::<prop::sample::Index>(),
     ) {
-        let req = DataRequest::Push { shard, iteration, samples, based_on: Some(iteration ^ 7), local_steps: 0 };
+        let req = DataRequest::Push { shard, iteration, samples, based_on: Some(iteration ^ 7), local_steps: 0, codec: syncopate::codec::Codec::None };
         let frame = wire::encode_frame(&req, wire::f32_bytes(&values));
         let (back, payload) = wire::decode_frame::<DataRequest>(&frame, &Limits::default()).unwrap();
         prop_assert_eq!(back, req);

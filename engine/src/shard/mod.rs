@@ -49,6 +49,7 @@ pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
 pub use supervisor::SupervisorConfig;
 pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
 
+pub use crate::codec::Codec;
 pub use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskLedger, TaskPart, MAX_TASKS};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -82,6 +83,8 @@ pub struct ShardConfig {
     /// Local steps and the outer optimizer until a policy says otherwise, and again after
     /// every hot swap.
     pub local_sgd: LocalSgdConfig,
+    /// The codec pulls are answered in until a policy sets another.
+    pub pull_codec: Codec,
     /// Checkpointing and quarantine.
     pub supervisor: SupervisorConfig,
     /// The weight of a push whose policy admits it without one.
@@ -114,6 +117,7 @@ impl Default for ShardConfig {
             seed: 0,
             optimizer: OptimizerConfig::default(),
             local_sgd: LocalSgdConfig::default(),
+            pull_codec: Codec::None,
             supervisor: SupervisorConfig::default(),
             push_weight: PushWeight::Mean,
             max_workers: DEFAULT_MAX_WORKERS,
@@ -177,6 +181,8 @@ pub struct PullReply<'a> {
     /// The local steps the worker takes in the iteration it pulled for (0: it pushes a
     /// gradient); see [`LocalSgd`].
     pub local_steps: u32,
+    /// The codec to send the parameters in.
+    pub codec: Codec,
     /// The parameters, shared: a sink that keeps them (to send them, say) clones the `Arc`,
     /// which copies nothing; the shard copies its parameters before it next changes them if a
     /// clone is still alive then.
@@ -464,6 +470,8 @@ pub struct Shard {
     groups: BTreeMap<u64, Aggregate>,
     /// Local steps and the outer optimizer.
     local: LocalSgd,
+    /// The codec pulls are answered in (a policy's [`Decision::SetPullCodec`]).
+    pull_codec: Codec,
     partials: Vec<Partial>,
     ledger: TaskLedger,
     incoming: Option<Held>,
@@ -551,6 +559,7 @@ impl Shard {
             held_at: Vec::new(),
             groups: BTreeMap::new(),
             local: LocalSgd::new(cfg.local_sgd, params_len),
+            pull_codec: cfg.pull_codec,
             partials: Vec::new(),
             ledger: TaskLedger::default(),
             incoming: None,
@@ -1317,6 +1326,7 @@ impl Shard {
             Decision::SetOuterOptimizer { lr, momentum, nesterov } => {
                 self.local.set_outer(lr, momentum, nesterov, self.params.len())
             }
+            Decision::SetPullCodec { codec } => self.pull_codec = codec,
             Decision::Control { worker, control: control @ Control::MoveTasks { from, .. } } => {
                 // The owner is asked first; it hands over what it has not started.
                 let ask =
@@ -1458,6 +1468,7 @@ impl Shard {
             min_applied,
             waited_ns,
             local_steps: self.local.steps_of(p.pull.worker),
+            codec: self.pull_codec,
             values: &self.params,
         });
     }

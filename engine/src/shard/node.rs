@@ -62,6 +62,8 @@ pub struct Served {
     pub waited_ns: u64,
     /// The local steps the worker takes in this iteration (0: it pushes a gradient).
     pub local_steps: u32,
+    /// The codec to send the parameters in.
+    pub codec: crate::codec::Codec,
     /// The parameters as they were when served, shared (no copy).
     pub values: Arc<Vec<f32>>,
 }
@@ -314,6 +316,7 @@ impl ShardSink for Tap<'_> {
                 version: r.version,
                 waited_ns: r.waited_ns,
                 local_steps: r.local_steps,
+                codec: r.codec,
                 values: Arc::clone(r.values),
             };
             self.pending.reply(token, Reply::Pulled(Ok(served)));

@@ -121,6 +121,8 @@ pub struct ShardSnapshot {
     groups: Vec<(u64, Aggregate)>,
     /// Local steps and the outer optimizer, its momentum included (format 3).
     local: LocalSgd,
+    /// The codec pulls are answered in (format 3).
+    pull_codec: super::Codec,
     parked: Vec<Parked>,
     held: Vec<Held>,
     partials: Vec<Partial>,
@@ -253,6 +255,7 @@ impl Shard {
             aggregates: self.aggregates.iter().map(|(k, a)| (*k, a.clone())).collect(),
             groups: self.groups.iter().map(|(k, a)| (*k, a.clone())).collect(),
             local: self.local.clone(),
+            pull_codec: self.pull_codec,
             parked: self.parked.as_slice().to_vec(),
             held: self.held.clone(),
             partials: self.partials.clone(),
@@ -334,6 +337,7 @@ impl Shard {
             aggregates: snap.aggregates.into_iter().collect(),
             groups: snap.groups.into_iter().collect(),
             local: snap.local,
+            pull_codec: snap.pull_codec,
             spare_sums: Vec::new(),
             parked,
             held_at: snap.held.iter().map(|h| (h.push.id, snap.now_ns)).collect(),

@@ -24,7 +24,8 @@
 //! - A task is computed once: a hand-over yields only tasks not yet started, and a task handed
 //!   over is never started here.
 //! - A pause delays the start of the worker's next pull by its length from its arrival; it is
-//!   acknowledged at once (as every setting is: "applies from iteration N").
+//!   acknowledged at once (as every setting is: "applies from iteration N"). A push codec is
+//!   the driver's to apply ([`crate::codec::PushEncoder`]), from the acknowledged iteration.
 //! - A skip ([`Control::SkipTo`]) abandons the iteration in progress at its next step (a pull
 //!   that returns is not computed on, a finished computation is not pushed; a push already sent
 //!   completes and counts), tells every shard ([`Action::Skip`]) and is acknowledged once done.
@@ -600,6 +601,8 @@ impl WorkerMachine {
                         self.tasks = if self.cfg.can_split { tasks } else { 1 };
                     }
                     Control::Resume => {}
+                    // The driver encodes pushes: it takes the codec from the acknowledgement.
+                    Control::SetPushCodec { codec } if codec.check().is_ok() => {}
                     Control::SkipTo { iteration: to } => {
                         if self.cfg.numbering_shared && to > self.iteration {
                             // Acknowledged once carried out (see `advance`).

@@ -46,6 +46,10 @@ pub struct WorkerReport {
     /// Of its iterations, those of local steps (pushed as pseudo-gradients).
     #[serde(default)]
     pub local_iterations: u64,
+    /// The sum of what push codecs left out of this worker's pushes and no later push carried
+    /// (error feedback still owed, over every value): 0 without lossy push codecs.
+    #[serde(default)]
+    pub codec_owed: f64,
     /// Control messages received.
     pub controls: u64,
     /// Tasks of this worker's iterations that other workers computed.

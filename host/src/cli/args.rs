@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::Placement;
 use crate::net::tls::{ClusterAccess, ClusterFile, TlsFiles, Token, DEFAULT_SERVER_NAME};
-use crate::shard::{LocalSgdConfig, OptimizerConfig, PushWeight};
+use crate::shard::{Codec, LocalSgdConfig, OptimizerConfig, PushWeight};
 
 /// Where a node finds its certificates.
 #[derive(Debug, Clone, Args)]
@@ -190,6 +190,14 @@ pub struct TrainArgs {
     /// Nesterov momentum for the outer optimizer.
     #[arg(long)]
     pub outer_nesterov: bool,
+    /// The codec workers push in until a policy sets another: none, fp16, bf16, int8,
+    /// int8-BLOCK or topk-FRACTION (top-k with error feedback on the workers).
+    #[arg(long, default_value = "none")]
+    pub push_codec: Codec,
+    /// The codec servers answer pulls in until a policy sets another: none, fp16, bf16, int8
+    /// or int8-BLOCK.
+    #[arg(long, default_value = "none")]
+    pub pull_codec: Codec,
     /// How pushes are weighed when the policy does not say.
     #[arg(long, value_enum, default_value = "mean")]
     pub push_weight: WeightArg,
@@ -221,6 +229,14 @@ impl TrainArgs {
             .map_err(|e| anyhow::anyhow!("--outer-lr, --outer-momentum: {e}"))?;
         let outer = OptimizerConfig { lr, momentum, weight_decay: 0.0, nesterov: self.outer_nesterov };
         Ok(LocalSgdConfig { local_steps: self.local_steps, outer })
+    }
+
+    /// The push and pull codecs (a pull is never top-k).
+    pub fn codecs(&self) -> anyhow::Result<(Codec, Codec)> {
+        if matches!(self.pull_codec, Codec::TopK { .. }) {
+            anyhow::bail!("--pull-codec {}: pulls carry parameters; top-k is for pushes", self.pull_codec);
+        }
+        Ok((self.push_codec, self.pull_codec))
     }
 
     /// The push weight.

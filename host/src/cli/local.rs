@@ -177,6 +177,8 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         outer_lr: Some(a.train.outer_lr),
         outer_momentum: Some(a.train.outer_momentum),
         outer_nesterov: Some(a.train.outer_nesterov),
+        push_codec: Some(a.train.push_codec),
+        pull_codec: Some(a.train.pull_codec),
         modelled: None,
         slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
         jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),

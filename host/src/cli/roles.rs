@@ -303,6 +303,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         policy: policy_source(&a.policy.policy, a.policy.overrides)?,
         optimizer: a.train.optimizer(),
         local_sgd: a.train.local_sgd()?,
+        codecs: a.train.codecs()?,
         push_weight: a.train.push_weight(),
         seed: a.train.seed,
         peer_timeout: a.train.peer_timeout(),

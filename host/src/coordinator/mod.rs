@@ -102,6 +102,8 @@ pub struct CoordinatorOptions {
     pub optimizer: OptimizerConfig,
     /// Local steps and the outer optimizer the shards start with.
     pub local_sgd: crate::shard::LocalSgdConfig,
+    /// The codecs workers push in and shards answer pulls in, until policies set others.
+    pub codecs: (crate::shard::Codec, crate::shard::Codec),
     /// Weight of pushes the policy does not weigh.
     pub push_weight: PushWeight,
     /// Seed of the policies' random sources.
@@ -449,6 +451,7 @@ impl Coordinator {
             servers: self.opts.servers,
             optimizer: self.opts.optimizer,
             local_sgd: self.opts.local_sgd,
+            pull_codec: self.opts.codecs.1,
             push_weight: self.opts.push_weight,
             seed: self.opts.seed,
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
@@ -827,6 +830,7 @@ impl Coordinator {
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             workers: self.opts.workers,
             optimizer: self.opts.optimizer,
+            push_codec: self.opts.codecs.0,
             replicated: st.machine.places().iter().any(|p| p.backup.is_some()),
             ticket: Ticket::issue(&st.admission_key.0, id),
         }

@@ -394,6 +394,7 @@ mod tests {
                 servers: 3,
                 optimizer: OptimizerConfig::default(),
                 local_sgd: crate::shard::LocalSgdConfig::default(),
+                pull_codec: crate::shard::Codec::None,
                 push_weight: PushWeight::default(),
                 seed: 0,
                 peer_timeout_ms: 1000,

@@ -87,6 +87,8 @@ const VERDICT_FIGURES: &[&str] = &[
     "wait_share",
     "deferred_per_100_iterations",
     "mb_moved",
+    "kb_per_step",
+    "kb_pushed_per_step",
 ];
 
 /// Parses a `--policies` list: specs separated by commas, where a `k=v` item without a colon
@@ -418,15 +420,15 @@ pub fn markdown(c: &Comparison) -> String {
 pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
     let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
     let mut t = format!(
-        "| policy |{} time to {target} | final acc | best acc | it/s (steps/s) per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | mean staleness | tasks moved |\n",
+        "| policy |{} time to {target} | final acc | best acc | it/s (steps/s) per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | KB per step (pushed) | mean staleness | tasks moved |\n",
         if seeds { " seed |" } else { "" }
     );
     t.push_str(if seeds { "|---|---|" } else { "|---|" });
-    t.push_str("---|---|---|---|---|---|---|---|---|\n");
+    t.push_str("---|---|---|---|---|---|---|---|---|---|\n");
     let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
     for r in rows {
         t.push_str(&format!(
-            "| {} |{} {} | {} | {} | {:.1} ({:.1}) | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.2} | {} |\n",
+            "| {} |{} {} | {} | {} | {:.1} ({:.1}) | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.1} ({:.1}) | {:.2} | {} |\n",
             r.policy,
             if seeds { format!(" {} |", r.seed) } else { String::new() },
             match (scenario.target_accuracy, r.time_to_target_s) {
@@ -444,6 +446,8 @@ pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
             r.deferred_pulls,
             r.deferred_pulls as f64 * 100.0 / r.iterations.max(1) as f64,
             r.bytes_moved as f64 / 1e6,
+            r.bytes_moved as f64 / 1e3 / r.steps.max(1) as f64,
+            r.bytes_pushed as f64 / 1e3 / r.steps.max(1) as f64,
             r.mean_staleness,
             r.tasks_moved,
         ));

@@ -100,6 +100,8 @@ impl LocalOptions {
             ("--local-steps", local.local_steps.to_string()),
             ("--outer-lr", local.outer.lr.to_string()),
             ("--outer-momentum", local.outer.momentum.to_string()),
+            ("--push-codec", sc.codecs().0.to_string()),
+            ("--pull-codec", sc.codecs().1.to_string()),
             ("--seed", sc.seed.to_string()),
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
             ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),

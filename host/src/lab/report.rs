@@ -327,6 +327,12 @@ pub struct AbRow {
     pub iterations: u64,
     /// Bytes the workers sent and received.
     pub bytes_moved: u64,
+    /// Of those, the bytes the workers sent (their pushes, in the codecs they pushed in).
+    #[serde(default)]
+    pub bytes_pushed: u64,
+    /// Gradients all workers computed (an iteration of `H` local steps counts `H`).
+    #[serde(default)]
+    pub steps: u64,
     /// Mean staleness of the applied gradients (optimizer steps between pull and admission).
     pub mean_staleness: f64,
     /// Tasks moved from one worker to another.
@@ -433,6 +439,8 @@ impl AbRow {
             deferred_pulls: r.workers.iter().map(|w| w.deferred_pulls).sum(),
             iterations: r.workers.iter().map(|w| w.iterations).sum(),
             bytes_moved: r.workers.iter().map(|w| w.bytes_sent + w.bytes_received).sum(),
+            bytes_pushed: r.workers.iter().map(|w| w.bytes_sent).sum(),
+            steps: r.workers.iter().map(|w| w.steps).sum(),
             mean_staleness: if stale_n == 0 { 0.0 } else { stale_sum as f64 / stale_n as f64 },
             tasks_moved: r.workers.iter().map(|w| w.tasks_given).sum(),
             run_dir,
@@ -533,6 +541,22 @@ pub const FIGURES: &[Figure] = &[
         words: ("fewer bytes", "more bytes"),
         get: |r| Some(r.bytes_moved as f64 / 1e6),
         unit: Unit::Plain(0),
+    },
+    Figure {
+        key: "kb_per_step",
+        label: "KB moved per step",
+        lower_is_better: None,
+        words: ("fewer bytes", "more bytes"),
+        get: |r| (r.steps > 0).then(|| r.bytes_moved as f64 / 1e3 / r.steps as f64),
+        unit: Unit::Plain(1),
+    },
+    Figure {
+        key: "kb_pushed_per_step",
+        label: "KB pushed per step",
+        lower_is_better: None,
+        words: ("fewer bytes", "more bytes"),
+        get: |r| (r.steps > 0).then(|| r.bytes_pushed as f64 / 1e3 / r.steps as f64),
+        unit: Unit::Plain(1),
     },
     Figure {
         key: "mean_staleness",

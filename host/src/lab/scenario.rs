@@ -25,6 +25,8 @@
 //! outer_lr = 1.0           # the optimizer of pseudo-gradients (these three: averaging)
 //! outer_momentum = 0.0
 //! outer_nesterov = false
+//! push_codec = "none"      # none, fp16, bf16, int8, int8-BLOCK, topk-FRACTION (policies may
+//! pull_codec = "none"      # set others); pulls are never top-k
 //!
 //! [[slow]]
 //! worker = 0
@@ -57,7 +59,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_workloads::WorkloadOptions;
 
 use crate::builtin::PolicySpec;
-use crate::shard::{LocalSgdConfig, OptimizerConfig, PushWeight};
+use crate::shard::{Codec, LocalSgdConfig, OptimizerConfig, PushWeight};
 
 /// A scenario file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -129,6 +131,12 @@ pub struct Scenario {
     pub outer_momentum: Option<f32>,
     /// Nesterov momentum for the outer optimizer (default false).
     pub outer_nesterov: Option<bool>,
+    /// The codec workers push in until a policy sets another (default none).
+    #[serde(default, with = "codec_text")]
+    pub push_codec: Option<Codec>,
+    /// The codec pulls are answered in until a policy sets another (default none; not top-k).
+    #[serde(default, with = "codec_text")]
+    pub pull_codec: Option<Codec>,
     /// The costs of a larger model than the workload's, modelled by the simulator: the real
     /// (small) workload still supplies the gradients and the accuracy, but every transfer moves
     /// this model's bytes. Set `compute_ms` to its compute time on the device you model. Every
@@ -322,6 +330,12 @@ impl Scenario {
                 o.lr, o.momentum, o.weight_decay
             ));
         }
+        let (push, pull) = self.codecs();
+        push.check().map_err(|e| format!("push_codec: {e}"))?;
+        pull.check().map_err(|e| format!("pull_codec: {e}"))?;
+        if matches!(pull, Codec::TopK { .. }) {
+            return Err("pull_codec: pulls carry parameters; top-k is for pushes".into());
+        }
         let l = self.local_sgd();
         syncopate_policy_sdk::rules::check_local_steps(l.local_steps)
             .map_err(|e| format!("local_steps: {e}"))?;
@@ -363,6 +377,11 @@ impl Scenario {
             Placement::Server => self.optimizer(),
             Placement::Worker => self.optimizer().plain(),
         }
+    }
+
+    /// The push and pull codecs workers and shards start with.
+    pub fn codecs(&self) -> (Codec, Codec) {
+        (self.push_codec.unwrap_or_default(), self.pull_codec.unwrap_or_default())
     }
 
     /// Local steps and the outer optimizer the shards start with.
@@ -439,6 +458,24 @@ impl RunSpec {
     /// The policy configuration shard `shard` starts with.
     pub fn shard_config(&self, shard: u32) -> Vec<(String, String)> {
         crate::builtin::shard_config(&self.policy.config, &self.overrides, shard)
+    }
+}
+
+/// Codecs in scenario files as their text forms (`"fp16"`, `"topk-0.01"`).
+mod codec_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::shard::Codec;
+
+    pub fn serialize<S: Serializer>(codec: &Option<Codec>, s: S) -> Result<S::Ok, S::Error> {
+        match codec {
+            Some(c) => s.serialize_some(&c.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Codec>, D::Error> {
+        Option::<String>::deserialize(d)?.map(|t| t.parse().map_err(serde::de::Error::custom)).transpose()
     }
 }
 

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
 
-use crate::shard::{ClockRaise, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
+use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
 pub const PROTOCOL_VERSION: u32 = 8;
@@ -111,6 +111,8 @@ pub struct ClusterSettings {
     pub optimizer: OptimizerConfig,
     /// Local steps and the outer optimizer every shard starts with (protocol 8).
     pub local_sgd: LocalSgdConfig,
+    /// The codec shards answer pulls in until a policy sets another (protocol 8).
+    pub pull_codec: Codec,
     /// The weight of a push the policy does not weigh itself.
     pub push_weight: PushWeight,
     /// Seed of the policies' random sources.
@@ -252,6 +254,8 @@ pub enum Welcome {
         workers: u32,
         /// The servers' optimizer (what a push of a weight change must be scaled by).
         optimizer: OptimizerConfig,
+        /// The codec it pushes in until a policy sets another (protocol 8).
+        push_codec: Codec,
         /// Whether shards have backups: a worker then waits for a lost shard to move (a
         /// [`WorkerNotice::Moved`]) and retries there, instead of failing.
         replicated: bool,
@@ -466,6 +470,8 @@ pub enum DataRequest {
         based_on: Option<u64>,
         /// The local steps it covers: 0, a gradient; more, a pseudo-gradient (protocol 8).
         local_steps: u32,
+        /// The codec of the payload ([`crate::codec`]; protocol 8).
+        codec: Codec,
     },
     /// Pull the parameters before computing `iteration`.
     Pull {
@@ -574,6 +580,8 @@ pub enum DataResponse {
         waited_ns: u64,
         /// The local steps to take in this iteration (0: push a gradient; protocol 8).
         local_steps: u32,
+        /// The codec of the payload ([`crate::codec`]; protocol 8).
+        codec: Codec,
     },
     /// Done.
     Ok,

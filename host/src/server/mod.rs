@@ -39,7 +39,7 @@ use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
-use crate::shard::{ClockRaise, Frontier, Handover, ShardConfig, SupervisorConfig, TaskPart};
+use crate::shard::{ClockRaise, Codec, Frontier, Handover, ShardConfig, SupervisorConfig, TaskPart};
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
 
@@ -563,6 +563,15 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
     let _ = writer.await;
 }
 
+/// The parameters a pull serves, in `codec`, as the f32 words the transport sends.
+fn encode_pull(shared: &Shared, codec: Codec, values: &[f32]) -> Vec<f32> {
+    let mut bytes = Vec::new();
+    crate::codec::encode(codec, values, None, &mut crate::codec::Scratch::default(), &mut bytes);
+    let mut words = shared.pool.take(bytes.len() / 4);
+    bytemuck::cast_slice_mut::<f32, u8>(&mut words).copy_from_slice(&bytes);
+    words
+}
+
 /// How shard `shard` runs in a cluster with these settings.
 fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
     ShardConfig {
@@ -571,6 +580,7 @@ fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
         seed: settings.seed,
         optimizer: settings.optimizer,
         local_sgd: settings.local_sgd,
+        pull_codec: settings.pull_codec,
         supervisor: SupervisorConfig::default(),
         push_weight: settings.push_weight,
         max_workers: settings.max_workers,
@@ -830,6 +840,9 @@ fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -
 /// What a connection's streams share.
 struct Peer {
     worker: Option<WorkerId>,
+    /// The most values a tensor from it may decode to: its model's length (from its hello),
+    /// within the payload limit.
+    max_values: usize,
     joined: Mutex<BTreeSet<u32>>,
     controls: mpsc::UnboundedSender<ControlMessage>,
 }
@@ -837,6 +850,12 @@ struct Peer {
 async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     let addr = conn.remote_address();
     let Some((hello, mut send)) = net::accept_hello(&conn, &shared.token, None).await else { return };
+    let max_values = match hello.role {
+        Role::Worker { model_len, .. } => {
+            usize::try_from(model_len).unwrap_or(usize::MAX).min(shared.limits.max_payload / 4)
+        }
+        _ => 0,
+    };
     let worker = match hello.role {
         Role::Worker { worker: Some(w), ticket, .. } => match admit(&shared.settings, w, ticket) {
             Ok(()) => Some(w),
@@ -873,7 +892,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let _sharing = shared.windows.join(&conn);
     let (controls, control_rx) = mpsc::unbounded_channel();
-    let peer = Arc::new(Peer { worker, joined: Mutex::new(BTreeSet::new()), controls });
+    let peer = Arc::new(Peer { worker, max_values, joined: Mutex::new(BTreeSet::new()), controls });
     let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
     loop {
         match conn.accept_bi().await {
@@ -1037,14 +1056,26 @@ async fn handle_request(
         }
         DataRequest::Push { iteration, samples, based_on, .. }
         | DataRequest::PushTasks { iteration, samples, based_on, .. } => {
-            let (tasks, local_steps) = match req {
+            let (tasks, local_steps, codec) = match req {
                 DataRequest::PushTasks { owner, mask, total, .. } => {
-                    (Some((owner, TaskPart { mask, total })), 0)
+                    (Some((owner, TaskPart { mask, total })), 0, Codec::None)
                 }
-                DataRequest::Push { local_steps, .. } => (None, local_steps),
-                _ => (None, 0),
+                DataRequest::Push { local_steps, codec, .. } => (None, local_steps, codec),
+                _ => (None, 0, Codec::None),
             };
-            let grad = payload;
+            // Decoded here, on the connection's task, before the shard or its backup sees it.
+            let grad = if codec == Codec::None {
+                payload
+            } else {
+                let mut grad = shared.pool.take(0);
+                let decoded =
+                    crate::codec::decode(codec, bytemuck::cast_slice(&payload), peer.max_values, &mut grad);
+                shared.pool.give(payload);
+                if let Err(e) = decoded {
+                    return err(format!("a push that does not decode: {e}"));
+                }
+                grad
+            };
             let push = |reply| ShardCmd::Push {
                 worker,
                 iteration,
@@ -1085,15 +1116,15 @@ async fn handle_request(
         },
         DataRequest::Pull { iteration, .. } => {
             match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
-                Ok(s) => (
-                    DataResponse::Pulled {
-                        clock: s.clock,
-                        version: s.version,
-                        waited_ns: s.waited_ns,
-                        local_steps: s.local_steps,
-                    },
-                    Some(s.values),
-                ),
+                Ok(s) => {
+                    let (local_steps, codec) = (s.local_steps, s.codec);
+                    let values = match codec {
+                        Codec::None => s.values,
+                        _ => Arc::new(encode_pull(shared, codec, &s.values)),
+                    };
+                    let (clock, version, waited_ns) = (s.clock, s.version, s.waited_ns);
+                    (DataResponse::Pulled { clock, version, waited_ns, local_steps, codec }, Some(values))
+                }
                 Err(e) => err(e),
             }
         }
@@ -1136,6 +1167,7 @@ mod tests {
             servers: 2,
             optimizer: OptimizerConfig::default(),
             local_sgd: crate::shard::LocalSgdConfig::default(),
+            pull_codec: crate::shard::Codec::None,
             push_weight: PushWeight::default(),
             seed: 0,
             peer_timeout_ms: 1000,

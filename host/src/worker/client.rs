@@ -24,6 +24,7 @@ use std::sync::Arc;
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use tokio::sync::{mpsc, watch};
 
+use crate::codec::{Codec, Encoded, PushEncoder};
 use crate::net::pool::TensorPool;
 use crate::net::proto::{
     ControlMessage, CoordRequest, CoordResponse, DataRequest, DataResponse, Hello, ModelScore, Role,
@@ -74,6 +75,8 @@ pub struct WorkerClient {
     workers: u32,
     /// The servers' optimizer.
     optimizer: crate::shard::OptimizerConfig,
+    /// Per shard: the codec pushes go in, and what the codecs left out of earlier pushes.
+    encoder: std::sync::Mutex<PushEncoder>,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
     stop: Arc<AtomicBool>,
     limits: Limits,
@@ -191,6 +194,7 @@ impl WorkerClient {
             peer_timeout_ms,
             workers,
             optimizer,
+            push_codec,
             replicated,
             ticket,
         } = welcome
@@ -221,6 +225,7 @@ impl WorkerClient {
             Follow { id: worker, rejoin, leaving: leaving.clone(), stop: stop.clone(), route: route.clone() };
         tokio::spawn(follow_coordinator(coordinator, link, follow));
         tracing::info!(worker, shards = shards.len(), "connected to the cluster");
+        let encoder = std::sync::Mutex::new(PushEncoder::new(worker, shards.len(), push_codec));
         Ok(WorkerClient {
             id: worker,
             endpoint,
@@ -234,6 +239,7 @@ impl WorkerClient {
             model_len,
             workers,
             optimizer,
+            encoder,
             controls,
             stop,
             limits: Limits::default(),
@@ -524,6 +530,12 @@ impl WorkerClient {
         self.optimizer
     }
 
+    /// What the push codecs left out and no push has carried yet, summed over every value
+    /// ([`PushEncoder::owed`]).
+    pub fn codec_owed(&self) -> f64 {
+        self.encoder.lock().expect("not poisoned").owed()
+    }
+
     /// How many workers the cluster expects (its start barrier; later workers may join).
     pub fn expected_workers(&self) -> u32 {
         self.workers
@@ -560,7 +572,7 @@ impl WorkerClient {
     /// QUIC copies `grad` into its send buffer; [`push_buffer`](Self::push_buffer) saves that
     /// copy, which matters for large models.
     pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<u32, NodeError> {
-        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), self.whole(iteration, samples, 0)).await
+        self.push_whole(iteration, Payload::Borrowed(wire::f32_bytes(grad)), samples, 0).await
     }
 
     /// A buffer for a gradient to push with [`push_buffer`](Self::push_buffer): as long as the
@@ -575,8 +587,7 @@ impl WorkerClient {
     /// server has acknowledged them. In the transport benchmark, 16 MiB pushes ran 1.35-1.47x
     /// as fast this way as borrowed ones.
     pub async fn push_buffer(&self, iteration: u64, grad: Vec<f32>, samples: u32) -> Result<u32, NodeError> {
-        let bytes = self.pool.send_shared(Arc::new(grad));
-        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples, 0)).await
+        self.push_local(iteration, grad, samples, 0).await
     }
 
     /// Pushes the pseudo-gradient of an iteration of `local_steps` local steps (the parameters
@@ -591,23 +602,51 @@ impl WorkerClient {
         local_steps: u32,
     ) -> Result<u32, NodeError> {
         let bytes = self.pool.send_shared(Arc::new(delta));
-        self.push_slices(Payload::Shared(bytes), self.whole(iteration, samples, local_steps)).await
+        self.push_whole(iteration, Payload::Shared(bytes), samples, local_steps).await
     }
 
-    /// The request that pushes a whole iteration's gradient (or pseudo-gradient) to a shard.
-    fn whole(
+    /// Pushes a whole iteration's gradient (or pseudo-gradient): each shard's part in the codec
+    /// its policy set, with what earlier pushes' codecs left out added (error feedback), or as
+    /// it is when neither applies.
+    async fn push_whole(
         &self,
         iteration: u64,
+        grad: Payload<'_>,
         samples: u32,
         local_steps: u32,
-    ) -> impl Fn(usize, u32, Option<u64>) -> DataRequest + '_ {
-        move |i, shard, based_on| DataRequest::Push {
+    ) -> Result<u32, NodeError> {
+        let parts = {
+            let mut encoder = self.encoder.lock().expect("not poisoned");
+            let values: std::borrow::Cow<'_, [f32]> = match bytemuck::try_cast_slice(grad.as_slice()) {
+                Ok(v) => v.into(),
+                Err(_) => grad
+                    .as_slice()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                    .collect::<Vec<f32>>()
+                    .into(),
+            };
+            let f32s = std::mem::size_of::<f32>();
+            let mut parts = Vec::with_capacity(self.shards.len());
+            for (i, p) in self.shards.iter().enumerate() {
+                let range = p.start as usize..p.end as usize;
+                let mut out = Vec::new();
+                parts.push(match encoder.encode(i, iteration, &values[range.clone()], &mut out) {
+                    Encoded::Raw => (Codec::None, grad.slice(range.start * f32s..range.end * f32s)),
+                    Encoded::Bytes(codec) => (codec, Payload::Shared(bytes::Bytes::from(out))),
+                });
+            }
+            parts
+        };
+        let make = |i, shard, based_on, codec| DataRequest::Push {
             shard,
             iteration: self.shard_iteration(i, iteration),
             samples,
             based_on,
             local_steps,
-        }
+            codec,
+        };
+        self.push_parts(parts, make).await
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -625,7 +664,14 @@ impl WorkerClient {
         grad: &[f32],
         samples: u32,
     ) -> Result<u32, NodeError> {
-        self.push_slices(Payload::Borrowed(wire::f32_bytes(grad)), |i, shard, based_on| {
+        let grad = Payload::Borrowed(wire::f32_bytes(grad));
+        let f32s = std::mem::size_of::<f32>();
+        let parts = self
+            .shards
+            .iter()
+            .map(|p| (Codec::None, grad.slice(p.start as usize * f32s..p.end as usize * f32s)))
+            .collect();
+        self.push_parts(parts, |i, shard, based_on, _| {
             let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
             DataRequest::PushTasks { shard, owner, iteration, samples, based_on, mask, total }
         })
@@ -635,19 +681,17 @@ impl WorkerClient {
     /// Sends every shard its slice of `grad` (the whole model's bytes) with the request
     /// `make(index, shard, based_on)` builds, at once; each must acknowledge. Returns how many
     /// dropped it.
-    async fn push_slices(
+    async fn push_parts(
         &self,
-        grad: Payload<'_>,
-        make: impl Fn(usize, u32, Option<u64>) -> DataRequest,
+        parts: Vec<(Codec, Payload<'_>)>,
+        make: impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
     ) -> Result<u32, NodeError> {
-        let f32s = std::mem::size_of::<f32>();
-        assert_eq!(grad.as_slice().len(), self.model_len * f32s, "grad must be the whole model");
-        let pushes = self.shards.iter().enumerate().map(|(i, p)| {
+        assert_eq!(parts.len(), self.shards.len(), "a part per shard");
+        let pushes = self.shards.iter().zip(parts).enumerate().map(|(i, (p, (codec, values)))| {
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            let values = grad.slice(p.start as usize * f32s..p.end as usize * f32s);
             let make = &make;
             self.on_primary(p.shard, async move |conn| {
-                let req = make(i, p.shard, based_on);
+                let req = make(i, p.shard, based_on, codec);
                 match net::request::<_, DataResponse>(conn, &req, values.clone(), &self.limits).await? {
                     // A duplicate is an iteration the shard already has (the worker redoes it
                     // after a restore, or retries it after a failover): acknowledged, applied once.
@@ -709,6 +753,11 @@ impl WorkerClient {
         control: Control,
         iteration: u64,
     ) -> Result<(), NodeError> {
+        if let Control::SetPushCodec { codec } = control {
+            if let Some(i) = self.shards.iter().position(|p| p.shard == shard) {
+                self.encoder.lock().expect("not poisoned").set(i, codec, iteration);
+            }
+        }
         self.on_shard(shard, |i| DataRequest::ControlApplied {
             shard,
             control,
@@ -890,8 +939,27 @@ async fn pull_into(
     wire::write_frame(&mut send, req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;
     let head = wire::read_head::<DataResponse>(&mut recv, &limits, &mut scratch).await.map_err(wire_err)?;
     match head.header {
-        DataResponse::Pulled { waited_ns, version, local_steps, .. } => {
+        DataResponse::Pulled { waited_ns, version, local_steps, codec, .. } => {
             let values: usize = out.iter().map(|p| p.len()).sum();
+            if codec != Codec::None {
+                // Encoded: read whole (bounded by the frame limit), decode, copy into the pieces.
+                let bytes = wire::read_payload_bytes(&mut recv, head.payload_len).await.map_err(wire_err)?;
+                wire::expect_end(&mut recv).await.map_err(wire_err)?;
+                let mut decoded = Vec::new();
+                crate::codec::decode(codec, &bytes, values, &mut decoded).map_err(|e| {
+                    wire_err(wire::WireError::Stream(format!("a pull that does not decode: {e}")))
+                })?;
+                if decoded.len() != values {
+                    let e = format!("expected a tensor of {values} values, got {}", decoded.len());
+                    return Err(wire_err(wire::WireError::Stream(e)));
+                }
+                let mut at = 0;
+                for piece in out.iter_mut() {
+                    piece.copy_from_slice(&decoded[at..at + piece.len()]);
+                    at += piece.len();
+                }
+                return Ok((waited_ns, version, local_steps));
+            }
             if head.payload_len != values * 4 {
                 let e = wire::WireError::Stream(format!(
                     "expected a tensor of {values} values, got {} bytes",

@@ -247,6 +247,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     drop(inflight);
     let mut report = m.into_report();
     (report.bytes_sent, report.bytes_received) = client.bytes();
+    report.codec_owed = client.codec_owed();
     // The report is written before leaving, so a failed goodbye loses no record of the work.
     if let Some(path) = &opts.report {
         let json = serde_json::to_vec_pretty(&report).expect("reports serialize");

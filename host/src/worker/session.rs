@@ -220,6 +220,7 @@ impl Session {
     pub fn report(&self) -> WorkerReport {
         let mut r = self.driver.machine.report_at(self.driver.clock.now());
         (r.bytes_sent, r.bytes_received) = self.client().bytes();
+        r.codec_owed = self.client().codec_owed();
         r
     }
 

@@ -6,29 +6,38 @@
 //! iteration are averaged and applied as one optimizer step, so stateful optimizers (momentum)
 //! see exactly the sequence they would in synchronous SGD.
 
+use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
 
 /// Bulk synchronous parallel.
 #[derive(Debug)]
-pub struct Bsp;
+pub struct Bsp {
+    codecs: CodecChoice,
+}
 
 impl Policy for Bsp {
     const INFO: PolicyInfo = PolicyInfo::new(
         "bsp",
         env!("CARGO_PKG_VERSION"),
         "Bulk synchronous parallel: a barrier after every iteration; gradients averaged then applied.",
-        &[],
+        &[CodecChoice::PUSH_PARAM, CodecChoice::PULL_PARAM],
     );
 
-    fn new(_init: &Init) -> Result<Self, String> {
-        Ok(Bsp)
+    fn new(init: &Init) -> Result<Self, String> {
+        Ok(Bsp { codecs: CodecChoice::from_config(&init.config)? })
     }
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::Aggregate);
+        self.codecs.on_start(ctx);
+    }
+
+    fn on_worker_left(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
+        self.codecs.forget(worker);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
+        self.codecs.on_pull(ctx, pull.worker);
         if ctx.view().min_clock >= pull.clock {
             PullVerdict::Serve
         } else {

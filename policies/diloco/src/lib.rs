@@ -18,6 +18,7 @@
 //! momentum lives on the shards, kept across hot swaps (a swap back to DiLoCo resumes it) and
 //! in checkpoints; a worker that joins late starts its first outer step from θ as it is then.
 
+use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
 use syncopate_policy_sdk::rules;
 
@@ -27,6 +28,7 @@ pub struct Diloco {
     h: u32,
     outer_lr: f32,
     outer_momentum: f32,
+    codecs: CodecChoice,
 }
 
 impl Policy for Diloco {
@@ -38,6 +40,8 @@ impl Policy for Diloco {
             ParamSpec::new("h", ParamKind::Uint, "500", "local (inner) steps per round (1 to 10000)"),
             ParamSpec::new("outer_lr", ParamKind::Float, "0.7", "learning rate of the outer optimizer"),
             ParamSpec::new("outer_momentum", ParamKind::Float, "0.9", "Nesterov momentum of the outer optimizer"),
+            CodecChoice::PUSH_PARAM,
+            CodecChoice::PULL_PARAM,
         ],
     );
 
@@ -50,16 +54,22 @@ impl Policy for Diloco {
         let outer_lr: f32 = init.config.get("outer_lr")?;
         let outer_momentum: f32 = init.config.get("outer_momentum")?;
         rules::check_outer_optimizer(outer_lr, outer_momentum)?;
-        Ok(Diloco { h, outer_lr, outer_momentum })
+        Ok(Diloco { h, outer_lr, outer_momentum, codecs: CodecChoice::from_config(&init.config)? })
     }
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::Aggregate);
         ctx.set_local_steps(self.h);
         ctx.set_outer_optimizer(self.outer_lr, self.outer_momentum, true);
+        self.codecs.on_start(ctx);
+    }
+
+    fn on_worker_left(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
+        self.codecs.forget(worker);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
+        self.codecs.on_pull(ctx, pull.worker);
         if ctx.view().min_clock >= pull.clock {
             PullVerdict::Serve
         } else {

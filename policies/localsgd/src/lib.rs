@@ -9,6 +9,7 @@
 //! mean pseudo-gradient, θ − mean(θ − θᵢ), which is mean(θᵢ). The rule for pulls is BSP's.
 //! `h` has no canonical default; 8 is ours.
 
+use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
 use syncopate_policy_sdk::rules;
 
@@ -16,6 +17,7 @@ use syncopate_policy_sdk::rules;
 #[derive(Debug)]
 pub struct LocalSgd {
     h: u32,
+    codecs: CodecChoice,
 }
 
 impl Policy for LocalSgd {
@@ -23,7 +25,11 @@ impl Policy for LocalSgd {
         "localsgd",
         env!("CARGO_PKG_VERSION"),
         "Local SGD: h local steps per round, then the workers' models averaged (synchronous).",
-        &[ParamSpec::new("h", ParamKind::Uint, "8", "local steps per round (1 to 10000)")],
+        &[
+            ParamSpec::new("h", ParamKind::Uint, "8", "local steps per round (1 to 10000)"),
+            CodecChoice::PUSH_PARAM,
+            CodecChoice::PULL_PARAM,
+        ],
     );
 
     fn new(init: &Init) -> Result<Self, String> {
@@ -32,16 +38,22 @@ impl Policy for LocalSgd {
             return Err("h: take at least 1 local step".into());
         }
         rules::check_local_steps(h).map_err(|e| format!("h: {e}"))?;
-        Ok(LocalSgd { h })
+        Ok(LocalSgd { h, codecs: CodecChoice::from_config(&init.config)? })
     }
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::Aggregate);
         ctx.set_local_steps(self.h);
         ctx.set_outer_optimizer(1.0, 0.0, false);
+        self.codecs.on_start(ctx);
+    }
+
+    fn on_worker_left(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
+        self.codecs.forget(worker);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
+        self.codecs.on_pull(ctx, pull.worker);
         if ctx.view().min_clock >= pull.clock {
             PullVerdict::Serve
         } else {

@@ -7,12 +7,14 @@
 //!
 //! This is the gating rule Petuum Bösen, FlexPS and Husky agree on.
 
+use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
 
 /// Stale synchronous parallel.
 #[derive(Debug)]
 pub struct Ssp {
     s: u64,
+    codecs: CodecChoice,
 }
 
 impl Ssp {
@@ -32,23 +34,33 @@ impl Policy for Ssp {
         "ssp",
         env!("CARGO_PKG_VERSION"),
         "Stale synchronous parallel: a worker may run at most s iterations ahead of the slowest.",
-        &[ParamSpec::new(
-            "s",
-            ParamKind::Uint,
-            "3",
-            "staleness bound: iterations a worker may run ahead of the slowest",
-        )],
+        &[
+            ParamSpec::new(
+                "s",
+                ParamKind::Uint,
+                "3",
+                "staleness bound: iterations a worker may run ahead of the slowest",
+            ),
+            CodecChoice::PUSH_PARAM,
+            CodecChoice::PULL_PARAM,
+        ],
     );
 
     fn new(init: &Init) -> Result<Self, String> {
-        Ok(Ssp { s: init.config.get("s")? })
+        Ok(Ssp { s: init.config.get("s")?, codecs: CodecChoice::from_config(&init.config)? })
     }
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::OnArrival);
+        self.codecs.on_start(ctx);
+    }
+
+    fn on_worker_left(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
+        self.codecs.forget(worker);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
+        self.codecs.on_pull(ctx, pull.worker);
         Ssp::verdict(self.s, pull.clock, ctx.view())
     }
 }

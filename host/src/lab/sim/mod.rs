@@ -52,9 +52,10 @@ use syncopate_engine::worker::{
     Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
 
-use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerClock, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
+use crate::codec::{self, Codec, Encoded, PushEncoder};
 use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::lease::ServerLease;
@@ -309,6 +310,11 @@ struct SimWorker {
     deferred_ns: u64,
     /// The most local steps any shard's reply to the current pull said.
     local_steps: u32,
+    /// Its push codecs and error-feedback residuals, as a cluster worker's client keeps them.
+    encoder: PushEncoder,
+    /// Per shard, the own push in flight as that shard decodes it (when its codec is not
+    /// `none`; `None`: the values as they are).
+    encoded: Vec<Option<Vec<f32>>>,
     based_on: Vec<Option<u64>>,
     own: Option<InFlight>,
     help: Option<InFlight>,
@@ -537,6 +543,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             seed: sc.seed,
             optimizer: sc.server_optimizer(),
             local_sgd: sc.local_sgd(),
+            pull_codec: sc.codecs().1,
             push_weight: sc.push_weight.unwrap_or_default(),
             max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
             ..ShardConfig::default()
@@ -606,6 +613,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             deferred: false,
             deferred_ns: 0,
             local_steps: 0,
+            encoder: PushEncoder::new(w, shards_n as usize, sc.codecs().0),
+            encoded: vec![None; shards_n as usize],
             based_on: vec![None; shards_n as usize],
             own: None,
             help: None,
@@ -817,14 +826,48 @@ impl Sim {
     }
 
     fn shard_bytes(&self, shard: u32) -> u64 {
+        self.coded_bytes(shard, Codec::None)
+    }
+
+    /// What shard `shard`'s tensor costs on the wire in `codec`, a message's 64 bytes of
+    /// headers included (a modelled model's bytes scaled as the codec scales the workload's).
+    fn coded_bytes(&self, shard: u32, codec: Codec) -> u64 {
         let (lo, hi) = self.ranges[shard as usize];
+        let n = hi - lo;
         match &self.opts.run.scenario.modelled {
             // The modelled model's bytes, split over the shards as the workload's are.
             Some(m) => {
                 let total = self.ranges.last().map_or(1, |r| r.1).max(1) as u64;
-                m.bytes * (hi - lo) as u64 / total + 64
+                let ratio = codec::wire_len(codec, n) as f64 / (4 * n.max(1)) as f64;
+                (m.bytes as f64 * n as f64 / total as f64 * ratio) as u64 + 64
             }
-            None => (hi - lo) as u64 * 4 + 64,
+            None => codec::wire_len(codec, n) as u64 + 64,
+        }
+    }
+
+    /// Encodes worker `w`'s own push `job` for shard `s` as its client would (with error
+    /// feedback), keeps what the shard will decode, and returns the bytes on the wire.
+    fn encode_push(&mut self, w: u32, s: u32, job: &PushJob) -> u64 {
+        let (lo, hi) = self.ranges[s as usize];
+        let wk = &mut self.workers[w as usize];
+        wk.encoded[s as usize] = None;
+        if !self.opts.gradients {
+            let codec = wk.encoder.codec(s as usize, job.iteration);
+            return self.coded_bytes(s, codec);
+        }
+        let mut out = Vec::new();
+        match wk.encoder.encode(s as usize, job.iteration, &wk.bufs.grad[lo..hi], &mut out) {
+            Encoded::Raw => self.shard_bytes(s),
+            Encoded::Bytes(Codec::None) => {
+                wk.encoded[s as usize] = Some(bytemuck::cast_slice(&out).to_vec());
+                self.shard_bytes(s)
+            }
+            Encoded::Bytes(c) => {
+                let mut decoded = Vec::new();
+                codec::decode(c, &out, hi - lo, &mut decoded).expect("our own encoding decodes");
+                wk.encoded[s as usize] = Some(decoded);
+                self.coded_bytes(s, c)
+            }
         }
     }
 
@@ -965,9 +1008,19 @@ impl Sim {
         wk.local_steps = wk.local_steps.max(served.local_steps);
         if self.opts.gradients {
             let (lo, hi) = self.ranges[s as usize];
-            wk.bufs.params[lo..hi].copy_from_slice(&served.values);
+            let params = &mut wk.bufs.params[lo..hi];
+            if served.codec == Codec::None {
+                params.copy_from_slice(&served.values);
+            } else {
+                // What the worker's client decodes from the encoded reply.
+                let (mut bytes, mut decoded) = (Vec::new(), Vec::new());
+                codec::encode(served.codec, &served.values, None, &mut codec::Scratch::default(), &mut bytes);
+                codec::decode(served.codec, &bytes, params.len(), &mut decoded)
+                    .expect("our own encoding decodes");
+                params.copy_from_slice(&decoded);
+            }
         }
-        let (from, bytes) = (self.server_node(s), self.shard_bytes(s));
+        let (from, bytes) = (self.server_node(s), self.coded_bytes(s, served.codec));
         let t = self.transfer(from, w as usize, bytes);
         // The worker goes on when the last reply arrives: one event at that time, not one
         // per shard (a fifth of a large run's events).
@@ -1140,7 +1193,7 @@ impl Sim {
                     *slot = Some(InFlight { job, acks: 0, refused: false, dropped: 0 });
                     acked.fill(false);
                     for s in 0..shards {
-                        let bytes = self.shard_bytes(s);
+                        let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
                         let t = self.transfer(w as usize, self.server_node(s), bytes);
                         let t = self.reorder(t);
                         self.at(t, Ev::PushArrive(w, s, help));
@@ -1150,6 +1203,9 @@ impl Sim {
                     self.send(w, shard..shard + 1, ToShard::Handover(handover));
                 }
                 Action::Applied { shard, control, iteration } => {
+                    if let Control::SetPushCodec { codec } = control {
+                        self.workers[w as usize].encoder.set(shard as usize, codec, iteration);
+                    }
                     let msg = ToShard::Applied(Applied { worker: w, control, iteration });
                     self.send(w, shard..shard + 1, msg);
                 }
@@ -1264,7 +1320,10 @@ impl Sim {
                 let (lo, hi) = self.ranges[s as usize];
                 let grad = match (self.opts.gradients, help) {
                     (false, _) => vec![0.0],
-                    (true, false) => wk.bufs.grad[lo..hi].to_vec(),
+                    (true, false) => match &wk.encoded[s as usize] {
+                        Some(decoded) => decoded.clone(),
+                        None => wk.bufs.grad[lo..hi].to_vec(),
+                    },
                     (true, true) => wk.bufs.help[lo..hi].to_vec(),
                 };
                 // A whole push is the owner's own; parts say whose tasks they are.
@@ -1527,6 +1586,7 @@ impl Sim {
                     r.elapsed_ns = self.now;
                 }
                 (r.bytes_sent, r.bytes_received) = (self.up[i].bytes, self.down[i].bytes);
+                r.codec_owed = w.encoder.owed();
                 r
             })
             .collect();

@@ -1,0 +1,501 @@
+//! The codecs tensors cross the wire in, and the error feedback of the workers' pushes: one
+//! implementation, which the Rust worker, the Python client (through the same client), the
+//! servers and the simulator all call. What a codec is and its bounds are the SDK's
+//! ([`Codec`]); how one encodes is here.
+//!
+//! # The encoded form
+//! A tensor in any codec but [`Codec::None`] is a little-endian record: the number of values
+//! `n` (u32), then
+//! - `fp16`, `bf16`: `n` 16-bit values;
+//! - `int8` (blocks of `B`): per block, its scale (f32: the block's largest magnitude over 127)
+//!   then its values as i8 (`value = q × scale`);
+//! - `topk` (fraction `f`): `k = max(1, round(n × f))` (u32), then `k` strictly increasing
+//!   indices (u32) and their `k` values (f32); every other value is 0.
+//!
+//! padded with zeros to a multiple of 4 bytes (so a transport of f32 words carries it).
+//! [`Codec::None`] is the raw f32 values, with no header: the zero-copy path. [`decode`]
+//! checks every count, index and length against the bytes and against the most values the
+//! receiver accepts before it sizes anything by them.
+//!
+//! # Error feedback
+//! A worker pushes with a [`PushEncoder`]: per shard, it adds the residual that the last push's
+//! codec left out to the new values, encodes the sum, and keeps what this encoding leaves out
+//! for the next push. Nothing is lost, only delayed: the shard's sum of decoded pushes is the
+//! sum of the gradients minus the last residual. The residual stays through codec changes (a
+//! change to `none` pushes it whole) and policy swaps.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use syncopate_policy_sdk::abi::WorkerId;
+
+pub use syncopate_policy_sdk::codec::Codec;
+
+/// A tensor that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// Shorter or longer than its header says.
+    #[error("a {codec} tensor of {n} values is {expected} bytes, not {got}")]
+    Length {
+        /// The codec.
+        codec: Codec,
+        /// The values its header claims.
+        n: usize,
+        /// The bytes that many take.
+        expected: usize,
+        /// The bytes there are.
+        got: usize,
+    },
+    /// More values than the receiver takes.
+    #[error("a tensor of {n} values, more than the {max} this receiver takes")]
+    TooLong {
+        /// The values claimed.
+        n: usize,
+        /// The most accepted.
+        max: usize,
+    },
+    /// A top-k index out of range or out of order.
+    #[error("top-k index {index} at position {at}: indices must increase and stay below {n}")]
+    Index {
+        /// The index.
+        index: u32,
+        /// Its position.
+        at: usize,
+        /// The tensor's length.
+        n: usize,
+    },
+    /// A top-k record keeping more values than the tensor has.
+    #[error("top-k keeps {k} of {n} values")]
+    Kept {
+        /// Values kept.
+        k: usize,
+        /// The tensor's length.
+        n: usize,
+    },
+}
+
+/// Rounds a byte count up to whole 4-byte words.
+fn words(bytes: usize) -> usize {
+    bytes.div_ceil(4) * 4
+}
+
+/// The values top-k keeps of `n`.
+pub fn kept(ppm: u32, n: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    let k = (n as u128 * u128::from(ppm) + 500_000) / 1_000_000;
+    (k as usize).clamp(1, n)
+}
+
+/// Bytes `n` values take in `codec` on the wire (padding included).
+pub fn wire_len(codec: Codec, n: usize) -> usize {
+    match codec {
+        Codec::None => 4 * n,
+        Codec::Fp16 | Codec::Bf16 => words(4 + 2 * n),
+        Codec::Int8 { block } => words(4 + 4 * n.div_ceil(block.max(1) as usize) + n),
+        Codec::TopK { ppm } => 8 + 8 * kept(ppm, n),
+    }
+}
+
+/// Scratch space an encoder reuses from push to push, so that encoding allocates nothing
+/// once warm.
+#[derive(Debug, Default, Clone)]
+pub struct Scratch {
+    order: Vec<u32>,
+    sum: Vec<f32>,
+}
+
+/// Encodes `values` in `codec` into `out` (cleared first), and writes what the encoding leaves
+/// out (`values` minus what decodes) into `left` (as long as `values`) when given: pushes keep
+/// it for error feedback, pulls do not. [`Codec::None`] writes the raw values.
+pub fn encode(
+    codec: Codec,
+    values: &[f32],
+    mut left: Option<&mut [f32]>,
+    scratch: &mut Scratch,
+    out: &mut Vec<u8>,
+) {
+    debug_assert!(left.as_ref().is_none_or(|l| l.len() == values.len()));
+    out.clear();
+    let n = values.len();
+    out.reserve(wire_len(codec, n));
+    out.extend_from_slice(&(n as u32).to_le_bytes());
+    match codec {
+        Codec::None => {
+            out.clear();
+            out.extend_from_slice(bytemuck::cast_slice(values));
+            if let Some(l) = left {
+                l.fill(0.0);
+            }
+        }
+        Codec::Fp16 => half_encode::<f16>(values, left, out),
+        Codec::Bf16 => half_encode::<bf16>(values, left, out),
+        Codec::Int8 { block } => {
+            let block = block.max(1) as usize;
+            for (b, chunk) in values.chunks(block).enumerate() {
+                let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let scale = if max > 0.0 && max.is_finite() { max / 127.0 } else { 0.0 };
+                out.extend_from_slice(&scale.to_le_bytes());
+                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                out.extend(chunk.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+                if let Some(l) = left.as_deref_mut() {
+                    let q = &out[out.len() - chunk.len()..];
+                    for ((r, v), &q) in l[b * block..].iter_mut().zip(chunk).zip(q) {
+                        *r = v - f32::from(q as i8) * scale;
+                    }
+                }
+            }
+        }
+        Codec::TopK { ppm } => {
+            let k = kept(ppm, n);
+            out.extend_from_slice(&(k as u32).to_le_bytes());
+            let order = &mut scratch.order;
+            order.clear();
+            order.extend(0..n as u32);
+            if k < n {
+                // The k largest magnitudes first (NaN, which no shard takes, counts as largest).
+                let key = |i: &u32| values[*i as usize].abs();
+                order.select_nth_unstable_by(k, |a, b| key(b).total_cmp(&key(a)));
+            }
+            let top = &mut order[..k];
+            top.sort_unstable();
+            for &i in top.iter() {
+                out.extend_from_slice(&i.to_le_bytes());
+            }
+            for &i in top.iter() {
+                out.extend_from_slice(&values[i as usize].to_le_bytes());
+            }
+            if let Some(l) = left {
+                l.copy_from_slice(values);
+                for &i in top.iter() {
+                    l[i as usize] = 0.0;
+                }
+            }
+        }
+    }
+    out.resize(words(out.len()), 0);
+}
+
+trait Half: Copy + Default + bytemuck::Pod {
+    fn convert_from(dst: &mut [Self], src: &[f32]);
+    fn convert_to(src: &[Self], dst: &mut [f32]);
+}
+
+impl Half for f16 {
+    fn convert_from(dst: &mut [Self], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn convert_to(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl Half for bf16 {
+    fn convert_from(dst: &mut [Self], src: &[f32]) {
+        dst.convert_from_f32_slice(src);
+    }
+    fn convert_to(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+/// Values per conversion batch: small enough for the stack, large enough for the vector units.
+const BATCH: usize = 256;
+
+fn half_encode<H: Half>(values: &[f32], mut left: Option<&mut [f32]>, out: &mut Vec<u8>) {
+    let mut halves = [H::default(); BATCH];
+    let mut back = [0.0f32; BATCH];
+    for (c, chunk) in values.chunks(BATCH).enumerate() {
+        let (h, b) = (&mut halves[..chunk.len()], &mut back[..chunk.len()]);
+        H::convert_from(h, chunk);
+        out.extend_from_slice(bytemuck::cast_slice(h));
+        if let Some(l) = left.as_deref_mut() {
+            H::convert_to(h, b);
+            for ((r, v), d) in l[c * BATCH..].iter_mut().zip(chunk).zip(b.iter()) {
+                *r = v - d;
+            }
+        }
+    }
+}
+
+fn half_decode<H: Half>(bytes: &[u8], out: &mut [f32]) {
+    let mut halves = [H::default(); BATCH];
+    for (chunk, dst) in bytes.chunks(2 * BATCH).zip(out.chunks_mut(BATCH)) {
+        let h = &mut halves[..dst.len()];
+        bytemuck::cast_slice_mut::<H, u8>(h).copy_from_slice(chunk);
+        H::convert_to(h, dst);
+    }
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// The number of values an encoded tensor claims (the first word), if it has one.
+pub fn claimed_len(bytes: &[u8]) -> Option<usize> {
+    (bytes.len() >= 4).then(|| u32_at(bytes, 0) as usize)
+}
+
+/// Decodes `bytes` (in `codec`, not [`Codec::None`]) into `out`, resized to the values the
+/// record holds, refusing more than `max` values, and every malformed record.
+pub fn decode(codec: Codec, bytes: &[u8], max: usize, out: &mut Vec<f32>) -> Result<(), CodecError> {
+    let n = claimed_len(bytes).ok_or(CodecError::Length { codec, n: 0, expected: 4, got: bytes.len() })?;
+    if n > max {
+        return Err(CodecError::TooLong { n, max });
+    }
+    let expected = match codec {
+        Codec::TopK { .. } => {
+            let k = if bytes.len() >= 8 { u32_at(bytes, 4) as usize } else { 0 };
+            if k > n {
+                return Err(CodecError::Kept { k, n });
+            }
+            8 + 8 * k
+        }
+        other => wire_len(other, n),
+    };
+    if bytes.len() != expected {
+        return Err(CodecError::Length { codec, n, expected, got: bytes.len() });
+    }
+    out.clear();
+    out.resize(n, 0.0);
+    match codec {
+        Codec::None => out.copy_from_slice(bytemuck::cast_slice(&bytes[..4 * n])),
+        Codec::Fp16 => half_decode::<f16>(&bytes[4..4 + 2 * n], out),
+        Codec::Bf16 => half_decode::<bf16>(&bytes[4..4 + 2 * n], out),
+        Codec::Int8 { block } => {
+            let block = block.max(1) as usize;
+            let mut at = 4;
+            for dst in out.chunks_mut(block) {
+                let scale = f32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+                at += 4;
+                let len = dst.len();
+                for (d, &q) in dst.iter_mut().zip(&bytes[at..at + len]) {
+                    *d = f32::from(q as i8) * scale;
+                }
+                at += len;
+            }
+        }
+        Codec::TopK { .. } => {
+            let k = u32_at(bytes, 4) as usize;
+            let (idx, vals) = bytes[8..].split_at(4 * k);
+            let mut last: Option<u32> = None;
+            for (at, (i, v)) in idx.chunks_exact(4).zip(vals.chunks_exact(4)).enumerate() {
+                let i = u32::from_le_bytes(i.try_into().expect("4 bytes"));
+                if i as usize >= n || last.is_some_and(|l| i <= l) {
+                    return Err(CodecError::Index { index: i, at, n });
+                }
+                last = Some(i);
+                out[i as usize] = f32::from_le_bytes(v.try_into().expect("4 bytes"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How one push goes to one shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoded {
+    /// The values as they are, float32 (nothing left over from earlier pushes).
+    Raw,
+    /// The bytes [`PushEncoder::encode`] wrote, in this codec.
+    Bytes(Codec),
+}
+
+/// One shard's push codec and residual.
+#[derive(Debug, Clone, Default)]
+struct ShardState {
+    codec: Codec,
+    /// A codec set by a policy, and the first iteration it applies to.
+    next: Option<(Codec, u64)>,
+    residual: Vec<f32>,
+    /// Whether `residual` holds anything but zeros.
+    owed: bool,
+}
+
+/// A worker's push codecs and error-feedback residuals, one per shard it pushes to; see the
+/// module docs.
+#[derive(Debug, Clone)]
+pub struct PushEncoder {
+    worker: WorkerId,
+    shards: Vec<ShardState>,
+    scratch: Scratch,
+}
+
+impl PushEncoder {
+    /// For `shards` shards, each pushed to in `codec` until a policy sets another.
+    pub fn new(worker: WorkerId, shards: usize, codec: Codec) -> Self {
+        let state = ShardState { codec, ..ShardState::default() };
+        PushEncoder { worker, shards: vec![state; shards], scratch: Scratch::default() }
+    }
+
+    /// A policy's [`Control::SetPushCodec`](syncopate_policy_sdk::abi::Control::SetPushCodec)
+    /// for the shard at `index`, applied from `iteration` on (as acknowledged).
+    pub fn set(&mut self, index: usize, codec: Codec, iteration: u64) {
+        if let Some(s) = self.shards.get_mut(index) {
+            s.next = Some((codec, iteration));
+        }
+    }
+
+    /// The codec pushes of `iteration` to the shard at `index` go in.
+    pub fn codec(&mut self, index: usize, iteration: u64) -> Codec {
+        let Some(s) = self.shards.get_mut(index) else { return Codec::None };
+        if let Some((codec, from)) = s.next {
+            if iteration >= from {
+                (s.codec, s.next) = (codec, None);
+            }
+        }
+        s.codec
+    }
+
+    /// Encodes `values`, the part of iteration `iteration`'s push for the shard at `index`,
+    /// with that shard's residual added, into `out`, and keeps the new residual. [`Encoded::Raw`]:
+    /// send `values` themselves (the codec is `none` and nothing was owed), `out` untouched.
+    pub fn encode(&mut self, index: usize, iteration: u64, values: &[f32], out: &mut Vec<u8>) -> Encoded {
+        let codec = self.codec(index, iteration);
+        let worker = self.worker;
+        let (Some(s), scratch) = (self.shards.get_mut(index), &mut self.scratch) else { return Encoded::Raw };
+        if codec == Codec::None && !s.owed {
+            return Encoded::Raw;
+        }
+        if s.residual.len() != values.len() {
+            if s.owed {
+                tracing::warn!(
+                    worker,
+                    shard = index,
+                    "the shard's size changed: the codec's residual is dropped"
+                );
+            }
+            s.residual = vec![0.0; values.len()];
+            s.owed = false;
+        }
+        scratch.sum.clear();
+        scratch.sum.extend(values.iter().zip(&s.residual).map(|(v, r)| v + r));
+        let sum = std::mem::take(&mut scratch.sum);
+        encode(codec, &sum, Some(&mut s.residual), scratch, out);
+        scratch.sum = sum;
+        s.owed = codec != Codec::None;
+        Encoded::Bytes(codec)
+    }
+
+    /// The sum of the values still owed to the shards, over every value of every shard: what
+    /// the codecs left out and no push has carried yet (0 when pushes go uncompressed).
+    pub fn owed(&self) -> f64 {
+        self.shards.iter().flat_map(|s| &s.residual).map(|r| f64::from(*r)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(codec: Codec, values: &[f32]) -> (Vec<f32>, Vec<f32>, usize) {
+        let (mut out, mut left, mut back) = (Vec::new(), vec![0.0; values.len()], Vec::new());
+        encode(codec, values, Some(&mut left), &mut Scratch::default(), &mut out);
+        assert_eq!(out.len(), wire_len(codec, values.len()), "{codec}");
+        decode(codec, &out, values.len(), &mut back).unwrap();
+        (back, left, out.len())
+    }
+
+    #[test]
+    fn each_codec_decodes_to_what_it_encoded_less_what_it_says_it_left_out() {
+        let values: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        for codec in ["fp16", "bf16", "int8", "int8-16", "topk-0.01", "topk-1"] {
+            let codec: Codec = codec.parse().unwrap();
+            let (back, left, bytes) = roundtrip(codec, &values);
+            for ((v, b), l) in values.iter().zip(&back).zip(&left) {
+                assert_eq!(v - b, *l, "{codec}: left out is exactly the difference");
+            }
+            let worst = values.iter().zip(&back).map(|(v, b)| (v - b).abs()).fold(0.0f32, f32::max);
+            match codec {
+                Codec::Fp16 => assert!(worst < 4e-3 && bytes == 2004),
+                Codec::Bf16 => assert!(worst < 3e-2 && bytes == 2004),
+                Codec::Int8 { block: 256 } => assert!(worst < 0.03 && bytes == 4 + 4 * 4 + 1000),
+                Codec::TopK { ppm: 10_000 } => {
+                    assert_eq!(back.iter().filter(|b| **b != 0.0).count(), 10);
+                    assert_eq!(bytes, 8 + 80);
+                    // The ten kept are the largest magnitudes.
+                    let least_kept = back.iter().filter(|b| **b != 0.0).fold(f32::MAX, |m, b| m.min(b.abs()));
+                    assert!(left.iter().all(|l| l.abs() <= least_kept));
+                }
+                Codec::TopK { ppm: 1_000_000 } => assert_eq!(back, values),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_records_are_refused_before_anything_is_sized_by_them() {
+        let (mut out, mut left) = (Vec::new(), vec![0.0; 10]);
+        let topk = Codec::TopK { ppm: 300_000 };
+        let values = [1.0, -5.0, 2.0, 0.0, 3.0, 9.0, 0.5, 0.1, 4.0, -8.0];
+        encode(topk, &values, Some(&mut left), &mut Scratch::default(), &mut out);
+        let mut back = Vec::new();
+        decode(topk, &out, 10, &mut back).unwrap();
+        assert_eq!(back, [0.0, -5.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, -8.0]);
+        assert_eq!(decode(topk, &out, 9, &mut back), Err(CodecError::TooLong { n: 10, max: 9 }));
+        let mut swapped = out.clone();
+        swapped[8..12].copy_from_slice(&9u32.to_le_bytes());
+        assert!(matches!(
+            decode(topk, &swapped, 10, &mut back),
+            Err(CodecError::Index { index: 5, at: 1, .. })
+        ));
+        let mut far = out.clone();
+        far[16..20].copy_from_slice(&10u32.to_le_bytes());
+        assert!(matches!(decode(topk, &far, 10, &mut back), Err(CodecError::Index { index: 10, .. })));
+        let mut many = out.clone();
+        many[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(decode(topk, &many, 10, &mut back), Err(CodecError::Kept { .. })));
+        assert!(matches!(decode(topk, &out[..out.len() - 4], 10, &mut back), Err(CodecError::Length { .. })));
+        let mut huge = vec![0u8; 8];
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(decode(Codec::Fp16, &huge, 1 << 20, &mut back), Err(CodecError::TooLong { .. })));
+        assert!(matches!(
+            decode(Codec::Int8 { block: 256 }, &[1, 0], 10, &mut back),
+            Err(CodecError::Length { .. })
+        ));
+    }
+
+    /// Error feedback: over many pushes, the decoded sums fall short of the pushed ones by
+    /// exactly the residual still owed, whatever the codecs along the way; a change to `none`
+    /// pushes what was owed.
+    #[test]
+    fn what_a_codec_leaves_out_comes_with_later_pushes() {
+        let mut enc = PushEncoder::new(0, 1, Codec::TopK { ppm: 100_000 });
+        let (mut pushed, mut got) = (vec![0.0f64; 50], vec![0.0f64; 50]);
+        let (mut out, mut back) = (Vec::new(), Vec::new());
+        for it in 0..40u64 {
+            if it == 10 {
+                enc.set(0, Codec::Int8 { block: 16 }, 12);
+            }
+            if it == 30 {
+                enc.set(0, Codec::None, 30);
+            }
+            let g: Vec<f32> = (0..50).map(|i| ((i as u64 * 7 + it * 13) % 17) as f32 / 16.0 - 0.5).collect();
+            for (p, v) in pushed.iter_mut().zip(&g) {
+                *p += f64::from(*v);
+            }
+            match enc.encode(0, it, &g, &mut out) {
+                Encoded::Raw => back.clone_from(&g),
+                Encoded::Bytes(Codec::None) => back = bytemuck::cast_slice(&out).to_vec(),
+                Encoded::Bytes(c) => decode(c, &out, 50, &mut back).unwrap(),
+            }
+            assert_eq!(
+                enc.codec(0, it),
+                [Codec::TopK { ppm: 100_000 }, Codec::Int8 { block: 16 }, Codec::None]
+                    [usize::from(it >= 12) + usize::from(it >= 30)]
+            );
+            for (s, v) in got.iter_mut().zip(&back) {
+                *s += f64::from(*v);
+            }
+            if it >= 31 {
+                assert!(
+                    matches!(enc.encode(0, it, &[0.0; 50], &mut Vec::new()), Encoded::Raw),
+                    "nothing owed"
+                );
+            }
+        }
+        let short: f64 = pushed.iter().zip(&got).map(|(p, g)| p - g).map(f64::abs).sum();
+        assert!(short < 1e-3, "everything arrived once the codec was none: short by {short}");
+        assert_eq!(enc.owed(), 0.0);
+    }
+}
