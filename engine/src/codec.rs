@@ -102,6 +102,7 @@ pub fn wire_len(codec: Codec, n: usize) -> usize {
 #[derive(Debug, Default, Clone)]
 pub struct Scratch {
     order: Vec<u32>,
+    sample: Vec<u32>,
     sum: Vec<f32>,
 }
 
@@ -133,15 +134,48 @@ pub fn encode(
         Codec::Int8 { block } => {
             let block = block.max(1) as usize;
             for (b, chunk) in values.chunks(block).enumerate() {
-                let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                // `if a > m` rather than `f32::max`, whose NaN rule keeps the compiler from the
+                // vector units' maximum (a NaN in a push is refused by the shard anyway).
+                let max = chunk.iter().fold(0.0f32, |m, v| {
+                    let a = v.abs();
+                    if a > m {
+                        a
+                    } else {
+                        m
+                    }
+                });
                 let scale = if max > 0.0 && max.is_finite() { max / 127.0 } else { 0.0 };
                 out.extend_from_slice(&scale.to_le_bytes());
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                out.extend(chunk.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
-                if let Some(l) = left.as_deref_mut() {
-                    let q = &out[out.len() - chunk.len()..];
-                    for ((r, v), &q) in l[b * block..].iter_mut().zip(chunk).zip(q) {
-                        *r = v - f32::from(q as i8) * scale;
+                let at = out.len();
+                out.resize(at + chunk.len(), 0);
+                // Rounded to nearest (ties to even) by adding and taking away 1.5 × 2^23, in a
+                // batch the vector units take whole (`f32::round` is a call per value); the
+                // values are within ±127 by then.
+                const MAGIC: f32 = 12_582_912.0;
+                let mut rounded = [0.0f32; BATCH];
+                for (c, sub) in chunk.chunks(BATCH).enumerate() {
+                    let q = &mut rounded[..sub.len()];
+                    for (q, v) in q.iter_mut().zip(sub) {
+                        let x = v * inv;
+                        let x = if x > 127.0 {
+                            127.0
+                        } else if x < -127.0 {
+                            -127.0
+                        } else {
+                            x
+                        };
+                        *q = (x + MAGIC) - MAGIC;
+                    }
+                    let o = &mut out[at + c * BATCH..at + c * BATCH + sub.len()];
+                    for (o, q) in o.iter_mut().zip(q.iter()) {
+                        *o = *q as i32 as i8 as u8;
+                    }
+                    if let Some(l) = left.as_deref_mut() {
+                        let l = &mut l[b * block + c * BATCH..b * block + c * BATCH + sub.len()];
+                        for ((r, v), q) in l.iter_mut().zip(sub).zip(q.iter()) {
+                            *r = v - q * scale;
+                        }
                     }
                 }
             }
@@ -149,16 +183,8 @@ pub fn encode(
         Codec::TopK { ppm } => {
             let k = kept(ppm, n);
             out.extend_from_slice(&(k as u32).to_le_bytes());
-            let order = &mut scratch.order;
-            order.clear();
-            order.extend(0..n as u32);
-            if k < n {
-                // The k largest magnitudes first (NaN, which no shard takes, counts as largest).
-                let key = |i: &u32| values[*i as usize].abs();
-                order.select_nth_unstable_by(k, |a, b| key(b).total_cmp(&key(a)));
-            }
-            let top = &mut order[..k];
-            top.sort_unstable();
+            top_k(values, k, &mut scratch.order, &mut scratch.sample);
+            let top = &scratch.order[..];
             for &i in top.iter() {
                 out.extend_from_slice(&i.to_le_bytes());
             }
@@ -174,6 +200,42 @@ pub fn encode(
         }
     }
     out.resize(words(out.len()), 0);
+}
+
+/// A magnitude as bits that order as the magnitudes do (NaN above infinity).
+fn magnitude(v: f32) -> u32 {
+    v.to_bits() & 0x7fff_ffff
+}
+
+/// Leaves in `order` the indices of the `k` values of largest magnitude, in increasing order
+/// (ties broken towards the lower index). A sample of the values sets a threshold that about
+/// twice `k` values pass; the exact selection runs on those alone, and on all values only when
+/// the sample misjudged. One pass over the values, then work on a few times `k` of them.
+fn top_k(values: &[f32], k: usize, order: &mut Vec<u32>, sample: &mut Vec<u32>) {
+    let n = values.len();
+    order.clear();
+    if k >= n {
+        order.extend(0..n as u32);
+        return;
+    }
+    let stride = (n / 4096).max(1);
+    sample.clear();
+    sample.extend(values.iter().step_by(stride).map(|v| magnitude(*v)));
+    let m = sample.len();
+    // The sample's value with about 2k/n of the sample above it.
+    let above = ((2 * k * m).div_ceil(n) + 1).min(m);
+    let (_, &mut threshold, _) = sample.select_nth_unstable(m - above);
+    order.extend((0..n as u32).filter(|&i| magnitude(values[i as usize]) >= threshold));
+    if order.len() < k {
+        order.clear();
+        order.extend(0..n as u32);
+    }
+    if order.len() > k {
+        let key = |i: &u32| (std::cmp::Reverse(magnitude(values[*i as usize])), *i);
+        order.select_nth_unstable_by_key(k, key);
+        order.truncate(k);
+    }
+    order.sort_unstable();
 }
 
 trait Half: Copy + Default + bytemuck::Pod {
@@ -453,6 +515,46 @@ mod tests {
             decode(Codec::Int8 { block: 256 }, &[1, 0], 10, &mut back),
             Err(CodecError::Length { .. })
         ));
+    }
+
+    /// The sampled selection keeps exactly the k largest magnitudes, ties to the lower index,
+    /// whatever k and however the values are spread (runs of equal values included).
+    #[test]
+    fn top_k_is_exactly_the_largest_magnitudes() {
+        let mut x = 7u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut order, mut sample) = (Vec::new(), Vec::new());
+        for n in [1usize, 2, 5, 1000, 10_000, 50_000] {
+            for spread in 0..3 {
+                let values: Vec<f32> = (0..n)
+                    .map(|i| match spread {
+                        0 => (next() % 1000) as f32 - 500.0,
+                        1 => (next() % 3) as f32,
+                        _ => {
+                            if i % 1000 == 0 {
+                                1e6
+                            } else {
+                                (next() % 7) as f32 * 1e-3
+                            }
+                        }
+                    })
+                    .collect();
+                for k in [1, 2, n / 100, n / 3, n / 2, n.saturating_sub(1), n] {
+                    let k = k.clamp(1, n);
+                    top_k(&values, k, &mut order, &mut sample);
+                    let mut reference: Vec<u32> = (0..n as u32).collect();
+                    reference.sort_by_key(|&i| (std::cmp::Reverse(magnitude(values[i as usize])), i));
+                    reference.truncate(k);
+                    reference.sort_unstable();
+                    assert_eq!(order, reference, "n {n}, spread {spread}, k {k}");
+                }
+            }
+        }
     }
 
     /// Error feedback: over many pushes, the decoded sums fall short of the pushed ones by
