@@ -158,13 +158,7 @@ pub fn encode(
                     let q = &mut rounded[..sub.len()];
                     for (q, v) in q.iter_mut().zip(sub) {
                         let x = v * inv;
-                        let x = if x > 127.0 {
-                            127.0
-                        } else if x < -127.0 {
-                            -127.0
-                        } else {
-                            x
-                        };
+                        let x = x.clamp(-127.0, 127.0);
                         *q = (x + MAGIC) - MAGIC;
                     }
                     let o = &mut out[at + c * BATCH..at + c * BATCH + sub.len()];
