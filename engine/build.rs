@@ -6,7 +6,8 @@
 
 use std::path::Path;
 
-const BUILTIN: &[&str] = &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco"];
+const BUILTIN: &[&str] =
+    &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco", "adaptive-deadline"];
 
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");

@@ -69,7 +69,7 @@ fn policy_check_runs_events_through_the_module() {
     // Every built-in and both examples get through the short run: joins, pulls, pushes, reports,
     // timers, a hand-over to themselves and leaves.
     let mut modules: Vec<(String, std::path::PathBuf)> =
-        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco"]
+        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco", "adaptive-deadline"]
             .iter()
             .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
             .collect();
@@ -128,13 +128,13 @@ fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco"] {
+    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco", "adaptive-deadline"] {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
     // Each with a one-line description and its parameters, defaults and meaning.
     assert!(stdout.contains("s_hi       uint   default 15"), "{stdout}");
     assert!(stdout.contains("text   default enforced"), "{stdout}");
-    assert_eq!(stdout.matches("description: ").count(), 9, "{stdout}");
+    assert_eq!(stdout.matches("description: ").count(), 10, "{stdout}");
     // Within a module, the columns line up however long its parameters' names are.
     for block in stdout.split("\n\n") {
         let at: Vec<usize> =
