@@ -128,7 +128,9 @@ fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for name in ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco", "adaptive-deadline"] {
+    for name in
+        ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco", "adaptive-deadline"]
+    {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
     // Each with a one-line description and its parameters, defaults and meaning.

@@ -175,7 +175,7 @@ impl Policy for AdaptiveDeadline {
         let slack: f64 = init.config.get("slack")?;
         let window: usize = init.config.get("window")?;
         let warmup: usize = init.config.get("warmup")?;
-        if !(k >= 0.0 && k <= 100.0 && slack >= 0.0 && slack <= 10.0) {
+        if !((0.0..=100.0).contains(&k) && (0.0..=10.0).contains(&slack)) {
             return Err(format!("k = {k}, slack = {slack}: k in [0, 100], slack in [0, 10]"));
         }
         if !(1..=10_000).contains(&window) || warmup > window {
