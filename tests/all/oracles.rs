@@ -314,6 +314,27 @@ fn local_sgd_and_diloco_keep_the_barrier_and_step_each_round_once() {
     }
 }
 
+/// The adaptive deadline over random interleavings with one worker 4x slower: every push is
+/// acknowledged once, and applied or dropped; every round is one optimizer step on the mean of
+/// the gradients it took (the model moves by exactly -1 a step, whoever was in); once the
+/// window is warm the slow worker's gradients start coming in late and are dropped, and every
+/// pull sees every round before its worker's current one.
+#[test]
+fn the_adaptive_deadline_cuts_rounds_for_the_straggler_and_counts_every_push_once() {
+    for seed in 0..4 {
+        let mut c = Cluster::new(&builtin_module("adaptive-deadline"), &[("warmup", "4")], N, 30, seed)
+            .with_speeds(&[4, 4, 4, 1]);
+        c.run_to_end();
+        let stats = c.shard.stats();
+        assert_eq!(c.rec.acked.len() as u64, c.pushes, "seed {seed}: each push answered once");
+        assert_eq!(stats.pushes_admitted + stats.pushes_dropped, c.pushes, "seed {seed}");
+        assert!(stats.pushes_dropped > 0, "seed {seed}: the straggler was cut: {stats:?}");
+        assert_eq!(c.shard.values()[0], -(stats.steps as f32), "seed {seed}: a step is a round's mean");
+        // A pull at clock c waits for round c - 1: the c rounds 0..c are steps in its model.
+        assert!(c.rec.served.iter().all(|p| p.version >= p.clock), "seed {seed}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
