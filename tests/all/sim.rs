@@ -198,6 +198,40 @@ fn epsp_in_the_simulator_moves_a_stragglers_tasks_and_every_iteration_counts_exa
     assert!(time(r) < time(&bsp), "EPSP {} ns against BSP {} ns", time(r), time(&bsp));
 }
 
+/// Issue 38: EPSP sees a worker slowed between iterations (the jitter injection) as slow, since
+/// its speed is the iteration time the servers observe, and gives it a smaller batch, so the
+/// barrier waits less for it and the run ends sooner; from reported compute alone the worker
+/// looks as fast as the others. (No task moves for it either way: its delay comes after its
+/// computing, when no task is left to hand over.)
+#[test]
+fn epsp_shares_work_by_the_iteration_times_the_servers_observe() {
+    let text = EPSP.replace(
+        "[[slow]]\nworker = 0\nfactor = 3.0\n",
+        "[[jitter]]\nworker = 0\nmean_ms = 30.0\nsd_ms = 3.0\n",
+    );
+    assert_ne!(text, EPSP, "the straggler is jittered instead");
+    let run = |policy: &str| {
+        let opts = SimOptions {
+            run: RunSpec::new(scenario(&text), policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults::default(),
+        };
+        simulate(&opts, syncopate_suite::runtime()).expect("simulates")
+    };
+    let (observed, reported) = (run("epsp:share_ms=200"), run("epsp:share_ms=200,speed=reported"));
+    let time =
+        |s: &syncopate::lab::sim::Simulated| s.report.workers.iter().map(|w| w.elapsed_ns).max().unwrap_or(0);
+    assert!(
+        time(&observed) < time(&reported),
+        "observed {} ns, reported {} ns",
+        time(&observed),
+        time(&reported)
+    );
+    assert!(observed.report.workers.iter().all(|w| w.iterations == 30));
+}
+
 #[test]
 fn ab_simulate_reports_the_tasks_epsp_moved() {
     let dir = run_dir("sim-ab-epsp");

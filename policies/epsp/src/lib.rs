@@ -10,8 +10,18 @@
 //!   aggregated per iteration); `mode = slack` is SSP's bound `s` (updates applied on arrival).
 //! - Tasks: every worker splits its mini-batch into `tasks` equal tasks (sample shards), set at
 //!   join with `Control::SetTaskShare`.
+//! - A worker's speed (`speed = observed`, the default since 2026-11-26): samples per second of
+//!   the iteration time the servers observe, from the moment its pull is served (at once, or
+//!   when the barrier it waited at opens) to the arrival of its push. That is the time Falcon's
+//!   straggler projection is about, whatever slows the worker: slower compute, or delays between
+//!   iterations (an overloaded host, a slow input pipeline, the jitter injection). `speed =
+//!   reported` is the earlier reading, the compute time the worker itself reports, which a
+//!   worker slowed between iterations hides (a quarter of 32 simulated workers jittered ran at
+//!   BSP's pace under it: `docs/results.md`). Such a worker is helped by a smaller batch; a
+//!   task move cannot help it, since its delay comes after its computing, when no task is left
+//!   to hand over.
 //! - Elastic shares (`elastic = true`): every `share_ms` each worker's finish time is projected
-//!   from its task completion rate (samples per second of compute, from its iteration reports) and
+//!   from its task completion rate (samples per second, as above) and
 //!   its batch size is set to `B * v_i / sum_j v_j` (B: `global_batch`, or the sum of the batch
 //!   sizes the workers started with), so projected finish times line up. Each iteration's update
 //!   is weighted by its share of B.
@@ -52,6 +62,10 @@ struct Worker {
     /// The last iteration of its from which tasks moved to other workers: that iteration's
     /// report counts only the samples it kept, so it does not tell its batch size.
     gave_away: Option<u64>,
+    /// Its deferred pull waits for the minimum clock to reach this.
+    gate: Option<u64>,
+    /// Its last iteration's time as the servers saw it: from its pull served to its push.
+    observed_ns: u64,
 }
 
 /// Elastic-parallelism synchronous parallel.
@@ -67,6 +81,8 @@ pub struct Epsp {
     lead: bool,
     workers: Vec<Worker>,
     speed: Throughput,
+    /// Speeds from the iteration times the servers observe (else from reported compute).
+    observed: bool,
 }
 
 impl Worker {
@@ -169,6 +185,12 @@ impl Policy for Epsp {
             ParamSpec::new("elastic", ParamKind::Bool, "true", "set batch sizes in proportion to speed"),
             ParamSpec::new("global_batch", ParamKind::Uint, "0", "batch shared out by speed (0: the starting sum)"),
             ParamSpec::new("share_ms", ParamKind::Uint, "2000", "how often batch sizes are re-projected"),
+            ParamSpec::new(
+                "speed",
+                ParamKind::Text,
+                "observed",
+                "a worker's speed: `observed` iteration times, or its `reported` compute",
+            ),
         ],
     );
 
@@ -182,6 +204,11 @@ impl Policy for Epsp {
         if !(1..=64).contains(&tasks) {
             return Err(format!("tasks = {tasks}: between 1 and 64"));
         }
+        let observed = match init.config.text("speed").unwrap_or("observed") {
+            "observed" => true,
+            "reported" => false,
+            other => return Err(format!("speed `{other}` is neither `observed` nor `reported`")),
+        };
         let share_ms: u64 = init.config.get("share_ms")?;
         if share_ms == 0 {
             return Err("share_ms must be positive".into());
@@ -197,6 +224,7 @@ impl Policy for Epsp {
             lead: init.shard == 0,
             workers: Vec::new(),
             speed: Throughput::new(0.3),
+            observed,
         })
     }
 
@@ -239,9 +267,17 @@ impl Policy for Epsp {
         let now = ctx.now_ns();
         let w = self.worker(push.worker);
         w.clock = push.clock + 1;
+        w.observed_ns = now.saturating_sub(w.started_ns);
         w.started_ns = now;
         w.hi = 0;
         w.hi_iteration = u64::MAX;
+        // The barrier this push completes opens for the pulls that waited at it: their
+        // iterations start now.
+        let min = self.workers.iter().filter(|w| w.live).map(|w| w.clock).min().unwrap_or(0);
+        for w in self.workers.iter_mut().filter(|w| w.live && w.gate.is_some_and(|g| g <= min)) {
+            w.gate = None;
+            w.started_ns = now;
+        }
         match self.global() {
             Some(b) if self.elastic || self.global_batch > 0 => {
                 PushVerdict::AdmitWeighted(push.samples as f32 / b as f32)
@@ -253,9 +289,11 @@ impl Policy for Epsp {
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
         self.worker(pull.worker).helping = false;
         let verdict = self.gate(pull.clock, ctx.view());
-        if verdict == PullVerdict::Serve {
+        match verdict {
             // Served at once: its next iteration starts computing now.
-            self.worker(pull.worker).started_ns = ctx.now_ns();
+            PullVerdict::Serve => self.worker(pull.worker).started_ns = ctx.now_ns(),
+            PullVerdict::Defer(Release::MinClockAtLeast(g)) => self.worker(pull.worker).gate = Some(g),
+            PullVerdict::Defer(Release::Explicit) => {}
         }
         if verdict != PullVerdict::Serve && self.moves && self.lead {
             self.move_to(ctx, pull.worker);
@@ -264,7 +302,11 @@ impl Policy for Epsp {
     }
 
     fn on_iteration_finished(&mut self, _ctx: &mut Ctx<'_>, report: &IterationReport) {
-        self.speed.record(report);
+        let observed = self.worker(report.worker).observed_ns;
+        match self.observed {
+            true => self.speed.record(&IterationReport { compute_ns: observed, ..*report }),
+            false => self.speed.record(report),
+        }
         let w = self.worker(report.worker);
         // A report covers the worker's own tasks only: its batch is learnt from an iteration
         // none of whose tasks moved away.
