@@ -4,23 +4,26 @@
 //!
 //! - Rounds as BSP's: updates aggregate by round (a round is a worker's clock), and a pull
 //!   before computing round `r` waits until round `r - 1` is complete.
-//! - Round `r` opens when round `r - 1` completes. Every push's **arrival offset**, the time
-//!   from its round's opening to its arrival, joins a window of the last `window` offsets
-//!   (pushes that come too late included, so lateness raises the deadline).
-//! - Once the window holds `warmup` offsets, each round gets a deadline when it opens: its
-//!   opening plus `median + max(k · MAD, slack · median)` of the window (MAD unscaled: multiply
-//!   `k` by 1.4826 to count in standard deviations of a normal spread; the `slack` floor keeps
-//!   identical workers, whose MAD is 0, from being cut a hair late). Before that, rounds wait
-//!   for everyone (BSP).
+//! - Every push but a round's first has an **arrival delay**: the time from the round's first
+//!   push here to it. The last `window` delays are kept (pushes that come too late included, so
+//!   lateness raises the deadline).
+//! - Once `warmup` delays are in, a round's first push sets its deadline: that push's arrival
+//!   plus `median + max(k · MAD, min_ms)` of the window (MAD unscaled: multiply `k` by 1.4826
+//!   to count in standard deviations of a normal spread; the `min_ms` floor keeps workers whose
+//!   arrivals hardly differ, MAD about 0, from being cut by the transport's jitter). Before that,
+//!   rounds wait for everyone (BSP).
 //! - A round completes when every live worker's gradient is in, or at its deadline with those
-//!   that are (one optimizer step on their mean); a round with none in by then waits for its
-//!   first and all others (the window learns the slower pace).
+//!   that are (one optimizer step on their mean).
 //! - A gradient for a completed round is dropped (its worker's clock moves on, its next pull
 //!   is served on the newer model), as backup workers' are.
 //!
-//! Each shard's instance decides for itself from what it sees, as every policy does; a
-//! worker's push that arrives at its deadline on one shard and just before it on another is
-//! dropped on the first and kept on the second. A hot swap starts a fresh window.
+//! Timing from the round's first arrival, not from its opening, keeps the shards in step: every
+//! shard sees the same pushes at nearly the same times, whereas a round's opening is each
+//! shard's own and the workers start a round only once every shard has opened it. (Timed from
+//! the openings, the shards' deadlines drifted apart and the cuts alternated between them: no
+//! gain over BSP with a straggler.) Each shard still decides alone, so a push that arrives at
+//! its deadline on one shard and just before it on another is dropped on the first and kept on
+//! the second. A hot swap starts a fresh window.
 
 use std::collections::VecDeque;
 
@@ -30,31 +33,31 @@ use syncopate_policy_sdk::prelude::*;
 /// The timer of the open round's deadline.
 const DEADLINE: TimerId = 1;
 
-/// Rounds whose opening times are kept (late pushes are timed against theirs).
-const OPENINGS: usize = 64;
+/// Rounds whose first arrival times are kept (late pushes are timed against theirs).
+const ROUNDS: usize = 64;
 
 /// Synchronous rounds cut at median + k·MAD of the arrivals.
 #[derive(Debug)]
 pub struct AdaptiveDeadline {
     k: f64,
-    slack: f64,
+    min_ns: u64,
     window: usize,
     warmup: usize,
     live: u32,
     /// Rounds below this are complete; this one is open.
     complete: u64,
-    /// When recent rounds opened: (round, host ns).
-    opened: VecDeque<(u64, u64)>,
+    /// When recent rounds' first pushes arrived: (round, host ns).
+    firsts: VecDeque<(u64, u64)>,
     /// Gradients in per open round: (round, count).
     arrived: Vec<(u64, u32)>,
-    /// The last arrival offsets, in ns.
-    offsets: VecDeque<u64>,
+    /// The last arrival delays, in ns.
+    delays: VecDeque<u64>,
     /// The round the deadline timer is set for.
     armed: Option<u64>,
     /// Pulls waiting for a round to complete: (pull, its worker, the round it waits for).
     waiting: Vec<(RequestId, WorkerId, u64)>,
     dropped: u64,
-    early: u64,
+    cut: u64,
     codecs: CodecChoice,
 }
 
@@ -70,59 +73,50 @@ fn median(xs: &mut [u64]) -> u64 {
 }
 
 impl AdaptiveDeadline {
-    /// The deadline offset the window gives, once warm.
+    /// How long after a round's first arrival it is cut, once the window is warm.
     fn deadline_ns(&self) -> Option<u64> {
-        if self.offsets.len() < self.warmup.max(1) {
+        if self.delays.len() < self.warmup.max(1) {
             return None;
         }
-        let mut xs: Vec<u64> = self.offsets.iter().copied().collect();
+        let mut xs: Vec<u64> = self.delays.iter().copied().collect();
         let med = median(&mut xs);
         let mut dev: Vec<u64> = xs.iter().map(|x| x.abs_diff(med)).collect();
         let mad = median(&mut dev);
-        let spread = (self.k * mad as f64).max(self.slack * med as f64);
-        Some(med.saturating_add(spread as u64))
+        let spread = ((self.k * mad as f64) as u64).max(self.min_ns);
+        Some(med.saturating_add(spread))
     }
 
-    fn opened_at(&self, round: u64) -> Option<u64> {
-        self.opened.iter().find(|o| o.0 == round).map(|o| o.1)
-    }
-
-    fn record(&mut self, round: u64, now: u64) {
-        if let Some(t) = self.opened_at(round) {
-            if self.offsets.len() == self.window {
-                self.offsets.pop_front();
-            }
-            self.offsets.push_back(now.saturating_sub(t));
-        }
-    }
-
-    /// Round `round` opens now: its deadline is set if the window is warm.
-    fn open(&mut self, ctx: &mut Ctx<'_>, round: u64) {
-        if self.opened.len() == OPENINGS {
-            self.opened.pop_front();
-        }
-        self.opened.push_back((round, ctx.now_ns()));
-        match self.deadline_ns() {
-            Some(d) => {
-                ctx.set_timer(DEADLINE, d);
-                ctx.metric("adaptive.deadline_ms", d as f64 / 1e6);
-                self.armed = Some(round);
+    /// A push of `round` arrived now: its delay joins the window. Returns whether it is the
+    /// round's first.
+    fn record(&mut self, round: u64, now: u64) -> bool {
+        match self.firsts.iter().find(|f| f.0 == round) {
+            Some(&(_, first)) => {
+                if self.delays.len() == self.window {
+                    self.delays.pop_front();
+                }
+                self.delays.push_back(now.saturating_sub(first));
+                false
             }
             None => {
-                if self.armed.take().is_some() {
-                    ctx.cancel_timer(DEADLINE);
+                if self.firsts.len() == ROUNDS {
+                    self.firsts.pop_front();
                 }
+                self.firsts.push_back((round, now));
+                true
             }
         }
     }
 
-    /// Completes round `complete` (one step on the gradients in), releases the pulls that
-    /// waited for it, and opens the next.
+    /// Completes round `complete` (one step on the gradients in) and releases the pulls that
+    /// waited for it.
     fn finish_round(&mut self, ctx: &mut Ctx<'_>) {
         let round = self.complete;
         ctx.complete_aggregate(round);
         self.arrived.retain(|a| a.0 != round);
         self.complete = round + 1;
+        if self.armed.take().is_some() {
+            ctx.cancel_timer(DEADLINE);
+        }
         let complete = self.complete;
         self.waiting.retain(|&(pull, _, wants)| {
             let ready = wants < complete;
@@ -131,16 +125,36 @@ impl AdaptiveDeadline {
             }
             !ready
         });
-        self.open(ctx, complete);
     }
 
+    /// Completes every open round that has every live worker's gradient, in order; arms the
+    /// deadline of the round then open if its first push is in.
     fn complete_ready(&mut self, ctx: &mut Ctx<'_>) {
         loop {
             let have = self.arrived.iter().find(|a| a.0 == self.complete).map_or(0, |a| a.1);
-            if have == 0 || have < self.live {
+            if have == 0 {
+                return;
+            }
+            if have < self.live {
+                self.arm(ctx);
                 return;
             }
             self.finish_round(ctx);
+        }
+    }
+
+    /// Sets the open round's deadline (from its first arrival), once, if the window is warm.
+    fn arm(&mut self, ctx: &mut Ctx<'_>) {
+        let round = self.complete;
+        if self.armed == Some(round) {
+            return;
+        }
+        let first = self.firsts.iter().find(|f| f.0 == round).map(|f| f.1);
+        if let (Some(first), Some(d)) = (first, self.deadline_ns()) {
+            let after = (first + d).saturating_sub(ctx.now_ns());
+            ctx.set_timer(DEADLINE, after);
+            ctx.metric("adaptive.deadline_ms", d as f64 / 1e6);
+            self.armed = Some(round);
         }
     }
 }
@@ -149,21 +163,21 @@ impl Policy for AdaptiveDeadline {
     const INFO: PolicyInfo = PolicyInfo::new(
         "adaptive-deadline",
         env!("CARGO_PKG_VERSION"),
-        "Synchronous rounds cut at median + k·MAD of recent arrival times; late gradients dropped.",
+        "Synchronous rounds cut at median + k·MAD of recent arrival delays; late gradients dropped.",
         &[
-            ParamSpec::new("k", ParamKind::Float, "3", "MADs beyond the median arrival a round waits"),
+            ParamSpec::new("k", ParamKind::Float, "3", "MADs beyond the median arrival delay a round waits"),
+            ParamSpec::new("min_ms", ParamKind::Float, "2", "least wait beyond the median delay, in ms"),
             ParamSpec::new(
-                "slack",
-                ParamKind::Float,
-                "0.1",
-                "least wait beyond the median, as a share of it",
+                "window",
+                ParamKind::Uint,
+                "64",
+                "arrival delays the median and MAD are taken over",
             ),
-            ParamSpec::new("window", ParamKind::Uint, "64", "arrivals the median and MAD are taken over"),
             ParamSpec::new(
                 "warmup",
                 ParamKind::Uint,
                 "8",
-                "arrivals before any round is cut (BSP until then)",
+                "arrival delays before any round is cut (BSP until then)",
             ),
             CodecChoice::PUSH_PARAM,
             CodecChoice::PULL_PARAM,
@@ -172,31 +186,31 @@ impl Policy for AdaptiveDeadline {
 
     fn new(init: &Init) -> Result<Self, String> {
         let k: f64 = init.config.get("k")?;
-        let slack: f64 = init.config.get("slack")?;
+        let min_ms: f64 = init.config.get("min_ms")?;
         let window: usize = init.config.get("window")?;
         let warmup: usize = init.config.get("warmup")?;
-        if !((0.0..=100.0).contains(&k) && (0.0..=10.0).contains(&slack)) {
-            return Err(format!("k = {k}, slack = {slack}: k in [0, 100], slack in [0, 10]"));
+        if !((0.0..=100.0).contains(&k) && (0.0..=60_000.0).contains(&min_ms)) {
+            return Err(format!("k = {k}, min_ms = {min_ms}: k in [0, 100], min_ms in [0, 60000]"));
         }
         if !(1..=10_000).contains(&window) || warmup > window {
             return Err(format!(
-                "window = {window}, warmup = {warmup}: 1 to 10000 arrivals, warmup at most window"
+                "window = {window}, warmup = {warmup}: 1 to 10000 delays, warmup at most window"
             ));
         }
         Ok(AdaptiveDeadline {
             k,
-            slack,
+            min_ns: (min_ms * 1e6) as u64,
             window,
             warmup,
             live: 0,
             complete: 0,
-            opened: VecDeque::new(),
+            firsts: VecDeque::new(),
             arrived: Vec::new(),
-            offsets: VecDeque::new(),
+            delays: VecDeque::new(),
             armed: None,
             waiting: Vec::new(),
             dropped: 0,
-            early: 0,
+            cut: 0,
             codecs: CodecChoice::from_config(&init.config)?,
         })
     }
@@ -213,8 +227,6 @@ impl Policy for AdaptiveDeadline {
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
         ctx.set_update_mode(UpdateMode::Aggregate);
         self.codecs.on_start(ctx);
-        let round = self.complete;
-        self.open(ctx, round);
     }
 
     fn on_worker_joined(&mut self, ctx: &mut Ctx<'_>, _worker: WorkerId, _clock: u64) {
@@ -260,13 +272,10 @@ impl Policy for AdaptiveDeadline {
         if timer != DEADLINE || self.armed.take() != Some(self.complete) {
             return;
         }
-        let have = self.arrived.iter().find(|a| a.0 == self.complete).map_or(0, |a| a.1);
-        if have > 0 {
-            self.early += 1;
-            ctx.metric("adaptive.cut_rounds", self.early as f64);
-            self.finish_round(ctx);
-            self.complete_ready(ctx);
-        }
+        self.cut += 1;
+        ctx.metric("adaptive.cut_rounds", self.cut as f64);
+        self.finish_round(ctx);
+        self.complete_ready(ctx);
     }
 }
 
@@ -279,29 +288,31 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    /// Three workers arrive 10 ms into each round for a while (BSP until the window is warm);
-    /// then worker 2 is late: the round is cut at the median plus the slack, 11 ms, and its
-    /// gradient, when it comes, is dropped.
+    /// Three workers whose pushes come 1 and 2 ms after each round's first (BSP until the
+    /// window is warm); then worker 2 is late: the round is cut 3.5 ms after its first push
+    /// (median 1.5 ms, plus the 2 ms floor over 3 × MAD = 1.5 ms), and worker 2's gradient,
+    /// when it comes, is dropped.
     #[test]
-    fn a_round_is_cut_at_median_plus_slack_once_warm_and_the_late_gradient_dropped() {
-        let mut d = Driver::<AdaptiveDeadline>::new(&[("warmup", "6"), ("k", "3")]).unwrap();
+    fn a_round_is_cut_at_median_plus_the_floor_once_warm_and_the_late_gradient_dropped() {
+        let mut d = Driver::<AdaptiveDeadline>::new(&[("warmup", "4"), ("k", "3")]).unwrap();
         for w in 0..3 {
             d.join(w);
         }
         for round in 0..2 {
-            d.advance_ns(10 * MS);
+            d.advance_ns(20 * MS);
             for w in 0..3 {
                 d.push(w).unwrap();
+                d.advance_ns(MS);
             }
             assert!(d.log.contains(&Recorded::AggregateCompleted(round)));
         }
-        // Warm now (6 offsets of 10 ms, MAD 0): round 2 is cut at 10 ms + 10%.
-        assert!(d.log.contains(&Recorded::Timer(DEADLINE, 11 * MS)), "{:?}", d.log);
-        d.advance_ns(10 * MS);
+        d.advance_ns(20 * MS);
         d.push(0).unwrap();
+        assert!(d.log.contains(&Recorded::Timer(DEADLINE, 3_500_000)), "{:?}", d.log);
+        d.advance_ns(MS);
         d.push(1).unwrap();
         assert_eq!(d.pull(0).unwrap(), PullVerdict::Defer(Release::Explicit));
-        d.advance_ns(MS);
+        d.advance_ns(3 * MS);
         d.fire_timer(DEADLINE).unwrap();
         assert!(d.log.contains(&Recorded::AggregateCompleted(2)), "cut with two of three");
         assert_eq!(d.take_released().len(), 1, "the waiting pull goes on");
@@ -310,37 +321,28 @@ mod tests {
         assert_eq!(d.pull(2).unwrap(), PullVerdict::Serve, "and goes on from the newer model");
     }
 
-    /// The deadline follows the arrivals: a spread of offsets gives median + k·MAD.
+    /// The deadline follows the arrivals: delays 10, 30, 20 and 40 ms give median 25 and MAD
+    /// 10: a round is cut 25 + 2 × 10 = 45 ms after its first push.
     #[test]
     fn the_deadline_is_the_median_plus_k_mads_of_the_window() {
-        let mut d = Driver::<AdaptiveDeadline>::new(&[("warmup", "4"), ("k", "2"), ("slack", "0")]).unwrap();
-        for w in 0..2 {
+        let mut d = Driver::<AdaptiveDeadline>::new(&[("warmup", "4"), ("k", "2"), ("min_ms", "0")]).unwrap();
+        for w in 0..3 {
             d.join(w);
         }
-        // Offsets 10, 20 (round 0) and 30, 40 (round 1): median 25, MAD 10: 25 + 2 × 10 = 45 ms.
-        for (a, b) in [(10, 10), (30, 10)] {
-            d.advance_ns(a * MS);
+        for (a, b) in [(10, 20), (20, 20)] {
             d.push(0).unwrap();
-            d.advance_ns(b * MS);
+            d.advance_ns(a * MS);
             d.push(1).unwrap();
+            d.advance_ns(b * MS);
+            d.push(2).unwrap();
         }
+        d.push(0).unwrap();
         assert!(d.log.contains(&Recorded::Timer(DEADLINE, 45 * MS)), "{:?}", d.log);
-    }
-
-    #[test]
-    fn with_no_gradient_by_the_deadline_a_round_waits_for_all() {
-        let mut d = Driver::<AdaptiveDeadline>::new(&[("warmup", "2")]).unwrap();
-        d.join(0);
-        d.join(1);
-        d.advance_ns(5 * MS);
-        d.push(0).unwrap();
+        // Everyone in before the deadline: the round completes and the timer goes.
         d.push(1).unwrap();
-        d.advance_ns(50 * MS);
-        d.fire_timer(DEADLINE).unwrap();
-        assert!(!d.log.contains(&Recorded::AggregateCompleted(1)));
-        d.push(0).unwrap();
-        d.push(1).unwrap();
-        assert!(d.log.contains(&Recorded::AggregateCompleted(1)));
+        d.push(2).unwrap();
+        assert!(d.log.contains(&Recorded::AggregateCompleted(2)));
+        assert!(d.log.contains(&Recorded::TimerCancelled(DEADLINE)));
         assert!(Driver::<AdaptiveDeadline>::new(&[("warmup", "100"), ("window", "10")]).is_err());
     }
 }
