@@ -15,6 +15,8 @@
 //!   when the barrier it waited at opens) to the arrival of its push. That is the time Falcon's
 //!   straggler projection is about, whatever slows the worker: slower compute, or delays between
 //!   iterations (an overloaded host, a slow input pipeline, the jitter injection). `speed =
+//!   An iteration in which the worker computed moved tasks for others is timed by its reported
+//!   compute instead (its observed time includes the others' work). `speed =
 //!   reported` is the earlier reading, the compute time the worker itself reports, which a
 //!   worker slowed between iterations hides (a quarter of 32 simulated workers jittered ran at
 //!   BSP's pace under it: `docs/results.md`). Such a worker is helped by a smaller batch; a
@@ -64,8 +66,11 @@ struct Worker {
     gave_away: Option<u64>,
     /// Its deferred pull waits for the minimum clock to reach this.
     gate: Option<u64>,
-    /// Its last iteration's time as the servers saw it: from its pull served to its push.
+    /// Its last iteration's time as the servers saw it: from its pull served to its push (0:
+    /// not a measure of its speed, since it computed moved tasks for others meanwhile).
     observed_ns: u64,
+    /// It was given another worker's tasks since its iteration started.
+    helped: bool,
 }
 
 /// Elastic-parallelism synchronous parallel.
@@ -168,7 +173,9 @@ impl Epsp {
         w.moving = true;
         w.hi = first;
         w.hi_iteration = st.clock;
-        self.worker(p).helping = true;
+        let pioneer = self.worker(p);
+        pioneer.helping = true;
+        pioneer.helped = true;
     }
 }
 
@@ -267,7 +274,8 @@ impl Policy for Epsp {
         let now = ctx.now_ns();
         let w = self.worker(push.worker);
         w.clock = push.clock + 1;
-        w.observed_ns = now.saturating_sub(w.started_ns);
+        w.observed_ns = if w.helped { 0 } else { now.saturating_sub(w.started_ns) };
+        w.helped = false;
         w.started_ns = now;
         w.hi = 0;
         w.hi_iteration = u64::MAX;
@@ -303,7 +311,7 @@ impl Policy for Epsp {
 
     fn on_iteration_finished(&mut self, _ctx: &mut Ctx<'_>, report: &IterationReport) {
         let observed = self.worker(report.worker).observed_ns;
-        match self.observed {
+        match self.observed && observed > 0 {
             true => self.speed.record(&IterationReport { compute_ns: observed, ..*report }),
             false => self.speed.record(report),
         }
