@@ -152,3 +152,26 @@ def test_reading_a_worker_while_its_async_pull_is_deferred_does_not_deadlock(
     np.testing.assert_array_equal(b0[0], -np.ones(16, dtype=np.float32))
     w0.leave()
     w1.leave()
+
+
+def test_pushes_and_pulls_cross_in_the_policys_codecs_and_stay_exact_on_integers(
+    cluster: ClusterFactory,
+) -> None:
+    # fp16 both ways, chosen by the policy: small integers are exact in fp16, so the servers'
+    # model moves by exactly -gradient, through the same client Rust workers use.
+    policy = "bsp:push_codec=fp16,pull_codec=fp16"
+    c = cluster(workers=1, servers=2, shards=3, lr=1.0, policy=policy)
+    init = model()
+    with syncopate.Worker(init, **c.settings, iterations=3) as w:
+        out = [np.zeros_like(t) for t in init]
+        assert w.pull(out) is not None
+        rng = np.random.default_rng(9)
+        grads = [rng.integers(-5, 5, size=t.shape).astype(np.float32) for t in init]
+        for _ in range(2):
+            assert w.push(grads) == 0
+            assert w.pull(out) is not None
+        for o, t, g in zip(out, init, grads, strict=True):
+            np.testing.assert_array_equal(o, t - 2 * g)
+        report = w.report()
+    assert report["controls"] >= 3, report  # each shard's policy told it the push codec
+    assert report["codec_owed"] == 0.0
