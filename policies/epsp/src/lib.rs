@@ -15,8 +15,8 @@
 //!   when the barrier it waited at opens) to the arrival of its push. That is the time Falcon's
 //!   straggler projection is about, whatever slows the worker: slower compute, or delays between
 //!   iterations (an overloaded host, a slow input pipeline, the jitter injection). `speed =
-//!   An iteration in which the worker computed moved tasks for others is timed by its reported
-//!   compute instead (its observed time includes the others' work). `speed =
+//!   An iteration whose tasks moved, to the worker or from it, is timed by its reported compute
+//!   instead (its observed time then includes others' work, or waits for it). `speed =
 //!   reported` is the earlier reading, the compute time the worker itself reports, which a
 //!   worker slowed between iterations hides (a quarter of 32 simulated workers jittered ran at
 //!   BSP's pace under it: `docs/results.md`). Such a worker is helped by a smaller batch; a
@@ -67,10 +67,11 @@ struct Worker {
     /// Its deferred pull waits for the minimum clock to reach this.
     gate: Option<u64>,
     /// Its last iteration's time as the servers saw it: from its pull served to its push (0:
-    /// not a measure of its speed, since it computed moved tasks for others meanwhile).
+    /// not a measure of its speed, since tasks moved to or from it meanwhile).
     observed_ns: u64,
-    /// It was given another worker's tasks since its iteration started.
-    helped: bool,
+    /// Tasks moved to it, or from its iteration, since its iteration started: its push then
+    /// comes when others' work is done too, or after work of others.
+    moved: bool,
 }
 
 /// Elastic-parallelism synchronous parallel.
@@ -173,9 +174,7 @@ impl Epsp {
         w.moving = true;
         w.hi = first;
         w.hi_iteration = st.clock;
-        let pioneer = self.worker(p);
-        pioneer.helping = true;
-        pioneer.helped = true;
+        self.worker(p).helping = true;
     }
 }
 
@@ -274,8 +273,8 @@ impl Policy for Epsp {
         let now = ctx.now_ns();
         let w = self.worker(push.worker);
         w.clock = push.clock + 1;
-        w.observed_ns = if w.helped { 0 } else { now.saturating_sub(w.started_ns) };
-        w.helped = false;
+        w.observed_ns = if w.moved { 0 } else { now.saturating_sub(w.started_ns) };
+        w.moved = false;
         w.started_ns = now;
         w.hi = 0;
         w.hi_iteration = u64::MAX;
@@ -331,10 +330,15 @@ impl Policy for Epsp {
             Control::SetBatchSize { samples } => self.worker(applied.worker).batch = samples,
             Control::MoveTasks { from, iteration, first, count } => {
                 let tasks = self.tasks;
+                if count > 0 {
+                    // Both iterations' times now include the other's work.
+                    self.worker(applied.worker).moved = true;
+                }
                 let w = self.worker(from);
                 w.moving = false;
                 if count > 0 {
                     w.gave_away = Some(iteration);
+                    w.moved = true;
                 }
                 if w.hi_iteration == iteration {
                     // Tasks the owner had started stay with it.
