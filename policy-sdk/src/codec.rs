@@ -1,6 +1,6 @@
 //! Which codec a tensor crosses the wire in: a policy chooses one per shard for pushes
-//! ([`Control::SetPushCodec`](crate::abi::Control::SetPushCodec), sent to each worker) and one
-//! for pulls ([`Decision::SetPullCodec`](crate::abi::Decision::SetPullCodec)). This is the
+//! ([`crate::abi::Control::SetPushCodec`], sent to each worker) and one for pulls
+//! ([`crate::abi::Decision::SetPullCodec`]). This is the
 //! name and its bounds; the host's engine does the encoding (`syncopate_engine::codec`), for
 //! the workers (Rust and Python alike) and the servers.
 //!
