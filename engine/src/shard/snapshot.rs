@@ -616,7 +616,10 @@ mod tests {
                 // EPSP weighs each round's aggregate itself (the mean of the contributions present
                 // when it completes the round early), and it exports no state: restarted, it
                 // times its rounds afresh, so its weights, unlike the pushes applied, may differ.
-                if name != "epsp" {
+                // The adaptive deadline drops late pushes: its model is not the sum of all.
+                if name == "adaptive-deadline" {
+                    assert_eq!(restored.values(), original.values(), "{name} restored at step {at}");
+                } else if name != "epsp" {
                     assert_eq!(original.values(), [expected; 5], "{name}: the uninterrupted run");
                     assert_eq!(restored.values(), original.values(), "{name} restored at step {at}");
                 }

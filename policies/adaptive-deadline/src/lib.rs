@@ -23,12 +23,27 @@
 //! the openings, the shards' deadlines drifted apart and the cuts alternated between them: no
 //! gain over BSP with a straggler.) Each shard still decides alone, so a push that arrives at
 //! its deadline on one shard and just before it on another is dropped on the first and kept on
-//! the second. A hot swap starts a fresh window.
+//! the second. The policy's state (rounds, arrivals, the window) is handed over with the SDK's
+//! serde helper, so a restart from a checkpoint, or a swap to `adaptive-deadline` with other
+//! numbers, goes on where it was; a swap from another policy starts a fresh window.
 
 use std::collections::VecDeque;
 
 use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
+use syncopate_policy_sdk::state;
+
+/// What survives a restart or a swap to this policy.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Saved {
+    complete: u64,
+    firsts: Vec<(u64, u64)>,
+    arrived: Vec<(u64, u32)>,
+    delays: Vec<u64>,
+    armed: Option<u64>,
+    dropped: u64,
+    cut: u64,
+}
 
 /// The timer of the open round's deadline.
 const DEADLINE: TimerId = 1;
@@ -215,12 +230,31 @@ impl Policy for AdaptiveDeadline {
         })
     }
 
+    fn export_state(&self) -> Vec<u8> {
+        state::save(&Saved {
+            complete: self.complete,
+            firsts: self.firsts.iter().copied().collect(),
+            arrived: self.arrived.clone(),
+            delays: self.delays.iter().copied().collect(),
+            armed: self.armed,
+            dropped: self.dropped,
+            cut: self.cut,
+        })
+    }
+
     fn import_state(init: &Init, handoff: &Handoff<'_>) -> Result<Self, String> {
         let mut me = Self::new(init)?;
         me.live = handoff.workers.len() as u32;
-        // The host levelled the clocks and applied every open aggregate: rounds begin at the
-        // common clock.
-        me.complete = handoff.workers.iter().map(|w| w.clock).min().unwrap_or(0);
+        // After a swap the host has levelled the clocks and applied every aggregate below the
+        // common clock: rounds begin there. A restart keeps its rounds and their arrivals.
+        let level = handoff.workers.iter().map(|w| w.clock).min().unwrap_or(0);
+        let saved = state::load::<Saved>(handoff, Self::INFO.name)?.unwrap_or_default();
+        me.complete = saved.complete.max(level);
+        me.arrived = saved.arrived.into_iter().filter(|a| a.0 >= me.complete).collect();
+        me.firsts = saved.firsts.into_iter().rev().take(ROUNDS).rev().collect();
+        me.delays = saved.delays.into_iter().rev().take(me.window).rev().collect();
+        me.armed = saved.armed.filter(|r| *r == me.complete);
+        (me.dropped, me.cut) = (saved.dropped, saved.cut);
         Ok(me)
     }
 
