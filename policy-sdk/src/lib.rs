@@ -115,6 +115,19 @@ pub enum PullVerdict {
     Defer(Release),
 }
 
+impl PullVerdict {
+    /// BSP's barrier: serve a pull at `clock` once every live worker has pushed as many
+    /// iterations (`min_clock >= clock`), else defer it until then. The rule of `bsp`,
+    /// `localsgd` and `diloco`.
+    pub fn at_barrier(clock: u64, view: ShardView) -> PullVerdict {
+        if view.min_clock >= clock {
+            PullVerdict::Serve
+        } else {
+            PullVerdict::Defer(Release::MinClockAtLeast(clock))
+        }
+    }
+}
+
 /// A policy's answer to a push.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PushVerdict {

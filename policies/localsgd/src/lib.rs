@@ -54,11 +54,7 @@ impl Policy for LocalSgd {
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
         self.codecs.on_pull(ctx, pull.worker);
-        if ctx.view().min_clock >= pull.clock {
-            PullVerdict::Serve
-        } else {
-            PullVerdict::Defer(Release::MinClockAtLeast(pull.clock))
-        }
+        PullVerdict::at_barrier(pull.clock, ctx.view())
     }
 }
 
