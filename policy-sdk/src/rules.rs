@@ -394,4 +394,38 @@ mod tests {
         let new_timer = Decision::SetTimer { timer: MAX_TIMERS as u64, after_ns: 1 };
         assert!(r.check(&new_timer, &s).is_err(), "one timer too many");
     }
+
+    /// Local steps, the outer optimizer and codecs stay within their bounds, and pulls are
+    /// never top-k.
+    #[test]
+    fn local_steps_outer_optimizers_and_codecs_are_bounded() {
+        let s = State { live: vec![0], ..State::default() };
+        let mut r = EventRules::without_event();
+        let ok = [
+            Decision::SetLocalSteps { worker: None, steps: 0 },
+            Decision::SetLocalSteps { worker: Some(0), steps: MAX_LOCAL_STEPS },
+            Decision::SetOuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true },
+            Decision::SetPullCodec { codec: Codec::Int8 { block: 256 } },
+            Decision::Control {
+                worker: 0,
+                control: Control::SetPushCodec { codec: Codec::TopK { ppm: 10_000 } },
+            },
+        ];
+        for d in ok {
+            assert_eq!(r.check(&d, &s), Ok(false), "{d:?}");
+        }
+        let bad = [
+            Decision::SetLocalSteps { worker: None, steps: MAX_LOCAL_STEPS + 1 },
+            Decision::SetLocalSteps { worker: Some(1), steps: 4 },
+            Decision::SetOuterOptimizer { lr: 0.0, momentum: 0.9, nesterov: true },
+            Decision::SetOuterOptimizer { lr: f32::NAN, momentum: 0.0, nesterov: false },
+            Decision::SetOuterOptimizer { lr: 1.0, momentum: 1.0, nesterov: false },
+            Decision::SetPullCodec { codec: Codec::TopK { ppm: 10_000 } },
+            Decision::SetPullCodec { codec: Codec::Int8 { block: 1 } },
+            Decision::Control { worker: 0, control: Control::SetPushCodec { codec: Codec::TopK { ppm: 0 } } },
+        ];
+        for d in bad {
+            assert!(r.check(&d, &s).is_err(), "{d:?}");
+        }
+    }
 }
