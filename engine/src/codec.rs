@@ -288,7 +288,7 @@ fn u32_at(bytes: &[u8], at: usize) -> u32 {
 }
 
 /// The number of values an encoded tensor claims (the first word), if it has one.
-pub fn claimed_len(bytes: &[u8]) -> Option<usize> {
+fn claimed_len(bytes: &[u8]) -> Option<usize> {
     (bytes.len() >= 4).then(|| u32_at(bytes, 0) as usize)
 }
 

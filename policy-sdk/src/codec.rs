@@ -85,11 +85,6 @@ impl Codec {
             _ => return None,
         })
     }
-
-    /// Whether it decodes to exactly what was encoded.
-    pub fn is_lossless(self) -> bool {
-        self == Codec::None
-    }
 }
 
 impl fmt::Display for Codec {

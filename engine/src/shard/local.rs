@@ -111,11 +111,6 @@ impl LocalSgd {
     pub fn outer(&mut self) -> &mut Optimizer {
         &mut self.outer
     }
-
-    /// The outer optimizer's hyper-parameters.
-    pub fn outer_config(&self) -> OptimizerConfig {
-        self.outer.config()
-    }
 }
 
 #[cfg(test)]
@@ -217,7 +212,7 @@ mod tests {
         l.set_outer(0.7, 0.9, true, 2);
         l.outer().step(&mut [0.0, 0.0], &[1.0, 1.0], 1.0);
         l.reset(2);
-        assert_eq!((l.steps_of(1), l.outer_config()), (0, OptimizerConfig::AVERAGING));
+        assert_eq!((l.steps_of(1), l.outer().config()), (0, OptimizerConfig::AVERAGING));
         // The momentum survives: DiLoCo again resumes it.
         l.set_outer(1.0, 0.5, false, 2);
         let mut p = [0.0f32, 0.0];
