@@ -67,6 +67,7 @@ mod ctx;
 #[doc(hidden)]
 pub mod guest;
 pub mod optimizer;
+pub mod rounds;
 pub mod rules;
 pub mod shares;
 pub mod state;

@@ -31,6 +31,7 @@ use std::collections::VecDeque;
 
 use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
+use syncopate_policy_sdk::rounds::RoundGate;
 use syncopate_policy_sdk::state;
 
 /// What survives a restart or a swap to this policy.
@@ -69,8 +70,8 @@ pub struct AdaptiveDeadline {
     delays: VecDeque<u64>,
     /// The round the deadline timer is set for.
     armed: Option<u64>,
-    /// Pulls waiting for a round to complete: (pull, its worker, the round it waits for).
-    waiting: Vec<(RequestId, WorkerId, u64)>,
+    /// Pulls waiting for a round to complete.
+    waiting: RoundGate,
     dropped: u64,
     cut: u64,
     codecs: CodecChoice,
@@ -132,14 +133,7 @@ impl AdaptiveDeadline {
         if self.armed.take().is_some() {
             ctx.cancel_timer(DEADLINE);
         }
-        let complete = self.complete;
-        self.waiting.retain(|&(pull, _, wants)| {
-            let ready = wants < complete;
-            if ready {
-                ctx.release_pull(pull);
-            }
-            !ready
-        });
+        self.waiting.completed(ctx, self.complete);
     }
 
     /// Completes every open round that has every live worker's gradient, in order; arms the
@@ -223,7 +217,7 @@ impl Policy for AdaptiveDeadline {
             arrived: Vec::new(),
             delays: VecDeque::new(),
             armed: None,
-            waiting: Vec::new(),
+            waiting: RoundGate::default(),
             dropped: 0,
             cut: 0,
             codecs: CodecChoice::from_config(&init.config)?,
@@ -271,17 +265,13 @@ impl Policy for AdaptiveDeadline {
     fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
         self.live = self.live.saturating_sub(1);
         self.codecs.forget(worker);
-        self.waiting.retain(|w| w.1 != worker);
+        self.waiting.forget(worker);
         self.complete_ready(ctx);
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
         self.codecs.on_pull(ctx, pull.worker);
-        if pull.clock <= self.complete {
-            return PullVerdict::Serve;
-        }
-        self.waiting.push((pull.id, pull.worker, pull.clock - 1));
-        PullVerdict::Defer(Release::Explicit)
+        self.waiting.pull(pull, self.complete)
     }
 
     fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {

@@ -26,6 +26,7 @@
 //! SDK's serde helper ([`state`]), so swapping `backup:b=1` for `backup:b=2` keeps counting.
 
 use syncopate_policy_sdk::prelude::*;
+use syncopate_policy_sdk::rounds::RoundGate;
 use syncopate_policy_sdk::state;
 
 /// The state carried across swaps and restarts.
@@ -49,8 +50,8 @@ pub struct Backup {
     complete: u64,
     /// Gradients in per open round: (round, count).
     arrived: Vec<(u64, u32)>,
-    /// Pulls waiting for a round to complete: (pull, its worker, the round it waits for).
-    waiting: Vec<(RequestId, WorkerId, u64)>,
+    /// Pulls waiting for a round to complete.
+    waiting: RoundGate,
     dropped: u64,
 }
 
@@ -72,14 +73,7 @@ impl Backup {
             ctx.metric("backup.round_gradients", f64::from(have));
             self.arrived.retain(|a| a.0 != round);
             self.complete = round + 1;
-            let complete = self.complete;
-            self.waiting.retain(|&(pull, _, wants)| {
-                let ready = wants < complete;
-                if ready {
-                    ctx.release_pull(pull);
-                }
-                !ready
-            });
+            self.waiting.completed(ctx, self.complete);
         }
     }
 }
@@ -124,7 +118,7 @@ impl Policy for Backup {
             live: 0,
             complete: 0,
             arrived: Vec::new(),
-            waiting: Vec::new(),
+            waiting: RoundGate::default(),
             dropped: 0,
         })
     }
@@ -157,16 +151,12 @@ impl Policy for Backup {
     fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
         self.live = self.live.saturating_sub(1);
         // The host drops a leaving worker's parked pulls: there is nothing left to release.
-        self.waiting.retain(|w| w.1 != worker);
+        self.waiting.forget(worker);
         self.complete_ready(ctx);
     }
 
     fn on_pull(&mut self, _ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
-        if pull.clock <= self.complete {
-            return PullVerdict::Serve;
-        }
-        self.waiting.push((pull.id, pull.worker, pull.clock - 1));
-        PullVerdict::Defer(Release::Explicit)
+        self.waiting.pull(pull, self.complete)
     }
 
     fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
