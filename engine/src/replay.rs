@@ -259,6 +259,7 @@ impl Side {
                 Decision::SetUpdateMode(_)
                 | Decision::SetLocalSteps { .. }
                 | Decision::SetOuterOptimizer { .. }
+                | Decision::SetOuterDelay { .. }
                 | Decision::SetPullCodec { .. } => {}
             }
         }

@@ -561,6 +561,19 @@ pub enum Decision<'a> {
         /// The codec.
         codec: Codec,
     },
+    /// Delay the outer optimizer's momentum (Delayed Nesterov; Liu et al. 2024, "Asynchronous
+    /// Local-SGD Training for Language Modeling", Algorithm 3): of every `period` outer steps,
+    /// `period - 1` apply their weighted pseudo-gradient `w·g` plainly (`θ -= lr·w·g`, the
+    /// momentum untouched), and the `period`-th also folds the sum of the period's `w·g` into
+    /// the momentum and applies it (`v = β·v + Σ w·g`, `θ -= lr·(w·g + β·v)`). With the default
+    /// weight `1 / workers` and `period` = the number of workers, this is the paper's update;
+    /// `period` 1 (the default) is the outer optimizer's ordinary step. Rounds (aggregate mode)
+    /// count as one outer step each. A hot swap sets it back to 1 and drops the partial sum
+    /// (ABI v2).
+    SetOuterDelay {
+        /// Outer steps per momentum step (1 to [`MAX_OUTER_DELAY`](crate::rules::MAX_OUTER_DELAY)).
+        period: u32,
+    },
 }
 
 /// Splits the `i64` a data-returning export gives back into `(ptr, len)`.

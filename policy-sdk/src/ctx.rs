@@ -117,6 +117,12 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::SetOuterOptimizer { lr, momentum, nesterov });
     }
 
+    /// Step the outer momentum once every `period` outer steps (Delayed Nesterov); see
+    /// [`Decision::SetOuterDelay`](crate::abi::Decision::SetOuterDelay).
+    pub fn set_outer_delay(&mut self, period: u32) {
+        self.emit(&Decision::SetOuterDelay { period });
+    }
+
     /// Answer this shard's pulls in `codec` from now on; see
     /// [`Decision::SetPullCodec`](crate::abi::Decision::SetPullCodec). Push codecs are set per
     /// worker with [`control`](Self::control) and

@@ -114,6 +114,29 @@ impl Optimizer {
             *p -= lr * d;
         }
     }
+
+    /// One step of Delayed Nesterov (Liu et al. 2024, Algorithm 3) with gradient
+    /// `scale * grad`: without `period_sum`, a plain step that leaves the velocity alone
+    /// (`p -= lr * scale * g`); with it, the period's last step, which folds the period's sum
+    /// of scaled gradients into the velocity and applies the look-ahead
+    /// (`v = momentum * v + sum`, `p -= lr * (scale * g + momentum * v)`). Weight decay is
+    /// added to the gradient as in [`step`](Self::step). With a period of one step
+    /// (`period_sum` = `scale * grad` every time) this is `step` with Nesterov momentum.
+    pub fn step_delayed(&mut self, params: &mut [f32], grad: &[f32], scale: f32, period_sum: Option<&[f32]>) {
+        debug_assert_eq!(params.len(), grad.len());
+        let OptimizerConfig { lr, momentum, weight_decay, .. } = self.cfg;
+        let Some(sum) = period_sum.filter(|_| momentum != 0.0) else {
+            for (p, g) in params.iter_mut().zip(grad) {
+                *p -= lr * (scale * g + weight_decay * *p);
+            }
+            return;
+        };
+        debug_assert_eq!(sum.len(), grad.len());
+        for (((p, g), s), v) in params.iter_mut().zip(grad).zip(sum).zip(self.velocity.iter_mut()) {
+            *v = momentum * *v + s;
+            *p -= lr * (scale * g + weight_decay * *p + momentum * *v);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -135,6 +158,31 @@ mod tests {
         o.step(&mut p, &[1.0], 1.0);
         o.step(&mut p, &[1.0], 1.0);
         assert_eq!(p, vec![-2.5]); // v = 1, then 1.5
+    }
+
+    /// Delayed Nesterov with a period of one step is Nesterov; with a longer period, the
+    /// parameters move by the plain steps between momentum steps and by the momentum of the
+    /// period's sum at its end, as Algorithm 3 of Liu et al. (2024) writes it.
+    #[test]
+    fn delayed_nesterov_is_nesterov_at_period_one_and_delays_the_momentum_otherwise() {
+        let cfg = OptimizerConfig { lr: 0.7, momentum: 0.9, weight_decay: 0.0, nesterov: true };
+        let (mut a, mut b) = (Optimizer::new(cfg, 2), Optimizer::new(cfg, 2));
+        let (mut p, mut q) = (vec![1.0f32, -1.0], vec![1.0f32, -1.0]);
+        for step in 0..20 {
+            let g = [step as f32 / 10.0 - 1.0, 0.5];
+            a.step(&mut p, &g, 0.25);
+            let scaled = [0.25 * g[0], 0.25 * g[1]];
+            b.step_delayed(&mut q, &g, 0.25, Some(&scaled));
+            assert_eq!(p, q, "step {step}");
+        }
+        // A period of two: g1 plainly, then g2 with the momentum of g1 + g2.
+        let mut d = Optimizer::new(cfg, 1);
+        let mut p = vec![0.0f32];
+        d.step_delayed(&mut p, &[1.0], 0.5, None);
+        assert_eq!(p, vec![-0.35]);
+        d.step_delayed(&mut p, &[3.0], 0.5, Some(&[2.0]));
+        // v = 2; p -= 0.7 * (1.5 + 0.9 * 2)
+        assert!((p[0] - (-0.35 - 0.7 * 3.3)).abs() < 1e-6, "{p:?}");
     }
 
     /// Momentum and decay on the worker, plain SGD on the server: for one worker, the same

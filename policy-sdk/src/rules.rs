@@ -17,7 +17,8 @@
 //! - a push weight is finite and not negative; a deferral waits for a minimum clock a run can
 //!   reach; a shard holds at most [`MAX_TIMERS`] timers;
 //! - local steps are at most [`MAX_LOCAL_STEPS`], set for every worker or a live one; an outer
-//!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1);
+//!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1), its delay 1 to
+//!   [`MAX_OUTER_DELAY`] steps;
 //! - codecs are within their bounds ([`Codec::check`]), and pulls are never top-k.
 //!
 //! A policy that breaks a rule is treated like one that crashed.
@@ -43,6 +44,18 @@ pub const MAX_LOCAL_STEPS: u32 = 10_000;
 pub fn check_local_steps(steps: u32) -> Result<(), String> {
     if steps > MAX_LOCAL_STEPS {
         return Err(format!("{steps} local steps per iteration: at most {MAX_LOCAL_STEPS}"));
+    }
+    Ok(())
+}
+
+/// The longest delay of the outer momentum ([`Decision::SetOuterDelay`]), in outer steps: the
+/// paper's is the number of workers.
+pub const MAX_OUTER_DELAY: u32 = 4096;
+
+/// Whether an outer momentum's delay is within bounds (1 to [`MAX_OUTER_DELAY`]).
+pub fn check_outer_delay(period: u32) -> Result<(), String> {
+    if !(1..=MAX_OUTER_DELAY).contains(&period) {
+        return Err(format!("an outer momentum delay of {period} steps (1 to {MAX_OUTER_DELAY})"));
     }
     Ok(())
 }
@@ -237,6 +250,9 @@ impl EventRules {
             Decision::SetOuterOptimizer { lr, momentum, .. } => {
                 check_outer_optimizer(lr, momentum).map_err(|e| format!("set {e}"))?;
             }
+            Decision::SetOuterDelay { period } => {
+                check_outer_delay(period).map_err(|e| format!("set {e}"))?;
+            }
             Decision::SetPullCodec { codec } => {
                 codec.check().map_err(|e| format!("set a pull codec of {e}"))?;
                 if matches!(codec, Codec::TopK { .. }) {
@@ -405,6 +421,8 @@ mod tests {
             Decision::SetLocalSteps { worker: None, steps: 0 },
             Decision::SetLocalSteps { worker: Some(0), steps: MAX_LOCAL_STEPS },
             Decision::SetOuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true },
+            Decision::SetOuterDelay { period: 1 },
+            Decision::SetOuterDelay { period: MAX_OUTER_DELAY },
             Decision::SetPullCodec { codec: Codec::Int8 { block: 256 } },
             Decision::Control {
                 worker: 0,
@@ -420,6 +438,8 @@ mod tests {
             Decision::SetOuterOptimizer { lr: 0.0, momentum: 0.9, nesterov: true },
             Decision::SetOuterOptimizer { lr: f32::NAN, momentum: 0.0, nesterov: false },
             Decision::SetOuterOptimizer { lr: 1.0, momentum: 1.0, nesterov: false },
+            Decision::SetOuterDelay { period: 0 },
+            Decision::SetOuterDelay { period: MAX_OUTER_DELAY + 1 },
             Decision::SetPullCodec { codec: Codec::TopK { ppm: 10_000 } },
             Decision::SetPullCodec { codec: Codec::Int8 { block: 1 } },
             Decision::Control { worker: 0, control: Control::SetPushCodec { codec: Codec::TopK { ppm: 0 } } },

@@ -50,6 +50,8 @@ pub enum Recorded {
     OuterOptimizer(f32, f32, bool),
     /// The pull codec was set.
     PullCodec(crate::abi::Codec),
+    /// The outer momentum's delay was set.
+    OuterDelay(u32),
 }
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
@@ -364,8 +366,13 @@ impl<P: Policy> Driver<P> {
     /// `worker` reports a finished iteration that took `compute_ns`.
     pub fn iteration_finished(&mut self, worker: WorkerId, compute_ns: u64) -> Result<(), String> {
         let iteration = self.clocks.get(worker).ok_or("report from a worker that is not live")?;
+        self.report(IterationReport { worker, iteration, compute_ns, samples: 1 })
+    }
+
+    /// A worker reports a finished iteration, as given (samples and all).
+    pub fn report(&mut self, report: IterationReport) -> Result<(), String> {
+        self.clocks.get(report.worker).ok_or("report from a worker that is not live")?;
         let view = self.clocks.view();
-        let report = IterationReport { worker, iteration, compute_ns, samples: 1 };
         self.send(view, Event::IterationFinished(report), None).map(|_| ())
     }
 
@@ -557,6 +564,7 @@ impl<P: Policy> Driver<P> {
                     self.log.push(Recorded::OuterOptimizer(lr, momentum, nesterov))
                 }
                 Decision::SetPullCodec { codec } => self.log.push(Recorded::PullCodec(codec)),
+                Decision::SetOuterDelay { period } => self.log.push(Recorded::OuterDelay(period)),
             }
         }
         rules.finish()?;

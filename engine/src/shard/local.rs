@@ -6,18 +6,22 @@
 //! the model with its inner optimizer, and pushes the parameters it pulled minus the ones it
 //! reached. The shard sums these pseudo-gradients as it sums gradients (per round in aggregate
 //! mode, per group, or one by one on arrival), but steps them with [`LocalSgd::outer`], an
-//! optimizer of its own: plain averaging by default (local SGD), Nesterov momentum for DiLoCo.
+//! optimizer of its own: plain averaging by default (local SGD), Nesterov momentum for DiLoCo,
+//! and, for asynchronous local SGD, Delayed Nesterov: the momentum folded in and applied only
+//! every `period`-th outer step ([`Decision::SetOuterDelay`]).
 //! Pushes say which they are, so a round in which a swap changed the setting still applies each
 //! push with the optimizer it was meant for.
 //!
-//! Policies set both ([`Decision::SetLocalSteps`], [`Decision::SetOuterOptimizer`]); a hot swap
-//! sets them back to the cluster's defaults, so the incoming policy starts from what the cluster
-//! was configured with whatever the outgoing one did, while the outer momentum itself is kept (a
-//! swap back to DiLoCo resumes it). Everything here is in snapshots; backups get it by
+//! Policies set them ([`Decision::SetLocalSteps`], [`Decision::SetOuterOptimizer`],
+//! [`Decision::SetOuterDelay`]); a hot swap sets them back to the cluster's defaults (no delay),
+//! so the incoming policy starts from what the cluster was configured with whatever the
+//! outgoing one did, while the outer momentum itself is kept (a swap back to DiLoCo resumes it)
+//! and a delay's partial sum is dropped. Everything here is in snapshots; backups get it by
 //! replaying the same decisions.
 //!
 //! [`Decision::SetLocalSteps`]: syncopate_policy_sdk::abi::Decision::SetLocalSteps
 //! [`Decision::SetOuterOptimizer`]: syncopate_policy_sdk::abi::Decision::SetOuterOptimizer
+//! [`Decision::SetOuterDelay`]: syncopate_policy_sdk::abi::Decision::SetOuterDelay
 
 use std::collections::BTreeMap;
 
@@ -53,6 +57,12 @@ pub struct LocalSgd {
     per_worker: BTreeMap<WorkerId, u32>,
     /// The outer optimizer, its momentum over this shard's parameters.
     outer: Optimizer,
+    /// Outer steps per momentum step (1: every step, the default).
+    delay: u32,
+    /// Outer steps taken in the current delay period, and the sum of their scaled
+    /// pseudo-gradients (empty until a delay is set).
+    delayed: u32,
+    period_sum: Vec<f32>,
 }
 
 impl LocalSgd {
@@ -64,6 +74,9 @@ impl LocalSgd {
             steps: cfg.local_steps,
             per_worker: BTreeMap::new(),
             outer: Optimizer::new(cfg.outer, len),
+            delay: 1,
+            delayed: 0,
+            period_sum: Vec::new(),
         }
     }
 
@@ -100,16 +113,49 @@ impl LocalSgd {
         self.outer.reconfigure(cfg, len);
     }
 
-    /// A hot swap: the cluster's defaults again, the outer momentum kept.
+    /// A policy's [`Decision::SetOuterDelay`](syncopate_policy_sdk::abi::Decision::SetOuterDelay):
+    /// a new period starts.
+    pub fn set_delay(&mut self, period: u32, len: usize) {
+        self.delay = period.max(1);
+        self.delayed = 0;
+        if self.delay > 1 && self.period_sum.len() != len {
+            self.period_sum = vec![0.0; len];
+        }
+        self.period_sum.fill(0.0);
+    }
+
+    /// A hot swap: the cluster's defaults again, the outer momentum kept, no delay.
     pub fn reset(&mut self, len: usize) {
         self.steps = self.default_steps;
         self.per_worker.clear();
         self.outer.reconfigure(self.default_outer, len);
+        self.set_delay(1, len);
     }
 
-    /// The outer optimizer.
-    pub fn outer(&mut self) -> &mut Optimizer {
-        &mut self.outer
+    /// One outer step on `scale * grad`: the outer optimizer's, or with a delay, Delayed
+    /// Nesterov's (plain until the period's last step, which steps the momentum on the
+    /// period's sum).
+    pub fn step(&mut self, params: &mut [f32], grad: &[f32], scale: f32) {
+        if self.delay <= 1 {
+            self.outer.step(params, grad, scale);
+            return;
+        }
+        for (s, g) in self.period_sum.iter_mut().zip(grad) {
+            *s += scale * g;
+        }
+        self.delayed += 1;
+        if self.delayed < self.delay {
+            self.outer.step_delayed(params, grad, scale, None);
+            return;
+        }
+        self.outer.step_delayed(params, grad, scale, Some(&self.period_sum));
+        self.period_sum.fill(0.0);
+        self.delayed = 0;
+    }
+
+    /// The outer optimizer's settings.
+    pub fn outer_config(&self) -> OptimizerConfig {
+        self.outer.config()
     }
 }
 
@@ -210,13 +256,32 @@ mod tests {
         l.set_steps(None, 16);
         assert_eq!(l.steps_of(1), 16);
         l.set_outer(0.7, 0.9, true, 2);
-        l.outer().step(&mut [0.0, 0.0], &[1.0, 1.0], 1.0);
+        l.step(&mut [0.0, 0.0], &[1.0, 1.0], 1.0);
+        l.set_delay(3, 2);
         l.reset(2);
-        assert_eq!((l.steps_of(1), l.outer().config()), (0, OptimizerConfig::AVERAGING));
+        assert_eq!((l.steps_of(1), l.outer_config(), l.delay), (0, OptimizerConfig::AVERAGING, 1));
         // The momentum survives: DiLoCo again resumes it.
         l.set_outer(1.0, 0.5, false, 2);
         let mut p = [0.0f32, 0.0];
-        l.outer().step(&mut p, &[0.0, 0.0], 1.0);
+        l.step(&mut p, &[0.0, 0.0], 1.0);
         assert_eq!(p, [-0.5, -0.5]);
+    }
+
+    /// Delayed Nesterov over a period of three: two plain steps, then the momentum of the three
+    /// scaled pseudo-gradients' sum; the next period starts from an empty sum.
+    #[test]
+    fn a_delay_steps_the_momentum_once_per_period_on_its_sum() {
+        let mut l = LocalSgd::new(LocalSgdConfig::default(), 1);
+        l.set_outer(0.5, 0.5, true, 1);
+        l.set_delay(3, 1);
+        let mut p = [0.0f32];
+        l.step(&mut p, &[2.0], 0.5);
+        l.step(&mut p, &[4.0], 0.5);
+        assert_eq!(p, [-0.5 * 1.0 - 0.5 * 2.0]);
+        l.step(&mut p, &[6.0], 0.5);
+        // v = 1 + 2 + 3 = 6; p -= 0.5 * (3 + 0.5 * 6)
+        assert_eq!(p, [-1.5 - 0.5 * 6.0]);
+        l.step(&mut p, &[2.0], 0.5);
+        assert_eq!(p, [-4.5 - 0.5]);
     }
 }

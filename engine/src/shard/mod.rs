@@ -1326,6 +1326,7 @@ impl Shard {
             Decision::SetOuterOptimizer { lr, momentum, nesterov } => {
                 self.local.set_outer(lr, momentum, nesterov, self.params.len())
             }
+            Decision::SetOuterDelay { period } => self.local.set_delay(period, self.params.len()),
             Decision::SetPullCodec { codec } => self.pull_codec = codec,
             Decision::Control { worker, control: control @ Control::MoveTasks { from, .. } } => {
                 // The owner is asked first; it hands over what it has not started.
@@ -1487,8 +1488,11 @@ impl Shard {
         self.stats.local_pushes += u64::from(outer);
         match self.mode {
             UpdateMode::OnArrival => {
-                let optimizer = if outer { self.local.outer() } else { &mut self.optimizer };
-                optimizer.step(unshare(&mut self.params, sink), &grad, weight);
+                let params = unshare(&mut self.params, sink);
+                match outer {
+                    true => self.local.step(params, &grad, weight),
+                    false => self.optimizer.step(params, &grad, weight),
+                }
                 self.version += 1;
                 self.stats.steps += 1;
                 self.bump_applied(push.worker);
@@ -1608,8 +1612,8 @@ impl Shard {
             self.optimizer.step(unshare(&mut self.params, sink), &agg.sum, scale(agg.weight));
         }
         if !agg.outer_sum.is_empty() {
-            let outer = self.local.outer();
-            outer.step(unshare(&mut self.params, sink), &agg.outer_sum, scale(agg.outer_weight));
+            let params = unshare(&mut self.params, sink);
+            self.local.step(params, &agg.outer_sum, scale(agg.outer_weight));
         }
         for sum in [agg.sum, agg.outer_sum] {
             if self.spare_sums.len() < 4 && !sum.is_empty() {

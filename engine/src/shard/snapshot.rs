@@ -33,7 +33,7 @@ use super::{
 use crate::runtime::{PolicyError, PolicyModule};
 
 /// The snapshot format [`ShardSnapshot::encode`] writes; [`ShardSnapshot::decode`] reads only this one.
-pub const SNAPSHOT_FORMAT: u32 = 3;
+pub const SNAPSHOT_FORMAT: u32 = 4;
 
 const MAGIC: &[u8; 8] = b"SYNCSNAP";
 /// Magic, format (u32), body length (u64), SHA-256 of the body.
@@ -119,7 +119,8 @@ pub struct ShardSnapshot {
     aggregates: Vec<(u64, Aggregate)>,
     /// The policy's open groups (format 2).
     groups: Vec<(u64, Aggregate)>,
-    /// Local steps and the outer optimizer, its momentum included (format 3).
+    /// Local steps and the outer optimizer, its momentum included (format 3), and its delay
+    /// (format 4).
     local: LocalSgd,
     /// The codec pulls are answered in (format 3).
     pull_codec: super::Codec,

@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
