@@ -6,8 +6,20 @@
 
 use std::path::Path;
 
-const BUILTIN: &[&str] =
-    &["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco", "adaptive-deadline"];
+const BUILTIN: &[&str] = &[
+    "asp",
+    "bsp",
+    "ssp",
+    "dssp",
+    "fluentps",
+    "r2sp",
+    "epsp",
+    "localsgd",
+    "diloco",
+    "adaptive-deadline",
+    "async-localsgd",
+    "syncswitch",
+];
 
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
