@@ -68,11 +68,10 @@ fn policy_check_rejects_bad_modules_with_one_line_and_status_1() {
 fn policy_check_runs_events_through_the_module() {
     // Every built-in and both examples get through the short run: joins, pulls, pushes, reports,
     // timers, a hand-over to themselves and leaves.
-    let mut modules: Vec<(String, std::path::PathBuf)> =
-        ["asp", "bsp", "ssp", "dssp", "fluentps", "r2sp", "epsp", "localsgd", "diloco", "adaptive-deadline"]
-            .iter()
-            .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
-            .collect();
+    let mut modules: Vec<(String, std::path::PathBuf)> = syncopate::builtin::names()
+        .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
+        .collect();
+    assert_eq!(modules.len(), 12, "every built-in");
     modules.push(("backup".into(), env!("SYNCOPATE_BACKUP_WASM").into()));
     modules.push(("deadline".into(), env!("SYNCOPATE_EXAMPLE_WASM").into()));
     for (name, path) in &modules {
@@ -128,15 +127,27 @@ fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for name in
-        ["asp", "bsp", "ssp", "dssp", "r2sp", "epsp", "fluentps", "localsgd", "diloco", "adaptive-deadline"]
-    {
+    let builtins = [
+        "asp",
+        "bsp",
+        "ssp",
+        "dssp",
+        "r2sp",
+        "epsp",
+        "fluentps",
+        "localsgd",
+        "diloco",
+        "adaptive-deadline",
+        "async-localsgd",
+        "syncswitch",
+    ];
+    for name in builtins {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
     // Each with a one-line description and its parameters, defaults and meaning.
     assert!(stdout.contains("s_hi       uint   default 15"), "{stdout}");
     assert!(stdout.contains("text   default enforced"), "{stdout}");
-    assert_eq!(stdout.matches("description: ").count(), 10, "{stdout}");
+    assert_eq!(stdout.matches("description: ").count(), builtins.len(), "{stdout}");
     // Within a module, the columns line up however long its parameters' names are.
     for block in stdout.split("\n\n") {
         let at: Vec<usize> =

@@ -18,19 +18,16 @@ fn exact(report: &RunReport) -> f32 {
     -report.workers.iter().map(|w| (w.worker + 1) as f32 * w.steps as f32).sum::<f32>()
 }
 
-/// A real cluster hot-swaps BSP → DiLoCo (4 local steps, outer SGD at lr 1) → BSP while it
-/// trains: every gradient and pseudo-gradient is applied once, each by the optimizer it was
-/// meant for, and the workers push gradients again after the swap back.
-#[test]
-fn hot_swap_bsp_to_diloco_to_bsp_applies_every_local_step_once() {
+/// A real cluster of 3 workers (150 iterations) that starts under BSP and hot-swaps to each
+/// `(policy, label, pause before it)` in turn while it trains; its report, once every
+/// parameter is checked to hold every worker's steps exactly once.
+fn swap_chain(name: &str, chain: &[(&str, &str, u64)]) -> RunReport {
     let mut run = LocalRun::start(
-        "local-sgd-swap",
+        name,
         &["--workers", "3", "--servers", "2", "--iterations", "150", "--delay-ms", "20", "--params", "64"],
     );
     let cluster = run.cluster_file();
-    for (policy, label, pause_ms) in
-        [("diloco:h=4,outer_lr=1,outer_momentum=0", "diloco 0.1.0", 500), ("bsp", "bsp 0.1.0", 1200)]
-    {
+    for &(policy, label, pause_ms) in chain {
         std::thread::sleep(Duration::from_millis(pause_ms));
         let out = syncopate(&["policy", "swap", policy, "--watch-s", "0.3"], &cluster);
         assert!(out.status.success(), "swap to {policy}: {}", String::from_utf8_lossy(&out.stderr));
@@ -42,11 +39,44 @@ fn hot_swap_bsp_to_diloco_to_bsp_applies_every_local_step_once() {
     assert!(status.success(), "{}", run.output());
     let report = run.report();
     assert_all(&run.model(), exact(&report), "gradients and pseudo-gradients, each once");
+    report
+}
+
+/// A real cluster hot-swaps BSP → DiLoCo (4 local steps, outer SGD at lr 1) → BSP while it
+/// trains: every gradient and pseudo-gradient is applied once, each by the optimizer it was
+/// meant for, and the workers push gradients again after the swap back.
+#[test]
+fn hot_swap_bsp_to_diloco_to_bsp_applies_every_local_step_once() {
+    let chain = [("diloco:h=4,outer_lr=1,outer_momentum=0", "diloco 0.1.0", 500), ("bsp", "bsp 0.1.0", 1200)];
+    let report = swap_chain("local-sgd-swap", &chain);
     let local: u64 = report.workers.iter().map(|w| w.local_iterations).sum();
     for w in &report.workers {
         assert_eq!(w.iterations, 150, "{w:?}");
         assert!(w.local_iterations > 0 && w.local_iterations < w.iterations, "both kinds: {w:?}");
         assert_eq!(w.steps, w.iterations + 3 * w.local_iterations, "4 steps per local iteration: {w:?}");
+    }
+    for s in report.servers.iter().flat_map(|s| &s.shards) {
+        assert_eq!((s.stats.swaps, s.stats.pushes_admitted, s.stats.local_pushes), (2, 450, local), "{s:?}");
+    }
+}
+
+/// The same with today's other rules: BSP → asynchronous local SGD (up to 4 local steps, each
+/// worker's share set by its speed; the outer step at lr 1) → Sync-Switch (BSP's rounds
+/// again, then ASP once a straggler shows): every push of each kind applied exactly once,
+/// whatever steps DyLU gave each worker.
+#[test]
+fn hot_swap_to_async_local_sgd_and_syncswitch_applies_every_local_step_once() {
+    let chain = [
+        ("async-localsgd:h=4,outer_lr=1,outer_momentum=0", "async-localsgd 0.1.0", 500),
+        ("syncswitch:switch_at=100000", "syncswitch 0.1.0", 1200),
+    ];
+    let report = swap_chain("async-local-sgd-swap", &chain);
+    let local: u64 = report.workers.iter().map(|w| w.local_iterations).sum();
+    for w in &report.workers {
+        assert_eq!(w.iterations, 150, "{w:?}");
+        assert!(w.local_iterations > 0 && w.local_iterations < w.iterations, "both kinds: {w:?}");
+        let extra = w.steps - w.iterations;
+        assert!(extra <= 3 * w.local_iterations, "at most 4 steps per local iteration: {w:?}");
     }
     for s in report.servers.iter().flat_map(|s| &s.shards) {
         assert_eq!((s.stats.swaps, s.stats.pushes_admitted, s.stats.local_pushes), (2, 450, local), "{s:?}");

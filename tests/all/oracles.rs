@@ -341,6 +341,55 @@ fn the_adaptive_deadline_cuts_rounds_for_the_straggler_and_counts_every_push_onc
     }
 }
 
+/// Asynchronous local SGD (DN + DyLU) over random interleavings with one worker 4x slower: no
+/// pull waits; every pseudo-gradient is acknowledged and applied once on arrival (with an
+/// outer step of lr 1 without momentum, a push of `s` steps of ones moves the model by exactly
+/// `s / N`); and once they have reported, the slow worker takes a quarter of the fast ones'
+/// `h` steps (Dynamic Local Updates). The delayed momentum itself is checked step by step in
+/// the engine (`shard::local`).
+#[test]
+fn async_local_sgd_never_waits_applies_each_push_once_and_scales_steps_by_speed() {
+    for seed in 0..4 {
+        let cfg = [("h", "8"), ("outer_lr", "1"), ("outer_momentum", "0")];
+        let mut c =
+            Cluster::new(&builtin_module("async-localsgd"), &cfg, N, 20, seed).with_speeds(&[4, 4, 4, 1]);
+        c.run_to_end();
+        assert!(c.rec.served.iter().all(|p| p.waited_ns == 0), "seed {seed}: a pull waited");
+        assert_eq!(c.rec.acked.len() as u64, c.pushes, "seed {seed}");
+        assert_eq!(c.shard.stats().local_pushes, c.pushes, "seed {seed}");
+        let steps: u64 = c.reports().iter().map(|r| r.steps).sum();
+        assert_eq!(c.shard.values()[0], -(steps as f32) / N as f32, "seed {seed}");
+        let last = |w: u32| c.rec.served.iter().rev().find(|p| p.worker == w).map(|p| p.local_steps);
+        assert_eq!((last(0), last(3)), (Some(8), Some(2)), "seed {seed}: DyLU gives the slow worker 8 / 4");
+    }
+}
+
+/// Sync-Switch: BSP's barrier until every worker has reached `switch_at`, ASP after it (no
+/// pull waits), every push applied once (a BSP round is the mean of `N` ones, an ASP push
+/// `1 / N`); online, a worker 4x slower makes the cluster switch long before `switch_at`.
+#[test]
+fn syncswitch_runs_bsp_then_asp_and_switches_early_for_a_straggler() {
+    for seed in 0..4 {
+        let cfg = [("switch_at", "6"), ("online", "false")];
+        let mut c = Cluster::new(&builtin_module("syncswitch"), &cfg, N, 20, seed);
+        c.run_to_end();
+        assert_every_push_counted_once(&c);
+        assert!(
+            c.rec.served.iter().filter(|p| p.clock <= 6).all(|p| p.min_applied >= p.clock),
+            "seed {seed}"
+        );
+        let after = c.pulls.iter().filter(|p| p.view.min_clock >= 6);
+        assert!(after.clone().count() > 0 && after.clone().all(|p| !p.deferred), "seed {seed}: ASP after");
+        let cfg = [("switch_at", "1000")];
+        let mut c = Cluster::new(&builtin_module("syncswitch"), &cfg, N, 30, seed).with_speeds(&[4, 4, 4, 1]);
+        c.run_to_end();
+        assert_every_push_counted_once(&c);
+        assert!(c.rec.metrics.iter().any(|m| m == &("syncswitch.switched".to_string(), 1.0)), "seed {seed}");
+        let ahead = c.rec.served.iter().any(|p| p.clock > p.min_applied + 1);
+        assert!(ahead, "seed {seed}: after the switch the fast workers run ahead of the straggler");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

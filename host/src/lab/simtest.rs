@@ -152,14 +152,27 @@ const POLICIES: &[&str] = &["bsp", "asp", "ssp:s=1", "ssp:s=3", "dssp", "fluentp
 /// learning rate 1 without momentum, so that sums stay exact) make workers push
 /// pseudo-gradients of 2 or 3 steps after the swap: each shard must step them with its outer
 /// optimizer, and the workers' gradients in flight across the swap with its own.
-const SWAP_TARGETS: &[&str] =
-    &["asp", "bsp", "ssp:s=1", "dssp", "fluentps", "localsgd:h=2", "diloco:h=3,outer_lr=1,outer_momentum=0"];
+///
+/// Asynchronous local SGD (the same outer step, steps not scaled by speed, so that a dead
+/// worker's last push is known) applies pseudo-gradients on arrival; Sync-Switch goes from
+/// BSP's aggregate rounds to ASP mid-run, applying the partial rounds as they stand.
+const SWAP_TARGETS: &[&str] = &[
+    "asp",
+    "bsp",
+    "ssp:s=1",
+    "dssp",
+    "fluentps",
+    "localsgd:h=2",
+    "diloco:h=3,outer_lr=1,outer_momentum=0",
+    "async-localsgd:h=2,outer_lr=1,outer_momentum=0,dylu=false",
+    "syncswitch:switch_at=2",
+];
 
 /// The local steps a swap target sets (0: none).
 fn local_steps(policy: &PolicySpec) -> u64 {
     let h = policy.config.iter().find(|(k, _)| k == "h").and_then(|(_, v)| v.parse().ok());
     match policy.source.as_str() {
-        "localsgd" | "diloco" => h.unwrap_or(0),
+        "localsgd" | "diloco" | "async-localsgd" => h.unwrap_or(0),
         _ => 0,
     }
 }
