@@ -130,48 +130,23 @@ pub fn encode(
             }
         }
         Codec::Fp16 => half_encode::<f16>(values, left, out),
-        Codec::Bf16 => half_encode::<bf16>(values, left, out),
+        Codec::Bf16 => bf16_encode(values, left, out),
         Codec::Int8 { block } => {
             let block = block.max(1) as usize;
             for (b, chunk) in values.chunks(block).enumerate() {
-                // `if a > m` rather than `f32::max`, whose NaN rule keeps the compiler from the
-                // vector units' maximum (a NaN in a push is refused by the shard anyway).
-                let max = chunk.iter().fold(0.0f32, |m, v| {
-                    let a = v.abs();
-                    if a > m {
-                        a
-                    } else {
-                        m
-                    }
-                });
+                let max = abs_max(chunk);
                 let scale = if max > 0.0 && max.is_finite() { max / 127.0 } else { 0.0 };
                 out.extend_from_slice(&scale.to_le_bytes());
                 let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                 let at = out.len();
                 out.resize(at + chunk.len(), 0);
-                // Rounded to nearest (ties to even) by adding and taking away 1.5 × 2^23, in a
-                // batch the vector units take whole (`f32::round` is a call per value); the
-                // values are within ±127 by then.
-                const MAGIC: f32 = 12_582_912.0;
-                let mut rounded = [0.0f32; BATCH];
-                for (c, sub) in chunk.chunks(BATCH).enumerate() {
-                    let q = &mut rounded[..sub.len()];
-                    for (q, v) in q.iter_mut().zip(sub) {
-                        let x = v * inv;
-                        let x = x.clamp(-127.0, 127.0);
-                        *q = (x + MAGIC) - MAGIC;
-                    }
-                    let o = &mut out[at + c * BATCH..at + c * BATCH + sub.len()];
-                    for (o, q) in o.iter_mut().zip(q.iter()) {
-                        *o = *q as i32 as i8 as u8;
-                    }
-                    if let Some(l) = left.as_deref_mut() {
-                        let l = &mut l[b * block + c * BATCH..b * block + c * BATCH + sub.len()];
-                        for ((r, v), q) in l.iter_mut().zip(sub).zip(q.iter()) {
-                            *r = v - q * scale;
-                        }
-                    }
-                }
+                int8_block(
+                    chunk,
+                    inv,
+                    scale,
+                    &mut out[at..],
+                    left.as_deref_mut().map(|l| &mut l[b * block..][..chunk.len()]),
+                );
             }
         }
         Codec::TopK { ppm } => {
@@ -194,6 +169,48 @@ pub fn encode(
         }
     }
     out.resize(words(out.len()), 0);
+}
+
+/// The largest magnitude in `values` (0 for none). Eight independent running maxima, so that
+/// the loop becomes the vector units' maximum (one running `f32::max` is a serial chain the
+/// compiler may not reorder); `if a > m` rather than `f32::max`, whose NaN rule also keeps it
+/// scalar (a NaN in a push is refused by the shard anyway).
+fn abs_max(values: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = values.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (m, v) in lanes.iter_mut().zip(chunk) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    let tail = chunks.remainder().iter().map(|v| v.abs());
+    lanes.into_iter().chain(tail).fold(0.0, |m, a| if a > m { a } else { m })
+}
+
+/// One int8 block: each value times `inv`, clamped to ±127 and rounded to nearest (ties to
+/// even) by adding 1.5 × 2^23, after which the float's low mantissa bits are the integer in
+/// two's complement: its low byte is the code, with no float-to-integer conversion, so the
+/// loop is a straight run of vector instructions on the baseline target. `left` gets the
+/// value minus what decodes (`code × scale`).
+fn int8_block(values: &[f32], inv: f32, scale: f32, out: &mut [u8], left: Option<&mut [f32]>) {
+    const MAGIC: f32 = 12_582_912.0;
+    let shifted = |v: f32| (v * inv).clamp(-127.0, 127.0) + MAGIC;
+    match left {
+        Some(left) => {
+            for ((o, v), r) in out.iter_mut().zip(values).zip(left.iter_mut()) {
+                let t = shifted(*v);
+                *o = t.to_bits() as u8;
+                *r = v - (t - MAGIC) * scale;
+            }
+        }
+        None => {
+            for (o, v) in out.iter_mut().zip(values) {
+                *o = shifted(*v).to_bits() as u8;
+            }
+        }
+    }
 }
 
 /// A magnitude as bits that order as the magnitudes do (NaN above infinity).
@@ -257,6 +274,40 @@ impl Half for bf16 {
 
 /// Values per conversion batch: small enough for the stack, large enough for the vector units.
 const BATCH: usize = 256;
+
+/// `v` in bfloat16, rounded to nearest (ties to even), NaN kept a (quiet) NaN: what
+/// `half::bf16::from_f32` gives, in integer operations and one select that the vector units
+/// take whole (the crate's conversion branches per value).
+fn bf16_of(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16;
+    let nan = ((x >> 16) as u16) | 0x0040;
+    if x & 0x7FFF_FFFF > 0x7F80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+fn bf16_encode(values: &[f32], left: Option<&mut [f32]>, out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(at + 2 * values.len(), 0);
+    let bytes = out[at..].chunks_exact_mut(2);
+    match left {
+        Some(left) => {
+            for ((o, v), r) in bytes.zip(values).zip(left.iter_mut()) {
+                let b = bf16_of(*v);
+                o.copy_from_slice(&b.to_le_bytes());
+                *r = v - f32::from_bits(u32::from(b) << 16);
+            }
+        }
+        None => {
+            for (o, v) in bytes.zip(values) {
+                o.copy_from_slice(&bf16_of(*v).to_le_bytes());
+            }
+        }
+    }
+}
 
 fn half_encode<H: Half>(values: &[f32], mut left: Option<&mut [f32]>, out: &mut Vec<u8>) {
     let mut halves = [H::default(); BATCH];
@@ -450,6 +501,40 @@ mod tests {
         assert_eq!(out.len(), wire_len(codec, values.len()), "{codec}");
         decode(codec, &out, values.len(), &mut back).unwrap();
         (back, left, out.len())
+    }
+
+    /// The vectorized bfloat16 rounding is the `half` crate's, bit for bit: ties to even,
+    /// subnormals, infinities, the largest finite values and NaNs.
+    #[test]
+    fn bf16_rounding_is_the_half_crates() {
+        let mut specials =
+            vec![0.0f32, -0.0, 1.0, -1.5, f32::MAX, f32::MIN, f32::MIN_POSITIVE, f32::INFINITY];
+        specials.extend([
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7F80_0001),
+            f32::from_bits(0xFFC0_0000),
+        ]);
+        specials.extend([
+            f32::from_bits(0x3F80_8000),
+            f32::from_bits(0x3F81_8000),
+            f32::from_bits(0x0000_8001),
+        ]);
+        let mut x = 0x9e37_79b9u32;
+        let spread = (0..100_000).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            f32::from_bits(x)
+        });
+        for v in specials.into_iter().chain(spread) {
+            let ours = bf16_of(v);
+            let theirs = bf16::from_f32(v).to_bits();
+            assert!(
+                ours == theirs || (v.is_nan() && bf16::from_bits(ours).is_nan()),
+                "{v:e}: {ours:#x} against {theirs:#x}"
+            );
+        }
     }
 
     #[test]
