@@ -467,7 +467,11 @@ impl Drop for Session {
     /// A session dropped without [`leave`](Session::leave) still says goodbye (at most 2 s).
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
-            let _ = self.rt.block_on(tokio::time::timeout(Duration::from_secs(2), client.leave()));
+            // The timeout is made inside the runtime: made outside, it finds no timer and panics
+            // (a session dropped without leave, in an error path, once did).
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(2), client.leave()).await });
         }
     }
 }
