@@ -94,6 +94,11 @@ struct Shared {
     /// Workers whose connection here ended and who have not connected again: a shard promoted
     /// here later does not wait for them (at most `--max-workers` ids).
     gone: Mutex<BTreeSet<WorkerId>>,
+    /// Which connection each worker id came in on last, and which connection joined each
+    /// (worker, shard) membership: a restarted worker may connect and join again before its
+    /// old connection is seen to end, and that ending must not take the new one's memberships
+    /// (it once did: the restarted worker's pushes were refused as from a non-member).
+    incarnations: Mutex<Incarnations>,
     /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
     /// [`Holdings`](crate::net::proto::Holdings).
     terms: Mutex<HashMap<u32, u64>>,
@@ -235,6 +240,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
         levelled: Mutex::new(Vec::new()),
         gone: Mutex::new(BTreeSet::new()),
+        incarnations: Mutex::new(Incarnations::default()),
         terms: Mutex::new(terms),
         coordinator: opts.coordinator,
         limits: opts.limits,
@@ -837,9 +843,19 @@ fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -
     }
 }
 
+/// The connections behind worker ids (see `Shared::incarnations`), by `stable_id`; entries go
+/// when their connection ends or leaves, so there are at most as many as memberships.
+#[derive(Default)]
+struct Incarnations {
+    newest: HashMap<WorkerId, usize>,
+    joined_by: HashMap<(WorkerId, u32), usize>,
+}
+
 /// What a connection's streams share.
 struct Peer {
     worker: Option<WorkerId>,
+    /// The connection's `stable_id`.
+    conn: usize,
     /// The most values a tensor from it may decode to: its model's length (from its hello),
     /// within the payload limit.
     max_values: usize,
@@ -888,11 +904,18 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     tracing::debug!(%addr, ?worker, "peer connected");
     if let Some(w) = worker {
         shared.gone.lock().expect("not poisoned").remove(&w);
+        shared.incarnations.lock().expect("not poisoned").newest.insert(w, conn.stable_id());
     }
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let _sharing = shared.windows.join(&conn);
     let (controls, control_rx) = mpsc::unbounded_channel();
-    let peer = Arc::new(Peer { worker, max_values, joined: Mutex::new(BTreeSet::new()), controls });
+    let peer = Arc::new(Peer {
+        worker,
+        conn: conn.stable_id(),
+        max_values,
+        joined: Mutex::new(BTreeSet::new()),
+        controls,
+    });
     let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
     loop {
         match conn.accept_bi().await {
@@ -907,8 +930,22 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                     _ => LeaveReason::Failed,
                 };
-                let left: Vec<u32> =
+                let mut left: Vec<u32> =
                     std::mem::take(&mut *peer.joined.lock().expect("not poisoned")).into_iter().collect();
+                // Only what this connection still owns: a newer one of the same worker may have
+                // joined since (a restarted process), and keeps its memberships.
+                let mut newest = true;
+                if let Some(w) = worker {
+                    let mut inc = shared.incarnations.lock().expect("not poisoned");
+                    left.retain(|&shard| match inc.joined_by.get(&(w, shard)) {
+                        Some(&c) if c == peer.conn => inc.joined_by.remove(&(w, shard)).is_some(),
+                        _ => false,
+                    });
+                    newest = inc.newest.get(&w) == Some(&peer.conn);
+                    if newest {
+                        inc.newest.remove(&w);
+                    }
+                }
                 if let (Some(w), false) = (worker, left.is_empty()) {
                     tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
                     for shard in left {
@@ -918,7 +955,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                 }
                 // Shards promoted here may await it still: it joined them on their old primary.
-                if let Some(w) = worker {
+                if let (Some(w), true) = (worker, newest) {
                     shared.gone.lock().expect("not poisoned").insert(w);
                     for (_, tx) in shared.primaries() {
                         let _ = tx.send(ShardCmd::Lost { worker: w, reason }).await;
@@ -1046,6 +1083,12 @@ async fn handle_request(
             match ask(tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
                 Ok(joined) => {
                     peer.joined.lock().expect("not poisoned").insert(shard);
+                    shared
+                        .incarnations
+                        .lock()
+                        .expect("not poisoned")
+                        .joined_by
+                        .insert((worker, shard), peer.conn);
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
                         Joined::Rejoined { next, clock } => (DataResponse::Rejoined { next, clock }, None),
@@ -1137,6 +1180,12 @@ async fn handle_request(
         }
         DataRequest::Leave { .. } => {
             peer.joined.lock().expect("not poisoned").remove(&shard);
+            {
+                let mut inc = shared.incarnations.lock().expect("not poisoned");
+                if inc.joined_by.get(&(worker, shard)) == Some(&peer.conn) {
+                    inc.joined_by.remove(&(worker, shard));
+                }
+            }
             match ask(tx, |reply| ShardCmd::Leave {
                 worker,
                 reason: LeaveReason::Finished,
