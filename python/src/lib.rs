@@ -3,10 +3,10 @@
 //! It binds three things of the host crate and nothing else: the worker [`Session`] (the
 //! engine's worker machine, driven by the user's training loop), the worker settings read from
 //! the `SYNCOPATE_*` environment (the same ones `syncopate worker` takes), and the operator's
-//! swap and status. Tensors cross as `(address, length)` pairs of `float32` buffers that the
-//! Python half has checked (dtype, contiguity, device, size) and keeps alive for the call: the
-//! buffer protocol is not in the stable ABI before Python 3.11, and this keeps one abi3 wheel
-//! for 3.10 and later.
+//! swap and status. Tensors cross as the tensors themselves, read and written through DLPack
+//! only while the GIL is held ([`dlpack`]); calls that wait on the network do so over memory
+//! of their own: a push copies the gradient first ([`Staged`]), a pull lands in a buffer of
+//! the session's and is copied into the caller's tensors once it is back.
 //!
 //! Every call that waits (joining, pulling, pushing, leaving) releases the GIL and is woken,
 //! not polled, when it may have to give up (`Wake`): on the main thread, the Python half
@@ -14,6 +14,8 @@
 //! handler writes there wakes the call at once and it runs the Python handlers (Ctrl-C's
 //! `KeyboardInterrupt`), however busy the machine is; on any thread, `Worker.leave` cancels
 //! the calls still waiting in the background.
+
+mod dlpack;
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
@@ -112,24 +114,12 @@ fn worker_args(flags: Vec<String>) -> PyResult<WorkerArgs> {
     })
 }
 
-/// Checks an `(address, length)` list and makes slices of it.
-///
-/// # Safety
-/// Each pair must be a live, writable `float32` buffer of that many values that nothing else
-/// touches until the slices are dropped (the Python half guarantees it).
-unsafe fn slices<'a>(bufs: &[(usize, usize)]) -> PyResult<Vec<&'a mut [f32]>> {
-    bufs.iter()
-        .map(|&(addr, len)| {
-            if len == 0 {
-                return Ok(&mut [][..]);
-            }
-            if addr == 0 || addr % std::mem::align_of::<f32>() != 0 {
-                return Err(TensorError::new_err(format!("a buffer at {addr:#x} is not float32-aligned")));
-            }
-            // SAFETY: the caller's contract.
-            Ok(unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, len) })
-        })
-        .collect()
+/// A gradient copied out of the caller's tensors (with the GIL held), to be pushed from
+/// memory of our own while the GIL is released: the caller may free, resize or overwrite its
+/// tensors as soon as [`NativeSession::stage`] returns. Pushed once.
+#[pyclass(module = "syncopate._native")]
+struct Staged {
+    values: Mutex<Option<Vec<f32>>>,
 }
 
 /// A worker joined to a cluster, driven by the caller's loop (`syncopate.Worker` wraps it).
@@ -138,6 +128,9 @@ struct NativeSession {
     inner: Mutex<Option<Session>>,
     /// Set by [`NativeSession::cancel`]: the calls waiting in the background give up.
     cancel: watch::Sender<bool>,
+    /// Where a pull lands before it is copied into the caller's tensors (kept from pull to
+    /// pull; locked only while `inner` is).
+    pulled: Mutex<Vec<f32>>,
 }
 
 /// What a waiting call watches to give up ([`Interrupt`]).
@@ -279,14 +272,14 @@ fn detached<R: Send>(
 
 #[pymethods]
 impl NativeSession {
-    /// Joins the cluster. `init`: the model's tensors as (address, length) pairs; `flags`:
-    /// settings over the environment's; `threads`: the I/O runtime's threads; `wake`: see
-    /// [`Wake`].
+    /// Joins the cluster. `init`: the model's tensors (anything with `__dlpack__`: numpy
+    /// arrays, torch tensors), copied; `flags`: settings over the environment's; `threads`:
+    /// the I/O runtime's threads; `wake`: see [`Wake`].
     #[new]
     #[pyo3(signature = (init, flags, threads, wake=None))]
     fn new(
         py: Python<'_>,
-        init: Vec<(usize, usize)>,
+        init: Vec<Bound<'_, PyAny>>,
         flags: Vec<String>,
         threads: usize,
         wake: Option<RawFd>,
@@ -297,11 +290,15 @@ impl NativeSession {
         if args.iterations.is_none() {
             opts.iterations = u64::MAX / 4;
         }
-        // SAFETY: the Python half's contract (see `slices`); the values are only read.
-        let init = unsafe { slices(&init)? };
-        let init: Vec<&[f32]> = init.into_iter().map(|s| &*s).collect();
-        let session = detached(py, wake, None, move |stop| Session::connect(opts, &init, threads, stop))?;
-        Ok(NativeSession { inner: Mutex::new(Some(session)), cancel: watch::Sender::new(false) })
+        let init: Vec<f32> =
+            dlpack::borrow_all(&init, false, "join")?.iter().flat_map(|t| t.read()).copied().collect();
+        let session =
+            detached(py, wake, None, move |stop| Session::connect(opts, &[&init[..]], threads, stop))?;
+        Ok(NativeSession {
+            inner: Mutex::new(Some(session)),
+            cancel: watch::Sender::new(false),
+            pulled: Mutex::new(Vec::new()),
+        })
     }
 
     /// This worker's id.
@@ -337,42 +334,69 @@ impl NativeSession {
         self.with(py, |s| Ok(s.is_done()))
     }
 
-    /// Pulls into `out`; returns (iteration, batch), or None once training is over.
+    /// Pulls into `out` (the model's tensors, written in place once the pull is back); returns
+    /// (iteration, batch, local steps), or None once training is over.
     #[pyo3(signature = (out, wake=None))]
     fn pull(
         &self,
         py: Python<'_>,
-        out: Vec<(usize, usize)>,
+        out: Vec<Bound<'_, PyAny>>,
         wake: Option<RawFd>,
     ) -> PyResult<Option<(u64, u32, u32)>> {
         let cancel = self.cancel.subscribe();
+        // Checked before anything is pulled, so that a wrong tensor costs nothing.
+        let lens: Vec<usize> = dlpack::borrow_all(&out, true, "pull")?.iter().map(|t| t.len()).collect();
         self.with(py, |s| {
-            // SAFETY: the Python half's contract (see `slices`).
-            let mut out = unsafe { slices(&out)? };
-            let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut out, stop))?;
-            Ok(step.map(|st| (st.iteration, st.batch, st.local_steps)))
+            let mut pulled =
+                self.pulled.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?;
+            pulled.resize(lens.iter().sum(), 0.0);
+            let into = &mut pulled[..];
+            let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut [into], stop))?;
+            let Some(step) = step else { return Ok(None) };
+            // The GIL was released while the pull waited: borrow the tensors again, as they are.
+            let mut targets = dlpack::borrow_all(&out, true, "pull")?;
+            if targets.iter().map(|t| t.len()).ne(lens.iter().copied()) {
+                return Err(TensorError::new_err(format!(
+                    "pull: a tensor changed size while the pull of iteration {} waited; the model \
+                     it brought was not written (push, then pull again)",
+                    step.iteration
+                )));
+            }
+            let mut at = 0;
+            for t in &mut targets {
+                let n = t.len();
+                t.write().copy_from_slice(&pulled[at..at + n]);
+                at += n;
+            }
+            Ok(Some((step.iteration, step.batch, step.local_steps)))
         })
     }
 
-    /// Pushes `grad` (a pseudo-gradient of `local_steps` steps if above 0); returns how many
-    /// shards dropped it, or None if it was not pushed.
+    /// Copies a gradient out of `grad` (the model's tensors) for [`push`](Self::push).
+    fn stage(&self, grad: Vec<Bound<'_, PyAny>>) -> PyResult<Staged> {
+        let values =
+            dlpack::borrow_all(&grad, false, "push")?.iter().flat_map(|t| t.read()).copied().collect();
+        Ok(Staged { values: Mutex::new(Some(values)) })
+    }
+
+    /// Pushes a staged gradient (a pseudo-gradient of `local_steps` steps if above 0); returns
+    /// how many shards dropped it, or None if it was not pushed.
     #[pyo3(signature = (grad, samples, loss, local_steps=0, wake=None))]
     fn push(
         &self,
         py: Python<'_>,
-        grad: Vec<(usize, usize)>,
+        grad: &Staged,
         samples: u32,
         loss: f32,
         local_steps: u32,
         wake: Option<RawFd>,
     ) -> PyResult<Option<u32>> {
         let cancel = self.cancel.subscribe();
+        let values = grad.values.lock().ok().and_then(|mut v| v.take());
+        let values = values.ok_or_else(|| UsageError::new_err("this staged gradient was pushed already"))?;
         self.with(py, |s| {
-            // SAFETY: the Python half's contract (see `slices`); the values are only read.
-            let grad = unsafe { slices(&grad)? };
-            let grad: Vec<&[f32]> = grad.into_iter().map(|g| &*g).collect();
             detached(py, wake, Some(cancel), move |stop| {
-                s.push(&grad, StepStats { samples, loss }, local_steps, stop)
+                s.push(&[&values[..]], StepStats { samples, loss }, local_steps, stop)
             })
         })
     }
@@ -486,6 +510,7 @@ fn status(py: Python<'_>, cluster: &str) -> PyResult<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<NativeSession>()?;
+    m.add_class::<Staged>()?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(swap, m)?)?;
     m.add_function(wrap_pyfunction!(status, m)?)?;

@@ -207,12 +207,12 @@ class Worker:
         merged = {**_defaults, **settings}
         if cluster is not None:
             merged["cluster"] = os.fspath(cluster)
-        bufs = _tensors.buffers(tensors, None, writable=False, what="join")
-        self._layout = [n for _, n in bufs]
+        model = _tensors.tensors(tensors, None, writable=False, what="join")
+        self._layout = [_tensors.numel(t) for t in model]
         if sum(self._layout) == 0:
             raise TensorError("join: the model has no values")
         with _interruptible() as wake:
-            native = NativeSession(bufs, _flags(merged), threads, wake)
+            native = NativeSession(model, _flags(merged), threads, wake)
         self._native: NativeSession | None = native
         # Read once: a call in flight holds the session, and these never change.
         self._rank: int = native.rank
@@ -262,9 +262,9 @@ class Worker:
         ``iteration``, if given, must be the iteration the cluster serves next
         (:class:`UsageError` otherwise): a check for loops that count for themselves.
         """
-        bufs = _tensors.buffers(out, self._layout, writable=True, what="pull")
+        targets = _tensors.tensors(out, self._layout, writable=True, what="pull")
         with _interruptible() as wake:
-            got = self._session().pull(bufs, wake)
+            got = self._session().pull(targets, wake)
         step = None if got is None else Step(*got)
         self._done = step is None
         if step is not None and iteration is not None and step.iteration != iteration:
@@ -293,18 +293,33 @@ class Worker:
         Returns how many shards' policies dropped it (0: applied everywhere), or ``None`` if a
         policy's skip abandoned the iteration and it was not sent.
         """
+        staged = self._stage(grads)
+        return self._push_staged(staged, iteration, samples, loss, local_steps)
+
+    def _stage(self, grads: Sequence[Any]) -> Any:
+        """Checks a push's tensors and copies its gradient out of them."""
+        checked = _tensors.tensors(grads, self._layout, writable=False, what="push")
+        return self._session().stage(checked)
+
+    def _push_staged(
+        self,
+        staged: Any,
+        iteration: int | None,
+        samples: int | None,
+        loss: float,
+        local_steps: int,
+    ) -> int | None:
         if self._last is None:
             raise UsageError("push called without a pull first")
         if iteration is not None and iteration != self._last.iteration:
             raise UsageError(
                 f"push for iteration {iteration}, but the last pull was for {self._last.iteration}"
             )
-        bufs = _tensors.buffers(grads, self._layout, writable=False, what="push")
         n = self._last.batch if samples is None else int(samples)
         self._last = None
         session = self._session()
         with _interruptible() as wake:
-            dropped = session.push(bufs, n, float(loss), int(local_steps), wake)
+            dropped = session.push(staged, n, float(loss), int(local_steps), wake)
         self._done = session.done
         return dropped
 
@@ -315,13 +330,26 @@ class Worker:
 
     def pull_async(self, out: Sequence[Any], iteration: int | None = None) -> Handle:
         """:meth:`pull` in the background: returns at once; ``handle.wait()`` gives the
-        :class:`Step`. Leave ``out`` alone until then."""
+        :class:`Step`. ``out`` is written when the pull is back (a tensor resized meanwhile
+        gets a :class:`TensorError` then); read it after ``wait()``."""
         return Handle(self._executor().submit(self.pull, out, iteration), out)
 
-    def push_async(self, grads: Sequence[Any], iteration: int | None = None, **kw: Any) -> Handle:
-        """:meth:`push` in the background: returns at once; ``handle.wait()`` gives the dropped
-        count. Leave ``grads`` alone until then. Calls run in the order they were made."""
-        return Handle(self._executor().submit(self.push, grads, iteration, **kw), grads)
+    def push_async(
+        self,
+        grads: Sequence[Any],
+        iteration: int | None = None,
+        *,
+        samples: int | None = None,
+        loss: float = 0.0,
+        local_steps: int = 0,
+    ) -> Handle:
+        """:meth:`push` in the background: the gradient is checked and copied before this
+        returns (``grads`` may then be reused, overwritten or freed at once), and sent in the
+        background; ``handle.wait()`` gives the dropped count. Calls run in the order they
+        were made."""
+        staged = self._stage(grads)
+        args = (staged, iteration, samples, loss, local_steps)
+        return Handle(self._executor().submit(self._push_staged, *args), None)
 
     def controls(self) -> list[dict[str, Any]]:
         """The control messages the policies sent since the last call, each already obeyed by

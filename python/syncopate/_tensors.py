@@ -1,8 +1,9 @@
-"""Tensors as the native half takes them: checked ``(address, length)`` pairs of float32 memory.
+"""Tensors as the native half takes them: numpy arrays and CPU torch tensors of float32.
 
-numpy arrays and CPU torch tensors are accepted as they are, without a copy; anything else (another
-dtype, a GPU tensor, a strided view) gets a :class:`TensorError` that says how to fix it. The
-caller keeps the objects alive (and untouched) while the native call runs.
+The native half reads and writes a tensor only through DLPack (``__dlpack__``), with the GIL
+held, and checks everything again there (dtype, device, contiguity, read-only, tensors sharing
+memory); the checks here come first so that the common mistakes get a message that says how to
+fix them. Nothing here hands the native half an address.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from typing import Any
 import numpy as np
 
 from ._native import TensorError
-
-Buffers = list[tuple[int, int]]
 
 
 def _is_torch(t: Any) -> bool:
@@ -39,8 +38,9 @@ def numel(t: Any) -> int:
     raise TensorError(f"expected a numpy array or a torch tensor, got {describe(t)}")
 
 
-def buffer(t: Any, *, writable: bool, what: str) -> tuple[int, int]:
-    """The (address, length) of one float32 tensor, checked."""
+def checked(t: Any, *, writable: bool, what: str) -> Any:
+    """One float32 tensor, checked, as the native half takes it (a torch tensor detached from
+    autograd, which shares its memory)."""
     if isinstance(t, np.ndarray):
         if t.dtype != np.float32:
             raise TensorError(
@@ -49,9 +49,13 @@ def buffer(t: Any, *, writable: bool, what: str) -> tuple[int, int]:
             )
         if not t.flags.c_contiguous:
             raise TensorError(f"{what}: {describe(t)} is not contiguous; use np.ascontiguousarray")
-        if writable and not t.flags.writeable:
-            raise TensorError(f"{what}: {describe(t)} is read-only")
-        return (int(t.ctypes.data), int(t.size))
+        if not t.flags.writeable:
+            if writable:
+                raise TensorError(f"{what}: {describe(t)} is read-only")
+            if np.lib.NumpyVersion(np.__version__) < "2.1.0":
+                # Older numpy cannot share a read-only array through DLPack; it is only read.
+                return t.copy()
+        return t
     if _is_torch(t):
         import torch
 
@@ -63,30 +67,30 @@ def buffer(t: Any, *, writable: bool, what: str) -> tuple[int, int]:
             raise TensorError(f"{what}: {describe(t)}: move it to the CPU first (.cpu())")
         if not t.is_contiguous():
             raise TensorError(f"{what}: {describe(t)} is not contiguous; use .contiguous()")
-        return (int(t.data_ptr()), int(t.numel()))
+        return t.detach()
     raise TensorError(f"{what}: expected a numpy array or a torch tensor, got {describe(t)}")
 
 
-def buffers(
-    tensors: Sequence[Any], layout: Sequence[int] | None, *, writable: bool, what: str
-) -> Buffers:
-    """Every tensor's buffer, checked against the model's layout (values per tensor)."""
-    if isinstance(tensors, (np.ndarray,)) or _is_torch(tensors):
-        tensors = [tensors]
-    tensors = list(tensors)
-    if layout is not None:
-        if len(tensors) != len(layout):
-            raise TensorError(
-                f"{what}: {len(tensors)} tensors given, the model has {len(layout)} "
-                "(the tensors the worker joined with)"
-            )
+def tensors(
+    given: Sequence[Any], layout: Sequence[int] | None, *, writable: bool, what: str
+) -> list[Any]:
+    """Every tensor of a call, checked against the model's layout (values per tensor)."""
+    if isinstance(given, np.ndarray) or _is_torch(given):
+        given = [given]
+    given = list(given)
+    if layout is not None and len(given) != len(layout):
+        raise TensorError(
+            f"{what}: {len(given)} tensors given, the model has {len(layout)} "
+            "(the tensors the worker joined with)"
+        )
     out = []
-    for i, t in enumerate(tensors):
-        b = buffer(t, writable=writable, what=f"{what}: tensor {i}")
-        if layout is not None and b[1] != layout[i]:
+    for i, t in enumerate(given):
+        c = checked(t, writable=writable, what=f"{what}: tensor {i}")
+        n = numel(c)
+        if layout is not None and n != layout[i]:
             raise TensorError(
-                f"{what}: tensor {i} ({describe(t)}) has {b[1]} values, "
+                f"{what}: tensor {i} ({describe(t)}) has {n} values, "
                 f"the model's tensor {i} has {layout[i]}"
             )
-        out.append(b)
+        out.append(c)
     return out

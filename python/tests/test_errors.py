@@ -129,7 +129,8 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
         # Printing done, the script's main thread next sleeps in the push's wait (no server
         # answers): a signal sent before that would land in the printing, not in the push.
         wait_for("push", lambda: asleep(p.pid), p, 60)
-    method = "__init__" if call == "join" else call
+    # The innermost Python frame of each call's wait (a push's is after its copy).
+    method = {"join": "__init__", "push": "_push_staged"}.get(call, call)
     try:
         p.send_signal(signal.SIGINT)
         assert p.stdout.readline().strip() == f"interrupted in {method}"
