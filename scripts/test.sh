@@ -19,10 +19,11 @@ cargo test --workspace "$@"
 # event, in the simulator (docs/fault-tolerance.md). Alone, after the parallel tests.
 target/debug/syncopate simtest --seeds 1000
 # The Python package (built into .venv by setup-python.sh): lint, then its tests, which start real
-# clusters of the binary cargo just built and train real numpy and torch models.
+# clusters of the binary cargo just built and train real numpy and torch models. `-rs` prints
+# why a test was skipped (the CUDA tests, on a machine without a GPU).
 .venv/bin/ruff check python examples benches
 .venv/bin/ruff format --check python examples benches
-SYNCOPATE_BIN="$PWD/target/debug/syncopate" .venv/bin/python -m pytest -q python/tests
+SYNCOPATE_BIN="$PWD/target/debug/syncopate" .venv/bin/python -m pytest -q -rs python/tests
 trap - EXIT
 kill -TERM "$guard"
 if ! wait "$guard"; then
