@@ -504,7 +504,7 @@ impl WorkerClient {
             let limits = self.limits;
             pulls.push(self.on_primary(p.shard, async move |conn| {
                 let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
-                pull_into(conn, &req, &mut mine, limits).await
+                pull_into(conn, &req, &mut mine, limits, &self.pool).await
             }));
         }
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
@@ -580,6 +580,11 @@ impl WorkerClient {
     /// unspecified (write all of it).
     pub fn gradient_buffer(&self) -> Vec<f32> {
         self.pool.take(self.model_len)
+    }
+
+    /// The pool [`gradient_buffer`](Self::gradient_buffer) takes from (shared).
+    pub fn pool(&self) -> TensorPool {
+        self.pool.clone()
     }
 
     /// [`push`](Self::push), taking the gradient by value: QUIC sends its bytes without copying
@@ -931,6 +936,7 @@ async fn pull_into(
     req: &DataRequest,
     out: &mut [&mut [f32]],
     limits: Limits,
+    pool: &TensorPool,
 ) -> Result<(u64, u64, u32), NetError> {
     let addr = conn.remote_address();
     let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
@@ -945,19 +951,21 @@ async fn pull_into(
                 // Encoded: read whole (bounded by the frame limit), decode, copy into the pieces.
                 let bytes = wire::read_payload_bytes(&mut recv, head.payload_len).await.map_err(wire_err)?;
                 wire::expect_end(&mut recv).await.map_err(wire_err)?;
-                let mut decoded = Vec::new();
-                crate::codec::decode(codec, &bytes, values, &mut decoded).map_err(|e| {
-                    wire_err(wire::WireError::Stream(format!("a pull that does not decode: {e}")))
-                })?;
-                if decoded.len() != values {
-                    let e = format!("expected a tensor of {values} values, got {}", decoded.len());
-                    return Err(wire_err(wire::WireError::Stream(e)));
+                let mut decoded = pool.take(values);
+                let mut checked = crate::codec::decode(codec, &bytes, values, &mut decoded)
+                    .map_err(|e| format!("a pull that does not decode: {e}"));
+                if checked.is_ok() && decoded.len() != values {
+                    checked = Err(format!("expected a tensor of {values} values, got {}", decoded.len()));
                 }
-                let mut at = 0;
-                for piece in out.iter_mut() {
-                    piece.copy_from_slice(&decoded[at..at + piece.len()]);
-                    at += piece.len();
+                if checked.is_ok() {
+                    let mut at = 0;
+                    for piece in out.iter_mut() {
+                        piece.copy_from_slice(&decoded[at..at + piece.len()]);
+                        at += piece.len();
+                    }
                 }
+                pool.give(decoded);
+                checked.map_err(|e| wire_err(wire::WireError::Stream(e)))?;
                 return Ok((waited_ns, version, local_steps));
             }
             if head.payload_len != values * 4 {
