@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 use pyo3::{create_exception, wrap_pyfunction};
 use syncopate::builtin::PolicySpec;
 use syncopate::cli::{policy_source, WorkerArgs};
+use syncopate::net::pool::TensorPool;
 use syncopate::net::tls::ClusterFile;
 use syncopate::operator::Operator;
 use syncopate::worker::{Interrupt, Session, SessionError};
@@ -114,9 +115,10 @@ fn worker_args(flags: Vec<String>) -> PyResult<WorkerArgs> {
     })
 }
 
-/// A gradient copied out of the caller's tensors (with the GIL held), to be pushed from
-/// memory of our own while the GIL is released: the caller may free, resize or overwrite its
-/// tensors as soon as [`NativeSession::stage`] returns. Pushed once.
+/// A gradient copied out of the caller's tensors (with the GIL held) into a buffer of the
+/// session's pool, to be pushed from there while the GIL is released (QUIC sends that buffer
+/// without another copy): the caller may free, resize or overwrite its tensors as soon as
+/// [`NativeSession::stage`] returns. Pushed once.
 #[pyclass(module = "syncopate._native")]
 struct Staged {
     values: Mutex<Option<Vec<f32>>>,
@@ -131,6 +133,8 @@ struct NativeSession {
     /// Where a pull lands before it is copied into the caller's tensors (kept from pull to
     /// pull; locked only while `inner` is).
     pulled: Mutex<Vec<f32>>,
+    /// The session's buffers for pushes (shared with it: staging needs no lock of the session).
+    pool: TensorPool,
 }
 
 /// What a waiting call watches to give up ([`Interrupt`]).
@@ -295,6 +299,7 @@ impl NativeSession {
         let session =
             detached(py, wake, None, move |stop| Session::connect(opts, &[&init[..]], threads, stop))?;
         Ok(NativeSession {
+            pool: session.buffer_pool(),
             inner: Mutex::new(Some(session)),
             cancel: watch::Sender::new(false),
             pulled: Mutex::new(Vec::new()),
@@ -374,8 +379,13 @@ impl NativeSession {
 
     /// Copies a gradient out of `grad` (the model's tensors) for [`push`](Self::push).
     fn stage(&self, grad: Vec<Bound<'_, PyAny>>) -> PyResult<Staged> {
-        let values =
-            dlpack::borrow_all(&grad, false, "push")?.iter().flat_map(|t| t.read()).copied().collect();
+        let tensors = dlpack::borrow_all(&grad, false, "push")?;
+        let mut values = self.pool.take(tensors.iter().map(|t| t.len()).sum());
+        let mut at = 0;
+        for t in &tensors {
+            values[at..at + t.len()].copy_from_slice(t.read());
+            at += t.len();
+        }
         Ok(Staged { values: Mutex::new(Some(values)) })
     }
 
@@ -396,7 +406,7 @@ impl NativeSession {
         let values = values.ok_or_else(|| UsageError::new_err("this staged gradient was pushed already"))?;
         self.with(py, |s| {
             detached(py, wake, Some(cancel), move |stop| {
-                s.push(&[&values[..]], StepStats { samples, loss }, local_steps, stop)
+                s.push_buffer(values, StepStats { samples, loss }, local_steps, stop)
             })
         })
     }

@@ -294,8 +294,39 @@ impl Session {
         local_steps: u32,
         interrupt: &mut dyn Interrupt,
     ) -> Result<Option<u32>, SessionError> {
-        syncopate_policy_sdk::rules::check_local_steps(local_steps).map_err(SessionError::Usage)?;
         self.check_len(grad.iter().map(|s| s.len()).sum(), "push")?;
+        self.push_grad(Grad::Pieces(grad), stats, local_steps, interrupt)
+    }
+
+    /// [`push`](Self::push), taking the whole gradient by value, as a buffer of
+    /// [`buffer_pool`](Self::buffer_pool): QUIC sends it without another copy and hands it back
+    /// to the pool once every server has acknowledged it.
+    pub fn push_buffer(
+        &mut self,
+        grad: Vec<f32>,
+        stats: StepStats,
+        local_steps: u32,
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<Option<u32>, SessionError> {
+        self.check_len(grad.len(), "push")?;
+        self.push_grad(Grad::Owned(grad), stats, local_steps, interrupt)
+    }
+
+    /// Buffers of the model's length, reused once pushes are sent (see
+    /// [`push_buffer`](Self::push_buffer)); shared, so a caller may fill one while a call of
+    /// this session is in flight.
+    pub fn buffer_pool(&self) -> crate::net::pool::TensorPool {
+        self.client().pool()
+    }
+
+    fn push_grad(
+        &mut self,
+        grad: Grad<'_>,
+        stats: StepStats,
+        local_steps: u32,
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<Option<u32>, SessionError> {
+        syncopate_policy_sdk::rules::check_local_steps(local_steps).map_err(SessionError::Usage)?;
         let Phase::Computing { since, .. } = self.phase else {
             return Err(SessionError::Usage(match self.phase {
                 Phase::Done => "push after training ended".into(),
@@ -312,7 +343,12 @@ impl Session {
         if let Next::Push { iteration, samples, local_steps } = next {
             let d = &mut dropped;
             let op = async move {
-                let r = client.push_segments(iteration, grad, samples, local_steps).await?;
+                let r = match grad {
+                    Grad::Pieces(pieces) => {
+                        client.push_segments(iteration, pieces, samples, local_steps).await?
+                    }
+                    Grad::Owned(whole) => client.push_local(iteration, whole, samples, local_steps).await?,
+                };
                 *d = Some(r);
                 Ok(Input::Pushed { kind: JobKind::Own, result: Ok(r) })
             }
@@ -461,6 +497,12 @@ impl Driver {
             }
         })
     }
+}
+
+/// A gradient to push: borrowed in pieces (copied into a pooled buffer), or a pooled buffer.
+enum Grad<'g> {
+    Pieces(&'g [&'g [f32]]),
+    Owned(Vec<f32>),
 }
 
 impl Drop for Session {
