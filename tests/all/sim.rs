@@ -570,3 +570,36 @@ fn the_simulator_runs_a_policy_that_holds_and_admits_in_one_event() {
     let expected = -(1.0 + 2.0 + 3.0) * 30.0 / 3.0;
     assert!(out.model.iter().all(|v| *v == expected), "{:?}, not all {expected}", out.model);
 }
+
+/// Sync-Switch's online rule where a straggler is slow in time: with one worker of three 3x
+/// slower, the cluster switches to ASP within its first iterations instead of deferring the
+/// fast workers' pulls at every barrier (as it does with `online=false` until `switch_at`),
+/// and every push counts once either way (summed pushes at lr 1: the model is minus the sum
+/// of every worker's `w + 1` per iteration).
+#[test]
+fn syncswitch_switches_to_asp_at_once_for_a_straggler_and_counts_every_push_once() {
+    let s = scenario(
+        "name = \"switch\"\nworkers = 3\nservers = 1\nworkload = \"counter\"\nparams = 4\n\
+         compute_ms = 5\niterations = 40\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
+         [[slow]]\nworker = 0\nfactor = 3.0\n",
+    );
+    let run = |policy: &str| {
+        let opts = SimOptions {
+            run: RunSpec::new(s.clone(), policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults::default(),
+        };
+        simulate(&opts, syncopate_suite::runtime()).expect("simulates")
+    };
+    let online = run("syncswitch:switch_at=1000");
+    let offline = run("syncswitch:switch_at=1000,online=false");
+    let exact = -((1 + 2 + 3) as f32) * 40.0;
+    for out in [&online, &offline] {
+        assert!(out.model.iter().all(|&v| v == exact), "{:?}", out.model);
+    }
+    let (on, off) = (deferred(&online.report), deferred(&offline.report));
+    assert!(off >= 60, "BSP throughout: the fast workers wait at (nearly) every barrier ({off})");
+    assert!(on <= 10, "switched within the first iterations: {on} pulls deferred");
+}
