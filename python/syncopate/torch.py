@@ -28,7 +28,9 @@ Two modes:
   under BSP the model moves by the mean of the workers' changes.
 
 Every parameter (any shapes, any number) is mapped onto the cluster's flat key space in
-``named_parameters`` order; the user never sees keys. Parameters must be float32 CPU tensors.
+``named_parameters`` order; the user never sees keys. Parameters are float32, on the CPU or on
+one CUDA device: a device's tensors are staged through pinned host buffers with asynchronous
+copies on a side stream (``syncopate._staging``, which CPU models run too).
 
 :class:`DiLoCo` runs local steps instead: any inner optimizer, a pseudo-gradient pushed every
 ``sync_every`` steps, the outer optimizer on the servers (the ``diloco`` or ``localsgd`` policy).
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from . import Step, TensorError, UsageError, Worker
+from ._staging import Staging
 
 
 class DistributedOptimizer:
@@ -80,8 +83,9 @@ class DistributedOptimizer:
             for p in group["params"]:
                 if id(p) not in ours:
                     raise TensorError("the optimizer has a parameter not in named_parameters")
+        self._staging = Staging(self.params)
         with torch.no_grad():
-            self.worker = Worker([p.data for p in self.params], **settings)
+            self.worker = Worker(self._staging.stage([p.data for p in self.params]), **settings)
         lr, momentum, decay = self.worker.server_optimizer
         if mode == "delta" and (momentum != 0.0 or decay != 0.0):
             self.worker.leave()
@@ -90,7 +94,8 @@ class DistributedOptimizer:
                 f"and weight decay {decay}: start the cluster with --momentum 0 --weight-decay 0"
             )
         self._server_lr = lr
-        self._grads = [torch.zeros_like(p.data) for p in self.params]
+        # Delta mode's weight changes, on the parameters' device, before they are staged.
+        self._grads = [torch.zeros_like(p.data) for p in self.params] if mode == "delta" else []
         self._before = [torch.empty_like(p.data) for p in self.params] if mode == "delta" else []
         self.step_info: Step | None = None
         self._started = False
@@ -119,7 +124,9 @@ class DistributedOptimizer:
     def _pull(self) -> None:
         self._started = True
         with torch.no_grad():
-            self.step_info = self.worker.pull([p.data for p in self.params])
+            self.step_info = self.worker.pull(self._staging.pull_targets(self.params))
+            if self.step_info is not None:
+                self._staging.finish_pull(self.params)
             if self.mode == "delta" and self.step_info is not None:
                 for b, p in zip(self._before, self.params, strict=True):
                     b.copy_(p.data)
@@ -152,18 +159,15 @@ class DistributedOptimizer:
                 loss = float(out.detach())
         with torch.no_grad():
             if self.mode == "server":
-                for g, p in zip(self._grads, self.params, strict=True):
-                    if p.grad is None:
-                        g.zero_()
-                    else:
-                        g.copy_(p.grad)
+                grads = self._staging.stage([p.grad for p in self.params])
             else:
                 self.optimizer.step()
                 scale = 1.0 / self._server_lr
                 for g, b, p in zip(self._grads, self._before, self.params, strict=True):
                     torch.sub(b, p.data, out=g)
                     g.mul_(scale)
-        self.worker.push(self._grads, samples=samples, loss=0.0 if loss is None else loss)
+                grads = self._staging.stage(self._grads)
+        self.worker.push(grads, samples=samples, loss=0.0 if loss is None else loss)
         self._pull()
         return out
 
@@ -200,8 +204,9 @@ class DiLoCo:
     asks for (at least 1).
 
     Joins the cluster on construction with the model's current values (the first worker's
-    seed the servers); ``settings`` are :class:`syncopate.Worker`'s keywords. Parameters must
-    be float32 CPU tensors. Attributes: ``worker``, ``step_info``, ``done``, ``batch_size``,
+    seed the servers); ``settings`` are :class:`syncopate.Worker`'s keywords. Parameters are
+    float32, on the CPU or one CUDA device (staged as :class:`DistributedOptimizer` stages
+    them). Attributes: ``worker``, ``step_info``, ``done``, ``batch_size``,
     ``local_step`` (steps taken in the current round).
     """
 
@@ -227,8 +232,9 @@ class DiLoCo:
             for p in group["params"]:
                 if id(p) not in ours:
                     raise TensorError("the inner optimizer has a parameter that is not the model's")
+        self._staging = Staging(self.params)
         with torch.no_grad():
-            self.worker = Worker([p.data for p in self.params], **settings)
+            self.worker = Worker(self._staging.stage([p.data for p in self.params]), **settings)
         self._start = [torch.empty_like(p.data) for p in self.params]
         self._delta = [torch.empty_like(p.data) for p in self.params]
         self.step_info: Step | None = None
@@ -269,8 +275,9 @@ class DiLoCo:
 
     def _pull(self) -> None:
         with torch.no_grad():
-            self.step_info = self.worker.pull([p.data for p in self.params])
+            self.step_info = self.worker.pull(self._staging.pull_targets(self.params))
             if self.step_info is not None:
+                self._staging.finish_pull(self.params)
                 for s, p in zip(self._start, self.params, strict=True):
                     s.copy_(p.data)
         self.local_step = 0
@@ -293,8 +300,9 @@ class DiLoCo:
         with torch.no_grad():
             for d, s, p in zip(self._delta, self._start, self.params, strict=True):
                 torch.sub(s, p.data, out=d)
+            delta = self._staging.stage(self._delta)
         samples = self.step_info.batch * steps
-        self.worker.push(self._delta, samples=samples, loss=self._loss / steps, local_steps=steps)
+        self.worker.push(delta, samples=samples, loss=self._loss / steps, local_steps=steps)
         self._pull()
 
     def leave(self) -> dict[str, Any] | None:

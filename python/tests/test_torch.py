@@ -81,26 +81,40 @@ def test_diloco_trains_the_example_with_adamw_and_a_round_every_8_steps(
         assert m and 20 <= int(m.group(1)) <= 24, out
 
 
+# Each exact test runs on the CPU and, where there is one, on a CUDA device: the same code
+# (syncopate._staging) stages both, so the CPU runs test the staging path too.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="no CUDA device on this machine"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_diloco_pushes_the_pseudo_gradient_and_the_servers_average_it(
-    cluster: ClusterFactory,
+    cluster: ClusterFactory, device: str
 ) -> None:
     # One worker under local SGD (averaging, lr 1): after a round of 3 plain-SGD steps the
     # servers' model is exactly the worker's local model, and the report counts 3 steps.
     c = cluster(workers=1, servers=2, policy="localsgd:h=3", lr=0.05, momentum=0.9)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).to(device)
     inner = torch.optim.SGD(model.parameters(), lr=0.125)
     with sps.DiLoCo(model, inner, **c.settings, iterations=2) as diloco:
         assert diloco.step_info is not None and diloco.step_info.local_steps == 3
         for _ in range(3):
             inner.zero_grad()
-            model(torch.ones(5, 3)).sum().backward()
+            model(torch.ones(5, 3, device=device)).sum().backward()
             inner.step()
             local = [p.detach().clone() for p in model.parameters()]
         # The third step's hook pushed and pulled: the model is the servers' (the local one).
         assert diloco.local_step == 0 and diloco.step_info.iteration == 1
         for a, p in zip(local, model.parameters(), strict=True):
-            assert torch.allclose(a, p.detach(), rtol=0, atol=1e-6)
+            assert p.device == a.device and torch.allclose(a, p.detach(), rtol=0, atol=1e-6)
         with pytest.raises(ValueError):
             sps.DiLoCo(model, inner, sync_every=0)
     report = diloco.leave()
@@ -115,11 +129,12 @@ def test_delta_mode_refuses_servers_with_momentum(cluster: ClusterFactory) -> No
         sps.DistributedOptimizer(opt, model.named_parameters(), mode="delta", **c.settings)
 
 
-def test_server_mode_applies_the_servers_step_exactly(cluster: ClusterFactory) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_server_mode_applies_the_servers_step_exactly(cluster: ClusterFactory, device: str) -> None:
     # One worker, lr 0.5, no momentum: every parameter moves by exactly -0.5 * its gradient.
     c = cluster(workers=1, servers=2, lr=0.5, momentum=0.0)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).to(device)
     before = [p.detach().clone() for p in model.parameters()]
     opt = sps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0),
@@ -133,15 +148,36 @@ def test_server_mode_applies_the_servers_step_exactly(cluster: ClusterFactory) -
     with pytest.raises(syncopate.TensorError):
         sps.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), [])
     opt.zero_grad()
-    model(torch.ones(5, 3)).sum().backward()
+    model(torch.ones(5, 3, device=device)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     opt.step(loss=1.0)
     for b, g, p in zip(before, grads, model.parameters(), strict=True):
         assert torch.equal(p.detach(), b - 0.5 * g)
     assert opt.step_info is not None and opt.step_info.iteration == 1
     opt.zero_grad()
-    model(torch.ones(5, 3)).sum().backward()
+    model(torch.ones(5, 3, device=device)).sum().backward()
     opt.step()
     assert opt.done
     report = opt.leave()
     assert report["iterations"] == 2
+
+
+def test_staging_copies_what_is_pushed_and_pulls_into_cpu_parameters_in_place() -> None:
+    """The device abstraction on the CPU (the path every CPU test runs): staged tensors are
+    copies (``None`` is zeros), a pull's targets are the parameters themselves, and a model on
+    no device, on several, or of another dtype is refused."""
+    from syncopate._staging import Staging
+
+    params = [torch.ones(2, 3), torch.full((4,), 2.0)]
+    st = Staging(params)
+    out = st.stage([params[0], None])
+    assert out[0] is not params[0] and torch.equal(out[0], params[0])
+    assert torch.equal(out[1], torch.zeros(4))
+    params[0].fill_(7.0)
+    assert torch.equal(out[0], torch.ones(2, 3)), "a copy, not a view"
+    targets = st.pull_targets(params)
+    assert [t.data_ptr() for t in targets] == [p.data_ptr() for p in params], "in place"
+    st.finish_pull(params)
+    for bad in ([], [torch.zeros(2, dtype=torch.float64)], [torch.zeros(2, device="meta")]):
+        with pytest.raises(syncopate.TensorError):
+            Staging(bad)
