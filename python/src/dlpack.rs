@@ -13,7 +13,7 @@
 //! - a tensor is borrowed ([`borrow_all`]) only for the length of one copy, with the GIL held
 //!   throughout, so Python code (which could free, resize or write the tensor) cannot run
 //!   while Rust reads or writes it; calls that wait on the network release the GIL only over
-//!   memory of their own ([`Staging`](crate::Staging));
+//!   memory of their own (`Staged`, and the session's pull buffer);
 //! - every tensor is float32, on the CPU, contiguous (row-major, any shape), aligned;
 //! - a tensor written to must not be read-only, and no two tensors written by one call may
 //!   share memory (`pull([t, t])` is refused, not two aliasing `&mut`); tensors only read

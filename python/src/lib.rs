@@ -4,8 +4,8 @@
 //! engine's worker machine, driven by the user's training loop), the worker settings read from
 //! the `SYNCOPATE_*` environment (the same ones `syncopate worker` takes), and the operator's
 //! swap and status. Tensors cross as the tensors themselves, read and written through DLPack
-//! only while the GIL is held ([`dlpack`]); calls that wait on the network do so over memory
-//! of their own: a push copies the gradient first ([`Staged`]), a pull lands in a buffer of
+//! only while the GIL is held (`dlpack.rs`); calls that wait on the network do so over memory
+//! of their own: a push copies the gradient first (`Staged`), a pull lands in a buffer of
 //! the session's and is copied into the caller's tensors once it is back.
 //!
 //! Every call that waits (joining, pulling, pushing, leaving) releases the GIL and is woken,
