@@ -63,6 +63,32 @@ impl Config {
         text.parse().map_err(|_| ConfigError(format!("parameter `{name}`: cannot parse `{text}`")))
     }
 
+    /// Local steps per round from parameter `name`: at least 1 and at most
+    /// [`MAX_LOCAL_STEPS`](crate::rules::MAX_LOCAL_STEPS) (local-SGD rules' `h`).
+    ///
+    /// # Errors
+    /// When it does not parse, or is out of bounds; the message names the parameter.
+    pub fn local_steps(&self, name: &str) -> Result<u32, ConfigError> {
+        let h: u32 = self.get(name)?;
+        if h == 0 {
+            return Err(ConfigError(format!("{name}: take at least 1 local step")));
+        }
+        crate::rules::check_local_steps(h).map_err(|e| ConfigError(format!("{name}: {e}")))?;
+        Ok(h)
+    }
+
+    /// The outer optimizer's learning rate and momentum from parameters `outer_lr` and
+    /// `outer_momentum`, within [`check_outer_optimizer`](crate::rules::check_outer_optimizer)'s
+    /// bounds.
+    ///
+    /// # Errors
+    /// When either does not parse, or they are out of bounds.
+    pub fn outer_optimizer(&self) -> Result<(f32, f32), ConfigError> {
+        let (lr, momentum): (f32, f32) = (self.get("outer_lr")?, self.get("outer_momentum")?);
+        crate::rules::check_outer_optimizer(lr, momentum).map_err(ConfigError)?;
+        Ok((lr, momentum))
+    }
+
     /// All parameters with their values, in declaration order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
         self.values.iter().map(|(n, v)| (n.as_str(), v.as_str()))

@@ -7,7 +7,7 @@
 use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
 use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
-use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimFaults, SimOptions};
+use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimFaults, SimOptions, Simulated};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -35,8 +35,8 @@ fn sim(scenario: &Scenario, policy: &str, gradients: bool) -> RunReport {
     simulate(&opts, syncopate_suite::runtime()).expect("simulates").report
 }
 
-/// The final model's bits and the run's final accuracy.
-fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
+/// The whole simulated run, gradients computed: its model and its report.
+fn simulated(scenario: &Scenario, policy: &str) -> Simulated {
     let opts = SimOptions {
         run: RunSpec::new(scenario.clone(), policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
@@ -44,7 +44,12 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
         failures: Vec::new(),
         faults: SimFaults::default(),
     };
-    let out = simulate(&opts, syncopate_suite::runtime()).expect("simulates");
+    simulate(&opts, syncopate_suite::runtime()).expect("simulates")
+}
+
+/// The final model's bits and the run's final accuracy.
+fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
+    let out = simulated(scenario, policy);
     (out.model.iter().map(|x| x.to_bits()).collect(), out.report.final_accuracy)
 }
 
@@ -583,18 +588,8 @@ fn syncswitch_switches_to_asp_at_once_for_a_straggler_and_counts_every_push_once
          compute_ms = 5\niterations = 40\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
          [[slow]]\nworker = 0\nfactor = 3.0\n",
     );
-    let run = |policy: &str| {
-        let opts = SimOptions {
-            run: RunSpec::new(s.clone(), policy.parse::<PolicySpec>().unwrap()),
-            gradients: true,
-            data: None,
-            failures: Vec::new(),
-            faults: SimFaults::default(),
-        };
-        simulate(&opts, syncopate_suite::runtime()).expect("simulates")
-    };
-    let online = run("syncswitch:switch_at=1000");
-    let offline = run("syncswitch:switch_at=1000,online=false");
+    let online = simulated(&s, "syncswitch:switch_at=1000");
+    let offline = simulated(&s, "syncswitch:switch_at=1000,online=false");
     let exact = -((1 + 2 + 3) as f32) * 40.0;
     for out in [&online, &offline] {
         assert!(out.model.iter().all(|&v| v == exact), "{:?}", out.model);

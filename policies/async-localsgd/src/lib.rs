@@ -107,14 +107,8 @@ impl Policy for AsyncLocalSgd {
     );
 
     fn new(init: &Init) -> Result<Self, String> {
-        let h: u32 = init.config.get("h")?;
-        if h == 0 {
-            return Err("h: take at least 1 local step".into());
-        }
-        rules::check_local_steps(h).map_err(|e| format!("h: {e}"))?;
-        let outer_lr: f32 = init.config.get("outer_lr")?;
-        let outer_momentum: f32 = init.config.get("outer_momentum")?;
-        rules::check_outer_optimizer(outer_lr, outer_momentum)?;
+        let h = init.config.local_steps("h")?;
+        let (outer_lr, outer_momentum) = init.config.outer_optimizer()?;
         let delay: u32 = init.config.get("delay")?;
         if delay != 0 {
             rules::check_outer_delay(delay).map_err(|e| format!("delay: {e}"))?;

@@ -20,7 +20,6 @@
 
 use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
-use syncopate_policy_sdk::rules;
 
 /// DiLoCo: `h` local steps, then an outer Nesterov step on the mean pseudo-gradient.
 #[derive(Debug)]
@@ -46,14 +45,8 @@ impl Policy for Diloco {
     );
 
     fn new(init: &Init) -> Result<Self, String> {
-        let h: u32 = init.config.get("h")?;
-        if h == 0 {
-            return Err("h: take at least 1 local step".into());
-        }
-        rules::check_local_steps(h).map_err(|e| format!("h: {e}"))?;
-        let outer_lr: f32 = init.config.get("outer_lr")?;
-        let outer_momentum: f32 = init.config.get("outer_momentum")?;
-        rules::check_outer_optimizer(outer_lr, outer_momentum)?;
+        let h = init.config.local_steps("h")?;
+        let (outer_lr, outer_momentum) = init.config.outer_optimizer()?;
         Ok(Diloco { h, outer_lr, outer_momentum, codecs: CodecChoice::from_config(&init.config)? })
     }
 

@@ -11,7 +11,6 @@
 
 use syncopate_policy_sdk::codec::CodecChoice;
 use syncopate_policy_sdk::prelude::*;
-use syncopate_policy_sdk::rules;
 
 /// Local SGD: `h` local steps, then the workers' models averaged.
 #[derive(Debug)]
@@ -33,11 +32,7 @@ impl Policy for LocalSgd {
     );
 
     fn new(init: &Init) -> Result<Self, String> {
-        let h: u32 = init.config.get("h")?;
-        if h == 0 {
-            return Err("h: take at least 1 local step".into());
-        }
-        rules::check_local_steps(h).map_err(|e| format!("h: {e}"))?;
+        let h = init.config.local_steps("h")?;
         Ok(LocalSgd { h, codecs: CodecChoice::from_config(&init.config)? })
     }
 
