@@ -99,9 +99,10 @@ struct Shared {
     /// old connection is seen to end, and that ending must not take the new one's memberships
     /// (it once did: the restarted worker's pushes were refused as from a non-member).
     incarnations: Mutex<Incarnations>,
-    /// Where pulls are encoded before they are copied into a pooled buffer (kept from pull to
-    /// pull, so that compressed pulls allocate nothing once warm).
-    pull_scratch: Mutex<(Vec<u8>, crate::codec::Scratch)>,
+    /// Where pulls are encoded before they are copied into a pooled buffer: spares kept from
+    /// pull to pull (at most [`SPARE_SCRATCHES`]), so that compressed pulls allocate nothing
+    /// once warm and concurrent ones do not wait for each other.
+    pull_scratch: Mutex<Vec<(Vec<u8>, crate::codec::Scratch)>>,
     /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
     /// [`Holdings`](crate::net::proto::Holdings).
     terms: Mutex<HashMap<u32, u64>>,
@@ -244,7 +245,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         levelled: Mutex::new(Vec::new()),
         gone: Mutex::new(BTreeSet::new()),
         incarnations: Mutex::new(Incarnations::default()),
-        pull_scratch: Mutex::new((Vec::new(), crate::codec::Scratch::default())),
+        pull_scratch: Mutex::new(Vec::new()),
         terms: Mutex::new(terms),
         coordinator: opts.coordinator,
         limits: opts.limits,
@@ -575,13 +576,21 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
 
 /// The parameters a pull serves, in `codec`, as the f32 words the transport sends.
 fn encode_pull(shared: &Shared, codec: Codec, values: &[f32]) -> Vec<f32> {
-    let mut scratch = shared.pull_scratch.lock().expect("not poisoned");
-    let (bytes, codec_scratch) = &mut *scratch;
-    crate::codec::encode(codec, values, None, codec_scratch, bytes);
+    let spare = shared.pull_scratch.lock().expect("not poisoned").pop();
+    let (mut bytes, mut scratch) = spare.unwrap_or_default();
+    crate::codec::encode(codec, values, None, &mut scratch, &mut bytes);
     let mut words = shared.pool.take(bytes.len() / 4);
-    bytemuck::cast_slice_mut::<f32, u8>(&mut words).copy_from_slice(bytes);
+    bytemuck::cast_slice_mut::<f32, u8>(&mut words).copy_from_slice(&bytes);
+    let mut spares = shared.pull_scratch.lock().expect("not poisoned");
+    if spares.len() < SPARE_SCRATCHES {
+        spares.push((bytes, scratch));
+    }
     words
 }
+
+/// Encoding scratches a server keeps for compressed pulls (more are made while more pulls
+/// encode at once, and dropped after).
+const SPARE_SCRATCHES: usize = 8;
 
 /// How shard `shard` runs in a cluster with these settings.
 fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
