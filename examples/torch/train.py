@@ -19,6 +19,10 @@ right after a round, so ``--eval-every`` is rounded up to a multiple of ``--sync
     syncopate local --workers 4 --policy diloco:h=8 \
         --script examples/torch/train.py --mode diloco --sync-every 8
 
+Models: ``--model resnet`` (the default, 77,754 parameters), ``mlp`` (784-128-10, the Rust
+workload's), and ``wide`` (784-W-W-10, ``--width`` 2048: 5.8M parameters, 23 MB each way per
+iteration, where communication matters).
+
 ``--backend ddp`` trains the same model with the same loop through
 ``torch.nn.parallel.DistributedDataParallel`` over gloo instead (started as torchrun starts
 workers: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), for ``compare.py``.
@@ -82,6 +86,20 @@ def resnet(width: int = 16) -> nn.Module:
 def mlp() -> nn.Module:
     """784-128-10, as the built-in Rust workload."""
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def wide(width: int = 2048) -> nn.Module:
+    """784-W-W-10: a model where communication matters. At the default width it has 5.8M
+    parameters, so one iteration pushes and pulls 23 MB each way (the small models above move
+    0.3 MB); for the overlap and DDP measurements of issue 39."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 10),
+    )
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -194,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     this worker's summary (worker 0's has the final and best test accuracy). Called in-process
     by ``examples/ray/launch.py``, which runs it in Ray actors."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["resnet", "mlp"], default="resnet")
+    p.add_argument("--model", choices=["resnet", "mlp", "wide"], default="resnet")
+    p.add_argument("--width", type=int, default=2048, help="hidden width of --model wide")
     p.add_argument(
         "--backend",
         choices=["syncopate", "ddp"],
@@ -238,8 +257,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     seed = int(os.environ.get("SYNCOPATE_SEED", "1"))
     torch.manual_seed(seed)
-    model = resnet() if args.model == "resnet" else mlp()
+    models = {"resnet": resnet, "mlp": mlp, "wide": lambda: wide(args.width)}
+    model = models[args.model]()
     t = Trainer(args, model)
+    params = sum(p.numel() for p in model.parameters())
+    if t.rank == 0:
+        print(f"model {args.model}: {params:,} parameters ({4 * params / 1e6:.1f} MB)", flush=True)
     rank, parts = t.rank, t.size
     part = rank
     if args.backend == "syncopate":
