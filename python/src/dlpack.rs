@@ -21,6 +21,12 @@
 //!   for several tensors);
 //! - anything else (no `__dlpack__`, a capsule of another kind, a newer major version) is a
 //!   `TensorError` that says what was given.
+//!
+//! What this does not defend against: Python code that the caller wrote to run *during* a
+//! call, in a `__dlpack__` of its own that resizes another tensor of the same call in place
+//! (torch's `resize_` moves a storage that an earlier export already described). Exporting is
+//! the only Python code a call runs while it holds tensors; such code could as well break the
+//! process through `ctypes`.
 
 use std::ffi::{c_void, CStr};
 
