@@ -5,7 +5,7 @@
 //! A worker that takes `H` local steps computes `H` gradients, applies each to its own copy of
 //! the model with its inner optimizer, and pushes the parameters it pulled minus the ones it
 //! reached. The shard sums these pseudo-gradients as it sums gradients (per round in aggregate
-//! mode, per group, or one by one on arrival), but steps them with [`LocalSgd::outer`], an
+//! mode, per group, or one by one on arrival), but steps them with [`LocalSgd::step`], an
 //! optimizer of its own: plain averaging by default (local SGD), Nesterov momentum for DiLoCo,
 //! and, for asynchronous local SGD, Delayed Nesterov: the momentum folded in and applied only
 //! every `period`-th outer step ([`Decision::SetOuterDelay`]).
@@ -152,11 +152,6 @@ impl LocalSgd {
         self.period_sum.fill(0.0);
         self.delayed = 0;
     }
-
-    /// The outer optimizer's settings.
-    pub fn outer_config(&self) -> OptimizerConfig {
-        self.outer.config()
-    }
 }
 
 #[cfg(test)]
@@ -259,7 +254,7 @@ mod tests {
         l.step(&mut [0.0, 0.0], &[1.0, 1.0], 1.0);
         l.set_delay(3, 2);
         l.reset(2);
-        assert_eq!((l.steps_of(1), l.outer_config(), l.delay), (0, OptimizerConfig::AVERAGING, 1));
+        assert_eq!((l.steps_of(1), l.outer.config(), l.delay), (0, OptimizerConfig::AVERAGING, 1));
         // The momentum survives: DiLoCo again resumes it.
         l.set_outer(1.0, 0.5, false, 2);
         let mut p = [0.0f32, 0.0];
