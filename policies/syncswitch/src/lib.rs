@@ -65,6 +65,9 @@ pub struct SyncSwitch {
     /// Whether this shard has switched to ASP.
     switched: bool,
     workers: BTreeMap<WorkerId, Worker>,
+    /// The live workers' latest iteration times, sorted for the median (kept from push to push,
+    /// so the check allocates nothing once warm).
+    times: Vec<u64>,
 }
 
 impl SyncSwitch {
@@ -78,8 +81,10 @@ impl SyncSwitch {
     }
 
     /// Whether `worker`'s latest iteration makes it a straggler.
-    fn straggles(&self, worker: WorkerId) -> bool {
-        let mut times: Vec<u64> = self.workers.values().map(|w| w.last_ns).filter(|&t| t > 0).collect();
+    fn straggles(&mut self, worker: WorkerId) -> bool {
+        let times = &mut self.times;
+        times.clear();
+        times.extend(self.workers.values().map(|w| w.last_ns).filter(|&t| t > 0));
         if times.len() < 2 {
             return false;
         }
@@ -116,6 +121,7 @@ impl Policy for SyncSwitch {
             codecs: CodecChoice::from_config(&init.config)?,
             switched: false,
             workers: BTreeMap::new(),
+            times: Vec::new(),
         })
     }
 
