@@ -131,13 +131,23 @@ impl Borrowed<'_> {
     }
 }
 
+/// Which tensor of which call, for errors: formatted only when one is raised, so that a call
+/// that goes through allocates no message per tensor.
+struct Which<'a>(&'a str, usize);
+
+impl std::fmt::Display for Which<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: tensor {}", self.0, self.1)
+    }
+}
+
 /// A tensor's description for errors: its type and what `__dlpack__` said.
 fn describe(t: &Bound<'_, PyAny>) -> String {
     t.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into())
 }
 
 /// Calls `t.__dlpack__`, asking for DLPack 1.0 (older producers take no argument).
-fn export<'py>(t: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyCapsule>> {
+fn export<'py>(t: &Bound<'py, PyAny>, what: &Which<'_>) -> PyResult<Bound<'py, PyCapsule>> {
     let py = t.py();
     if !t.hasattr("__dlpack__")? {
         return Err(TensorError::new_err(format!(
@@ -162,7 +172,7 @@ fn export<'py>(t: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyCapsu
 }
 
 /// The tensor inside a capsule, and whether it is read-only.
-fn tensor_of<'c>(capsule: &'c Bound<'_, PyCapsule>, what: &str) -> PyResult<(&'c DlTensor, bool)> {
+fn tensor_of<'c>(capsule: &'c Bound<'_, PyCapsule>, what: &Which<'_>) -> PyResult<(&'c DlTensor, bool)> {
     if let Ok(p) = capsule.pointer_checked(Some(VERSIONED)) {
         // SAFETY: a `dltensor_versioned` capsule holds a `DLManagedTensorVersioned` (the DLPack
         // specification); the capsule, borrowed for `'c`, keeps it alive.
@@ -184,7 +194,7 @@ fn tensor_of<'c>(capsule: &'c Bound<'_, PyCapsule>, what: &str) -> PyResult<(&'c
 }
 
 /// Checks one tensor and gives its (address, values, read-only).
-fn check(t: &DlTensor, read_only: bool, what: &str) -> PyResult<(*mut f32, usize, bool)> {
+fn check(t: &DlTensor, read_only: bool, what: &Which<'_>) -> PyResult<(*mut f32, usize, bool)> {
     let dt = &t.dtype;
     if (dt.code, dt.bits, dt.lanes) != (FLOAT, 32, 1) {
         return Err(TensorError::new_err(format!(
@@ -255,7 +265,7 @@ pub fn borrow_all<'py>(
 ) -> PyResult<Vec<Borrowed<'py>>> {
     let mut out = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
-        let what = format!("{what}: tensor {i}");
+        let what = Which(what, i);
         let capsule = export(t, &what)?;
         let (tensor, read_only) = tensor_of(&capsule, &what)?;
         let (ptr, len, read_only) = check(tensor, read_only, &what)?;
