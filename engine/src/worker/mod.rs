@@ -473,16 +473,11 @@ impl WorkerMachine {
                 self.cur.acked_after_ns = now.saturating_sub(self.cur.pushed_at);
                 self.report.push_wait_ns += self.cur.acked_after_ns;
                 let c = self.cur;
+                let report = self.report_of_push().expect("pushing");
                 self.report.compute_ns += c.busy_ns;
                 self.report.steps += u64::from(c.local_steps.max(1));
                 self.report.local_iterations += u64::from(c.local_steps > 0);
                 self.report.last_loss = c.loss / c.samples.max(1) as f32;
-                let report = IterationReport {
-                    worker: self.cfg.id,
-                    iteration: c.iteration,
-                    compute_ns: c.busy_ns,
-                    samples: c.samples,
-                };
                 self.out.push_back(Action::Finished(report));
                 self.end_iteration();
             }
@@ -811,6 +806,59 @@ impl WorkerMachine {
         self.own = Own::Pushing;
         self.cur.pushed_at = self.now;
         self.out.push_back(Action::Push(push));
+    }
+
+    /// The iteration this worker pulls next, if nothing comes in before its push in progress
+    /// is acknowledged (no stop, skip, pause, moved tasks or end of the budget): a driver may
+    /// send that pull shard by shard as each shard acknowledges its part of the push, before
+    /// the machine asks for it (a push overlapped with the backward pass does, so that the
+    /// model comes back while the rest is still pushed). Each shard still sees this worker's
+    /// push of an iteration before its pull of the next. `None` while no own push is in
+    /// progress or the next action is not sure to be that pull; if it turns out otherwise,
+    /// the driver drops what it pulled early, as it does a pull a skip abandons.
+    pub fn next_pull_if_quiet(&self) -> Option<u64> {
+        let next = self.iteration + 1;
+        let quiet = self.own == Own::Pushing
+            && self.skips.is_empty()
+            && !self.stop
+            && next < self.cfg.iterations
+            && self.now >= self.pause_until
+            && self.help.is_empty()
+            && self.busy.is_none();
+        quiet.then_some(next)
+    }
+
+    /// The report this worker gives every shard once its own push in progress is
+    /// acknowledged ([`Action::Finished`]), known as soon as the push starts: a driver that
+    /// pulls early ([`next_pull_if_quiet`](Self::next_pull_if_quiet)) tells each shard before
+    /// that shard's early pull, so that every shard still sees this worker's push, report and
+    /// next pull in that order (a shard answers a worker's requests in order: a report sent
+    /// after a pull it defers would wait for it). `None` while no own push is in progress.
+    pub fn report_of_push(&self) -> Option<IterationReport> {
+        let c = &self.cur;
+        (self.own == Own::Pushing).then_some(IterationReport {
+            worker: self.cfg.id,
+            iteration: c.iteration,
+            compute_ns: c.busy_ns,
+            samples: c.samples,
+        })
+    }
+
+    /// The mean loss of the iteration last pushed, when the driver learns it only after the
+    /// push (a push overlapped with the backward pass): the report's `last_loss`.
+    pub fn record_loss(&mut self, loss: f32) {
+        self.report.last_loss = loss;
+    }
+
+    /// Of the iteration last pushed, the nanoseconds the caller still computed after its push
+    /// had started (a push overlapped with the backward pass): the report's
+    /// `timeline_overlap`.
+    pub fn overlapped(&mut self, ns: u64) {
+        let n = self.report.timeline.len();
+        self.report.timeline_overlap.resize(n, 0.0);
+        if let Some(last) = self.report.timeline_overlap.last_mut() {
+            *last = ns as f32 / 1e9;
+        }
     }
 
     fn end_iteration(&mut self) {

@@ -71,4 +71,9 @@ pub struct WorkerReport {
     /// acknowledgements (as long as a policy held it, and the transfer).
     #[serde(default)]
     pub timeline_acks: Vec<f32>,
+    /// Per iteration, as `timeline` (shorter when the last iterations had none): of the time
+    /// its push waited, the seconds the worker still computed, its push overlapped with the
+    /// backward pass (a Python worker's `overlap=True`); the rest of the wait was idle.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timeline_overlap: Vec<f32>,
 }

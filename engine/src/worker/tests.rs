@@ -264,3 +264,44 @@ fn local_steps_leave_the_pseudo_gradient_of_the_inner_optimizer() {
     bufs.compute(0, &one, Some(&mut Counter::new(3))).unwrap();
     assert_eq!(bufs.grad, [1.5; 3], "v = 0.5 * 1 + 1");
 }
+
+/// Runs `m` to its own push of the iteration it is on (from its pull), at `now`.
+fn to_push(m: &mut WorkerMachine, now: u64) {
+    actions(m, now);
+    m.handle(now, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
+    actions(m, now);
+    m.handle(now, computed(32)).unwrap();
+    let a = actions(m, now);
+    assert!(matches!(&a[..], [Action::Push(_)]), "{a:?}");
+}
+
+#[test]
+fn the_next_pull_is_promised_only_while_nothing_can_change_it() {
+    let mut m = machine(3, Device::default());
+    assert_eq!(m.next_pull_if_quiet(), None, "no push in progress");
+    to_push(&mut m, 0);
+    assert_eq!(m.next_pull_if_quiet(), Some(1));
+    m.handle(1, own_pushed()).unwrap();
+    let a = actions(&mut m, 1);
+    assert!(matches!(&a[..], [Action::Finished(_), Action::Pull { iteration: 1 }]), "as promised: {a:?}");
+    assert_eq!(m.next_pull_if_quiet(), None, "pulling, not pushing");
+    // A skip, a pause or a stop that comes in while pushing withdraws the promise.
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
+    actions(&mut m, 1);
+    m.handle(1, computed(32)).unwrap();
+    actions(&mut m, 1);
+    assert_eq!(m.next_pull_if_quiet(), Some(2));
+    m.handle(2, control(Control::Pause { for_ns: 50 * MS })).unwrap();
+    assert_eq!(m.next_pull_if_quiet(), None, "paused");
+    m.handle(60 * MS, own_pushed()).unwrap();
+    to_push(&mut m, 60 * MS);
+    assert_eq!(m.next_pull_if_quiet(), None, "the budget ends with this iteration");
+    let mut m = machine(5, Device::default());
+    to_push(&mut m, 0);
+    m.handle(0, control(Control::SkipTo { iteration: 3 })).unwrap();
+    assert_eq!(m.next_pull_if_quiet(), None, "a skip is pending");
+    let mut m = machine(5, Device::default());
+    to_push(&mut m, 0);
+    m.handle(0, Input::Stop).unwrap();
+    assert_eq!(m.next_pull_if_quiet(), None, "stopping");
+}
