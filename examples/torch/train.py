@@ -21,7 +21,9 @@ right after a round, so ``--eval-every`` is rounded up to a multiple of ``--sync
 
 Models: ``--model resnet`` (the default, 77,754 parameters), ``mlp`` (784-128-10, the Rust
 workload's), and ``wide`` (784-W-W-10, ``--width`` 2048: 5.8M parameters, 23 MB each way per
-iteration, where communication matters).
+iteration, where communication matters; ``--depth`` hidden layers). ``--overlap`` pushes from
+the backward pass (``DistributedOptimizer(overlap=True)``; start the cluster with several
+``--shards``).
 
 ``--backend ddp`` trains the same model with the same loop through
 ``torch.nn.parallel.DistributedDataParallel`` over gloo instead (started as torchrun starts
@@ -88,18 +90,15 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def wide(width: int = 2048) -> nn.Module:
-    """784-W-W-10: a model where communication matters. At the default width it has 5.8M
-    parameters, so one iteration pushes and pulls 23 MB each way (the small models above move
-    0.3 MB); for the overlap and DDP measurements of issue 39."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, 10),
-    )
+def wide(width: int = 2048, depth: int = 2) -> nn.Module:
+    """784-W-...-W-10 with ``depth`` hidden layers: a model where communication matters. At the
+    defaults it has 5.8M parameters, so one iteration pushes and pulls 23 MB each way (the
+    small models above move 0.3 MB); for the overlap and DDP measurements
+    (``benches/torch_overlap.py``)."""
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(784, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -146,7 +145,13 @@ class Trainer:
                 if args.mode == "delta"
                 else torch.optim.SGD(model.parameters(), lr=0.0)
             )
-            self.opt = sps.DistributedOptimizer(local, model.named_parameters(), mode=args.mode)
+            self.opt = sps.DistributedOptimizer(
+                local,
+                model.named_parameters(),
+                mode=args.mode,
+                overlap=args.overlap,
+                bucket_mb=args.bucket_mb,
+            )
             sps.broadcast_parameters(self.opt)
             self.net = model
             self.rank, self.size = self.opt.worker.rank, self.opt.worker.size
@@ -214,6 +219,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["resnet", "mlp", "wide"], default="resnet")
     p.add_argument("--width", type=int, default=2048, help="hidden width of --model wide")
+    p.add_argument("--depth", type=int, default=2, help="hidden layers of --model wide")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="push from the backward pass (DistributedOptimizer(overlap=True); server mode)",
+    )
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="overlap's bucket size")
     p.add_argument(
         "--backend",
         choices=["syncopate", "ddp"],
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     seed = int(os.environ.get("SYNCOPATE_SEED", "1"))
     torch.manual_seed(seed)
-    models = {"resnet": resnet, "mlp": mlp, "wide": lambda: wide(args.width)}
+    models = {"resnet": resnet, "mlp": mlp, "wide": lambda: wide(args.width, args.depth)}
     model = models[args.model]()
     t = Trainer(args, model)
     params = sum(p.numel() for p in model.parameters())

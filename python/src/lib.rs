@@ -30,7 +30,7 @@ use syncopate::cli::{policy_source, WorkerArgs};
 use syncopate::net::pool::TensorPool;
 use syncopate::net::tls::ClusterFile;
 use syncopate::operator::Operator;
-use syncopate::worker::{Interrupt, Session, SessionError};
+use syncopate::worker::{FedParts, Interrupt, PushFeed, Session, SessionError};
 use syncopate::{ErrorKind, NodeError};
 use syncopate_engine::worker::StepStats;
 use tokio::io::unix::AsyncFd;
@@ -122,6 +122,54 @@ fn worker_args(flags: Vec<String>) -> PyResult<WorkerArgs> {
 #[pyclass(module = "syncopate._native")]
 struct Staged {
     values: Mutex<Option<Vec<f32>>>,
+}
+
+/// A push fed in pieces while the caller still computes (`NativeSession.feed`, then
+/// `NativeSession.exchange` on another thread): each piece is copied out of the caller's
+/// tensors with the GIL held, and each shard's part goes as soon as it is whole
+/// (`syncopate::worker::feed`). Fed once.
+#[pyclass(module = "syncopate._native")]
+struct Feed {
+    feed: Mutex<PushFeed>,
+    /// What the push waits on: taken by `exchange`.
+    parts: Mutex<Option<FedParts>>,
+}
+
+fn poisoned<T>(_: T) -> PyErr {
+    SyncopateError::new_err("the session is poisoned")
+}
+
+#[pymethods]
+impl Feed {
+    /// Copies `tensors` (anything with `__dlpack__`, float32, contiguous) into the push as
+    /// the model's values from `offset` on, in order; returns how many shards' parts that made
+    /// whole (and sent). A piece outside the model or over values put already is refused
+    /// with a `TensorError`, and nothing of it is put.
+    fn put(&self, offset: usize, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<usize> {
+        let tensors = dlpack::borrow_all(&tensors, false, "push")?;
+        let mut feed = self.feed.lock().map_err(poisoned)?;
+        let len = tensors.iter().map(|t| t.len()).sum();
+        feed.check(offset, len).map_err(|e| TensorError::new_err(format!("push: {e}")))?;
+        let mut sent = 0;
+        let mut at = offset;
+        for t in &tensors {
+            sent += feed.put(at, t.read()).expect("checked as a whole");
+            at += t.len();
+        }
+        Ok(sent)
+    }
+
+    /// Puts zeros wherever nothing was put (parameters no gradient reached); returns how many
+    /// shards' parts that sent.
+    fn fill_rest(&self) -> PyResult<usize> {
+        Ok(self.feed.lock().map_err(poisoned)?.fill_rest(0.0))
+    }
+
+    /// Whether every value was put.
+    #[getter]
+    fn complete(&self) -> PyResult<bool> {
+        Ok(self.feed.lock().map_err(poisoned)?.is_complete())
+    }
 }
 
 /// A worker joined to a cluster, driven by the caller's loop (`syncopate.Worker` wraps it).
@@ -253,6 +301,21 @@ impl NativeSession {
         }
     }
 
+    /// Pulls the next iteration into `pulled` (when one comes: then `land` it).
+    fn pull_buffered(
+        &self,
+        py: Python<'_>,
+        s: &mut Session,
+        wake: Option<RawFd>,
+        cancel: watch::Receiver<bool>,
+    ) -> PyResult<Option<(u64, u32, u32)>> {
+        let mut pulled = self.pulled.lock().map_err(poisoned)?;
+        pulled.resize(s.model_len(), 0.0);
+        let into = &mut pulled[..];
+        let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut [into], stop))?;
+        Ok(step.map(|step| (step.iteration, step.batch, step.local_steps)))
+    }
+
     fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut Session) -> PyResult<R>) -> PyResult<R> {
         let mut g = self.lock(py)?;
         let s = g.as_mut().ok_or_else(|| UsageError::new_err("this worker has left the cluster"))?;
@@ -350,30 +413,89 @@ impl NativeSession {
     ) -> PyResult<Option<(u64, u32, u32)>> {
         let cancel = self.cancel.subscribe();
         // Checked before anything is pulled, so that a wrong tensor costs nothing.
-        let lens: Vec<usize> = dlpack::borrow_all(&out, true, "pull")?.iter().map(|t| t.len()).collect();
-        self.with(py, |s| {
-            let mut pulled =
-                self.pulled.lock().map_err(|_| SyncopateError::new_err("the session is poisoned"))?;
-            pulled.resize(lens.iter().sum(), 0.0);
-            let into = &mut pulled[..];
-            let step = detached(py, wake, Some(cancel), move |stop| s.pull(&mut [into], stop))?;
-            let Some(step) = step else { return Ok(None) };
-            // The GIL was released while the pull waited: borrow the tensors again, as they are.
-            let mut targets = dlpack::borrow_all(&out, true, "pull")?;
-            if targets.iter().map(|t| t.len()).ne(lens.iter().copied()) {
-                return Err(TensorError::new_err(format!(
-                    "pull: a tensor changed size while the pull of iteration {} waited; the model \
-                     it brought was not written (push, then pull again)",
-                    step.iteration
+        let lens: usize = dlpack::borrow_all(&out, true, "pull")?.iter().map(|t| t.len()).sum();
+        let step = self.with(py, |s| {
+            if lens != s.model_len() {
+                return Err(UsageError::new_err(format!(
+                    "pull: the tensors hold {lens} values, the model {} (the tensors given when joining)",
+                    s.model_len()
                 )));
             }
-            let mut at = 0;
-            for t in &mut targets {
-                let n = t.len();
-                t.write().copy_from_slice(&pulled[at..at + n]);
-                at += n;
-            }
-            Ok(Some((step.iteration, step.batch, step.local_steps)))
+            self.pull_buffered(py, s, wake, cancel)
+        })?;
+        if step.is_some() {
+            self.land(out)?;
+        }
+        Ok(step)
+    }
+
+    /// Copies the model the last pull (or `exchange`) brought into `out` (the model's
+    /// tensors).
+    fn land(&self, out: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        // The GIL was released while the pull waited: the tensors are borrowed as they are now.
+        let mut targets = dlpack::borrow_all(&out, true, "pull")?;
+        let pulled = self.pulled.lock().map_err(poisoned)?;
+        let n: usize = targets.iter().map(|t| t.len()).sum();
+        if n != pulled.len() {
+            return Err(TensorError::new_err(format!(
+                "pull: the tensors hold {n} values, the model pulled {}; it was not written (a tensor \
+                 changed size while the pull waited?)",
+                pulled.len()
+            )));
+        }
+        let mut at = 0;
+        for t in &mut targets {
+            let n = t.len();
+            t.write().copy_from_slice(&pulled[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// A push to feed in pieces ([`Feed`]) while the caller computes, for
+    /// [`exchange`](Self::exchange).
+    fn feed(&self, py: Python<'_>) -> PyResult<Feed> {
+        self.with(py, |s| {
+            let (feed, parts) = s.feed();
+            Ok(Feed { feed: Mutex::new(feed), parts: Mutex::new(Some(parts)) })
+        })
+    }
+
+    /// Pushes what `feed` is fed, each shard's part as soon as it is whole, and pulls the next
+    /// iteration into the session's buffer, each shard's part as soon as it acknowledged the
+    /// push (`Session::exchange`; [`land`](Self::land) copies it into the tensors). Meant
+    /// for another thread than the one feeding: it returns once the push is acknowledged and
+    /// the pull is back. Returns (shards that dropped the push, or None if it was not
+    /// pushed; the pulled iteration as `pull` returns it, or None once training is over).
+    #[pyo3(signature = (feed, samples, local_steps=0, wake=None))]
+    fn exchange(
+        &self,
+        py: Python<'_>,
+        feed: &Feed,
+        samples: u32,
+        local_steps: u32,
+        wake: Option<RawFd>,
+    ) -> PyResult<(Option<u32>, Option<(u64, u32, u32)>)> {
+        let cancel = self.cancel.subscribe();
+        let parts = feed.parts.lock().map_err(poisoned)?.take();
+        let parts = parts.ok_or_else(|| UsageError::new_err("this feed was pushed already"))?;
+        self.with(py, |s| {
+            let mut pulled = self.pulled.lock().map_err(poisoned)?;
+            pulled.resize(s.model_len(), 0.0);
+            let into = &mut pulled[..];
+            let (dropped, step) = detached(py, wake, Some(cancel), move |stop| {
+                s.exchange(parts, samples, local_steps, into, stop)
+            })?;
+            Ok((dropped, step.map(|step| (step.iteration, step.batch, step.local_steps))))
+        })
+    }
+
+    /// Sets the loss of the iteration last pushed by [`exchange`](Self::exchange) (known only
+    /// once its push had started).
+    fn record_loss(&self, py: Python<'_>, loss: f32) -> PyResult<()> {
+        self.with(py, |s| {
+            s.record_loss(loss);
+            Ok(())
         })
     }
 
@@ -521,6 +643,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<NativeSession>()?;
     m.add_class::<Staged>()?;
+    m.add_class::<Feed>()?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(swap, m)?)?;
     m.add_function(wrap_pyfunction!(status, m)?)?;

@@ -351,6 +351,40 @@ class Worker:
         args = (staged, iteration, samples, loss, local_steps)
         return Handle(self._executor().submit(self._push_staged, *args), None)
 
+    def _feed(self) -> Any:
+        """A push to fill in pieces while the gradient is computed (``put(offset, tensors)``,
+        ``fill_rest()``), for :meth:`_exchange_async`; :mod:`syncopate.torch`'s overlap."""
+        return self._session().feed()
+
+    def _exchange_async(self, feed: Any) -> Handle:
+        """In the background: pushes what ``feed`` is fed (each shard's part as soon as it is
+        whole), then pulls the next iteration into the session's buffer (:meth:`_land` copies
+        it into the model). ``handle.wait()`` gives (shards that dropped the push, the next
+        :class:`Step` or ``None``)."""
+        if self._last is None:
+            raise UsageError("push called without a pull first")
+        samples = self._last.batch
+        self._last = None
+        session = self._session()
+
+        def run() -> tuple[int | None, Step | None]:
+            dropped, got = session.exchange(feed, samples, 0, None)
+            step = None if got is None else Step(*got)
+            self._last = step
+            self._done = step is None
+            return dropped, step
+
+        return Handle(self._executor().submit(run), feed)
+
+    def _land(self, out: Sequence[Any]) -> None:
+        """Copies the model the last exchange pulled into ``out`` (the model's tensors)."""
+        targets = _tensors.tensors(out, self._layout, writable=True, what="pull")
+        self._session().land(targets)
+
+    def _record_loss(self, loss: float) -> None:
+        """The loss of the iteration last exchanged (its push began before it was known)."""
+        self._session().record_loss(float(loss))
+
     def controls(self) -> list[dict[str, Any]]:
         """The control messages the policies sent since the last call, each already obeyed by
         the worker (pauses waited, batch sizes in :attr:`Step.batch`, skips taken):

@@ -66,6 +66,29 @@ class Staging:
             self._stream.synchronize()
             return self._out
 
+    def stage_part(
+        self, indices: Sequence[int], tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """On a device, for a push fed in pieces: queues device-to-host copies of ``tensors``
+        (parameters ``indices``' gradients) into their pinned buffers on the side stream, after
+        what the compute stream queued, and returns the buffers and an event that completes
+        with the copies. The buffers are reused: feed them before the next iteration's copies.
+        """
+        if self._stream is None:
+            raise RuntimeError(
+                "stage_part stages device tensors; a CPU model feeds them as they are"
+            )
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        hosts = [self._out[i] for i in indices]
+        with torch.no_grad(), torch.cuda.stream(self._stream):
+            for h, t in zip(hosts, tensors, strict=True):
+                # The gradient's memory stays the copy's until it is done, whatever frees it.
+                t.record_stream(self._stream)
+                h.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return hosts, done
+
     def pull_targets(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Where a pull of ``params`` should land: the parameters themselves on the CPU, pinned
         buffers on a device (then :meth:`finish_pull`)."""

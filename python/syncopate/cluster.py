@@ -48,7 +48,11 @@ class Cluster:
     workers are the caller's. ``workers`` is the coordinator's start barrier (how many it waits
     for before training starts). With two servers or more every shard has a backup (the
     coordinator's default; ``extra=["--replicas", "0"]`` runs without). Stopped (killed) by
-    :meth:`stop` or on leaving a ``with``."""
+    :meth:`stop` or on leaving a ``with``.
+
+    The coordinator and servers listen on ``host`` (loopback by default); ``netns`` runs them
+    inside that network namespace (``ip netns exec``, which needs root), for measurements
+    across a link the caller built (``benches/torch_overlap.py --link-mbit``)."""
 
     def __init__(
         self,
@@ -63,6 +67,8 @@ class Cluster:
         peer_timeout_ms: int = 2000,
         shards: int | None = None,
         extra: list[str] | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -70,13 +76,14 @@ class Cluster:
         self.token = secrets.token_hex(16)
         self.tls = self.dir / "tls"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.netns = netns
         exe_s = str(self.exe)
         subprocess.run(
             [exe_s, "certs", str(self.tls)], check=True, env=clean_env(), capture_output=True
         )
         ready = self.dir / "coordinator.addr"
         ready.unlink(missing_ok=True)
-        args = [exe_s, "coordinator", "--listen", "127.0.0.1:0", "--servers", str(servers)]
+        args = [exe_s, "coordinator", "--listen", f"{host}:0", "--servers", str(servers)]
         args += ["--workers", str(workers), "--ready-file", str(ready), "--tls-dir", str(self.tls)]
         args += ["--policy", policy, "--lr", str(lr), "--momentum", str(momentum)]
         args += ["--peer-timeout-ms", str(peer_timeout_ms)]
@@ -94,6 +101,7 @@ class Cluster:
         self.servers: list[subprocess.Popen[bytes]] = []
         for s in range(servers):
             a = [exe_s, "server", "--coordinator", self.addr, "--tls-dir", str(self.tls)]
+            a += ["--listen", f"{host}:0"]
             self.servers.append(self._spawn(f"server-{s}", a))
         self.cluster_file = self.dir / "cluster.json"
         """How operators reach the cluster, as ``syncopate local`` writes it:
@@ -111,6 +119,8 @@ class Cluster:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (the process owns it)
         env = clean_env() | {"SYNCOPATE_TOKEN": self.token}
+        if self.netns is not None:
+            args = ["ip", "netns", "exec", self.netns, *args]
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(p)
         return p

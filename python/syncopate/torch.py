@@ -27,6 +27,9 @@ Two modes:
   default) each push moves the servers' model by the worker's change divided by the workers, so
   under BSP the model moves by the mean of the workers' changes.
 
+``overlap=True`` starts each push from the gradient hooks during ``backward()`` (see
+:class:`DistributedOptimizer`).
+
 Every parameter (any shapes, any number) is mapped onto the cluster's flat key space in
 ``named_parameters`` order; the user never sees keys. Parameters are float32, on the CPU or on
 one CUDA device: a device's tensors are staged through pinned host buffers with asynchronous
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 
 from . import Step, TensorError, UsageError, Worker
+from ._overlap import Overlap
 from ._staging import Staging
 
 
@@ -55,6 +59,17 @@ class DistributedOptimizer:
     optimizer's parameters must be among them. Settings for joining go in ``settings``
     (:class:`syncopate.Worker`'s keywords). Attributes: ``worker`` (the :class:`syncopate.Worker`),
     ``step_info`` (the current :class:`syncopate.Step`), ``done``, ``batch_size``.
+
+    ``overlap=True`` (``server`` mode) pushes from the backward pass, as Horovod and BytePS do:
+    gradient hooks feed buckets of about ``bucket_mb`` MB, in reverse layer order, and each
+    shard's part of the push goes as soon as its buckets are in, so the last layers' gradients
+    travel while the first layers' are computed; the next iteration's pull follows at once,
+    first layers first, and ``step()`` waits only for what is still in flight
+    (:mod:`syncopate._overlap`). The policy sees the same pushes and pulls. The push declares
+    the iteration's ``batch_size`` samples, gradients are pushed as backward leaves them (clip
+    them on the servers' side, or use ``overlap=False`` to change them before pushing), and one
+    backward pass per ``step()``. What can overlap depends on the shard map: start the cluster
+    with several shards (``--shards``).
     """
 
     def __init__(
@@ -62,10 +77,18 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
         mode: str = "server",
+        *,
+        overlap: bool = False,
+        bucket_mb: float = 4.0,
         **settings: Any,
     ) -> None:
         if mode not in ("server", "delta"):
             raise ValueError(f"mode must be 'server' or 'delta', not {mode!r}")
+        if overlap and mode != "server":
+            raise ValueError(
+                "overlap=True pushes gradients from backward; delta mode's weight changes exist "
+                "only after the local optimizer's step"
+            )
         self.optimizer = optimizer
         self.mode = mode
         named = list(named_parameters)
@@ -99,6 +122,11 @@ class DistributedOptimizer:
         self._before = [torch.empty_like(p.data) for p in self.params] if mode == "delta" else []
         self.step_info: Step | None = None
         self._started = False
+        self._overlap = (
+            Overlap(self.worker, self.params, self._staging, int(bucket_mb * 2**20))
+            if overlap
+            else None
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -130,6 +158,8 @@ class DistributedOptimizer:
             if self.mode == "delta" and self.step_info is not None:
                 for b, p in zip(self._before, self.params, strict=True):
                     b.copy_(p.data)
+        if self._overlap is not None and self.step_info is not None:
+            self._overlap.arm()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (the wrapped optimizer's ``zero_grad``)."""
@@ -157,6 +187,17 @@ class DistributedOptimizer:
                 out = closure()
             if loss is None and isinstance(out, torch.Tensor):
                 loss = float(out.detach())
+        if self._overlap is not None:
+            if samples is not None and samples != self.step_info.batch:
+                raise UsageError(
+                    f"samples={samples}: with overlap=True the push starts during backward, "
+                    f"declaring the iteration's batch ({self.step_info.batch})"
+                )
+            _, self.step_info = self._overlap.finish(loss)
+            if self.step_info is not None:
+                self._overlap.land()
+                self._overlap.arm()
+            return out
         with torch.no_grad():
             if self.mode == "server":
                 grads = self._staging.stage([p.grad for p in self.params])
@@ -173,6 +214,8 @@ class DistributedOptimizer:
 
     def leave(self) -> dict[str, Any] | None:
         """Leaves the cluster; returns this worker's report."""
+        if self._overlap is not None:
+            self._overlap.close()
         return self.worker.leave()
 
 

@@ -17,13 +17,19 @@ SCRIPT_ARGS = ["--model", "mlp", "--threads", "1", "--train-limit", "12000"]
 SCRIPT_ARGS += ["--test-limit", "2000", "--eval-every", "20"]
 
 
-def test_a_hot_swap_while_the_example_trains(tmp_path: Path, procs: Procs) -> None:
+def test_a_hot_swap_while_the_example_trains_pushing_from_backward(
+    tmp_path: Path, procs: Procs
+) -> None:
     run = tmp_path / "run"
-    args = ["--workers", "2", "--servers", "2", "--policy", "bsp", "--lr", "0.05"]
+    args = ["--workers", "2", "--servers", "2", "--shards", "4", "--policy", "bsp", "--lr", "0.05"]
     args += ["--momentum", "0.9", "--eval-every-ms", "100"]
     # Three passes over each worker's 6,000 images (about 560 iterations): the swap, compiled
-    # by every server first, lands well inside training even on a loaded machine.
-    p = start_local(procs, run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, "--epochs", "3")
+    # by every server first, lands well inside training even on a loaded machine. The workers
+    # push from backward (a bucket per parameter) and pull early, across the swap.
+    overlap = ["--overlap", "--bucket-mb", "0.01"]
+    p = start_local(
+        procs, run, *args, "--script", str(EXAMPLE), *SCRIPT_ARGS, *overlap, "--epochs", "3"
+    )
     cluster = run / "cluster.json"
     deadline = time.monotonic() + 120
     # Swap once the example has reported a score under BSP: training is under way.
@@ -38,7 +44,7 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path, procs: Procs) -> No
             pass  # the coordinator is still starting
         time.sleep(0.1)
     number, shards = syncopate.swap("ssp:s=2", cluster=cluster)
-    assert number == 1 and shards == 2
+    assert number == 1 and shards == 4
     out = finish(p, timeout=300)
     report = json.loads((run / "report.json").read_text())
     assert report["swaps"] == 1, out
@@ -53,6 +59,11 @@ def test_a_hot_swap_while_the_example_trains(tmp_path: Path, procs: Procs) -> No
     assert report["final_accuracy"] > 0.72, scored
     workers = [json.loads((run / "workers" / f"worker-{w}.json").read_text()) for w in range(2)]
     assert all(w["iterations"] >= 540 for w in workers), [w["iterations"] for w in workers]
+    # Every iteration's push went out from backward: its overlap is in the timeline.
+    for w in workers:
+        assert len(w["timeline_overlap"]) == len(w["timeline"]) == w["iterations"], w["iterations"]
+    # Some of it ran while backward still computed (the legend names it only then).
+    assert "overlapped with backward" in (run / "timeline.svg").read_text()
 
 
 def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:

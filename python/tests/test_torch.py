@@ -81,11 +81,28 @@ def test_diloco_trains_the_example_with_adamw_and_a_round_every_8_steps(
         assert m and 20 <= int(m.group(1)) <= 24, out
 
 
-def test_the_wide_model_trains_through_the_cluster(cluster: ClusterFactory, procs: Procs) -> None:
+def test_the_wide_model_trains_through_the_cluster_pushing_from_backward(
+    cluster: ClusterFactory, procs: Procs
+) -> None:
     # The model where communication matters: 5.8M parameters, 23 MB each way per iteration;
-    # a short run (20 iterations per worker) shows it goes through and learns.
-    c = cluster(workers=2, servers=2, policy="bsp", lr=0.05, momentum=0.9)
-    outs = train(procs, c, "server", "--model", "wide", "--train-limit", "1280")
+    # a short run (20 iterations per worker) shows it goes through and learns, with the push
+    # overlapped with backward (1 MB buckets) and the next pull sent shard by shard as the
+    # push is acknowledged. Four shards on one server: the setting where the early pulls'
+    # answers, unread, once filled the connection's flow-control window and the worker's
+    # report of its iteration waited behind them for ever (both workers hung).
+    c = cluster(workers=2, servers=1, shards=4, policy="bsp", lr=0.05, momentum=0.9)
+    outs = train(
+        procs,
+        c,
+        "server",
+        "--model",
+        "wide",
+        "--train-limit",
+        "1280",
+        "--overlap",
+        "--bucket-mb",
+        "1",
+    )
     assert "model wide: 5,824,522 parameters (23.3 MB)" in outs[0], outs[0]
     # 0.54 on this machine after 20 iterations of BSP; chance is 0.10.
     assert final_accuracy(outs[0]) > 0.4, outs[0]
@@ -194,3 +211,116 @@ def test_staging_copies_what_is_pushed_and_pulls_into_cpu_parameters_in_place() 
     for bad in ([], [torch.zeros(2, dtype=torch.float64)], [torch.zeros(2, device="meta")]):
         with pytest.raises(syncopate.TensorError):
             Staging(bad)
+
+
+def three_layers(device: str) -> torch.nn.Module:
+    """A small model with an unused parameter (no gradient reaches it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4), torch.nn.Linear(4, 1)
+    )
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
+    return model.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bucket_mb", [1e-5, 4.0])
+def test_the_overlapped_step_pushes_from_backward_what_the_serial_step_pushes(
+    cluster: ClusterFactory, device: str, bucket_mb: float
+) -> None:
+    # One worker, lr 0.5, three shards over two servers: every parameter moves by exactly
+    # -0.5 * its gradient, as under the serial step; the unused one (no gradient) stays.
+    # Buckets of one parameter each (1e-5 MB), or one bucket for the whole model.
+    c = cluster(workers=1, servers=2, shards=3, lr=0.5, momentum=0.0)
+    model = three_layers(device)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = sps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        overlap=True,
+        bucket_mb=bucket_mb,
+        **c.settings,
+        iterations=3,
+    )
+    sps.broadcast_parameters(opt)
+    for it in range(2):
+        opt.zero_grad()
+        model(torch.ones(5, 3, device=device)).sum().backward()
+        grads = [
+            torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()
+        ]
+        opt.step(loss=0.25 * (it + 1))
+        for b, g, p in zip(before, grads, model.parameters(), strict=True):
+            assert torch.equal(p.detach(), b - 0.5 * g)
+        before = [p.detach().clone() for p in model.parameters()]
+        assert opt.step_info is not None and opt.step_info.iteration == it + 1
+    report = opt.worker.report()
+    assert report["iterations"] == 2 and report["last_loss"] == 0.5, report
+    overlap = report["timeline_overlap"]
+    assert len(overlap) == 2 and all(o >= 0.0 for o in overlap), overlap
+    if bucket_mb < 1:
+        # The last layer's shard went before the first layer's gradient was in.
+        assert all(o > 0.0 for o in overlap), overlap
+    opt.zero_grad()
+    model(torch.ones(5, 3, device=device)).sum().backward()
+    opt.step()
+    assert opt.done
+    assert opt.leave()["iterations"] == 3
+
+
+def test_the_overlapped_step_refuses_what_it_cannot_push_from_backward(
+    cluster: ClusterFactory,
+) -> None:
+    c = cluster(workers=1, servers=1, shards=2, lr=0.5, momentum=0.0)
+    model = three_layers("cpu")
+    with pytest.raises(ValueError, match="delta"):
+        sps.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), model.named_parameters(), "delta", overlap=True
+        )
+    opt = sps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        overlap=True,
+        **c.settings,
+    )
+    sps.broadcast_parameters(opt)
+    x = torch.ones(2, 3)
+    model(x).sum().backward()
+    with pytest.raises(syncopate.UsageError, match="second backward pass"):
+        model(x).sum().backward()  # gradient accumulation: the first pass was pushed
+    with pytest.raises(syncopate.UsageError, match="samples=7"):
+        opt.step(samples=7)
+    opt.step()  # what the first pass pushed, and zeros where the second stopped it
+    assert opt.step_info is not None and opt.step_info.iteration == 1
+    opt.leave()
+
+
+def test_a_fed_push_refuses_overlapping_and_outside_pieces_and_is_pushed_once(
+    cluster: ClusterFactory,
+) -> None:
+    # The native half the overlap stands on, abused directly.
+    c = cluster(workers=1, servers=2, shards=2, lr=1.0, momentum=0.0)
+    w = syncopate.Worker([torch.zeros(6)], **c.settings)
+    assert w.pull([torch.zeros(6)]) is not None
+    feed = w._feed()
+    assert feed.put(4, [torch.ones(2)]) == 0  # values 3..6 are shard 1's: it lacks 3
+    with pytest.raises(syncopate.TensorError, match="overlap"):
+        feed.put(3, [torch.ones(2)])
+    with pytest.raises(syncopate.TensorError, match="not all in the model"):
+        feed.put(5, [torch.ones(2)])
+    with pytest.raises(syncopate.TensorError):
+        feed.put(0, [torch.ones(2, dtype=torch.float64)])
+    assert feed.put(3, [torch.full((1,), 3.0)]) == 1  # shard 1 whole: sent
+    assert not feed.complete
+    h = w._exchange_async(feed)
+    assert feed.put(0, [torch.full((2,), 2.0), torch.full((1,), 2.0)]) == 1
+    assert feed.complete
+    dropped, step = h.wait(timeout=30)
+    assert dropped == 0 and step is not None and step.iteration == 1
+    with pytest.raises(syncopate.UsageError, match="pushed already"):
+        w._session().exchange(feed, 1)
+    out = torch.zeros(6)
+    w._land([out])
+    # lr 1: the model moved by minus the push.
+    assert out.tolist() == [-2.0, -2.0, -2.0, -3.0, -1.0, -1.0]
+    w.leave()

@@ -212,16 +212,19 @@ fn timeline_lanes(workers: &[WorkerReport]) -> Vec<&WorkerReport> {
     by_wait
 }
 
+/// "Pushing while computing" in the timeline.
+const PURPLE: RGBColor = RGBColor(150, 60, 190);
+
 fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
     let t0 = report.started_unix_s;
     let lanes = timeline_lanes(&report.workers);
     let n = lanes.len().max(1) as u32;
     let caption = match report.workers.len() {
         all if all > lanes.len() => format!(
-            "Worker timeline ({} of {all} workers, from the least to the most waiting): pulling (red), working (blue), waiting for acknowledgements (orange)",
+            "Worker timeline ({} of {all} workers, from the least to the most waiting): pulling (red), computing (blue), pushing while computing (purple), waiting for acknowledgements (orange)",
             lanes.len()
         ),
-        _ => "Worker timeline: pulling (red), working (blue), waiting for acknowledgements (orange)".to_owned(),
+        _ => "Worker timeline: pulling (red), computing (blue), pushing while computing (purple), waiting for acknowledgements (orange)".to_owned(),
     };
     let t_max = report
         .workers
@@ -254,11 +257,15 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
             let (wait, busy) = (f64::from(*wait), f64::from(*busy));
             // The end of the busy stretch that waited for acknowledgements (0 in older reports).
             let acks = w.timeline_acks.get(i).map_or(0.0, |a| f64::from(*a)).min(busy);
+            // Of that, the start the worker still computed through (a push overlapped with
+            // the backward pass; 0 for every other worker).
+            let overlap = w.timeline_overlap.get(i).map_or(0.0, |o| f64::from(*o)).min(acks);
             let end = s + wait + busy;
             [
                 Rectangle::new([(s, y - 0.35), (s + wait, y + 0.35)], RED.mix(0.7).filled()),
                 Rectangle::new([(s + wait, y - 0.35), (end - acks, y + 0.35)], BLUE.mix(0.5).filled()),
-                Rectangle::new([(end - acks, y - 0.35), (end, y + 0.35)], orange.mix(0.8).filled()),
+                Rectangle::new([(end - acks, y - 0.35), (end - acks + overlap, y + 0.35)], PURPLE.filled()),
+                Rectangle::new([(end - acks + overlap, y - 0.35), (end, y + 0.35)], orange.mix(0.8).filled()),
             ]
         });
         chart.draw_series(bars)?;
@@ -271,8 +278,14 @@ fn timeline(report: &RunReport, path: &Path) -> PlotResult<()> {
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], RED.mix(0.7).filled()));
     chart
         .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], BLUE.mix(0.5).filled())))?
-        .label("computing and sending its push")
+        .label("computing (and sending its push)")
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], BLUE.mix(0.5).filled()));
+    if lanes.iter().any(|w| w.timeline_overlap.iter().any(|o| *o > 0.0)) {
+        chart
+            .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], PURPLE.filled())))?
+            .label("pushing while computing (overlapped with backward)")
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], PURPLE.filled()));
+    }
     chart
         .draw_series(std::iter::once(Rectangle::new(
             [(0.0, 0.0), (0.0, 0.0)],

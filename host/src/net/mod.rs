@@ -163,10 +163,26 @@ pub async fn request<Q: Serialize, A: DeserializeOwned>(
     payload: wire::Payload<'_>,
     limits: &Limits,
 ) -> Result<(A, Vec<u8>), NetError> {
+    request_with_priority(conn, req, payload, limits, 0).await
+}
+
+/// [`request`], sent with QUIC stream priority `priority`: while streams of this connection
+/// compete for the congestion window, a higher priority's bytes go first (equal ones share).
+pub async fn request_with_priority<Q: Serialize, A: DeserializeOwned>(
+    conn: &quinn::Connection,
+    req: &Q,
+    payload: wire::Payload<'_>,
+    limits: &Limits,
+    priority: i32,
+) -> Result<(A, Vec<u8>), NetError> {
     let addr = conn.remote_address();
     let lost = |reason| NetError::Lost { addr, reason };
     let wire = |source| wire_or_lost(conn, source);
     let (mut send, mut recv) = conn.open_bi().await.map_err(lost)?;
+    if priority != 0 {
+        // Fails only on a stream already closed, which the write below reports.
+        let _ = send.set_priority(priority);
+    }
     let mut scratch = Vec::new();
     wire::write_frame(&mut send, req, payload, &mut scratch).await.map_err(wire)?;
     wire::read_message::<A>(&mut recv, limits).await.map_err(wire)

@@ -35,6 +35,10 @@ use crate::net::wire::{self, Limits, Payload};
 use crate::net::{self, NetError};
 use crate::NodeError;
 
+/// The QUIC stream priority of requests without a payload (pulls, reports): they go ahead of
+/// the parts of a push in flight, whose priorities are their shards' indices.
+const URGENT: i32 = i32::MAX;
+
 /// What a pull returned, across shards.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PullStats {
@@ -46,6 +50,27 @@ pub struct PullStats {
     pub min_version: u64,
     /// The local steps to take in this iteration: the most any shard said (0: push a
     /// gradient; see [`push_local`](WorkerClient::push_local)).
+    pub local_steps: u32,
+}
+
+impl PullStats {
+    /// Counts one shard's answer in.
+    pub fn add(&mut self, shard: ShardPulled) {
+        self.local_steps = self.local_steps.max(shard.local_steps);
+        self.waited_ns = self.waited_ns.max(shard.waited_ns);
+        self.deferred_shards += u32::from(shard.waited_ns > 0);
+        self.min_version = self.min_version.min(shard.version);
+    }
+}
+
+/// What one shard's pull returned ([`WorkerClient::pull_shard`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardPulled {
+    /// How long the shard deferred the pull, in nanoseconds.
+    pub waited_ns: u64,
+    /// The shard's optimizer steps.
+    pub version: u64,
+    /// The local steps it asks for.
     pub local_steps: u32,
 }
 
@@ -497,27 +522,43 @@ impl WorkerClient {
     ) -> Result<PullStats, NodeError> {
         let total: usize = out.iter().map(|s| s.len()).sum();
         assert_eq!(total, self.model_len, "out must be the whole model");
-        let mut parts = carve(out, self.shards.iter().map(|p| (p.end - p.start) as usize)).into_iter();
-        let mut pulls = Vec::with_capacity(self.shards.len());
-        for (i, p) in self.shards.iter().enumerate() {
-            let mut mine = parts.next().expect("one part per shard");
-            let limits = self.limits;
-            pulls.push(self.on_primary(p.shard, async move |conn| {
-                let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
-                pull_into(conn, &req, &mut mine, limits, &self.pool).await
-            }));
-        }
+        let parts = carve(out, self.shards.iter().map(|p| (p.end - p.start) as usize));
+        let pulls = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut mine)| async move { self.pull_shard(i, iteration, &mut mine).await });
         let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
-        for (i, (waited_ns, version, local_steps)) in
-            futures::future::try_join_all(pulls).await?.into_iter().enumerate()
-        {
-            self.pulled[i].store(version, Ordering::Relaxed);
-            stats.local_steps = stats.local_steps.max(local_steps);
-            stats.waited_ns = stats.waited_ns.max(waited_ns);
-            stats.deferred_shards += u32::from(waited_ns > 0);
-            stats.min_version = stats.min_version.min(version);
+        for pulled in futures::future::try_join_all(pulls).await? {
+            stats.add(pulled);
         }
         Ok(stats)
+    }
+
+    /// Pulls shard `i`'s part of the model before computing `iteration` into `out` (its key
+    /// range, in pieces), as [`pull_segments`](Self::pull_segments) pulls every shard's: for a
+    /// driver that pulls shard by shard (a push overlapped with backward pulls each shard as
+    /// soon as it has acknowledged its part of the push).
+    ///
+    /// # Panics
+    /// If `i` is not a shard's index or `out` not its length.
+    pub async fn pull_shard(
+        &self,
+        i: usize,
+        iteration: u64,
+        out: &mut [&mut [f32]],
+    ) -> Result<ShardPulled, NodeError> {
+        let p = &self.shards[i];
+        let got: usize = out.iter().map(|s| s.len()).sum();
+        assert_eq!(got, (p.end - p.start) as usize, "out must be the shard's key range");
+        let limits = self.limits;
+        let (waited_ns, version, local_steps) = self
+            .on_primary(p.shard, async |conn| {
+                let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
+                pull_into(conn, &req, out, limits, &self.pool).await
+            })
+            .await?;
+        self.pulled[i].store(version, Ordering::Relaxed);
+        Ok(ShardPulled { waited_ns, version, local_steps })
     }
 
     /// The number of parameters: the length of the whole model.
@@ -621,7 +662,6 @@ impl WorkerClient {
         local_steps: u32,
     ) -> Result<u32, NodeError> {
         let parts = {
-            let mut encoder = self.encoder.lock().expect("not poisoned");
             let values: std::borrow::Cow<'_, [f32]> = match bytemuck::try_cast_slice(grad.as_slice()) {
                 Ok(v) => v.into(),
                 Err(_) => grad
@@ -635,23 +675,93 @@ impl WorkerClient {
             let mut parts = Vec::with_capacity(self.shards.len());
             for (i, p) in self.shards.iter().enumerate() {
                 let range = p.start as usize..p.end as usize;
-                let mut out = Vec::new();
-                parts.push(match encoder.encode(i, iteration, &values[range.clone()], &mut out) {
-                    Encoded::Raw => (Codec::None, grad.slice(range.start * f32s..range.end * f32s)),
-                    Encoded::Bytes(codec) => (codec, Payload::Shared(bytes::Bytes::from(out))),
+                parts.push(match self.encode_part(i, iteration, &values[range.clone()]) {
+                    Some(encoded) => encoded,
+                    None => (Codec::None, grad.slice(range.start * f32s..range.end * f32s)),
                 });
             }
             parts
         };
-        let make = |i, shard, based_on, codec| DataRequest::Push {
+        let make = |i, shard, based_on, codec| {
+            self.push_request(i, shard, iteration, samples, based_on, local_steps, codec)
+        };
+        self.push_parts(parts, make).await
+    }
+
+    /// Shard `i`'s part of a push in the codec its policy set, error feedback added; `None`
+    /// when it goes as it is.
+    fn encode_part(&self, i: usize, iteration: u64, values: &[f32]) -> Option<(Codec, Payload<'static>)> {
+        let mut out = Vec::new();
+        match self.encoder.lock().expect("not poisoned").encode(i, iteration, values, &mut out) {
+            Encoded::Raw => None,
+            Encoded::Bytes(codec) => Some((codec, Payload::Shared(bytes::Bytes::from(out)))),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_request(
+        &self,
+        i: usize,
+        shard: u32,
+        iteration: u64,
+        samples: u32,
+        based_on: Option<u64>,
+        local_steps: u32,
+        codec: Codec,
+    ) -> DataRequest {
+        DataRequest::Push {
             shard,
             iteration: self.shard_iteration(i, iteration),
             samples,
             based_on,
             local_steps,
             codec,
+        }
+    }
+
+    /// The key ranges of the shards, in order: where each shard's part of the whole model lies
+    /// (what [`push_shard`](Self::push_shard) sends).
+    pub fn shard_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        self.shards.iter().map(|p| p.start as usize..p.end as usize).collect()
+    }
+
+    /// Pushes shard `i`'s part of iteration `iteration` (`values`: the part of the whole model
+    /// in its key range, [`shard_ranges`](Self::shard_ranges)), taken by value as
+    /// [`push_buffer`](Self::push_buffer) takes a whole gradient. An iteration pushed this way
+    /// is pushed once per shard, as a whole push is (the policy sees the same requests), but
+    /// each part can go as soon as the caller has it: a push overlapped with the backward
+    /// pass. Its QUIC stream priority is the shard's index: while parts compete for the link,
+    /// the later shards' (the model's last layers, which backward makes first) go first.
+    /// Returns 1 if the shard's policy dropped it, else 0.
+    ///
+    /// # Panics
+    /// If `i` is not a shard's index or `values` not its length.
+    pub async fn push_shard(
+        &self,
+        i: usize,
+        iteration: u64,
+        values: Vec<f32>,
+        samples: u32,
+        local_steps: u32,
+    ) -> Result<u32, NodeError> {
+        let p = &self.shards[i];
+        assert_eq!(values.len(), (p.end - p.start) as usize, "a shard's part is its key range");
+        let (codec, payload) = match self.encode_part(i, iteration, &values) {
+            Some(encoded) => {
+                self.pool.give(values);
+                encoded
+            }
+            None => (Codec::None, Payload::Shared(self.pool.send_shared(Arc::new(values)))),
         };
-        self.push_parts(parts, make).await
+        let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
+        let make = |i, shard, based_on, codec| {
+            self.push_request(i, shard, iteration, samples, based_on, local_steps, codec)
+        };
+        // The parts fed first (the last layers', as backward goes) go first: then their shards
+        // can answer their pulls while the others' parts still travel, rather than all parts
+        // sharing the link and arriving together at the end.
+        let priority = i32::try_from(i).unwrap_or(i32::MAX);
+        Ok(self.push_one(i, codec, payload, based_on, priority, &make).await?)
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -692,21 +802,40 @@ impl WorkerClient {
         make: impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
     ) -> Result<u32, NodeError> {
         assert_eq!(parts.len(), self.shards.len(), "a part per shard");
-        let pushes = self.shards.iter().zip(parts).enumerate().map(|(i, (p, (codec, values)))| {
+        let pushes = parts.into_iter().enumerate().map(|(i, (codec, values))| {
             let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            let make = &make;
-            self.on_primary(p.shard, async move |conn| {
-                let req = make(i, p.shard, based_on, codec);
-                match net::request::<_, DataResponse>(conn, &req, values.clone(), &self.limits).await? {
-                    // A duplicate is an iteration the shard already has (the worker redoes it
-                    // after a restore, or retries it after a failover): acknowledged, applied once.
-                    (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
-                    (DataResponse::PushDropped, _) => Ok(1),
-                    (other, _) => Err(refused(conn, other)),
-                }
-            })
+            self.push_one(i, codec, values, based_on, 0, &make)
         });
         Ok(futures::future::try_join_all(pushes).await?.into_iter().sum())
+    }
+
+    /// Sends shard `i` its part of a push with the request `make(index, shard, based_on,
+    /// codec)` builds, at QUIC stream priority `priority`, and waits for its answer: 1 if its
+    /// policy dropped it, else 0.
+    async fn push_one(
+        &self,
+        i: usize,
+        codec: Codec,
+        values: Payload<'_>,
+        based_on: Option<u64>,
+        priority: i32,
+        make: &impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
+    ) -> Result<u32, NetError> {
+        let p = &self.shards[i];
+        self.on_primary(p.shard, async move |conn| {
+            let req = make(i, p.shard, based_on, codec);
+            let values = values.clone();
+            match net::request_with_priority::<_, DataResponse>(conn, &req, values, &self.limits, priority)
+                .await?
+            {
+                // A duplicate is an iteration the shard already has (the worker redoes it
+                // after a restore, or retries it after a failover): acknowledged, applied once.
+                (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
+                (DataResponse::PushDropped, _) => Ok(1),
+                (other, _) => Err(refused(conn, other)),
+            }
+        })
+        .await
     }
 
     /// Whether every shard numbers this worker's iterations as it does (always, unless a
@@ -786,26 +915,50 @@ impl WorkerClient {
 
     /// Tells every shard's policy that an iteration is finished.
     pub async fn finished(&self, report: IterationReport) -> Result<(), NodeError> {
-        self.on_every_shard(|i, shard| DataRequest::Finished {
+        self.on_every_shard(|i, shard| self.finished_request(i, shard, report)).await
+    }
+
+    /// [`finished`](Self::finished), told to shard `i` only (a driver that pulls shard by
+    /// shard tells each shard before its pull).
+    pub async fn finished_shard(&self, i: usize, report: IterationReport) -> Result<(), NodeError> {
+        self.tell_shard(i, &|i, shard| self.finished_request(i, shard, report)).await
+    }
+
+    fn finished_request(&self, i: usize, shard: u32, report: IterationReport) -> DataRequest {
+        DataRequest::Finished {
             shard,
             report: IterationReport { iteration: self.shard_iteration(i, report.iteration), ..report },
-        })
-        .await
+        }
     }
 
     /// Sends every shard the request `make(index, shard)` builds, at once; each must answer Ok.
     async fn on_every_shard(&self, make: impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
         let make = &make;
-        let calls = self.shards.iter().enumerate().map(|(i, p)| {
-            self.on_primary(p.shard, async move |conn| {
-                let req = make(i, p.shard);
-                match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
-                    (DataResponse::Ok, _) => Ok(()),
-                    (other, _) => Err(refused(conn, other)),
-                }
-            })
-        });
+        let calls = (0..self.shards.len()).map(|i| self.tell_shard(i, make));
         futures::future::try_join_all(calls).await?;
+        Ok(())
+    }
+
+    /// Sends shard `i` the request `make(i, shard)` builds, which it answers with `Ok`.
+    async fn tell_shard(&self, i: usize, make: &impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
+        let p = &self.shards[i];
+        self.on_primary(p.shard, async move |conn| {
+            let req = make(i, p.shard);
+            // A few bytes: ahead of pushes in flight, as a pull's request is.
+            match net::request_with_priority::<_, DataResponse>(
+                conn,
+                &req,
+                Payload::EMPTY,
+                &self.limits,
+                URGENT,
+            )
+            .await?
+            {
+                (DataResponse::Ok, _) => Ok(()),
+                (other, _) => Err(refused(conn, other)),
+            }
+        })
+        .await?;
         Ok(())
     }
 
@@ -909,7 +1062,10 @@ impl WorkerClient {
 
 /// Splits the pieces `segs` (a model in order) into consecutive groups of `lens` values each,
 /// cutting pieces where a group ends inside one. The groups must cover the pieces exactly.
-fn carve<'a>(segs: &'a mut [&mut [f32]], lens: impl Iterator<Item = usize>) -> Vec<Vec<&'a mut [f32]>> {
+pub(crate) fn carve<'a>(
+    segs: &'a mut [&mut [f32]],
+    lens: impl Iterator<Item = usize>,
+) -> Vec<Vec<&'a mut [f32]>> {
     let mut pieces = segs.iter_mut().map(|s| &mut **s).filter(|s| !s.is_empty());
     let mut cur: &'a mut [f32] = &mut [];
     let mut groups = Vec::new();
@@ -940,6 +1096,9 @@ async fn pull_into(
 ) -> Result<(u64, u64, u32), NetError> {
     let addr = conn.remote_address();
     let (mut send, mut recv) = conn.open_bi().await.map_err(|reason| NetError::Lost { addr, reason })?;
+    // A pull's request is a few bytes: ahead of any push this worker is sending (a push
+    // overlapped with backward pulls shard by shard while its other parts still travel).
+    let _ = send.set_priority(URGENT);
     let mut scratch = Vec::new();
     let wire_err = |e| net::wire_or_lost(conn, e);
     wire::write_frame(&mut send, req, Payload::EMPTY, &mut scratch).await.map_err(wire_err)?;

@@ -4,11 +4,13 @@
 
 pub mod client;
 mod clock;
+pub mod feed;
 mod run;
 pub mod session;
 
 pub use crate::net::tls::ClusterAccess;
-pub use client::{PullStats, WorkerClient};
+pub use client::{PullStats, ShardPulled, WorkerClient};
+pub use feed::{FedParts, FeedError, PushFeed};
 pub use run::{run, WorkerOptions};
 pub use session::{Interrupt, Session, SessionError, Step};
 pub use syncopate_engine::worker::WorkerReport;

@@ -14,12 +14,19 @@
 //! arrived): Ctrl-C ends a wait at once, however busy the machine, and the caller can still
 //! leave cleanly.
 //!
+//! [`Session::exchange`] is the loop's other shape, for a push overlapped with the caller's
+//! backward pass: the caller feeds the gradient in pieces from its hooks ([`super::feed`]) while
+//! the exchange, on another thread, pushes each shard's part once whole and pulls each shard's
+//! part of the next iteration once that shard has acknowledged its push. Every shard still sees
+//! the worker's push, its report and its next pull in that order.
+//!
 //! A session's workload cannot split an iteration into tasks: when a policy that moves tasks
 //! (EPSP) asks for some of its iteration, it answers that none could be handed over. Tasks of
 //! a worker that can split (a built-in Rust workload) moved *to* a session stop it with
 //! [`WorkerError::CannotSplit`](syncopate_engine::worker::WorkerError::CannotSplit): EPSP over
 //! a mix of Rust and Python workers is not supported.
 
+use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -29,8 +36,9 @@ use syncopate_engine::tasks::ControlMessage;
 use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerMachine, WorkerReport};
 use tokio::sync::mpsc;
 
-use super::client::WorkerClient;
+use super::client::{carve, ShardPulled, WorkerClient};
 use super::clock::Clock;
+use super::feed::{FedParts, PushFeed};
 use super::run::WorkerOptions;
 use crate::net::proto::ModelScore;
 use crate::NodeError;
@@ -144,6 +152,9 @@ struct Driver {
     /// Control messages that arrived since the caller last took them.
     seen: Vec<ControlMessage>,
     stop_seen: bool,
+    /// The iteration whose report the shards were told one by one (an exchange's early
+    /// pulls), which the machine's [`Action::Finished`] then does not tell again.
+    reported: Option<u64>,
 }
 
 impl Session {
@@ -178,7 +189,8 @@ impl Session {
         let cfg = opts.config(id, start, false, client.numbering_shared());
         let clock = Clock::new();
         let machine = WorkerMachine::new(cfg, clock.now()).map_err(NodeError::from)?;
-        let mut driver = Driver { machine, controls, clock, seen: Vec::new(), stop_seen: false };
+        let mut driver =
+            Driver { machine, controls, clock, seen: Vec::new(), stop_seen: false, reported: None };
         let phase = match driver.drive(&rt, &client, None, interrupt)? {
             Next::Pull(it) => Phase::Pull(it),
             Next::Leave => Phase::Done,
@@ -312,6 +324,188 @@ impl Session {
         self.push_grad(Grad::Owned(grad), stats, local_steps, interrupt)
     }
 
+    /// A push to feed in pieces while the caller computes ([`super::feed`]): fill the
+    /// [`PushFeed`] (from any thread), and [`exchange`](Self::exchange) the [`FedParts`].
+    pub fn feed(&self) -> (PushFeed, FedParts) {
+        PushFeed::new(self.client().shard_ranges(), self.client().pool())
+    }
+
+    /// [`push`](Self::push) of a gradient that is still being computed, then
+    /// [`pull`](Self::pull) of the next iteration into `into`: each shard's part of the push
+    /// is sent as soon as the caller's [`PushFeed`] has made it whole, and, when the worker is
+    /// sure to pull the next iteration ([`WorkerMachine::next_pull_if_quiet`]), each shard's
+    /// part of that pull as soon as the shard has acknowledged its push. Called as soon as the
+    /// backward pass starts (from another thread than the one feeding), it overlaps the push
+    /// with the rest of the pass, and the pulls of the last layers' shards with the first
+    /// layers' pushes. Every shard sees what [`push`](Self::push) then [`pull`](Self::pull)
+    /// send it: one push, then one pull.
+    ///
+    /// Returns what `push` returns, and what `pull` returns (the model is in `into` when it
+    /// is a step). The iteration's loss is known only afterwards:
+    /// [`record_loss`](Self::record_loss). The time the caller went on computing after the
+    /// push started (until its last part came) is the iteration's overlap in the report's
+    /// timeline.
+    pub fn exchange(
+        &mut self,
+        parts: FedParts,
+        samples: u32,
+        local_steps: u32,
+        into: &mut [f32],
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<(Option<u32>, Option<Step>), SessionError> {
+        let ranges = self.client().shard_ranges();
+        if parts.0.len() != ranges.len() {
+            return Err(SessionError::Usage("this feed was made for another shard map".into()));
+        }
+        self.check_len(into.len(), "pull")?;
+        syncopate_policy_sdk::rules::check_local_steps(local_steps).map_err(SessionError::Usage)?;
+        let Phase::Computing { since, .. } = self.phase else {
+            return Err(SessionError::Usage(match self.phase {
+                Phase::Done => "push after training ended".into(),
+                _ => "push called without a pull first".into(),
+            }));
+        };
+        let started = std::time::Instant::now();
+        let now = self.driver.clock.now();
+        self.driver.machine.took_local_steps(local_steps);
+        let stats = StepStats { samples, loss: 0.0 };
+        self.driver
+            .machine
+            .handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
+        let client = self.client.as_ref().expect("a session has its client until it leaves");
+        let next = self.driver.drive(&self.rt, client, None, interrupt)?;
+        let Next::Push { iteration, samples, local_steps } = next else {
+            // A skip abandoned the iteration: nothing is pushed, and the pull is a plain one.
+            self.phase = self.phase_after(next)?;
+            return Ok((None, self.pull(&mut [into], interrupt)?));
+        };
+        let early = self.driver.machine.next_pull_if_quiet();
+        // Told shard by shard, between its push and its early pull (the order the machine keeps).
+        let report = early.and_then(|_| self.driver.machine.report_of_push());
+        self.driver.reported = report.map(|r| r.iteration);
+
+        // One future per shard: its push once its part is fed, then (when the next pull is
+        // sure) its report and its early pull. They run beside the machine's driving, which
+        // waits for the pushes (`pushed`) and then for the pulls (`pulled`).
+        let fed_at = Cell::new(None);
+        let (arrived, pushes_left, dropped) = (Cell::new(0), Cell::new(ranges.len()), Cell::new(0));
+        let results: RefCell<Option<Result<Vec<Option<ShardPulled>>, NodeError>>> = RefCell::new(None);
+        let progress = tokio::sync::Notify::new();
+        let last = ranges.len();
+        let mut whole = [&mut *into];
+        let outs = carve(&mut whole, ranges.iter().map(|r| r.len()));
+        let (fed_at_r, arrived, pushes_left, dropped, progress, results) =
+            (&fed_at, &arrived, &pushes_left, &dropped, &progress, &results);
+        let shards = parts.0.into_iter().zip(outs).enumerate().map(|(i, (part, mut out))| async move {
+            let values = part.await.map_err(|_| {
+                NodeError::Protocol(format!(
+                    "the push of iteration {iteration} lost its feed before shard {i}'s part was whole"
+                ))
+            })?;
+            // Parts arrive one at a time: this runs on one thread.
+            arrived.set(arrived.get() + 1);
+            if arrived.get() == last {
+                fed_at_r.set(Some(std::time::Instant::now()));
+            }
+            let d = client.push_shard(i, iteration, values, samples, local_steps).await?;
+            dropped.set(dropped.get() + d);
+            // The report is part of the push here: told before the machine goes on, so that
+            // no shard lacks it whatever the machine does next (early pulls may be dropped).
+            if let Some(report) = report {
+                client.finished_shard(i, report).await?;
+            }
+            pushes_left.set(pushes_left.get() - 1);
+            progress.notify_one();
+            match early {
+                Some(next) => client.pull_shard(i, next, &mut out).await.map(Some),
+                None => Ok(None),
+            }
+        });
+        let all = futures::future::try_join_all(shards);
+        let mut bg = Some(
+            async move {
+                let r = all.await;
+                *results.borrow_mut() = Some(r);
+                progress.notify_one();
+            }
+            .boxed_local(),
+        );
+        // The push is done once every shard acknowledged it (and was told the report), early
+        // pulls in flight or not.
+        let pushed = async {
+            loop {
+                if matches!(&*results.borrow(), Some(Err(_))) {
+                    let Some(Err(e)) = results.borrow_mut().take() else { unreachable!("an error") };
+                    return Err(e);
+                }
+                if pushes_left.get() == 0 {
+                    return Ok(Input::Pushed { kind: JobKind::Own, result: Ok(dropped.get()) });
+                }
+                progress.notified().await;
+            }
+        }
+        .boxed_local();
+        let next = self.driver.drive_beside(&self.rt, client, Some(pushed), &mut bg, interrupt);
+        self.driver.reported = None;
+        let next = next?;
+        if let Some(at) = fed_at.get() {
+            let ns = at.saturating_duration_since(started).as_nanos();
+            self.driver.machine.overlapped(u64::try_from(ns).unwrap_or(u64::MAX));
+        }
+        let pushed = Some(dropped.get());
+        let next = match next {
+            Next::Pull(it) if Some(it) == early => {
+                let pulled = async {
+                    loop {
+                        if let Some(r) = results.borrow_mut().take() {
+                            let mut stats =
+                                crate::worker::PullStats { min_version: u64::MAX, ..Default::default() };
+                            for shard in r?.into_iter().flatten() {
+                                stats.add(shard);
+                            }
+                            return Ok(Input::Pulled {
+                                deferred: stats.deferred_shards > 0,
+                                deferred_ns: stats.waited_ns,
+                                local_steps: stats.local_steps,
+                            });
+                        }
+                        progress.notified().await;
+                    }
+                }
+                .boxed_local();
+                self.phase = Phase::Pull(it);
+                let next = self.driver.drive_beside(&self.rt, client, Some(pulled), &mut bg, interrupt)?;
+                if let Next::Compute(step) = next {
+                    self.phase = Phase::Computing { step, since: self.driver.clock.now() };
+                    return Ok((pushed, Some(step)));
+                }
+                // A skip abandoned what was pulled: the next iteration is pulled as usual.
+                next
+            }
+            // Not the pull sent early (a stop, a skip, a pause came in): what was pulled early
+            // is dropped, as a pull a skip abandons is.
+            other => other,
+        };
+        drop(bg);
+        self.phase = self.phase_after(next)?;
+        Ok((pushed, self.pull(&mut [into], interrupt)?))
+    }
+
+    /// Where the caller's loop stands after the machine asked for `next` (a pull, or the end).
+    fn phase_after(&self, next: Next) -> Result<Phase, SessionError> {
+        match next {
+            Next::Pull(it) => Ok(Phase::Pull(it)),
+            Next::Leave => Ok(Phase::Done),
+            other => Err(SessionError::Usage(format!("after a push the worker asked for {other:?}"))),
+        }
+    }
+
+    /// The mean loss of the iteration last pushed, when it was pushed before its loss was
+    /// known ([`exchange`](Self::exchange)): the report's last loss.
+    pub fn record_loss(&mut self, loss: f32) {
+        self.driver.machine.record_loss(loss);
+    }
+
     /// Buffers of the model's length, reused once pushes are sent (see
     /// [`push_buffer`](Self::push_buffer)); shared, so a caller may fill one while a call of
     /// this session is in flight.
@@ -427,10 +621,25 @@ impl Driver {
         &mut self,
         rt: &tokio::runtime::Runtime,
         client: &WorkerClient,
-        mut op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
+        op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
         interrupt: &mut dyn Interrupt,
     ) -> Result<Next, SessionError> {
-        let Driver { machine: m, controls, clock, seen, stop_seen } = self;
+        self.drive_beside(rt, client, op, &mut None, interrupt)
+    }
+
+    /// [`drive`](Self::drive), polling `bg` all the while (requests of the caller's in flight
+    /// beside the machine's: early pulls, whose answers must be read while the machine's
+    /// requests wait, or their bytes would take the connection's flow-control window from
+    /// the machine's answers); `bg` is `None` once done.
+    fn drive_beside<'b>(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        client: &WorkerClient,
+        mut op: Option<LocalBoxFuture<'_, Result<Input, NodeError>>>,
+        bg: &mut Option<LocalBoxFuture<'b, ()>>,
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<Next, SessionError> {
+        let Driver { machine: m, controls, clock, seen, stop_seen, reported } = self;
         rt.block_on(async {
             loop {
                 if !*stop_seen && client.stop_requested() {
@@ -459,18 +668,22 @@ impl Driver {
                         }
                         Action::Handover { shard, handover: h } => {
                             let s = h.split;
-                            let r = client
-                                .tasks_yielded(shard, h.to, h.iteration, (h.first, h.count), s.total, s.batch, s.part)
-                                .await;
+                            let r = beside(
+                                client.tasks_yielded(shard, h.to, h.iteration, (h.first, h.count), s.total, s.batch, s.part),
+                                bg,
+                            )
+                            .await;
                             if let Err(e) = r {
                                 m.handle(clock.now(), Input::HandoverRefused { handover: h, error: e.to_string() })?;
                             }
                         }
                         Action::Applied { shard, control, iteration } => {
-                            client.control_applied(shard, control, iteration).await?
+                            beside(client.control_applied(shard, control, iteration), bg).await?
                         }
-                        Action::Finished(report) => client.finished(report).await?,
-                        Action::Skip { to, .. } => client.skip(to).await?,
+                        // Already told shard by shard, before their early pulls.
+                        Action::Finished(report) if reported.take_if(|it| *it == report.iteration).is_some() => {}
+                        Action::Finished(report) => beside(client.finished(report), bg).await?,
+                        Action::Skip { to, .. } => beside(client.skip(to), bg).await?,
                         Action::Leave => return Ok(Next::Leave),
                     }
                     continue;
@@ -488,6 +701,7 @@ impl Driver {
                     () = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
                         m.handle(clock.now(), Input::Timer)?;
                     }
+                    () = async { bg.as_mut().expect("guarded").await }, if bg.is_some() => *bg = None,
                     () = interrupt.woken() => {
                         if interrupt.stop() {
                             return Err(SessionError::Interrupted);
@@ -496,6 +710,19 @@ impl Driver {
                 }
             }
         })
+    }
+}
+
+/// Awaits `work` while polling `bg` too, until that is done (then `None`).
+async fn beside<T>(work: impl std::future::Future<Output = T>, bg: &mut Option<LocalBoxFuture<'_, ()>>) -> T {
+    tokio::pin!(work);
+    loop {
+        let Some(b) = bg.as_mut() else { return work.await };
+        tokio::select! {
+            t = &mut work => return t,
+            () = b => {}
+        }
+        *bg = None;
     }
 }
 
