@@ -64,7 +64,7 @@ impl NodeError {
                 }
                 _ => ErrorKind::Lost,
             },
-            NodeError::Net(NetError::Refused { .. }) => ErrorKind::Refused,
+            NodeError::Net(NetError::Refused { .. } | NetError::RefusedByShard { .. }) => ErrorKind::Refused,
             NodeError::Lost(_) => ErrorKind::Lost,
             _ => ErrorKind::Other,
         }

@@ -191,6 +191,49 @@ fn large_tensors_cross_in_large_packets_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A shard's refusals reach the worker typed as the shard made them: a gradient with a NaN,
+/// an iteration that skips ahead. A worker can tell one from another
+/// (the Python package and a driver decide on them), and after each the worker goes on: the
+/// connection stays open and a good push is applied once.
+#[test]
+fn a_shards_refusals_reach_the_worker_typed() {
+    use syncopate::net::NetError;
+    use syncopate::shard::{RequestError, ShardError};
+    use syncopate::NodeError;
+
+    let dir = run_dir("typed-refusals");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = ProcessCluster::start(&syncopate_bin(), &dir, 1, 2, 1.0, &[]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut w = WorkerClient::connect(&cluster.access, None, 8).await.unwrap();
+        w.join(&[0.0; 8]).await.unwrap();
+        w.ready().await.unwrap();
+        let refusal = |e: NodeError| match e {
+            NodeError::Net(NetError::RefusedByShard { error, .. }) => error,
+            other => panic!("expected a shard's typed refusal, got {other:?}"),
+        };
+        // A NaN in each shard's part (a shard judges its own part: one without would apply it).
+        let mut nan = [1.0f32; 8];
+        nan[1] = f32::NAN;
+        nan[6] = f32::NAN;
+        let e = refusal(w.push(0, &nan, 1).await.expect_err("a NaN is refused"));
+        assert!(matches!(e, RequestError::Shard(ShardError::NonFinite(_, 0))), "{e}");
+        let e = refusal(w.push(5, &[1.0; 8], 1).await.expect_err("skipping ahead is refused"));
+        assert!(
+            matches!(e, RequestError::Shard(ShardError::OutOfOrder { iteration: 5, expected: 0, .. })),
+            "{e}"
+        );
+        // Nothing of the refused pushes was applied; the good one is, once.
+        w.push(0, &[1.0; 8], 1).await.unwrap();
+        let mut model = [0.0f32; 8];
+        w.pull(1, &mut model).await.unwrap();
+        assert_eq!(model, [-1.0; 8]);
+    });
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 

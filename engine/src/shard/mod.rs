@@ -43,6 +43,7 @@ pub use level::{levelling, ClockRaise, Frontier};
 pub use local::{LocalSgd, LocalSgdConfig};
 pub use node::{
     Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
+    Waiting,
 };
 pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
@@ -243,8 +244,9 @@ pub trait Observer {
     }
 }
 
-/// A request the shard refused before any policy saw it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A request the shard refused before any policy saw it. It crosses the wire as it is (in a
+/// `DataResponse::Refused`), so a worker can tell one refusal from another.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum ShardError {
     /// The worker has not joined (or has left).
     #[error("worker {0} is not a member of shard {1}")]

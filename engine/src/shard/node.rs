@@ -105,8 +105,10 @@ pub enum Joined {
     },
 }
 
-/// Why a request was refused.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+/// Why a request was refused. It crosses the wire as it is (a `DataResponse::Refused`), so a
+/// worker can tell one refusal from another (an iteration out of order from a gradient with a
+/// NaN).
+#[derive(Clone, Debug, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum RequestError {
     /// The shard has no parameters yet.
     #[error("shard {0} has no parameters yet (a worker must join with them first)")]
@@ -144,8 +146,8 @@ pub enum RequestError {
         worker: WorkerId,
         /// The iteration.
         iteration: u64,
-        /// `pull` or `push`.
-        what: &'static str,
+        /// Which request.
+        what: Waiting,
     },
     /// The shard refused it.
     #[error(transparent)]
@@ -159,6 +161,28 @@ pub enum RequestError {
     /// The worker left (or was dropped) while its request waited.
     #[error("worker {0} left shard {1} while its request waited")]
     Left(WorkerId, u32),
+    /// The shard stopped (its server is shutting down, or the shard moved away) before it
+    /// answered.
+    #[error("shard {0} stopped before it answered")]
+    Stopped(u32),
+}
+
+/// Which request of a worker's is waiting ([`RequestError::AlreadyWaiting`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Waiting {
+    /// A pull.
+    Pull,
+    /// A push.
+    Push,
+}
+
+impl std::fmt::Display for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Waiting::Pull => "pull",
+            Waiting::Push => "push",
+        })
+    }
 }
 
 /// The answer to a request.
@@ -702,7 +726,7 @@ impl ShardNode {
             return;
         }
         if self.pending.pushes.contains_key(&(worker, iteration)) {
-            let e = RequestError::AlreadyWaiting { worker, iteration, what: "push" };
+            let e = RequestError::AlreadyWaiting { worker, iteration, what: Waiting::Push };
             return self.pending.reply(token, Reply::Pushed(Err(e)));
         }
         self.pending.pushes.insert((worker, iteration), token);
@@ -736,7 +760,7 @@ impl ShardNode {
             return self.pending.reply(token, Reply::Pulled(Err(RequestError::NoShardYet(id))));
         }
         if self.pending.pulls.contains_key(&(worker, iteration)) {
-            let e = RequestError::AlreadyWaiting { worker, iteration, what: "pull" };
+            let e = RequestError::AlreadyWaiting { worker, iteration, what: Waiting::Pull };
             return self.pending.reply(token, Reply::Pulled(Err(e)));
         }
         self.pending.pulls.insert((worker, iteration), token);
@@ -1181,7 +1205,7 @@ mod tests {
             o,
             NodeOutput::Reply {
                 token: 12,
-                reply: Reply::Pulled(Err(RequestError::AlreadyWaiting { what: "pull", .. }))
+                reply: Reply::Pulled(Err(RequestError::AlreadyWaiting { what: Waiting::Pull, .. }))
             }
         )));
         assert!(!replies(&out).contains(&11), "parked");

@@ -83,6 +83,15 @@ pub enum NetError {
         /// Its reason.
         reason: String,
     },
+    /// A shard refused the request, for a reason typed as the shard made it (an iteration out
+    /// of order, a gradient with a NaN, an id it does not admit, ...).
+    #[error("{addr} refused: {error}")]
+    RefusedByShard {
+        /// The server holding the shard.
+        addr: SocketAddr,
+        /// Why.
+        error: crate::shard::RequestError,
+    },
     /// The peer answered with a message that makes no sense here.
     #[error("{addr} answered out of protocol: {what}")]
     Unexpected {

@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -609,6 +609,10 @@ pub enum DataResponse {
         /// Its clock (ahead of `next` by the raises of the hot swaps since it joined).
         clock: u64,
     },
+    /// The shard refused the request, for this reason, typed as the shard made it (a worker
+    /// can tell an iteration out of order from a gradient with a NaN); the connection stays
+    /// open. `Error` carries what the server itself refuses (a shard it does not hold).
+    Refused(crate::shard::RequestError),
 }
 
 /// A control message from a shard's policy, sent on a unidirectional stream to the worker

@@ -39,7 +39,9 @@ use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
-use crate::shard::{ClockRaise, Codec, Frontier, Handover, ShardConfig, SupervisorConfig, TaskPart};
+use crate::shard::{
+    ClockRaise, Codec, Frontier, Handover, RequestError, ShardConfig, SupervisorConfig, TaskPart,
+};
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
 
@@ -390,7 +392,7 @@ async fn restore_shards(
 /// events), then written crash-safely off the reactor.
 async fn checkpoint(shared: &Shared, dir: &str) -> Result<(), String> {
     for (shard, tx) in shared.primaries() {
-        let bytes = ask(&tx, |reply| ShardCmd::Snapshot { reply })
+        let bytes = ask(shard, &tx, |reply| ShardCmd::Snapshot { reply })
             .await
             .map_err(|e| format!("shard {shard}: {e}"))?;
         let path = crate::checkpoint::shard_file(std::path::Path::new(dir), shard);
@@ -463,7 +465,9 @@ async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Re
             }
         }
     });
-    ask(&tx, |reply| ShardCmd::AttachBackup { link: ReplicaLink { tx: ops }, reply }).await?;
+    ask(shard, &tx, |reply| ShardCmd::AttachBackup { link: ReplicaLink { tx: ops }, reply })
+        .await
+        .map_err(|e| e.to_string())?;
     let limits = shared.limits;
     tokio::spawn(async move {
         let mut scratch = Vec::new();
@@ -754,8 +758,8 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                 let config = policy.config_for(shard);
                 let cmd = ShardCmd::Swap { module: module.clone(), config, raise: raise.clone(), reply };
                 let result = match tx.send(cmd).await {
-                    Ok(()) => rx.await.unwrap_or_else(|_| Err("shard task gone".into())),
-                    Err(_) => Err("shard task gone".into()),
+                    Ok(()) => rx.await.unwrap_or(Err(RequestError::Stopped(shard))),
+                    Err(_) => Err(RequestError::Stopped(shard)),
                 };
                 if let Err(e) = result {
                     failed.push(format!("shard {shard}: {e}"));
@@ -794,7 +798,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             let Some(tx) = shared.backups.lock().expect("not poisoned").remove(&shard) else {
                 return ServerReply::Error(format!("server {} keeps no backup of shard {shard}", shared.id));
             };
-            match ask(&tx, |reply| ShardCmd::Promote { reply }).await {
+            match ask(shard, &tx, |reply| ShardCmd::Promote { reply }).await {
                 Ok(()) => {
                     // Members whose connection here has ended already will not come back.
                     let gone: Vec<WorkerId> =
@@ -806,7 +810,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
                     ServerReply::Ok
                 }
-                Err(e) => ServerReply::Error(e),
+                Err(e) => ServerReply::Error(e.to_string()),
             }
         }
         ServerCommand::DropBackup { shard } => {
@@ -1039,13 +1043,15 @@ async fn serve_stream(
     }
 }
 
+/// Asks shard `shard`'s task and waits for its answer, refusals typed as the shard made them.
 async fn ask<T>(
+    shard: u32,
     tx: &mpsc::Sender<ShardCmd>,
-    make: impl FnOnce(oneshot::Sender<Result<T, String>>) -> ShardCmd,
-) -> Result<T, String> {
+    make: impl FnOnce(oneshot::Sender<Result<T, RequestError>>) -> ShardCmd,
+) -> Result<T, RequestError> {
     let (reply, rx) = oneshot::channel();
-    tx.send(make(reply)).await.map_err(|_| "the shard is shutting down".to_string())?;
-    rx.await.map_err(|_| "the request was dropped (the worker left)".to_string())?
+    tx.send(make(reply)).await.map_err(|_| RequestError::Stopped(shard))?;
+    rx.await.map_err(|_| RequestError::Stopped(shard))?
 }
 
 async fn handle_request(
@@ -1091,10 +1097,12 @@ async fn handle_request(
         (_, None) => return (DataResponse::Error("readers may only read".into()), None),
     };
     let err = |e: String| (DataResponse::Error(e), None);
+    // The shard's own refusals, typed as it made them.
+    let refused = |e: RequestError| (DataResponse::Refused(e), None);
     match req {
         DataRequest::Join { .. } => {
             let controls = peer.controls.clone();
-            match ask(tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
+            match ask(shard, tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
                 Ok(joined) => {
                     peer.joined.lock().expect("not poisoned").insert(shard);
                     shared
@@ -1108,7 +1116,7 @@ async fn handle_request(
                         Joined::Rejoined { next, clock } => (DataResponse::Rejoined { next, clock }, None),
                     }
                 }
-                Err(e) => err(e),
+                Err(e) => refused(e),
             }
         }
         DataRequest::Push { iteration, samples, based_on, .. }
@@ -1143,11 +1151,11 @@ async fn handle_request(
                 local_steps,
                 reply,
             };
-            match ask(tx, push).await {
+            match ask(shard, tx, push).await {
                 Ok(PushOutcome::Applied) => (DataResponse::PushAcked, None),
                 Ok(PushOutcome::Dropped) => (DataResponse::PushDropped, None),
                 Ok(PushOutcome::Duplicate) => (DataResponse::PushDuplicate, None),
-                Err(e) => err(e),
+                Err(e) => refused(e),
             }
         }
         DataRequest::TasksYielded { to, iteration, first, count, total, batch, part, .. } => {
@@ -1167,12 +1175,14 @@ async fn handle_request(
             let _ = tx.send(ShardCmd::Applied { applied }).await;
             (DataResponse::Ok, None)
         }
-        DataRequest::Skip { to, .. } => match ask(tx, |reply| ShardCmd::Skip { worker, to, reply }).await {
-            Ok(()) => (DataResponse::Ok, None),
-            Err(e) => err(e),
-        },
+        DataRequest::Skip { to, .. } => {
+            match ask(shard, tx, |reply| ShardCmd::Skip { worker, to, reply }).await {
+                Ok(()) => (DataResponse::Ok, None),
+                Err(e) => refused(e),
+            }
+        }
         DataRequest::Pull { iteration, .. } => {
-            match ask(tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
+            match ask(shard, tx, |reply| ShardCmd::Pull { worker, iteration, reply }).await {
                 Ok(s) => {
                     let (local_steps, codec) = (s.local_steps, s.codec);
                     let values = match codec {
@@ -1182,7 +1192,7 @@ async fn handle_request(
                     let (clock, version, waited_ns) = (s.clock, s.version, s.waited_ns);
                     (DataResponse::Pulled { clock, version, waited_ns, local_steps, codec }, Some(values))
                 }
-                Err(e) => err(e),
+                Err(e) => refused(e),
             }
         }
         DataRequest::Finished { report, .. } => {
@@ -1200,7 +1210,7 @@ async fn handle_request(
                     inc.joined_by.remove(&(worker, shard));
                 }
             }
-            match ask(tx, |reply| ShardCmd::Leave {
+            match ask(shard, tx, |reply| ShardCmd::Leave {
                 worker,
                 reason: LeaveReason::Finished,
                 reply: Some(reply),
@@ -1208,12 +1218,12 @@ async fn handle_request(
             .await
             {
                 Ok(()) => (DataResponse::Ok, None),
-                Err(e) => err(e),
+                Err(e) => refused(e),
             }
         }
-        DataRequest::Read { .. } => match ask(tx, |reply| ShardCmd::Read { reply }).await {
+        DataRequest::Read { .. } => match ask(shard, tx, |reply| ShardCmd::Read { reply }).await {
             Ok((version, values)) => (DataResponse::Values { version }, Some(values)),
-            Err(e) => err(e),
+            Err(e) => refused(e),
         },
     }
 }

@@ -24,7 +24,7 @@ use crate::shard::{
 };
 pub(crate) use crate::shard::{Joined, PushOutcome, Served, Stamped};
 
-type Reply<T> = oneshot::Sender<Result<T, String>>;
+type Reply<T> = oneshot::Sender<Result<T, crate::shard::RequestError>>;
 
 /// A command for a shard task.
 #[derive(Debug)]
@@ -349,7 +349,7 @@ fn report_held(node: &ShardNode, now: u64, reported: &mut Option<(WorkerId, u64)
 }
 
 fn send<T>(tx: Reply<T>, r: Result<T, crate::shard::RequestError>) {
-    let _ = tx.send(r.map_err(|e| e.to_string()));
+    let _ = tx.send(r);
 }
 
 impl ShardTask {
@@ -492,7 +492,7 @@ impl ShardTask {
             ShardCmd::Read { reply } => {
                 let _ = reply.send(match p.node.shard() {
                     Some(s) => Ok((s.version(), Arc::clone(s.shared_values()))),
-                    None => Err(crate::shard::RequestError::NoShardYet(id).to_string()),
+                    None => Err(crate::shard::RequestError::NoShardYet(id)),
                 });
             }
             ShardCmd::Swap { module, config, raise, reply } => {
@@ -518,7 +518,7 @@ impl ShardTask {
                 }));
             }
             ShardCmd::Snapshot { reply } => {
-                let _ = reply.send(p.node.snapshot(now).map(|s| s.encode()).map_err(|e| e.to_string()));
+                let _ = reply.send(p.node.snapshot(now).map(|s| s.encode()));
             }
             ShardCmd::Replicated { stamped, grad, ack } => {
                 p.obs.confirm = Some(ack);
@@ -534,7 +534,7 @@ impl ShardTask {
                         let _ = link.tx.send(Replicate::Init { seq, snapshot });
                         Ok(())
                     }
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(e),
                 };
                 if r.is_ok() {
                     p.obs.link = Some(link);

@@ -183,6 +183,7 @@ fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
     match what {
         DataResponse::Unavailable(reason) => NetError::Unavailable { addr: conn.remote_address(), reason },
         DataResponse::Error(reason) => NetError::Refused { addr: conn.remote_address(), reason },
+        DataResponse::Refused(error) => NetError::RefusedByShard { addr: conn.remote_address(), error },
         other => NetError::Unexpected { addr: conn.remote_address(), what: format!("{other:?}") },
     }
 }
