@@ -295,10 +295,12 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
 /// primary, which died before it noticed), so their barrier must learn of the death some other
 /// way and go on without it. The two survivors run every iteration; the model on every shard
 /// holds each of their pushes exactly once, plus the dead worker's pushes up to the same
-/// iteration on every shard (BSP keeps the shards in step). (The surviving server's word that
-/// the worker's connection ended, `ShardCmd::Lost`, is what frees the barrier at once: with it
-/// removed the test still passed, after 71 s instead of 20, so it does not isolate it; the
-/// simulator's seeds with a worker death and a failover exercise it.)
+/// iteration on every shard (BSP keeps the shards in step). What frees the promoted shards is
+/// the surviving server's word that the worker's connection ended (`ShardCmd::Lost`, to every
+/// primary there, the promoted ones included, whichever came first): the shard logs "an
+/// awaited member is gone". Without it, the promoted shard's 60 s backstop would drop the
+/// worker instead ("did not come back"): with the `Lost` sends removed this test failed on
+/// that assertion, after 71 s instead of 20.
 #[test]
 fn a_worker_and_a_server_killed_at_once_do_not_hang_the_promoted_shards() {
     let mut run = start("failover-worker-too", "bsp");
@@ -329,4 +331,9 @@ fn a_worker_and_a_server_killed_at_once_do_not_hang_the_promoted_shards() {
     let dead = (-model[0] - 3.0 * ITERATIONS as f32) / 3.0;
     assert!(dead >= 60.0 && dead < ITERATIONS as f32 && dead.fract() == 0.0, "worker 2's pushes: {dead}");
     assert_all(&model, -3.0 * ITERATIONS as f32 - 3.0 * dead, "after a worker and a server died");
+    let servers = run.log("server-0") + &run.log("server-1");
+    assert!(
+        servers.contains("an awaited member is gone") && !servers.contains("did not come back"),
+        "the promoted shards dropped worker 2 by its lost connection, not the backstop:\n{servers}"
+    );
 }
