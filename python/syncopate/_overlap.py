@@ -9,9 +9,11 @@ notes its gradient; once a bucket's gradients are all in, the bucket is copied i
 stream first, and fed from a small thread once the copy is done). The push itself runs in the
 background from the first bucket on: each shard's part goes as soon as the buckets over its key
 range are in, so the shards that hold the last layers are sent while the first layers' gradients
-are still computed. It then pulls the next iteration's model, shard by shard in key order (the
-first layers first). ``step()`` puts what no hook put (parameters that got no gradient push
-zeros), waits for what is still in flight, and copies the pulled model into the parameters.
+are still computed. Each shard is pulled for the next iteration as soon as it has acknowledged
+its part (so the last layers' shards first; the arrivals are not ordered for the next forward
+pass, since ``step()`` returns only once all are in). ``step()`` puts what no hook put
+(parameters that got no gradient push zeros), waits for what is still in flight, and copies the
+pulled model into the parameters.
 
 The policy sees exactly what the serial ``step()`` sends: one push and one pull per iteration
 per shard. What overlaps is bounded by the shard map: with one shard the push can only start

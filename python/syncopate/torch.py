@@ -63,11 +63,11 @@ class DistributedOptimizer:
     ``overlap=True`` (``server`` mode) pushes from the backward pass, as Horovod and BytePS do:
     gradient hooks feed buckets of about ``bucket_mb`` MB, in reverse layer order, and each
     shard's part of the push goes as soon as its buckets are in, so the last layers' gradients
-    travel while the first layers' are computed; the next iteration's pull follows at once,
-    first layers first, and ``step()`` waits only for what is still in flight
-    (:mod:`syncopate._overlap`). The policy sees the same pushes and pulls. The push declares
-    the iteration's ``batch_size`` samples, gradients are pushed as backward leaves them (clip
-    them on the servers' side, or use ``overlap=False`` to change them before pushing), and one
+    travel while the first layers' are computed; each shard is pulled for the next iteration
+    as soon as it has acknowledged its part, and ``step()`` waits only for what is still in
+    flight (:mod:`syncopate._overlap`). The policy sees the same pushes and pulls. The push
+    declares the iteration's ``batch_size`` samples, gradients are pushed as backward leaves
+    them (use ``overlap=False`` to clip or change them before pushing), and one
     backward pass per ``step()``. What can overlap depends on the shard map: start the cluster
     with several shards (``--shards``).
     """
