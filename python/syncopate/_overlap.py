@@ -89,11 +89,6 @@ class Overlap:
         self._ready = [False] * len(self.params)
         self._missing = [len(run) for run in self.buckets]
 
-    @property
-    def armed(self) -> bool:
-        """Whether a backward pass now pushes."""
-        return self._feed is not None
-
     def _hook(self, i: int) -> Any:
         def ready(p: torch.Tensor) -> None:
             if self._feed is None:

@@ -683,10 +683,7 @@ impl WorkerClient {
             }
             parts
         };
-        let make = |i, shard, based_on, codec| {
-            self.push_request(i, shard, iteration, samples, based_on, local_steps, codec)
-        };
-        self.push_parts(parts, make).await
+        self.push_parts(parts, self.push_request(iteration, samples, local_steps)).await
     }
 
     /// Shard `i`'s part of a push in the codec its policy set, error feedback added; `None`
@@ -699,18 +696,15 @@ impl WorkerClient {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// What builds each shard's request of a push of `iteration` ([`push_parts`](Self::push_parts)'s
+    /// `make`): `make(index, shard, based_on, codec)`.
     fn push_request(
         &self,
-        i: usize,
-        shard: u32,
         iteration: u64,
         samples: u32,
-        based_on: Option<u64>,
         local_steps: u32,
-        codec: Codec,
-    ) -> DataRequest {
-        DataRequest::Push {
+    ) -> impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest + '_ {
+        move |i, shard, based_on, codec| DataRequest::Push {
             shard,
             iteration: self.shard_iteration(i, iteration),
             samples,
@@ -754,15 +748,12 @@ impl WorkerClient {
             }
             None => (Codec::None, Payload::Shared(self.pool.send_shared(Arc::new(values)))),
         };
-        let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-        let make = |i, shard, based_on, codec| {
-            self.push_request(i, shard, iteration, samples, based_on, local_steps, codec)
-        };
+        let make = self.push_request(iteration, samples, local_steps);
         // The parts fed first (the last layers', as backward goes) go first: then their shards
         // can answer their pulls while the others' parts still travel, rather than all parts
         // sharing the link and arriving together at the end.
         let priority = i32::try_from(i).unwrap_or(i32::MAX);
-        Ok(self.push_one(i, codec, payload, based_on, priority, &make).await?)
+        Ok(self.push_one(i, codec, payload, self.based_on(i), priority, &make).await?)
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -803,11 +794,17 @@ impl WorkerClient {
         make: impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
     ) -> Result<u32, NodeError> {
         assert_eq!(parts.len(), self.shards.len(), "a part per shard");
-        let pushes = parts.into_iter().enumerate().map(|(i, (codec, values))| {
-            let based_on = Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
-            self.push_one(i, codec, values, based_on, 0, &make)
-        });
+        let pushes = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, (codec, values))| self.push_one(i, codec, values, self.based_on(i), 0, &make));
         Ok(futures::future::try_join_all(pushes).await?.into_iter().sum())
+    }
+
+    /// The shard version the model this worker last pulled from shard `i` had (`None` before
+    /// any pull): what a push says it was computed from.
+    fn based_on(&self, i: usize) -> Option<u64> {
+        Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX)
     }
 
     /// Sends shard `i` its part of a push with the request `make(index, shard, based_on,

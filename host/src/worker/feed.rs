@@ -105,16 +105,6 @@ impl PushFeed {
         (PushFeed { parts, pool, len }, FedParts(recv))
     }
 
-    /// The model's length.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the model is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether every value was put (every part sent).
     pub fn is_complete(&self) -> bool {
         self.parts.iter().all(|p| p.send.is_none())
