@@ -43,8 +43,6 @@ class Overlap:
         staging: Staging,
         bucket_bytes: int,
     ) -> None:
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_mb must be above 0, not {bucket_bytes / 2**20!r}")
         self.worker = worker
         self.params = list(params)
         self.staging = staging

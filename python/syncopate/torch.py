@@ -84,6 +84,9 @@ class DistributedOptimizer:
     ) -> None:
         if mode not in ("server", "delta"):
             raise ValueError(f"mode must be 'server' or 'delta', not {mode!r}")
+        bucket_bytes = int(bucket_mb * 2**20) if bucket_mb > 0 else 0
+        if overlap and bucket_bytes < 1:
+            raise ValueError(f"bucket_mb must be above 0, not {bucket_mb!r}")
         if overlap and mode != "server":
             raise ValueError(
                 "overlap=True pushes gradients from backward; delta mode's weight changes exist "
@@ -123,9 +126,7 @@ class DistributedOptimizer:
         self.step_info: Step | None = None
         self._started = False
         self._overlap = (
-            Overlap(self.worker, self.params, self._staging, int(bucket_mb * 2**20))
-            if overlap
-            else None
+            Overlap(self.worker, self.params, self._staging, bucket_bytes) if overlap else None
         )
 
     @property
