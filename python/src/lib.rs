@@ -36,6 +36,9 @@ use syncopate_engine::worker::StepStats;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 
+/// A pulled iteration as Python sees it: (iteration, batch, local steps).
+type Pulled = (u64, u32, u32);
+
 create_exception!(_native, SyncopateError, PyException, "Anything that went wrong in Syncopate.");
 create_exception!(
     _native,
@@ -308,7 +311,7 @@ impl NativeSession {
         s: &mut Session,
         wake: Option<RawFd>,
         cancel: watch::Receiver<bool>,
-    ) -> PyResult<Option<(u64, u32, u32)>> {
+    ) -> PyResult<Option<Pulled>> {
         let mut pulled = self.pulled.lock().map_err(poisoned)?;
         pulled.resize(s.model_len(), 0.0);
         let into = &mut pulled[..];
@@ -410,7 +413,7 @@ impl NativeSession {
         py: Python<'_>,
         out: Vec<Bound<'_, PyAny>>,
         wake: Option<RawFd>,
-    ) -> PyResult<Option<(u64, u32, u32)>> {
+    ) -> PyResult<Option<Pulled>> {
         let cancel = self.cancel.subscribe();
         // Checked before anything is pulled, so that a wrong tensor costs nothing.
         let lens: usize = dlpack::borrow_all(&out, true, "pull")?.iter().map(|t| t.len()).sum();
@@ -475,7 +478,7 @@ impl NativeSession {
         samples: u32,
         local_steps: u32,
         wake: Option<RawFd>,
-    ) -> PyResult<(Option<u32>, Option<(u64, u32, u32)>)> {
+    ) -> PyResult<(Option<u32>, Option<Pulled>)> {
         let cancel = self.cancel.subscribe();
         let parts = feed.parts.lock().map_err(poisoned)?.take();
         let parts = parts.ok_or_else(|| UsageError::new_err("this feed was pushed already"))?;
