@@ -28,14 +28,19 @@
 //!   none switches. The commit levels the workers by one raise per worker that every shard
 //!   applies alike ([`CoordinatorMachine::levelling`], see [`crate::shard::Frontier`]). One at a
 //!   time.
+//! - **the rebuild after a restart** ([`rebuild`]): a coordinator that comes back while its
+//!   servers ran on rebuilds the map, the policy and the leases from what they hold.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use syncopate_policy_sdk::abi::{WorkerClock, WorkerId};
 
-use crate::lease::LeaseTable;
+use crate::lease::{LeaseTable, LEASE_MS};
 use crate::placement::{self, Failover, Place};
 use crate::shard::{ClockRaise, Frontier};
+
+pub mod rebuild;
+pub use rebuild::{resolve, Held, Rebuilt, Resolution, REJOIN_WAIT_MS};
 
 /// What the cluster is set up as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,6 +190,10 @@ pub enum CoordOutput {
         /// The server.
         server: u32,
     },
+    /// A restarted coordinator's rebuild ([`CoordinatorMachine::rebuild`]) carried out its
+    /// promotions, dropped backups and the commit of an interrupted swap: the cluster serves
+    /// again, and workers may be welcomed. New backups follow.
+    Rebuilt,
     /// Hot swap `swap` ended.
     SwapDone {
         /// The swap's number.
@@ -249,6 +258,9 @@ enum Purpose {
     Swap { server: u32 },
     /// A swap's abort (nothing waits for it).
     Abort,
+    /// A command of a restarted coordinator's rebuild: a promotion (of `promoting`), a dropped
+    /// backup, or the commit of a swap some servers had not committed.
+    Rebuild { promoting: Option<u32> },
 }
 
 /// The hot swap under way.
@@ -291,6 +303,8 @@ pub struct CoordinatorMachine {
     swaps: u64,
     /// The hot swap under way, if one is.
     swap: Option<SwapRound>,
+    /// A rebuild's commands are under way; with the swap it finishes and that swap's levelling.
+    rebuilding: Option<Option<(u64, Vec<ClockRaise>)>>,
     outputs: VecDeque<CoordOutput>,
 }
 
@@ -312,8 +326,14 @@ impl CoordinatorMachine {
             queued: VecDeque::new(),
             swaps: 0,
             swap: None,
+            rebuilding: None,
             outputs: VecDeque::new(),
         }
+    }
+
+    /// What the cluster is set up as.
+    pub fn config(&self) -> CoordinatorConfig {
+        self.cfg
     }
 
     /// The next thing to do, if any.
@@ -386,15 +406,70 @@ impl CoordinatorMachine {
         self.leases.renew(now_ns, server)
     }
 
-    /// A restarted coordinator rebuilt the cluster: the map the servers' holdings say, the
-    /// servers that came back (`live`), whose leases run from `first_ns`. No command is sent:
-    /// the rebuild sends its own.
-    pub fn rebuilt(&mut self, places: Vec<Place>, live: &[bool], first_ns: u64, model_len: Option<u64>) {
-        self.places = places;
-        self.leases.reset(live, first_ns);
-        self.answered = self.cfg.servers;
+    /// A restarted coordinator rebuilds the cluster at `now_ns` from what the servers that
+    /// rejoined it hold (`held`; see [`rebuild`]): the map their terms say, the newest policy's
+    /// swap count, and leases for every rejoined server that is not stale, running from its
+    /// next renewal (allowed [`LEASE_MS`]). Its commands come out as outputs: backups promoted
+    /// where their primary did not come back, primaries without a backup told to go on alone,
+    /// and the commit of a swap that some servers had committed on the others (with the same
+    /// levelling). Once they are done, [`CoordOutput::Rebuilt`], then new backups. A holding
+    /// from a server id outside the cluster is ignored.
+    pub fn rebuild(&mut self, now_ns: u64, held: &[Held]) -> Rebuilt {
+        let n = self.cfg.servers;
+        let held: Vec<Held> = held.iter().filter(|h| h.server < n).cloned().collect();
+        let resolution = resolve(self.cfg.shards, &held);
+        let rejoined = |i: u32| held.iter().any(|h| h.server == i);
+        let live: Vec<bool> = (0..n).map(|i| rejoined(i) && !resolution.stale.contains_key(&i)).collect();
+        let missing = (0..n).filter(|&i| !rejoined(i)).collect();
+        // A lost shard keeps a nominal place; its driver reports it lost.
+        self.places = resolution
+            .places
+            .iter()
+            .enumerate()
+            .map(|(k, p)| p.unwrap_or(Place { primary: k as u32 % n, backup: None }))
+            .collect();
+        // A rejoined server's lease starts again with its next renewal, which follows its
+        // welcome at once: the first lease's allowance covers a slow one.
+        self.leases.reset(&live, now_ns + LEASE_MS * 1_000_000);
+        self.answered = n;
         self.replicated = true;
-        self.model_len = model_len;
+        self.model_len = resolution.model_len(&held);
+        let newest = held.iter().filter(|h| live[h.server as usize]).max_by_key(|h| h.swaps);
+        let finishing = newest.map(|h| (h.swaps, h.levelled.clone()));
+        self.swaps = newest.map_or(self.swaps, |h| h.swaps);
+        let newest = newest.map(|h| h.server);
+        self.rebuilding = Some(finishing.clone());
+        for &(shard, server) in &resolution.promote {
+            self.send(server, Command::Promote { shard }, Purpose::Rebuild { promoting: Some(shard) });
+        }
+        // Primaries whose backup did not come back stop waiting for it.
+        for (k, place) in resolution.places.iter().enumerate() {
+            let promoted = resolution.promote.iter().any(|p| p.0 as usize == k);
+            if let Some(Place { primary, backup: None }) = place.filter(|_| !promoted) {
+                self.send(
+                    primary,
+                    Command::DropBackup { shard: k as u32 },
+                    Purpose::Rebuild { promoting: None },
+                );
+            }
+        }
+        if let Some((swap, _)) = finishing {
+            for h in held.iter().filter(|h| live[h.server as usize] && h.swaps < swap) {
+                self.send(h.server, Command::Commit { swap }, Purpose::Rebuild { promoting: None });
+            }
+        }
+        self.step_rebuild();
+        Rebuilt { resolution, missing, newest }
+    }
+
+    /// Once a rebuild's commands are done: [`CoordOutput::Rebuilt`], then new backups.
+    fn step_rebuild(&mut self) {
+        if self.rebuilding.is_none() || self.pending.values().any(|p| matches!(p, Purpose::Rebuild { .. })) {
+            return;
+        }
+        self.rebuilding = None;
+        self.outputs.push_back(CoordOutput::Rebuilt);
+        self.re_replicate();
     }
 
     /// The result of command `id`.
@@ -439,6 +514,13 @@ impl CoordinatorMachine {
                 self.step_swap();
             }
             Purpose::Abort => {}
+            Purpose::Rebuild { promoting } => {
+                if let (Some(shard), false) = (promoting, ok) {
+                    let server = self.places[shard as usize].primary;
+                    self.outputs.push_back(CoordOutput::ShardLost { shard, server });
+                }
+                self.step_rebuild();
+            }
         }
         self.check_replicated();
         self.step_failover();
@@ -506,8 +588,10 @@ impl CoordinatorMachine {
     /// What the commit of swap `swap` raises the workers' clocks by, the same on every shard
     /// (empty unless that swap is committing). A driver sends it with [`Command::Commit`].
     pub fn levelling(&self, swap: u64) -> &[ClockRaise] {
-        match &self.swap {
-            Some(round) if round.swap == swap && round.committing => &round.raise,
+        match (&self.swap, &self.rebuilding) {
+            (Some(round), _) if round.swap == swap && round.committing => &round.raise,
+            // A rebuild finishing an interrupted swap raises as the servers that committed it did.
+            (_, Some(Some((n, raise)))) if *n == swap => raise,
             _ => &[],
         }
     }
@@ -575,8 +659,8 @@ impl CoordinatorMachine {
     }
 
     /// A new backup for every shard without one whose primary lives, on the next live server
-    /// (a failover does this itself; a rebuilt cluster asks for it once its promotions are done).
-    pub fn re_replicate(&mut self) {
+    /// (a failover and a rebuild do this themselves once their moves are done).
+    fn re_replicate(&mut self) {
         if self.cfg.replicas == 0 {
             return;
         }

@@ -485,6 +485,58 @@ fn a_second_server_death_after_re_replication_loses_nothing() {
     }
 }
 
+/// Issue 36: the coordinator crashes and restarts in the simulator as on a cluster. Alone, the
+/// restarted one rebuilds the same map and nothing moves; with a server killed while it was
+/// down, it waits for that server, then promotes its shards' backups
+/// (`CoordinatorMachine::rebuild`). Either way every worker runs every iteration and the model
+/// ends bit for bit where the undisturbed run's does.
+#[test]
+fn a_crashed_coordinator_rebuilds_the_cluster_from_its_servers_in_the_simulator() {
+    // Iterations long enough that the servers' leases lapse during the outage.
+    let s = scenario(
+        &REPLICATED
+            .replace("servers = 2", "servers = 3")
+            .replace("iterations = 8", "iterations = 16")
+            .replace("compute_ms = 5", "compute_ms = 200")
+            .replace("time_limit_s = 20", "time_limit_s = 120"),
+    );
+    for policy in ["bsp", "asp"] {
+        let clean = replicated(&s, policy, None);
+        let crash = Some((FailAt::Event(clean.events / 3), 3_000_000_000));
+        let run = |failures: Vec<SimFailure>| {
+            let opts = SimOptions {
+                run: RunSpec::new(
+                    Scenario { replicas: 1, ..s.clone() },
+                    policy.parse::<PolicySpec>().unwrap(),
+                ),
+                gradients: true,
+                data: None,
+                failures,
+                faults: SimFaults { coordinator_crash: crash, ..SimFaults::default() },
+            };
+            simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"))
+        };
+        let alone = run(Vec::new());
+        // Server 1 dies just after the crash, long before the restart.
+        let with_death = run(vec![SimFailure { server: 1, at: FailAt::Event(clean.events / 3 + 1) }]);
+        for (out, promoted) in [(&alone, 0), (&with_death, 1)] {
+            assert_eq!(out.rebuild.rebuilds, 1, "{policy}: {:?}", out.rebuild);
+            assert_eq!(out.rebuild.promoted, promoted, "{policy}: {:?}", out.rebuild);
+            assert_eq!(
+                out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{policy}"
+            );
+            assert!(out.report.workers.iter().all(|w| w.iterations == 16), "{policy}");
+            // The outage less the lease the servers still hold is waited out (and, for a server
+            // that does not rejoin, the 10 s wait for it): training resumes after it.
+            let stall = out.report.elapsed_s - clean.report.elapsed_s;
+            assert!(stall > 3.0 - 1.0, "{policy}: {stall} s");
+        }
+        assert!(with_death.report.elapsed_s > alone.report.elapsed_s + 9.0, "{policy}");
+    }
+}
+
 /// Replication costs time (every op crosses a second link and a push waits for the backup),
 /// never results: with replicas the same run ends with the same parameters, later or as soon.
 #[test]
@@ -529,6 +581,8 @@ fn simtest_finds_no_lost_or_doubled_update_in_100_seeds() {
     assert_eq!(found.exercised.runs, 200 + found.exercised.swaps);
     // Nearly every drawn death lands before the run's end and is failed over.
     assert!(found.exercised.failovers > 90, "{:?}", found.exercised);
+    // A quarter of the seeds crash the coordinator; most crashes come before the run's end.
+    assert!(found.exercised.rebuild.rebuilds > 10, "{:?}", found.exercised);
 }
 
 /// A seed is the whole input: drawn twice, a case is the same, and checked twice it exercises

@@ -268,3 +268,108 @@ fn a_swap_involves_the_servers_not_failed_over_and_waits_for_all_to_register() {
         .collect();
     assert_eq!(servers, vec![0, 1], "server 2 was failed over");
 }
+
+#[test]
+fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
+    // Three servers, three shards (k on server k, its backup on k + 1). Server 0 was cut off
+    // and failed over before the crash: shard 0's backup on server 1 is its primary at term 1.
+    // Server 2 had committed swap 3 (raising worker 1 by 2); server 1 had not. Server 0 claims
+    // shard 0 at term 0 (stale); nobody else came back.
+    let raise = vec![ClockRaise { worker: 1, by: 2 }];
+    let held = [
+        Held { server: 0, primaries: vec![(0, 0, 5)], backups: vec![(2, 0, 5)], ..Held::default() },
+        Held {
+            server: 1,
+            swaps: 2,
+            primaries: vec![(0, 1, 5), (1, 0, 5)],
+            backups: vec![],
+            ..Held::default()
+        },
+        Held {
+            server: 2,
+            swaps: 3,
+            levelled: raise.clone(),
+            primaries: vec![(2, 0, 5)],
+            backups: vec![(1, 0, 5)],
+        },
+        // An id outside the cluster is ignored.
+        Held { server: 9, swaps: 7, primaries: vec![(0, 9, 5)], ..Held::default() },
+    ];
+    let mut m = machine(3, 3, 1);
+    let now = 5_000 * MS;
+    let r = m.rebuild(now, &held);
+    assert_eq!(r.resolution.stale, BTreeMap::from([(0, 0)]));
+    assert_eq!(r.missing, Vec::<u32>::new());
+    assert_eq!(r.newest, Some(2));
+    assert_eq!(m.swaps(), 3);
+    assert_eq!(m.model_len(), Some(15));
+    assert_eq!(m.live(), vec![false, true, true], "the stale server gets no lease");
+    assert!(m.is_replicated());
+    // Shard 0 lost its backup with server 0; shard 2's backup was there too. Server 1 commits
+    // the swap server 2 had, with the same levelling.
+    let out = drain(&mut m);
+    let commands: Vec<(u32, Command)> = out
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { server, command, .. } => Some((*server, *command)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        commands,
+        vec![
+            (1, Command::DropBackup { shard: 0 }),
+            (2, Command::DropBackup { shard: 2 }),
+            (1, Command::Commit { swap: 3 })
+        ]
+    );
+    assert_eq!(m.levelling(3), raise.as_slice());
+    assert!(!out.contains(&CoordOutput::Rebuilt), "not before its commands are done");
+    let ids: Vec<CommandId> = out
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    for id in ids {
+        m.command_done(id, Ok(Answer::Done));
+    }
+    // Then new backups: shard 0's and shard 2's, on the other live server.
+    let out = drain(&mut m);
+    assert_eq!(out[0], CoordOutput::Rebuilt);
+    let attach: Vec<Command> = out[1..]
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { command, .. } => Some(*command),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        attach,
+        vec![Command::AttachBackup { shard: 0, backup: 2 }, Command::AttachBackup { shard: 2, backup: 1 }]
+    );
+    assert!(m.levelling(3).is_empty(), "the finished swap is over");
+    // The leases run from the next renewal.
+    assert_eq!(m.renew(now + MS, 0), Err(LeaseError::FailedOver));
+    assert_eq!(m.renew(now + MS, 1), Ok(()));
+}
+
+#[test]
+fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
+    // Server 0 never came back: shard 0's backup on server 1 is promoted. A promotion that
+    // fails loses the shard.
+    let held = [Held { server: 1, primaries: vec![(1, 0, 4)], backups: vec![(0, 0, 4)], ..Held::default() }];
+    let mut m = machine(2, 2, 1);
+    let r = m.rebuild(0, &held);
+    assert_eq!(r.missing, vec![0]);
+    assert_eq!(r.resolution.promote, vec![(0, 1)]);
+    let out = drain(&mut m);
+    let [CoordOutput::Command { id, server: 1, command: Command::Promote { shard: 0 } }, CoordOutput::Command { server: 1, command: Command::DropBackup { shard: 1 }, .. }] =
+        out[..]
+    else {
+        panic!("{out:?}")
+    };
+    m.command_done(id, Err("gone".into()));
+    assert_eq!(drain(&mut m), vec![CoordOutput::ShardLost { shard: 0, server: 1 }]);
+}

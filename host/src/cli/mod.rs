@@ -98,8 +98,9 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
-         delivered twice, {} bad requests refused, {} losing a shard's last copy (as a cluster would); the longest a disturbed \
-         run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
+         delivered twice, {} bad requests refused, {} with the coordinator crashed and restarted ({} rebuilds: {} \
+         backups promoted, {} servers refused, {} swaps finished), {} losing a shard's last copy (as a cluster \
+         would; {} of them found by a restarted coordinator as a stale copy); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
@@ -113,7 +114,13 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.hostile,
         e.duplicates,
         e.bad_inputs,
+        e.coordinator_crashes,
+        e.rebuild.rebuilds,
+        e.rebuild.promoted,
+        e.rebuild.refused,
+        e.rebuild.swaps_finished,
         e.lost,
+        e.stale,
         e.max_delay_ms as f64 / 1e3
     );
     if let Some((seed, why)) = found.failed {

@@ -32,7 +32,6 @@ use crate::net::proto::{
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
 use crate::net::{self, close};
-use crate::placement::Place;
 use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
@@ -568,6 +567,7 @@ impl Coordinator {
                 tracing::info!(shards = self.opts.shards, "backups attached");
                 self.replicated.send_replace(true);
             }
+            CoordOutput::Rebuilt => self.rebuilt_out(),
             CoordOutput::ServerLost { server } => {
                 let addr = self.lock().servers.get(server as usize).map(|s| s.0);
                 tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");

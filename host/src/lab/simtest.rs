@@ -12,8 +12,9 @@
 //! workers' messages to shards delayed so that they overtake each other, a hot swap (perhaps to
 //! a module that traps, spins or panics: [`HOSTILE`]), a worker that hears of moves 10-30 s
 //! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
-//! requests from a buggy or hostile peer, and one or two late joiners (each in some of the
-//! seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
+//! requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
+//! and restarted (rebuilding the cluster from its servers as a cluster's does; some crashes
+//! between two servers' commits of a swap) (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
 //! momentum, summed pushes) undisturbed, and with the faults, and checks:
 //! - every live worker ran every iteration (a late joiner from its start), in both runs;
 //! - where the policy admits every push at weight 1 (all but R²SP), each parameter is exactly
@@ -26,15 +27,17 @@
 //! - every backup equalled its primary whenever it had applied every op its primary had, and at
 //!   the end their whole snapshots are the same bytes;
 //! - liveness: the live workers finish within a bound of the undisturbed run's
-//!   (twice `FAILOVER_MS` per fault, plus the notices' delays, partitions and a dead
-//!   worker's peer timeouts aside, and a late joiner's extra iterations).
+//!   (twice `FAILOVER_MS` per fault, plus the notices' delays, partitions, a coordinator's
+//!   outage with the 10 s it may wait for its servers, and a dead worker's peer timeouts
+//!   aside, and a late joiner's extra iterations).
 //!
 //! A second fault that comes before the first failover's new backups hold their shards can take
 //! a shard's last copy: a cluster loses that shard too, so such a run is counted as lost, not
-//! failed.
+//! failed. So is a run whose restarted coordinator could only find a stale copy of a shard (its
+//! newest copies died before the restart: [`SimError::StaleCopy`]).
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
-//! failure prints that command. Not drawn yet: coordinator crashes, server restarts, partitions
+//! failure prints that command. Not drawn yet: server restarts, partitions
 //! between servers or between a worker and a server, checkpoint rounds (see
 //! `docs/fault-tolerance.md`).
 
@@ -46,9 +49,11 @@ use rand_chacha::ChaCha8Rng;
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
-    simulate, Cut, FailAt, SimError, SimFailure, SimFaults, SimOptions, SimPartition, Simulated, HOSTILE,
+    simulate, Cut, FailAt, RebuildCounts, SimError, SimFailure, SimFaults, SimOptions, SimPartition,
+    Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
+use syncopate_engine::coordinator::REJOIN_WAIT_MS;
 
 /// What one seed runs: the scenario, the policy and the failure.
 #[derive(Clone, Debug)]
@@ -88,6 +93,9 @@ pub struct Case {
     /// Workers that join this many milliseconds after the start, not with the others (in
     /// both runs; each runs the iterations from the clock it joins at to the end).
     pub late_join: Vec<(u32, u64)>,
+    /// The coordinator crashes in the disturbed run (at an event drawn like the deaths') and
+    /// restarts this many milliseconds later.
+    pub coordinator_crash: Option<u64>,
 }
 
 /// What a passing seed exercised.
@@ -104,6 +112,9 @@ pub struct Exercised {
     /// Runs in which a shard lost its last copy (both its servers dead before a new backup
     /// held it), as a cluster would: not checked further.
     pub lost: u64,
+    /// Of those, runs whose restarted coordinator found only a stale copy of a shard (its
+    /// newest copies died before the restart).
+    pub stale: u64,
     /// Runs with a server cut off from the coordinator.
     pub partitions: u64,
     /// Runs with a worker that died.
@@ -116,6 +127,11 @@ pub struct Exercised {
     pub duplicates: u64,
     /// Bad requests the shards refused.
     pub bad_inputs: u64,
+    /// Runs whose coordinator crashed and was restarted (and rebuilt the cluster from its
+    /// servers).
+    pub coordinator_crashes: u64,
+    /// What those rebuilds did.
+    pub rebuild: RebuildCounts,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
@@ -128,12 +144,15 @@ impl std::ops::AddAssign for Exercised {
         self.failovers += o.failovers;
         self.double_failures += o.double_failures;
         self.lost += o.lost;
+        self.stale += o.stale;
         self.partitions += o.partitions;
         self.worker_deaths += o.worker_deaths;
         self.swaps += o.swaps;
         self.duplicates += o.duplicates;
         self.bad_inputs += o.bad_inputs;
         self.hostile += o.hostile;
+        self.coordinator_crashes += o.coordinator_crashes;
+        self.rebuild += o.rebuild;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
 }
@@ -247,6 +266,8 @@ impl Case {
                 late_join.push((second, rng.random_range(0..=iterations * compute_ms)));
             }
         }
+        // The coordinator crashes in a quarter of the seeds, for 0.1-5 s.
+        let coordinator_crash = rng.random_bool(0.25).then(|| rng.random_range(100..=5000));
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -272,6 +293,7 @@ impl Case {
             duplicate,
             bad_inputs,
             late_join,
+            coordinator_crash,
         }
     }
 
@@ -369,21 +391,42 @@ impl Case {
             .map(|w| (w, FailAt::Event(rng.random_range(0..clean.events.max(1)))))
             .into_iter()
             .collect();
-        let what = failures
-            .iter()
-            .map(|f| format!("server {} killed before {}", f.server, when(f.at)))
-            .chain(partitions.iter().map(|p| {
-                let ms = p.heal_after_ns / 1_000_000;
-                format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
-            }))
-            .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
-            .chain(swaps.iter().map(|(at, spec)| format!("swap to {spec} at {}", when(*at))))
-            .collect::<Vec<_>>()
-            .join(", ");
+        // Half the crashes in seeds with a swap come while it is under way (its prepare or
+        // commit in flight, within a few latencies of its start), so that a restarted
+        // coordinator finds some servers committed and others not.
+        let crash: Option<(FailAt, u64)> = self.coordinator_crash.map(|ms| {
+            let event = FailAt::Event(rng.random_range(0..clean.events.max(1)));
+            let at = match swaps.first() {
+                Some((FailAt::Time(t), _)) if rng.random_bool(0.5) => {
+                    let latency_ns = self.scenario.latency_us * 1000;
+                    FailAt::Time(t + rng.random_range(0..=4 * latency_ns))
+                }
+                _ => event,
+            };
+            (at, ms * 1_000_000)
+        });
+        let what =
+            failures
+                .iter()
+                .map(|f| format!("server {} killed before {}", f.server, when(f.at)))
+                .chain(partitions.iter().map(|p| {
+                    let ms = p.heal_after_ns / 1_000_000;
+                    format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
+                }))
+                .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
+                .chain(swaps.iter().map(|(at, spec)| format!("swap to {spec} at {}", when(*at))))
+                .chain(crash.iter().map(|(at, ns)| {
+                    format!("coordinator crashed for {} ms from {}", ns / 1_000_000, when(*at))
+                }))
+                .collect::<Vec<_>>()
+                .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
         let double = u64::from(failures.len() > 1);
         let server_faults = failures.len() + partitions.len();
-        let faults = server_faults + worker_deaths.len();
+        let faults = server_faults + worker_deaths.len() + crash.iter().count();
+        // A restarted coordinator waits up to `REJOIN_WAIT_MS` for a server that does not
+        // rejoin (dead, or cut off) before it rebuilds without it; meanwhile nothing serves.
+        let crash_ns = crash.map_or(0, |c| c.1 + REJOIN_WAIT_MS * 1_000_000);
         let partitioned = partitions.len() as u64;
         let partition_ns = partitions.iter().map(|p| p.heal_after_ns).sum::<u64>();
         let failed = match self.run(
@@ -399,12 +442,13 @@ impl Case {
                 duplicate: self.duplicate,
                 bad_inputs: self.bad_inputs,
                 late_join: self.late_join(),
+                coordinator_crash: crash,
             },
         ) {
             Ok(f) => f,
             // Both copies of a shard dead (or cut off) before a new backup held it: a cluster
             // loses it too. (A worker's death takes no copy.)
-            Err(SimError::ShardLost { .. }) if server_faults > 1 => {
+            Err(e @ (SimError::ShardLost { .. } | SimError::StaleCopy { .. })) if server_faults > 1 => {
                 let lost = Exercised {
                     runs: 2 + swapped,
                     swaps: swapped,
@@ -414,8 +458,10 @@ impl Case {
                     events: clean.events,
                     double_failures: double,
                     lost: 1,
+                    stale: u64::from(matches!(e, SimError::StaleCopy { .. })),
                     partitions: partitioned,
                     worker_deaths: u64::from(dead_worker.is_some()),
+                    coordinator_crashes: u64::from(crash.is_some()),
                     ..Exercised::default()
                 };
                 return Ok(lost);
@@ -439,7 +485,7 @@ impl Case {
         // wait for it until then; a backup promoted before then waits for it as long.
         let waits = 1 + u64::from(faults > 1);
         let peer_timeout_ns = dead_worker.map_or(0, |_| waits * crate::lab::sim::PEER_TIMEOUT_NS);
-        let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns);
+        let delay_ns = delay_ns.saturating_sub(partition_ns + peer_timeout_ns + crash_ns);
         let late_ns = self.late_worker.map_or(0, |l| l.1 * 1_000_000);
         // After a swap to local steps, an iteration computes that many steps: a fault that
         // left more iterations after the swap than the undisturbed run had makes the run
@@ -482,11 +528,14 @@ impl Case {
             failovers: failed.report.failovers.len() as u64,
             double_failures: double,
             lost: 0,
+            stale: 0,
             partitions: partitioned,
             worker_deaths: u64::from(dead_worker.is_some()),
             duplicates: clean.duplicates + failed.duplicates,
             bad_inputs: clean.bad_inputs + failed.bad_inputs,
             hostile,
+            coordinator_crashes: u64::from(crash.is_some()),
+            rebuild: failed.rebuild,
             max_delay_ms: delay_ns / 1_000_000,
         })
     }
@@ -495,7 +544,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -532,7 +581,8 @@ impl Case {
             self.late_join
                 .iter()
                 .map(|(w, ms)| format!(", worker {w} joins {ms} ms late"))
-                .collect::<String>()
+                .collect::<String>(),
+            self.coordinator_crash.map(|ms| format!(", the coordinator crashes for {ms} ms")).unwrap_or_default()
         )
     }
 }

@@ -319,7 +319,7 @@ pub const COORDINATOR_WAIT_MS: u64 = 60_000;
 
 /// How long a restarted coordinator waits for every server to rejoin before it rebuilds the
 /// cluster from those that did: the others are failed over, as if their leases had lapsed.
-pub const REJOIN_WAIT_MS: u64 = 10_000;
+pub use syncopate_engine::coordinator::REJOIN_WAIT_MS;
 
 /// A model's score on held-out data, as a worker measured it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

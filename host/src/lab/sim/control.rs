@@ -22,10 +22,24 @@
 //!   with its primaries' clocks, then each switches its primaries when its commit arrives,
 //!   raising the clocks by the levelling the machine chose.
 //!
+//! - the coordinator may crash ([`SimFaults::coordinator_crash`](super::SimFaults::coordinator_crash)):
+//!   the commands and answers on their way to it are lost, renewals go unanswered, so leases
+//!   lapse and the servers refuse requests. When it restarts, each live server rejoins it (a
+//!   cut-off one once its partition heals) and says what it holds; once all have, or
+//!   [`REJOIN_WAIT_MS`] after the first, the new machine rebuilds the cluster from those
+//!   holdings ([`CoordinatorMachine::rebuild`](syncopate_engine::coordinator::CoordinatorMachine::rebuild)),
+//!   as a restarted cluster coordinator does: stale servers and late ones are told to stop,
+//!   backups whose primary did not come back are promoted, an interrupted swap is finished.
+//!   Renewals are answered again once its commands are done, and each worker then gets the map.
+//!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
+use std::collections::BTreeMap;
+
 use rand::Rng;
-use syncopate_engine::coordinator::{Answer, Command, CoordOutput};
+use syncopate_engine::coordinator::{
+    Answer, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held, REJOIN_WAIT_MS,
+};
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
@@ -45,6 +59,19 @@ pub(super) enum Arrival {
     Lost,
     /// The server it went to has no lease: refused, and asked again after a pause.
     Refused,
+}
+
+/// Whether the coordinator runs.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Phase {
+    /// It runs.
+    Up,
+    /// It crashed: nothing reaches it.
+    Down,
+    /// It restarted, and gathers the holdings of the servers that rejoin it, by server.
+    Rejoining(BTreeMap<u32, Held>),
+    /// It rebuilt the cluster and its commands are under way; servers are answered once done.
+    Rebuilding,
 }
 
 impl Sim {
@@ -131,6 +158,8 @@ impl Sim {
                 self.at(self.now + HEARTBEAT_MS * MS, Ev::Heartbeat(x));
             }
             Ev::Heartbeat(_) => {}
+            // A coordinator down or rebuilding answers no renewal.
+            Ev::Renew(..) if self.coord_phase != Phase::Up => {}
             Ev::Renew(x, asked) => {
                 let answer = match self.coord.renew(self.now, x) {
                     Ok(()) => Ev::Renewed(x, asked),
@@ -154,10 +183,15 @@ impl Sim {
                 if self.coord_timer_at == Some(self.now) {
                     self.coord_timer_at = None;
                 }
-                self.coord.handle_timeout(self.now);
-                self.drive_coordinator()?;
+                if self.coord_phase == Phase::Up {
+                    self.coord.handle_timeout(self.now);
+                    self.drive_coordinator()?;
+                }
             }
-            Ev::Command(id, x, command) => {
+            // A command of a coordinator that crashed before it arrived may have been lost
+            // with it (still in its process's buffers): half are.
+            Ev::Command(i, ..) if i != self.incarnation && self.rng.random_bool(0.5) => {}
+            Ev::Command(i, id, x, command) => {
                 let ok = !self.dead[x as usize] && self.carry_out(x, command)?;
                 if ok && matches!(command, Command::Prepare { .. }) {
                     let mut frontier = Frontier::default();
@@ -167,18 +201,26 @@ impl Sim {
                     self.prepared.insert(id, frontier.clocks().collect());
                 }
                 if self.cut_to[x as usize] {
-                    self.held[x as usize].push(Ev::CommandDone(id, ok));
+                    self.held[x as usize].push(Ev::CommandDone(i, id, ok));
                 } else {
-                    self.at(self.now + self.latency_ns, Ev::CommandDone(id, ok));
+                    self.at(self.now + self.latency_ns, Ev::CommandDone(i, id, ok));
                 }
             }
-            Ev::CommandDone(id, ok) => {
+            // An answer to a coordinator that crashed since is lost with it.
+            Ev::CommandDone(i, id, _) if i != self.incarnation || self.coord_phase == Phase::Down => {
+                self.prepared.remove(&id);
+            }
+            Ev::CommandDone(_, id, ok) => {
                 let answer = self.prepared.remove(&id).map_or(Answer::Done, Answer::Clocks);
                 let result = if ok { Ok(answer) } else { Err("the server did not carry it out".to_string()) };
                 self.coord.command_done(id, result);
                 self.drive_coordinator()?;
             }
             Ev::Moved(w, s) => self.moved(w, s)?,
+            Ev::CoordRestart => self.restart_coordinator()?,
+            Ev::Rejoin(x) => self.rejoin(x)?,
+            Ev::RebuildDue(i) if i == self.incarnation => self.rebuild()?,
+            Ev::RebuildDue(_) | Ev::Tick => {}
             _ => unreachable!("not a control-plane event: {ev:?}"),
         }
         Ok(())
@@ -204,6 +246,10 @@ impl Sim {
         module: PolicyModule,
         config: Vec<(String, String)>,
     ) -> Result<(), SimError> {
+        if self.coord_phase != Phase::Up {
+            tracing::debug!(policy = module.label(), t_ns = self.now, "hot swap not begun: no coordinator");
+            return Ok(());
+        }
         match self.coord.begin_swap() {
             Ok(swap) => {
                 tracing::debug!(swap, policy = module.label(), t_ns = self.now, "hot swap begins");
@@ -246,8 +292,9 @@ impl Sim {
         while let Some(out) = self.coord.poll_output() {
             match out {
                 CoordOutput::Command { id, server, command } => {
-                    self.command_to(server, Ev::Command(id, server, command))
+                    self.command_to(server, Ev::Command(self.incarnation, id, server, command))
                 }
+                CoordOutput::Rebuilt => self.rebuilt(),
                 CoordOutput::Moved { shard, .. } => {
                     let most = self.opts.faults.notice_delay_ns;
                     for w in 0..self.workers.len() as u32 {
@@ -314,6 +361,10 @@ impl Sim {
             Command::Commit { swap } => match self.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
                     let raise = self.coord.levelling(swap).to_vec();
+                    if self.coord_phase == Phase::Rebuilding {
+                        self.rebuild.swaps_finished += 1;
+                    }
+                    self.committed[x as usize] = (swap, raise.clone());
                     self.commit(x, module, config, raise)?;
                     Ok(true)
                 }
@@ -334,6 +385,7 @@ impl Sim {
         backup.promote();
         let old = self.server_of[su];
         self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
+        self.claims[old as usize].insert(s, self.term[su] as u64);
         self.nodes[su] = backup;
         // The requests the old primary had not answered are lost with it: the workers ask
         // again when they hear of the move.
@@ -462,7 +514,170 @@ impl Sim {
                 _ => {}
             }
         }
-        tracing::debug!(worker = w, shard = s, "heard the shard moved");
+        tracing::debug!(worker = w, shard = s, ?asked, t_ns = self.now, "heard the shard moved");
         Ok(())
+    }
+
+    /// The coordinator crashes, and restarts `down_ns` later: what is on its way to it is lost
+    /// (answers to its commands by incarnation, renewals by its phase), its lease checks stop.
+    pub(super) fn crash_coordinator(&mut self, down_ns: u64) {
+        if !self.controlled() {
+            return;
+        }
+        tracing::debug!(t_ns = self.now, down_ns, "coordinator crashed");
+        self.coord_phase = Phase::Down;
+        self.incarnation += 1;
+        self.coord_timer_at = None;
+        self.at(self.now + down_ns, Ev::CoordRestart);
+    }
+
+    /// The coordinator restarts with a machine of its own: the live servers rejoin it, each a
+    /// latency and up to a heartbeat later (they retry); one cut off from it, once it heals.
+    /// With every server dead, nothing rejoins it: every shard is lost.
+    fn restart_coordinator(&mut self) -> Result<(), SimError> {
+        let sc = &self.opts.run.scenario;
+        let cfg = CoordinatorConfig {
+            servers: sc.servers,
+            shards: self.nodes.len() as u32,
+            replicas: sc.replicas,
+            max_workers: self.coord.config().max_workers,
+        };
+        self.coord = CoordinatorMachine::new(cfg);
+        self.coord_phase = Phase::Rejoining(BTreeMap::new());
+        tracing::debug!(t_ns = self.now, "coordinator restarted");
+        for x in 0..self.dead.len() as u32 {
+            if self.dead[x as usize] {
+                continue;
+            }
+            if self.cut_to[x as usize] || self.cut_from[x as usize] {
+                self.held[x as usize].push(Ev::Rejoin(x));
+            } else {
+                let retry = self.rng.random_range(0..=HEARTBEAT_MS * MS);
+                self.at(self.now + self.latency_ns + retry, Ev::Rejoin(x));
+            }
+        }
+        self.nobody_left()
+    }
+
+    /// While the restarted coordinator waits for its first server, every server is dead: it
+    /// will wait for ever, and the shards are lost.
+    fn nobody_left(&self) -> Result<(), SimError> {
+        let waiting = matches!(&self.coord_phase, Phase::Rejoining(r) if r.is_empty());
+        match waiting && self.dead.iter().all(|&d| d) {
+            true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
+            false => Ok(()),
+        }
+    }
+
+    /// What server `x` holds, as it tells a restarted coordinator: its primaries at their
+    /// terms (and those promoted away from it, at the term it knew), its backups at their
+    /// primaries' terms, and its swaps.
+    fn holdings(&self, x: u32) -> Held {
+        let len = |s: usize| sim_shard(&self.nodes[s]).values().len() as u64;
+        let mut primaries: BTreeMap<u32, (u64, u64)> =
+            self.claims[x as usize].iter().map(|(&s, &t)| (s, (t, len(s as usize)))).collect();
+        let mut backups = Vec::new();
+        for s in 0..self.nodes.len() {
+            let term = self.term[s] as u64;
+            if self.server_of[s] == x {
+                primaries.insert(s as u32, (term, len(s)));
+            }
+            if self.backup_of[s] == Some(x) && self.backups[s].is_some() {
+                backups.push((s as u32, term, len(s)));
+            }
+        }
+        let (swaps, levelled) = self.committed[x as usize].clone();
+        Held {
+            server: x,
+            swaps,
+            levelled,
+            primaries: primaries.into_iter().map(|(s, (t, l))| (s, t, l)).collect(),
+            backups,
+        }
+    }
+
+    /// Server `x` rejoins the restarted coordinator. While it gathers holdings, it keeps
+    /// `x`'s; once all live servers have rejoined, it rebuilds (and [`REJOIN_WAIT_MS`] after the
+    /// first, whoever came). One that comes after the rebuild began is refused, and stops.
+    fn rejoin(&mut self, x: u32) -> Result<(), SimError> {
+        if self.dead[x as usize] {
+            return self.nobody_left();
+        }
+        let held = self.holdings(x);
+        let Phase::Rejoining(rejoined) = &mut self.coord_phase else {
+            tracing::debug!(server = x, t_ns = self.now, "rejoined too late: refused, it stops");
+            self.rebuild.refused += 1;
+            self.at(self.now + self.latency_ns, Ev::Stop(x));
+            return Ok(());
+        };
+        let first = rejoined.is_empty();
+        rejoined.insert(x, held);
+        let all = rejoined.len() == self.dead.len();
+        if first {
+            let i = self.incarnation;
+            self.at(self.now + REJOIN_WAIT_MS * MS, Ev::RebuildDue(i));
+        }
+        if all {
+            return self.rebuild();
+        }
+        Ok(())
+    }
+
+    /// The restarted coordinator rebuilds the cluster from the holdings it gathered. A shard
+    /// nobody holds is lost, as on a cluster.
+    fn rebuild(&mut self) -> Result<(), SimError> {
+        if !matches!(self.coord_phase, Phase::Rejoining(_)) {
+            return Ok(());
+        }
+        let Phase::Rejoining(rejoined) = std::mem::replace(&mut self.coord_phase, Phase::Rebuilding) else {
+            unreachable!("matched above")
+        };
+        let held: Vec<Held> = rejoined.into_values().collect();
+        let rebuilt = self.coord.rebuild(self.now, &held);
+        tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
+        self.rebuild.rebuilds += 1;
+        self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
+        self.rebuild.refused += rebuilt.resolution.stale.len() as u64;
+        for &x in rebuilt.resolution.stale.keys() {
+            self.at(self.now + self.latency_ns, Ev::Stop(x));
+        }
+        if let Some(shard) = rebuilt.resolution.places.iter().position(Option::is_none) {
+            return Err(SimError::ShardLost { shard: shard as u32, server: self.server_of[shard] });
+        }
+        // A shard whose newest copies all died before the restart resolves to an older one (a
+        // server failed over while cut off, which claims it at the term it knew): the
+        // coordinator cannot know of a term nobody reports. That copy lacks acknowledged
+        // pushes, so the shard's last current copy is lost, as a double fault loses it; a
+        // cluster would go on from the stale one (docs/fault-tolerance.md says so).
+        for (k, place) in rebuilt.resolution.places.iter().enumerate() {
+            let Some(place) = place else { continue };
+            let current = |h: &Held| {
+                let mut all = h.primaries.iter().chain(&h.backups);
+                all.any(|c| c.0 as usize == k && c.1 == self.term[k] as u64)
+            };
+            if !held.iter().any(|h| h.server == place.primary && current(h)) {
+                return Err(SimError::StaleCopy { shard: k as u32, server: place.primary });
+            }
+        }
+        self.drive_coordinator()
+    }
+
+    /// The rebuild's commands are done: renewals are answered again, the swap it finished is
+    /// over, and every worker gets the map (each rejoins the shards that moved meanwhile).
+    fn rebuilt(&mut self) {
+        self.coord_phase = Phase::Up;
+        self.swapping = None;
+        let len = self.coord.model_len().unwrap_or(1);
+        for w in 0..self.workers.len() as u32 {
+            if self.workers[w as usize].dead {
+                continue;
+            }
+            let _ = self.coord.admit_worker(Some(w), len);
+            for s in 0..self.nodes.len() as u32 {
+                if self.known[w as usize][s as usize] < self.term[s as usize] {
+                    self.at(self.now + self.latency_ns, Ev::Moved(w, s));
+                }
+            }
+        }
     }
 }

@@ -73,10 +73,19 @@ pub(super) enum Ev {
     Heal(u32),
     /// The coordinator checks its leases.
     CoordTimer,
-    /// Coordinator command `id` reaches server `x`.
-    Command(u64, u32, Command),
-    /// The result of coordinator command `id` reaches the coordinator.
-    CommandDone(u64, bool),
+    /// Command `id` of the coordinator's incarnation `i` reaches server `x`.
+    Command(u32, u64, u32, Command),
+    /// The result of command `id` of the coordinator's incarnation `i` reaches the coordinator
+    /// (dropped if it restarted since).
+    CommandDone(u32, u64, bool),
+    /// The crashed coordinator starts again ([`SimFaults::coordinator_crash`](super::SimFaults::coordinator_crash)).
+    CoordRestart,
+    /// Server `x` rejoins the restarted coordinator, which asks it what it holds.
+    Rejoin(u32),
+    /// The restarted coordinator (incarnation `i`) stops waiting for the servers to rejoin.
+    RebuildDue(u32),
+    /// Nothing: a fault drawn at a time comes then.
+    Tick,
     /// Worker `w` hears that shard `s` moved.
     Moved(u32, u32),
 }
@@ -85,7 +94,10 @@ impl Ev {
     /// Whether the event only keeps time (lease renewals, lease checks, observations): a run
     /// with nothing but these has stalled.
     pub(super) fn is_clockwork(&self) -> bool {
-        matches!(self, Ev::Heartbeat(_) | Ev::Renew(..) | Ev::Renewed(..) | Ev::CoordTimer | Ev::Watch)
+        matches!(
+            self,
+            Ev::Heartbeat(_) | Ev::Renew(..) | Ev::Renewed(..) | Ev::CoordTimer | Ev::Watch | Ev::Tick
+        )
     }
 }
 

@@ -62,8 +62,8 @@ use crate::lease::ServerLease;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
 use crate::shard::{
-    Joined, NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard, ShardConfig,
-    ShardNode, Stamped, Token,
+    ClockRaise, Joined, NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard,
+    ShardConfig, ShardNode, Stamped, Token,
 };
 use crate::worker::WorkerReport;
 use control::Arrival;
@@ -140,6 +140,11 @@ pub struct SimFaults {
     /// (it asks every shard where it stands, skips those where its clock is behind up to the
     /// largest, and asks again).
     pub late_join: Vec<(WorkerId, FailAt)>,
+    /// The coordinator crashes at a time, and restarts this many nanoseconds later: the
+    /// commands and answers on their way are lost, leases lapse, the servers rejoin the new
+    /// one, which rebuilds the cluster from what they hold as a cluster's does
+    /// ([`CoordinatorMachine::rebuild`]), and the workers then get its map.
+    pub coordinator_crash: Option<(FailAt, u64)>,
 }
 
 /// How much later than the original a duplicate arrives, at most (50 ms).
@@ -248,6 +253,17 @@ pub enum SimError {
         /// The shard.
         shard: u32,
         /// The server that died.
+        server: u32,
+    },
+    /// A restarted coordinator resolved a shard to a stale copy: every server holding its
+    /// newest term died before it could rejoin, and a server failed over earlier claims an
+    /// older one. The shard's last current copy is lost (a cluster would go on from the stale
+    /// copy: the coordinator keeps no term of its own).
+    #[error("shard {shard}'s newest copies died before the coordinator restarted; it resolved to server {server}'s older one")]
+    StaleCopy {
+        /// The shard.
+        shard: u32,
+        /// The server whose stale copy it resolved to.
         server: u32,
     },
 }
@@ -429,6 +445,18 @@ struct Sim {
     held: Vec<Vec<Ev>>,
     /// Per shard: the server of the primary it was promoted from, while that one lives.
     zombie_of: Vec<Option<u32>>,
+    /// Per server: the shards it was primary of when they were promoted away from it, with
+    /// their term then (what it would claim to a restarted coordinator).
+    claims: Vec<BTreeMap<u32, u64>>,
+    /// Per server: the swaps it committed, and what the last raised the clocks by.
+    committed: Vec<(u64, Vec<ClockRaise>)>,
+    /// Whether the coordinator runs, is down, or is rebuilding after a restart.
+    coord_phase: control::Phase,
+    /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
+    /// dropped.
+    incarnation: u32,
+    /// What its rebuilds did.
+    rebuild: RebuildCounts,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
@@ -457,6 +485,30 @@ pub struct Simulated {
     pub duplicates: u64,
     /// Bad requests the shards refused ([`SimFaults::bad_inputs`]).
     pub bad_inputs: u64,
+    /// What a restarted coordinator's rebuild did ([`SimFaults::coordinator_crash`]).
+    pub rebuild: RebuildCounts,
+}
+
+/// What restarted coordinators' rebuilds did in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RebuildCounts {
+    /// Rebuilds.
+    pub rebuilds: u64,
+    /// Backups promoted because their primary did not rejoin.
+    pub promoted: u64,
+    /// Servers refused: stale (failed over before the crash) or too late to rejoin.
+    pub refused: u64,
+    /// Servers told to commit a swap that others had committed before the crash.
+    pub swaps_finished: u64,
+}
+
+impl std::ops::AddAssign for RebuildCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.rebuilds += o.rebuilds;
+        self.promoted += o.promoted;
+        self.refused += o.refused;
+        self.swaps_finished += o.swaps_finished;
+    }
 }
 
 include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
@@ -707,6 +759,11 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         cut_from: vec![false; sc.servers as usize],
         held: vec![Vec::new(); sc.servers as usize],
         zombie_of: vec![None; shards_n as usize],
+        claims: vec![BTreeMap::new(); sc.servers as usize],
+        committed: vec![(0, Vec::new()); sc.servers as usize],
+        coord_phase: control::Phase::Up,
+        incarnation: 0,
+        rebuild: RebuildCounts::default(),
         two_primaries: None,
         drift: None,
     };
@@ -745,6 +802,14 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut worker_deaths = opts.faults.worker_deaths.clone();
     let mut swaps = swaps;
     let mut late_join = opts.faults.late_join.clone();
+    let mut crash = opts.faults.coordinator_crash;
+    // A swap or a crash at a time comes at that time, not at the next event after it: a tick
+    // marks it (a crash drawn a few latencies after a swap then lands inside its two phases).
+    for at in swaps.iter().map(|s| s.0).chain(crash.map(|c| c.0)) {
+        if let FailAt::Time(t) = at {
+            sim.at(t.max(sim.now), Ev::Tick);
+        }
+    }
     let mut progress_at = 0;
     while let Some((t, ev)) = sim.queue.pop() {
         sim.now = t;
@@ -763,6 +828,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         while let Some(k) = late_join.iter().position(|l| l.1.due(handled, t)) {
             sim.late_join(late_join.remove(k).0)?;
+        }
+        if let Some((_, down_ns)) = crash.filter(|c| c.0.due(handled, t)) {
+            crash = None;
+            sim.crash_coordinator(down_ns);
         }
         handled += 1;
         if !ev.is_clockwork() {
@@ -794,6 +863,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         None => sim.replicas_differ()?,
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
+    let rebuild = sim.rebuild;
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -802,6 +872,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         two_primaries,
         duplicates,
         bad_inputs,
+        rebuild,
     })
 }
 
@@ -1284,7 +1355,9 @@ impl Sim {
                     self.limbo.push(ev);
                     return Ok(());
                 }
-                // Refused for want of a lease: the worker asks again after a pause.
+                // Refused for want of a lease: the worker asks again after a pause (a dead one
+                // asks nothing again).
+                Arrival::Refused if self.workers[w as usize].dead => return Ok(()),
                 Arrival::Refused => {
                     let pause = crate::lease::HEARTBEAT_MS * 1_000_000;
                     self.at(self.now + 2 * self.latency_ns + pause, ev);
@@ -1493,6 +1566,10 @@ impl Sim {
             | Ev::CoordTimer
             | Ev::Command(..)
             | Ev::CommandDone(..)
+            | Ev::CoordRestart
+            | Ev::Rejoin(_)
+            | Ev::RebuildDue(_)
+            | Ev::Tick
             | Ev::Moved(..) => self.control(ev)?,
             Ev::Watch => {
                 self.observe();

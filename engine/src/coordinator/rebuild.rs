@@ -1,0 +1,203 @@
+//! A restarted coordinator's rebuild of the cluster from what its servers hold.
+//!
+//! The coordinator's state is a map (which server is each shard's primary and backup), the
+//! policy with its swap count, and the servers' leases. The servers hold all of it too: each
+//! keeps its shards with their terms (a shard's term counts its promotions) and the policy it
+//! runs. So a coordinator that comes back while its servers ran on asks each rejoining server
+//! what it holds ([`Held`]) and rebuilds from the answers
+//! ([`CoordinatorMachine::rebuild`](super::CoordinatorMachine::rebuild)):
+//! - each shard's primary is the holder of its highest term ([`resolve`]); a server claiming a
+//!   lower term was failed over before the old coordinator died, and is refused (it stops, as
+//!   it would have); a shard whose primary did not come back has its backup promoted;
+//! - a swap that some servers committed and others had only prepared is finished on the others,
+//!   with the levelling the committed ones applied;
+//! - once those commands are done, shards left without a backup get a new one.
+//!
+//! Nothing acknowledged is lost: a push was acknowledged only once on a primary and its backup,
+//! and a primary survives here unless it was failed over, in which case its backup, which holds
+//! every acknowledged push, is the higher term. Two drivers run it: the tokio coordinator
+//! (`host/src/coordinator/rebuild.rs`, which gathers the answers over QUIC) and the simulator
+//! (`host/src/lab/sim/control.rs`, which crashes and restarts the coordinator in virtual time).
+
+use std::collections::BTreeMap;
+
+use crate::placement::Place;
+use crate::shard::ClockRaise;
+
+/// How long a restarted coordinator waits, after the first server rejoined, for the others
+/// before it rebuilds the cluster without them (10 s).
+pub const REJOIN_WAIT_MS: u64 = 10_000;
+
+/// What a rejoining server says it holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Its id.
+    pub server: u32,
+    /// Swaps committed on it so far.
+    pub swaps: u64,
+    /// What the last of them raised the workers' clocks by.
+    pub levelled: Vec<ClockRaise>,
+    /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
+    /// creation.
+    pub primaries: Vec<(u32, u64, u64)>,
+    /// Shards it keeps backups of: `(shard, the term of the primary it follows, parameters)`.
+    pub backups: Vec<(u32, u64, u64)>,
+}
+
+/// What the holdings say about the map.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolution {
+    /// Per shard: its place, or `None` when no server holds it any more (lost).
+    pub places: Vec<Option<Place>>,
+    /// Backups to promote, `(shard, server)`: their primaries did not come back.
+    pub promote: Vec<(u32, u32)>,
+    /// Servers that claim a shard at a stale term (failed over before the restart), with the
+    /// shard that shows it.
+    pub stale: BTreeMap<u32, u32>,
+}
+
+impl Resolution {
+    /// The model's length: every shard's parameters on its primary (a promoted one reported
+    /// them as a backup). `None` before every shard was created, that is before training began.
+    pub fn model_len(&self, held: &[Held]) -> Option<u64> {
+        let len = |k: u32, place: &Option<Place>| {
+            let primary = place.as_ref()?.primary;
+            let h = held.iter().find(|h| h.server == primary)?;
+            let all = h.primaries.iter().chain(&h.backups);
+            all.filter(|c| c.0 == k).map(|c| c.2).find(|&l| l > 0)
+        };
+        self.places.iter().enumerate().map(|(k, p)| len(k as u32, p)).sum()
+    }
+}
+
+/// Resolves the map of `shards` shards from the servers' holdings (see the module's doc).
+pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
+    let mut stale: BTreeMap<u32, u32> = BTreeMap::new();
+    // A stale server stops, so whatever else it holds is resolved again without it.
+    loop {
+        let live: Vec<&Held> = held.iter().filter(|h| !stale.contains_key(&h.server)).collect();
+        let mut places = Vec::with_capacity(shards as usize);
+        let mut promote = Vec::new();
+        let mut found = BTreeMap::new();
+        for k in 0..shards {
+            let of = |list: fn(&Held) -> &[(u32, u64, u64)]| -> Vec<(u32, u64)> {
+                live.iter()
+                    .flat_map(|h| list(h).iter().filter(|c| c.0 == k).map(|c| (h.server, c.1)))
+                    .collect()
+            };
+            let primaries = of(|h| &h.primaries);
+            let backups = of(|h| &h.backups);
+            let Some(top) = primaries.iter().chain(&backups).map(|c| c.1).max() else {
+                places.push(None);
+                continue;
+            };
+            for &(server, term) in &primaries {
+                if term < top {
+                    found.entry(server).or_insert(k);
+                }
+            }
+            let current = |c: &&(u32, u64)| c.1 == top;
+            match primaries.iter().filter(current).map(|c| c.0).min() {
+                Some(primary) => {
+                    let backup = backups.iter().filter(current).map(|c| c.0).find(|&b| b != primary);
+                    places.push(Some(Place { primary, backup }));
+                }
+                None => {
+                    let b = backups.iter().filter(current).map(|c| c.0).min().expect("the top term is held");
+                    promote.push((k, b));
+                    places.push(Some(Place { primary: b, backup: None }));
+                }
+            }
+        }
+        if found.is_empty() {
+            return Resolution { places, promote, stale };
+        }
+        stale.extend(found);
+    }
+}
+
+/// What a rebuild decided, for its driver: whom to refuse and whose policy is the cluster's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rebuilt {
+    /// The resolved map and what it takes.
+    pub resolution: Resolution,
+    /// Servers that did not rejoin: their shards went to their backups.
+    pub missing: Vec<u32>,
+    /// The rejoined, not stale, server whose policy is the newest (the most swaps): the cluster's
+    /// policy. `None` if none rejoined.
+    pub newest: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(server: u32, primaries: &[(u32, u64)], backups: &[(u32, u64)]) -> Held {
+        Held {
+            server,
+            primaries: primaries.iter().map(|&(k, t)| (k, t, 10)).collect(),
+            backups: backups.iter().map(|&(k, t)| (k, t, 10)).collect(),
+            ..Held::default()
+        }
+    }
+
+    fn place(primary: u32, backup: Option<u32>) -> Option<Place> {
+        Some(Place { primary, backup })
+    }
+
+    #[test]
+    fn an_undisturbed_cluster_is_rebuilt_as_it_was() {
+        let hs =
+            [held(0, &[(0, 0)], &[(2, 0)]), held(1, &[(1, 0)], &[(0, 0)]), held(2, &[(2, 0)], &[(1, 0)])];
+        let r = resolve(3, &hs);
+        assert_eq!(r.places, vec![place(0, Some(1)), place(1, Some(2)), place(2, Some(0))]);
+        assert!(r.promote.is_empty() && r.stale.is_empty());
+        assert_eq!(r.model_len(&hs), Some(30));
+    }
+
+    #[test]
+    fn a_primary_that_did_not_rejoin_has_its_backup_promoted() {
+        let hs = [held(1, &[(1, 0)], &[(0, 0)]), held(2, &[(2, 0)], &[(1, 0)])];
+        let r = resolve(3, &hs);
+        assert_eq!(r.places, vec![place(1, None), place(1, Some(2)), place(2, None)]);
+        assert_eq!(r.promote, vec![(0, 1)]);
+        assert!(r.stale.is_empty());
+        // Shard 0's parameters come from its promoted backup's report.
+        assert_eq!(r.model_len(&hs), Some(30));
+    }
+
+    #[test]
+    fn a_primary_failed_over_before_the_restart_is_stale_and_all_it_holds_is_resolved_without_it() {
+        // Server 0 was cut off; the old coordinator promoted shard 0's backup on server 1
+        // (term 1) and re-replicated it to server 2, then died before server 0 heard.
+        let hs = [
+            held(0, &[(0, 0)], &[(2, 0)]),
+            held(1, &[(0, 1), (1, 0)], &[]),
+            held(2, &[(2, 0)], &[(0, 1), (1, 0)]),
+        ];
+        let r = resolve(3, &hs);
+        assert_eq!(r.stale, BTreeMap::from([(0, 0)]));
+        // Shard 2's backup was on the stale server: it goes on without one.
+        assert_eq!(r.places, vec![place(1, Some(2)), place(1, Some(2)), place(2, None)]);
+        assert!(r.promote.is_empty());
+    }
+
+    #[test]
+    fn a_backup_at_a_newer_term_than_any_primary_that_rejoined_is_promoted() {
+        // Shard 0's promoted primary (server 1, term 1) did not rejoin, but its new backup did;
+        // the old primary (term 0) is stale.
+        let hs = [held(0, &[(0, 0)], &[]), held(2, &[], &[(0, 1)])];
+        let r = resolve(1, &hs);
+        assert_eq!(r.stale, BTreeMap::from([(0, 0)]));
+        assert_eq!(r.places, vec![place(2, None)]);
+        assert_eq!(r.promote, vec![(0, 2)]);
+    }
+
+    #[test]
+    fn a_shard_nobody_holds_is_lost() {
+        let hs = [held(1, &[(1, 0)], &[])];
+        let r = resolve(2, &hs);
+        assert_eq!(r.places, vec![None, place(1, None)]);
+        assert_eq!(r.model_len(&hs), None, "a lost shard's length is unknown");
+    }
+}
