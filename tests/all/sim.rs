@@ -575,7 +575,7 @@ fn a_failure_without_replicas_or_on_a_missing_server_is_refused() {
 #[test]
 fn simtest_finds_no_lost_or_doubled_update_in_100_seeds() {
     use syncopate::lab::simtest::search;
-    let found = search(syncopate_suite::runtime(), 0, 100, |_, _| {});
+    let found = search(syncopate_suite::runtime(), 0, 100, &[], |_, _| {});
     assert_eq!(found.failed, None, "replay with `syncopate simtest --seed N`");
     assert_eq!(found.passed, 100);
     assert_eq!(found.exercised.runs, 200 + found.exercised.swaps);
@@ -605,6 +605,40 @@ fn a_simtest_seed_replays_bit_for_bit() {
         text.contains(&format!("seed 17: {}", a.describe())) && text.contains("1 of 1 seeds passed"),
         "{text}"
     );
+}
+
+/// A failing seed is shrunk by dropping its faults one at a time while it still fails
+/// (`simtest::shrink`). Each fault can be dropped by name, on the command line too, and the
+/// rest of the case stays as drawn.
+#[test]
+fn a_simtest_case_goes_without_a_fault_by_name_and_keeps_the_rest() {
+    use syncopate::lab::simtest::{Case, Fault};
+    let (seed, case) = (0..)
+        .map(|s| (s, Case::draw(s)))
+        .find(|(_, c)| c.swap.is_some() && c.coordinator_crash.is_some())
+        .unwrap();
+    let crash: Fault = "coordinator-crash".parse().unwrap();
+    let smaller = case.without(crash).unwrap();
+    assert!(smaller.coordinator_crash.is_none());
+    assert_eq!(smaller.scenario, case.scenario);
+    assert_eq!(
+        smaller.describe(),
+        case.describe()
+            .replace(&format!(", the coordinator crashes for {} ms", case.coordinator_crash.unwrap()), "")
+    );
+    assert!(smaller.without(crash).is_none(), "nothing to drop twice");
+    let err = "crash".parse::<Fault>().unwrap_err();
+    assert!(err.contains("coordinator-crash"), "{err}");
+    let out = std::process::Command::new(crate::cli::syncopate_bin())
+        .args(["simtest", "--seed", &seed.to_string(), "--without", "coordinator-crash,swap,death"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let drawn = case.without_all(&[crash, Fault::Swap, Fault::Death]).describe();
+    assert!(text.contains(&format!("seed {seed}: {drawn}")), "{text}");
+    let dies = format!("server {} dies", case.server.unwrap());
+    assert!(!drawn.contains("crashes") && !drawn.contains("hot swap") && !drawn.contains(&dies), "{drawn}");
 }
 
 /// Issue 37: the simulator drives the shard's decision rules, so a policy that holds its pushes

@@ -71,20 +71,25 @@ pub struct SimtestArgs {
     /// Check this one seed only, and say what it ran (a replay).
     #[arg(long, conflicts_with_all = ["seeds", "start"])]
     pub seed: Option<u64>,
+    /// Check each case without these faults (comma-separated: death, second-death, partition,
+    /// notice-delay, worker-death, reorder, swap, late-worker, duplicates, bad-inputs,
+    /// late-join, coordinator-crash), as a shrunk failure's replay does.
+    #[arg(long, value_delimiter = ',')]
+    pub without: Vec<crate::lab::simtest::Fault>,
 }
 
 fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
-    use crate::lab::simtest::{search, Case};
+    use crate::lab::simtest::{search, Case, Shrunk};
     let rt = crate::runtime::PolicyRuntime::new()?;
     let (first, count) = match a.seed {
         Some(s) => {
-            println!("seed {s}: {}", Case::draw(s).describe());
+            println!("seed {s}: {}", Case::draw(s).without_all(&a.without).describe());
             (s, 1)
         }
         None => (a.start, a.seeds),
     };
     let mut last = Instant::now();
-    let found = search(&rt, first, count, |done, e| {
+    let found = search(&rt, first, count, &a.without, |done, e| {
         if last.elapsed() >= Duration::from_secs(10) {
             last = Instant::now();
             eprintln!(
@@ -124,7 +129,19 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.max_delay_ms as f64 / 1e3
     );
     if let Some((seed, why)) = found.failed {
-        anyhow::bail!("seed {seed} failed: {why}\nreplay it with: syncopate simtest --seed {seed}");
+        let given = Shrunk { without: a.without.clone(), case: Case::draw(seed), why: String::new() };
+        let mut msg = format!("seed {seed} failed: {why}\nreplay it with: {}", given.replay());
+        if let Some(sh) = found.shrunk.filter(|sh| sh.without.len() > a.without.len()) {
+            let dropped: Vec<&str> = sh.without[a.without.len()..].iter().map(|f| f.name()).collect();
+            msg += &format!(
+                "\nshrunk: without {} it still fails: {} ({})\nreplay that with: {}",
+                dropped.join(", "),
+                sh.why,
+                sh.case.describe(),
+                sh.replay()
+            );
+        }
+        anyhow::bail!(msg);
     }
     Ok(())
 }

@@ -65,8 +65,8 @@ pub struct Case {
     /// The policy.
     pub policy: PolicySpec,
     /// The server that dies in the second run (the event is drawn once the first run has
-    /// counted its events).
-    pub server: u32,
+    /// counted its events); `None` only in a shrunk case.
+    pub server: Option<u32>,
     /// A second server that dies later in the same run, if any.
     pub second: Option<u32>,
     /// A server cut off from the coordinator in the same run, if any: which way, and for how
@@ -201,7 +201,147 @@ fn unit_weights(policy: &PolicySpec) -> bool {
     policy.source != "r2sp"
 }
 
+/// A fault a case can be shrunk without ([`Case::without`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The server death every case draws.
+    Death,
+    /// The second server death.
+    SecondDeath,
+    /// The server cut off from the coordinator.
+    Partition,
+    /// The workers hearing of moves late.
+    NoticeDelay,
+    /// The worker death.
+    WorkerDeath,
+    /// Messages to shards delayed, so that they overtake each other.
+    Reorder,
+    /// The hot swap (to a hostile module or not).
+    Swap,
+    /// The worker that hears of moves 10-30 s later still.
+    LateWorker,
+    /// Messages and ops delivered twice.
+    Duplicates,
+    /// Bad requests.
+    BadInputs,
+    /// Late joiners.
+    LateJoin,
+    /// The coordinator's crash and restart.
+    CoordinatorCrash,
+}
+
+impl Fault {
+    /// Every fault, in the order a shrink tries to remove them.
+    pub const ALL: [Fault; 12] = [
+        Fault::BadInputs,
+        Fault::Duplicates,
+        Fault::Reorder,
+        Fault::NoticeDelay,
+        Fault::LateJoin,
+        Fault::LateWorker,
+        Fault::Swap,
+        Fault::WorkerDeath,
+        Fault::Partition,
+        Fault::CoordinatorCrash,
+        Fault::SecondDeath,
+        Fault::Death,
+    ];
+
+    /// Its name on the command line (`--without`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::Death => "death",
+            Fault::SecondDeath => "second-death",
+            Fault::Partition => "partition",
+            Fault::NoticeDelay => "notice-delay",
+            Fault::WorkerDeath => "worker-death",
+            Fault::Reorder => "reorder",
+            Fault::Swap => "swap",
+            Fault::LateWorker => "late-worker",
+            Fault::Duplicates => "duplicates",
+            Fault::BadInputs => "bad-inputs",
+            Fault::LateJoin => "late-join",
+            Fault::CoordinatorCrash => "coordinator-crash",
+        }
+    }
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Fault::ALL.into_iter().find(|f| f.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+            format!("no fault called `{s}`: one of {}", names.join(", "))
+        })
+    }
+}
+
+/// A failing case with fewer faults that still fails ([`shrink`]).
+#[derive(Clone, Debug)]
+pub struct Shrunk {
+    /// The faults it goes without.
+    pub without: Vec<Fault>,
+    /// The case.
+    pub case: Case,
+    /// Why it fails.
+    pub why: String,
+}
+
+impl Shrunk {
+    /// The command that replays it.
+    pub fn replay(&self) -> String {
+        let names: Vec<&str> = self.without.iter().map(|f| f.name()).collect();
+        match names.is_empty() {
+            true => format!("syncopate simtest --seed {}", self.case.seed),
+            false => format!("syncopate simtest --seed {} --without {}", self.case.seed, names.join(",")),
+        }
+    }
+}
+
+/// Shrinks a failing case: drops each fault in turn ([`Fault::ALL`]'s order) for as long as the
+/// case still fails without it (any failure counts: a simpler schedule that breaks anything is
+/// what a reader wants first). The times of the faults kept are drawn as before, but on the
+/// undisturbed run of the smaller case, so they may land elsewhere.
+pub fn shrink(rt: &PolicyRuntime, case: &Case, why: String) -> Shrunk {
+    let mut out = Shrunk { without: Vec::new(), case: case.clone(), why };
+    for f in Fault::ALL {
+        let Some(smaller) = out.case.without(f) else { continue };
+        if let Err(why) = smaller.check(rt) {
+            out.without.push(f);
+            out.case = smaller;
+            out.why = why;
+        }
+    }
+    out
+}
+
 impl Case {
+    /// The case without fault `f`, or `None` if it has none. Every other draw stays as it was.
+    pub fn without(&self, f: Fault) -> Option<Case> {
+        let mut c = self.clone();
+        let had = match f {
+            Fault::Death => c.server.take().is_some(),
+            Fault::SecondDeath => c.second.take().is_some(),
+            Fault::Partition => c.partition.take().is_some(),
+            Fault::NoticeDelay => std::mem::take(&mut c.notice_delay_ms) > 0,
+            Fault::WorkerDeath => c.worker_death.take().is_some(),
+            Fault::Reorder => std::mem::take(&mut c.reorder_us) > 0,
+            Fault::Swap => c.swap.take().is_some(),
+            Fault::LateWorker => c.late_worker.take().is_some(),
+            Fault::Duplicates => std::mem::take(&mut c.duplicate) > 0.0,
+            Fault::BadInputs => std::mem::take(&mut c.bad_inputs) > 0.0,
+            Fault::LateJoin => !std::mem::take(&mut c.late_join).is_empty(),
+            Fault::CoordinatorCrash => c.coordinator_crash.take().is_some(),
+        };
+        had.then_some(c)
+    }
+
+    /// The case without any of `faults` (those it has).
+    pub fn without_all(&self, faults: &[Fault]) -> Case {
+        faults.iter().fold(self.clone(), |c, &f| c.without(f).unwrap_or(c))
+    }
+
     /// The case seed `seed` draws.
     pub fn draw(seed: u64) -> Case {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_7e57_0000_0036);
@@ -282,7 +422,7 @@ impl Case {
             seed,
             scenario,
             policy,
-            server,
+            server: Some(server),
             second,
             partition,
             notice_delay_ms,
@@ -346,17 +486,14 @@ impl Case {
         };
         let mut clean =
             self.run(rt, Vec::new(), quiet.clone()).map_err(|e| format!("undisturbed run: {e}"))?;
+        // Every time is drawn whether its fault is in the case or not, so that a case shrunk
+        // without a fault ([`Case::without`]) keeps the others' draws.
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xe7e7_0000_0036);
         // The swap's time is drawn from the run without it, and both runs swap then.
-        let swaps: Vec<(FailAt, PolicySpec)> = self
-            .swap
-            .clone()
-            .map(|spec| {
-                let end = (clean.report.elapsed_s * 1e9) as u64;
-                (FailAt::Time(rng.random_range(0..end.max(1))), spec)
-            })
-            .into_iter()
-            .collect();
+        let end = (clean.report.elapsed_s * 1e9) as u64;
+        let swap_at = FailAt::Time(rng.random_range(0..end.max(1)));
+        let swaps: Vec<(FailAt, PolicySpec)> =
+            self.swap.clone().map(|spec| (swap_at, spec)).into_iter().collect();
         let swapped = swaps.len() as u64;
         let hostile = u64::from(self.swap.as_ref().is_some_and(|p| p.source == HOSTILE));
         if !swaps.is_empty() {
@@ -370,38 +507,38 @@ impl Case {
         if unit_weights(&self.policy) {
             exact(&clean, None, 0, "undisturbed run")?;
         }
-        let at = rng.random_range(0..clean.events.max(1));
-        let mut failures = vec![SimFailure { server: self.server, at: FailAt::Event(at) }];
+        let n = clean.events.max(1);
+        let at = rng.random_range(0..n);
+        let later = rng.random_range(at..clean.events.max(at + 1));
+        let partition_at = FailAt::Event(rng.random_range(0..n));
+        let death_at = FailAt::Event(rng.random_range(0..n));
+        let crash_event = FailAt::Event(rng.random_range(0..n));
+        let crash_in_swap = rng.random_bool(0.5);
+        let crash_offset_ns = rng.random_range(0..=4 * self.scenario.latency_us * 1000);
+        let mut failures: Vec<SimFailure> =
+            self.server.map(|server| SimFailure { server, at: FailAt::Event(at) }).into_iter().collect();
         if let Some(second) = self.second {
-            let later = rng.random_range(at..clean.events.max(at + 1));
             failures.push(SimFailure { server: second, at: FailAt::Event(later) });
         }
         let partitions: Vec<SimPartition> = self
             .partition
             .map(|(server, cut, ms)| SimPartition {
                 server,
-                at: FailAt::Event(rng.random_range(0..clean.events.max(1))),
+                at: partition_at,
                 heal_after_ns: ms * 1_000_000,
                 cut,
             })
             .into_iter()
             .collect();
-        let worker_deaths: Vec<(u32, FailAt)> = self
-            .worker_death
-            .map(|w| (w, FailAt::Event(rng.random_range(0..clean.events.max(1)))))
-            .into_iter()
-            .collect();
+        let worker_deaths: Vec<(u32, FailAt)> =
+            self.worker_death.map(|w| (w, death_at)).into_iter().collect();
         // Half the crashes in seeds with a swap come while it is under way (its prepare or
         // commit in flight, within a few latencies of its start), so that a restarted
         // coordinator finds some servers committed and others not.
         let crash: Option<(FailAt, u64)> = self.coordinator_crash.map(|ms| {
-            let event = FailAt::Event(rng.random_range(0..clean.events.max(1)));
             let at = match swaps.first() {
-                Some((FailAt::Time(t), _)) if rng.random_bool(0.5) => {
-                    let latency_ns = self.scenario.latency_us * 1000;
-                    FailAt::Time(t + rng.random_range(0..=4 * latency_ns))
-                }
-                _ => event,
+                Some((FailAt::Time(t), _)) if crash_in_swap => FailAt::Time(t + crash_offset_ns),
+                _ => crash_event,
             };
             (at, ms * 1_000_000)
         });
@@ -544,13 +681,13 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}, server {} dies{}{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
             s.iterations.unwrap_or(0),
             self.policy,
-            self.server,
+            self.server.map(|x| format!(", server {x} dies")).unwrap_or_default(),
             self.second.map(|s| format!(", then server {s}")).unwrap_or_default(),
             self.partition
                 .map(|(x, cut, ms)| format!(
@@ -582,7 +719,9 @@ impl Case {
                 .iter()
                 .map(|(w, ms)| format!(", worker {w} joins {ms} ms late"))
                 .collect::<String>(),
-            self.coordinator_crash.map(|ms| format!(", the coordinator crashes for {ms} ms")).unwrap_or_default()
+            self.coordinator_crash
+                .map(|ms| format!(", the coordinator crashes for {ms} ms"))
+                .unwrap_or_default()
         )
     }
 }
@@ -671,22 +810,27 @@ pub struct Search {
     pub exercised: Exercised,
     /// The first seed that failed, and why.
     pub failed: Option<(u64, String)>,
+    /// That seed's case shrunk ([`shrink`]).
+    pub shrunk: Option<Shrunk>,
     /// Seconds the search took.
     pub seconds: f64,
 }
 
-/// Checks seeds `first..first + count` in order, stopping at the first failure. `progress` is
-/// called after each seed with the seeds done so far.
+/// Checks seeds `first..first + count` in order, each case without `without`, stopping at the
+/// first failure, which it shrinks. `progress` is called after each seed with the seeds done
+/// so far.
 pub fn search(
     rt: &PolicyRuntime,
     first: u64,
     count: u64,
+    without: &[Fault],
     mut progress: impl FnMut(u64, &Exercised),
 ) -> Search {
     let t = Instant::now();
-    let mut out = Search { passed: 0, exercised: Exercised::default(), failed: None, seconds: 0.0 };
+    let mut out =
+        Search { passed: 0, exercised: Exercised::default(), failed: None, shrunk: None, seconds: 0.0 };
     for seed in first..first.saturating_add(count) {
-        let case = Case::draw(seed);
+        let case = Case::draw(seed).without_all(without);
         match case.check(rt) {
             Ok(e) => {
                 out.passed += 1;
@@ -694,6 +838,10 @@ pub fn search(
             }
             Err(why) => {
                 out.failed = Some((seed, format!("{} ({})", why, case.describe())));
+                let mut shrunk = shrink(rt, &case, why);
+                // Its replay also goes without what the search left out.
+                shrunk.without.splice(0..0, without.iter().copied());
+                out.shrunk = Some(shrunk);
                 break;
             }
         }
