@@ -305,6 +305,8 @@ pub struct CoordinatorMachine {
     swap: Option<SwapRound>,
     /// A rebuild's commands are under way; with the swap it finishes and that swap's levelling.
     rebuilding: Option<Option<(u64, Vec<ClockRaise>)>>,
+    /// Per shard, its term: how many times it was promoted.
+    terms: Vec<u64>,
     outputs: VecDeque<CoordOutput>,
 }
 
@@ -327,6 +329,7 @@ impl CoordinatorMachine {
             swaps: 0,
             swap: None,
             rebuilding: None,
+            terms: vec![0; cfg.shards as usize],
             outputs: VecDeque::new(),
         }
     }
@@ -434,6 +437,13 @@ impl CoordinatorMachine {
         self.answered = n;
         self.replicated = true;
         self.model_len = resolution.model_len(&held);
+        // The newest term each shard is known at (a lost one's too); a promotion adds one.
+        for (k, term) in self.terms.iter_mut().enumerate() {
+            let claims =
+                held.iter().flat_map(|h| h.primaries.iter().chain(&h.backups)).filter(|c| c.0 as usize == k);
+            let heard = held.iter().filter_map(|h| h.known.get(k).copied());
+            *term = claims.map(|c| c.1).chain(heard).max().unwrap_or(0);
+        }
         let newest = held.iter().filter(|h| live[h.server as usize]).max_by_key(|h| h.swaps);
         let finishing = newest.map(|h| (h.swaps, h.levelled.clone()));
         self.swaps = newest.map_or(self.swaps, |h| h.swaps);
@@ -491,6 +501,7 @@ impl CoordinatorMachine {
             }
             Purpose::Failover(m) => match m {
                 Failover::Promote { shard, to } if ok => {
+                    self.terms[shard as usize] += 1;
                     placement::apply(&mut self.places, m);
                     self.outputs.push_back(CoordOutput::Moved { shard, server: to });
                 }
@@ -515,9 +526,13 @@ impl CoordinatorMachine {
             }
             Purpose::Abort => {}
             Purpose::Rebuild { promoting } => {
-                if let (Some(shard), false) = (promoting, ok) {
-                    let server = self.places[shard as usize].primary;
-                    self.outputs.push_back(CoordOutput::ShardLost { shard, server });
+                match (promoting, ok) {
+                    (Some(shard), true) => self.terms[shard as usize] += 1,
+                    (Some(shard), false) => {
+                        let server = self.places[shard as usize].primary;
+                        self.outputs.push_back(CoordOutput::ShardLost { shard, server });
+                    }
+                    (None, _) => {}
                 }
                 self.step_rebuild();
             }
@@ -746,6 +761,12 @@ impl CoordinatorMachine {
     /// Sets the model's length (a cluster resumed from a checkpoint knows it before any worker).
     pub fn set_model_len(&mut self, len: Option<u64>) {
         self.model_len = len;
+    }
+
+    /// Per shard, its term: how many times it was promoted (what a lease renewal's answer tells
+    /// the servers, so that a restarted coordinator learns it from them: [`Held::known`]).
+    pub fn terms(&self) -> &[u64] {
+        &self.terms
     }
 
     /// The shard map.

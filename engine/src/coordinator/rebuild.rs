@@ -9,6 +9,12 @@
 //! - each shard's primary is the holder of its highest term ([`resolve`]); a server claiming a
 //!   lower term was failed over before the old coordinator died, and is refused (it stops, as
 //!   it would have); a shard whose primary did not come back has its backup promoted;
+//! - a term is known from the copies that came back, and also from what every server heard:
+//!   each lease renewal's answer tells a server every shard's term ([`Held::known`]). A shard
+//!   whose newest term some server heard of but whose copies at that term all died is lost,
+//!   not served from an older copy, which lacks the pushes acknowledged since. (Only a term no
+//!   surviving server heard of escapes this: with two servers, one cut off and failed over and
+//!   the other dead, nobody knows better than the stale copy.)
 //! - a swap that some servers committed and others had only prepared is finished on the others,
 //!   with the levelling the committed ones applied;
 //! - once those commands are done, shards left without a backup get a new one.
@@ -42,6 +48,9 @@ pub struct Held {
     pub primaries: Vec<(u32, u64, u64)>,
     /// Shards it keeps backups of: `(shard, the term of the primary it follows, parameters)`.
     pub backups: Vec<(u32, u64, u64)>,
+    /// Per shard, the newest term it heard of from the coordinator (each lease renewal's answer
+    /// says every shard's term), whether it holds the shard or not: empty if it heard none.
+    pub known: Vec<u64>,
 }
 
 /// What the holdings say about the map.
@@ -54,6 +63,9 @@ pub struct Resolution {
     /// Servers that claim a shard at a stale term (failed over before the restart), with the
     /// shard that shows it.
     pub stale: BTreeMap<u32, u32>,
+    /// Shards lost because only older copies came back: `(the newest term a server heard of,
+    /// the newest held)`. Serving the older copy would drop the pushes acknowledged since.
+    pub outdated: BTreeMap<u32, (u64, u64)>,
 }
 
 impl Resolution {
@@ -73,6 +85,8 @@ impl Resolution {
 /// Resolves the map of `shards` shards from the servers' holdings (see the module's doc).
 pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
     let mut stale: BTreeMap<u32, u32> = BTreeMap::new();
+    // (Found outdated in one pass, a shard stays so: the next only leaves its stale claimants out.)
+    let mut outdated = BTreeMap::new();
     // A stale server stops, so whatever else it holds is resolved again without it.
     loop {
         let live: Vec<&Held> = held.iter().filter(|h| !stale.contains_key(&h.server)).collect();
@@ -80,6 +94,9 @@ pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
         let mut promote = Vec::new();
         let mut found = BTreeMap::new();
         for k in 0..shards {
+            // Every rejoined server's word counts here, a stale one's too: it heard of the term
+            // before it was cut off.
+            let known = held.iter().filter_map(|h| h.known.get(k as usize).copied()).max().unwrap_or(0);
             let of = |list: fn(&Held) -> &[(u32, u64, u64)]| -> Vec<(u32, u64)> {
                 live.iter()
                     .flat_map(|h| list(h).iter().filter(|c| c.0 == k).map(|c| (h.server, c.1)))
@@ -87,14 +104,21 @@ pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
             };
             let primaries = of(|h| &h.primaries);
             let backups = of(|h| &h.backups);
-            let Some(top) = primaries.iter().chain(&backups).map(|c| c.1).max() else {
+            let Some(newest_held) = primaries.iter().chain(&backups).map(|c| c.1).max() else {
                 places.push(None);
                 continue;
             };
+            let top = newest_held.max(known);
             for &(server, term) in &primaries {
                 if term < top {
                     found.entry(server).or_insert(k);
                 }
+            }
+            if newest_held < top {
+                // Its newest copies did not come back.
+                outdated.insert(k, (top, newest_held));
+                places.push(None);
+                continue;
             }
             let current = |c: &&(u32, u64)| c.1 == top;
             match primaries.iter().filter(current).map(|c| c.0).min() {
@@ -110,7 +134,7 @@ pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
             }
         }
         if found.is_empty() {
-            return Resolution { places, promote, stale };
+            return Resolution { places, promote, stale, outdated };
         }
         stale.extend(found);
     }
@@ -191,6 +215,23 @@ mod tests {
         assert_eq!(r.stale, BTreeMap::from([(0, 0)]));
         assert_eq!(r.places, vec![place(2, None)]);
         assert_eq!(r.promote, vec![(0, 2)]);
+    }
+
+    #[test]
+    fn a_shard_whose_newest_copies_died_is_lost_not_served_stale() {
+        // Server 0 was cut off and failed over: shard 0 went to server 1 at term 1, and every
+        // server that renewed heard so. Server 1 died before the restart; server 0 comes back
+        // claiming shard 0 at term 0 and server 2, which heard of term 1, comes back too.
+        let mut hs = [held(0, &[(0, 0)], &[]), held(2, &[(2, 0)], &[])];
+        hs[1].known = vec![1, 0, 0];
+        let r = resolve(3, &hs);
+        assert_eq!(r.places[0], None);
+        assert_eq!(r.outdated, BTreeMap::from([(0, (1, 0))]));
+        assert_eq!(r.stale, BTreeMap::from([(0, 0)]), "the failed-over server stops");
+        // Without server 2's word, the stale copy is all anyone knows of (the limit above).
+        let r = resolve(3, &hs[..1]);
+        assert_eq!(r.places[0], place(0, None));
+        assert!(r.outdated.is_empty());
     }
 
     #[test]

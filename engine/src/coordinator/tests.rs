@@ -291,6 +291,7 @@ fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
             levelled: raise.clone(),
             primaries: vec![(2, 0, 5)],
             backups: vec![(1, 0, 5)],
+            known: vec![1, 0, 0],
         },
         // An id outside the cluster is ignored.
         Held { server: 9, swaps: 7, primaries: vec![(0, 9, 5)], ..Held::default() },
@@ -304,6 +305,7 @@ fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
     assert_eq!(m.swaps(), 3);
     assert_eq!(m.model_len(), Some(15));
     assert_eq!(m.live(), vec![false, true, true], "the stale server gets no lease");
+    assert_eq!(m.terms(), [1, 0, 0]);
     assert!(m.is_replicated());
     // Shard 0 lost its backup with server 0; shard 2's backup was there too. Server 1 commits
     // the swap server 2 had, with the same levelling.
@@ -360,16 +362,28 @@ fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
     // Server 0 never came back: shard 0's backup on server 1 is promoted. A promotion that
     // fails loses the shard.
     let held = [Held { server: 1, primaries: vec![(1, 0, 4)], backups: vec![(0, 0, 4)], ..Held::default() }];
-    let mut m = machine(2, 2, 1);
-    let r = m.rebuild(0, &held);
-    assert_eq!(r.missing, vec![0]);
-    assert_eq!(r.resolution.promote, vec![(0, 1)]);
-    let out = drain(&mut m);
-    let [CoordOutput::Command { id, server: 1, command: Command::Promote { shard: 0 } }, CoordOutput::Command { server: 1, command: Command::DropBackup { shard: 1 }, .. }] =
-        out[..]
-    else {
-        panic!("{out:?}")
-    };
-    m.command_done(id, Err("gone".into()));
-    assert_eq!(drain(&mut m), vec![CoordOutput::ShardLost { shard: 0, server: 1 }]);
+    // Done, a promotion takes the shard to the next term; failed, it loses the shard.
+    for ok in [true, false] {
+        let mut m = machine(2, 2, 1);
+        let r = m.rebuild(0, &held);
+        assert_eq!(r.missing, vec![0]);
+        assert_eq!(r.resolution.promote, vec![(0, 1)]);
+        let out = drain(&mut m);
+        let [CoordOutput::Command { id, server: 1, command: Command::Promote { shard: 0 } }, CoordOutput::Command { server: 1, command: Command::DropBackup { shard: 1 }, .. }] =
+            out[..]
+        else {
+            panic!("{out:?}")
+        };
+        match ok {
+            true => {
+                m.command_done(id, Ok(Answer::Done));
+                assert_eq!(m.terms(), [1, 0]);
+            }
+            false => {
+                m.command_done(id, Err("gone".into()));
+                assert_eq!(drain(&mut m), vec![CoordOutput::ShardLost { shard: 0, server: 1 }]);
+                assert_eq!(m.terms(), [0, 0]);
+            }
+        }
+    }
 }

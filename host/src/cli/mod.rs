@@ -105,7 +105,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
          delivered twice, {} bad requests refused, {} with the coordinator crashed and restarted ({} rebuilds: {} \
          backups promoted, {} servers refused, {} swaps finished), {} losing a shard's last copy (as a cluster \
-         would; {} of them found by a restarted coordinator as a stale copy); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
+         would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
+         could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
@@ -125,6 +126,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.rebuild.refused,
         e.rebuild.swaps_finished,
         e.lost,
+        e.outdated,
         e.stale,
         e.max_delay_ms as f64 / 1e3
     );

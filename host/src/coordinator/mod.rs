@@ -768,8 +768,9 @@ impl Coordinator {
                 let answer = match wire::read_message::<CoordRequest>(&mut recv, &limits).await {
                     Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
                         let now_ns = self.now_ns();
-                        match self.lock().machine.renew(now_ns, s) {
-                            Ok(()) => CoordResponse::Ok,
+                        let mut st = self.lock();
+                        match st.machine.renew(now_ns, s) {
+                            Ok(()) => CoordResponse::Renewed { terms: st.machine.terms().to_vec() },
                             // Failed over: its shards have other primaries now.
                             Err(e) => CoordResponse::Error(e.to_string()),
                         }

@@ -59,6 +59,7 @@ fn held(h: &Holdings) -> Held {
         levelled: h.levelled.clone(),
         primaries: h.primaries.clone(),
         backups: h.backups.clone(),
+        known: h.known_terms.clone(),
     }
 }
 
@@ -240,8 +241,16 @@ impl Coordinator {
             rebuilt
         };
         for (k, place) in rebuilt.resolution.places.iter().enumerate() {
-            if place.is_none() {
-                tracing::error!(shard = k, "shard lost: no rejoining server holds it");
+            match rebuilt.resolution.outdated.get(&(k as u32)) {
+                _ if place.is_some() => {}
+                Some((newest, held)) => tracing::error!(
+                    shard = k,
+                    newest,
+                    held,
+                    "shard lost: no server holding its newest term came back, and the older copies that \
+                     did lack the pushes acknowledged since; they are not served"
+                ),
+                None => tracing::error!(shard = k, "shard lost: no rejoining server holds it"),
             }
         }
         for &(shard, to) in &rebuilt.resolution.promote {

@@ -112,8 +112,11 @@ pub struct Exercised {
     /// Runs in which a shard lost its last copy (both its servers dead before a new backup
     /// held it), as a cluster would: not checked further.
     pub lost: u64,
-    /// Of those, runs whose restarted coordinator found only a stale copy of a shard (its
-    /// newest copies died before the restart).
+    /// Of those, runs whose restarted coordinator found only older copies of a shard than a
+    /// server had heard of, and said the shard was lost.
+    pub outdated: u64,
+    /// Of those, runs whose restarted coordinator found only a stale copy of a shard and no
+    /// server had heard of a newer one (the rebuild's limit: a cluster would serve it).
     pub stale: u64,
     /// Runs with a server cut off from the coordinator.
     pub partitions: u64,
@@ -145,6 +148,7 @@ impl std::ops::AddAssign for Exercised {
         self.double_failures += o.double_failures;
         self.lost += o.lost;
         self.stale += o.stale;
+        self.outdated += o.outdated;
         self.partitions += o.partitions;
         self.worker_deaths += o.worker_deaths;
         self.swaps += o.swaps;
@@ -585,7 +589,9 @@ impl Case {
             Ok(f) => f,
             // Both copies of a shard dead (or cut off) before a new backup held it: a cluster
             // loses it too. (A worker's death takes no copy.)
-            Err(e @ (SimError::ShardLost { .. } | SimError::StaleCopy { .. })) if server_faults > 1 => {
+            Err(
+                e @ (SimError::ShardLost { .. } | SimError::StaleCopy { .. } | SimError::Outdated { .. }),
+            ) if server_faults > 1 => {
                 let lost = Exercised {
                     runs: 2 + swapped,
                     swaps: swapped,
@@ -596,6 +602,7 @@ impl Case {
                     double_failures: double,
                     lost: 1,
                     stale: u64::from(matches!(e, SimError::StaleCopy { .. })),
+                    outdated: u64::from(matches!(e, SimError::Outdated { .. })),
                     partitions: partitioned,
                     worker_deaths: u64::from(dead_worker.is_some()),
                     coordinator_crashes: u64::from(crash.is_some()),
@@ -666,6 +673,7 @@ impl Case {
             double_failures: double,
             lost: 0,
             stale: 0,
+            outdated: 0,
             partitions: partitioned,
             worker_deaths: u64::from(dead_worker.is_some()),
             duplicates: clean.duplicates + failed.duplicates,

@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId}
 use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -191,6 +191,10 @@ pub struct Holdings {
     pub primaries: Vec<(u32, u64, u64)>,
     /// Shards it keeps backups of: `(shard, the term of the primary it follows, parameters)`.
     pub backups: Vec<(u32, u64, u64)>,
+    /// Per shard, the newest term the coordinator told it of in a lease renewal's answer,
+    /// whether it holds the shard or not (a restarted coordinator loses no term a surviving
+    /// server heard of).
+    pub known_terms: Vec<u64>,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.
@@ -374,6 +378,13 @@ pub enum CoordResponse {
     Status(ClusterStatus),
     /// The request failed; nothing changed.
     Error(String),
+    /// A server's lease is renewed; every shard's term, by shard (how many times it was
+    /// promoted), for the server to tell a restarted coordinator
+    /// ([`Holdings::known_terms`]).
+    Renewed {
+        /// Per shard, its term.
+        terms: Vec<u64>,
+    },
 }
 
 /// Commands from the coordinator to a server, on the server's registration connection.

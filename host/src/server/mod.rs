@@ -93,6 +93,9 @@ struct Shared {
     /// What the last swap committed here raised the workers' clocks by: a restarted coordinator
     /// finishes an interrupted swap with it on the servers that had not committed.
     levelled: Mutex<Vec<ClockRaise>>,
+    /// Per shard, the newest term the coordinator's lease answers told of
+    /// (`Holdings::known_terms`).
+    known_terms: Mutex<Vec<u64>>,
     /// Workers whose connection here ended and who have not connected again: a shard promoted
     /// here later does not wait for them (at most `--max-workers` ids).
     gone: Mutex<BTreeSet<WorkerId>>,
@@ -245,6 +248,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         prepared: Mutex::new(HashMap::new()),
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
         levelled: Mutex::new(Vec::new()),
+        known_terms: Mutex::new(Vec::new()),
         gone: Mutex::new(BTreeSet::new()),
         incarnations: Mutex::new(Incarnations::default()),
         pull_scratch: Mutex::new(Vec::new()),
@@ -337,8 +341,15 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
         let sent = Instant::now();
         let asked = net::request::<_, CoordResponse>(&coord, &req, Payload::EMPTY, &limits);
         match tokio::time::timeout(Duration::from_millis(LEASE_MS), asked).await {
-            Ok(Ok((CoordResponse::Ok, _))) => {
+            Ok(Ok((CoordResponse::Renewed { terms }, _))) => {
                 renewed = sent;
+                let mut known = shared.known_terms.lock().expect("not poisoned");
+                // Bounded by the cluster's shards; terms only grow.
+                known.resize(terms.len().min(shared.settings.shards as usize), 0);
+                for (k, t) in known.iter_mut().zip(terms) {
+                    *k = (*k).max(t);
+                }
+                drop(known);
                 if let Some(lease) = &shared.lease {
                     lease
                         .lock()

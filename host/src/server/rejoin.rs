@@ -39,6 +39,7 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
     let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
     let levelled = shared.levelled.lock().expect("not poisoned").clone();
+    let known_terms = shared.known_terms.lock().expect("not poisoned").clone();
     Holdings {
         server: shared.id,
         settings: shared.settings.clone(),
@@ -47,6 +48,7 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
         levelled,
         primaries,
         backups,
+        known_terms,
     }
 }
 

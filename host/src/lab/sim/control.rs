@@ -162,7 +162,11 @@ impl Sim {
             Ev::Renew(..) if self.coord_phase != Phase::Up => {}
             Ev::Renew(x, asked) => {
                 let answer = match self.coord.renew(self.now, x) {
-                    Ok(()) => Ev::Renewed(x, asked),
+                    Ok(()) => {
+                        // The answer tells every shard's term.
+                        self.answer_terms[x as usize] = self.coord.terms().to_vec();
+                        Ev::Renewed(x, asked)
+                    }
                     // Told it was failed over, a server stops (its shards have other primaries).
                     Err(_) => Ev::Stop(x),
                 };
@@ -177,7 +181,14 @@ impl Sim {
                     self.at(self.now + self.latency_ns, ev);
                 }
             }
-            Ev::Renewed(x, asked) => self.leases[x as usize].renewed(asked),
+            Ev::Renewed(x, asked) => {
+                self.leases[x as usize].renewed(asked);
+                let (heard, known) = (&self.answer_terms[x as usize], &mut self.known_terms[x as usize]);
+                known.resize(heard.len().max(known.len()), 0);
+                for (k, t) in known.iter_mut().zip(heard) {
+                    *k = (*k).max(*t);
+                }
+            }
             Ev::Stop(x) => self.kill(x),
             Ev::CoordTimer => {
                 if self.coord_timer_at == Some(self.now) {
@@ -593,6 +604,7 @@ impl Sim {
             levelled,
             primaries: primaries.into_iter().map(|(s, (t, l))| (s, t, l)).collect(),
             backups,
+            known: self.known_terms[x as usize].clone(),
         }
     }
 
@@ -640,6 +652,9 @@ impl Sim {
         self.rebuild.refused += rebuilt.resolution.stale.len() as u64;
         for &x in rebuilt.resolution.stale.keys() {
             self.at(self.now + self.latency_ns, Ev::Stop(x));
+        }
+        if let Some((&shard, &(newest, held))) = rebuilt.resolution.outdated.iter().next() {
+            return Err(SimError::Outdated { shard, newest, held });
         }
         if let Some(shard) = rebuilt.resolution.places.iter().position(Option::is_none) {
             return Err(SimError::ShardLost { shard: shard as u32, server: self.server_of[shard] });

@@ -255,6 +255,18 @@ pub enum SimError {
         /// The server that died.
         server: u32,
     },
+    /// A restarted coordinator found only older copies of a shard than a server had heard of
+    /// (its newest copies died before the restart): the shard is lost, and said so, as a cluster
+    /// says so.
+    #[error("shard {shard} lost: its newest copies (term {newest}) died before the coordinator restarted, and only older ones (term {held}) came back")]
+    Outdated {
+        /// The shard.
+        shard: u32,
+        /// The newest term a server heard of.
+        newest: u64,
+        /// The newest term a copy that came back holds.
+        held: u64,
+    },
     /// A restarted coordinator resolved a shard to a stale copy: every server holding its
     /// newest term died before it could rejoin, and a server failed over earlier claims an
     /// older one. The shard's last current copy is lost (a cluster would go on from the stale
@@ -450,6 +462,10 @@ struct Sim {
     claims: Vec<BTreeMap<u32, u64>>,
     /// Per server: the swaps it committed, and what the last raised the clocks by.
     committed: Vec<(u64, Vec<ClockRaise>)>,
+    /// Per server: the shards' terms its last lease answer on the way says, and the newest
+    /// each answer that reached it said (what it tells a restarted coordinator).
+    answer_terms: Vec<Vec<u64>>,
+    known_terms: Vec<Vec<u64>>,
     /// Whether the coordinator runs, is down, or is rebuilding after a restart.
     coord_phase: control::Phase,
     /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
@@ -761,6 +777,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         zombie_of: vec![None; shards_n as usize],
         claims: vec![BTreeMap::new(); sc.servers as usize],
         committed: vec![(0, Vec::new()); sc.servers as usize],
+        answer_terms: vec![Vec::new(); sc.servers as usize],
+        known_terms: vec![Vec::new(); sc.servers as usize],
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
