@@ -607,6 +607,50 @@ fn a_simtest_seed_replays_bit_for_bit() {
     );
 }
 
+/// Issue 36: a worker cut off from a server (both ways, shorter than the peer timeout) waits:
+/// what either sends the other arrives once the link heals, as a connection's retransmissions
+/// carry it. The worker's other links are untouched, and nothing is lost or applied twice.
+#[test]
+fn a_worker_cut_off_from_a_server_waits_for_the_link_and_loses_nothing() {
+    use syncopate::lab::sim::SimLinkCut;
+    let s = scenario(
+        &REPLICATED
+            .replace("iterations = 8", "iterations = 16")
+            .replace("time_limit_s = 20", "time_limit_s = 60"),
+    );
+    for policy in ["bsp", "asp"] {
+        let clean = replicated(&s, policy, None);
+        let cut = SimLinkCut {
+            worker: 1,
+            server: 0,
+            at: FailAt::Event(clean.events / 3),
+            heal_after_ns: 3_000_000_000,
+        };
+        let opts = SimOptions {
+            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults { link_cuts: vec![cut], ..SimFaults::default() },
+        };
+        let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert_eq!(
+            out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{policy}"
+        );
+        assert!(out.report.workers.iter().all(|w| w.iterations == 16), "{policy}");
+        let w1 = |r: &Simulated| r.report.workers.iter().find(|w| w.worker == 1).unwrap().elapsed_ns;
+        assert!(w1(&out) > w1(&clean) + 2_500_000_000, "{policy}: worker 1 waited out the cut");
+        // A cut that outlasts the peer timeout is not this fault (the connection would end).
+        let long = SimLinkCut { heal_after_ns: 10_000_000_000, ..cut };
+        let opts = SimOptions { faults: SimFaults { link_cuts: vec![long], ..SimFaults::default() }, ..opts };
+        let err =
+            simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("peer timeout"), "{policy}: {err}");
+    }
+}
+
 /// A failing seed is shrunk by dropping its faults one at a time while it still fails
 /// (`simtest::shrink`). Each fault can be dropped by name, on the command line too, and the
 /// rest of the case stays as drawn.

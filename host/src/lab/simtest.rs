@@ -49,8 +49,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
-    simulate, Cut, FailAt, RebuildCounts, SimError, SimFailure, SimFaults, SimOptions, SimPartition,
-    Simulated, HOSTILE,
+    simulate, Cut, FailAt, RebuildCounts, SimError, SimFailure, SimFaults, SimLinkCut, SimOptions,
+    SimPartition, Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
 use syncopate_engine::coordinator::REJOIN_WAIT_MS;
@@ -96,6 +96,9 @@ pub struct Case {
     /// The coordinator crashes in the disturbed run (at an event drawn like the deaths') and
     /// restarts this many milliseconds later.
     pub coordinator_crash: Option<u64>,
+    /// A worker cut off from a server, both ways, for this many milliseconds (under the peer
+    /// timeout), from an event drawn like the deaths', in the disturbed run.
+    pub link_cut: Option<(u32, u32, u64)>,
 }
 
 /// What a passing seed exercised.
@@ -135,6 +138,8 @@ pub struct Exercised {
     pub coordinator_crashes: u64,
     /// What those rebuilds did.
     pub rebuild: RebuildCounts,
+    /// Runs with a worker cut off from a server for a while.
+    pub link_cuts: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
     pub max_delay_ms: u64,
@@ -157,6 +162,7 @@ impl std::ops::AddAssign for Exercised {
         self.hostile += o.hostile;
         self.coordinator_crashes += o.coordinator_crashes;
         self.rebuild += o.rebuild;
+        self.link_cuts += o.link_cuts;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
 }
@@ -232,11 +238,13 @@ pub enum Fault {
     LateJoin,
     /// The coordinator's crash and restart.
     CoordinatorCrash,
+    /// The worker cut off from a server.
+    LinkCut,
 }
 
 impl Fault {
     /// Every fault, in the order a shrink tries to remove them.
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 13] = [
         Fault::BadInputs,
         Fault::Duplicates,
         Fault::Reorder,
@@ -245,6 +253,7 @@ impl Fault {
         Fault::LateWorker,
         Fault::Swap,
         Fault::WorkerDeath,
+        Fault::LinkCut,
         Fault::Partition,
         Fault::CoordinatorCrash,
         Fault::SecondDeath,
@@ -266,6 +275,7 @@ impl Fault {
             Fault::BadInputs => "bad-inputs",
             Fault::LateJoin => "late-join",
             Fault::CoordinatorCrash => "coordinator-crash",
+            Fault::LinkCut => "link-cut",
         }
     }
 }
@@ -337,6 +347,7 @@ impl Case {
             Fault::BadInputs => std::mem::take(&mut c.bad_inputs) > 0.0,
             Fault::LateJoin => !std::mem::take(&mut c.late_join).is_empty(),
             Fault::CoordinatorCrash => c.coordinator_crash.take().is_some(),
+            Fault::LinkCut => c.link_cut.take().is_some(),
         };
         had.then_some(c)
     }
@@ -412,6 +423,10 @@ impl Case {
         }
         // The coordinator crashes in a quarter of the seeds, for 0.1-5 s.
         let coordinator_crash = rng.random_bool(0.25).then(|| rng.random_range(100..=5000));
+        // A worker cut off from a server in a quarter of the seeds, for 0.1-8 s.
+        let link_cut = rng.random_bool(0.25).then(|| {
+            (rng.random_range(0..workers), rng.random_range(0..servers), rng.random_range(100..=8000))
+        });
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -438,6 +453,7 @@ impl Case {
             bad_inputs,
             late_join,
             coordinator_crash,
+            link_cut,
         }
     }
 
@@ -519,6 +535,17 @@ impl Case {
         let crash_event = FailAt::Event(rng.random_range(0..n));
         let crash_in_swap = rng.random_bool(0.5);
         let crash_offset_ns = rng.random_range(0..=4 * self.scenario.latency_us * 1000);
+        let link_cut_at = FailAt::Event(rng.random_range(0..n));
+        let link_cuts: Vec<SimLinkCut> = self
+            .link_cut
+            .map(|(worker, server, ms)| SimLinkCut {
+                worker,
+                server,
+                at: link_cut_at,
+                heal_after_ns: ms * 1_000_000,
+            })
+            .into_iter()
+            .collect();
         let mut failures: Vec<SimFailure> =
             self.server.map(|server| SimFailure { server, at: FailAt::Event(at) }).into_iter().collect();
         if let Some(second) = self.second {
@@ -559,6 +586,15 @@ impl Case {
                 .chain(crash.iter().map(|(at, ns)| {
                     format!("coordinator crashed for {} ms from {}", ns / 1_000_000, when(*at))
                 }))
+                .chain(link_cuts.iter().map(|c| {
+                    let ms = c.heal_after_ns / 1_000_000;
+                    format!(
+                        "worker {} cut off from server {} for {ms} ms from {}",
+                        c.worker,
+                        c.server,
+                        when(c.at)
+                    )
+                }))
                 .collect::<Vec<_>>()
                 .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
@@ -569,7 +605,10 @@ impl Case {
         // rejoin (dead, or cut off) before it rebuilds without it; meanwhile nothing serves.
         let crash_ns = crash.map_or(0, |c| c.1 + REJOIN_WAIT_MS * 1_000_000);
         let partitioned = partitions.len() as u64;
-        let partition_ns = partitions.iter().map(|p| p.heal_after_ns).sum::<u64>();
+        // A cut link holds a worker up as long as it lasts.
+        let partition_ns = partitions.iter().map(|p| p.heal_after_ns).sum::<u64>()
+            + link_cuts.iter().map(|c| c.heal_after_ns).sum::<u64>();
+        let link_cut = u64::from(!link_cuts.is_empty());
         let failed = match self.run(
             rt,
             failures,
@@ -584,6 +623,7 @@ impl Case {
                 bad_inputs: self.bad_inputs,
                 late_join: self.late_join(),
                 coordinator_crash: crash,
+                link_cuts,
             },
         ) {
             Ok(f) => f,
@@ -606,6 +646,7 @@ impl Case {
                     partitions: partitioned,
                     worker_deaths: u64::from(dead_worker.is_some()),
                     coordinator_crashes: u64::from(crash.is_some()),
+                    link_cuts: link_cut,
                     ..Exercised::default()
                 };
                 return Ok(lost);
@@ -681,6 +722,7 @@ impl Case {
             hostile,
             coordinator_crashes: u64::from(crash.is_some()),
             rebuild: failed.rebuild,
+            link_cuts: link_cut,
             max_delay_ms: delay_ns / 1_000_000,
         })
     }
@@ -689,7 +731,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -729,6 +771,9 @@ impl Case {
                 .collect::<String>(),
             self.coordinator_crash
                 .map(|ms| format!(", the coordinator crashes for {ms} ms"))
+                .unwrap_or_default(),
+            self.link_cut
+                .map(|(w, x, ms)| format!(", worker {w} cut off from server {x} for {ms} ms"))
                 .unwrap_or_default()
         )
     }

@@ -506,7 +506,7 @@ impl Sim {
         for ev in mine {
             let wk = &self.workers[wu];
             match ev {
-                Ev::ToShard(..) => self.at(self.now + self.latency_ns, ev),
+                Ev::ToShard(..) => self.at(self.after_latency(wu, node), ev),
                 Ev::PullArrive(_, _, iteration) => {
                     let waiting = wk.pulling == Some(iteration) && !wk.replied[su];
                     if waiting && asked.insert(ev) {

@@ -145,6 +145,24 @@ pub struct SimFaults {
     /// one, which rebuilds the cluster from what they hold as a cluster's does
     /// ([`CoordinatorMachine::rebuild`]), and the workers then get its map.
     pub coordinator_crash: Option<(FailAt, u64)>,
+    /// Workers cut off from a server for a while, both ways ([`SimLinkCut`]).
+    pub link_cuts: Vec<SimLinkCut>,
+}
+
+/// A worker and a server cut off from each other for a while, both ways: what either sends the
+/// other (requests, replies, acknowledgements, control messages) waits until the link heals,
+/// when a connection's retransmissions carry it. Shorter than the peer timeout, so neither
+/// side gives the connection up. The worker's other links, and the server's, are untouched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimLinkCut {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The server.
+    pub server: u32,
+    /// When the link is cut.
+    pub at: FailAt,
+    /// How long it stays cut, in nanoseconds (under [`PEER_TIMEOUT_NS`]).
+    pub heal_after_ns: u64,
 }
 
 /// How much later than the original a duplicate arrives, at most (50 ms).
@@ -316,6 +334,8 @@ impl Req {
 struct InFlight {
     job: PushJob,
     acks: u32,
+    /// When the latest acknowledgement sent so far arrives.
+    acks_at: u64,
     refused: bool,
     /// Shards whose policy dropped it.
     dropped: u32,
@@ -473,6 +493,8 @@ struct Sim {
     incarnation: u32,
     /// What its rebuilds did.
     rebuild: RebuildCounts,
+    /// Per worker, per server: until when the link between them is cut ([`SimLinkCut`]).
+    cut_links: Vec<Vec<u64>>,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
@@ -588,6 +610,17 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     };
     if let Some((w, _)) = opts.faults.worker_deaths.iter().find(|(w, _)| *w >= n) {
         return Err(SimError::Options(format!("worker {w} does not exist")));
+    }
+    for c in &opts.faults.link_cuts {
+        if c.worker >= n || c.server >= sc.servers {
+            return Err(SimError::Options(format!(
+                "no link between worker {} and server {}",
+                c.worker, c.server
+            )));
+        }
+        if c.heal_after_ns >= PEER_TIMEOUT_NS {
+            return Err(SimError::Options("a cut link heals within the peer timeout (10 s)".into()));
+        }
     }
     let struck = failures.iter().map(|f| f.server).chain(opts.faults.partitions.iter().map(|p| p.server));
     for server in struck {
@@ -782,6 +815,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
+        cut_links: vec![vec![0; sc.servers as usize]; n as usize],
         two_primaries: None,
         drift: None,
     };
@@ -821,6 +855,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut swaps = swaps;
     let mut late_join = opts.faults.late_join.clone();
     let mut crash = opts.faults.coordinator_crash;
+    let mut link_cuts = opts.faults.link_cuts.clone();
     // A swap or a crash at a time comes at that time, not at the next event after it: a tick
     // marks it (a crash drawn a few latencies after a swap then lands inside its two phases).
     for at in swaps.iter().map(|s| s.0).chain(crash.map(|c| c.0)) {
@@ -846,6 +881,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         while let Some(k) = late_join.iter().position(|l| l.1.due(handled, t)) {
             sim.late_join(late_join.remove(k).0)?;
+        }
+        while let Some(k) = link_cuts.iter().position(|c| c.at.due(handled, t)) {
+            let c = link_cuts.remove(k);
+            tracing::debug!(worker = c.worker, server = c.server, t_ns = t, "link cut");
+            let until = &mut sim.cut_links[c.worker as usize][c.server as usize];
+            *until = (*until).max(t + c.heal_after_ns);
         }
         if let Some((_, down_ns)) = crash.filter(|c| c.0.due(handled, t)) {
             crash = None;
@@ -899,15 +940,34 @@ impl Sim {
         self.queue.push(t, ev);
     }
 
-    /// A transfer of `bytes` from node `from` to node `to` starting now; returns its arrival.
+    /// A transfer of `bytes` from node `from` to node `to` starting now; returns its arrival
+    /// (held until a cut link heals: [`SimLinkCut`], which holds up no other link).
     fn transfer(&mut self, from: usize, to: usize, bytes: u64) -> u64 {
         let start = self.now.max(self.up[from].free_ns).max(self.down[to].free_ns);
-        let end = start + (bytes as f64 / self.bytes_per_ns) as u64;
+        let takes = (bytes as f64 / self.bytes_per_ns) as u64;
+        let end = start + takes;
         self.up[from].free_ns = end;
         self.down[to].free_ns = end;
         self.up[from].bytes += bytes;
         self.down[to].bytes += bytes;
-        end + self.latency_ns
+        end.max(self.link_open_at(from, to) + takes) + self.latency_ns
+    }
+
+    /// When the link between nodes `a` and `b` carries messages again: now, unless it is
+    /// between a worker and a server and cut ([`SimLinkCut`]).
+    fn link_open_at(&self, a: usize, b: usize) -> u64 {
+        let n = self.workers.len();
+        let (w, x) = match (a < n, b < n) {
+            (true, false) => (a, b - n),
+            (false, true) => (b, a - n),
+            _ => return self.now,
+        };
+        self.cut_links[w][x].max(self.now)
+    }
+
+    /// When a message without tensors sent now from node `from` reaches node `to`.
+    fn after_latency(&self, from: usize, to: usize) -> u64 {
+        self.link_open_at(from, to) + self.latency_ns
     }
 
     fn server_node(&self, shard: u32) -> usize {
@@ -1074,7 +1134,8 @@ impl Sim {
                 NodeOutput::Replicate { stamped, payload } => self.replicate(s, stamped, payload),
                 NodeOutput::Control { worker, msg } => {
                     let i = self.controls.post(msg, 1);
-                    self.at(self.now + self.latency_ns, Ev::Control(worker, i));
+                    let t = self.after_latency(self.server_node(s), worker as usize);
+                    self.at(t, Ev::Control(worker, i));
                 }
                 NodeOutput::Confirm { .. } | NodeOutput::Left { .. } => {}
             }
@@ -1167,10 +1228,11 @@ impl Sim {
     }
 
     /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
-    /// way. Every acknowledgement takes the latency alone, so the last one sent is the last to
-    /// arrive: only that one becomes an event.
+    /// way. Every acknowledgement takes the latency alone (after a cut link heals): the last to
+    /// arrive becomes an event once all are sent.
     fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
         let shards = self.nodes.len() as u32;
+        let at = self.after_latency(self.server_node(s), w as usize);
         let wk = &mut self.workers[w as usize];
         let (slot, acked) =
             if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
@@ -1179,9 +1241,11 @@ impl Sim {
             return;
         }
         p.acks += 1;
+        p.acks_at = p.acks_at.max(at);
         p.dropped += u32::from(dropped);
         if p.acks == shards {
-            self.at(self.now + self.latency_ns, Ev::AckArrive(w, help));
+            let at = p.acks_at;
+            self.at(at, Ev::AckArrive(w, help));
         }
     }
 
@@ -1279,7 +1343,7 @@ impl Sim {
                     } else {
                         (&mut wk.own, &mut wk.own_acked)
                     };
-                    *slot = Some(InFlight { job, acks: 0, refused: false, dropped: 0 });
+                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: false, dropped: 0 });
                     acked.fill(false);
                     for s in 0..shards {
                         let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
@@ -1331,7 +1395,7 @@ impl Sim {
     fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
         let i = self.to_shard.post(msg, shards.len() as u32);
         for s in shards {
-            let t = self.reorder(self.now + self.latency_ns);
+            let t = self.reorder(self.after_latency(w as usize, self.server_node(s)));
             self.at(t, Ev::ToShard(w, s, i));
         }
     }
