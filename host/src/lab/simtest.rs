@@ -14,7 +14,8 @@
 //! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
 //! requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
 //! and restarted (rebuilding the cluster from its servers as a cluster's does; some crashes
-//! between two servers' commits of a swap) (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
+//! between two servers' commits of a swap), and a worker cut off from a server for a while
+//! (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
 //! momentum, summed pushes) undisturbed, and with the faults, and checks:
 //! - every live worker ran every iteration (a late joiner from its start), in both runs;
 //! - where the policy admits every push at weight 1 (all but R²SP), each parameter is exactly
@@ -33,13 +34,15 @@
 //!
 //! A second fault that comes before the first failover's new backups hold their shards can take
 //! a shard's last copy: a cluster loses that shard too, so such a run is counted as lost, not
-//! failed. So is a run whose restarted coordinator could only find a stale copy of a shard (its
-//! newest copies died before the restart: [`SimError::StaleCopy`]).
+//! failed. So is a run whose restarted coordinator found only older copies of a shard than its
+//! newest (their servers died before the restart): [`SimError::Outdated`] when a surviving
+//! server had heard of the newer term (the cluster says the shard is lost),
+//! [`SimError::StaleCopy`] when none had (a cluster would serve the stale copy).
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
-//! failure prints that command. Not drawn yet: server restarts, partitions
-//! between servers or between a worker and a server, checkpoint rounds (see
-//! `docs/fault-tolerance.md`).
+//! failure prints that command, then shrinks the case ([`shrink`]). Not drawn yet: server
+//! restarts, partitions between servers, a worker cut off from a server past the peer timeout,
+//! checkpoint rounds (see `docs/fault-tolerance.md`).
 
 use std::time::Instant;
 
