@@ -607,12 +607,14 @@ fn a_simtest_seed_replays_bit_for_bit() {
     );
 }
 
-/// Issue 36: a worker cut off from a server (both ways, shorter than the peer timeout) waits:
-/// what either sends the other arrives once the link heals, as a connection's retransmissions
-/// carry it. The worker's other links are untouched, and nothing is lost or applied twice.
+/// Issue 36: a cut link (both ways, shorter than the peer timeout) holds up what crosses it
+/// until it heals, as a connection's retransmissions carry it then, in order. A worker cut off
+/// from a server waits for it; two servers cut off from each other hold up every push whose
+/// backup is across the cut (acknowledged only once the backup has it). Other links are
+/// untouched, and nothing is lost or applied twice.
 #[test]
-fn a_worker_cut_off_from_a_server_waits_for_the_link_and_loses_nothing() {
-    use syncopate::lab::sim::SimLinkCut;
+fn a_cut_link_holds_up_what_crosses_it_and_loses_nothing() {
+    use syncopate::lab::sim::{Node, SimLinkCut};
     let s = scenario(
         &REPLICATED
             .replace("iterations = 8", "iterations = 16")
@@ -620,34 +622,45 @@ fn a_worker_cut_off_from_a_server_waits_for_the_link_and_loses_nothing() {
     );
     for policy in ["bsp", "asp"] {
         let clean = replicated(&s, policy, None);
-        let cut = SimLinkCut {
-            worker: 1,
-            server: 0,
-            at: FailAt::Event(clean.events / 3),
-            heal_after_ns: 3_000_000_000,
-        };
-        let opts = SimOptions {
+        let at = FailAt::Event(clean.events / 3);
+        let cut = SimLinkCut { a: Node::Worker(1), b: Node::Server(0), at, heal_after_ns: 3_000_000_000 };
+        let between_servers = SimLinkCut { a: Node::Server(1), b: Node::Server(0), ..cut };
+        let opts = |cut| SimOptions {
             run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
             gradients: true,
             data: None,
             failures: Vec::new(),
             faults: SimFaults { link_cuts: vec![cut], ..SimFaults::default() },
         };
-        let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
-        assert_eq!(
-            out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            "{policy}"
-        );
-        assert!(out.report.workers.iter().all(|w| w.iterations == 16), "{policy}");
-        let w1 = |r: &Simulated| r.report.workers.iter().find(|w| w.worker == 1).unwrap().elapsed_ns;
-        assert!(w1(&out) > w1(&clean) + 2_500_000_000, "{policy}: worker 1 waited out the cut");
+        let elapsed =
+            |r: &Simulated, w: u32| r.report.workers.iter().find(|x| x.worker == w).unwrap().elapsed_ns;
+        for (cut, held_up) in [(cut, vec![1]), (between_servers, vec![0, 1, 2])] {
+            let out =
+                simulate(&opts(cut), syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
+            assert_eq!(
+                out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{policy}, {cut:?}"
+            );
+            assert!(out.report.workers.iter().all(|w| w.iterations == 16), "{policy}, {cut:?}");
+            for w in held_up {
+                let waited = elapsed(&out, w) as i64 - elapsed(&clean, w) as i64;
+                assert!(waited > 2_500_000_000, "{policy}, {cut:?}: worker {w} waited {waited} ns");
+            }
+        }
+        let opts = opts(cut);
         // A cut that outlasts the peer timeout is not this fault (the connection would end).
         let long = SimLinkCut { heal_after_ns: 10_000_000_000, ..cut };
         let opts = SimOptions { faults: SimFaults { link_cuts: vec![long], ..SimFaults::default() }, ..opts };
         let err =
             simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("peer timeout"), "{policy}: {err}");
+        let workers = SimLinkCut { a: Node::Worker(0), b: Node::Worker(1), ..cut };
+        let opts =
+            SimOptions { faults: SimFaults { link_cuts: vec![workers], ..SimFaults::default() }, ..opts };
+        let err =
+            simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("no link between"), "{policy}: {err}");
     }
 }
 

@@ -73,7 +73,7 @@ pub struct SimtestArgs {
     pub seed: Option<u64>,
     /// Check each case without these faults (comma-separated: death, second-death, partition,
     /// notice-delay, worker-death, reorder, swap, late-worker, duplicates, bad-inputs,
-    /// late-join, coordinator-crash, link-cut), as a shrunk failure's replay does.
+    /// late-join, coordinator-crash, link-cut, server-link-cut), as a shrunk failure's replay does.
     #[arg(long, value_delimiter = ',')]
     pub without: Vec<crate::lab::simtest::Fault>,
 }
@@ -104,7 +104,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
          delivered twice, {} bad requests refused, {} with the coordinator crashed and restarted ({} rebuilds: {} \
-         backups promoted, {} servers refused, {} swaps finished), {} with a worker cut off from a server, {} losing a shard's last copy (as a cluster \
+         backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
          could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,

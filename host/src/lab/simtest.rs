@@ -52,7 +52,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
-    simulate, Cut, FailAt, RebuildCounts, SimError, SimFailure, SimFaults, SimLinkCut, SimOptions,
+    simulate, Cut, FailAt, Node, RebuildCounts, SimError, SimFailure, SimFaults, SimLinkCut, SimOptions,
     SimPartition, Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
@@ -102,6 +102,8 @@ pub struct Case {
     /// A worker cut off from a server, both ways, for this many milliseconds (under the peer
     /// timeout), from an event drawn like the deaths', in the disturbed run.
     pub link_cut: Option<(u32, u32, u64)>,
+    /// Two servers cut off from each other (a primary's link to its backups), likewise.
+    pub server_link_cut: Option<(u32, u32, u64)>,
 }
 
 /// What a passing seed exercised.
@@ -141,7 +143,7 @@ pub struct Exercised {
     pub coordinator_crashes: u64,
     /// What those rebuilds did.
     pub rebuild: RebuildCounts,
-    /// Runs with a worker cut off from a server for a while.
+    /// Runs with a link cut for a while (a worker's to a server, or between two servers).
     pub link_cuts: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
     /// time, less its partition's length and a dead worker's peer timeout.
@@ -243,11 +245,13 @@ pub enum Fault {
     CoordinatorCrash,
     /// The worker cut off from a server.
     LinkCut,
+    /// The two servers cut off from each other.
+    ServerLinkCut,
 }
 
 impl Fault {
     /// Every fault, in the order a shrink tries to remove them.
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 14] = [
         Fault::BadInputs,
         Fault::Duplicates,
         Fault::Reorder,
@@ -257,6 +261,7 @@ impl Fault {
         Fault::Swap,
         Fault::WorkerDeath,
         Fault::LinkCut,
+        Fault::ServerLinkCut,
         Fault::Partition,
         Fault::CoordinatorCrash,
         Fault::SecondDeath,
@@ -279,6 +284,7 @@ impl Fault {
             Fault::LateJoin => "late-join",
             Fault::CoordinatorCrash => "coordinator-crash",
             Fault::LinkCut => "link-cut",
+            Fault::ServerLinkCut => "server-link-cut",
         }
     }
 }
@@ -351,6 +357,7 @@ impl Case {
             Fault::LateJoin => !std::mem::take(&mut c.late_join).is_empty(),
             Fault::CoordinatorCrash => c.coordinator_crash.take().is_some(),
             Fault::LinkCut => c.link_cut.take().is_some(),
+            Fault::ServerLinkCut => c.server_link_cut.take().is_some(),
         };
         had.then_some(c)
     }
@@ -430,6 +437,11 @@ impl Case {
         let link_cut = rng.random_bool(0.25).then(|| {
             (rng.random_range(0..workers), rng.random_range(0..servers), rng.random_range(100..=8000))
         });
+        // Two servers cut off from each other in a quarter of the seeds, for 0.1-8 s.
+        let server_link_cut = rng.random_bool(0.25).then(|| {
+            let x = rng.random_range(0..servers);
+            (x, (x + rng.random_range(1..servers)) % servers, rng.random_range(100..=8000))
+        });
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -457,6 +469,7 @@ impl Case {
             late_join,
             coordinator_crash,
             link_cut,
+            server_link_cut,
         }
     }
 
@@ -539,15 +552,16 @@ impl Case {
         let crash_in_swap = rng.random_bool(0.5);
         let crash_offset_ns = rng.random_range(0..=4 * self.scenario.latency_us * 1000);
         let link_cut_at = FailAt::Event(rng.random_range(0..n));
+        let server_link_cut_at = FailAt::Event(rng.random_range(0..n));
+        let cut = |a, b, at, ms: u64| SimLinkCut { a, b, at, heal_after_ns: ms * 1_000_000 };
         let link_cuts: Vec<SimLinkCut> = self
             .link_cut
-            .map(|(worker, server, ms)| SimLinkCut {
-                worker,
-                server,
-                at: link_cut_at,
-                heal_after_ns: ms * 1_000_000,
-            })
+            .map(|(w, x, ms)| cut(Node::Worker(w), Node::Server(x), link_cut_at, ms))
             .into_iter()
+            .chain(
+                self.server_link_cut
+                    .map(|(x, y, ms)| cut(Node::Server(x), Node::Server(y), server_link_cut_at, ms)),
+            )
             .collect();
         let mut failures: Vec<SimFailure> =
             self.server.map(|server| SimFailure { server, at: FailAt::Event(at) }).into_iter().collect();
@@ -591,12 +605,7 @@ impl Case {
                 }))
                 .chain(link_cuts.iter().map(|c| {
                     let ms = c.heal_after_ns / 1_000_000;
-                    format!(
-                        "worker {} cut off from server {} for {ms} ms from {}",
-                        c.worker,
-                        c.server,
-                        when(c.at)
-                    )
+                    format!("{:?} cut off from {:?} for {ms} ms from {}", c.a, c.b, when(c.at))
                 }))
                 .collect::<Vec<_>>()
                 .join(", ");
@@ -734,7 +743,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -777,6 +786,9 @@ impl Case {
                 .unwrap_or_default(),
             self.link_cut
                 .map(|(w, x, ms)| format!(", worker {w} cut off from server {x} for {ms} ms"))
+                .unwrap_or_default(),
+            self.server_link_cut
+                .map(|(x, y, ms)| format!(", servers {x} and {y} cut off from each other for {ms} ms"))
                 .unwrap_or_default()
         )
     }

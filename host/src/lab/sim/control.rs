@@ -506,7 +506,10 @@ impl Sim {
         for ev in mine {
             let wk = &self.workers[wu];
             match ev {
-                Ev::ToShard(..) => self.at(self.after_latency(wu, node), ev),
+                Ev::ToShard(..) => {
+                    let t = self.after_latency(wu, node);
+                    self.at(t, ev)
+                }
                 Ev::PullArrive(_, _, iteration) => {
                     let waiting = wk.pulling == Some(iteration) && !wk.replied[su];
                     if waiting && asked.insert(ev) {

@@ -145,20 +145,32 @@ pub struct SimFaults {
     /// one, which rebuilds the cluster from what they hold as a cluster's does
     /// ([`CoordinatorMachine::rebuild`]), and the workers then get its map.
     pub coordinator_crash: Option<(FailAt, u64)>,
-    /// Workers cut off from a server for a while, both ways ([`SimLinkCut`]).
+    /// Links between a worker and a server, or between two servers, cut for a while, both
+    /// ways ([`SimLinkCut`]).
     pub link_cuts: Vec<SimLinkCut>,
 }
 
-/// A worker and a server cut off from each other for a while, both ways: what either sends the
-/// other (requests, replies, acknowledgements, control messages) waits until the link heals,
-/// when a connection's retransmissions carry it. Shorter than the peer timeout, so neither
-/// side gives the connection up. The worker's other links, and the server's, are untouched.
+/// One end of a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Node {
+    /// A worker.
+    Worker(WorkerId),
+    /// A server.
+    Server(u32),
+}
+
+/// A link cut for a while, both ways: between a worker and a server, or between two servers (a
+/// primary and its backup's server). What either end sends the other (requests, replies,
+/// acknowledgements, control messages; ops, snapshots and confirmations) waits until the link
+/// heals, then goes in the order it was sent, as a connection's retransmissions carry it.
+/// Shorter than the peer timeout, so neither end gives the connection up. Every other link is
+/// untouched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimLinkCut {
-    /// The worker.
-    pub worker: WorkerId,
-    /// The server.
-    pub server: u32,
+    /// One end.
+    pub a: Node,
+    /// The other.
+    pub b: Node,
     /// When the link is cut.
     pub at: FailAt,
     /// How long it stays cut, in nanoseconds (under [`PEER_TIMEOUT_NS`]).
@@ -493,8 +505,11 @@ struct Sim {
     incarnation: u32,
     /// What its rebuilds did.
     rebuild: RebuildCounts,
-    /// Per worker, per server: until when the link between them is cut ([`SimLinkCut`]).
-    cut_links: Vec<Vec<u64>>,
+    /// Per pair of nodes (the lower index first): until when the link is cut ([`SimLinkCut`]).
+    cut_links: BTreeMap<(usize, usize), u64>,
+    /// Per direction of a link that was cut: when what was sent on it last leaves, so that
+    /// what waited for the heal goes in order.
+    pipes: BTreeMap<(usize, usize), u64>,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
@@ -612,11 +627,13 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         return Err(SimError::Options(format!("worker {w} does not exist")));
     }
     for c in &opts.faults.link_cuts {
-        if c.worker >= n || c.server >= sc.servers {
-            return Err(SimError::Options(format!(
-                "no link between worker {} and server {}",
-                c.worker, c.server
-            )));
+        let exists = |e: Node| match e {
+            Node::Worker(w) => w < n,
+            Node::Server(x) => x < sc.servers,
+        };
+        let workers = matches!((c.a, c.b), (Node::Worker(_), Node::Worker(_)));
+        if !exists(c.a) || !exists(c.b) || workers || c.a == c.b {
+            return Err(SimError::Options(format!("no link between {:?} and {:?}", c.a, c.b)));
         }
         if c.heal_after_ns >= PEER_TIMEOUT_NS {
             return Err(SimError::Options("a cut link heals within the peer timeout (10 s)".into()));
@@ -815,7 +832,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
-        cut_links: vec![vec![0; sc.servers as usize]; n as usize],
+        cut_links: BTreeMap::new(),
+        pipes: BTreeMap::new(),
         two_primaries: None,
         drift: None,
     };
@@ -884,8 +902,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
         while let Some(k) = link_cuts.iter().position(|c| c.at.due(handled, t)) {
             let c = link_cuts.remove(k);
-            tracing::debug!(worker = c.worker, server = c.server, t_ns = t, "link cut");
-            let until = &mut sim.cut_links[c.worker as usize][c.server as usize];
+            tracing::debug!(a = ?c.a, b = ?c.b, t_ns = t, "link cut");
+            let (a, b) = (sim.node_index(c.a), sim.node_index(c.b));
+            let until = sim.cut_links.entry((a.min(b), a.max(b))).or_default();
             *until = (*until).max(t + c.heal_after_ns);
         }
         if let Some((_, down_ns)) = crash.filter(|c| c.0.due(handled, t)) {
@@ -950,24 +969,34 @@ impl Sim {
         self.down[to].free_ns = end;
         self.up[from].bytes += bytes;
         self.down[to].bytes += bytes;
-        end.max(self.link_open_at(from, to) + takes) + self.latency_ns
+        self.through_cut(from, to, end, takes) + self.latency_ns
     }
 
-    /// When the link between nodes `a` and `b` carries messages again: now, unless it is
-    /// between a worker and a server and cut ([`SimLinkCut`]).
-    fn link_open_at(&self, a: usize, b: usize) -> u64 {
-        let n = self.workers.len();
-        let (w, x) = match (a < n, b < n) {
-            (true, false) => (a, b - n),
-            (false, true) => (b, a - n),
-            _ => return self.now,
-        };
-        self.cut_links[w][x].max(self.now)
+    /// When a message that would leave node `from` for node `to` at `end` (taking `takes` on the
+    /// wire) leaves it, if their link was ever cut ([`SimLinkCut`]): not before the link heals,
+    /// and after what was sent on it before.
+    fn through_cut(&mut self, from: usize, to: usize, end: u64, takes: u64) -> u64 {
+        if self.cut_links.is_empty() {
+            return end;
+        }
+        let Some(&until) = self.cut_links.get(&(from.min(to), from.max(to))) else { return end };
+        let pipe = self.pipes.entry((from, to)).or_default();
+        let out = end.max(until + takes).max(*pipe + takes);
+        *pipe = out;
+        out
     }
 
     /// When a message without tensors sent now from node `from` reaches node `to`.
-    fn after_latency(&self, from: usize, to: usize) -> u64 {
-        self.link_open_at(from, to) + self.latency_ns
+    fn after_latency(&mut self, from: usize, to: usize) -> u64 {
+        self.through_cut(from, to, self.now, 0) + self.latency_ns
+    }
+
+    /// A node's index: the workers first, then the servers.
+    fn node_index(&self, n: Node) -> usize {
+        match n {
+            Node::Worker(w) => w as usize,
+            Node::Server(x) => self.workers.len() + x as usize,
+        }
     }
 
     fn server_node(&self, shard: u32) -> usize {
@@ -1395,7 +1424,8 @@ impl Sim {
     fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
         let i = self.to_shard.post(msg, shards.len() as u32);
         for s in shards {
-            let t = self.reorder(self.after_latency(w as usize, self.server_node(s)));
+            let t = self.after_latency(w as usize, self.server_node(s));
+            let t = self.reorder(t);
             self.at(t, Ev::ToShard(w, s, i));
         }
     }
@@ -1628,7 +1658,12 @@ impl Sim {
                     }
                 }
                 if let Some(seq) = confirmed {
-                    self.at(self.now + self.latency_ns, Ev::Confirm(s, epoch, seq));
+                    let (b, primary) = (self.backup_of[s as usize], self.server_node(s));
+                    let t = match b {
+                        Some(b) => self.after_latency(self.workers.len() + b as usize, primary),
+                        None => self.now + self.latency_ns,
+                    };
+                    self.at(t, Ev::Confirm(s, epoch, seq));
                 }
             }
             Ev::Confirm(s, epoch, seq) => {
