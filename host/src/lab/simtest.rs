@@ -14,8 +14,8 @@
 //! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
 //! requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
 //! and restarted (rebuilding the cluster from its servers as a cluster's does; some crashes
-//! between two servers' commits of a swap), and a worker cut off from a server for a while
-//! (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
+//! between two servers' commits of a swap), and a link cut for a while (a worker's to a
+//! server, or between two servers) (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
 //! momentum, summed pushes) undisturbed, and with the faults, and checks:
 //! - every live worker ran every iteration (a late joiner from its start), in both runs;
 //! - where the policy admits every push at weight 1 (all but R²SP), each parameter is exactly
@@ -41,8 +41,8 @@
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
 //! failure prints that command, then shrinks the case ([`shrink`]). Not drawn yet: server
-//! restarts, partitions between servers, a worker cut off from a server past the peer timeout,
-//! checkpoint rounds (see `docs/fault-tolerance.md`).
+//! restarts, a link cut past the peer timeout, checkpoint rounds (see
+//! `docs/fault-tolerance.md`).
 
 use std::time::Instant;
 
