@@ -416,11 +416,12 @@ impl CoordinatorMachine {
     /// where their primary did not come back, primaries without a backup told to go on alone,
     /// and the commit of a swap that some servers had committed on the others (with the same
     /// levelling). Once they are done, [`CoordOutput::Rebuilt`], then new backups. A holding
-    /// from a server id outside the cluster is ignored.
-    pub fn rebuild(&mut self, now_ns: u64, held: &[Held]) -> Rebuilt {
+    /// from a server id outside the cluster is ignored. `recorded` are the shards' terms the old
+    /// coordinator recorded ([`terms`](Self::terms), kept by its driver), or empty.
+    pub fn rebuild(&mut self, now_ns: u64, held: &[Held], recorded: &[u64]) -> Rebuilt {
         let n = self.cfg.servers;
         let held: Vec<Held> = held.iter().filter(|h| h.server < n).cloned().collect();
-        let resolution = resolve(self.cfg.shards, &held);
+        let resolution = resolve(self.cfg.shards, &held, recorded);
         let rejoined = |i: u32| held.iter().any(|h| h.server == i);
         let live: Vec<bool> = (0..n).map(|i| rejoined(i) && !resolution.stale.contains_key(&i)).collect();
         let missing = (0..n).filter(|&i| !rejoined(i)).collect();
@@ -442,7 +443,7 @@ impl CoordinatorMachine {
             let claims =
                 held.iter().flat_map(|h| h.primaries.iter().chain(&h.backups)).filter(|c| c.0 as usize == k);
             let heard = held.iter().filter_map(|h| h.known.get(k).copied());
-            *term = claims.map(|c| c.1).chain(heard).max().unwrap_or(0);
+            *term = claims.map(|c| c.1).chain(heard).chain(recorded.get(k).copied()).max().unwrap_or(0);
         }
         let newest = held.iter().filter(|h| live[h.server as usize]).max_by_key(|h| h.swaps);
         let finishing = newest.map(|h| (h.swaps, h.levelled.clone()));

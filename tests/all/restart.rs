@@ -108,6 +108,17 @@ fn a_coordinator_killed_after_a_failover_rebuilds_without_the_lost_server() {
     let report = run.report();
     let held: usize = report.servers.iter().map(|s| s.shards.len()).sum();
     assert_eq!(held, 3, "every shard on the live server: {:?}", report.servers);
+    // The coordinators recorded each promotion's term in the checkpoint directory, for a
+    // successor to know a term no surviving server heard of; the dead server's two shards were
+    // promoted once each.
+    let text =
+        std::fs::read_to_string(run.dir.join("checkpoints").join("terms.json")).expect("terms recorded");
+    let recorded: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let terms: Vec<u64> =
+        recorded["terms"].as_array().expect("terms").iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(terms.len(), 3, "{text}");
+    assert_eq!(terms.iter().sum::<u64>(), 2, "{text}");
+    assert!(!text.contains("admission"), "the admission key stays secret: {text}");
 }
 
 #[test]

@@ -12,9 +12,10 @@
 //! - a term is known from the copies that came back, and also from what every server heard:
 //!   each lease renewal's answer tells a server every shard's term ([`Held::known`]). A shard
 //!   whose newest term some server heard of but whose copies at that term all died is lost,
-//!   not served from an older copy, which lacks the pushes acknowledged since. (Only a term no
-//!   surviving server heard of escapes this: with two servers, one cut off and failed over and
-//!   the other dead, nobody knows better than the stale copy.)
+//!   not served from an older copy, which lacks the pushes acknowledged since. The terms the old
+//!   coordinator recorded, if its driver kept them (on disk), count the same way; without them
+//!   a term no surviving server heard of escapes this (with two servers, one cut off and failed
+//!   over and the other dead, nobody knows better than the stale copy).
 //! - a swap that some servers committed and others had only prepared is finished on the others,
 //!   with the levelling the committed ones applied;
 //! - once those commands are done, shards left without a backup get a new one.
@@ -82,8 +83,9 @@ impl Resolution {
     }
 }
 
-/// Resolves the map of `shards` shards from the servers' holdings (see the module's doc).
-pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
+/// Resolves the map of `shards` shards from the servers' holdings and the terms the old
+/// coordinator recorded (`recorded`, by shard; empty if none were kept). See the module's doc.
+pub fn resolve(shards: u32, held: &[Held], recorded: &[u64]) -> Resolution {
     let mut stale: BTreeMap<u32, u32> = BTreeMap::new();
     // (Found outdated in one pass, a shard stays so: the next only leaves its stale claimants out.)
     let mut outdated = BTreeMap::new();
@@ -96,7 +98,8 @@ pub fn resolve(shards: u32, held: &[Held]) -> Resolution {
         for k in 0..shards {
             // Every rejoined server's word counts here, a stale one's too: it heard of the term
             // before it was cut off.
-            let known = held.iter().filter_map(|h| h.known.get(k as usize).copied()).max().unwrap_or(0);
+            let heard = held.iter().filter_map(|h| h.known.get(k as usize).copied());
+            let known = heard.chain(recorded.get(k as usize).copied()).max().unwrap_or(0);
             let of = |list: fn(&Held) -> &[(u32, u64, u64)]| -> Vec<(u32, u64)> {
                 live.iter()
                     .flat_map(|h| list(h).iter().filter(|c| c.0 == k).map(|c| (h.server, c.1)))
@@ -173,7 +176,7 @@ mod tests {
     fn an_undisturbed_cluster_is_rebuilt_as_it_was() {
         let hs =
             [held(0, &[(0, 0)], &[(2, 0)]), held(1, &[(1, 0)], &[(0, 0)]), held(2, &[(2, 0)], &[(1, 0)])];
-        let r = resolve(3, &hs);
+        let r = resolve(3, &hs, &[]);
         assert_eq!(r.places, vec![place(0, Some(1)), place(1, Some(2)), place(2, Some(0))]);
         assert!(r.promote.is_empty() && r.stale.is_empty());
         assert_eq!(r.model_len(&hs), Some(30));
@@ -182,7 +185,7 @@ mod tests {
     #[test]
     fn a_primary_that_did_not_rejoin_has_its_backup_promoted() {
         let hs = [held(1, &[(1, 0)], &[(0, 0)]), held(2, &[(2, 0)], &[(1, 0)])];
-        let r = resolve(3, &hs);
+        let r = resolve(3, &hs, &[]);
         assert_eq!(r.places, vec![place(1, None), place(1, Some(2)), place(2, None)]);
         assert_eq!(r.promote, vec![(0, 1)]);
         assert!(r.stale.is_empty());
@@ -199,7 +202,7 @@ mod tests {
             held(1, &[(0, 1), (1, 0)], &[]),
             held(2, &[(2, 0)], &[(0, 1), (1, 0)]),
         ];
-        let r = resolve(3, &hs);
+        let r = resolve(3, &hs, &[]);
         assert_eq!(r.stale, BTreeMap::from([(0, 0)]));
         // Shard 2's backup was on the stale server: it goes on without one.
         assert_eq!(r.places, vec![place(1, Some(2)), place(1, Some(2)), place(2, None)]);
@@ -211,7 +214,7 @@ mod tests {
         // Shard 0's promoted primary (server 1, term 1) did not rejoin, but its new backup did;
         // the old primary (term 0) is stale.
         let hs = [held(0, &[(0, 0)], &[]), held(2, &[], &[(0, 1)])];
-        let r = resolve(1, &hs);
+        let r = resolve(1, &hs, &[]);
         assert_eq!(r.stale, BTreeMap::from([(0, 0)]));
         assert_eq!(r.places, vec![place(2, None)]);
         assert_eq!(r.promote, vec![(0, 2)]);
@@ -224,20 +227,24 @@ mod tests {
         // claiming shard 0 at term 0 and server 2, which heard of term 1, comes back too.
         let mut hs = [held(0, &[(0, 0)], &[]), held(2, &[(2, 0)], &[])];
         hs[1].known = vec![1, 0, 0];
-        let r = resolve(3, &hs);
+        let r = resolve(3, &hs, &[]);
         assert_eq!(r.places[0], None);
         assert_eq!(r.outdated, BTreeMap::from([(0, (1, 0))]));
         assert_eq!(r.stale, BTreeMap::from([(0, 0)]), "the failed-over server stops");
-        // Without server 2's word, the stale copy is all anyone knows of (the limit above).
-        let r = resolve(3, &hs[..1]);
+        // Without server 2's word, the stale copy is all the servers know of (the limit
+        // above), unless the old coordinator's recorded terms say better.
+        let r = resolve(3, &hs[..1], &[]);
         assert_eq!(r.places[0], place(0, None));
         assert!(r.outdated.is_empty());
+        let r = resolve(3, &hs[..1], &[1, 0, 0]);
+        assert_eq!(r.places[0], None);
+        assert_eq!(r.outdated, BTreeMap::from([(0, (1, 0))]));
     }
 
     #[test]
     fn a_shard_nobody_holds_is_lost() {
         let hs = [held(1, &[(1, 0)], &[])];
-        let r = resolve(2, &hs);
+        let r = resolve(2, &hs, &[]);
         assert_eq!(r.places, vec![None, place(1, None)]);
         assert_eq!(r.model_len(&hs), None, "a lost shard's length is unknown");
     }

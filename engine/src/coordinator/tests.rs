@@ -298,7 +298,7 @@ fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
     ];
     let mut m = machine(3, 3, 1);
     let now = 5_000 * MS;
-    let r = m.rebuild(now, &held);
+    let r = m.rebuild(now, &held, &[]);
     assert_eq!(r.resolution.stale, BTreeMap::from([(0, 0)]));
     assert_eq!(r.missing, Vec::<u32>::new());
     assert_eq!(r.newest, Some(2));
@@ -365,7 +365,7 @@ fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
     // Done, a promotion takes the shard to the next term; failed, it loses the shard.
     for ok in [true, false] {
         let mut m = machine(2, 2, 1);
-        let r = m.rebuild(0, &held);
+        let r = m.rebuild(0, &held, &[]);
         assert_eq!(r.missing, vec![0]);
         assert_eq!(r.resolution.promote, vec![(0, 1)]);
         let out = drain(&mut m);

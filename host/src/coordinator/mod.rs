@@ -152,6 +152,8 @@ struct State {
     /// The key workers' tickets are issued under: drawn at start, or taken back from the
     /// servers after a restart.
     admission_key: AdmissionKey,
+    /// The shards' terms last recorded in the checkpoint directory ([`rebuild::TERMS_FILE`]).
+    recorded_terms: Vec<u64>,
 }
 
 /// A hot swap's module, while the swap is under way.
@@ -243,6 +245,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             restore: resumed.map(|r| r.dir),
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
+            recorded_terms: Vec::new(),
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
@@ -501,9 +504,17 @@ impl Coordinator {
             let results =
                 futures::future::join_all(commands.iter().map(|&(_, server, c)| self.carry_out(server, c)))
                     .await;
-            let mut st = self.lock();
-            for ((id, ..), result) in commands.into_iter().zip(results) {
-                st.machine.command_done(id, result);
+            let terms = {
+                let mut st = self.lock();
+                for ((id, ..), result) in commands.into_iter().zip(results) {
+                    st.machine.command_done(id, result);
+                }
+                let terms = st.machine.terms();
+                (terms != st.recorded_terms.as_slice()).then(|| (terms.to_vec(), st.admission_key))
+            };
+            // A promotion's term is recorded before the workers hear of the move.
+            if let Some((terms, key)) = terms {
+                self.record_terms(terms, key).await;
             }
         }
     }

@@ -23,10 +23,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sha2::{Digest, Sha256};
 use syncopate_engine::coordinator::Held;
 
 use super::{command_reply, Coordinator, PolicySource};
-use crate::net::proto::{Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
+use crate::net::proto::{AdmissionKey, Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
 
 /// The servers rejoining a restarted coordinator, until it has rebuilt the cluster.
 #[derive(Default)]
@@ -49,6 +50,24 @@ struct Rejoined {
     holdings: Holdings,
     /// The module its shards run.
     wasm: Vec<u8>,
+}
+
+/// The file in the checkpoint directory where the coordinator records the shards' terms at
+/// each promotion, so that a restarted one knows a term no surviving server heard of.
+pub(super) const TERMS_FILE: &str = "terms.json";
+
+/// The shards' terms as recorded, with the cluster they belong to.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RecordedTerms {
+    /// SHA-256 of the cluster's admission key (the key itself stays secret): a file left by
+    /// another cluster in the same directory is ignored.
+    cluster: [u8; 32],
+    /// By shard.
+    terms: Vec<u64>,
+}
+
+fn cluster_of(key: AdmissionKey) -> [u8; 32] {
+    Sha256::digest(key.0).into()
 }
 
 /// What the machine is told a server holds.
@@ -107,6 +126,45 @@ async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), S
 }
 
 impl Coordinator {
+    /// Records the shards' terms in the checkpoint directory, if there is one (crash-safe; a
+    /// failure is logged, and the restart's rebuild then has the servers' word only).
+    pub(super) async fn record_terms(&self, terms: Vec<u64>, key: AdmissionKey) {
+        let Some(dir) = self.opts.checkpoint_dir.clone() else { return };
+        let bytes = serde_json::to_vec(&RecordedTerms { cluster: cluster_of(key), terms: terms.clone() })
+            .expect("terms serialize");
+        let written = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            crate::checkpoint::write_atomic(&dir.join(TERMS_FILE), &bytes).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        match written {
+            Ok(()) => self.lock().recorded_terms = terms,
+            Err(e) => tracing::warn!("cannot record the shards' terms: {e}"),
+        }
+    }
+
+    /// The terms the coordinator before this one recorded for this cluster, if any.
+    async fn recorded_terms(&self, key: AdmissionKey) -> Vec<u64> {
+        let Some(path) = self.opts.checkpoint_dir.as_ref().map(|d| d.join(TERMS_FILE)) else {
+            return Vec::new();
+        };
+        let read = tokio::task::spawn_blocking(move || std::fs::read(&path)).await;
+        let Ok(Ok(bytes)) = read else { return Vec::new() };
+        match serde_json::from_slice::<RecordedTerms>(&bytes) {
+            Ok(r) if r.cluster == cluster_of(key) && r.terms.len() == self.opts.shards as usize => r.terms,
+            Ok(_) => {
+                tracing::warn!("ignoring {TERMS_FILE}: it belongs to another cluster");
+                Vec::new()
+            }
+            Err(e) => {
+                tracing::warn!("ignoring {TERMS_FILE}: {e}");
+                Vec::new()
+            }
+        }
+    }
+
     /// Server `id` at `addr` comes back on `conn`: to this coordinator after its restart (the
     /// cluster is rebuilt first), or after losing its connection to it. `Ok` once it may be
     /// welcomed under its id; `Err` says why not.
@@ -202,10 +260,13 @@ impl Coordinator {
         let reports = std::mem::take(&mut self.lock().rebuild.as_mut().expect("rebuilding").reports);
         let holdings: Vec<Held> = reports.values().map(|r| held(&r.holdings)).collect();
         let n = self.opts.servers;
+        let key = self.lock().admission_key;
+        let recorded = self.recorded_terms(key).await;
         let rebuilt = {
             let mut st = self.lock();
             let now_ns = self.now_ns();
-            let rebuilt = st.machine.rebuild(now_ns, &holdings);
+            let rebuilt = st.machine.rebuild(now_ns, &holdings, &recorded);
+            st.recorded_terms = recorded;
             let stale = &rebuilt.resolution.stale;
             let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
             st.servers = (0..n)

@@ -104,6 +104,8 @@ pub struct Case {
     pub link_cut: Option<(u32, u32, u64)>,
     /// Two servers cut off from each other (a primary's link to its backups), likewise.
     pub server_link_cut: Option<(u32, u32, u64)>,
+    /// Whether the crashed coordinator's successor finds the terms it recorded (as on disk).
+    pub crash_keeps_terms: bool,
 }
 
 /// What a passing seed exercised.
@@ -442,6 +444,7 @@ impl Case {
             let x = rng.random_range(0..servers);
             (x, (x + rng.random_range(1..servers)) % servers, rng.random_range(100..=8000))
         });
+        let crash_keeps_terms = rng.random_bool(0.5);
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -470,6 +473,7 @@ impl Case {
             coordinator_crash,
             link_cut,
             server_link_cut,
+            crash_keeps_terms,
         }
     }
 
@@ -635,6 +639,7 @@ impl Case {
                 bad_inputs: self.bad_inputs,
                 late_join: self.late_join(),
                 coordinator_crash: crash,
+                crash_keeps_terms: self.crash_keeps_terms,
                 link_cuts,
             },
         ) {
@@ -782,7 +787,10 @@ impl Case {
                 .map(|(w, ms)| format!(", worker {w} joins {ms} ms late"))
                 .collect::<String>(),
             self.coordinator_crash
-                .map(|ms| format!(", the coordinator crashes for {ms} ms"))
+                .map(|ms| {
+                    let kept = if self.crash_keeps_terms { "" } else { ", its recorded terms lost" };
+                    format!(", the coordinator crashes for {ms} ms{kept}")
+                })
                 .unwrap_or_default(),
             self.link_cut
                 .map(|(w, x, ms)| format!(", worker {w} cut off from server {x} for {ms} ms"))

@@ -540,6 +540,9 @@ impl Sim {
         }
         tracing::debug!(t_ns = self.now, down_ns, "coordinator crashed");
         self.coord_phase = Phase::Down;
+        // What it recorded at its last promotion (the machine's terms now), if it keeps them.
+        self.recorded_terms =
+            if self.opts.faults.crash_keeps_terms { self.coord.terms().to_vec() } else { Vec::new() };
         self.incarnation += 1;
         self.coord_timer_at = None;
         self.at(self.now + down_ns, Ev::CoordRestart);
@@ -648,7 +651,7 @@ impl Sim {
             unreachable!("matched above")
         };
         let held: Vec<Held> = rejoined.into_values().collect();
-        let rebuilt = self.coord.rebuild(self.now, &held);
+        let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded_terms);
         tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
         self.rebuild.rebuilds += 1;
         self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;

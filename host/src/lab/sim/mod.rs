@@ -145,6 +145,10 @@ pub struct SimFaults {
     /// one, which rebuilds the cluster from what they hold as a cluster's does
     /// ([`CoordinatorMachine::rebuild`]), and the workers then get its map.
     pub coordinator_crash: Option<(FailAt, u64)>,
+    /// Whether the crashed coordinator had recorded the shards' terms where its successor finds
+    /// them (a checkpoint directory, as `syncopate local` gives it), or only its servers' word
+    /// is left.
+    pub crash_keeps_terms: bool,
     /// Links between a worker and a server, or between two servers, cut for a while, both
     /// ways ([`SimLinkCut`]).
     pub link_cuts: Vec<SimLinkCut>,
@@ -505,6 +509,8 @@ struct Sim {
     incarnation: u32,
     /// What its rebuilds did.
     rebuild: RebuildCounts,
+    /// The shards' terms the crashed coordinator recorded ([`SimFaults::crash_keeps_terms`]).
+    recorded_terms: Vec<u64>,
     /// Per pair of nodes (the lower index first): until when the link is cut ([`SimLinkCut`]).
     cut_links: BTreeMap<(usize, usize), u64>,
     /// Per direction of a link that was cut: when what was sent on it last leaves, so that
@@ -832,6 +838,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
+        recorded_terms: Vec::new(),
         cut_links: BTreeMap::new(),
         pipes: BTreeMap::new(),
         two_primaries: None,
