@@ -28,6 +28,8 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::placement::Place;
 use crate::shard::ClockRaise;
 
@@ -35,8 +37,8 @@ use crate::shard::ClockRaise;
 /// before it rebuilds the cluster without them (10 s).
 pub const REJOIN_WAIT_MS: u64 = 10_000;
 
-/// What a rejoining server says it holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What a rejoining server says it holds (on the wire, inside the host's `Holdings`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Held {
     /// Its id.
     pub server: u32,

@@ -70,18 +70,6 @@ fn cluster_of(key: AdmissionKey) -> [u8; 32] {
     Sha256::digest(key.0).into()
 }
 
-/// What the machine is told a server holds.
-fn held(h: &Holdings) -> Held {
-    Held {
-        server: h.server,
-        swaps: h.swaps,
-        levelled: h.levelled.clone(),
-        primaries: h.primaries.clone(),
-        backups: h.backups.clone(),
-        known: h.known_terms.clone(),
-    }
-}
-
 /// Whether a rejoining server belongs to the cluster this coordinator was started for.
 fn same_cluster(
     ours: &crate::net::proto::ClusterSettings,
@@ -180,8 +168,11 @@ impl Coordinator {
         // Checked before anything changes here: a server of another cluster (or one welcomed
         // with other flags) leaves this coordinator as it was.
         let (holdings, wasm) = ask_holdings(conn).await?;
-        if holdings.server != id {
-            return Err(format!("it says it is server {id}, but holds server {}'s shards", holdings.server));
+        if holdings.held.server != id {
+            return Err(format!(
+                "it says it is server {id}, but holds server {}'s shards",
+                holdings.held.server
+            ));
         }
         same_cluster(&self.settings(&self.lock()), &holdings.settings)?;
         let complete = {
@@ -258,7 +249,7 @@ impl Coordinator {
     async fn rebuild(self: Arc<Self>) {
         let t = Instant::now();
         let reports = std::mem::take(&mut self.lock().rebuild.as_mut().expect("rebuilding").reports);
-        let holdings: Vec<Held> = reports.values().map(|r| held(&r.holdings)).collect();
+        let holdings: Vec<Held> = reports.values().map(|r| r.holdings.held.clone()).collect();
         let n = self.opts.servers;
         let key = self.lock().admission_key;
         let recorded = self.recorded_terms(key).await;

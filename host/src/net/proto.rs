@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
 
 use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
+pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
 pub const PROTOCOL_VERSION: u32 = 11;
@@ -175,26 +176,15 @@ pub struct ReplicaOpen {
 /// primary heard it was failed over; the higher term is the live one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Holdings {
-    /// The id the server was given.
-    pub server: u32,
     /// The settings it was welcomed with.
     pub settings: ClusterSettings,
     /// The policy its shards run (the module is the reply's payload).
     pub policy: PolicyBlob,
-    /// Swaps committed on this server so far.
-    pub swaps: u64,
-    /// What the last of them raised the workers' clocks by (a restarted coordinator finishes an
-    /// interrupted swap with it).
-    pub levelled: Vec<ClockRaise>,
-    /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
-    /// creation.
-    pub primaries: Vec<(u32, u64, u64)>,
-    /// Shards it keeps backups of: `(shard, the term of the primary it follows, parameters)`.
-    pub backups: Vec<(u32, u64, u64)>,
-    /// Per shard, the newest term the coordinator told it of in a lease renewal's answer,
-    /// whether it holds the shard or not (a restarted coordinator loses no term a surviving
-    /// server heard of).
-    pub known_terms: Vec<u64>,
+    /// Its id, shards with their terms, swaps, and the terms it heard of: what the coordinator's
+    /// machine rebuilds the cluster from ([`CoordinatorMachine::rebuild`]).
+    ///
+    /// [`CoordinatorMachine::rebuild`]: syncopate_engine::coordinator::CoordinatorMachine::rebuild
+    pub held: Held,
 }
 
 /// A policy module as distributed: its bytes travel as the payload.
@@ -380,7 +370,7 @@ pub enum CoordResponse {
     Error(String),
     /// A server's lease is renewed; every shard's term, by shard (how many times it was
     /// promoted), for the server to tell a restarted coordinator
-    /// ([`Holdings::known_terms`]).
+    /// ([`Held::known`]).
     Renewed {
         /// Per shard, its term.
         terms: Vec<u64>,

@@ -94,7 +94,7 @@ struct Shared {
     /// finishes an interrupted swap with it on the servers that had not committed.
     levelled: Mutex<Vec<ClockRaise>>,
     /// Per shard, the newest term the coordinator's lease answers told of
-    /// (`Holdings::known_terms`).
+    /// (`Held::known`).
     known_terms: Mutex<Vec<u64>>,
     /// Workers whose connection here ended and who have not connected again: a shard promoted
     /// here later does not wait for them (at most `--max-workers` ids).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 use super::{coordinator_loop, statuses, Shared};
-use crate::net::proto::{Hello, Holdings, Role, Welcome, COORDINATOR_WAIT_MS, PROTOCOL_VERSION};
+use crate::net::proto::{Held, Hello, Holdings, Role, Welcome, COORDINATOR_WAIT_MS, PROTOCOL_VERSION};
 use crate::net::wire::Limits;
 use crate::net::{self, NetError};
 use crate::NodeError;
@@ -41,14 +41,9 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let levelled = shared.levelled.lock().expect("not poisoned").clone();
     let known_terms = shared.known_terms.lock().expect("not poisoned").clone();
     Holdings {
-        server: shared.id,
         settings: shared.settings.clone(),
         policy,
-        swaps,
-        levelled,
-        primaries,
-        backups,
-        known_terms,
+        held: Held { server: shared.id, swaps, levelled, primaries, backups, known: known_terms },
     }
 }
 
