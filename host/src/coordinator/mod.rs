@@ -510,7 +510,9 @@ impl Coordinator {
                     st.machine.command_done(id, result);
                 }
                 let terms = st.machine.terms();
-                (terms != st.recorded_terms.as_slice()).then(|| (terms.to_vec(), st.admission_key))
+                let recording = self.opts.checkpoint_dir.is_some();
+                (recording && terms != st.recorded_terms.as_slice())
+                    .then(|| (terms.to_vec(), st.admission_key))
             };
             // A promotion's term is recorded before the workers hear of the move.
             if let Some((terms, key)) = terms {

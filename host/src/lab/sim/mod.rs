@@ -881,9 +881,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut late_join = opts.faults.late_join.clone();
     let mut crash = opts.faults.coordinator_crash;
     let mut link_cuts = opts.faults.link_cuts.clone();
-    // A swap or a crash at a time comes at that time, not at the next event after it: a tick
-    // marks it (a crash drawn a few latencies after a swap then lands inside its two phases).
-    for at in swaps.iter().map(|s| s.0).chain(crash.map(|c| c.0)) {
+    // A fault at a time comes at that time, not at the next event after it: a tick marks it (so
+    // a crash drawn a few latencies after a swap lands inside its two phases).
+    let times = failures.iter().map(|f| f.at).chain(partitions.iter().map(|p| p.at));
+    let times = times.chain(worker_deaths.iter().map(|d| d.1)).chain(swaps.iter().map(|s| s.0));
+    let times = times.chain(late_join.iter().map(|l| l.1)).chain(crash.map(|c| c.0));
+    for at in times.chain(link_cuts.iter().map(|c| c.at)) {
         if let FailAt::Time(t) = at {
             sim.at(t.max(sim.now), Ev::Tick);
         }
@@ -1667,7 +1670,7 @@ impl Sim {
                 if let Some(seq) = confirmed {
                     let (b, primary) = (self.backup_of[s as usize], self.server_node(s));
                     let t = match b {
-                        Some(b) => self.after_latency(self.workers.len() + b as usize, primary),
+                        Some(b) => self.after_latency(self.node_index(Node::Server(b)), primary),
                         None => self.now + self.latency_ns,
                     };
                     self.at(t, Ev::Confirm(s, epoch, seq));
