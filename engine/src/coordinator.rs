@@ -28,6 +28,9 @@
 //!   none switches. The commit levels the workers by one raise per worker that every shard
 //!   applies alike ([`CoordinatorMachine::levelling`], see [`crate::shard::Frontier`]). One at a
 //!   time.
+//! - **checkpoint rounds** ([`checkpoint`]): each shard's primary writes its snapshot into the
+//!   round; the round is taken only if every shard's was written, and it never overlaps a swap,
+//!   a failover or a rebuild.
 //! - **the rebuild after a restart** ([`rebuild`]): a coordinator that comes back while its
 //!   servers ran on rebuilds the map, the policy and the leases from what they hold.
 
@@ -39,7 +42,9 @@ use crate::lease::{LeaseTable, LEASE_MS};
 use crate::placement::{self, Failover, Place};
 use crate::shard::{ClockRaise, Frontier};
 
+pub mod checkpoint;
 pub mod rebuild;
+pub use checkpoint::{CheckpointError, CheckpointOutcome};
 pub use rebuild::{resolve, Held, Rebuilt, Resolution, REJOIN_WAIT_MS};
 
 /// What the cluster is set up as.
@@ -97,6 +102,14 @@ pub enum Command {
         /// The swap's number.
         swap: u64,
     },
+    /// Write its primary of `shard`'s snapshot into checkpoint round `round` (refused if it is
+    /// not the shard's primary).
+    Snapshot {
+        /// The round.
+        round: u64,
+        /// The shard.
+        shard: u32,
+    },
 }
 
 /// What a server answered a command with, when it could carry it out.
@@ -135,6 +148,9 @@ pub enum SwapError {
         /// Servers the cluster has.
         servers: u32,
     },
+    /// A checkpoint round is under way (a round's shards all run one policy).
+    #[error("checkpoint round {0} is under way")]
+    Checkpointing(u64),
 }
 
 /// What the machine asks its driver to do, or tells it happened.
@@ -201,6 +217,13 @@ pub enum CoordOutput {
         /// How.
         outcome: SwapOutcome,
     },
+    /// Checkpoint round `round` ended ([`CoordinatorMachine::begin_checkpoint`]).
+    CheckpointDone {
+        /// The round.
+        round: u64,
+        /// How.
+        outcome: CheckpointOutcome,
+    },
 }
 
 /// A request the coordinator refuses; its message is what the peer is told.
@@ -261,6 +284,8 @@ enum Purpose {
     /// A command of a restarted coordinator's rebuild: a promotion (of `promoting`), a dropped
     /// backup, or the commit of a swap some servers had not committed.
     Rebuild { promoting: Option<u32> },
+    /// A shard's snapshot for the checkpoint round under way.
+    Checkpoint { shard: u32 },
 }
 
 /// The hot swap under way.
@@ -307,6 +332,10 @@ pub struct CoordinatorMachine {
     rebuilding: Option<Option<(u64, Vec<ClockRaise>)>>,
     /// Per shard, its term: how many times it was promoted.
     terms: Vec<u64>,
+    /// The checkpoint round under way, if one is.
+    checkpoint: Option<checkpoint::CheckpointRound>,
+    /// The next checkpoint round's number.
+    next_round: u64,
     outputs: VecDeque<CoordOutput>,
 }
 
@@ -330,6 +359,8 @@ impl CoordinatorMachine {
             swap: None,
             rebuilding: None,
             terms: vec![0; cfg.shards as usize],
+            checkpoint: None,
+            next_round: 1,
             outputs: VecDeque::new(),
         }
     }
@@ -537,6 +568,7 @@ impl CoordinatorMachine {
                 }
                 self.step_rebuild();
             }
+            Purpose::Checkpoint { shard } => self.snapshot_done(shard, result.map(|_| ())),
         }
         self.check_replicated();
         self.step_failover();
@@ -548,6 +580,9 @@ impl CoordinatorMachine {
     pub fn begin_swap(&mut self) -> Result<u64, SwapError> {
         if let Some(round) = &self.swap {
             return Err(SwapError::Busy(round.swap));
+        }
+        if let Some(r) = &self.checkpoint {
+            return Err(SwapError::Checkpointing(r.round));
         }
         let registered = self.registered();
         if registered < self.cfg.servers {

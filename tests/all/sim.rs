@@ -583,6 +583,9 @@ fn simtest_finds_no_lost_or_doubled_update_in_100_seeds() {
     assert!(found.exercised.failovers > 90, "{:?}", found.exercised);
     // A quarter of the seeds crash the coordinator; most crashes come before the run's end.
     assert!(found.exercised.rebuild.rebuilds > 10, "{:?}", found.exercised);
+    // Half the seeds take checkpoint rounds (1-3); some meet a death and are abandoned.
+    let c = found.exercised.checkpoints;
+    assert!(c.taken > 20 && c.abandoned > 0, "{c:?}");
 }
 
 /// A seed is the whole input: drawn twice, a case is the same, and checked twice it exercises
@@ -661,6 +664,47 @@ fn a_cut_link_holds_up_what_crosses_it_and_loses_nothing() {
         let err =
             simulate(&opts, syncopate_suite::runtime()).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("no link between"), "{policy}: {err}");
+    }
+}
+
+/// Issue 36: checkpoint rounds are the coordinator machine's, and the simulator runs them. A
+/// round taken holds every shard's snapshot, from its primary, under the policy the round
+/// began with (the simulator checks each: `SimError::Checkpoint`); a round whose commands meet a
+/// dead server is abandoned, and one the machine will not begin then (another round or the
+/// failover under way) is skipped. Taking a
+/// snapshot changes nothing: a run with rounds ends where the same run without them does, bit
+/// for bit.
+#[test]
+fn checkpoint_rounds_are_whole_or_abandoned_and_change_nothing() {
+    let s = scenario(&REPLICATED.replace("iterations = 8", "iterations = 12"));
+    for policy in ["bsp", "ssp", "asp"] {
+        let clean = replicated(&s, policy, None);
+        let rounds: Vec<FailAt> = (1..=5).map(|k| FailAt::Event(clean.events * k / 6)).collect();
+        let opts = |failures: Vec<SimFailure>, checkpoints: Vec<FailAt>| SimOptions {
+            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures,
+            faults: SimFaults { checkpoints, ..SimFaults::default() },
+        };
+        let bits = |r: &Simulated| r.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let run = |o| simulate(&o, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        let with = run(opts(Vec::new(), rounds.clone()));
+        assert_eq!(with.checkpoints.taken, 5, "{policy}: {:?}", with.checkpoints);
+        assert_eq!(bits(&with), bits(&clean), "{policy}: a checkpoint changed the run");
+        assert!(with.replicas_differ.is_none(), "{policy}: {:?}", with.replicas_differ);
+        // Server 1 dies just before two rounds: the first's command to it fails, and the round
+        // is abandoned; the second is abandoned too or, begun while the first is under way, not
+        // begun. Once the failover is done, a round goes to the new primaries and is taken.
+        let die = clean.events / 3;
+        let failure = SimFailure { server: 1, at: FailAt::Event(die) };
+        let dead = replicated(&s, policy, Some(failure));
+        let around: Vec<FailAt> =
+            [die + 1, die + 2, dead.events - 5].into_iter().map(FailAt::Event).collect();
+        let out = run(opts(vec![failure], around));
+        let c = out.checkpoints;
+        assert!(c.abandoned >= 1 && c.abandoned + c.refused == 2 && c.taken == 1, "{policy}: {c:?}");
+        assert_eq!(bits(&out), bits(&dead), "{policy}: a checkpoint changed the failed-over run");
     }
 }
 

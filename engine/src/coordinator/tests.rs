@@ -387,3 +387,108 @@ fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
         }
     }
 }
+
+/// The snapshot commands among `out`: `(server, round, shard)`.
+fn snapshots(out: &[CoordOutput]) -> Vec<(u32, u64, u32)> {
+    out.iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { server, command: Command::Snapshot { round, shard }, .. } => {
+                Some((*server, *round, *shard))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_checkpoint_round_asks_each_shards_primary_and_is_taken_once_all_have_written() {
+    let mut m = started(3, 3);
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::NotStarted));
+    m.admit_worker(None, 30).unwrap();
+    assert_eq!(m.begin_checkpoint(), Ok(1));
+    let out = settle(&mut m, |_, _| true);
+    // Shard k's primary is server k.
+    assert_eq!(snapshots(&out), vec![(0, 1, 0), (1, 1, 1), (2, 1, 2)]);
+    assert_eq!(
+        out.last(),
+        Some(&CoordOutput::CheckpointDone { round: 1, outcome: CheckpointOutcome::Taken })
+    );
+    // The next round follows it, and a resumed cluster goes on past the rounds on disk.
+    assert_eq!(m.begin_checkpoint(), Ok(2));
+    settle(&mut m, |_, _| true);
+    m.set_next_round(7);
+    assert_eq!(m.begin_checkpoint(), Ok(7));
+}
+
+#[test]
+fn a_round_missing_a_shard_is_abandoned_and_names_it() {
+    let mut m = started(3, 3);
+    m.admit_worker(None, 30).unwrap();
+    m.begin_checkpoint().unwrap();
+    let out = settle(&mut m, |_, c| c != Command::Snapshot { round: 1, shard: 1 });
+    assert_eq!(
+        out.last(),
+        Some(&CoordOutput::CheckpointDone {
+            round: 1,
+            outcome: CheckpointOutcome::Abandoned(vec![(1, "refused".into())])
+        })
+    );
+    assert_eq!(m.begin_checkpoint(), Ok(2), "an abandoned round does not block the next");
+}
+
+#[test]
+fn rounds_swaps_and_failovers_never_overlap_and_a_round_follows_the_moved_map() {
+    let mut m = machine(2, 2, 1);
+    m.register_server(0).unwrap();
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Registering { registered: 1, servers: 2 }));
+    let mut m = started(3, 3);
+    m.admit_worker(None, 30).unwrap();
+    // A round under way holds off a swap and another round.
+    assert_eq!(m.begin_checkpoint(), Ok(1));
+    assert_eq!(m.begin_swap(), Err(SwapError::Checkpointing(1)));
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Busy(1)));
+    settle(&mut m, |_, _| true);
+    // A swap under way holds off a round.
+    assert_eq!(m.begin_swap(), Ok(1));
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Swapping(1)));
+    settle(&mut m, |_, _| true);
+    // A failover under way holds off a round; after it, the round goes to the new primaries.
+    let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
+    m.renew(t, 0).unwrap();
+    m.renew(t, 1).unwrap();
+    m.handle_timeout(t);
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::FailingOver(2)));
+    settle(&mut m, |_, _| true);
+    assert_eq!(m.begin_checkpoint(), Ok(2));
+    let out = settle(&mut m, |_, _| true);
+    // Shard 2's backup on server 0 was promoted.
+    assert_eq!(snapshots(&out), vec![(0, 2, 0), (1, 2, 1), (0, 2, 2)]);
+    assert_eq!(
+        out.last(),
+        Some(&CoordOutput::CheckpointDone { round: 2, outcome: CheckpointOutcome::Taken })
+    );
+}
+
+#[test]
+fn a_rebuild_under_way_holds_off_a_round() {
+    let mut m = machine(2, 2, 1);
+    let held: Vec<Held> = (0..2)
+        .map(|s| Held {
+            server: s,
+            primaries: vec![(s, 0, 10)],
+            backups: vec![(1 - s, 0, 10)],
+            ..Held::default()
+        })
+        .collect();
+    m.rebuild(0, &held, &[]);
+    // Nothing to promote, drop or commit: rebuilt at once.
+    assert_eq!(drain(&mut m), vec![CoordOutput::Rebuilt]);
+    assert_eq!(m.begin_checkpoint(), Ok(1));
+
+    // One server missing: its shard's backup is promoted first.
+    let mut m = machine(2, 2, 1);
+    m.rebuild(0, &held[..1], &[]);
+    assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Rebuilding));
+    settle(&mut m, |_, _| true);
+    assert_eq!(m.begin_checkpoint(), Ok(1));
+}

@@ -36,7 +36,7 @@ use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
 use syncopate_engine::coordinator::{
-    Answer, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
 };
 
 mod rebuild;
@@ -143,8 +143,8 @@ struct State {
     swap_waiter: Option<(u64, tokio::sync::oneshot::Sender<SwapOutcome>)>,
     /// The latest score a worker reported.
     score: Option<ReportedScore>,
-    /// The next checkpoint round's number.
-    next_round: u64,
+    /// Who waits for the checkpoint round under way to end.
+    checkpoint_waiter: Option<(u64, tokio::sync::oneshot::Sender<CheckpointOutcome>)>,
     /// The round the shards were restored from.
     restore: Option<PathBuf>,
     /// After a restart: the servers rejoining, until the cluster is rebuilt from them.
@@ -234,6 +234,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                 });
                 m.set_model_len(resumed.as_ref().map(|r| r.manifest.model_len));
                 m.set_swaps(resumed.as_ref().map_or(0, |r| r.manifest.swaps));
+                m.set_next_round(resumed.as_ref().map_or(1, |r| r.manifest.round + 1));
                 m
             },
             policy: opts.policy.clone(),
@@ -241,7 +242,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             preparing: None,
             swap_waiter: None,
             score: None,
-            next_round: resumed.as_ref().map_or(1, |r| r.manifest.round + 1),
+            checkpoint_waiter: None,
             restore: resumed.map(|r| r.dir),
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
@@ -351,16 +352,6 @@ impl State {
     }
 }
 
-/// The commands of one round sent to `servers` that failed, each named by its server's id and
-/// address (not its place in the list: failed-over servers are left out of it).
-fn failures(servers: &[LiveServer], results: &[Result<Answer, String>]) -> Vec<String> {
-    servers
-        .iter()
-        .zip(results)
-        .filter_map(|((id, addr, _), r)| r.as_ref().err().map(|e| format!("server {id} ({addr}): {e}")))
-        .collect()
-}
-
 /// Sends `cmd` (with `payload`) to server `i`, an error if it has no connection.
 async fn command_server(
     servers: &[(SocketAddr, Option<quinn::Connection>)],
@@ -375,46 +366,29 @@ async fn command_server(
 }
 
 impl Coordinator {
-    /// Takes a checkpoint round: every server writes its shards' snapshots into the round's
-    /// folder, then the manifest is written, last, and old rounds are pruned. No swap runs
-    /// meanwhile, so every shard of a round runs the policy the manifest names. Returns the round.
+    /// Takes a checkpoint round, as the machine runs it ([`syncopate_engine::coordinator::checkpoint`]):
+    /// the round's folder and module are written first, then each shard's primary writes its
+    /// snapshot there, then, only if every shard's was written, the manifest, last, and old
+    /// rounds are pruned. No swap runs meanwhile (the machine refuses one; waiting here for a
+    /// swap under way lets a round at shutdown follow it), so every shard of a round runs the
+    /// policy the manifest names. Returns the round.
     async fn checkpoint(&self) -> Result<u64, String> {
         let Some(dir) = self.opts.checkpoint_dir.clone() else {
             return Err("no checkpoint directory is set".into());
         };
+        // Held for the whole round: one round at a time, and none during a swap.
         let _no_swap = self.swap_lock.lock().await;
         let started = *self.ready.borrow() > 0;
-        let (servers, round, manifest, wasm) = {
-            let mut st = self.lock();
-            let Some(model_len) = st.machine.model_len().filter(|_| started || st.restore.is_some()) else {
+        let round = {
+            let st = self.lock();
+            if !started && st.restore.is_none() {
                 return Err("training has not started yet".into());
-            };
-            if (st.servers.len() as u32) < self.opts.servers {
-                return Err(format!(
-                    "only {} of {} servers are registered",
-                    st.servers.len(),
-                    self.opts.servers
-                ));
             }
-            let round = st.next_round;
-            st.next_round += 1;
-            let blob = st.policy.blob();
-            let manifest = crate::checkpoint::Manifest {
-                format: crate::checkpoint::MANIFEST_FORMAT,
-                round,
-                taken_unix_ms: crate::checkpoint::unix_ms(),
-                policy: blob.label,
-                policy_sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
-                config: blob.config,
-                overrides: blob.overrides,
-                swaps: st.machine.swaps(),
-                shards: self.opts.shards,
-                model_len,
-            };
-            (st.live_servers(), round, manifest, st.policy.wasm.clone())
+            st.machine.next_round()
         };
         let t = std::time::Instant::now();
         let folder = crate::checkpoint::round_dir(&dir, round);
+        let wasm = self.lock().policy.wasm.clone();
         let prepare = {
             let folder = folder.clone();
             tokio::task::spawn_blocking(move || {
@@ -424,12 +398,45 @@ impl Coordinator {
             })
         };
         prepare.await.map_err(|e| e.to_string())??;
-        let cmd = ServerCommand::Checkpoint { dir: folder.display().to_string() };
-        let results = futures::future::join_all(servers.iter().map(|(_, _, c)| command(c, &cmd, &[]))).await;
-        let failed = failures(&servers, &results);
-        if !failed.is_empty() {
+        let begun = {
+            let mut st = self.lock();
+            match st.machine.begin_checkpoint() {
+                Ok(begun) => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    st.checkpoint_waiter = Some((begun, tx));
+                    let blob = st.policy.blob();
+                    let manifest = crate::checkpoint::Manifest {
+                        format: crate::checkpoint::MANIFEST_FORMAT,
+                        round: begun,
+                        taken_unix_ms: crate::checkpoint::unix_ms(),
+                        policy: blob.label,
+                        policy_sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
+                        config: blob.config,
+                        overrides: blob.overrides,
+                        swaps: st.machine.swaps(),
+                        shards: self.opts.shards,
+                        model_len: st.machine.model_len().unwrap_or(0),
+                    };
+                    Ok((begun, manifest, rx))
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        let (begun, manifest, done) = match begun {
+            // The swap lock keeps any other round from taking this one's number.
+            Ok(b) if b.0 == round => b,
+            Ok((other, ..)) => return Err(format!("round {other} began where round {round} was prepared")),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&folder);
+                return Err(e);
+            }
+        };
+        self.drive().await;
+        let outcome = done.await.map_err(|_| format!("round {begun} was abandoned with the coordinator"))?;
+        if let CheckpointOutcome::Abandoned(failed) = outcome {
             let _ = std::fs::remove_dir_all(&folder);
-            return Err(format!("round {round} abandoned: {}", failed.join("; ")));
+            let why: Vec<String> = failed.iter().map(|(shard, e)| format!("shard {shard}: {e}")).collect();
+            return Err(format!("round {round} abandoned: {}", why.join("; ")));
         }
         let finish = {
             let (folder, dir) = (folder.clone(), dir.clone());
@@ -546,6 +553,13 @@ impl Coordinator {
             },
             Command::Commit { swap } => (ServerCommand::Commit { swap, raise }, Vec::new()),
             Command::Abort { swap } => (ServerCommand::Abort { swap }, Vec::new()),
+            Command::Snapshot { round, shard } => match &self.opts.checkpoint_dir {
+                Some(dir) => {
+                    let dir = crate::checkpoint::round_dir(dir, round).display().to_string();
+                    (ServerCommand::Checkpoint { dir, shard }, Vec::new())
+                }
+                None => return Err("no checkpoint directory is set".into()),
+            },
         };
         let result = command_server(&servers, server, &cmd, &payload).await;
         match (&result, what) {
@@ -563,6 +577,9 @@ impl Coordinator {
             }
             (Err(e), Command::Prepare { swap } | Command::Commit { swap }) => {
                 tracing::warn!(swap, server, "swap not carried out: {e}")
+            }
+            (Err(e), Command::Snapshot { round, shard }) => {
+                tracing::warn!(round, shard, server, "snapshot not written: {e}")
             }
             _ => {}
         }
@@ -603,6 +620,11 @@ impl Coordinator {
                     st.previous = Some(std::mem::replace(&mut st.policy, new));
                 }
                 if let Some((_, waiter)) = st.swap_waiter.take_if(|w| w.0 == swap) {
+                    let _ = waiter.send(outcome);
+                }
+            }
+            CoordOutput::CheckpointDone { round, outcome } => {
+                if let Some((_, waiter)) = self.lock().checkpoint_waiter.take_if(|w| w.0 == round) {
                     let _ = waiter.send(outcome);
                 }
             }

@@ -279,7 +279,8 @@ impl Coordinator {
                 );
             }
             if let Some(dir) = &self.opts.checkpoint_dir {
-                st.next_round = crate::checkpoint::rounds(dir).into_iter().max().map_or(1, |r| r + 1);
+                st.machine
+                    .set_next_round(crate::checkpoint::rounds(dir).into_iter().max().map_or(1, |r| r + 1));
             }
             st.rebuild.as_mut().expect("rebuilding").refused = rebuilt
                 .resolution

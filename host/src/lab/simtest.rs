@@ -52,8 +52,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
-    simulate, Cut, FailAt, Node, RebuildCounts, SimError, SimFailure, SimFaults, SimLinkCut, SimOptions,
-    SimPartition, Simulated, HOSTILE,
+    simulate, CheckpointCounts, Cut, FailAt, Node, RebuildCounts, SimError, SimFailure, SimFaults,
+    SimLinkCut, SimOptions, SimPartition, Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
 use syncopate_engine::coordinator::REJOIN_WAIT_MS;
@@ -106,6 +106,9 @@ pub struct Case {
     pub server_link_cut: Option<(u32, u32, u64)>,
     /// Whether the crashed coordinator's successor finds the terms it recorded (as on disk).
     pub crash_keeps_terms: bool,
+    /// Checkpoint rounds in the disturbed run (0-3), each at an event drawn like the deaths'
+    /// (the first, in half the seeds with a death, a few events after it).
+    pub checkpoints: u32,
 }
 
 /// What a passing seed exercised.
@@ -145,6 +148,8 @@ pub struct Exercised {
     pub coordinator_crashes: u64,
     /// What those rebuilds did.
     pub rebuild: RebuildCounts,
+    /// What became of the checkpoint rounds (each taken one checked).
+    pub checkpoints: CheckpointCounts,
     /// Runs with a link cut for a while (a worker's to a server, or between two servers).
     pub link_cuts: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
@@ -169,6 +174,7 @@ impl std::ops::AddAssign for Exercised {
         self.hostile += o.hostile;
         self.coordinator_crashes += o.coordinator_crashes;
         self.rebuild += o.rebuild;
+        self.checkpoints += o.checkpoints;
         self.link_cuts += o.link_cuts;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
@@ -249,11 +255,14 @@ pub enum Fault {
     LinkCut,
     /// The two servers cut off from each other.
     ServerLinkCut,
+    /// The checkpoint rounds.
+    Checkpoints,
 }
 
 impl Fault {
     /// Every fault, in the order a shrink tries to remove them.
-    pub const ALL: [Fault; 14] = [
+    pub const ALL: [Fault; 15] = [
+        Fault::Checkpoints,
         Fault::BadInputs,
         Fault::Duplicates,
         Fault::Reorder,
@@ -287,6 +296,7 @@ impl Fault {
             Fault::CoordinatorCrash => "coordinator-crash",
             Fault::LinkCut => "link-cut",
             Fault::ServerLinkCut => "server-link-cut",
+            Fault::Checkpoints => "checkpoints",
         }
     }
 }
@@ -360,6 +370,7 @@ impl Case {
             Fault::CoordinatorCrash => c.coordinator_crash.take().is_some(),
             Fault::LinkCut => c.link_cut.take().is_some(),
             Fault::ServerLinkCut => c.server_link_cut.take().is_some(),
+            Fault::Checkpoints => std::mem::take(&mut c.checkpoints) > 0,
         };
         had.then_some(c)
     }
@@ -445,6 +456,8 @@ impl Case {
             (x, (x + rng.random_range(1..servers)) % servers, rng.random_range(100..=8000))
         });
         let crash_keeps_terms = rng.random_bool(0.5);
+        // Checkpoint rounds in half the seeds, one to three.
+        let checkpoints = if rng.random_bool(0.5) { rng.random_range(1..=3) } else { 0 };
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -474,6 +487,7 @@ impl Case {
             link_cut,
             server_link_cut,
             crash_keeps_terms,
+            checkpoints,
         }
     }
 
@@ -557,6 +571,25 @@ impl Case {
         let crash_offset_ns = rng.random_range(0..=4 * self.scenario.latency_us * 1000);
         let link_cut_at = FailAt::Event(rng.random_range(0..n));
         let server_link_cut_at = FailAt::Event(rng.random_range(0..n));
+        // Checkpoint rounds: in half the seeds with a death, one a few events after it (its
+        // commands meet the dead server, or the failover); in half those with a swap, one
+        // within a few latencies of it (a round and a swap must not overlap).
+        let round_events: Vec<u64> = (0..3).map(|_| rng.random_range(0..n)).collect();
+        let (round_at_death, after_death) = (rng.random_bool(0.5), rng.random_range(0..=50u64));
+        let round_in_swap = rng.random_bool(0.5);
+        let round_offset_ns = rng.random_range(0..=4 * self.scenario.latency_us * 1000);
+        let mut near: Vec<FailAt> = Vec::new();
+        if let Some(FailAt::Time(t)) = swaps.first().map(|s| s.0).filter(|_| round_in_swap) {
+            near.push(FailAt::Time(
+                (t + round_offset_ns).saturating_sub(2 * self.scenario.latency_us * 1000),
+            ));
+        }
+        if round_at_death && self.server.is_some() {
+            near.push(FailAt::Event(at + after_death));
+        }
+        let checkpoints: Vec<FailAt> = (0..self.checkpoints as usize)
+            .map(|i| near.get(i).copied().unwrap_or(FailAt::Event(round_events[i.min(2)])))
+            .collect();
         let cut = |a, b, at, ms: u64| SimLinkCut { a, b, at, heal_after_ns: ms * 1_000_000 };
         let link_cuts: Vec<SimLinkCut> = self
             .link_cut
@@ -611,6 +644,7 @@ impl Case {
                     let ms = c.heal_after_ns / 1_000_000;
                     format!("{:?} cut off from {:?} for {ms} ms from {}", c.a, c.b, when(c.at))
                 }))
+                .chain(checkpoints.iter().map(|at| format!("checkpoint round at {}", when(*at))))
                 .collect::<Vec<_>>()
                 .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
@@ -641,6 +675,7 @@ impl Case {
                 coordinator_crash: crash,
                 crash_keeps_terms: self.crash_keeps_terms,
                 link_cuts,
+                checkpoints,
             },
         ) {
             Ok(f) => f,
@@ -739,6 +774,7 @@ impl Case {
             hostile,
             coordinator_crashes: u64::from(crash.is_some()),
             rebuild: failed.rebuild,
+            checkpoints: failed.checkpoints,
             link_cuts: link_cut,
             max_delay_ms: delay_ns / 1_000_000,
         })
@@ -748,7 +784,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -797,7 +833,11 @@ impl Case {
                 .unwrap_or_default(),
             self.server_link_cut
                 .map(|(x, y, ms)| format!(", servers {x} and {y} cut off from each other for {ms} ms"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            match self.checkpoints {
+                0 => String::new(),
+                n => format!(", {n} checkpoint round{}", if n > 1 { "s" } else { "" }),
+            }
         )
     }
 }

@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -403,12 +403,14 @@ pub enum ServerCommand {
     },
     /// Report the shards' state.
     Status,
-    /// Write a snapshot of every shard into this round's folder
-    /// ([`crate::checkpoint::shard_file`]).
+    /// Write the snapshot of shard `shard`, which this server is primary for, into a checkpoint
+    /// round's folder ([`crate::checkpoint::shard_file`]); refused if it is not its primary.
     Checkpoint {
         /// The round's folder (a path every server reaches: on one machine, or a shared file
         /// system).
         dir: String,
+        /// The shard.
+        shard: u32,
     },
     /// Stream shard `shard`'s ops to its backup on the server at `addr` (sent once every server
     /// has registered, before workers are welcomed).

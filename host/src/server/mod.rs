@@ -399,21 +399,20 @@ async fn restore_shards(
     .map_err(|e| NodeError::Protocol(format!("restore task failed: {e}")))?
 }
 
-/// Writes every shard's snapshot into `dir`: each is taken by its shard task (between two
-/// events), then written crash-safely off the reactor.
-async fn checkpoint(shared: &Shared, dir: &str) -> Result<(), String> {
-    for (shard, tx) in shared.primaries() {
-        let bytes = ask(shard, &tx, |reply| ShardCmd::Snapshot { reply })
-            .await
-            .map_err(|e| format!("shard {shard}: {e}"))?;
-        let path = crate::checkpoint::shard_file(std::path::Path::new(dir), shard);
-        let len = bytes.len();
-        tokio::task::spawn_blocking(move || crate::checkpoint::write_atomic(&path, &bytes))
-            .await
-            .map_err(|e| format!("write task failed: {e}"))?
-            .map_err(|e| format!("shard {shard}: {e}"))?;
-        tracing::debug!(shard, bytes = len, dir, "shard checkpointed");
-    }
+/// Writes the snapshot of `shard`, a primary here, into `dir`: taken by its shard task (between
+/// two events), then written crash-safely off the reactor.
+async fn checkpoint(shared: &Shared, dir: &str, shard: u32) -> Result<(), String> {
+    let tx = shared.shard(shard).ok_or_else(|| format!("shard {shard} has no primary on this server"))?;
+    let bytes = ask(shard, &tx, |reply| ShardCmd::Snapshot { reply })
+        .await
+        .map_err(|e| format!("shard {shard}: {e}"))?;
+    let path = crate::checkpoint::shard_file(std::path::Path::new(dir), shard);
+    let len = bytes.len();
+    tokio::task::spawn_blocking(move || crate::checkpoint::write_atomic(&path, &bytes))
+        .await
+        .map_err(|e| format!("write task failed: {e}"))?
+        .map_err(|e| format!("shard {shard}: {e}"))?;
+    tracing::debug!(shard, bytes = len, dir, "shard checkpointed");
     Ok(())
 }
 
@@ -830,7 +829,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             }
             ServerReply::Ok
         }
-        ServerCommand::Checkpoint { dir } => match checkpoint(shared, &dir).await {
+        ServerCommand::Checkpoint { dir, shard } => match checkpoint(shared, &dir, shard).await {
             Ok(()) => ServerReply::Ok,
             Err(e) => ServerReply::Error(e),
         },

@@ -32,13 +32,19 @@
 //!   backups whose primary did not come back are promoted, an interrupted swap is finished.
 //!   Renewals are answered again once its commands are done, and each worker then gets the map.
 //!
+//! - checkpoint rounds ([`SimFaults::checkpoints`](super::SimFaults::checkpoints)) are the
+//!   machine's too: each shard's primary takes its snapshot when the command reaches it (a dead
+//!   server, or one the shard moved from, cannot), and a round the machine reports taken is
+//!   checked ([`SimError::Checkpoint`]).
+//!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
 use std::collections::BTreeMap;
 
 use rand::Rng;
 use syncopate_engine::coordinator::{
-    Answer, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held, REJOIN_WAIT_MS,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held,
+    REJOIN_WAIT_MS,
 };
 use syncopate_policy_sdk::abi::LeaveReason;
 
@@ -49,6 +55,18 @@ use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot};
 
 const MS: u64 = 1_000_000;
+
+/// A checkpoint round begun: what its shards were when it began, and the snapshots written.
+#[derive(Debug, Default)]
+pub(super) struct SimRound {
+    /// Per shard: its policy module's SHA-256 when the round began.
+    policies: Vec<[u8; 32]>,
+    /// Per shard: the fewest optimizer steps any live copy of it had applied when the round
+    /// began (every push acknowledged by then is among them).
+    floors: Vec<u64>,
+    /// The snapshots written, as a server writes them (encoded), by shard.
+    written: BTreeMap<u32, Vec<u8>>,
+}
 
 /// What becomes of a worker's message to a shard when it arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -332,6 +350,13 @@ impl Sim {
                     tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
                     self.swapping = None;
                 }
+                CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Taken } => {
+                    self.round_taken(round)?
+                }
+                CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Abandoned(failed) } => {
+                    tracing::debug!(round, ?failed, t_ns = self.now, "checkpoint round abandoned");
+                    self.checkpoints.abandoned += 1;
+                }
                 CoordOutput::Replicated => {}
             }
         }
@@ -368,6 +393,17 @@ impl Sim {
             // Every module the run may swap to was compiled before it began.
             Command::Prepare { swap } | Command::Abort { swap } => {
                 Ok(self.swapping.as_ref().is_some_and(|p| p.0 == swap))
+            }
+            Command::Snapshot { round, shard } => {
+                let su = shard as usize;
+                if su >= self.nodes.len() || self.server_of[su] != x {
+                    return Ok(false);
+                }
+                let Ok(snap) = self.nodes[su].snapshot(self.now) else { return Ok(false) };
+                if let Some(r) = self.rounds.get_mut(&round) {
+                    r.written.insert(shard, snap.encode());
+                }
+                Ok(true)
             }
             Command::Commit { swap } => match self.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
@@ -560,6 +596,8 @@ impl Sim {
             max_workers: self.coord.config().max_workers,
         };
         self.coord = CoordinatorMachine::new(cfg);
+        // Its rounds go on past those begun before (a cluster's coordinator finds their folders).
+        self.coord.set_next_round(self.rounds.keys().max().map_or(1, |r| r + 1));
         self.coord_phase = Phase::Rejoining(BTreeMap::new());
         tracing::debug!(t_ns = self.now, "coordinator restarted");
         for x in 0..self.dead.len() as u32 {
@@ -700,5 +738,75 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// A checkpoint round, begun by the coordinator's machine ([`SimFaults::checkpoints`](super::SimFaults::checkpoints)):
+    /// each shard's primary is told to take its snapshot. One the machine will not begin now
+    /// is counted and skipped, as a cluster's periodic round is.
+    pub(super) fn checkpoint(&mut self) -> Result<(), SimError> {
+        if !self.controlled() || self.coord_phase != Phase::Up {
+            tracing::debug!(t_ns = self.now, "checkpoint round not begun: no coordinator");
+            self.checkpoints.refused += 1;
+            return Ok(());
+        }
+        match self.coord.begin_checkpoint() {
+            Ok(round) => {
+                let mut r = SimRound::default();
+                for s in 0..self.nodes.len() {
+                    let primary = sim_shard(&self.nodes[s]);
+                    r.policies.push(primary.policy().sha256());
+                    let backup = self.backups[s].as_ref().and_then(|b| b.shard());
+                    let backup = backup.filter(|_| self.backup_of[s].is_some_and(|b| !self.dead[b as usize]));
+                    r.floors.push(backup.map_or(primary.version(), |b| b.version().min(primary.version())));
+                }
+                tracing::debug!(round, t_ns = self.now, "checkpoint round begins");
+                self.rounds.insert(round, r);
+                self.drive_coordinator()
+            }
+            Err(e) => {
+                tracing::debug!(t_ns = self.now, "checkpoint round not begun: {e}");
+                self.checkpoints.refused += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// The machine says round `round` was taken: it must hold every shard's snapshot, each
+    /// decoding to its shard, running the policy its shard ran when the round began, and having
+    /// applied at least what every live copy of it had then.
+    fn round_taken(&mut self, round: u64) -> Result<(), SimError> {
+        let bad = |why: String| Err(SimError::Checkpoint { round, why });
+        let Some(r) = self.rounds.get(&round) else { return bad("it was never begun".into()) };
+        let shards = self.nodes.len() as u32;
+        for k in 0..shards {
+            let Some(bytes) = r.written.get(&k) else {
+                return bad(format!("shard {k}'s snapshot was never written"));
+            };
+            let snap = match ShardSnapshot::decode(bytes) {
+                Ok(snap) => snap,
+                Err(e) => return bad(format!("shard {k}'s snapshot does not decode: {e}")),
+            };
+            if (snap.shard(), snap.shards()) != (k, shards) {
+                return bad(format!("shard {k}'s file holds shard {} of {}", snap.shard(), snap.shards()));
+            }
+            let began = r.policies[k as usize];
+            if snap.policy_sha256() != began {
+                return bad(format!(
+                    "shard {k}'s snapshot runs another policy than the shard ran when the round began \
+                     (a swap overlapped the round)"
+                ));
+            }
+            let floor = r.floors[k as usize];
+            if snap.version() < floor {
+                return bad(format!(
+                    "shard {k}'s snapshot has applied {} steps, fewer than every copy had when the round \
+                     began ({floor}): acknowledged pushes are missing from it",
+                    snap.version()
+                ));
+            }
+        }
+        tracing::debug!(round, t_ns = self.now, "checkpoint round taken");
+        self.checkpoints.taken += 1;
+        Ok(())
     }
 }

@@ -152,6 +152,15 @@ pub struct SimFaults {
     /// Links between a worker and a server, or between two servers, cut for a while, both
     /// ways ([`SimLinkCut`]).
     pub link_cuts: Vec<SimLinkCut>,
+    /// Checkpoint rounds, each begun at its time by the coordinator's machine, as a cluster's
+    /// periodic checkpoint is: each shard's primary takes its snapshot when the command reaches
+    /// it. A round the machine will not begin then (a swap, a failover or a rebuild under way,
+    /// the coordinator down) is counted and skipped. A round taken is checked when it ends: it
+    /// holds every shard's snapshot, each decodes, runs the policy its shard ran when the round
+    /// began, and has applied at least what every copy of the shard had then; otherwise the
+    /// run ends ([`SimError::Checkpoint`]). A snapshot changes nothing in its shard, so a run
+    /// with rounds ends where the same run without them does.
+    pub checkpoints: Vec<FailAt>,
 }
 
 /// One end of a link.
@@ -300,6 +309,15 @@ pub enum SimError {
         newest: u64,
         /// The newest term a copy that came back holds.
         held: u64,
+    },
+    /// A checkpoint round the coordinator's machine reported taken is not whole or not right
+    /// ([`SimFaults::checkpoints`]).
+    #[error("checkpoint round {round} was taken, but {why}")]
+    Checkpoint {
+        /// The round.
+        round: u64,
+        /// What is wrong with it.
+        why: String,
     },
     /// A restarted coordinator resolved a shard to a stale copy: every server holding its
     /// newest term died before it could rejoin, and a server failed over earlier claims an
@@ -520,6 +538,10 @@ struct Sim {
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
     drift: Option<String>,
+    /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
+    rounds: BTreeMap<u64, control::SimRound>,
+    /// What became of the rounds.
+    checkpoints: CheckpointCounts,
 }
 
 /// A finished simulation.
@@ -546,6 +568,29 @@ pub struct Simulated {
     pub bad_inputs: u64,
     /// What a restarted coordinator's rebuild did ([`SimFaults::coordinator_crash`]).
     pub rebuild: RebuildCounts,
+    /// What became of the checkpoint rounds ([`SimFaults::checkpoints`]).
+    pub checkpoints: CheckpointCounts,
+}
+
+/// What became of a run's checkpoint rounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CheckpointCounts {
+    /// Rounds taken (and checked).
+    pub taken: u64,
+    /// Rounds abandoned: a shard's snapshot could not be written (its primary died, or had
+    /// moved, when the command arrived).
+    pub abandoned: u64,
+    /// Rounds the coordinator would not begin then (a swap, a failover or a rebuild under way,
+    /// or it was down).
+    pub refused: u64,
+}
+
+impl std::ops::AddAssign for CheckpointCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.taken += o.taken;
+        self.abandoned += o.abandoned;
+        self.refused += o.refused;
+    }
 }
 
 /// What restarted coordinators' rebuilds did in a run.
@@ -843,6 +888,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         pipes: BTreeMap::new(),
         two_primaries: None,
         drift: None,
+        rounds: BTreeMap::new(),
+        checkpoints: CheckpointCounts::default(),
     };
     sim.start_control();
     // Each worker joins every shard, and starts once all have answered (with backups, once
@@ -881,11 +928,13 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let mut late_join = opts.faults.late_join.clone();
     let mut crash = opts.faults.coordinator_crash;
     let mut link_cuts = opts.faults.link_cuts.clone();
+    let mut checkpoints = opts.faults.checkpoints.clone();
     // A fault at a time comes at that time, not at the next event after it: a tick marks it (so
     // a crash drawn a few latencies after a swap lands inside its two phases).
     let times = failures.iter().map(|f| f.at).chain(partitions.iter().map(|p| p.at));
     let times = times.chain(worker_deaths.iter().map(|d| d.1)).chain(swaps.iter().map(|s| s.0));
     let times = times.chain(late_join.iter().map(|l| l.1)).chain(crash.map(|c| c.0));
+    let times = times.chain(checkpoints.iter().copied());
     for at in times.chain(link_cuts.iter().map(|c| c.at)) {
         if let FailAt::Time(t) = at {
             sim.at(t.max(sim.now), Ev::Tick);
@@ -916,6 +965,10 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             let (a, b) = (sim.node_index(c.a), sim.node_index(c.b));
             let until = sim.cut_links.entry((a.min(b), a.max(b))).or_default();
             *until = (*until).max(t + c.heal_after_ns);
+        }
+        while let Some(k) = checkpoints.iter().position(|c| c.due(handled, t)) {
+            checkpoints.remove(k);
+            sim.checkpoint()?;
         }
         if let Some((_, down_ns)) = crash.filter(|c| c.0.due(handled, t)) {
             crash = None;
@@ -951,7 +1004,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         None => sim.replicas_differ()?,
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
-    let rebuild = sim.rebuild;
+    let (rebuild, checkpoints) = (sim.rebuild, sim.checkpoints);
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -961,6 +1014,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         duplicates,
         bad_inputs,
         rebuild,
+        checkpoints,
     })
 }
 
