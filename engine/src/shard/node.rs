@@ -429,6 +429,11 @@ pub struct ShardNode {
     replicating: bool,
     /// The time of the last op applied (a backup's: its primary's).
     last_now: u64,
+    /// Whether a backup attached before the first op may start as this node started, without
+    /// a snapshot: its shard not created yet, or created or restored (a checkpoint) from what
+    /// its backups start from too. Used by the first attachment; a promoted backup never has
+    /// it (its state came from a primary's stream or snapshot, which a new backup lacks).
+    shared_start: bool,
 }
 
 impl ShardNode {
@@ -444,6 +449,7 @@ impl ShardNode {
             awaiting: None,
             replicating: false,
             last_now: 0,
+            shared_start: true,
         }
     }
 
@@ -944,9 +950,13 @@ impl ShardNode {
         if self.pending.backup {
             return Err(RequestError::Backup(id));
         }
-        if self.pending.gate.seq() == 0 {
-            let seq = self.pending.gate.seq();
-            self.pending.gate.attach(seq);
+        // Before the first op, a backup starts as this node did, unless this node's state came
+        // from elsewhere (a promoted backup that has stamped no op yet): then, as after ops, it
+        // starts from a snapshot. Search found it: a backup restored from a snapshot, promoted
+        // before any op, handed its next backup nothing, and that backup never held the shard.
+        let shared = self.shard.is_none() || std::mem::take(&mut self.shared_start);
+        if self.pending.gate.seq() == 0 && shared {
+            self.pending.gate.attach(0);
             self.replicating = true;
             return Ok(None);
         }
@@ -991,6 +1001,7 @@ impl ShardNode {
             return;
         }
         self.pending.backup = false;
+        self.shared_start = false;
         let members: BTreeSet<WorkerId> =
             self.shard.as_ref().map(|s| s.workers().iter().map(|c| c.worker).collect()).unwrap_or_default();
         event!(self, warn, shard = self.id(), members = members.len(), "promoted to primary");
@@ -1132,6 +1143,40 @@ mod tests {
         backup.replicated(last[0].0.clone(), payload, |_| None, &mut Quiet);
         assert_eq!(confirms(&mut backup), vec![have + 1]);
         assert_eq!(backup.shard().unwrap().values(), primary.shard().unwrap().values());
+    }
+
+    /// Found by the fault search (a dead server restarted, then another death): a backup
+    /// started from its primary's snapshot and promoted before any op came has stamped no op
+    /// of its own, yet holds state its next backup lacks, so that backup must start from a
+    /// snapshot too, not empty.
+    #[test]
+    fn a_backup_promoted_before_any_op_hands_its_next_backup_a_snapshot() {
+        let (mut primary, mut backup) = (node("asp", false), node("asp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(1, 1, 0, vec![0.0; 2], &mut Quiet);
+        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        let seq = deliver(drain(&mut primary), &mut backup).unwrap();
+        primary.confirmed(seq);
+        drain(&mut primary);
+        // Re-replication: a third node starts from the (promoted) backup's snapshot and is
+        // promoted in turn before any op reaches it.
+        backup.promote();
+        let (_, snapshot) = backup.attach_backup(10, &mut Quiet).unwrap().expect("after ops, a snapshot");
+        let snap = ShardSnapshot::decode(&snapshot).unwrap();
+        let mut third =
+            ShardNode::restore(cfg(), backup.module().clone(), Vec::new(), true, snap, &mut Quiet)
+                .expect("restores");
+        third.promote();
+        assert_eq!(third.replication().0, 0, "no op of its own yet");
+        let Some((_, next)) = third.attach_backup(20, &mut Quiet).unwrap() else {
+            panic!("a promoted backup with state hands its next backup a snapshot, not nothing")
+        };
+        let next = ShardSnapshot::decode(&next).unwrap();
+        assert_eq!(next.params(), &[-1.0; 2][..]);
+        assert_eq!(next.version(), primary.shard().unwrap().version());
+        // A fresh primary's first attachment still starts its backup as it started.
+        let mut fresh = node("asp", false);
+        assert!(fresh.attach_backup(0, &mut Quiet).unwrap().is_none());
     }
 
     #[test]
