@@ -20,6 +20,9 @@
 //!   shards moved, and once those commands are done every shard left without a backup gets a
 //!   new one on a live server ([`crate::placement::new_backups`]). One failover runs at a time;
 //!   a second lapse waits for the first to finish.
+//! - **restarted servers** ([`CoordinatorMachine::replace_server`]): a new process in the
+//!   place of a lost server takes its id back, empty, once the old one is failed over and a
+//!   peer timeout has passed, and shards without a backup get one on it.
 //! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
 //!   that no connected worker holds, or is given the lowest never given out.
 //! - **hot swaps**, two-phase: every live server prepares the module off the hot path and answers
@@ -58,6 +61,11 @@ pub struct CoordinatorConfig {
     pub replicas: u32,
     /// Worker ids are `0..max_workers`.
     pub max_workers: u32,
+    /// The cluster's peer timeout, in milliseconds: a silent connection ends this long after
+    /// its peer's last packet. A server restarted in a lost one's place takes its id only this
+    /// long after the loss, by when every peer's connection to the old process has ended, so
+    /// none sends the new one what was meant for the old.
+    pub peer_timeout_ms: u64,
 }
 
 /// The machine's name for a command it sent, returned with its result.
@@ -232,6 +240,22 @@ pub enum Refusal {
     /// All the cluster's servers have registered.
     #[error("the cluster already has its {0} servers")]
     ServersFull(u32),
+    /// A server restarted in the place of one the cluster does not have.
+    #[error("the cluster has no server {server} (it has {servers})")]
+    NoSuchServer {
+        /// The id it would take.
+        server: u32,
+        /// Servers the cluster has.
+        servers: u32,
+    },
+    /// A server restarted in the place of server `server` cannot take it now; it may later.
+    #[error("server {server} cannot be replaced yet: {why}")]
+    NotYet {
+        /// The id it would take.
+        server: u32,
+        /// Why not now.
+        why: &'static str,
+    },
     /// The worker asked for an id at or above `max_workers`.
     #[error("worker id {id} is out of range: this cluster admits ids 0 to {} (its --max-workers is {max})", max - 1)]
     IdOutOfRange {
@@ -324,6 +348,8 @@ pub struct CoordinatorMachine {
     re_replicated: bool,
     /// Lapsed servers waiting for the failover under way.
     queued: VecDeque<u32>,
+    /// When each lost server was lost (its lease lapsed, or a rebuild went on without it).
+    lost_at: BTreeMap<u32, u64>,
     /// Hot swaps committed (the number of the last).
     swaps: u64,
     /// The hot swap under way, if one is.
@@ -355,6 +381,7 @@ impl CoordinatorMachine {
             failing: None,
             re_replicated: false,
             queued: VecDeque::new(),
+            lost_at: BTreeMap::new(),
             swaps: 0,
             swap: None,
             rebuilding: None,
@@ -388,6 +415,7 @@ impl CoordinatorMachine {
         }
         for server in self.leases.lapsed(now_ns) {
             self.leases.lose(server);
+            self.lost_at.insert(server, now_ns);
             self.outputs.push_back(CoordOutput::ServerLost { server });
             self.queued.push_back(server);
         }
@@ -435,6 +463,47 @@ impl CoordinatorMachine {
         self.answered
     }
 
+    /// A server restarted in the place of lost server `server` (failed over, so it holds
+    /// nothing): it takes the id back, empty, with a lease from `now_ns` as a new server's, and
+    /// every shard without a backup gets one on the next live server after its primary's,
+    /// this one included (at once, or when the failover under way re-replicates). Refused while
+    /// the server still counts as live (its old process's lease has not lapsed: the driver must
+    /// also refuse that process's renewals from now on), while it or the map is changing (its
+    /// failover, a swap, a rebuild, new backups under way), or for an id the cluster does not
+    /// have; nothing changes then.
+    pub fn replace_server(&mut self, now_ns: u64, server: u32) -> Result<(), Refusal> {
+        let servers = self.cfg.servers;
+        let not_yet = |why| Err(Refusal::NotYet { server, why });
+        if server >= self.leases.len() as u32 {
+            return Err(Refusal::NoSuchServer { server, servers });
+        }
+        if self.leases.is_live(server) {
+            return not_yet("it is still live in the cluster's view (a restarted server takes its id back once its lease has lapsed and it was failed over)");
+        }
+        if self.failing == Some(server) || self.queued.contains(&server) {
+            return not_yet("it is being failed over");
+        }
+        let quiet_ns = self.cfg.peer_timeout_ms * 1_000_000;
+        if self.lost_at.get(&server).is_some_and(|&at| now_ns < at + quiet_ns) {
+            return not_yet("a peer timeout has not passed since it was lost (the old process's connections may still be open)");
+        }
+        if self.rebuilding.is_some() {
+            return not_yet("the cluster is being rebuilt after a coordinator restart");
+        }
+        if self.swap.is_some() {
+            return not_yet("a hot swap is under way");
+        }
+        if self.pending.values().any(|p| matches!(p, Purpose::NewBackup { .. })) {
+            return not_yet("new backups are being attached");
+        }
+        self.leases.revive(now_ns, server);
+        self.lost_at.remove(&server);
+        if self.failing.is_none() {
+            self.re_replicate();
+        }
+        Ok(())
+    }
+
     /// Server `server` renews its lease at `now_ns` (its heartbeat, or its reconnection).
     pub fn renew(&mut self, now_ns: u64, server: u32) -> Result<(), crate::lease::LeaseError> {
         self.leases.renew(now_ns, server)
@@ -466,6 +535,7 @@ impl CoordinatorMachine {
         // A rejoined server's lease starts again with its next renewal, which follows its
         // welcome at once: the first lease's allowance covers a slow one.
         self.leases.reset(&live, now_ns + LEASE_MS * 1_000_000);
+        self.lost_at = (0..n).filter(|&i| !live[i as usize]).map(|i| (i, now_ns)).collect();
         self.answered = n;
         self.replicated = true;
         self.model_len = resolution.model_len(&held);

@@ -126,6 +126,14 @@ impl LeaseTable {
         (0..self.renewed.len() as u32).filter_map(|s| self.lapses_at(s)).min()
     }
 
+    /// A server restarted in the place of lost server `server` (a new process under its id):
+    /// live again, with until [`FIRST_HEARTBEAT_MS`] after `now_ns` for its first heartbeat.
+    pub fn revive(&mut self, now_ns: u64, server: u32) {
+        if let Some(r) = self.renewed.get_mut(server as usize) {
+            *r = Some(now_ns + FIRST_HEARTBEAT_MS * MS);
+        }
+    }
+
     /// Marks `server` lost (it is being failed over).
     pub fn lose(&mut self, server: u32) {
         if let Some(r) = self.renewed.get_mut(server as usize) {

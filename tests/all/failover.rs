@@ -290,6 +290,112 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
     assert!(run.log("coordinator").contains("re-replicated: a new backup"));
 }
 
+/// Issue 36: a server process restarted in the place of a lost one, at its address, takes its
+/// id back once the old one is failed over and a peer timeout has passed (it asks again until
+/// then), holds nothing, and gets a backup of every shard (with two servers, the failover left
+/// every shard without one). The other server is then killed too, and the run still finishes,
+/// every push counted once: the restarted server's new backups took over, and the workers
+/// connected to it again. Without the restart, the second death would lose the shards.
+#[test]
+fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_servers_death() {
+    let mut run = LocalRun::start(
+        "failover-restart",
+        &[
+            "--workers",
+            "3",
+            "--servers",
+            "2",
+            "--shards",
+            "3",
+            "--params",
+            "64",
+            "--delay-ms",
+            "20",
+            "--iterations",
+            "1500",
+            "--replicas",
+            "1",
+            "--policy",
+            "ssp:s=2",
+        ],
+    );
+    wait_for_clock(&mut run, 60);
+    let pids = server_pids(&run.dir);
+    let victim = pids[0];
+    let read = |what: &str| std::fs::read(format!("/proc/{victim}/{what}")).unwrap();
+    let args: Vec<String> = read("cmdline")
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let token = read("environ")
+        .split(|b| *b == 0)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .find_map(|v| v.strip_prefix("SYNCOPATE_TOKEN=").map(str::to_string))
+        .expect("the server has its token");
+    let id_file = &args[args.iter().position(|a| a == "--id-file").unwrap() + 1];
+    let id: u32 = std::fs::read_to_string(id_file).unwrap().trim().parse().unwrap();
+    let addr = run.status().servers.iter().find(|s| s.server == id).map(|s| s.addr).expect("listed");
+    sigkill(victim);
+    // Once it is failed over, a server at another address is refused: workers reach a server at
+    // the address they were given.
+    let t = Instant::now();
+    while run.status().lost_servers != vec![id] {
+        assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let elsewhere = std::process::Command::new(crate::cli::syncopate_bin())
+        .args(&args[1..])
+        .args(["--listen", "127.0.0.1:0"])
+        .env("SYNCOPATE_TOKEN", &token)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&elsewhere.stderr);
+    assert!(!elsewhere.status.success(), "{said}");
+    assert!(said.contains(&format!("must listen at its address (server {id} at {addr})")), "{said}");
+    // Restarted at its address: it is asked to wait until a peer timeout has passed since the
+    // old one was lost, then takes its id back.
+    let log = std::fs::File::create(run.dir.join("logs").join("server-restarted.log")).unwrap();
+    let mut restarted = std::process::Command::new(crate::cli::syncopate_bin())
+        .args(&args[1..])
+        .args(["--listen", &addr.to_string()])
+        .env("SYNCOPATE_TOKEN", &token)
+        .env("SYNCOPATE_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    loop {
+        let st = run.status();
+        if st.lost_servers.is_empty() && st.placement.iter().all(|p| p.1 != id && p.2 == Some(id)) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the restarted server did not take its id back with the backups: {st:?}\n{}",
+            run.log("server-restarted")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let restarted_log = run.log("server-restarted");
+    assert!(restarted_log.contains("cannot admit this server yet"), "{restarted_log}");
+    assert!(restarted_log.contains("registered in the place of lost server"), "{restarted_log}");
+    let other = server_pids(&run.dir).into_iter().find(|p| *p != victim && *p != restarted.id()).unwrap();
+    sigkill(other);
+    let (st, run) = run.finish(Duration::from_secs(180));
+    let _ = restarted.kill();
+    let _ = restarted.wait();
+    assert!(st.success(), "{}\n{}", run.output(), run.log("server-restarted"));
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 1500.0, "after a restart and the other server's death");
+    let report = run.report();
+    assert_eq!(report.failovers.len(), 2, "{:?}", report.failovers);
+    assert!(report.workers.iter().all(|w| w.iterations == 1500));
+    let coordinator = run.log("coordinator");
+    assert!(coordinator.contains("a restarted server takes its id back"), "{coordinator}");
+    assert!((0..3).any(|w| run.log(&format!("worker-{w}")).contains("connected again")));
+}
+
 /// A worker and a server killed at once, under BSP. The dead server's shards are promoted on
 /// the other server, where the dead worker never joined them (it joined them on their old
 /// primary, which died before it noticed), so their barrier must learn of the death some other

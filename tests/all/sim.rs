@@ -708,6 +708,52 @@ fn checkpoint_rounds_are_whole_or_abandoned_and_change_nothing() {
     }
 }
 
+/// Issue 36: a dead server started again (a new, empty process under its id) takes its id
+/// back once the old one is failed over and a peer timeout has passed, and gets a backup of
+/// every shard left without one. So a two-server cluster survives the other server's death
+/// afterwards, on the restarted server's new backups: every iteration runs and the model ends
+/// where the undisturbed run's does, bit for bit. The same two deaths without the restart
+/// lose a shard, as they would on a cluster.
+#[test]
+fn a_restarted_server_takes_its_id_back_and_its_backups_survive_the_other_servers_death() {
+    use syncopate::lab::sim::SimError;
+    use syncopate::lab::sim::SimRestart;
+    // Iterations of 2 s, so that the run outlasts the peer timeout the restart waits for.
+    let s = scenario(
+        &REPLICATED
+            .replace("compute_ms = 5", "compute_ms = 2000")
+            .replace("time_limit_s = 20", "time_limit_s = 600"),
+    );
+    for policy in ["bsp", "asp"] {
+        let clean = replicated(&s, policy, None);
+        let death = SimFailure { server: 1, at: FailAt::Event(clean.events / 5) };
+        let restart = SimRestart { server: 1, after_ns: 500_000_000, then_kill: Some((0, 2_000_000_000)) };
+        let opts = |restarts: Vec<SimRestart>, failures: Vec<SimFailure>| SimOptions {
+            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures,
+            faults: SimFaults { server_restarts: restarts, ..SimFaults::default() },
+        };
+        let out = simulate(&opts(vec![restart], vec![death]), syncopate_suite::runtime())
+            .unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert_eq!((out.restarts, out.killed_after_restart), (1, 1), "{policy}");
+        assert_eq!(out.report.failovers.len(), 2, "{policy}: {:?}", out.report.failovers);
+        assert!(out.report.workers.iter().all(|w| w.iterations == 8), "{policy}");
+        assert!(out.replicas_differ.is_none(), "{policy}: {:?}", out.replicas_differ);
+        assert_eq!(
+            out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{policy}: after a restart and the other server's death"
+        );
+        // Without the restart, the same second death (as late) finds no backup anywhere.
+        let late = FailAt::Event(out.events * 3 / 5);
+        let both = vec![death, SimFailure { server: 0, at: late }];
+        let lost = simulate(&opts(Vec::new(), both), syncopate_suite::runtime());
+        assert!(matches!(lost, Err(SimError::ShardLost { .. })), "{policy}: {:?}", lost.map(|r| r.events));
+    }
+}
+
 /// A failing seed is shrunk by dropping its faults one at a time while it still fails
 /// (`simtest::shrink`). Each fault can be dropped by name, on the command line too, and the
 /// rest of the case stays as drawn.

@@ -8,7 +8,7 @@
 //! - **a round missing a shard.** Every shard gets its command; one that fails (its primary
 //!   died, or is no longer its primary when the command arrives) abandons the round.
 //! - **a round of two policies.** A round does not begin while a hot swap is under way, and a
-//!   swap does not begin while a round is ([`SwapError::Checkpointing`]), so every shard of a
+//!   swap does not begin while a round is ([`SwapError::Checkpointing`](super::SwapError::Checkpointing)), so every shard of a
 //!   round runs the policy its manifest names.
 //! - **a round over a moving map.** A round does not begin while a failover or a rebuild is
 //!   under way (its commands would go to primaries about to change). A server that dies during

@@ -6,7 +6,13 @@ use crate::lease::{LeaseError, FAILOVER_MS, FIRST_HEARTBEAT_MS};
 const MS: u64 = 1_000_000;
 
 fn machine(servers: u32, shards: u32, replicas: u32) -> CoordinatorMachine {
-    CoordinatorMachine::new(CoordinatorConfig { servers, shards, replicas, max_workers: 4 })
+    CoordinatorMachine::new(CoordinatorConfig {
+        servers,
+        shards,
+        replicas,
+        max_workers: 4,
+        peer_timeout_ms: 10_000,
+    })
 }
 
 fn drain(m: &mut CoordinatorMachine) -> Vec<CoordOutput> {
@@ -491,4 +497,48 @@ fn a_rebuild_under_way_holds_off_a_round() {
     assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Rebuilding));
     settle(&mut m, |_, _| true);
     assert_eq!(m.begin_checkpoint(), Ok(1));
+}
+
+#[test]
+fn a_lost_server_restarted_takes_its_id_back_empty_and_keeps_the_backups_no_one_could() {
+    let mut m = started(2, 2);
+    assert_eq!(m.replace_server(0, 2), Err(Refusal::NoSuchServer { server: 2, servers: 2 }));
+    assert!(matches!(m.replace_server(0, 1), Err(Refusal::NotYet { server: 1, .. })), "still live");
+    // Server 1 lapses: shard 1 moves to server 0, and no shard has a backup any more.
+    let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
+    m.renew(t, 0).unwrap();
+    m.handle_timeout(t);
+    assert!(matches!(m.replace_server(t, 1), Err(Refusal::NotYet { server: 1, .. })), "being failed over");
+    let out = settle(&mut m, |_, _| true);
+    assert!(out.contains(&CoordOutput::NoBackupPlace { shard: 0 }), "{out:?}");
+    assert_eq!(m.places(), &[Place { primary: 0, backup: None }, Place { primary: 0, backup: None }]);
+    assert_eq!(m.live(), vec![true, false]);
+    // The old process is refused for good; a new one under its id takes it back, empty, once
+    // every connection to the old one has timed out (a peer timeout after the loss).
+    assert_eq!(m.renew(t + MS, 1), Err(LeaseError::FailedOver));
+    let quiet = t + 10_000 * MS;
+    assert!(matches!(m.replace_server(quiet - 1, 1), Err(Refusal::NotYet { server: 1, .. })), "too soon");
+    let t = quiet;
+    m.renew(t, 0).unwrap();
+    assert_eq!(m.replace_server(t + MS, 1), Ok(()));
+    let out = settle(&mut m, |_, _| true);
+    assert_eq!(
+        out,
+        vec![
+            CoordOutput::Command { id: 4, server: 0, command: Command::AttachBackup { shard: 0, backup: 1 } },
+            CoordOutput::Command { id: 5, server: 0, command: Command::AttachBackup { shard: 1, backup: 1 } },
+            CoordOutput::NewBackup { shard: 0, primary: 0, backup: 1 },
+            CoordOutput::NewBackup { shard: 1, primary: 0, backup: 1 },
+        ]
+    );
+    assert_eq!(m.live(), vec![true, true]);
+    assert_eq!(m.renew(t + 2 * MS, 1), Ok(()));
+    assert!(matches!(m.replace_server(t + 2 * MS, 1), Err(Refusal::NotYet { .. })), "live again");
+    // A second death now loses nothing: server 0's shards move to the restarted server.
+    let t2 = t + 2 * MS + FAILOVER_MS * MS + 1;
+    m.renew(t2, 1).unwrap();
+    m.handle_timeout(t2);
+    let out = settle(&mut m, |_, _| true);
+    assert!(!out.iter().any(|o| matches!(o, CoordOutput::ShardLost { .. })), "{out:?}");
+    assert_eq!(m.places(), &[Place { primary: 1, backup: None }, Place { primary: 1, backup: None }]);
 }

@@ -104,7 +104,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
          delivered twice, {} bad requests refused, {} with the coordinator crashed and restarted ({} rebuilds: {} \
-         backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} losing a shard's last copy (as a cluster \
+         backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} dead servers restarted that took their id back ({} two-server runs then survived the other server's death on their backups), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
          could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
         found.passed,
@@ -129,6 +129,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.checkpoints.taken,
         e.checkpoints.abandoned,
         e.checkpoints.refused,
+        e.restarts,
+        e.saved_by_restart,
         e.lost,
         e.outdated,
         e.stale,

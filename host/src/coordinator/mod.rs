@@ -36,7 +36,8 @@ use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, SwapOutcome,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Refusal,
+    SwapOutcome,
 };
 
 mod rebuild;
@@ -231,6 +232,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                     shards: opts.shards,
                     replicas: opts.replicas,
                     max_workers: opts.max_workers,
+                    peer_timeout_ms: opts.peer_timeout.as_millis() as u64,
                 });
                 m.set_model_len(resumed.as_ref().map(|r| r.manifest.model_len));
                 m.set_swaps(resumed.as_ref().map_or(0, |r| r.manifest.swaps));
@@ -473,14 +475,47 @@ impl Coordinator {
 
     /// What server `id` is welcomed with, and the policy module that goes with it; `st` is the
     /// state, locked by the caller.
-    fn server_welcome(&self, st: &State, id: u32) -> (Welcome, Vec<u8>) {
+    fn server_welcome(&self, st: &State, id: u32, replacing: bool) -> (Welcome, Vec<u8>) {
         let welcome = Welcome::Server {
             server: id,
             settings: self.settings(st),
             policy: st.policy.blob(),
             swaps: st.machine.swaps(),
+            replacing,
         };
         (welcome, st.policy.wasm.clone())
+    }
+
+    /// A server registering with a full cluster: a process restarted in the place of a lost
+    /// server, at that server's address, takes its id back ([`CoordinatorMachine::replace_server`]),
+    /// holding nothing; its backups follow. Too soon (the old one not failed over yet, or a
+    /// peer timeout not passed since), it is told to ask again ([`Welcome::NotYet`]). A server
+    /// at another address is refused: workers reach a server at the address they were given.
+    fn replacement(&self, st: &mut State, conn: &quinn::Connection, addr: SocketAddr) -> (Welcome, Vec<u8>) {
+        let full = Refusal::ServersFull(self.opts.servers).to_string();
+        let Some(id) = st.servers.iter().position(|(a, _)| *a == addr).map(|i| i as u32) else {
+            let lost: Vec<String> = (0..st.servers.len())
+                .filter(|&i| !st.machine.is_live(i as u32))
+                .map(|i| format!("server {i} at {}", st.servers[i].0))
+                .collect();
+            let hint = match lost.is_empty() {
+                true => String::new(),
+                false => format!(
+                    "; a server restarted in a lost one's place must listen at its address ({})",
+                    lost.join(", ")
+                ),
+            };
+            return (Welcome::Refused(format!("{full}{hint}")), Vec::new());
+        };
+        match st.machine.replace_server(self.now_ns(), id) {
+            Ok(()) => {
+                st.servers[id as usize] = (addr, Some(conn.clone()));
+                tracing::warn!(server = id, %addr, "a restarted server takes its id back, holding nothing; it gets new backups");
+                self.server_welcome(st, id, true)
+            }
+            Err(e @ Refusal::NotYet { .. }) => (Welcome::NotYet(e.to_string()), Vec::new()),
+            Err(e) => (Welcome::Refused(e.to_string()), Vec::new()),
+        }
     }
 
     /// The machine's clock: nanoseconds since this coordinator started.
@@ -689,7 +724,7 @@ impl Coordinator {
         match role {
             Role::Server { data_addr, rejoin: Some(id) } => {
                 let welcome = match self.clone().rejoin_server(id, data_addr, &conn).await {
-                    Ok(()) => self.server_welcome(&self.lock(), id),
+                    Ok(()) => self.server_welcome(&self.lock(), id, false),
                     Err(reason) => {
                         tracing::warn!(server = id, %data_addr, "a rejoining server refused: {reason}");
                         return net::refuse(&mut send, reason).await;
@@ -718,8 +753,10 @@ impl Coordinator {
                             Ok(id) => {
                                 st.servers.push((data_addr, Some(conn.clone())));
                                 tracing::info!(server = id, %data_addr, "server registered");
-                                self.server_welcome(&st, id)
+                                self.server_welcome(&st, id, false)
                             }
+                            // A full cluster: a restart in a lost server's place, at its address.
+                            Err(Refusal::ServersFull(_)) => self.replacement(&mut st, &conn, data_addr),
                             Err(refusal) => (Welcome::Refused(refusal.to_string()), Vec::new()),
                         }
                     }
@@ -730,16 +767,27 @@ impl Coordinator {
                     Welcome::Server { server, .. } => server,
                     _ => u32::MAX,
                 };
+                let replacing = matches!(welcome, Welcome::Server { replacing: true, .. });
                 if let Welcome::Refused(reason) = welcome {
                     return net::refuse(&mut send, reason).await;
                 }
                 if net::answer(&mut send, &welcome, &wasm).await.is_err() {
                     return;
                 }
-                // Once the last server is answered, the machine has the backups attached.
-                let answered = self.lock().machine.server_answered();
-                self.drive().await;
-                self.registered.send_modify(|n| *n = (*n).max(answered));
+                if matches!(welcome, Welcome::NotYet(_)) {
+                    // Until it has read the answer (it closes the connection then).
+                    let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+                    return;
+                }
+                if replacing {
+                    // Its new backups (the machine planned them when it took the id back).
+                    self.drive().await;
+                } else {
+                    // Once the last server is answered, the machine has the backups attached.
+                    let answered = self.lock().machine.server_answered();
+                    self.drive().await;
+                    self.registered.send_modify(|n| *n = (*n).max(answered));
+                }
                 self.serve_server(&conn, server, data_addr).await;
             }
             Role::Worker { worker, model_len, .. } => {
@@ -804,7 +852,16 @@ impl Coordinator {
                     Ok((CoordRequest::Heartbeat { server: s }, _)) if s == server => {
                         let now_ns = self.now_ns();
                         let mut st = self.lock();
+                        // A process restarted under this id has taken it: this connection's
+                        // process was failed over, and stays so.
+                        let replaced = matches!(
+                            st.servers.get(server as usize),
+                            Some((_, Some(c))) if c.stable_id() != conn.stable_id()
+                        );
                         match st.machine.renew(now_ns, s) {
+                            _ if replaced => CoordResponse::Error(
+                                "this server was failed over, and a restarted one has taken its id".into(),
+                            ),
                             Ok(()) => CoordResponse::Renewed { terms: st.machine.terms().to_vec() },
                             // Failed over: its shards have other primaries now.
                             Err(e) => CoordResponse::Error(e.to_string()),

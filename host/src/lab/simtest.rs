@@ -53,7 +53,7 @@ use crate::builtin::PolicySpec;
 use crate::lab::scenario::{RunSpec, Scenario};
 use crate::lab::sim::{
     simulate, CheckpointCounts, Cut, FailAt, Node, RebuildCounts, SimError, SimFailure, SimFaults,
-    SimLinkCut, SimOptions, SimPartition, Simulated, HOSTILE,
+    SimLinkCut, SimOptions, SimPartition, SimRestart, Simulated, HOSTILE,
 };
 use crate::runtime::PolicyRuntime;
 use syncopate_engine::coordinator::REJOIN_WAIT_MS;
@@ -109,6 +109,13 @@ pub struct Case {
     /// Checkpoint rounds in the disturbed run (0-3), each at an event drawn like the deaths'
     /// (the first, in half the seeds with a death, a few events after it).
     pub checkpoints: u32,
+    /// The first server to die is started again (a new, empty process under its id) this many
+    /// milliseconds after its death (it is admitted once a peer timeout has passed since it
+    /// was lost); in a two-server cluster, perhaps the other server dies this many milliseconds
+    /// after the restarted one took its id back, which only the restarted server's new backups
+    /// can survive. Seeds with a restart run slower iterations (1.5-3 s), so that the run
+    /// outlasts the peer timeout.
+    pub restart: Option<(u64, Option<u64>)>,
 }
 
 /// What a passing seed exercised.
@@ -150,6 +157,11 @@ pub struct Exercised {
     pub rebuild: RebuildCounts,
     /// What became of the checkpoint rounds (each taken one checked).
     pub checkpoints: CheckpointCounts,
+    /// Servers restarted that took their id back (and kept new backups).
+    pub restarts: u64,
+    /// Two-server runs whose other server died after the restart, and lost nothing: the
+    /// restarted server's new backups took over.
+    pub saved_by_restart: u64,
     /// Runs with a link cut for a while (a worker's to a server, or between two servers).
     pub link_cuts: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
@@ -175,6 +187,8 @@ impl std::ops::AddAssign for Exercised {
         self.coordinator_crashes += o.coordinator_crashes;
         self.rebuild += o.rebuild;
         self.checkpoints += o.checkpoints;
+        self.restarts += o.restarts;
+        self.saved_by_restart += o.saved_by_restart;
         self.link_cuts += o.link_cuts;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
@@ -257,11 +271,13 @@ pub enum Fault {
     ServerLinkCut,
     /// The checkpoint rounds.
     Checkpoints,
+    /// The dead server's restart (and the death it lets a two-server cluster survive).
+    Restart,
 }
 
 impl Fault {
     /// Every fault, in the order a shrink tries to remove them.
-    pub const ALL: [Fault; 15] = [
+    pub const ALL: [Fault; 16] = [
         Fault::Checkpoints,
         Fault::BadInputs,
         Fault::Duplicates,
@@ -275,6 +291,7 @@ impl Fault {
         Fault::ServerLinkCut,
         Fault::Partition,
         Fault::CoordinatorCrash,
+        Fault::Restart,
         Fault::SecondDeath,
         Fault::Death,
     ];
@@ -297,6 +314,7 @@ impl Fault {
             Fault::LinkCut => "link-cut",
             Fault::ServerLinkCut => "server-link-cut",
             Fault::Checkpoints => "checkpoints",
+            Fault::Restart => "restart",
         }
     }
 }
@@ -371,6 +389,7 @@ impl Case {
             Fault::LinkCut => c.link_cut.take().is_some(),
             Fault::ServerLinkCut => c.server_link_cut.take().is_some(),
             Fault::Checkpoints => std::mem::take(&mut c.checkpoints) > 0,
+            Fault::Restart => c.restart.take().is_some(),
         };
         had.then_some(c)
     }
@@ -458,6 +477,18 @@ impl Case {
         let crash_keeps_terms = rng.random_bool(0.5);
         // Checkpoint rounds in half the seeds, one to three.
         let checkpoints = if rng.random_bool(0.5) { rng.random_range(1..=3) } else { 0 };
+        // The dead server restarted in a fifth of the seeds, 0.5-8 s after its death; then, in
+        // half of those, the other server of a two-server cluster dies 0.1-4 s after the
+        // restart. Their iterations take 1.5-3 s, so that the run lasts past the restart.
+        let restart = rng.random_bool(0.2).then(|| {
+            let then = rng.random_bool(0.5).then(|| rng.random_range(100..=4000));
+            (rng.random_range(500..=8000), then.filter(|_| servers == 2))
+        });
+        let mut scenario = scenario;
+        let slow_ms = rng.random_range(1500..=3000u64);
+        if restart.is_some() {
+            scenario.compute_ms = slow_ms;
+        }
         let swap = match hostile {
             true => {
                 let on = ["pull", "push"][rng.random_range(0..2)];
@@ -488,6 +519,7 @@ impl Case {
             server_link_cut,
             crash_keeps_terms,
             checkpoints,
+            restart,
         }
     }
 
@@ -605,6 +637,17 @@ impl Case {
         if let Some(second) = self.second {
             failures.push(SimFailure { server: second, at: FailAt::Event(later) });
         }
+        // A restart, and in a two-server cluster perhaps the other server's death after it.
+        let server_restarts: Vec<SimRestart> = self
+            .server
+            .zip(self.restart)
+            .map(|(x, (ms, then))| SimRestart {
+                server: x,
+                after_ns: ms * 1_000_000,
+                then_kill: then.map(|t| (1 - x, t * 1_000_000)),
+            })
+            .into_iter()
+            .collect();
         let partitions: Vec<SimPartition> = self
             .partition
             .map(|(server, cut, ms)| SimPartition {
@@ -627,30 +670,39 @@ impl Case {
             };
             (at, ms * 1_000_000)
         });
-        let what =
-            failures
-                .iter()
-                .map(|f| format!("server {} killed before {}", f.server, when(f.at)))
-                .chain(partitions.iter().map(|p| {
-                    let ms = p.heal_after_ns / 1_000_000;
-                    format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
-                }))
-                .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
-                .chain(swaps.iter().map(|(at, spec)| format!("swap to {spec} at {}", when(*at))))
-                .chain(crash.iter().map(|(at, ns)| {
+        let what = failures
+            .iter()
+            .map(|f| format!("server {} killed before {}", f.server, when(f.at)))
+            .chain(partitions.iter().map(|p| {
+                let ms = p.heal_after_ns / 1_000_000;
+                format!("server {} cut off ({:?}) for {ms} ms from {}", p.server, p.cut, when(p.at))
+            }))
+            .chain(worker_deaths.iter().map(|(w, at)| format!("worker {w} killed before {}", when(*at))))
+            .chain(swaps.iter().map(|(at, spec)| format!("swap to {spec} at {}", when(*at))))
+            .chain(
+                crash.iter().map(|(at, ns)| {
                     format!("coordinator crashed for {} ms from {}", ns / 1_000_000, when(*at))
-                }))
-                .chain(link_cuts.iter().map(|c| {
-                    let ms = c.heal_after_ns / 1_000_000;
-                    format!("{:?} cut off from {:?} for {ms} ms from {}", c.a, c.b, when(c.at))
-                }))
-                .chain(checkpoints.iter().map(|at| format!("checkpoint round at {}", when(*at))))
-                .collect::<Vec<_>>()
-                .join(", ");
+                }),
+            )
+            .chain(link_cuts.iter().map(|c| {
+                let ms = c.heal_after_ns / 1_000_000;
+                format!("{:?} cut off from {:?} for {ms} ms from {}", c.a, c.b, when(c.at))
+            }))
+            .chain(checkpoints.iter().map(|at| format!("checkpoint round at {}", when(*at))))
+            .chain(server_restarts.iter().map(|r| {
+                let then = r.then_kill.map(|(y, ns)| {
+                    format!(", then server {y} killed {} ms after it took its id back", ns / 1_000_000)
+                });
+                let ms = r.after_ns / 1_000_000;
+                format!("server {} restarted {ms} ms after its death{}", r.server, then.unwrap_or_default())
+            }))
+            .collect::<Vec<_>>()
+            .join(", ");
         let dead_worker = worker_deaths.first().map(|d| d.0);
-        let double = u64::from(failures.len() > 1);
-        let server_faults = failures.len() + partitions.len();
-        let faults = server_faults + worker_deaths.len() + crash.iter().count();
+        let then_kills = server_restarts.iter().filter(|r| r.then_kill.is_some()).count();
+        let double = u64::from(failures.len() + then_kills > 1);
+        let server_faults = failures.len() + partitions.len() + then_kills;
+        let faults = server_faults + worker_deaths.len() + crash.iter().count() + server_restarts.len();
         // A restarted coordinator waits up to `REJOIN_WAIT_MS` for a server that does not
         // rejoin (dead, or cut off) before it rebuilds without it; meanwhile nothing serves.
         let crash_ns = crash.map_or(0, |c| c.1 + REJOIN_WAIT_MS * 1_000_000);
@@ -676,6 +728,7 @@ impl Case {
                 crash_keeps_terms: self.crash_keeps_terms,
                 link_cuts,
                 checkpoints,
+                server_restarts,
             },
         ) {
             Ok(f) => f,
@@ -775,6 +828,8 @@ impl Case {
             coordinator_crashes: u64::from(crash.is_some()),
             rebuild: failed.rebuild,
             checkpoints: failed.checkpoints,
+            restarts: failed.restarts,
+            saved_by_restart: failed.killed_after_restart,
             link_cuts: link_cut,
             max_delay_ms: delay_ns / 1_000_000,
         })
@@ -784,7 +839,7 @@ impl Case {
     pub fn describe(&self) -> String {
         let s = &self.scenario;
         format!(
-            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "{} workers, {} servers, {} shards, {} iterations, policy {}{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             s.workers,
             s.servers,
             s.shards.unwrap_or(s.servers),
@@ -837,6 +892,13 @@ impl Case {
             match self.checkpoints {
                 0 => String::new(),
                 n => format!(", {n} checkpoint round{}", if n > 1 { "s" } else { "" }),
+            },
+            match (self.restart, self.server) {
+                (Some((ms, then)), Some(x)) => {
+                    let other = then.map(|t| format!(", then server {} dies {t} ms after that", 1 - x));
+                    format!(", server {x} restarts {ms} ms after its death{}", other.unwrap_or_default())
+                }
+                _ => String::new(),
             }
         )
     }

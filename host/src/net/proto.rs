@@ -233,6 +233,11 @@ pub enum Welcome {
         policy: PolicyBlob,
         /// Swaps committed so far (the policy's number).
         swaps: u64,
+        /// It was restarted in the place of a lost server (under that server's id and at its
+        /// address): it starts holding nothing, and gets backups from the primaries as the
+        /// coordinator attaches them (protocol 12).
+        #[serde(default)]
+        replacing: bool,
     },
     /// To a worker.
     Worker {
@@ -260,6 +265,10 @@ pub enum Welcome {
     Accepted,
     /// The hello was understood but cannot be served (wrong model length, cluster full...).
     Refused(String),
+    /// Not now: a server restarted in a lost server's place before the coordinator can give
+    /// it the id back (the old one not failed over yet, or a peer timeout not passed since).
+    /// It asks again a heartbeat later (protocol 12).
+    NotYet(String),
 }
 
 /// Requests to the coordinator, after the hello.

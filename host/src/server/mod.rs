@@ -179,12 +179,20 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         token: opts.token.secret().to_string(),
         role: Role::Server { data_addr: advertise, rejoin: None },
     };
-    let (coord, welcome) =
-        connect_with_payload(&endpoint, opts.coordinator, &opts.tls.server_name, &hello).await?;
-    let (Welcome::Server { server: id, settings, policy, swaps }, wasm) = welcome else {
+    let (coord, welcome) = register(&endpoint, &opts, &hello).await?;
+    let (Welcome::Server { server: id, settings, policy, swaps, replacing }, wasm) = welcome else {
         return Err(NodeError::Protocol("the coordinator did not welcome us as a server".into()));
     };
-    tracing::info!(server = id, %advertise, shards = settings.shards, "registered with the coordinator");
+    match replacing {
+        false => {
+            tracing::info!(server = id, %advertise, shards = settings.shards, "registered with the coordinator")
+        }
+        true => tracing::warn!(
+            server = id,
+            %advertise,
+            "registered in the place of lost server {id}: starting with no shards; backups come from the primaries"
+        ),
+    }
     if let Some(path) = &opts.id_file {
         std::fs::write(path, format!("{id}\n"))
             .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
@@ -200,8 +208,11 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let mut backups = HashMap::new();
     let modules: Modules = Default::default();
     modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
-    let mine: Vec<u32> = (0..settings.shards).filter(|s| s % settings.servers == id).collect();
-    let backed: Vec<u32> = (0..settings.shards).filter(|s| settings.backup_of(*s) == Some(id)).collect();
+    // A server restarted in a lost one's place holds nothing: its shards moved at the failover.
+    let fresh = !replacing;
+    let mine: Vec<u32> = (0..settings.shards).filter(|s| fresh && s % settings.servers == id).collect();
+    let backed: Vec<u32> =
+        (0..settings.shards).filter(|s| fresh && settings.backup_of(*s) == Some(id)).collect();
     let all: Vec<u32> = mine.iter().chain(&backed).copied().collect();
     let terms = all.iter().map(|&s| (s, 0)).collect();
     let mut restored = restore_shards(settings.restore.as_deref(), &all).await?;
@@ -547,7 +558,7 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
                         break;
                     }
                 };
-                match start_backup(&shared, shard, &bytes) {
+                match start_backup(&shared, shard, Some(&bytes)) {
                     Ok(t) => {
                         tx = Some(t);
                         let _ = acks.send(seq);
@@ -561,6 +572,15 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
             }
             ReplicaFrame::Op(stamped) => stamped,
         };
+        if tx.is_none() && stamped.op == crate::shard::Op::Create {
+            match start_backup(&shared, shard, None) {
+                Ok(t) => tx = Some(t),
+                Err(e) => {
+                    tracing::error!(shard, "cannot start a backup: {e}");
+                    break;
+                }
+            }
+        }
         let Some(tx) = tx.as_ref() else {
             tracing::error!(shard, "a primary streams ops of a shard this server keeps no backup of");
             break;
@@ -622,16 +642,27 @@ fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
 }
 
 /// A new backup of `shard` on this server, restored from its primary's snapshot (a
-/// re-replication after a failover), replacing any older one.
-fn start_backup(shared: &Shared, shard: u32, snapshot: &[u8]) -> Result<mpsc::Sender<ShardCmd>, String> {
-    let snap = crate::shard::ShardSnapshot::decode(snapshot).map_err(|e| e.to_string())?;
+/// re-replication after a failover), or, without one, created by the primary's first op (a
+/// shard not created yet, re-replicated onto a server that kept no backup of it: a server
+/// restarted in a lost one's place), replacing any older one.
+fn start_backup(
+    shared: &Shared,
+    shard: u32,
+    snapshot: Option<&[u8]>,
+) -> Result<mpsc::Sender<ShardCmd>, String> {
+    let snap = snapshot.map(crate::shard::ShardSnapshot::decode).transpose().map_err(|e| e.to_string())?;
+    let sha = match &snap {
+        Some(snap) => snap.policy_sha256(),
+        None => shared.policy.lock().expect("not poisoned").1.sha256,
+    };
     let module = shared
         .modules
         .lock()
         .expect("not poisoned")
-        .get(&snap.policy_sha256())
+        .get(&sha)
         .cloned()
         .ok_or("the snapshot's policy module is not on this server")?;
+    let from_snapshot = snap.is_some();
     let settings = &shared.settings;
     let (tx, rx) = mpsc::channel(1024);
     let task = ShardTask {
@@ -641,15 +672,50 @@ fn start_backup(shared: &Shared, shard: u32, snapshot: &[u8]) -> Result<mpsc::Se
         epoch: Instant::now(),
         pool: shared.pool.clone(),
         record: None,
-        restored: Some(snap),
+        restored: snap,
         rejoin_grace: Duration::from_millis(settings.peer_timeout_ms),
         modules: shared.modules.clone(),
         backup: true,
     };
     tokio::spawn(task.run(rx));
     shared.backups.lock().expect("not poisoned").insert(shard, tx.clone());
-    tracing::warn!(shard, "keeping a new backup, from its primary's snapshot");
+    match from_snapshot {
+        true => tracing::warn!(shard, "keeping a new backup, from its primary's snapshot"),
+        false => tracing::warn!(shard, "keeping a new backup, created by its primary's first op"),
+    }
     Ok(tx)
+}
+
+/// How long a server restarted in a lost one's place asks again to be admitted (the
+/// coordinator admits it once the old one is failed over and a peer timeout has passed).
+const REGISTER_WAIT: Duration = Duration::from_secs(120);
+
+/// Registers with the coordinator. A server restarted in a lost server's place may be told to
+/// ask again ([`Welcome::NotYet`]): it does, every heartbeat, for up to [`REGISTER_WAIT`].
+async fn register(
+    endpoint: &quinn::Endpoint,
+    opts: &ServerOptions,
+    hello: &Hello,
+) -> Result<(quinn::Connection, (Welcome, Vec<u8>)), NodeError> {
+    let began = Instant::now();
+    let mut said = false;
+    loop {
+        let (conn, welcome) =
+            connect_with_payload(endpoint, opts.coordinator, &opts.tls.server_name, hello).await?;
+        let Welcome::NotYet(reason) = &welcome.0 else { return Ok((conn, welcome)) };
+        if began.elapsed() > REGISTER_WAIT {
+            return Err(NodeError::Protocol(format!(
+                "the coordinator did not admit this server within {REGISTER_WAIT:?}: {reason}"
+            )));
+        }
+        if !std::mem::replace(&mut said, true) {
+            tracing::warn!(
+                "the coordinator cannot admit this server yet ({reason}); asking again every heartbeat"
+            );
+        }
+        conn.close(close::DONE.into(), b"asking again");
+        tokio::time::sleep(Duration::from_millis(crate::net::proto::HEARTBEAT_MS)).await;
+    }
 }
 
 /// `connect`, keeping the welcome's payload (the policy module).

@@ -35,6 +35,8 @@ use crate::net::wire::{self, Limits, Payload};
 use crate::net::{self, NetError};
 use crate::NodeError;
 
+use super::links::ServerLinks;
+
 /// The QUIC stream priority of requests without a payload (pulls, reports): they go ahead of
 /// the parts of a push in flight, whose priorities are their shards' indices.
 const URGENT: i32 = i32::MAX;
@@ -83,7 +85,8 @@ pub struct WorkerClient {
     coordinator: watch::Receiver<CoordinatorLink>,
     /// Set when this worker leaves: the coordinator connection's end is then no loss.
     leaving: Arc<AtomicBool>,
-    servers: Vec<quinn::Connection>,
+    /// The servers' connections, by id (dialed again when one ended: a restarted server).
+    servers: ServerLinks,
     shards: Vec<ShardPlace>,
     /// Per shard: what the shard's numbering of this worker's iterations adds to the worker's
     /// own (negative for a late joiner, whom shards behind the others number from their
@@ -233,17 +236,19 @@ impl WorkerClient {
         let (tx, controls) = mpsc::unbounded_channel();
         let mut conns = Vec::with_capacity(servers.len());
         net::tls::reach(&endpoint, &servers)?;
-        for addr in servers {
+        for &addr in &servers {
             let (conn, _) = net::connect(&endpoint, addr, name, &hello(Some(worker), Some(ticket))).await?;
             tokio::spawn(read_controls(conn.clone(), tx.clone()));
             conns.push(conn);
         }
+        let known_servers = conns.len();
+        let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
         let stop = Arc::new(AtomicBool::new(false));
         let route = Arc::new(Route {
             servers: shards.iter().map(|p| p.server.into()).collect(),
             moved: watch::channel(0).0,
             replicated,
-            known_servers: conns.len(),
+            known_servers,
         });
         let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
         let leaving = Arc::new(AtomicBool::new(false));
@@ -291,12 +296,12 @@ impl WorkerClient {
     ) -> Result<T, NetError> {
         if !self.route.replicated {
             // No backup to move to: a lost server is an error, and the request needs no watch.
-            return f(&self.servers[self.route.server(shard) as usize]).await;
+            return f(&self.servers.get(self.route.server(shard))).await;
         }
         let mut deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
             let server = self.route.server(shard);
-            let conn = &self.servers[server as usize];
+            let conn = &self.servers.live(&self.endpoint, server).await;
             let mut moved = self.route.moved.subscribe();
             let gone = moved.wait_for(|_| self.route.server(shard) != server);
             let lost = tokio::select! {
@@ -336,7 +341,7 @@ impl WorkerClient {
                 to,
                 "shard moved ({lost}); retrying there"
             );
-            let conn = &self.servers[to as usize];
+            let conn = &self.servers.live(&self.endpoint, to).await;
             let index = self.shards.iter().position(|p| p.shard == shard).unwrap_or(0);
             let _alone = self.rejoining[index].lock().await;
             match net::request::<_, DataResponse>(
@@ -373,16 +378,20 @@ impl WorkerClient {
     /// congestion events), by server address: what to look at when transfers are slower than
     /// the link.
     pub fn connection_stats(&self) -> Vec<(std::net::SocketAddr, quinn::ConnectionStats)> {
-        self.servers.iter().map(|c| (c.remote_address(), c.stats())).collect()
+        self.servers.all().iter().map(|c| (c.remote_address(), c.stats())).collect()
     }
 
     /// Bytes sent and received on all this worker's connections (UDP payloads, so QUIC and TLS
     /// overheads included).
     pub fn bytes(&self) -> (u64, u64) {
-        self.servers.iter().chain(self.coordinator_conn().as_ref()).fold((0, 0), |(tx, rx), c| {
-            let s = c.stats();
-            (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
-        })
+        let all = self.servers.all();
+        all.iter().chain(self.coordinator_conn().as_ref()).fold(
+            self.servers.retired_bytes(),
+            |(tx, rx), c| {
+                let s = c.stats();
+                (tx + s.udp_tx.bytes, rx + s.udp_rx.bytes)
+            },
+        )
     }
 
     /// This worker's id.
@@ -410,9 +419,10 @@ impl WorkerClient {
         assert_eq!(init.len(), self.model_len, "init must be the whole model");
         let limits = self.limits;
         let joins = self.shards.iter().map(|p| {
-            let conn = &self.servers[p.server as usize];
+            let conn = self.servers.get(p.server);
             let values = wire::f32_bytes(&init[p.start as usize..p.end as usize]);
             async move {
+                let conn = &conn;
                 match net::request::<_, DataResponse>(
                     conn,
                     &DataRequest::Join { shard: p.shard },
@@ -1050,7 +1060,7 @@ impl WorkerClient {
             other => tracing::warn!("the coordinator answered {other:?} to our goodbye"),
         }
         self.leaving.store(true, Ordering::SeqCst);
-        for c in self.servers.iter().chain(self.coordinator_conn().as_ref()) {
+        for c in self.servers.all().iter().chain(self.coordinator_conn().as_ref()) {
             c.close(net::close::DONE.into(), b"worker done");
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
@@ -1295,7 +1305,7 @@ async fn read_notices(conn: &quinn::Connection, stop: &AtomicBool, route: &Route
     }
 }
 
-async fn read_controls(conn: quinn::Connection, tx: mpsc::UnboundedSender<ControlMessage>) {
+pub(super) async fn read_controls(conn: quinn::Connection, tx: mpsc::UnboundedSender<ControlMessage>) {
     let limits = Limits { max_header: 4096, max_payload: 0 };
     while let Ok(mut recv) = conn.accept_uni().await {
         match wire::read_message::<ControlMessage>(&mut recv, &limits).await {

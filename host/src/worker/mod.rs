@@ -5,6 +5,7 @@
 pub mod client;
 mod clock;
 pub mod feed;
+mod links;
 mod run;
 pub mod session;
 

@@ -32,6 +32,9 @@
 //!   backups whose primary did not come back are promoted, an interrupted swap is finished.
 //!   Renewals are answered again once its commands are done, and each worker then gets the map.
 //!
+//! - a dead server may be started again ([`SimRestart`](super::SimRestart)): a new process under
+//!   its id, holding nothing, which asks the machine for its id every heartbeat until it is
+//!   admitted, then gets backups of the shards that have none;
 //! - checkpoint rounds ([`SimFaults::checkpoints`](super::SimFaults::checkpoints)) are the
 //!   machine's too: each shard's primary takes its snapshot when the command reaches it (a dead
 //!   server, or one the shard moved from, cannot), and a round the machine reports taken is
@@ -43,14 +46,14 @@ use std::collections::BTreeMap;
 
 use rand::Rng;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held, Refusal,
     REJOIN_WAIT_MS,
 };
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
-use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
-use crate::lease::HEARTBEAT_MS;
+use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition, PEER_TIMEOUT_NS};
+use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot};
 
@@ -113,7 +116,59 @@ impl Sim {
     pub(super) fn kill(&mut self, x: u32) {
         if !std::mem::replace(&mut self.dead[x as usize], true) {
             tracing::debug!(server = x, t_ns = self.now, "server killed");
+            let restarts = &mut self.opts.faults.server_restarts;
+            if let Some(k) = restarts.iter().position(|r| r.server == x) {
+                let r = restarts.remove(k);
+                self.restarting.push(r);
+                self.at(self.now + r.after_ns, Ev::ServerRestart(x));
+            }
         }
+    }
+
+    /// Dead server `x` starts again, a new process under its id, holding nothing
+    /// ([`SimFaults::server_restarts`](super::SimFaults::server_restarts)): refused (and asking
+    /// again a heartbeat later) until the coordinator has failed the old one over; then it
+    /// takes the id back, renews its lease, and gets backups of the shards that have none.
+    fn restart_server(&mut self, x: u32) -> Result<(), SimError> {
+        let retry = self.now + HEARTBEAT_MS * MS;
+        if !self.dead[x as usize] || !self.controlled() {
+            return Ok(());
+        }
+        if self.coord_phase != Phase::Up {
+            self.at(retry, Ev::ServerRestart(x));
+            return Ok(());
+        }
+        match self.coord.replace_server(self.now, x) {
+            Ok(()) => {}
+            Err(Refusal::NotYet { why, .. }) => {
+                tracing::debug!(server = x, t_ns = self.now, "restarted server refused for now: {why}");
+                self.at(retry, Ev::ServerRestart(x));
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::debug!(server = x, t_ns = self.now, "restarted server refused: {e}");
+                return Ok(());
+            }
+        }
+        tracing::debug!(server = x, t_ns = self.now, "restarted server takes its id back");
+        let xu = x as usize;
+        self.dead[xu] = false;
+        self.restarted += 1;
+        self.leases[xu] = ServerLease::new(self.now);
+        (self.cut_to[xu], self.cut_from[xu]) = (false, false);
+        self.claims[xu].clear();
+        self.known_terms[xu].clear();
+        self.answer_terms[xu].clear();
+        // It runs the policy the others run (it was welcomed with it).
+        let newest = (0..self.dead.len()).filter(|&y| !self.dead[y]).max_by_key(|&y| self.committed[y].0);
+        self.committed[xu] = newest.map(|y| self.committed[y].clone()).unwrap_or_default();
+        self.at(self.now, Ev::Heartbeat(x));
+        if let Some(k) = self.restarting.iter().position(|r| r.server == x) {
+            if let Some((y, after_ns)) = self.restarting.remove(k).then_kill {
+                self.at(self.now + after_ns, Ev::ServerKill(y));
+            }
+        }
+        self.drive_coordinator()
     }
 
     /// Schedules the coordinator's next lease check, unless one as early is scheduled.
@@ -248,6 +303,11 @@ impl Sim {
             Ev::Moved(w, s) => self.moved(w, s)?,
             Ev::CoordRestart => self.restart_coordinator()?,
             Ev::Rejoin(x) => self.rejoin(x)?,
+            Ev::ServerRestart(x) => self.restart_server(x)?,
+            Ev::ServerKill(x) => {
+                self.killed_after_restart += u64::from(!self.dead[x as usize]);
+                self.kill(x)
+            }
             Ev::RebuildDue(i) if i == self.incarnation => self.rebuild()?,
             Ev::RebuildDue(_) | Ev::Tick => {}
             _ => unreachable!("not a control-plane event: {ev:?}"),
@@ -594,6 +654,7 @@ impl Sim {
             shards: self.nodes.len() as u32,
             replicas: sc.replicas,
             max_workers: self.coord.config().max_workers,
+            peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
         };
         self.coord = CoordinatorMachine::new(cfg);
         // Its rounds go on past those begun before (a cluster's coordinator finds their folders).

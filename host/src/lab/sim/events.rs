@@ -84,6 +84,11 @@ pub(super) enum Ev {
     Rejoin(u32),
     /// The restarted coordinator (incarnation `i`) stops waiting for the servers to rejoin.
     RebuildDue(u32),
+    /// Dead server `x` is started again: a new, empty process under its id
+    /// ([`SimFaults::server_restarts`](super::SimFaults::server_restarts)).
+    ServerRestart(u32),
+    /// Server `x` dies ([`SimRestart::then_kill`](super::SimRestart::then_kill)).
+    ServerKill(u32),
     /// Nothing: a fault drawn at a time comes then.
     Tick,
     /// Worker `w` hears that shard `s` moved.

@@ -161,6 +161,24 @@ pub struct SimFaults {
     /// run ends ([`SimError::Checkpoint`]). A snapshot changes nothing in its shard, so a run
     /// with rounds ends where the same run without them does.
     pub checkpoints: Vec<FailAt>,
+    /// Servers started again after they die ([`SimRestart`]).
+    pub server_restarts: Vec<SimRestart>,
+}
+
+/// A dead server started again: a new process under the same id and address, holding nothing.
+/// Until the coordinator's machine admits it ([`CoordinatorMachine::replace_server`]: the old
+/// one failed over, and a peer timeout since) it is refused and asks again a heartbeat later,
+/// as `syncopate server` does; then it takes its id back, and every shard without a backup
+/// gets one, on it first. A server is restarted once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimRestart {
+    /// The server.
+    pub server: u32,
+    /// How long after its death it starts again, in nanoseconds.
+    pub after_ns: u64,
+    /// Another server that dies this many nanoseconds after the restarted one took its id back
+    /// (with two servers, only the restarted one's new backups can save its shards).
+    pub then_kill: Option<(u32, u64)>,
 }
 
 /// One end of a link.
@@ -542,6 +560,12 @@ struct Sim {
     rounds: BTreeMap<u64, control::SimRound>,
     /// What became of the rounds.
     checkpoints: CheckpointCounts,
+    /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
+    restarted: u64,
+    /// Restarts of servers that died, until they take their id back.
+    restarting: Vec<SimRestart>,
+    /// Servers killed after another's restart ([`SimRestart::then_kill`]).
+    killed_after_restart: u64,
 }
 
 /// A finished simulation.
@@ -570,6 +594,10 @@ pub struct Simulated {
     pub rebuild: RebuildCounts,
     /// What became of the checkpoint rounds ([`SimFaults::checkpoints`]).
     pub checkpoints: CheckpointCounts,
+    /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
+    pub restarts: u64,
+    /// Servers killed after another's restart ([`SimRestart::then_kill`]) while the run went on.
+    pub killed_after_restart: u64,
 }
 
 /// What became of a run's checkpoint rounds.
@@ -691,6 +719,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let struck = failures.iter().map(|f| f.server).chain(opts.faults.partitions.iter().map(|p| p.server));
+    let restarts = opts.faults.server_restarts.iter();
+    let struck =
+        struck.chain(restarts.flat_map(|r| std::iter::once(r.server).chain(r.then_kill.map(|k| k.0))));
     for server in struck {
         if sc.replicas == 0 {
             return Err(SimError::Options("a server failure needs replicas 1".into()));
@@ -804,6 +835,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         shards: shards_n,
         replicas: sc.replicas,
         max_workers: n.max(crate::shard::DEFAULT_MAX_WORKERS),
+        peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
     });
     for _ in 0..sc.servers {
         coord.register_server(0).map_err(|e| SimError::Options(e.to_string()))?;
@@ -890,6 +922,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         drift: None,
         rounds: BTreeMap::new(),
         checkpoints: CheckpointCounts::default(),
+        restarted: 0,
+        restarting: Vec::new(),
+        killed_after_restart: 0,
     };
     sim.start_control();
     // Each worker joins every shard, and starts once all have answered (with backups, once
@@ -1004,7 +1039,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         None => sim.replicas_differ()?,
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
-    let (rebuild, checkpoints) = (sim.rebuild, sim.checkpoints);
+    let (rebuild, checkpoints, restarts) = (sim.rebuild, sim.checkpoints, sim.restarted);
+    let killed_after_restart = sim.killed_after_restart;
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -1015,6 +1051,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         bad_inputs,
         rebuild,
         checkpoints,
+        restarts,
+        killed_after_restart,
     })
 }
 
@@ -1749,6 +1787,8 @@ impl Sim {
             | Ev::CommandDone(..)
             | Ev::CoordRestart
             | Ev::Rejoin(_)
+            | Ev::ServerRestart(_)
+            | Ev::ServerKill(_)
             | Ev::RebuildDue(_)
             | Ev::Tick
             | Ev::Moved(..) => self.control(ev)?,
