@@ -298,27 +298,7 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
 /// connected to it again. Without the restart, the second death would lose the shards.
 #[test]
 fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_servers_death() {
-    let mut run = LocalRun::start(
-        "failover-restart",
-        &[
-            "--workers",
-            "3",
-            "--servers",
-            "2",
-            "--shards",
-            "3",
-            "--params",
-            "64",
-            "--delay-ms",
-            "20",
-            "--iterations",
-            "1500",
-            "--replicas",
-            "1",
-            "--policy",
-            "ssp:s=2",
-        ],
-    );
+    let mut run = counter_drill("failover-restart", "ssp:s=2", 1500, &["--replicas", "1"]);
     wait_for_clock(&mut run, 60);
     let pids = server_pids(&run.dir);
     let victim = pids[0];
