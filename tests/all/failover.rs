@@ -348,7 +348,11 @@ fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_serve
     let t = Instant::now();
     loop {
         let st = run.status();
-        if st.lost_servers.is_empty() && st.placement.iter().all(|p| p.1 != id && p.2 == Some(id)) {
+        // The map says so once the primaries stream to it; the restarted server says so once it
+        // holds each backup (from its primary's snapshot).
+        let mapped = st.placement.iter().all(|p| p.1 != id && p.2 == Some(id));
+        let held = st.servers.iter().find(|s| s.server == id).is_some_and(|s| s.backups.len() == 3);
+        if st.lost_servers.is_empty() && mapped && held {
             break;
         }
         assert!(

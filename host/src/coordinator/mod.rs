@@ -144,6 +144,8 @@ struct State {
     swap_waiter: Option<(u64, tokio::sync::oneshot::Sender<SwapOutcome>)>,
     /// The latest score a worker reported.
     score: Option<ReportedScore>,
+    /// Per server id: how many times a restarted process has taken it (0 if never).
+    incarnations: BTreeMap<u32, u32>,
     /// Who waits for the checkpoint round under way to end.
     checkpoint_waiter: Option<(u64, tokio::sync::oneshot::Sender<CheckpointOutcome>)>,
     /// The round the shards were restored from.
@@ -245,6 +247,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             swap_waiter: None,
             score: None,
             checkpoint_waiter: None,
+            incarnations: BTreeMap::new(),
             restore: resumed.map(|r| r.dir),
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
@@ -510,6 +513,7 @@ impl Coordinator {
         match st.machine.replace_server(self.now_ns(), id) {
             Ok(()) => {
                 st.servers[id as usize] = (addr, Some(conn.clone()));
+                *st.incarnations.entry(id).or_default() += 1;
                 tracing::warn!(server = id, %addr, "a restarted server takes its id back, holding nothing; it gets new backups");
                 self.server_welcome(st, id, true)
             }
@@ -565,21 +569,27 @@ impl Coordinator {
 
     /// Sends server `server` a command of the machine's, and logs what came of it.
     async fn carry_out(&self, server: u32, what: Command) -> Result<Answer, String> {
-        let (servers, preparing, raise) = {
+        let (servers, preparing, raise, incarnation) = {
             let st = self.lock();
+            let incarnation = match what {
+                Command::AttachBackup { backup, .. } => st.incarnations.get(&backup).copied().unwrap_or(0),
+                _ => 0,
+            };
             // Only a preparation carries the module, and only a commit the levelling.
             let preparing = matches!(what, Command::Prepare { .. }).then(|| st.preparing.clone()).flatten();
             let raise = match what {
                 Command::Commit { swap } => st.machine.levelling(swap).to_vec(),
                 _ => Vec::new(),
             };
-            (st.servers.clone(), preparing, raise)
+            (st.servers.clone(), preparing, raise, incarnation)
         };
         let (cmd, payload) = match what {
             Command::Promote { shard } => (ServerCommand::Promote { shard }, Vec::new()),
             Command::DropBackup { shard } => (ServerCommand::DropBackup { shard }, Vec::new()),
             Command::AttachBackup { shard, backup } => match servers.get(backup as usize) {
-                Some((addr, _)) => (ServerCommand::AttachBackup { shard, addr: *addr }, Vec::new()),
+                Some((addr, _)) => {
+                    (ServerCommand::AttachBackup { shard, addr: *addr, incarnation }, Vec::new())
+                }
                 None => return Err(format!("server {backup} is not registered")),
             },
             Command::Prepare { swap } => match preparing {

@@ -428,6 +428,11 @@ pub enum ServerCommand {
         shard: u32,
         /// The backup's server.
         addr: SocketAddr,
+        /// How many times a restarted process has taken that server's id: a connection made to
+        /// an earlier process at the same address is not used (it may not have timed out yet;
+        /// protocol 12).
+        #[serde(default)]
+        incarnation: u32,
     },
     /// This server's backup of `shard` becomes its primary (its primary's server died).
     Promote {

@@ -73,8 +73,9 @@ struct Shared {
     backups: Mutex<HashMap<u32, mpsc::Sender<ShardCmd>>>,
     /// Modules by SHA-256, for backups' swaps.
     modules: Modules,
-    /// Connections to other servers, for replication streams.
-    peers: tokio::sync::Mutex<HashMap<SocketAddr, quinn::Connection>>,
+    /// Connections to other servers, for replication streams, by address and incarnation (a
+    /// server restarted at the same address is a new peer).
+    peers: tokio::sync::Mutex<HashMap<(SocketAddr, u32), quinn::Connection>>,
     endpoint: quinn::Endpoint,
     server_name: String,
     /// With backups: until when this server may accept pushes (its lease from the coordinator),
@@ -428,13 +429,19 @@ async fn checkpoint(shared: &Shared, dir: &str, shard: u32) -> Result<(), String
 }
 
 /// Starts streaming `shard`'s ops to its backup at `addr`: one stream on the connection to that
-/// server, a writer task sending the ops in order, a reader task passing the backup's
+/// server (its process `incarnation`: a connection to an earlier one at the same address is not
+/// used), a writer task sending the ops in order, a reader task passing the backup's
 /// confirmations back to the shard.
-async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Result<(), String> {
+async fn attach_backup(
+    shared: &Arc<Shared>,
+    shard: u32,
+    addr: SocketAddr,
+    incarnation: u32,
+) -> Result<(), String> {
     let tx = shared.shard(shard).ok_or_else(|| format!("shard {shard} is not on this server"))?;
     let conn = {
         let mut peers = shared.peers.lock().await;
-        match peers.get(&addr).filter(|c| c.close_reason().is_none()) {
+        match peers.get(&(addr, incarnation)).filter(|c| c.close_reason().is_none()) {
             Some(c) => c.clone(),
             None => {
                 let hello = Hello {
@@ -445,7 +452,9 @@ async fn attach_backup(shared: &Arc<Shared>, shard: u32, addr: SocketAddr) -> Re
                 let (c, _) = net::connect(&shared.endpoint, addr, &shared.server_name, &hello)
                     .await
                     .map_err(|e| e.to_string())?;
-                peers.insert(addr, c.clone());
+                // A restarted peer's old connection goes (it leads nowhere).
+                peers.retain(|k, _| k.0 != addr);
+                peers.insert((addr, incarnation), c.clone());
                 c
             }
         }
@@ -866,10 +875,12 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                 bytes_received,
             })
         }
-        ServerCommand::AttachBackup { shard, addr } => match attach_backup(shared, shard, addr).await {
-            Ok(()) => ServerReply::Ok,
-            Err(e) => ServerReply::Error(format!("shard {shard}'s backup at {addr}: {e}")),
-        },
+        ServerCommand::AttachBackup { shard, addr, incarnation } => {
+            match attach_backup(shared, shard, addr, incarnation).await {
+                Ok(()) => ServerReply::Ok,
+                Err(e) => ServerReply::Error(format!("shard {shard}'s backup at {addr}: {e}")),
+            }
+        }
         ServerCommand::Promote { shard } => {
             let Some(tx) = shared.backups.lock().expect("not poisoned").remove(&shard) else {
                 return ServerReply::Error(format!("server {} keeps no backup of shard {shard}", shared.id));
