@@ -754,6 +754,49 @@ fn a_restarted_server_takes_its_id_back_and_its_backups_survive_the_other_server
     }
 }
 
+/// Issue 36's stale terms: a primary cut off from the coordinator is failed over while its
+/// link to its backup is cut too, so the ops it had streamed reach that backup only after the
+/// backup was promoted. The promoted node ignores them (`ShardNode::replicated`); one applied
+/// or confirmed would end the run as a bad request accepted. Nothing is lost or applied twice.
+#[test]
+fn ops_from_a_deposed_primary_are_ignored_by_its_promoted_backup() {
+    use syncopate::lab::sim::{Cut, Node, SimLinkCut, SimPartition};
+    let s = scenario(&REPLICATED.replace("iterations = 8", "iterations = 40"));
+    for policy in ["asp", "bsp"] {
+        let clean = replicated(&s, policy, None);
+        let at = clean.events / 4;
+        let opts = SimOptions {
+            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
+            gradients: true,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults {
+                partitions: vec![SimPartition {
+                    server: 1,
+                    at: FailAt::Event(at),
+                    heal_after_ns: 2_000_000_000,
+                    cut: Cut::ToCoordinator,
+                }],
+                link_cuts: vec![SimLinkCut {
+                    a: Node::Server(0),
+                    b: Node::Server(1),
+                    at: FailAt::Event(at),
+                    heal_after_ns: 1_700_000_000,
+                }],
+                ..SimFaults::default()
+            },
+        };
+        let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        assert!(out.stale_ops > 0, "{policy}: no op reached the promoted backup late");
+        assert!(out.report.workers.iter().all(|w| w.iterations == 40), "{policy}");
+        assert_eq!(
+            out.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            clean.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{policy}"
+        );
+    }
+}
+
 /// A failing seed is shrunk by dropping its faults one at a time while it still fails
 /// (`simtest::shrink`). Each fault can be dropped by name, on the command line too, and the
 /// rest of the case stays as drawn.

@@ -103,7 +103,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
-         delivered twice, {} bad requests refused, {} with the coordinator crashed and restarted ({} rebuilds: {} \
+         delivered twice, {} bad requests refused, {} ops from a deposed primary ignored by its promoted backup, {} with the coordinator crashed and restarted ({} rebuilds: {} \
          backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} dead servers restarted that took their id back ({} two-server runs then survived the other server's death on their backups), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
          could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
@@ -120,6 +120,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.hostile,
         e.duplicates,
         e.bad_inputs,
+        e.stale_ops,
         e.coordinator_crashes,
         e.rebuild.rebuilds,
         e.rebuild.promoted,

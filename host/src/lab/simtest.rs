@@ -162,6 +162,9 @@ pub struct Exercised {
     /// Two-server runs whose other server died after the restart, and lost nothing: the
     /// restarted server's new backups took over.
     pub saved_by_restart: u64,
+    /// Ops from a deposed primary (a stale term) that reached its old backup after that backup
+    /// was promoted, each ignored.
+    pub stale_ops: u64,
     /// Runs with a link cut for a while (a worker's to a server, or between two servers).
     pub link_cuts: u64,
     /// The longest a disturbed run took beyond its undisturbed one, in milliseconds of virtual
@@ -189,6 +192,7 @@ impl std::ops::AddAssign for Exercised {
         self.checkpoints += o.checkpoints;
         self.restarts += o.restarts;
         self.saved_by_restart += o.saved_by_restart;
+        self.stale_ops += o.stale_ops;
         self.link_cuts += o.link_cuts;
         self.max_delay_ms = self.max_delay_ms.max(o.max_delay_ms);
     }
@@ -830,6 +834,7 @@ impl Case {
             checkpoints: failed.checkpoints,
             restarts: failed.restarts,
             saved_by_restart: failed.killed_after_restart,
+            stale_ops: failed.stale_ops,
             link_cuts: link_cut,
             max_delay_ms: delay_ns / 1_000_000,
         })

@@ -492,6 +492,8 @@ impl Sim {
         backup.promote();
         let old = self.server_of[su];
         self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
+        // Ops the old primary sent on the stream it had to this node still reach it.
+        self.promoted_epoch[su] = Some(self.epoch[su]);
         self.claims[old as usize].insert(s, self.term[su] as u64);
         self.nodes[su] = backup;
         // The requests the old primary had not answered are lost with it: the workers ask

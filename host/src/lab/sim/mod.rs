@@ -566,6 +566,11 @@ struct Sim {
     restarting: Vec<SimRestart>,
     /// Servers killed after another's restart ([`SimRestart::then_kill`]).
     killed_after_restart: u64,
+    /// Per shard: the epoch of the stream its primary took as a backup, if it was promoted
+    /// (what its old primary sent on that stream still reaches it).
+    promoted_epoch: Vec<Option<u32>>,
+    /// Ops from a deposed primary that reached the backup it had, promoted since.
+    stale_ops: u64,
 }
 
 /// A finished simulation.
@@ -598,6 +603,9 @@ pub struct Simulated {
     pub restarts: u64,
     /// Servers killed after another's restart ([`SimRestart::then_kill`]) while the run went on.
     pub killed_after_restart: u64,
+    /// Ops from a deposed primary (a stale term) that reached its old backup after that backup
+    /// was promoted, each ignored.
+    pub stale_ops: u64,
 }
 
 /// What became of a run's checkpoint rounds.
@@ -925,6 +933,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         restarted: 0,
         restarting: Vec::new(),
         killed_after_restart: 0,
+        promoted_epoch: vec![None; shards_n as usize],
+        stale_ops: 0,
     };
     sim.start_control();
     // Each worker joins every shard, and starts once all have answered (with backups, once
@@ -1040,7 +1050,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
     let (rebuild, checkpoints, restarts) = (sim.rebuild, sim.checkpoints, sim.restarted);
-    let killed_after_restart = sim.killed_after_restart;
+    let (killed_after_restart, stale_ops) = (sim.killed_after_restart, sim.stale_ops);
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -1053,6 +1063,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         checkpoints,
         restarts,
         killed_after_restart,
+        stale_ops,
     })
 }
 
@@ -1391,6 +1402,22 @@ impl Sim {
         self.at(t, Ev::Replicate(s, i));
     }
 
+    /// An op from shard `s`'s deposed primary reaches the node it streamed to, now the shard's
+    /// primary: it must change nothing and confirm nothing ([`SimError::AcceptedBad`] else).
+    fn stale_op(&mut self, s: u32, stamped: Stamped, grad: Vec<f32>) -> Result<(), SimError> {
+        // (Nothing is pending: every call is drained; this makes sure of it.)
+        self.drain(s)?;
+        let node = &mut self.nodes[s as usize];
+        let (before, version) = (node.replication(), sim_shard(node).version());
+        node.replicated(stamped, grad, |_| None, &mut Quiet);
+        let answered = std::iter::from_fn(|| node.poll_output()).count();
+        if answered > 0 || node.replication() != before || sim_shard(node).version() != version {
+            return Err(SimError::AcceptedBad(s, "an op from its deposed primary (a stale term)"));
+        }
+        self.stale_ops += 1;
+        Ok(())
+    }
+
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
         self.dead[self.server_of[s as usize] as usize]
@@ -1719,6 +1746,12 @@ impl Sim {
                 // never arrives (it may still be in the dead process's buffers), and a dead
                 // backup applies nothing.
                 let on_live = self.backup_of[su].is_some_and(|b| !self.dead[b as usize]) && !self.down(s);
+                // An op from a primary that was deposed while it lived (a stale term) still
+                // reaches the backup it streamed to, promoted since, which must ignore it.
+                let deposed_alive = self.zombie_of[su].is_some_and(|x| !self.dead[x as usize]);
+                if deposed_alive && self.promoted_epoch[su] == Some(epoch) && !self.down(s) {
+                    return self.stale_op(s, stamped, grad);
+                }
                 if self.backups[su].is_none() || !on_live || epoch != self.epoch[su] {
                     return Ok(());
                 }
