@@ -392,15 +392,20 @@ const REPLICATED: &str =
     params = 6\ncompute_ms = 5\niterations = 8\ntime_limit_s = 20\nlr = 1.0\nmomentum = 0.0\npush_weight = \"sum\"\n\
     [[jitter]]\nworker = 1\nmean_ms = 4.0\nsd_ms = 3.0\n[[slow]]\nworker = 2\nfactor = 2.0\n";
 
-/// `s` with a backup per shard (`replicas = 1`), and `failure`.
-fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncopate::lab::sim::Simulated {
-    let opts = SimOptions {
+/// `s` with a backup per shard (`replicas = 1`) under `policy`, with `failures` and `faults`.
+fn replicated_opts(s: &Scenario, policy: &str, failures: Vec<SimFailure>, faults: SimFaults) -> SimOptions {
+    SimOptions {
         run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
         gradients: true,
         data: None,
-        failures: failure.into_iter().collect(),
-        faults: SimFaults::default(),
-    };
+        failures,
+        faults,
+    }
+}
+
+/// `s` with a backup per shard (`replicas = 1`), and `failure`.
+fn replicated(s: &Scenario, policy: &str, failure: Option<SimFailure>) -> syncopate::lab::sim::Simulated {
+    let opts = replicated_opts(s, policy, failure.into_iter().collect(), SimFaults::default());
     simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}, {failure:?}: {e}"))
 }
 
@@ -628,12 +633,13 @@ fn a_cut_link_holds_up_what_crosses_it_and_loses_nothing() {
         let at = FailAt::Event(clean.events / 3);
         let cut = SimLinkCut { a: Node::Worker(1), b: Node::Server(0), at, heal_after_ns: 3_000_000_000 };
         let between_servers = SimLinkCut { a: Node::Server(1), b: Node::Server(0), ..cut };
-        let opts = |cut| SimOptions {
-            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
-            gradients: true,
-            data: None,
-            failures: Vec::new(),
-            faults: SimFaults { link_cuts: vec![cut], ..SimFaults::default() },
+        let opts = |cut| {
+            replicated_opts(
+                &s,
+                policy,
+                Vec::new(),
+                SimFaults { link_cuts: vec![cut], ..SimFaults::default() },
+            )
         };
         let elapsed =
             |r: &Simulated, w: u32| r.report.workers.iter().find(|x| x.worker == w).unwrap().elapsed_ns;
@@ -680,12 +686,8 @@ fn checkpoint_rounds_are_whole_or_abandoned_and_change_nothing() {
     for policy in ["bsp", "ssp", "asp"] {
         let clean = replicated(&s, policy, None);
         let rounds: Vec<FailAt> = (1..=5).map(|k| FailAt::Event(clean.events * k / 6)).collect();
-        let opts = |failures: Vec<SimFailure>, checkpoints: Vec<FailAt>| SimOptions {
-            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
-            gradients: true,
-            data: None,
-            failures,
-            faults: SimFaults { checkpoints, ..SimFaults::default() },
+        let opts = |failures: Vec<SimFailure>, checkpoints: Vec<FailAt>| {
+            replicated_opts(&s, policy, failures, SimFaults { checkpoints, ..SimFaults::default() })
         };
         let bits = |r: &Simulated| r.model.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         let run = |o| simulate(&o, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
@@ -728,12 +730,13 @@ fn a_restarted_server_takes_its_id_back_and_its_backups_survive_the_other_server
         let clean = replicated(&s, policy, None);
         let death = SimFailure { server: 1, at: FailAt::Event(clean.events / 5) };
         let restart = SimRestart { server: 1, after_ns: 500_000_000, then_kill: Some((0, 2_000_000_000)) };
-        let opts = |restarts: Vec<SimRestart>, failures: Vec<SimFailure>| SimOptions {
-            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
-            gradients: true,
-            data: None,
-            failures,
-            faults: SimFaults { server_restarts: restarts, ..SimFaults::default() },
+        let opts = |restarts: Vec<SimRestart>, failures: Vec<SimFailure>| {
+            replicated_opts(
+                &s,
+                policy,
+                failures,
+                SimFaults { server_restarts: restarts, ..SimFaults::default() },
+            )
         };
         let out = simulate(&opts(vec![restart], vec![death]), syncopate_suite::runtime())
             .unwrap_or_else(|e| panic!("{policy}: {e}"));
@@ -765,27 +768,22 @@ fn ops_from_a_deposed_primary_are_ignored_by_its_promoted_backup() {
     for policy in ["asp", "bsp"] {
         let clean = replicated(&s, policy, None);
         let at = clean.events / 4;
-        let opts = SimOptions {
-            run: RunSpec::new(Scenario { replicas: 1, ..s.clone() }, policy.parse::<PolicySpec>().unwrap()),
-            gradients: true,
-            data: None,
-            failures: Vec::new(),
-            faults: SimFaults {
-                partitions: vec![SimPartition {
-                    server: 1,
-                    at: FailAt::Event(at),
-                    heal_after_ns: 2_000_000_000,
-                    cut: Cut::ToCoordinator,
-                }],
-                link_cuts: vec![SimLinkCut {
-                    a: Node::Server(0),
-                    b: Node::Server(1),
-                    at: FailAt::Event(at),
-                    heal_after_ns: 1_700_000_000,
-                }],
-                ..SimFaults::default()
-            },
+        let faults = SimFaults {
+            partitions: vec![SimPartition {
+                server: 1,
+                at: FailAt::Event(at),
+                heal_after_ns: 2_000_000_000,
+                cut: Cut::ToCoordinator,
+            }],
+            link_cuts: vec![SimLinkCut {
+                a: Node::Server(0),
+                b: Node::Server(1),
+                at: FailAt::Event(at),
+                heal_after_ns: 1_700_000_000,
+            }],
+            ..SimFaults::default()
         };
+        let opts = replicated_opts(&s, policy, Vec::new(), faults);
         let out = simulate(&opts, syncopate_suite::runtime()).unwrap_or_else(|e| panic!("{policy}: {e}"));
         assert!(out.stale_ops > 0, "{policy}: no op reached the promoted backup late");
         assert!(out.report.workers.iter().all(|w| w.iterations == 40), "{policy}");

@@ -116,11 +116,10 @@ impl Sim {
     pub(super) fn kill(&mut self, x: u32) {
         if !std::mem::replace(&mut self.dead[x as usize], true) {
             tracing::debug!(server = x, t_ns = self.now, "server killed");
-            let restarts = &mut self.opts.faults.server_restarts;
-            if let Some(k) = restarts.iter().position(|r| r.server == x) {
-                let r = restarts.remove(k);
-                self.restarting.push(r);
-                self.at(self.now + r.after_ns, Ev::ServerRestart(x));
+            if let Some((r, under_way)) = self.restarts.iter_mut().find(|(r, on)| r.server == x && !on) {
+                *under_way = true;
+                let at = self.now + r.after_ns;
+                self.at(at, Ev::ServerRestart(x));
             }
         }
     }
@@ -163,8 +162,8 @@ impl Sim {
         let newest = (0..self.dead.len()).filter(|&y| !self.dead[y]).max_by_key(|&y| self.committed[y].0);
         self.committed[xu] = newest.map(|y| self.committed[y].clone()).unwrap_or_default();
         self.at(self.now, Ev::Heartbeat(x));
-        if let Some(k) = self.restarting.iter().position(|r| r.server == x) {
-            if let Some((y, after_ns)) = self.restarting.remove(k).then_kill {
+        if let Some(k) = self.restarts.iter().position(|(r, on)| r.server == x && *on) {
+            if let Some((y, after_ns)) = self.restarts.remove(k).0.then_kill {
                 self.at(self.now + after_ns, Ev::ServerKill(y));
             }
         }

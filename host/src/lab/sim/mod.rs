@@ -562,8 +562,9 @@ struct Sim {
     checkpoints: CheckpointCounts,
     /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
     restarted: u64,
-    /// Restarts of servers that died, until they take their id back.
-    restarting: Vec<SimRestart>,
+    /// The restarts to come ([`SimFaults::server_restarts`]), each marked once its server has
+    /// died (under way); one leaves once its server took its id back.
+    restarts: Vec<(SimRestart, bool)>,
     /// Servers killed after another's restart ([`SimRestart::then_kill`]).
     killed_after_restart: u64,
     /// Per shard: the epoch of the stream its primary took as a backup, if it was promoted
@@ -931,7 +932,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         rounds: BTreeMap::new(),
         checkpoints: CheckpointCounts::default(),
         restarted: 0,
-        restarting: Vec::new(),
+        restarts: opts.faults.server_restarts.iter().map(|&r| (r, false)).collect(),
         killed_after_restart: 0,
         promoted_epoch: vec![None; shards_n as usize],
         stale_ops: 0,
