@@ -106,8 +106,9 @@ pub struct Case {
     pub server_link_cut: Option<(u32, u32, u64)>,
     /// Whether the crashed coordinator's successor finds the terms it recorded (as on disk).
     pub crash_keeps_terms: bool,
-    /// Checkpoint rounds in the disturbed run (0-3), each at an event drawn like the deaths'
-    /// (the first, in half the seeds with a death, a few events after it).
+    /// Checkpoint rounds in the disturbed run (0-3), each at an event drawn like the deaths'; in
+    /// half the seeds with a swap one comes within two latencies of it, and in half those with a
+    /// death one comes a few events after it.
     pub checkpoints: u32,
     /// The first server to die is started again (a new, empty process under its id) this many
     /// milliseconds after its death (it is admitted once a peer timeout has passed since it
