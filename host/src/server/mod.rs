@@ -1118,7 +1118,17 @@ async fn serve_stream(
     if let Err(e) = wire::expect_end(&mut recv).await {
         return malformed(&conn, &e);
     }
+    let pulled = match &head.header {
+        DataRequest::Pull { shard, .. } => Some(*shard),
+        _ => None,
+    };
     let (answer, values) = handle_request(&shared, &peer, head.header, payload).await;
+    if let (Some(shard), Some(_)) = (pulled, &values) {
+        // A model's first layers are its first shards' keys: their pulls go first when several
+        // answers share this connection, so that the worker's next forward pass can start
+        // while the last layers still travel (ByteScheduler's order).
+        let _ = send.set_priority(-i32::try_from(shard).unwrap_or(i32::MAX));
+    }
     let result = match values {
         Some(v) => {
             wire::write_frame(&mut send, &answer, shared.pool.send_shared(v).into(), &mut scratch).await

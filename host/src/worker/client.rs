@@ -735,8 +735,9 @@ impl WorkerClient {
     /// [`push_buffer`](Self::push_buffer) takes a whole gradient. An iteration pushed this way
     /// is pushed once per shard, as a whole push is (the policy sees the same requests), but
     /// each part can go as soon as the caller has it: a push overlapped with the backward
-    /// pass. Its QUIC stream priority is the shard's index: while parts compete for the link,
-    /// the later shards' (the model's last layers, which backward makes first) go first.
+    /// pass. Its QUIC stream priority is minus the shard's index: while parts compete for the
+    /// link, the earlier shards' (the model's first layers, which the next forward pass needs
+    /// first) go first.
     /// Returns 1 if the shard's policy dropped it, else 0.
     ///
     /// # Panics
@@ -759,10 +760,11 @@ impl WorkerClient {
             None => (Codec::None, Payload::Shared(self.pool.send_shared(Arc::new(values)))),
         };
         let make = self.push_request(iteration, samples, local_steps);
-        // The parts fed first (the last layers', as backward goes) go first: then their shards
-        // can answer their pulls while the others' parts still travel, rather than all parts
-        // sharing the link and arriving together at the end.
-        let priority = i32::try_from(i).unwrap_or(i32::MAX);
+        // The first layers' parts (the first shards' keys) go first when several share the
+        // link, as ByteScheduler orders them: backward feeds them last, and the next forward
+        // pass needs them first, so they overtake what is left of the last layers' parts, whose
+        // pulls are needed only later in that pass. Alone on the link, a part goes at once.
+        let priority = -i32::try_from(i).unwrap_or(i32::MAX);
         Ok(self.push_one(i, codec, payload, self.based_on(i), priority, &make).await?)
     }
 
