@@ -6,7 +6,8 @@
 //! swap and status. Tensors cross as the tensors themselves, read and written through DLPack
 //! only while the GIL is held (`dlpack.rs`); calls that wait on the network do so over memory
 //! of their own: a push copies the gradient first (`Staged`), a pull lands in a buffer of
-//! the session's and is copied into the caller's tensors once it is back.
+//! the session's and is copied into the caller's tensors once it is back, and an exchange's
+//! pull lands shard by shard in buffers the caller copies from as each comes in (`landing.rs`).
 //!
 //! Every call that waits (joining, pulling, pushing, leaving) releases the GIL and is woken,
 //! not polled, when it may have to give up (`Wake`): on the main thread, the Python half
@@ -16,6 +17,7 @@
 //! the calls still waiting in the background.
 
 mod dlpack;
+mod landing;
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
@@ -31,6 +33,8 @@ use syncopate::net::pool::TensorPool;
 use syncopate::net::tls::ClusterFile;
 use syncopate::operator::Operator;
 use syncopate::worker::{FedParts, Interrupt, PushFeed, Session, SessionError};
+
+use landing::Slots;
 use syncopate::{ErrorKind, NodeError};
 use syncopate_engine::worker::StepStats;
 use tokio::io::unix::AsyncFd;
@@ -184,6 +188,8 @@ struct NativeSession {
     /// Where a pull lands before it is copied into the caller's tensors (kept from pull to
     /// pull; locked only while `inner` is).
     pulled: Mutex<Vec<f32>>,
+    /// Where an exchange's pull lands, shard by shard (read while it runs: `land_part`).
+    slots: Slots,
     /// The session's buffers for pushes (shared with it: staging needs no lock of the session).
     pool: TensorPool,
 }
@@ -369,6 +375,7 @@ impl NativeSession {
             inner: Mutex::new(Some(session)),
             cancel: watch::Sender::new(false),
             pulled: Mutex::new(Vec::new()),
+            slots: Slots::default(),
         })
     }
 
@@ -456,20 +463,24 @@ impl NativeSession {
     }
 
     /// A push to feed in pieces ([`Feed`]) while the caller computes, for
-    /// [`exchange`](Self::exchange).
+    /// [`exchange`](Self::exchange). The model the last exchange pulled is forgotten: land it
+    /// first.
     fn feed(&self, py: Python<'_>) -> PyResult<Feed> {
         self.with(py, |s| {
             let (feed, parts) = s.feed();
+            self.slots.begin(&s.shard_ranges());
             Ok(Feed { feed: Mutex::new(feed), parts: Mutex::new(Some(parts)) })
         })
     }
 
     /// Pushes what `feed` is fed, each shard's part as soon as it is whole, and pulls the next
-    /// iteration into the session's buffer, each shard's part as soon as it acknowledged the
-    /// push (`Session::exchange`; [`land`](Self::land) copies it into the tensors). Meant
-    /// for another thread than the one feeding: it returns once the push is acknowledged and
-    /// the pull is back. Returns (shards that dropped the push, or None if it was not
-    /// pushed; the pulled iteration as `pull` returns it, or None once training is over).
+    /// iteration into the session's buffers, each shard's part as soon as it acknowledged the
+    /// push (`Session::exchange`; [`land_part`](Self::land_part) copies it into the tensors,
+    /// shard by shard while this still runs once [`planned`](Self::planned) says the pull
+    /// goes early). Meant for another thread than the one feeding: it returns once the push is
+    /// acknowledged and the pull is back. Returns (shards that dropped the push, or None if it
+    /// was not pushed; the pulled iteration as `pull` returns it, or None once training is
+    /// over).
     #[pyo3(signature = (feed, samples, local_steps=0, wake=None))]
     fn exchange(
         &self,
@@ -479,18 +490,88 @@ impl NativeSession {
         local_steps: u32,
         wake: Option<RawFd>,
     ) -> PyResult<(Option<u32>, Option<Pulled>)> {
+        let _ending = self.slots.ending();
         let cancel = self.cancel.subscribe();
         let parts = feed.parts.lock().map_err(poisoned)?.take();
         let parts = parts.ok_or_else(|| UsageError::new_err("this feed was pushed already"))?;
         self.with(py, |s| {
-            let mut pulled = self.pulled.lock().map_err(poisoned)?;
-            pulled.resize(s.model_len(), 0.0);
-            let into = &mut pulled[..];
+            let slots = &self.slots;
             let (dropped, step) = detached(py, wake, Some(cancel), move |stop| {
-                s.exchange(parts, samples, local_steps, into, stop)
+                s.exchange(parts, samples, local_steps, slots, stop)
             })?;
             Ok((dropped, step.map(|step| (step.iteration, step.batch, step.local_steps))))
         })
+    }
+
+    /// Waits until the exchange in flight knows how it pulls: returns the iteration it pulls
+    /// early (each shard's part lands as soon as that shard acknowledged the push, and
+    /// [`land_part`](Self::land_part) may take it at once), or None when the pull waits for
+    /// the whole push or the exchange is over (wait for it then).
+    fn planned(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        loop {
+            let (plan, settled) = py.detach(|| {
+                let (g, known) = self.slots.wait_a_while(|s| s.plan.is_some());
+                (g.plan, known || g.over)
+            });
+            if settled {
+                return Ok(plan.flatten());
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Copies the values from `offset` on of the model the last exchange pulled into
+    /// `tensors` (anything with `__dlpack__`, float32, contiguous, writable), waiting for the
+    /// shards that hold them to land. Returns False, and writes nothing, when the exchange
+    /// ended without landing them (it failed, or training is over: its result says which).
+    fn land_part(&self, py: Python<'_>, offset: usize, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
+        // Checked before waiting, so that a wrong tensor costs nothing.
+        let len: usize = dlpack::borrow_all(&tensors, true, "pull")?.iter().map(|t| t.len()).sum();
+        let shards = self
+            .slots
+            .lock()
+            .shards_over(offset, len)
+            .map_err(|e| TensorError::new_err(format!("pull: {e}")))?;
+        let landed = |s: &landing::SlotState| shards.clone().all(|i| s.landed[i]);
+        loop {
+            let done = py.detach(|| {
+                let (g, ok) = self.slots.wait_a_while(landed);
+                ok || g.over
+            });
+            if done {
+                break;
+            }
+            py.check_signals()?;
+        }
+        // Borrowed again: signal handlers (Python code) may have run while we waited. The copy
+        // holds both the GIL and the slots.
+        let mut targets = dlpack::borrow_all(&tensors, true, "pull")?;
+        if targets.iter().map(|t| t.len()).sum::<usize>() != len {
+            return Err(TensorError::new_err(
+                "pull: a tensor changed size while its part of the model landed; it was not written",
+            ));
+        }
+        let s = self.slots.lock();
+        if !landed(&s) {
+            return Ok(false);
+        }
+        let mut at = offset;
+        let mut shard = shards.start;
+        for t in &mut targets {
+            let out = t.write();
+            let mut done = 0;
+            while done < out.len() {
+                while s.starts[shard + 1] <= at {
+                    shard += 1;
+                }
+                let local = at - s.starts[shard];
+                let take = (out.len() - done).min(s.starts[shard + 1] - at);
+                out[done..done + take].copy_from_slice(&s.bufs[shard][local..local + take]);
+                done += take;
+                at += take;
+            }
+        }
+        Ok(true)
     }
 
     /// Sets the loss of the iteration last pushed by [`exchange`](Self::exchange) (known only

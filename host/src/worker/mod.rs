@@ -13,5 +13,5 @@ pub use crate::net::tls::ClusterAccess;
 pub use client::{PullStats, ShardPulled, WorkerClient};
 pub use feed::{FedParts, FeedError, PushFeed};
 pub use run::{run, WorkerOptions};
-pub use session::{Interrupt, Session, SessionError, Step};
+pub use session::{Interrupt, Landing, Session, SessionError, Step};
 pub use syncopate_engine::worker::WorkerReport;

@@ -36,7 +36,7 @@ use syncopate_engine::tasks::ControlMessage;
 use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerMachine, WorkerReport};
 use tokio::sync::mpsc;
 
-use super::client::{carve, ShardPulled, WorkerClient};
+use super::client::{ShardPulled, WorkerClient};
 use super::clock::Clock;
 use super::feed::{FedParts, PushFeed};
 use super::run::WorkerOptions;
@@ -93,6 +93,41 @@ pub enum SessionError {
 impl From<syncopate_engine::worker::WorkerError> for SessionError {
     fn from(e: syncopate_engine::worker::WorkerError) -> Self {
         SessionError::Node(e.into())
+    }
+}
+
+/// Where an [`Session::exchange`] lands the next iteration's model: one buffer per shard,
+/// lent to the exchange for its shard's pull and given back, from the exchange's thread.
+///
+/// A caller that reads a buffer as soon as it is given back landed, while the exchange still
+/// runs, reads the model the early pull brought; if the machine then abandons that pull (a
+/// stop or a skip came in meanwhile), every buffer is lent again for the pull that replaces it.
+pub trait Landing: Sync {
+    /// Lends shard `shard`'s buffer, `len` values long (its contents are overwritten); it is
+    /// no longer landed until given back.
+    fn lend(&self, shard: usize, len: usize) -> Vec<f32>;
+    /// Gives `values` back: `landed` when they are the shard's part of the next iteration's
+    /// model, otherwise their contents mean nothing.
+    fn give_back(&self, shard: usize, values: Vec<f32>, landed: bool);
+    /// Told once per exchange, as soon as the machine knows: the iteration pulled early, shard
+    /// by shard as each acknowledges its push, or `None` when the pull waits for the whole push
+    /// (then every buffer is given back at the end).
+    fn planned(&self, early: Option<u64>);
+}
+
+/// A shard's buffer lent by a [`Landing`]: given back unlanded when dropped (a pull abandoned
+/// or failed midway).
+struct Lent<'a> {
+    landing: &'a dyn Landing,
+    shard: usize,
+    values: Option<Vec<f32>>,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        if let Some(values) = self.values.take() {
+            self.landing.give_back(self.shard, values, false);
+        }
     }
 }
 
@@ -324,6 +359,12 @@ impl Session {
         self.push_grad(Grad::Owned(grad), stats, local_steps, interrupt)
     }
 
+    /// Each shard's key range in the model, in shard order: what an
+    /// [`exchange`](Self::exchange)'s [`Landing`] lends a buffer for.
+    pub fn shard_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        self.client().shard_ranges()
+    }
+
     /// A push to feed in pieces while the caller computes ([`super::feed`]): fill the
     /// [`PushFeed`] (from any thread), and [`exchange`](Self::exchange) the [`FedParts`].
     pub fn feed(&self) -> (PushFeed, FedParts) {
@@ -331,17 +372,22 @@ impl Session {
     }
 
     /// [`push`](Self::push) of a gradient that is still being computed, then
-    /// [`pull`](Self::pull) of the next iteration into `into`: each shard's part of the push
-    /// is sent as soon as the caller's [`PushFeed`] has made it whole, and, when the worker is
-    /// sure to pull the next iteration ([`WorkerMachine::next_pull_if_quiet`]), each shard's
-    /// part of that pull as soon as the shard has acknowledged its push. Called as soon as the
-    /// backward pass starts (from another thread than the one feeding), it overlaps the push
-    /// with the rest of the pass, and the pulls of the last layers' shards with the first
+    /// [`pull`](Self::pull) of the next iteration into `landing`'s buffers: each shard's part
+    /// of the push is sent as soon as the caller's [`PushFeed`] has made it whole, and, when the
+    /// worker is sure to pull the next iteration ([`WorkerMachine::next_pull_if_quiet`]), each
+    /// shard's part of that pull as soon as the shard has acknowledged its push. Called as soon
+    /// as the backward pass starts (from another thread than the one feeding), it overlaps the
+    /// push with the rest of the pass, and the pulls of the last layers' shards with the first
     /// layers' pushes. Every shard sees what [`push`](Self::push) then [`pull`](Self::pull)
     /// send it: one push, then one pull.
     ///
-    /// Returns what `push` returns, and what `pull` returns (the model is in `into` when it
-    /// is a step). The iteration's loss is known only afterwards:
+    /// The pull lands shard by shard in buffers the caller lends ([`Landing`]): a caller that
+    /// is told the pull goes early ([`Landing::planned`]) may read each shard's part as soon as
+    /// it is given back landed, while the exchange still runs (the next forward pass can start
+    /// with the layers that are in).
+    ///
+    /// Returns what `push` returns, and what `pull` returns (every shard's buffer was given
+    /// back landed when it is a step). The iteration's loss is known only afterwards:
     /// [`record_loss`](Self::record_loss). The time the caller went on computing after the
     /// push started (until its last part came) is the iteration's overlap in the report's
     /// timeline.
@@ -350,14 +396,13 @@ impl Session {
         parts: FedParts,
         samples: u32,
         local_steps: u32,
-        into: &mut [f32],
+        landing: &dyn Landing,
         interrupt: &mut dyn Interrupt,
     ) -> Result<(Option<u32>, Option<Step>), SessionError> {
         let ranges = self.client().shard_ranges();
         if parts.0.len() != ranges.len() {
             return Err(SessionError::Usage("this feed was made for another shard map".into()));
         }
-        self.check_len(into.len(), "pull")?;
         syncopate_policy_sdk::rules::check_local_steps(local_steps).map_err(SessionError::Usage)?;
         let Phase::Computing { since, .. } = self.phase else {
             return Err(SessionError::Usage(match self.phase {
@@ -376,10 +421,12 @@ impl Session {
         let next = self.driver.drive(&self.rt, client, None, interrupt)?;
         let Next::Push { iteration, samples, local_steps } = next else {
             // A skip abandoned the iteration: nothing is pushed, and the pull is a plain one.
+            landing.planned(None);
             self.phase = self.phase_after(next)?;
-            return Ok((None, self.pull(&mut [into], interrupt)?));
+            return Ok((None, self.pull_landing(&ranges, landing, interrupt)?));
         };
         let early = self.driver.machine.next_pull_if_quiet();
+        landing.planned(early);
         // Told shard by shard, between its push and its early pull (the order the machine keeps).
         let report = early.and_then(|_| self.driver.machine.report_of_push());
         self.driver.reported = report.map(|r| r.iteration);
@@ -392,11 +439,10 @@ impl Session {
         let results: RefCell<Option<Result<Vec<Option<ShardPulled>>, NodeError>>> = RefCell::new(None);
         let progress = tokio::sync::Notify::new();
         let last = ranges.len();
-        let mut whole = [&mut *into];
-        let outs = carve(&mut whole, ranges.iter().map(|r| r.len()));
         let (fed_at_r, arrived, pushes_left, dropped, progress, results) =
             (&fed_at, &arrived, &pushes_left, &dropped, &progress, &results);
-        let shards = parts.0.into_iter().zip(outs).enumerate().map(|(i, (part, mut out))| async move {
+        let ranges_r = &ranges;
+        let shards = parts.0.into_iter().enumerate().map(|(i, part)| async move {
             let values = part.await.map_err(|_| {
                 NodeError::Protocol(format!(
                     "the push of iteration {iteration} lost its feed before shard {i}'s part was whole"
@@ -416,10 +462,15 @@ impl Session {
             }
             pushes_left.set(pushes_left.get() - 1);
             progress.notify_one();
-            match early {
-                Some(next) => client.pull_shard(i, next, &mut out).await.map(Some),
-                None => Ok(None),
-            }
+            let Some(next) = early else { return Ok(None) };
+            // Lent for the pull; given back unlanded if this future is dropped first.
+            let mut lent = Lent { landing, shard: i, values: Some(landing.lend(i, ranges_r[i].len())) };
+            let pulled = {
+                let values = lent.values.as_mut().expect("lent until given back");
+                client.pull_shard(i, next, &mut [&mut values[..]]).await?
+            };
+            landing.give_back(i, lent.values.take().expect("lent until given back"), true);
+            Ok(Some(pulled))
         });
         let all = futures::future::try_join_all(shards);
         let mut bg = Some(
@@ -488,7 +539,34 @@ impl Session {
         };
         drop(bg);
         self.phase = self.phase_after(next)?;
-        Ok((pushed, self.pull(&mut [into], interrupt)?))
+        Ok((pushed, self.pull_landing(&ranges, landing, interrupt)?))
+    }
+
+    /// A plain [`pull`](Self::pull) into `landing`'s buffers, for an exchange whose early pull
+    /// was not sent or was abandoned: every buffer is lent first (what landed early is no longer
+    /// landed), and all are given back landed once the pull is a step.
+    fn pull_landing(
+        &mut self,
+        ranges: &[std::ops::Range<usize>],
+        landing: &dyn Landing,
+        interrupt: &mut dyn Interrupt,
+    ) -> Result<Option<Step>, SessionError> {
+        let mut lent: Vec<Lent<'_>> = ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Lent { landing, shard: i, values: Some(landing.lend(i, r.len())) })
+            .collect();
+        let step = {
+            let mut outs: Vec<&mut [f32]> =
+                lent.iter_mut().map(|l| &mut l.values.as_mut().expect("lent")[..]).collect();
+            self.pull(&mut outs, interrupt)?
+        };
+        if step.is_some() {
+            for mut l in lent {
+                landing.give_back(l.shard, l.values.take().expect("lent"), true);
+            }
+        }
+        Ok(step)
     }
 
     /// Where the caller's loop stands after the machine asked for `next` (a pull, or the end).
