@@ -12,13 +12,16 @@ worker processes of one torch thread each, batch ``--batch``, plain SGD:
   waits, and pulls;
 - **overlap**: the same with ``overlap=True`` (``--bucket-mb`` buckets): pushes start from the
   gradient hooks during backward;
+- **forward**: the same with ``model=`` too: ``step()`` returns with the pull under way, and
+  each layer of the next forward pass waits only for its own parameters (ByteScheduler's
+  order: the first layers' parts and pulls go first);
 - **ddp**: ``torch.nn.parallel.DistributedDataParallel`` over gloo on loopback (its own
   bucketed all-reduce, overlapped with backward), the same processes.
 
 Each worker times ``--iterations`` iterations after ``--warmup`` (from one loop start to the
 next: forward, backward, step); an arm's figure is the mean over its workers of their median
 iteration. Per round the **exposed communication** of an arm is its time minus compute's, and
-the **share hidden** by the overlap is ``(serial - overlap) / (serial - compute)``. Prints every
+the **share hidden** by an overlapping arm is ``(serial - arm) / (serial - compute)``. Prints every
 round, then each figure's median and range, and writes them to ``--out`` (JSON).
 
 Needs release builds (the extension's copies are 10x slower in debug)::
@@ -52,7 +55,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "torch"
-ARMS = ["compute", "serial", "overlap", "ddp"]
+ARMS = ["compute", "serial", "overlap", "forward", "ddp"]
+# The arms that train through a Syncopate cluster.
+CLUSTER_ARMS = ("serial", "overlap", "forward")
 # The --link-mbit namespaces: the cluster's side (and DDP's rank 0) and the workers'.
 SRV_NS, WRK_NS = "sy-ovl-srv", "sy-ovl-wrk"
 SRV_DEV, WRK_DEV = "sy-os", "sy-ow"
@@ -119,8 +124,9 @@ def worker(a: argparse.Namespace) -> None:
         opt = sps.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0),
             model.named_parameters(),
-            overlap=arm == "overlap",
+            overlap=arm in ("overlap", "forward"),
             bucket_mb=a.bucket_mb,
+            model=model if arm == "forward" else None,
             iterations=total,
         )
         sps.broadcast_parameters(opt)
@@ -137,7 +143,7 @@ def worker(a: argparse.Namespace) -> None:
         loss = F.cross_entropy(net(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
-        if arm in ("serial", "overlap"):
+        if arm in CLUSTER_ARMS:
             opt.step(loss=float(loss))
         else:
             opt.step()
@@ -149,7 +155,7 @@ def worker(a: argparse.Namespace) -> None:
     if arm == "ddp":
         dist.destroy_process_group()
     breakdown: dict[str, float] = {}
-    if arm in ("serial", "overlap"):
+    if arm in CLUSTER_ARMS:
         assert opt.done, "the cluster should have ended training after the budget"
         r = opt.leave() or {}
         # The worker's own timeline, per timed iteration (medians, ms): waiting for the pull,
@@ -235,7 +241,7 @@ def run_arm(a: argparse.Namespace, arm: str, tmp: Path) -> tuple[float, float]:
     link = a.link_mbit > 0
     # Where each worker runs: the workers' namespace, or (DDP's rank 0) the cluster's.
     nets = [WRK_NS if link else None] * a.workers
-    if arm in ("serial", "overlap"):
+    if arm in CLUSTER_ARMS:
         cluster = Cluster(
             tmp / f"cluster-{arm}",
             exe=a.exe,
@@ -369,13 +375,13 @@ def main() -> None:
             got = {arm: t for arm, (t, _) in ran.items()}
             exposed = got["serial"] - got["compute"]
             row = {f"{arm}_ms": 1000 * got[arm] for arm in ARMS}
-            row |= {
-                "serial_exposed_ms": 1000 * exposed,
-                "overlap_exposed_ms": 1000 * (got["overlap"] - got["compute"]),
-                "hidden_share": (got["serial"] - got["overlap"]) / exposed if exposed > 0 else 0.0,
-                "serial_over_ddp": got["serial"] / got["ddp"],
-                "overlap_over_ddp": got["overlap"] / got["ddp"],
-            }
+            row["serial_exposed_ms"] = 1000 * exposed
+            for arm in ("overlap", "forward"):
+                row[f"{arm}_exposed_ms"] = 1000 * (got[arm] - got["compute"])
+                hidden = (got["serial"] - got[arm]) / exposed if exposed > 0 else 0.0
+                row[f"{arm}_hidden_share"] = hidden
+            for arm in CLUSTER_ARMS:
+                row[f"{arm}_over_ddp"] = got[arm] / got["ddp"]
             # CPU-seconds per iteration over the cores: no schedule can beat it.
             cores = os.cpu_count() or 1
             row |= {f"{arm}_cpu_floor_ms": 1000 * ran[arm][1] / cores for arm in ARMS}

@@ -23,7 +23,8 @@ Models: ``--model resnet`` (the default, 77,754 parameters), ``mlp`` (784-128-10
 workload's), and ``wide`` (784-W-W-10, ``--width`` 2048: 5.8M parameters, 23 MB each way per
 iteration, where communication matters; ``--depth`` hidden layers). ``--overlap`` pushes from
 the backward pass (``DistributedOptimizer(overlap=True)``; start the cluster with several
-``--shards``).
+``--shards``); ``--land-in-forward`` also lets the next forward pass start while the pull
+still arrives, each layer waiting for its own parameters (``model=``).
 
 ``--backend ddp`` trains the same model with the same loop through
 ``torch.nn.parallel.DistributedDataParallel`` over gloo instead (started as torchrun starts
@@ -151,6 +152,7 @@ class Trainer:
                 mode=args.mode,
                 overlap=args.overlap,
                 bucket_mb=args.bucket_mb,
+                model=model if args.land_in_forward else None,
             )
             sps.broadcast_parameters(self.opt)
             self.net = model
@@ -226,6 +228,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="push from the backward pass (DistributedOptimizer(overlap=True); server mode)",
     )
     p.add_argument("--bucket-mb", type=float, default=4.0, help="overlap's bucket size")
+    p.add_argument(
+        "--land-in-forward",
+        action="store_true",
+        help="with --overlap: step() returns with the pull under way, each layer waits for its "
+        "own parameters in the next forward pass (DistributedOptimizer(model=...))",
+    )
     p.add_argument(
         "--backend",
         choices=["syncopate", "ddp"],

@@ -356,14 +356,17 @@ class Worker:
         ``fill_rest()``), for :meth:`_exchange_async`; :mod:`syncopate.torch`'s overlap."""
         return self._session().feed()
 
-    def _exchange_async(self, feed: Any) -> Handle:
+    def _exchange_async(self, feed: Any, samples: int | None = None) -> Handle:
         """In the background: pushes what ``feed`` is fed (each shard's part as soon as it is
-        whole), then pulls the next iteration into the session's buffer (:meth:`_land` copies
-        it into the model). ``handle.wait()`` gives (shards that dropped the push, the next
-        :class:`Step` or ``None``)."""
+        whole), declaring ``samples`` (default: the pulled iteration's batch), then pulls the
+        next iteration into the session's buffers, shard by shard (:meth:`_land_part` copies
+        it into the model, while this still runs once :meth:`_planned` says the pull goes
+        early). ``handle.wait()`` gives (shards that dropped the push, the next :class:`Step`
+        or ``None``)."""
         if self._last is None:
             raise UsageError("push called without a pull first")
-        samples = self._last.batch
+        if samples is None:
+            samples = self._last.batch
         self._last = None
         session = self._session()
 
@@ -376,10 +379,18 @@ class Worker:
 
         return Handle(self._executor().submit(run), feed)
 
-    def _land(self, out: Sequence[Any]) -> None:
-        """Copies the model the last exchange pulled into ``out`` (the model's tensors)."""
-        targets = _tensors.tensors(out, self._layout, writable=True, what="pull")
-        self._session().land(targets)
+    def _planned(self) -> int | None:
+        """Waits until the exchange in flight knows how it pulls: the iteration it pulls early,
+        shard by shard, or ``None`` (the pull waits for the whole push, or the exchange is
+        over): then wait for its handle."""
+        return self._session().planned()
+
+    def _land_part(self, offset: int, out: Sequence[Any]) -> bool:
+        """Copies values ``offset`` on of the model the last exchange pulled into ``out``
+        (tensors of the model, in order), once the shards holding them have landed; ``False``
+        (nothing written) if the exchange ended without landing them."""
+        targets = _tensors.tensors(out, None, writable=True, what="pull")
+        return bool(self._session().land_part(int(offset), targets))
 
     def _record_loss(self, loss: float) -> None:
         """The loss of the iteration last exchanged (its push began before it was known)."""

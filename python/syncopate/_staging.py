@@ -89,19 +89,30 @@ class Staging:
             done.record(self._stream)
         return hosts, done
 
-    def pull_targets(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Where a pull of ``params`` should land: the parameters themselves on the CPU, pinned
-        buffers on a device (then :meth:`finish_pull`)."""
-        return self._into if self.cuda else [p.data for p in params]
+    def pull_targets(
+        self, params: Sequence[torch.Tensor], indices: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Where a pull of ``params`` (or of those at ``indices``) should land: the parameters
+        themselves on the CPU, pinned buffers on a device (then :meth:`finish_pull`)."""
+        which = range(len(params)) if indices is None else indices
+        if self.cuda:
+            return [self._into[i] for i in which]
+        return [params[i].data for i in which]
 
-    def finish_pull(self, params: Sequence[torch.Tensor]) -> None:
-        """Copies a pull's pinned buffers into ``params`` on the device (nothing on the CPU);
-        the compute stream waits for the copies."""
+    def finish_pull(
+        self, params: Sequence[torch.Tensor], indices: Sequence[int] | None = None
+    ) -> None:
+        """Copies a pull's pinned buffers into ``params`` (or those at ``indices``) on the
+        device (nothing on the CPU); the compute stream waits for the copies."""
         if self._stream is None:
             return
+        which = range(len(params)) if indices is None else indices
+        # The copies follow what the compute stream queued before (a forward pass under way
+        # may still read the old values).
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(self._stream):
-            for p, h in zip(params, self._into, strict=True):
-                p.data.copy_(h, non_blocking=True)
+            for i in which:
+                params[i].data.copy_(self._into[i], non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         # The buffers are the next pull's: that may not start before these copies are done.
         self._stream.synchronize()

@@ -70,6 +70,16 @@ class DistributedOptimizer:
     them (use ``overlap=False`` to clip or change them before pushing), and one
     backward pass per ``step()``. What can overlap depends on the shard map: start the cluster
     with several shards (``--shards``).
+
+    ``model=`` (with ``overlap=True``) also overlaps the pull with the next forward pass, as
+    ByteScheduler does: ``step()`` returns once the push is fed and the next iteration's pull
+    is under way, and each of the model's modules waits, in a forward pre-hook, only for its
+    own parameters, so the first layers compute while the last ones still arrive. The cluster
+    sends the first layers' parts first. Outside the model's forward pass the parameters may
+    still be the last iteration's until :meth:`synchronize` (call it before saving or
+    evaluating them some other way); the next backward pass, ``synchronize()`` and ``leave()``
+    land the rest. Parameters used outside any module's own forward (functional code) land
+    then too.
     """
 
     def __init__(
@@ -80,6 +90,7 @@ class DistributedOptimizer:
         *,
         overlap: bool = False,
         bucket_mb: float = 4.0,
+        model: torch.nn.Module | None = None,
         **settings: Any,
     ) -> None:
         if mode not in ("server", "delta"):
@@ -87,6 +98,10 @@ class DistributedOptimizer:
         bucket_bytes = int(bucket_mb * 2**20) if bucket_mb > 0 else 0
         if overlap and bucket_bytes < 1:
             raise ValueError(f"bucket_mb must be above 0, not {bucket_mb!r}")
+        if model is not None and not overlap:
+            raise ValueError(
+                "model= lands the pull in the next forward pass: it needs overlap=True"
+            )
         if overlap and mode != "server":
             raise ValueError(
                 "overlap=True pushes gradients from backward; delta mode's weight changes exist "
@@ -109,6 +124,8 @@ class DistributedOptimizer:
             for p in group["params"]:
                 if id(p) not in ours:
                     raise TensorError("the optimizer has a parameter not in named_parameters")
+        if model is not None and any(id(p) not in ours for p in model.parameters()):
+            raise TensorError("model= has a parameter not in named_parameters")
         self._staging = Staging(self.params)
         with torch.no_grad():
             self.worker = Worker(self._staging.stage([p.data for p in self.params]), **settings)
@@ -126,8 +143,14 @@ class DistributedOptimizer:
         self.step_info: Step | None = None
         self._started = False
         self._overlap = (
-            Overlap(self.worker, self.params, self._staging, bucket_bytes) if overlap else None
+            Overlap(self.worker, self.params, self._staging, bucket_bytes, self._settled, model)
+            if overlap
+            else None
         )
+
+    def _settled(self, step: Step | None) -> None:
+        """The overlap's exchange left in flight by ``step()`` ended with ``step``."""
+        self.step_info = step
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -160,7 +183,7 @@ class DistributedOptimizer:
                 for b, p in zip(self._before, self.params, strict=True):
                     b.copy_(p.data)
         if self._overlap is not None and self.step_info is not None:
-            self._overlap.arm()
+            self._overlap.arm(self.step_info.batch)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients (the wrapped optimizer's ``zero_grad``)."""
@@ -168,9 +191,14 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Makes sure the model holds the cluster's parameters for the current iteration (the
-        first call pulls; later ones do nothing). :func:`broadcast_parameters` calls it."""
+        first call pulls; with ``model=``, a later one waits for the pull ``step()`` left in
+        flight and lands it; otherwise later ones do nothing). :func:`broadcast_parameters`
+        calls it; call it before reading the parameters outside the model's forward pass
+        (saving them, or evaluating them some other way) when the optimizer has ``model=``."""
         if not self._started:
             self._pull()
+        elif self._overlap is not None:
+            self._overlap.settle()
 
     def step(
         self, closure: Any = None, *, loss: float | None = None, samples: int | None = None
@@ -180,6 +208,10 @@ class DistributedOptimizer:
         ``samples`` go into the run's report. Returns the closure's loss, if one was given."""
         if not self._started:
             raise UsageError("step() before the model was pulled: call broadcast_parameters first")
+        if self.step_info is None and self._overlap is not None and self._overlap.ended_late:
+            # Training ended while the pass that led here ran (model=): nothing is pushed.
+            self._overlap.ended_late = False
+            return None
         if self.step_info is None:
             raise UsageError("training is over (check .done)")
         out = None
@@ -189,15 +221,12 @@ class DistributedOptimizer:
             if loss is None and isinstance(out, torch.Tensor):
                 loss = float(out.detach())
         if self._overlap is not None:
-            if samples is not None and samples != self.step_info.batch:
+            if samples is not None and samples != self._overlap.batch:
                 raise UsageError(
                     f"samples={samples}: with overlap=True the push starts during backward, "
-                    f"declaring the iteration's batch ({self.step_info.batch})"
+                    f"declaring the iteration's batch ({self._overlap.batch})"
                 )
-            _, self.step_info = self._overlap.finish(loss)
-            if self.step_info is not None:
-                self._overlap.land()
-                self._overlap.arm()
+            self.step_info = self._overlap.finish(loss)
             return out
         with torch.no_grad():
             if self.mode == "server":
@@ -216,7 +245,10 @@ class DistributedOptimizer:
     def leave(self) -> dict[str, Any] | None:
         """Leaves the cluster; returns this worker's report."""
         if self._overlap is not None:
-            self._overlap.close()
+            try:
+                self._overlap.settle()
+            finally:
+                self._overlap.close()
         return self.worker.leave()
 
 

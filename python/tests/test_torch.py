@@ -81,15 +81,17 @@ def test_diloco_trains_the_example_with_adamw_and_a_round_every_8_steps(
         assert m and 20 <= int(m.group(1)) <= 24, out
 
 
+@pytest.mark.parametrize("land", [(), ("--land-in-forward",)], ids=["step", "forward"])
 def test_the_wide_model_trains_through_the_cluster_pushing_from_backward(
-    cluster: ClusterFactory, procs: Procs
+    cluster: ClusterFactory, procs: Procs, land: tuple[str, ...]
 ) -> None:
     # The model where communication matters: 5.8M parameters, 23 MB each way per iteration;
     # a short run (20 iterations per worker) shows it goes through and learns, with the push
     # overlapped with backward (1 MB buckets) and the next pull sent shard by shard as the
     # push is acknowledged. Four shards on one server: the setting where the early pulls'
     # answers, unread, once filled the connection's flow-control window and the worker's
-    # report of its iteration waited behind them for ever (both workers hung).
+    # report of its iteration waited behind them for ever (both workers hung). Landed by
+    # step(), or in the next forward pass, each layer as its parameters arrive.
     c = cluster(workers=2, servers=1, shards=4, policy="bsp", lr=0.05, momentum=0.9)
     outs = train(
         procs,
@@ -102,6 +104,7 @@ def test_the_wide_model_trains_through_the_cluster_pushing_from_backward(
         "--overlap",
         "--bucket-mb",
         "1",
+        *land,
     )
     assert "model wide: 5,824,522 parameters (23.3 MB)" in outs[0], outs[0]
     # 0.54 on this machine after 20 iterations of BSP; chance is 0.10.
@@ -268,6 +271,75 @@ def test_the_overlapped_step_pushes_from_backward_what_the_serial_step_pushes(
     assert opt.leave()["iterations"] == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bucket_mb", [1e-5, 4.0])
+def test_landing_in_the_next_forward_pass_trains_as_the_serial_step_does(
+    cluster: ClusterFactory, device: str, bucket_mb: float
+) -> None:
+    # model=: step() returns with the pull in flight, and each module's forward pre-hook lands
+    # its own parameters. One worker, lr 0.5, three shards over two servers: the parameters a
+    # forward pass computes with are exactly those of the one before minus 0.5 * its
+    # gradient, as under the serial step, and until a forward pass (or synchronize) they are
+    # still the last iteration's.
+    c = cluster(workers=1, servers=2, shards=3, lr=0.5, momentum=0.0)
+    model = three_layers(device)
+    opt = sps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        overlap=True,
+        bucket_mb=bucket_mb,
+        model=model,
+        **c.settings,
+        iterations=4,
+    )
+    sps.broadcast_parameters(opt)
+    x = torch.ones(5, 3, device=device)
+    before: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for it in range(3):
+        opt.zero_grad()
+        out = model(x)
+        used = [p.detach().clone() for p in model.parameters()]
+        if it > 0:
+            for b, g, u in zip(before, grads, used, strict=True):
+                assert torch.equal(u, b - 0.5 * g)
+        out.sum().backward()
+        grads = [
+            torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()
+        ]
+        before = used
+        assert opt.step(loss=0.25 * (it + 1)) is None
+        # The next iteration, pulled early: nothing landed yet.
+        assert opt.step_info is not None and opt.step_info.iteration == it + 1
+        assert not opt.done
+        for u, p in zip(used, model.parameters(), strict=True):
+            assert torch.equal(p.detach(), u)
+    opt.synchronize()  # lands without a forward pass
+    for b, g, p in zip(before, grads, model.parameters(), strict=True):
+        assert torch.equal(p.detach(), b - 0.5 * g)
+    report = opt.worker.report()
+    assert report["iterations"] == 3 and report["last_loss"] == 0.75, report
+    # The last iteration of the budget: no early pull, step() waits, and training is over.
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    assert opt.done
+    assert opt.leave()["iterations"] == 4
+
+
+def test_model_needs_overlap_and_the_optimizers_parameters(cluster: ClusterFactory) -> None:
+    c = cluster(workers=1, servers=1, shards=1)
+    model = three_layers("cpu")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="overlap=True"):
+        sps.DistributedOptimizer(sgd, model.named_parameters(), model=model, **c.settings)
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(syncopate.TensorError, match="not in named_parameters"):
+        sps.DistributedOptimizer(
+            sgd, model.named_parameters(), overlap=True, model=other, **c.settings
+        )
+
+
 def test_the_overlapped_step_refuses_what_it_cannot_push_from_backward(
     cluster: ClusterFactory,
 ) -> None:
@@ -320,7 +392,7 @@ def test_a_fed_push_refuses_overlapping_and_outside_pieces_and_is_pushed_once(
     with pytest.raises(syncopate.UsageError, match="pushed already"):
         w._session().exchange(feed, 1)
     out = torch.zeros(6)
-    w._land([out])
+    assert w._land_part(0, [out])
     # lr 1: the model moved by minus the push.
     assert out.tolist() == [-2.0, -2.0, -2.0, -3.0, -1.0, -1.0]
     w.leave()
