@@ -27,14 +27,19 @@ pub(crate) struct SlotState {
     /// What the exchange in flight said of its pull: not yet (`None`), early (`Some(Some(it))`)
     /// or at its end (`Some(None)`).
     pub(crate) plan: Option<Option<u64>>,
-    /// Whether the last exchange has returned (then nothing more will land until the next).
+    /// Whether the last exchange begun has returned or will not run (then nothing more lands
+    /// until the next).
     pub(crate) over: bool,
+    /// How many exchanges have begun (a feed names the one it was made for).
+    pub(crate) exchange: u64,
 }
 
 impl SlotState {
     /// The shards whose key ranges meet `offset..offset + len` (the model's, checked).
     pub(crate) fn shards_over(&self, offset: usize, len: usize) -> Result<std::ops::Range<usize>, String> {
-        let model = *self.starts.last().unwrap_or(&0);
+        let Some(&model) = self.starts.last() else {
+            return Err("no exchange has pulled anything yet".into());
+        };
         let end = offset
             .checked_add(len)
             .filter(|&e| e <= model)
@@ -65,18 +70,35 @@ impl Slots {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Readies the slots for an exchange over shards of these key ranges: nothing is landed
-    /// and nothing planned yet.
-    pub(crate) fn begin(&self, ranges: &[std::ops::Range<usize>]) {
+    /// Readies the slots for an exchange over shards of these key ranges (a feed was made for
+    /// it): nothing is landed or planned yet, and readers wait for it until it returns or the
+    /// feed is dropped unexchanged ([`abandon`](Self::abandon)). Returns the exchange's number.
+    pub(crate) fn begin(&self, ranges: &[std::ops::Range<usize>]) -> u64 {
         let mut s = self.lock();
+        s.exchange += 1;
         s.bufs.resize_with(ranges.len(), Vec::new);
-        s.landed = vec![false; ranges.len()];
-        s.starts = ranges.iter().map(|r| r.start).chain(ranges.last().map(|r| r.end)).collect();
+        s.landed.clear();
+        s.landed.resize(ranges.len(), false);
+        s.starts.clear();
+        s.starts.extend(ranges.iter().map(|r| r.start).chain(ranges.last().map(|r| r.end)));
         s.plan = None;
         s.over = false;
+        s.exchange
     }
 
-    /// Marks the exchange over when dropped (however it returns): wakes every reader.
+    /// Exchange `exchange` will not run (its feed was dropped unexchanged): nothing waits for
+    /// it. Nothing changes if a later one has begun.
+    pub(crate) fn abandon(&self, exchange: u64) {
+        let mut s = self.lock();
+        if s.exchange == exchange {
+            s.over = true;
+            drop(s);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Marks the exchange over when the guard is dropped (however it returns): every reader
+    /// wakes.
     pub(crate) fn ending(&self) -> Ending<'_> {
         Ending(self)
     }
@@ -97,7 +119,7 @@ impl Slots {
     }
 }
 
-/// An exchange in progress: over when dropped ([`Slots::ending`]).
+/// An exchange in flight: over when dropped ([`Slots::ending`]).
 pub(crate) struct Ending<'a>(&'a Slots);
 
 impl Drop for Ending<'_> {

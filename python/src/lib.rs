@@ -20,7 +20,7 @@ mod dlpack;
 mod landing;
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
@@ -140,6 +140,18 @@ struct Feed {
     feed: Mutex<PushFeed>,
     /// What the push waits on: taken by `exchange`.
     parts: Mutex<Option<FedParts>>,
+    /// Where the exchange's pull lands, and which exchange this feed is for: dropped
+    /// unexchanged, it tells the readers that nothing will land.
+    landing: (Arc<Slots>, u64),
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        let unexchanged = self.parts.get_mut().map(|p| p.is_some()).unwrap_or(true);
+        if unexchanged {
+            self.landing.0.abandon(self.landing.1);
+        }
+    }
 }
 
 fn poisoned<T>(_: T) -> PyErr {
@@ -189,7 +201,7 @@ struct NativeSession {
     /// pull; locked only while `inner` is).
     pulled: Mutex<Vec<f32>>,
     /// Where an exchange's pull lands, shard by shard (read while it runs: `land_part`).
-    slots: Slots,
+    slots: Arc<Slots>,
     /// The session's buffers for pushes (shared with it: staging needs no lock of the session).
     pool: TensorPool,
 }
@@ -375,7 +387,7 @@ impl NativeSession {
             inner: Mutex::new(Some(session)),
             cancel: watch::Sender::new(false),
             pulled: Mutex::new(Vec::new()),
-            slots: Slots::default(),
+            slots: Arc::default(),
         })
     }
 
@@ -468,8 +480,12 @@ impl NativeSession {
     fn feed(&self, py: Python<'_>) -> PyResult<Feed> {
         self.with(py, |s| {
             let (feed, parts) = s.feed();
-            self.slots.begin(&s.shard_ranges());
-            Ok(Feed { feed: Mutex::new(feed), parts: Mutex::new(Some(parts)) })
+            let exchange = self.slots.begin(&s.shard_ranges());
+            Ok(Feed {
+                feed: Mutex::new(feed),
+                parts: Mutex::new(Some(parts)),
+                landing: (Arc::clone(&self.slots), exchange),
+            })
         })
     }
 
@@ -490,12 +506,12 @@ impl NativeSession {
         local_steps: u32,
         wake: Option<RawFd>,
     ) -> PyResult<(Option<u32>, Option<Pulled>)> {
-        let _ending = self.slots.ending();
         let cancel = self.cancel.subscribe();
         let parts = feed.parts.lock().map_err(poisoned)?.take();
         let parts = parts.ok_or_else(|| UsageError::new_err("this feed was pushed already"))?;
+        let _ending = self.slots.ending();
         self.with(py, |s| {
-            let slots = &self.slots;
+            let slots = &*self.slots;
             let (dropped, step) = detached(py, wake, Some(cancel), move |stop| {
                 s.exchange(parts, samples, local_steps, slots, stop)
             })?;
@@ -506,7 +522,7 @@ impl NativeSession {
     /// Waits until the exchange in flight knows how it pulls: returns the iteration it pulls
     /// early (each shard's part lands as soon as that shard acknowledged the push, and
     /// [`land_part`](Self::land_part) may take it at once), or None when the pull waits for
-    /// the whole push or the exchange is over (wait for it then).
+    /// the whole push, the exchange is over, or none is running yet (wait for it then).
     fn planned(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         loop {
             let (plan, settled) = py.detach(|| {
@@ -522,8 +538,9 @@ impl NativeSession {
 
     /// Copies the values from `offset` on of the model the last exchange pulled into
     /// `tensors` (anything with `__dlpack__`, float32, contiguous, writable), waiting for the
-    /// shards that hold them to land. Returns False, and writes nothing, when the exchange
-    /// ended without landing them (it failed, or training is over: its result says which).
+    /// shards that hold them to land. Returns False, and writes nothing, when no exchange in
+    /// flight will land them (it ended without them, failed or found training over, and its
+    /// result says which; or none runs).
     fn land_part(&self, py: Python<'_>, offset: usize, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
         // Checked before waiting, so that a wrong tensor costs nothing.
         let len: usize = dlpack::borrow_all(&tensors, true, "pull")?.iter().map(|t| t.len()).sum();

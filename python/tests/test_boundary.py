@@ -85,6 +85,19 @@ def test_the_native_half_checks_on_its_own(cluster: ClusterFactory) -> None:
     for tensors, message in cases:
         with pytest.raises(syncopate.TensorError, match=message):
             native.pull(tensors)
+        with pytest.raises(syncopate.TensorError, match=message):
+            native.land_part(0, tensors)
+    # Landing part of an exchange's pull: nothing exchanged yet, or values outside the model.
+    with pytest.raises(syncopate.TensorError, match="no exchange"):
+        native.land_part(0, [np.zeros(1, dtype=np.float32)])
+    feed = native.feed()  # readies the landing for this model's shards
+    for offset in (2 * N - 1, 2**64 - 1):
+        with pytest.raises(syncopate.TensorError, match="outside the model"):
+            native.land_part(offset, [np.zeros(2, dtype=np.float32)])
+    # Inside the model, with the feed dropped unexchanged: nothing lands, and nothing waits.
+    del feed
+    assert native.land_part(0, [np.zeros(2, dtype=np.float32)]) is False
+    assert native.planned() is None
     with pytest.raises(syncopate.TensorError, match="float32"):
         native.stage([np.zeros(N, dtype=np.int32), t])
     staged = native.stage([np.zeros(N, dtype=np.float32), ro])  # read-only is fine to read

@@ -226,6 +226,28 @@ def three_layers(device: str) -> torch.nn.Module:
     return model.to(device)
 
 
+def overlapped(
+    cluster: ClusterFactory,
+    model: torch.nn.Module,
+    bucket_mb: float,
+    *,
+    iterations: int,
+    land_in_forward: bool,
+) -> sps.DistributedOptimizer:
+    """``model``'s overlapped optimizer (lr 0 locally) on a cluster of one worker, two servers
+    and three shards whose servers step plain SGD at lr 0.5; trains ``iterations``."""
+    c = cluster(workers=1, servers=2, shards=3, lr=0.5, momentum=0.0)
+    return sps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        overlap=True,
+        bucket_mb=bucket_mb,
+        model=model if land_in_forward else None,
+        **c.settings,
+        iterations=iterations,
+    )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bucket_mb", [1e-5, 4.0])
 def test_the_overlapped_step_pushes_from_backward_what_the_serial_step_pushes(
@@ -234,17 +256,9 @@ def test_the_overlapped_step_pushes_from_backward_what_the_serial_step_pushes(
     # One worker, lr 0.5, three shards over two servers: every parameter moves by exactly
     # -0.5 * its gradient, as under the serial step; the unused one (no gradient) stays.
     # Buckets of one parameter each (1e-5 MB), or one bucket for the whole model.
-    c = cluster(workers=1, servers=2, shards=3, lr=0.5, momentum=0.0)
     model = three_layers(device)
     before = [p.detach().clone() for p in model.parameters()]
-    opt = sps.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        model.named_parameters(),
-        overlap=True,
-        bucket_mb=bucket_mb,
-        **c.settings,
-        iterations=3,
-    )
+    opt = overlapped(cluster, model, bucket_mb, iterations=3, land_in_forward=False)
     sps.broadcast_parameters(opt)
     for it in range(2):
         opt.zero_grad()
@@ -281,17 +295,8 @@ def test_landing_in_the_next_forward_pass_trains_as_the_serial_step_does(
     # forward pass computes with are exactly those of the one before minus 0.5 * its
     # gradient, as under the serial step, and until a forward pass (or synchronize) they are
     # still the last iteration's.
-    c = cluster(workers=1, servers=2, shards=3, lr=0.5, momentum=0.0)
     model = three_layers(device)
-    opt = sps.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        model.named_parameters(),
-        overlap=True,
-        bucket_mb=bucket_mb,
-        model=model,
-        **c.settings,
-        iterations=4,
-    )
+    opt = overlapped(cluster, model, bucket_mb, iterations=4, land_in_forward=True)
     sps.broadcast_parameters(opt)
     x = torch.ones(5, 3, device=device)
     before: list[torch.Tensor] = []
