@@ -33,12 +33,12 @@ use syncopate::net::pool::TensorPool;
 use syncopate::net::tls::ClusterFile;
 use syncopate::operator::Operator;
 use syncopate::worker::{FedParts, Interrupt, PushFeed, Session, SessionError};
-
-use landing::Slots;
 use syncopate::{ErrorKind, NodeError};
 use syncopate_engine::worker::StepStats;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
+
+use landing::Slots;
 
 /// A pulled iteration as Python sees it: (iteration, batch, local steps).
 type Pulled = (u64, u32, u32);
@@ -337,6 +337,29 @@ impl NativeSession {
         Ok(step.map(|step| (step.iteration, step.batch, step.local_steps)))
     }
 
+    /// Copies the model the last pull brought (into `pulled`) into `out` (the model's
+    /// tensors).
+    fn land(&self, out: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        // The GIL was released while the pull waited: the tensors are borrowed as they are now.
+        let mut targets = dlpack::borrow_all(&out, true, "pull")?;
+        let pulled = self.pulled.lock().map_err(poisoned)?;
+        let n: usize = targets.iter().map(|t| t.len()).sum();
+        if n != pulled.len() {
+            return Err(TensorError::new_err(format!(
+                "pull: the tensors hold {n} values, the model pulled {}; it was not written (a tensor \
+                 changed size while the pull waited?)",
+                pulled.len()
+            )));
+        }
+        let mut at = 0;
+        for t in &mut targets {
+            let n = t.len();
+            t.write().copy_from_slice(&pulled[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
     fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut Session) -> PyResult<R>) -> PyResult<R> {
         let mut g = self.lock(py)?;
         let s = g.as_mut().ok_or_else(|| UsageError::new_err("this worker has left the cluster"))?;
@@ -451,29 +474,6 @@ impl NativeSession {
         Ok(step)
     }
 
-    /// Copies the model the last pull (or `exchange`) brought into `out` (the model's
-    /// tensors).
-    fn land(&self, out: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
-        // The GIL was released while the pull waited: the tensors are borrowed as they are now.
-        let mut targets = dlpack::borrow_all(&out, true, "pull")?;
-        let pulled = self.pulled.lock().map_err(poisoned)?;
-        let n: usize = targets.iter().map(|t| t.len()).sum();
-        if n != pulled.len() {
-            return Err(TensorError::new_err(format!(
-                "pull: the tensors hold {n} values, the model pulled {}; it was not written (a tensor \
-                 changed size while the pull waited?)",
-                pulled.len()
-            )));
-        }
-        let mut at = 0;
-        for t in &mut targets {
-            let n = t.len();
-            t.write().copy_from_slice(&pulled[at..at + n]);
-            at += n;
-        }
-        Ok(())
-    }
-
     /// A push to feed in pieces ([`Feed`]) while the caller computes, for
     /// [`exchange`](Self::exchange). The model the last exchange pulled is forgotten: land it
     /// first.
@@ -522,7 +522,8 @@ impl NativeSession {
     /// Waits until the exchange in flight knows how it pulls: returns the iteration it pulls
     /// early (each shard's part lands as soon as that shard acknowledged the push, and
     /// [`land_part`](Self::land_part) may take it at once), or None when the pull waits for
-    /// the whole push, the exchange is over, or none is running yet (wait for it then).
+    /// the whole push, the exchange is over, or its feed was dropped unexchanged (wait for the
+    /// exchange then). While a feed is alive and not yet exchanged, this waits for it.
     fn planned(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         loop {
             let (plan, settled) = py.detach(|| {
@@ -538,9 +539,9 @@ impl NativeSession {
 
     /// Copies the values from `offset` on of the model the last exchange pulled into
     /// `tensors` (anything with `__dlpack__`, float32, contiguous, writable), waiting for the
-    /// shards that hold them to land. Returns False, and writes nothing, when no exchange in
-    /// flight will land them (it ended without them, failed or found training over, and its
-    /// result says which; or none runs).
+    /// shards that hold them to land. Returns False, and writes nothing, when the exchange
+    /// will not land them (it ended without them, failed or found training over, and its
+    /// result says which; or its feed was dropped unexchanged).
     fn land_part(&self, py: Python<'_>, offset: usize, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<bool> {
         // Checked before waiting, so that a wrong tensor costs nothing.
         let len: usize = dlpack::borrow_all(&tensors, true, "pull")?.iter().map(|t| t.len()).sum();
