@@ -84,6 +84,8 @@ pub struct Cluster {
     messages_seen: usize,
     /// Workers say goodbye after their last iteration.
     leave: bool,
+    /// Driver time per step.
+    step_ns: u64,
 }
 
 /// SGD with learning rate 1 and no momentum: every push of ones at weight 1/N moves the parameter
@@ -167,7 +169,14 @@ impl Cluster {
             cost: vec![1_000; n],
             messages_seen: 0,
             leave,
+            step_ns: 100_000,
         }
+    }
+
+    /// Each step takes `ns` of driver time (100 µs by default).
+    pub fn with_step_ns(mut self, ns: u64) -> Self {
+        self.step_ns = ns;
+        self
     }
 
     /// Worker `w` is picked `speeds[w]` times as often, and its compute per sample costs
@@ -210,7 +219,7 @@ impl Cluster {
 
     /// Moves worker `w` one step. Returns whether it made progress.
     pub fn step(&mut self, w: usize) -> bool {
-        self.now += 100_000;
+        self.now += self.step_ns;
         self.shard.advance(self.now, &mut self.rec);
         self.deliver_controls();
         match self.workers[w].wait {

@@ -2,7 +2,7 @@
 //! shard keeps serving and loses nothing.
 
 use syncopate::runtime::PolicyError;
-use syncopate_suite::{hostile_module, runtime, TEST_CALL_FUEL};
+use syncopate_suite::{builtin_module, hostile_module, runtime, TEST_CALL_FUEL};
 
 use crate::harness::Cluster;
 
@@ -240,7 +240,7 @@ fn garbage_replies_are_errors_and_requests_still_resolve() {
 
 #[test]
 fn quarantine_during_redelivery_keeps_every_queued_pull() {
-    use syncopate::shard::{PullRequest, PushRequest, Shard, ShardConfig, SupervisorConfig};
+    use syncopate::shard::{CrashLoop, PullRequest, PushRequest, Shard, ShardConfig, SupervisorConfig};
     use syncopate_suite::{config, Recorder};
     // Checkpoint after every event: a restarted instance resumes armed, so it traps again on the
     // pulls handed back to it, and the third failure in a row lands while pulls are still queued
@@ -251,6 +251,9 @@ fn quarantine_during_redelivery_keeps_every_queued_pull() {
             checkpoint_every: 1,
             checkpoint_scales: false,
             max_consecutive_failures: 3,
+            // The rule under test alone: no crash-loop backoff or quarantine.
+            crash_loop: CrashLoop { failures: u32::MAX, backoff_ns: 0, ..CrashLoop::default() },
+            ..SupervisorConfig::default()
         },
         ..ShardConfig::default()
     };
@@ -284,4 +287,110 @@ fn quarantine_during_redelivery_keeps_every_queued_pull() {
     assert_eq!(shard.parked_pulls(), 2, "both pulls wait for the slowest worker");
     shard.push(push(2), 5, &mut rec).expect("push");
     assert!(rec.was_served(p0) && rec.was_served(p1), "both released once worker 2 pushed");
+}
+
+/// Issue 50: rules that never decide. A module that parks every pull, or holds every push, for
+/// ever, once every live worker has waited on it for the no-progress time (30 s of the shard's
+/// time by default), is failed: the stuck requests are resolved by the fallback rules, the error
+/// says what was stuck and for how long, and the third such stall quarantines it. The run ends
+/// with every push applied exactly once.
+#[test]
+fn a_rule_that_never_decides_fails_for_no_progress_and_the_run_finishes() {
+    for (mode, stuck) in
+        [("pull:park", "4 pulls parked, 0 pushes held"), ("push:hold", "held; longest: worker")]
+    {
+        let c = run_hostile(mode, "8");
+        let stalls: Vec<String> = c
+            .rec
+            .errors
+            .iter()
+            .filter(|e| matches!(e, PolicyError::NoProgress { .. }))
+            .map(|e| e.to_string())
+            .collect();
+        assert_eq!(stalls.len(), 3, "{mode}: three stalls, then the quarantine: {:?}", c.rec.errors);
+        assert_eq!(stalls.len(), c.rec.errors.len(), "{mode}: nothing else failed: {:?}", c.rec.errors);
+        for e in &stalls {
+            assert!(e.contains("policy `hostile` 0.0.0") && e.contains("made no progress"), "{mode}: {e}");
+            assert!(e.contains("all 4 live workers waited on its decisions for 30.0 s"), "{mode}: {e}");
+            assert!(e.contains(stuck), "{mode}: says what was stuck: {e}");
+        }
+        assert!(c.shard.is_quarantined(), "{mode}");
+        assert!(matches!(&c.rec.quarantined[..], [q] if q.starts_with("policy `hostile` 0.0.0")), "{mode}");
+        // Three no-progress times, then the fallback rules carry the run on at the harness's pace.
+        assert!((90_000_000_000..95_000_000_000).contains(&c.now), "{mode}: ended at {} ns", c.now);
+    }
+}
+
+/// A rule that waits on a timer it keeps setting is not making progress either.
+#[test]
+fn the_no_progress_time_is_the_shards_setting_and_zero_turns_it_off() {
+    use syncopate::shard::{PullRequest, Shard, ShardConfig, SupervisorConfig};
+    use syncopate_suite::{config, Recorder};
+    let shard_with = |no_progress_ns: u64| {
+        let cfg = ShardConfig {
+            supervisor: SupervisorConfig { no_progress_ns, ..SupervisorConfig::default() },
+            ..ShardConfig::default()
+        };
+        let mut rec = Recorder::default();
+        let mut shard =
+            Shard::new(cfg, vec![0.0], &hostile_module(), &config(&[("mode", "pull:park")]), &mut rec)
+                .expect("starts");
+        for w in 0..2 {
+            shard.join(w, 0, &mut rec).expect("joins");
+            shard.pull(PullRequest { worker: w, iteration: 0 }, 1_000, &mut rec).expect("pull");
+        }
+        (shard, rec)
+    };
+    // 2 s: the look is due 2 s after the first pull parked; both wait since 1 µs.
+    let (mut shard, mut rec) = shard_with(2_000_000_000);
+    assert_eq!(shard.next_timer_ns(), Some(2_000_001_000));
+    shard.advance(2_000_000_999, &mut rec);
+    assert!(rec.errors.is_empty() && rec.served.is_empty(), "not yet");
+    shard.advance(2_000_001_000, &mut rec);
+    assert!(matches!(rec.errors[..], [PolicyError::NoProgress { .. }]), "{:?}", rec.errors);
+    assert_eq!(rec.served.len(), 2, "both pulls served by BSP's rule (both workers at clock 0)");
+    assert_eq!(shard.module_failures(), 1);
+    // Off: nothing ever looks.
+    let (mut shard, mut rec) = shard_with(0);
+    assert_eq!(shard.next_timer_ns(), None);
+    shard.advance(u64::MAX / 2, &mut rec);
+    assert!(rec.errors.is_empty() && shard.parked_pulls() == 2);
+}
+
+/// A worker that computes (or waits on another shard) is not waiting on this one: while one
+/// worker has no request here, others may wait as long as they must (a straggler under BSP).
+#[test]
+fn a_straggler_is_not_a_stall() {
+    let mut c = Cluster::new(&builtin_module("bsp"), &[], N, 6, 3).with_speeds(&[1, 1, 1, 1]);
+    // A 40 s step: longer than the no-progress time, every time a worker moves.
+    c = c.with_step_ns(40_000_000_000);
+    c.run_to_end();
+    assert!(c.rec.errors.is_empty(), "{:?}", c.rec.errors);
+    assert_eq!(c.shard.values()[0], -(c.pushes as f32) / N as f32);
+}
+
+/// Issue 50: a crash loop. A module that panics on every 20th (or 200th) pull or push, and
+/// behaves in between, is restarted at once the first time, then kept out for a backoff that
+/// doubles (1 s, 2 s, 4 s: the fallback rules run meanwhile), and quarantined at the fifth
+/// failure within a minute, however many successes came between: the count survives restarts.
+#[test]
+fn a_crash_loop_backs_off_and_is_quarantined_across_restarts() {
+    for every in ["20", "200"] {
+        let cfg = [("mode", "pull:panic"), ("after", "0"), ("every", every)];
+        let mut c = Cluster::new(&hostile_module(), &cfg, N, 1_000, 5).with_step_ns(2_000_000);
+        c.run_to_end();
+        assert_eq!(c.rec.errors.len(), 5, "every {every}: {:?}", c.rec.errors);
+        assert!(c.rec.errors.iter().all(|e| matches!(e, PolicyError::Panic { .. })), "{:?}", c.rec.errors);
+        assert!(c.shard.is_quarantined(), "every {every}");
+        // Four restarts: the first at once, then 1, 2 and 4 s after the failure before them,
+        // which comes within a second of the restart before that.
+        let r = &c.rec.restarts;
+        assert_eq!(r.len(), 4, "every {every}: restarts at {r:?}");
+        for (k, backoff) in [(1, 1_000_000_000), (2, 2_000_000_000), (3, 4_000_000_000)] {
+            let gap = r[k] - r[k - 1];
+            assert!((backoff..backoff + 1_000_000_000).contains(&gap), "every {every}: restarts at {r:?}");
+        }
+        assert_eq!(c.shard.values()[0], -(c.pushes as f32) / N as f32, "every {every}: nothing lost");
+        assert_eq!(c.rec.acked.len() as u64, c.pushes);
+    }
 }

@@ -7,7 +7,7 @@
 //! fails on every push.
 
 use syncopate::shard::{
-    Optimizer, OptimizerConfig, PullRequest, PushRequest, Shard, ShardConfig, SupervisorConfig,
+    CrashLoop, Optimizer, OptimizerConfig, PullRequest, PushRequest, Shard, ShardConfig, SupervisorConfig,
 };
 use syncopate_suite::{backup_module, config, hostile_module, Recorder};
 
@@ -112,6 +112,9 @@ fn a_module_failing_on_every_push_is_quarantined_whatever_its_pulls_do() {
             checkpoint_every: 1,
             checkpoint_scales: false,
             max_consecutive_failures: 3,
+            // The rule under test alone: no crash-loop backoff or quarantine.
+            crash_loop: CrashLoop { failures: u32::MAX, backoff_ns: 0, ..CrashLoop::default() },
+            ..SupervisorConfig::default()
         },
         ..ShardConfig::default()
     };

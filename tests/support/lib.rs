@@ -106,6 +106,10 @@ pub struct Recorder {
     pub metrics: Vec<(String, f64)>,
     /// Policy failures.
     pub errors: Vec<PolicyError>,
+    /// When the policy was restarted after a failure (its driver time).
+    pub restarts: Vec<u64>,
+    /// Quarantines, by policy.
+    pub quarantined: Vec<String>,
 }
 
 impl Recorder {
@@ -157,6 +161,14 @@ impl syncopate::shard::Observer for Recorder {
     }
     fn policy_failed(&mut self, error: &PolicyError) {
         self.errors.push(error.clone());
+    }
+    fn policy_quarantined(&mut self, policy: &str) {
+        self.quarantined.push(policy.to_owned());
+    }
+    fn policy_started(&mut self, start: &syncopate::recording::PolicyStart<'_>) {
+        if start.kind == syncopate::recording::StartKind::Restart {
+            self.restarts.push(start.now_ns);
+        }
     }
 }
 

@@ -115,4 +115,13 @@ pub enum PolicyError {
     /// The host itself failed (engine creation).
     #[error("policy runtime: {0}")]
     Host(String),
+    /// Every live worker waited on the policy's decisions for the shard's no-progress time and
+    /// nothing else happened: the rule stalled the run ([`crate::shard::SupervisorConfig::no_progress_ns`]).
+    #[error("{policy}: made no progress: {stuck}")]
+    NoProgress {
+        /// The policy.
+        policy: String,
+        /// What was stuck, and for how long (which workers' pulls and pushes).
+        stuck: String,
+    },
 }

@@ -13,9 +13,16 @@
 //!   the fallback verdict — a push is admitted; a pull is deferred under BSP's rule
 //!   (`min_clock >= clock[w]`), the strictest rule, which cannot deadlock while workers push — the
 //!   policy restarts from its last checkpoint, and every pending request is handed to it again.
-//!   After `max_consecutive_failures` in a row on one kind of event (pushes, pulls, timers...;
-//!   successes on other kinds do not reset the count) the module is quarantined and the shard
-//!   runs on the fallback rules alone until a swap.
+//!   Failures that repeat back off the restarts and quarantine the module (the shard runs on the
+//!   fallback rules alone until a swap): `max_consecutive_failures` in a row on one kind of event
+//!   (pushes, pulls, timers...; successes on other kinds do not reset the count), or a crash loop
+//!   (a few failures within a minute, however many successes came between), counted across
+//!   restarts (`supervisor`'s docs).
+//! - No rule stalls the run. When every live worker has waited on the policy (a pull parked, a
+//!   push held) for the no-progress time ([`SupervisorConfig::no_progress_ns`]), that is the
+//!   rule's failure: every stuck request is resolved by the fallback rules, the failure says
+//!   what was stuck and for how long, and the policy restarts, backs off or is quarantined as for
+//!   any failure.
 //! - A hot swap hands the old policy's state to the new one; if the new one refuses, nothing
 //!   changes. Pending requests are handed to the new policy as fresh events; none is dropped.
 //!
@@ -47,7 +54,7 @@ pub use node::{
 };
 pub use ops::{Op, Outcome, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
-pub use supervisor::SupervisorConfig;
+pub use supervisor::{CrashLoop, Health, SupervisorConfig, DEFAULT_NO_PROGRESS_NS};
 pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
 
 pub use crate::codec::Codec;
@@ -488,11 +495,16 @@ pub struct Shard {
     metrics: Vec<Metric>,
     /// The last policy failure, for operators.
     last_failure: Option<String>,
+    /// When to look whether every live worker waits on the policy for the no-progress time
+    /// (armed when a request starts waiting; see [`Shard::check_progress`]).
+    stall_check_at: Option<u64>,
+    /// The worker whose departure the policy is hearing of ([`Shard::leave`]).
+    leaving: Option<WorkerId>,
 }
 
 impl DecisionState for Shard {
     fn is_live(&self, worker: WorkerId) -> bool {
-        self.clocks.is_live(worker)
+        self.clocks.is_live(worker) && self.leaving != Some(worker)
     }
     fn is_parked(&self, pull: RequestId) -> bool {
         self.parked.contains(pull)
@@ -575,6 +587,8 @@ impl Shard {
             stats: ShardStats::default(),
             metrics: Vec::new(),
             last_failure: None,
+            stall_check_at: None,
+            leaving: None,
         };
         shard.apply_start(&start, 0, sink)?;
         Ok(shard)
@@ -640,9 +654,22 @@ impl Shard {
         self.supervisor.config()
     }
 
-    /// Whether the policy is quarantined (the shard runs on fallback rules).
+    /// Whether the policy is quarantined (the shard runs on fallback rules until a swap).
     pub fn is_quarantined(&self) -> bool {
         self.supervisor.is_quarantined()
+    }
+
+    /// Until when a crash loop keeps the policy out (the shard runs on fallback rules until
+    /// then, and restarts it), if it does.
+    pub fn backoff_until(&self) -> Option<u64> {
+        self.supervisor.backoff_until()
+    }
+
+    /// Failures of the running policy since it started on this shard (its swap, or the shard's
+    /// start): what a swap's watcher judges the new policy by. [`ShardStats::policy_failures`]
+    /// counts every module's.
+    pub fn module_failures(&self) -> u64 {
+        self.supervisor.failures()
     }
 
     /// The metrics the policy has recorded (at most [`MAX_METRICS`] names).
@@ -665,6 +692,16 @@ impl Shard {
         self.held.len()
     }
 
+    /// The pull parked longest, if any: its worker, iteration and since when (the shard's time).
+    /// A rule that parks a pull and never releases it hangs its worker; operators see this.
+    pub fn oldest_parked(&self) -> Option<(WorkerId, u64, u64)> {
+        self.parked
+            .as_slice()
+            .iter()
+            .map(|p| (p.pull.worker, p.pull.iteration, p.since_ns))
+            .min_by_key(|p| p.2)
+    }
+
     /// The push held longest, if any: its worker, iteration and since when (the shard's time).
     /// A rule that holds a push and never admits it hangs its worker; operators see this.
     pub fn oldest_held(&self) -> Option<(WorkerId, u64, u64)> {
@@ -683,9 +720,12 @@ impl Shard {
         self.partials.iter().map(|p| (p.worker, p.iteration)).collect()
     }
 
-    /// When the next policy timer is due, if any.
+    /// When the shard next wants [`advance`](Self::advance), if ever: a policy timer, the end
+    /// of a crash loop's backoff, or the next look for a stall.
     pub fn next_timer_ns(&self) -> Option<u64> {
-        self.timers.iter().map(|t| t.1).min()
+        let timer = self.timers.iter().map(|t| t.1).min();
+        let stall = self.stall_check_at.filter(|_| self.supervisor.is_running());
+        [timer, self.supervisor.backoff_until(), stall].into_iter().flatten().min()
     }
 
     /// A worker joins. Returns the clock (iteration) it starts at: the shard's minimum clock, so
@@ -718,8 +758,11 @@ impl Shard {
         Ok(clock)
     }
 
-    /// A worker leaves (or is dropped). Its held pushes are admitted (their gradients are valid),
-    /// its parked pulls are dropped (nobody is left to answer), and the barrier it held opens.
+    /// A worker leaves (or is dropped). Its policy hears it first ([`Event::WorkerLeft`]) with
+    /// the worker's held pushes still held, and decides their fate (admit or drop them); those
+    /// it leaves held are admitted, since their gradients are valid (the default, also for
+    /// modules that never look). Then its parked pulls are dropped (nobody is left to answer)
+    /// and the barrier it held opens.
     pub fn leave(
         &mut self,
         worker: WorkerId,
@@ -727,7 +770,7 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), ShardError> {
-        if !self.clocks.is_live(worker) {
+        if !self.clocks.is_live(worker) || self.leaving == Some(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
         let before = self.partials.len();
@@ -740,19 +783,24 @@ impl Shard {
                 "worker left with incomplete iterations; their partial gradients are dropped"
             );
         }
+        // The policy decides on the worker's held pushes while they are held (and its clock
+        // still counts); to it, the worker is gone: no control may go to it.
+        let view = self.clocks.view();
+        self.leaving = Some(worker);
+        self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
+        self.leaving = None;
         while let Some(pos) = self.held.iter().position(|h| h.push.worker == worker) {
             let h = self.held.remove(pos);
             self.admit(h, None, sink);
         }
         self.parked.forget_worker(worker);
         self.local.forget(worker);
-        let view = self.clocks.view();
         self.clocks.leave(worker);
         self.applied_min = None;
         self.recount_departed();
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
-        self.run(Event::WorkerLeft { worker, reason }, view, now_ns, sink);
+        self.release_ready(now_ns, sink);
         sink.left(worker);
         // Tasks it took and never pushed go back to their owners, who compute them themselves,
         // so no iteration is left incomplete.
@@ -1089,13 +1137,121 @@ impl Shard {
         Ok(())
     }
 
-    /// Fires every policy timer due at `now_ns`.
+    /// Moves the shard's time to `now_ns`: a policy whose crash-loop backoff is over restarts,
+    /// every policy timer due fires, and a policy under which every live worker has waited for
+    /// the no-progress time fails ([`SupervisorConfig::no_progress_ns`]).
     pub fn advance(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        match self.supervisor.resume(now_ns) {
+            None => {}
+            Some(Ok(())) => {
+                tracing::debug!(shard = self.shard, "policy restarted after its backoff");
+                self.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
+                self.requeue_pending();
+                self.drain(now_ns, sink);
+                self.release_ready(now_ns, sink);
+            }
+            Some(Err(e)) => {
+                self.stats.policy_failures += 1;
+                self.last_failure = Some(e.to_string());
+                sink.policy_failed(&e);
+                sink.policy_quarantined(self.supervisor.module().display_name());
+            }
+        }
         while let Some(pos) = self.timers.iter().position(|t| t.1 <= now_ns) {
             let (timer, _) = self.timers.swap_remove(pos);
             let view = self.clocks.view();
             self.run(Event::Timer { timer }, view, now_ns, sink);
         }
+        self.check_progress(now_ns, sink);
+    }
+
+    /// Arms the look for a stall, once a request starts waiting on the policy at `now_ns`.
+    fn arm_stall_check(&mut self, now_ns: u64) {
+        let wait = self.supervisor.cfg().no_progress_ns;
+        if wait > 0 && self.stall_check_at.is_none() {
+            self.stall_check_at = Some(now_ns.saturating_add(wait));
+        }
+    }
+
+    /// Looks, once due, whether every live worker has had a request waiting on the policy (a
+    /// parked pull, a held push) for the no-progress time: then the rule has stalled (see
+    /// [`SupervisorConfig::no_progress_ns`]). Otherwise it looks again when the request that
+    /// started waiting last could make it so, or, if some worker waits on nothing, when a
+    /// request next starts waiting. Costs O(waiting requests), once per no-progress time.
+    fn check_progress(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        let Some(at) = self.stall_check_at else { return };
+        if at > now_ns {
+            return;
+        }
+        self.stall_check_at = None;
+        let live = self.clocks.view().workers as usize;
+        if !self.supervisor.is_running() || live == 0 || self.parked.len() + self.held.len() < live {
+            return;
+        }
+        // Per live worker, since when it has waited (its longest-waiting request).
+        let mut waiting: BTreeMap<WorkerId, u64> = BTreeMap::new();
+        let mut wait = |worker: WorkerId, since: u64| {
+            let t = waiting.entry(worker).or_insert(since);
+            *t = (*t).min(since);
+        };
+        for p in self.parked.as_slice() {
+            wait(p.pull.worker, p.since_ns);
+        }
+        for h in &self.held {
+            let since = self.held_at.iter().find(|a| a.0 == h.push.id).map_or(now_ns, |a| a.1);
+            wait(h.push.worker, since);
+        }
+        waiting.retain(|w, _| self.clocks.is_live(*w));
+        if waiting.len() < live {
+            return;
+        }
+        let all_since = waiting.values().copied().max().unwrap_or(now_ns);
+        let wait_ns = self.supervisor.cfg().no_progress_ns;
+        if all_since.saturating_add(wait_ns) > now_ns {
+            self.stall_check_at = Some(all_since.saturating_add(wait_ns));
+            return;
+        }
+        self.stalled(now_ns, &waiting, sink);
+    }
+
+    /// The policy stalled the run: reports it with what was stuck, resolves every stuck request
+    /// by the fallback rules (held pushes admitted, parked pulls under BSP's rule), and restarts,
+    /// backs off or quarantines the policy. The restarted policy is not handed the requests
+    /// again: the fallback decided them.
+    fn stalled(&mut self, now_ns: u64, waiting: &BTreeMap<WorkerId, u64>, sink: &mut dyn ShardSink) {
+        let secs = |t: u64| now_ns.saturating_sub(t) as f64 / 1e9;
+        let all_for = waiting.values().copied().max().map_or(0.0, secs);
+        let mut longest: Vec<String> = Vec::new();
+        if let Some((w, i, t)) = self.oldest_parked() {
+            longest.push(format!("worker {w}'s pull for iteration {i} parked {:.1} s", secs(t)));
+        }
+        if let Some((w, i, t)) = self.oldest_held() {
+            longest.push(format!("worker {w}'s push of iteration {i} held {:.1} s", secs(t)));
+        }
+        let stuck = format!(
+            "on shard {}, all {} live workers waited on its decisions for {all_for:.1} s or more \
+             ({}, {}; longest: {}); the fallback rules resolved them",
+            self.shard,
+            waiting.len(),
+            counted(self.parked.len(), "pull", "parked"),
+            counted(self.held.len(), "push", "held"),
+            longest.join(", ")
+        );
+        let error =
+            PolicyError::NoProgress { policy: self.supervisor.module().display_name().to_owned(), stuck };
+        tracing::debug!(shard = self.shard, %error, "policy stalled");
+        self.stats.policy_failures += 1;
+        self.last_failure = Some(error.to_string());
+        sink.policy_failed(&error);
+        let clocks = &self.clocks;
+        self.parked.all_to_fallback(|w| clocks.get(w));
+        let held: Vec<Held> = self.held.drain(..).collect();
+        for h in held {
+            self.admit(h, None, sink);
+        }
+        let recovery = self.supervisor.failed(EventKind::Stall, now_ns);
+        self.recovered(recovery, false, now_ns, sink);
+        self.release_ready(now_ns, sink);
     }
 
     /// Replaces the policy with `module` and `config`, handing over the old policy's state. The
@@ -1114,15 +1270,52 @@ impl Shard {
     ) -> Result<(), PolicyError> {
         // The incoming policy starts with the workers level (see `ShardView`), and its hand-over
         // already shows them so; the clocks move only if the swap succeeds.
-        let by =
-            |w: WorkerId| raise.iter().filter(|r| r.worker == w).fold(0u64, |n, r| n.saturating_add(r.by));
-        let workers: Vec<WorkerClock> = self
-            .clocks
-            .workers()
-            .map(|w| WorkerClock { clock: w.clock.saturating_add(by(w.worker)), ..w })
-            .collect();
+        let workers = self.raised(raise);
         let start = self.supervisor.swap(module, config, workers.clone(), now_ns)?;
-        self.policy_started(StartKind::Swap, now_ns, &start, &workers, sink);
+        self.swapped(module, raise, &workers, start, now_ns, sink);
+        Ok(())
+    }
+
+    /// A cluster's committed swap ([`Op::Swap`]): [`swap_policy`](Self::swap_policy), and if the
+    /// new module refuses the hand-over now (it took it at the swap's preparation, see
+    /// [`check_swap`](Self::check_swap), but the state has moved since), it starts afresh from its
+    /// configuration instead, as on a new shard: every shard of a committed swap runs the module
+    /// the cluster records. Only a module that cannot start at all leaves the old one running.
+    pub fn commit_swap(
+        &mut self,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        raise: &[ClockRaise],
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), PolicyError> {
+        match self.swap_policy(module, config, raise, now_ns, sink) {
+            Err(refused @ PolicyError::Refused { .. }) => {
+                let workers = self.raised(raise);
+                let start = self.supervisor.swap_fresh(module, config, workers.clone(), now_ns)?;
+                tracing::warn!(
+                    shard = self.shard,
+                    "{refused}; it starts afresh from its configuration, without the old policy's state"
+                );
+                self.swapped(module, raise, &workers, start, now_ns, sink);
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// What follows a new policy's start in a swap: its clocks raised, its start-up decisions
+    /// applied, every pending request handed to it.
+    fn swapped(
+        &mut self,
+        module: &PolicyModule,
+        raise: &[ClockRaise],
+        workers: &[WorkerClock],
+        start: Vec<u8>,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) {
+        self.policy_started(StartKind::Swap, now_ns, &start, workers, sink);
         self.stats.swaps += 1;
         self.timers.clear();
         self.local.reset(self.params.len());
@@ -1135,7 +1328,31 @@ impl Shard {
         }
         self.requeue_pending();
         self.drain(now_ns, sink);
-        Ok(())
+    }
+
+    /// Whether [`swap_policy`](Self::swap_policy) to `module` with `config` would succeed now:
+    /// the new policy is created from the running one's state, as the swap would, and thrown
+    /// away. A cluster's swap tries this on every shard before any commits (its preparation),
+    /// so a module that refuses the hand-over is refused everywhere and changes nothing.
+    pub fn check_swap(
+        &mut self,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        raise: &[ClockRaise],
+        now_ns: u64,
+    ) -> Result<(), PolicyError> {
+        let workers = self.raised(raise);
+        self.supervisor.try_swap(module, config, workers, now_ns)
+    }
+
+    /// The live workers with their clocks raised by `raise`.
+    fn raised(&self, raise: &[ClockRaise]) -> Vec<WorkerClock> {
+        let by =
+            |w: WorkerId| raise.iter().filter(|r| r.worker == w).fold(0u64, |n, r| n.saturating_add(r.by));
+        self.clocks
+            .workers()
+            .map(|w| WorkerClock { clock: w.clock.saturating_add(by(w.worker)), ..w })
+            .collect()
     }
 
     fn policy_started(
@@ -1273,6 +1490,7 @@ impl Shard {
                     p.since_ns = now_ns;
                     self.stats.pulls_deferred += 1;
                     self.parked.push(p);
+                    self.arm_stall_check(now_ns);
                 }
             }
             Decision::ReleasePull { pull } => {
@@ -1321,6 +1539,7 @@ impl Shard {
                     self.held_at.retain(|(id, _)| held.iter().any(|h| h.push.id == *id));
                     self.held_at.push((h.push.id, now_ns));
                     self.held.push(h);
+                    self.arm_stall_check(now_ns);
                 }
             }
             Decision::SetUpdateMode(mode) => self.set_mode(mode, sink),
@@ -1400,17 +1619,37 @@ impl Shard {
     }
 
     /// A policy call failed: report it, resolve the event's request by the fallback rules, and
-    /// restart or quarantine the policy.
+    /// restart, back off or quarantine the policy.
     fn fail(&mut self, error: PolicyError, kind: EventKind, now_ns: u64, sink: &mut dyn ShardSink) {
         self.stats.policy_failures += 1;
         tracing::debug!(shard = self.shard, %error, "policy failure");
         self.last_failure = Some(error.to_string());
         sink.policy_failed(&error);
         self.fallback(now_ns, sink);
-        match self.supervisor.failed(kind, now_ns) {
+        let recovery = self.supervisor.failed(kind, now_ns);
+        self.recovered(recovery, true, now_ns, sink);
+    }
+
+    /// Carries out what the supervisor decided after a failure: a restarted policy is handed
+    /// every pending request again (with `requeue`); a policy backing off or quarantined leaves
+    /// them to the fallback rules (explicitly parked pulls put under BSP's rule, held pushes
+    /// admitted), for a while or until a swap.
+    fn recovered(&mut self, recovery: Recovery, requeue: bool, now_ns: u64, sink: &mut dyn ShardSink) {
+        match recovery {
             Recovery::Restarted => {
                 self.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
-                self.requeue_pending();
+                if requeue {
+                    self.requeue_pending();
+                }
+            }
+            Recovery::BackingOff { until } => {
+                tracing::debug!(
+                    shard = self.shard,
+                    policy = self.supervisor.module().display_name(),
+                    backoff_ms = until.saturating_sub(now_ns) / 1_000_000,
+                    "policy failing repeatedly; fallback rules in force until it restarts"
+                );
+                self.to_fallback(sink);
             }
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {
@@ -1423,12 +1662,19 @@ impl Shard {
                     "policy quarantined; fallback rules in force until a swap"
                 );
                 sink.policy_quarantined(policy);
-                self.parked.explicit_to_fallback();
-                while let Some(h) = self.held.pop() {
-                    self.admit(h, None, sink);
-                }
-                // Requests still queued for re-delivery meet the fallback rules in `dispatch`.
+                self.to_fallback(sink);
             }
+        }
+    }
+
+    /// No policy runs: nobody will release explicitly parked pulls (they go under BSP's rule)
+    /// or decide held pushes (admitted). Requests still queued for re-delivery meet the
+    /// fallback rules in `dispatch`.
+    fn to_fallback(&mut self, sink: &mut dyn ShardSink) {
+        self.parked.explicit_to_fallback();
+        let held: Vec<Held> = self.held.drain(..).collect();
+        for h in held {
+            self.admit(h, None, sink);
         }
     }
 
@@ -1649,6 +1895,18 @@ impl Shard {
             self.serve(p, now_ns, sink);
         }
     }
+}
+
+/// "1 pull parked", "2 pushes held".
+fn counted(n: usize, what: &str, how: &str) -> String {
+    let plural = if n == 1 {
+        ""
+    } else if what.ends_with('h') {
+        "es"
+    } else {
+        "s"
+    };
+    format!("{n} {what}{plural} {how}")
 }
 
 /// Whether every value is finite. The check runs on every push, over every parameter: blocks

@@ -850,10 +850,35 @@ impl ShardNode {
         }
     }
 
+    /// Whether this primary's shard would take `module` with `config` in a swap now: the
+    /// hand-over tried and thrown away ([`Shard::check_swap`]); a shard not created yet, or a
+    /// backup, only checks that it starts. A swap's preparation asks it of every primary, so a
+    /// module that refuses to take over is refused before any shard switches.
+    pub fn check_swap(
+        &mut self,
+        now: u64,
+        module: &PolicyModule,
+        config: &[(String, String)],
+    ) -> Result<(), PolicyError> {
+        match self.shard.as_mut().filter(|_| !self.pending.backup) {
+            Some(shard) => shard.check_swap(module, config, &[], now.max(self.last_now)),
+            None => {
+                let shards = self.cfg.shard.shards;
+                let init = syncopate_policy_sdk::abi::InitArgs {
+                    shard: self.id(),
+                    shards,
+                    now_ns: now,
+                    config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+                };
+                crate::runtime::PolicyInstance::new(module, &init).map(|_| ())
+            }
+        }
+    }
+
     /// The cluster commits a swap to `module`, raising the workers' clocks by `raise` (the
     /// levelling it agreed on, see [`Frontier`](super::Frontier)). A backup swaps when its
     /// primary's op says (the reply is `Ok` at once); a shard not created yet starts with the
-    /// new module.
+    /// new module. A module that refuses the hand-over starts afresh ([`Shard::commit_swap`]).
     pub fn swap(
         &mut self,
         now: u64,

@@ -81,7 +81,7 @@ pub enum Op {
         /// The worker.
         worker: WorkerId,
     },
-    /// [`Shard::swap_policy`] to the module with this SHA-256 (which the applier must have:
+    /// [`Shard::commit_swap`] to the module with this SHA-256 (which the applier must have:
     /// swaps are prepared on every server before any commits).
     Swap {
         /// The module's SHA-256.
@@ -180,7 +180,7 @@ impl Shard {
             Op::Goodbye { worker } => Outcome::Left(self.goodbye(worker, now, sink)),
             Op::Swap { sha256, config, raise } => match module(&sha256) {
                 Some(m) => Outcome::Swapped(
-                    self.swap_policy(&m, &config, &raise, now, sink).map_err(|e| e.to_string()),
+                    self.commit_swap(&m, &config, &raise, now, sink).map_err(|e| e.to_string()),
                 ),
                 None => Outcome::Swapped(Err("the swapped-in module is not here".into())),
             },

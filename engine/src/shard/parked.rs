@@ -77,6 +77,17 @@ impl ParkedPulls {
         }
     }
 
+    /// Puts every parked pull under BSP's rule at its worker's clock now (`clock_of`; the pull's
+    /// own clock for a worker that has none): a stalled policy's pulls, which the fallback rules
+    /// decide from then on.
+    pub(super) fn all_to_fallback(&mut self, clock_of: impl Fn(WorkerId) -> Option<u64>) {
+        for p in &mut self.pulls {
+            let clock = clock_of(p.pull.worker).unwrap_or(p.pull.clock);
+            p.until = Release::MinClockAtLeast(clock);
+            self.due_from = self.due_from.min(clock);
+        }
+    }
+
     /// Empties the set, in parking order as far as `swap_remove` kept it.
     pub(super) fn drain(&mut self) -> impl Iterator<Item = Parked> + '_ {
         self.due_from = u64::MAX;

@@ -25,15 +25,20 @@ use syncopate_policy_sdk::abi::{RequestId, TimerId, UpdateMode, WorkerClock, Wor
 use syncopate_policy_sdk::clocks::Clocks;
 
 use super::parked::ParkedPulls;
-use super::supervisor::Supervisor;
+use super::supervisor::{Health, Supervisor};
 use super::{
     Aggregate, Held, LocalSgd, Metric, Optimizer, Parked, Partial, PushWeight, Shard, ShardConfig, ShardSink,
     ShardStats, StartKind, TaskLedger,
 };
 use crate::runtime::{PolicyError, PolicyModule};
 
-/// The snapshot format [`ShardSnapshot::encode`] writes; [`ShardSnapshot::decode`] reads only this one.
-pub const SNAPSHOT_FORMAT: u32 = 4;
+/// The snapshot format [`ShardSnapshot::encode`] writes. [`ShardSnapshot::decode`] reads it and
+/// format 4 (which had no record of the policy's failures: [`Health`]; a format-4 snapshot
+/// restores with a clean one).
+pub const SNAPSHOT_FORMAT: u32 = 5;
+
+/// The oldest format [`ShardSnapshot::decode`] reads.
+pub const OLDEST_SNAPSHOT_FORMAT: u32 = 4;
 
 const MAGIC: &[u8; 8] = b"SYNCSNAP";
 /// Magic, format (u32), body length (u64), SHA-256 of the body.
@@ -46,7 +51,9 @@ pub enum SnapshotError {
     #[error("not a shard snapshot ({0})")]
     NotASnapshot(String),
     /// Written by another format of Syncopate.
-    #[error("snapshot format {found}, this build reads format {SNAPSHOT_FORMAT}")]
+    #[error(
+        "snapshot format {found}, this build reads formats {OLDEST_SNAPSHOT_FORMAT} to {SNAPSHOT_FORMAT}"
+    )]
     Format {
         /// The format found.
         found: u32,
@@ -136,6 +143,8 @@ pub struct ShardSnapshot {
     stats: ShardStats,
     metrics: Vec<Metric>,
     last_failure: Option<String>,
+    /// The policy's record of failures, counted across restarts (format 5).
+    health: Health,
 }
 
 impl ShardSnapshot {
@@ -207,7 +216,7 @@ impl ShardSnapshot {
             return Err(SnapshotError::NotASnapshot("wrong magic".into()));
         }
         let found = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if found != SNAPSHOT_FORMAT {
+        if !(OLDEST_SNAPSHOT_FORMAT..=SNAPSHOT_FORMAT).contains(&found) {
             return Err(SnapshotError::Format { found });
         }
         let expected = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
@@ -218,7 +227,15 @@ impl ShardSnapshot {
         if Sha256::digest(body).as_slice() != &bytes[20..52] {
             return Err(SnapshotError::Checksum);
         }
-        postcard::from_bytes(body).map_err(|e| SnapshotError::Body(e.to_string()))
+        let undecodable = |e: postcard::Error| SnapshotError::Body(e.to_string());
+        if found == 4 {
+            // Format 5 only added a field at the end (postcard is positional): a format-4 body
+            // followed by a clean record is a format-5 body.
+            let mut body = body.to_vec();
+            body.extend(postcard::to_allocvec(&Health::default()).expect("a record serializes"));
+            return postcard::from_bytes(&body).map_err(undecodable);
+        }
+        postcard::from_bytes(body).map_err(undecodable)
     }
 }
 
@@ -232,7 +249,7 @@ impl Shard {
     /// its state (one `export_state` call); a quarantined policy's last checkpoint is kept.
     pub fn snapshot(&mut self, now_ns: u64) -> Result<ShardSnapshot, PolicyError> {
         debug_assert!(self.queue.is_empty() && self.incoming.is_none() && self.undecided_pull.is_none());
-        let (policy_state, quarantined) = self.supervisor.snapshot()?;
+        let (policy_state, quarantined, health) = self.supervisor.snapshot()?;
         let module = self.supervisor.module();
         Ok(ShardSnapshot {
             shard: self.shard,
@@ -269,6 +286,7 @@ impl Shard {
             stats: self.stats,
             metrics: self.metrics.clone(),
             last_failure: self.last_failure.clone(),
+            health,
         })
     }
 
@@ -308,6 +326,7 @@ impl Shard {
             snap.policy_state,
             snap.workers.clone(),
             snap.quarantined,
+            snap.health,
             snap.now_ns,
         )?;
         let mut clocks = Clocks::new();
@@ -356,6 +375,8 @@ impl Shard {
             stats: snap.stats,
             metrics: snap.metrics,
             last_failure: snap.last_failure,
+            stall_check_at: None,
+            leaving: None,
         };
         shard.recount_departed();
         shard.policy_started(StartKind::Restart, now_ns, &[], &[], sink);

@@ -1,7 +1,9 @@
 //! A policy that misbehaves on purpose, for the host's sandbox tests.
 //!
 //! `mode` picks the misbehaviour and `after` how many events it behaves (as BSP) before it
-//! starts. Every mode is something a buggy or hostile module could really do from inside the
+//! starts; with `every` = N it misbehaves only on every Nth event after that (a crash loop: it
+//! behaves in between, and its count of events is part of its exported state, so a restart from
+//! its checkpoint fails again N events on). Every mode is something a buggy or hostile module could really do from inside the
 //! sandbox: trap, spin forever, allocate without bound, panic, answer with decisions that
 //! break the ABI's rules, or park a pull or hold a push and never let it go.
 
@@ -13,6 +15,7 @@ use syncopate_policy_sdk::prelude::*;
 pub struct Hostile {
     mode: String,
     after: u64,
+    every: u64,
     seen: u64,
     hoard: Vec<Vec<u8>>,
 }
@@ -28,7 +31,8 @@ impl Hostile {
 
     fn armed(&mut self, on: &str) -> bool {
         self.seen += 1;
-        self.seen > self.after && self.mode.starts_with(on)
+        let due = self.every == 0 || (self.seen - self.after) % self.every == 0;
+        self.seen > self.after && due && self.mode.starts_with(on)
     }
 
     fn misbehave(&mut self, ctx: &mut Ctx<'_>, own_request: RequestId) {
@@ -70,6 +74,7 @@ impl Policy for Hostile {
         &[
             ParamSpec::new("mode", ParamKind::Text, "none", "pull:MODE or push:MODE, MODE one of trap, loop, bomb, panic, release-unknown, admit-unknown, control-stranger; pull:park (never released), push:hold (never admitted); or refuse-state"),
             ParamSpec::new("after", ParamKind::Uint, "0", "events to behave before misbehaving"),
+            ParamSpec::new("every", ParamKind::Uint, "0", "misbehave only on every Nth event after that (0: on every one)"),
         ],
     );
 
@@ -77,6 +82,7 @@ impl Policy for Hostile {
         Ok(Hostile {
             mode: init.config.get("mode")?,
             after: init.config.get("after")?,
+            every: init.config.get("every")?,
             seen: 0,
             hoard: Vec::new(),
         })
