@@ -84,6 +84,11 @@ impl PolicySpec {
         short.to_string()
     }
 
+    /// Whether it names a built-in policy (not a module file).
+    pub fn is_builtin(&self) -> bool {
+        wasm(&self.source).is_some()
+    }
+
     /// Compiles the module this spec names: a built-in, or a file.
     pub fn load(&self, rt: &PolicyRuntime) -> Result<PolicyModule, PolicyError> {
         let (label, bytes) = self.bytes()?;

@@ -62,20 +62,15 @@ impl Operator {
         }
     }
 
-    /// Swaps the cluster's policy. Returns the swap's number and how many shards switched.
-    pub async fn swap(&self, policy: &PolicySource) -> Result<(u64, u32), NodeError> {
-        match self.ask(&CoordRequest::Swap(policy.blob()), &policy.wasm).await? {
-            CoordResponse::Swapped { swap, shards } => Ok((swap, shards)),
-            other => Err(NodeError::Protocol(format!("unexpected answer to a swap: {other:?}"))),
-        }
+    /// Swaps the cluster's policy. An error says why no shard switched.
+    pub async fn swap(&self, policy: &PolicySource) -> Result<Swapped, NodeError> {
+        Swapped::from(self.ask(&CoordRequest::Swap(policy.blob()), &policy.wasm).await?, "a swap")
     }
 
-    /// Swaps back to the policy that ran before the last swap.
-    pub async fn rollback(&self) -> Result<(u64, u32), NodeError> {
-        match self.ask(&CoordRequest::Rollback, &[]).await? {
-            CoordResponse::Swapped { swap, shards } => Ok((swap, shards)),
-            other => Err(NodeError::Protocol(format!("unexpected answer to a rollback: {other:?}"))),
-        }
+    /// Swaps back to the last policy that ran before the current one without failing (one that
+    /// failed while it ran is never swapped back in).
+    pub async fn rollback(&self) -> Result<Swapped, NodeError> {
+        Swapped::from(self.ask(&CoordRequest::Rollback, &[]).await?, "a rollback")
     }
 
     /// What runs where.
@@ -139,6 +134,42 @@ impl Operator {
             c.close(net::close::DONE.into(), b"read done");
         }
         Ok((model, if min_version == u64::MAX { 0 } else { min_version }))
+    }
+}
+
+/// How a swap that went through ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Swapped {
+    /// Every shard switched.
+    Whole {
+        /// The swap's number.
+        swap: u64,
+        /// Shards switched.
+        shards: u32,
+    },
+    /// The swap was committed, but some shards could not switch.
+    Partly {
+        /// The swap's number.
+        swap: u64,
+        /// What did not switch, and why.
+        failed: String,
+    },
+}
+
+impl Swapped {
+    fn from(answer: CoordResponse, what: &str) -> Result<Self, NodeError> {
+        match answer {
+            CoordResponse::Swapped { swap, shards } => Ok(Swapped::Whole { swap, shards }),
+            CoordResponse::SwappedPartly { swap, failed } => Ok(Swapped::Partly { swap, failed }),
+            other => Err(NodeError::Protocol(format!("unexpected answer to {what}: {other:?}"))),
+        }
+    }
+
+    /// The swap's number.
+    pub fn swap(&self) -> u64 {
+        match self {
+            Swapped::Whole { swap, .. } | Swapped::Partly { swap, .. } => *swap,
+        }
     }
 }
 

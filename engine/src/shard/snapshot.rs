@@ -651,6 +651,27 @@ mod tests {
     }
 
     #[test]
+    fn a_format_4_snapshot_still_decodes_with_a_clean_record() {
+        // Written by the build before format 5 (commit b77bbc1): an SSP shard (s = 1) of 8
+        // parameters at 0.5, workers 0, 1, 2, after pushes of 0.25 from worker 0 (iterations 0-2)
+        // and worker 1 (iteration 0), with worker 0's pull for iteration 3 parked, at 6 µs.
+        let bytes = include_bytes!("testdata/snapshot-format4.bin");
+        assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 4);
+        let snap = ShardSnapshot::decode(bytes).expect("format 4 is still read");
+        assert_eq!((snap.shard(), snap.shards(), snap.now_ns()), (0, 1, 6_000));
+        assert_eq!(snap.workers().len(), 3);
+        assert_eq!(snap.next_push(0), Some(3));
+        assert_eq!(snap.stats().pushes_admitted, 4);
+        assert_eq!(snap.parked.len(), 1);
+        assert_eq!(snap.policy_config, vec![("s".to_string(), "1".to_string())]);
+        assert_eq!(snap.health, Health::default());
+        // Written again, it is format 5 and reads back the same.
+        let again = snap.encode();
+        assert_eq!(u32::from_le_bytes(again[8..12].try_into().unwrap()), SNAPSHOT_FORMAT);
+        assert_eq!(ShardSnapshot::decode(&again).unwrap(), snap);
+    }
+
+    #[test]
     fn a_torn_or_corrupt_snapshot_is_refused_with_the_reason() {
         let rt = crate::runtime::PolicyRuntime::new().unwrap();
         let module = rt.compile("bsp", crate::builtin::wasm("bsp").unwrap()).unwrap();

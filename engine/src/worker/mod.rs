@@ -26,6 +26,11 @@
 //! - A pause delays the start of the worker's next pull by its length from its arrival; it is
 //!   acknowledged at once (as every setting is: "applies from iteration N"). A push codec is
 //!   the driver's to apply ([`crate::codec::PushEncoder`]), from the acknowledged iteration.
+//! - A stop ([`Input::Stop`]: a target, a time limit, an operator) ends the run whatever the
+//!   policies hold: the worker finishes the computation in progress and pushes it, but a pull a
+//!   policy keeps deferring is given up at once, and its own push still unacknowledged
+//!   [`STOP_GRACE_NS`] after the stop is given up too (the shard's policy decides its fate when
+//!   the worker leaves); the report says what was given up ([`WorkerReport::abandoned`]).
 //! - A skip ([`Control::SkipTo`]) abandons the iteration in progress at its next step (a pull
 //!   that returns is not computed on, a finished computation is not pushed; a push already sent
 //!   completes and counts), tells every shard ([`Action::Skip`]) and is acknowledged once done.
@@ -48,6 +53,11 @@ pub use report::WorkerReport;
 
 use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskPart, MAX_TASKS};
 use device::DeviceState;
+
+/// How long after a stop a worker still waits for its own push's acknowledgement before it
+/// gives up and leaves: enough for any transfer, short enough that a limit ends a run whose
+/// policy holds pushes for ever.
+pub const STOP_GRACE_NS: u64 = 5_000_000_000;
 
 /// How a worker is set up.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -212,7 +222,8 @@ pub enum Input {
     Control(ControlMessage),
     /// The time [`WorkerMachine::poll_timeout`] named has come.
     Timer,
-    /// Stop after the current iteration (a target or budget was reached).
+    /// Stop after the current iteration (a target or budget was reached), giving up what
+    /// policies keep waiting (module docs).
     Stop,
 }
 
@@ -332,6 +343,10 @@ pub struct WorkerMachine {
     /// furthest wins, and each is acknowledged.
     skips: Vec<(u32, u64)>,
     stop: bool,
+    /// When the stop came.
+    stop_at: u64,
+    /// Whether it gave up its own pull or push at a stop: a late answer to it is ignored.
+    gave_up: bool,
     out: VecDeque<Action>,
 }
 
@@ -354,6 +369,8 @@ impl WorkerMachine {
             pause_until: 0,
             skips: Vec::new(),
             stop: false,
+            stop_at: 0,
+            gave_up: false,
             out: VecDeque::new(),
             cfg,
         })
@@ -410,7 +427,9 @@ impl WorkerMachine {
             _ => None,
         };
         let pause = (self.own == Own::Start && self.pause_until > self.now).then_some(self.pause_until);
-        [pacing, delay, pause].into_iter().flatten().min()
+        let give_up =
+            (self.stop && self.own == Own::Pushing).then(|| self.stop_at.saturating_add(STOP_GRACE_NS));
+        [pacing, delay, pause, give_up].into_iter().flatten().min()
     }
 
     /// The next thing to do, if any. Call until `None` after every input.
@@ -427,6 +446,9 @@ impl WorkerMachine {
         self.now = self.now.max(now_ns);
         let now = self.now;
         match input {
+            // The answer to a request given up at a stop.
+            Input::Pulled { .. } | Input::Pushed { kind: JobKind::Own, .. }
+                if self.gave_up && !matches!(self.own, Own::Pulling | Own::Pushing) => {}
             Input::Pulled { deferred, deferred_ns, local_steps } => {
                 self.expect(self.own == Own::Pulling, "Pulled")?;
                 self.cur.pulled_at = now;
@@ -521,7 +543,8 @@ impl WorkerMachine {
                     }
                 }
             }
-            Input::Stop => self.stop = true,
+            Input::Stop if !self.stop => (self.stop, self.stop_at) = (true, now),
+            Input::Stop => {}
         }
         Ok(())
     }
@@ -688,6 +711,7 @@ impl WorkerMachine {
         loop {
             let before = self.out.len();
             self.abandon_for_skip();
+            self.give_up_at_stop();
             match self.own {
                 Own::Start if !self.skips.is_empty() => self.skip_now(),
                 Own::Start if self.stop || self.iteration >= self.cfg.iterations => self.leave_when_idle(),
@@ -729,6 +753,32 @@ impl WorkerMachine {
                 return;
             }
         }
+    }
+
+    /// After a stop, gives up a pull still waiting (at once) and its own push still waiting
+    /// ([`STOP_GRACE_NS`] on): a policy that never decides cannot keep the worker.
+    fn give_up_at_stop(&mut self) {
+        if !self.stop {
+            return;
+        }
+        let what = match self.own {
+            Own::Pulling => format!(
+                "its pull for iteration {}, still deferred {:.1} s after it asked",
+                self.cur.iteration,
+                self.now.saturating_sub(self.cur.started_at) as f64 / 1e9
+            ),
+            Own::Pushing if self.now >= self.stop_at.saturating_add(STOP_GRACE_NS) => format!(
+                "its push of iteration {}, not acknowledged {:.1} s after it was sent (the policy \
+                 decides it as the worker leaves: applied unless it drops it)",
+                self.cur.iteration,
+                self.now.saturating_sub(self.cur.pushed_at) as f64 / 1e9
+            ),
+            _ => return,
+        };
+        tracing::warn!(worker = self.cfg.id, "stopping: gave up {what}");
+        self.report.abandoned.push(what);
+        self.gave_up = true;
+        self.own = Own::Start;
     }
 
     /// Leaves once the computation in progress (moved tasks) is done; no new iteration starts.

@@ -64,6 +64,12 @@ pub struct WorkerReport {
     pub bytes_received: u64,
     /// Whether it stopped early because it was asked to (target or budget reached).
     pub stopped_early: bool,
+    /// What it gave up waiting for when it was asked to stop: a pull a policy still deferred
+    /// (given up at once; it changed nothing), or its own push a policy had not acknowledged
+    /// [`STOP_GRACE_NS`](super::STOP_GRACE_NS) after the stop (its fate is the policy's when the
+    /// worker leaves the shard: applied unless the policy drops it). Empty when nothing was stuck.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub abandoned: Vec<String>,
     /// Per iteration: start (seconds on the driver's clock: Unix time on a cluster), time in the
     /// pull, time busy (compute, injected delays, push) in seconds.
     pub timeline: Vec<(f64, f32, f32)>,

@@ -207,6 +207,19 @@ pub struct TrainArgs {
     /// Drop a peer silent for this many milliseconds (a dead worker stops blocking others).
     #[arg(long, default_value_t = 10_000)]
     pub peer_timeout_ms: u64,
+    /// Seconds every live worker may wait on a shard's policy (a pull parked, a push held)
+    /// before that is the rule's failure: the stuck requests are resolved by the fallback rules
+    /// and the policy restarts (three such stalls quarantine it). 0: never.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_seconds)]
+    pub no_progress_s: f64,
+}
+
+/// A number of seconds, finite and not negative.
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a number of seconds (0 or more)")),
+    }
 }
 
 impl TrainArgs {
@@ -250,6 +263,11 @@ impl TrainArgs {
     /// The peer timeout.
     pub fn peer_timeout(&self) -> Duration {
         Duration::from_millis(self.peer_timeout_ms.max(100))
+    }
+
+    /// The no-progress time (zero: the rule is off).
+    pub fn no_progress(&self) -> Duration {
+        Duration::from_secs_f64(self.no_progress_s)
     }
 }
 

@@ -82,6 +82,10 @@ pub struct LocalArgs {
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Do not check a policy module file before the run (`policy check` in brief: a module
+    /// that breaks a rule in a generated case is refused).
+    #[arg(long)]
+    pub no_check: bool,
     /// Where momentum and weight decay run: `server` (on every admitted gradient) or `worker`
     /// (each worker on its own gradients, the servers plain SGD: FluentPS's placement).
     #[arg(long, value_enum, default_value = "server")]
@@ -186,6 +190,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         script: a.script.clone(),
         replicas: a.faults.replicas(a.servers),
         kill_server: a.kill_server.map(|(server, at_s)| KillServer { server, at_s }),
+        no_progress_s: Some(a.train.no_progress_s),
     };
     scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let run = RunSpec { scenario, policy: a.policy.policy.clone(), overrides: a.policy.overrides.clone() };
@@ -228,6 +233,7 @@ const CHANGEABLE: &[&str] = &[
     "--kill-coordinator",
     "--run-dir",
     "--resume",
+    "--no-check",
 ];
 
 /// The policy the newest checkpoint in `dir` holds (its manifest's), to name a resumed run by.
@@ -256,8 +262,13 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         None => (a, now),
     };
     let exe = std::env::current_exe().context("cannot find the syncopate executable")?;
-    // Fail here, not in a child process, if the policy cannot be found.
+    // Fail here, not in a child process, if the policy cannot be found, or breaks a rule.
     a.policy.policy.bytes()?;
+    if !a.no_check && !a.policy.policy.is_builtin() && a.faults.resume.is_none() {
+        let rt = crate::runtime::PolicyRuntime::new()?;
+        super::policy::quick_check(&rt, &a.policy.policy)
+            .context("the policy was not started (--no-check starts it unchecked)")?;
+    }
     let opts = options(&a, exe)?;
     let run_dir = opts.run_dir.clone();
     eprintln!("run directory: {}", run_dir.display());
@@ -295,6 +306,12 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
             w.deferred_pulls,
             s(w.push_wait_ns),
         );
+    }
+    // What a stop found stuck: pulls and pushes a policy never decided.
+    for w in &report.workers {
+        for what in &w.abandoned {
+            println!("stopped:    worker {} gave up {what}", w.worker);
+        }
     }
     println!(
         "model:      {} parameters, {} steps, saved to {}",

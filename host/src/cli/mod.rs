@@ -11,6 +11,24 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 
+/// An error that ends the command with its own exit status (other errors exit 1): `policy
+/// swap`'s 2, a swap that went through and then failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Exit {
+    /// The exit status.
+    pub code: u8,
+    /// What to print.
+    pub message: String,
+}
+
+impl Exit {
+    /// Ends the command with status `code`, printing `message`.
+    pub fn with(code: u8, message: impl Into<String>) -> anyhow::Error {
+        Exit { code, message: message.into() }.into()
+    }
+}
+
 /// Syncopate: a parameter server whose synchronization policies are hot-swappable wasm modules.
 #[derive(Debug, Parser)]
 #[command(name = "syncopate", version, about, long_about = None)]

@@ -19,6 +19,10 @@ pub struct CasesArgs {
     /// Generated cases to run (each a few workers and iterations; 64 take a few seconds).
     #[arg(long, default_value_t = crate::lab::explore::DEFAULT_CASES)]
     pub cases: u32,
+    /// Long generated cases to run after those (each thousands of events: one instance
+    /// throughout, or its state handed to a fresh instance every few dozen events).
+    #[arg(long, default_value_t = crate::lab::explore::DEFAULT_LONG_CASES)]
+    pub long_cases: u32,
     /// The first case's seed (a failure names its case: `--seed N --cases 1` runs it again).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -29,8 +33,9 @@ pub struct CasesArgs {
 pub enum PolicyCommand {
     /// Validate a policy module, print its name, version, ABI version and parameters, and drive
     /// it on a real shard through generated event sequences (joins, late joins, pulls, pushes,
-    /// reports, timers, leaves, hot swaps to itself, ASP and BSP): a failure, a push acknowledged
-    /// twice, or a request never answered fails the check, with the events that led there.
+    /// reports, timers, leaves, hot swaps to itself, ASP and BSP; then long cases of thousands
+    /// of events): a failure, a push acknowledged twice, a refused hand-over, or a request never
+    /// answered fails the check, with the events that led there, shrunk.
     Check {
         /// The module file (or a built-in's name), optionally with its configuration
         /// (`my_policy.wasm:k=3`).
@@ -40,6 +45,10 @@ pub enum PolicyCommand {
         config: Vec<String>,
         #[command(flatten)]
         cases: CasesArgs,
+        /// Also replay a recorded run (`syncopate local --record DIR`: a directory of
+        /// shard-N.rec files, or one) through the module: it must not fail on any event.
+        #[arg(long, value_name = "DIR")]
+        recording: Option<PathBuf>,
     },
     /// Write a new policy crate to start from: a workspace of its own with the SDK of this
     /// `syncopate` vendored and its dependencies pinned, a working policy (SSP) and a native test.
@@ -84,10 +93,15 @@ pub enum PolicyCommand {
     },
     /// List the built-in policies with their parameters.
     List,
-    /// Swap the policy of a running cluster. Every server prepares the module first; if any
-    /// cannot load it, none switches and this says why. Then the new policy is watched for a
-    /// few seconds: if it fails on any shard, this exits non-zero naming the error (and, with
-    /// --rollback, swaps the previous policy back in).
+    /// Swap the policy of a running cluster. A module file is checked first, as `policy check`
+    /// does in brief (--no-check skips it). Every server then prepares the module and tries it
+    /// on each of its shards' state; if any cannot, none switches and this says why. Then the
+    /// new policy is watched for a few seconds, by its own record on every shard (failures since
+    /// it started there, backoff, quarantine). Exit status: 0, the swap is in force and its
+    /// policy did not fail while watched (or the run ended during the watch, which is said);
+    /// 1, nothing was swapped; 2, the swap went through but its policy failed while watched, or
+    /// some shards could not switch (with --rollback, the last policy that ran without failures
+    /// is swapped back in, and this says which).
     Swap {
         /// The policy: a built-in name or a .wasm file, with its configuration (`ssp:s=3`).
         policy: PolicySpec,
@@ -97,9 +111,13 @@ pub enum PolicyCommand {
         /// Seconds to watch the new policy's first events after the swap (0: do not watch).
         #[arg(long, default_value_t = 3.0)]
         watch_s: f64,
-        /// If the new policy fails while watched, swap the previous policy back in.
+        /// If the new policy fails while watched, swap back in the last policy that ran without
+        /// failing.
         #[arg(long)]
         rollback: bool,
+        /// Do not check a module file before swapping it in.
+        #[arg(long)]
+        no_check: bool,
         #[command(flatten)]
         access: AccessArgs,
     },
@@ -116,38 +134,14 @@ pub enum PolicyCommand {
 /// Runs a policy subcommand.
 pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     match cmd {
-        PolicyCommand::Swap { policy, overrides, watch_s, rollback, access } => {
+        PolicyCommand::Swap { policy, overrides, watch_s, rollback, no_check, access } => {
+            if !no_check && !policy.is_builtin() {
+                let rt = PolicyRuntime::new()?;
+                quick_check(&rt, &policy).context("not swapped in (--no-check swaps it in unchecked)")?;
+            }
             let source = super::roles::policy_source(&policy, overrides)?;
             let access = access.access()?;
-            return tokio()?.block_on(async {
-                let op = Operator::connect(&access).await?;
-                let before = op.status().await?;
-                let (swap, shards) = op.swap(&source).await?;
-                println!("swap {swap}: {} now runs on all {shards} shards", source.label);
-                if watch_s <= 0.0 {
-                    return Ok(());
-                }
-                tokio::time::sleep(std::time::Duration::from_secs_f64(watch_s)).await;
-                let after = op.status().await?;
-                let verdict = watched(&before, &after);
-                match verdict.failure {
-                    None => {
-                        println!(
-                            "watched {watch_s} s: no failures in {} events on the new policy",
-                            verdict.events
-                        );
-                        Ok(())
-                    }
-                    Some(failure) if rollback => {
-                        let (back, _) = op.rollback().await?;
-                        anyhow::bail!("{failure}; rolled back (swap {back}) to {}", before.policy)
-                    }
-                    Some(failure) => anyhow::bail!(
-                        "{failure}; the shards run on fallback rules where quarantined: swap \
-                         another policy in, or rerun with --rollback"
-                    ),
-                }
-            });
+            return tokio()?.block_on(swap_and_watch(&access, &source, watch_s, rollback));
         }
         PolicyCommand::Status { json, access } => {
             let access = access.access()?;
@@ -164,7 +158,12 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
     let rt = PolicyRuntime::new()?;
     match cmd {
         PolicyCommand::Swap { .. } | PolicyCommand::Status { .. } => unreachable!("handled above"),
-        PolicyCommand::Check { file, config, cases } => check(&rt, &file, &config, cases)?,
+        PolicyCommand::Check { file, config, cases, recording } => {
+            check(&rt, &file, &config, cases)?;
+            if let Some(dir) = recording {
+                check_recording(&rt, &file, &config, &dir)?;
+            }
+        }
         PolicyCommand::Replay { recording, policy, shard, json } => {
             let reports = replay(&rt, &recording, policy.as_ref(), shard)?;
             if json {
@@ -328,9 +327,39 @@ fn print_replay(r: &crate::replay::Report) {
 /// ([`crate::lab::explore`]), and prints what it is. `file` is a module file or a built-in's
 /// name, perhaps with a configuration (`FILE:k=v,...`), which `config` adds to.
 fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) -> anyhow::Result<()> {
+    let spec = with_config(file, config)?;
+    let (module, explored) = explore(rt, &spec, cases)?;
+    println!("ok: {}", spec.source);
+    println!("  sha256:      {}", module.sha256_hex());
+    print_info(module.info(), "  ");
+    println!(
+        "  exercised:   {} generated cases ({} long), {} events: {} pulls deferred, {} pushes held, {} dropped, {} state hand-overs",
+        explored.cases,
+        cases.long_cases.min(explored.cases),
+        explored.events,
+        explored.deferred,
+        explored.held,
+        explored.dropped,
+        explored.handovers
+    );
+    Ok(())
+}
+
+/// `file` (a module or a built-in, perhaps with a configuration) with `config` added.
+fn with_config(file: &str, config: &[String]) -> anyhow::Result<PolicySpec> {
     let mut spec: PolicySpec = file.parse()?;
     let extra: PolicySpec = format!("x:{}", config.join(",")).parse()?;
     spec.config.extend(extra.config);
+    Ok(spec)
+}
+
+/// Validates `spec`'s module, starts it, and drives it through `cases` generated cases, then
+/// the long ones: the first broken case, shrunk, is the error.
+fn explore(
+    rt: &PolicyRuntime,
+    spec: &PolicySpec,
+    cases: CasesArgs,
+) -> anyhow::Result<(crate::runtime::PolicyModule, crate::lab::explore::Explored)> {
     let (label, wasm) = spec.bytes()?;
     let module = rt.compile(&label, &wasm)?;
     let args = InitArgs {
@@ -346,16 +375,144 @@ fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) ->
         .iter()
         .map(|n| rt.compile(n, builtin::wasm(n).expect("built in")))
         .collect::<Result<_, _>>()?;
-    let explored = crate::lab::explore::explore(&module, &spec.config, &others, cases.seed, cases.cases)
-        .map_err(|broken| anyhow::anyhow!("the module breaks a rule in a generated case: {broken}"))?;
-    println!("ok: {}", spec.source);
-    println!("  sha256:      {}", module.sha256_hex());
-    print_info(module.info(), "  ");
-    println!(
-        "  exercised:   {} generated cases, {} events: {} pulls deferred, {} pushes held, {} dropped, {} state hand-overs",
-        explored.cases, explored.events, explored.deferred, explored.held, explored.dropped, explored.handovers
-    );
-    Ok(())
+    let broken = |b: Box<crate::lab::explore::Broken>| {
+        anyhow::anyhow!("the module breaks a rule in a generated case: {b}")
+    };
+    let mut explored = crate::lab::explore::explore(&module, &spec.config, &others, cases.seed, cases.cases)
+        .map_err(broken)?;
+    let long = crate::lab::explore::explore_long(&module, &spec.config, cases.seed, cases.long_cases)
+        .map_err(broken)?;
+    explored.cases += long.cases;
+    explored.events += long.events;
+    explored.deferred += long.deferred;
+    explored.held += long.held;
+    explored.dropped += long.dropped;
+    explored.handovers += long.handovers;
+    Ok((module, explored))
+}
+
+/// The check a module gets where it enters a cluster (`local`, `policy swap`): `policy check`
+/// in brief (a quarter of its cases, one long case). Built-ins are checked by the test suite.
+pub(super) fn quick_check(rt: &PolicyRuntime, spec: &PolicySpec) -> anyhow::Result<()> {
+    let cases = CasesArgs { cases: crate::lab::explore::DEFAULT_CASES / 4, long_cases: 1, seed: 0 };
+    explore(rt, spec, cases).map(|_| ())
+}
+
+/// `policy check --recording`: replays a recorded run through the module; any failure fails the
+/// check, with the event it failed on.
+fn check_recording(
+    rt: &PolicyRuntime,
+    file: &str,
+    config: &[String],
+    recording: &std::path::Path,
+) -> anyhow::Result<()> {
+    let spec = with_config(file, config)?;
+    let reports = replay(rt, recording, Some(&spec), None)?;
+    let mut failed = Vec::new();
+    for r in &reports {
+        let differ = match r.differing {
+            0 => "every push and pull answered alike".to_string(),
+            n => format!("{n} pushes and pulls answered differently"),
+        };
+        println!(
+            "  recording:   shard {}, {} events recorded under {}: {} of {} decisions identical, {differ}",
+            r.shard,
+            r.events,
+            r.recorded_policies.join(", then "),
+            r.identical,
+            r.compared
+        );
+        if let Some(why) = &r.stopped {
+            failed.push(format!("shard {}: the module failed {why}", r.shard));
+        } else if r.replayed.failures > 0 {
+            failed.push(format!("shard {}: the module failed on {} events", r.shard, r.replayed.failures));
+        }
+    }
+    match failed.is_empty() {
+        true => Ok(()),
+        false => anyhow::bail!("the module fails on the recorded run: {}", failed.join("; ")),
+    }
+}
+
+/// Swaps `source` in, then watches it for `watch_s` seconds (module docs of `Swap`).
+async fn swap_and_watch(
+    access: &crate::net::tls::ClusterAccess,
+    source: &crate::coordinator::PolicySource,
+    watch_s: f64,
+    rollback: bool,
+) -> anyhow::Result<()> {
+    use crate::operator::Swapped;
+    let op = Operator::connect(access).await?;
+    let before = op.status().await?;
+    let swap = match op.swap(source).await? {
+        Swapped::Whole { swap, shards } => {
+            println!("swap {swap}: {} now runs on all {shards} shards", source.label);
+            swap
+        }
+        Swapped::Partly { swap, failed } => {
+            return Err(super::Exit::with(
+                2,
+                format!("swap {swap}: {} was committed, but not on every shard: {failed}", source.label),
+            ))
+        }
+    };
+    if watch_s <= 0.0 {
+        return Ok(());
+    }
+    let sha = source.blob().sha256.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let (started, step) = (std::time::Instant::now(), std::time::Duration::from_millis(250));
+    let mut events = 0;
+    let failure = loop {
+        let elapsed = started.elapsed().as_secs_f64();
+        if elapsed >= watch_s {
+            break None;
+        }
+        tokio::time::sleep(step.min(std::time::Duration::from_secs_f64(watch_s - elapsed))).await;
+        let after = match op.status().await {
+            Ok(s) => s,
+            Err(e) => {
+                // The swap is in force; the cluster went away (a run that ended, say).
+                println!(
+                    "swap {swap} is in force; the cluster stopped answering {:.1} s into the watch \
+                     (the run ended?): {e}; no failure of the new policy seen in {events} events before",
+                    started.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
+        };
+        let verdict = watched(&before, &after, &sha);
+        events = verdict.events;
+        if verdict.failure.is_some() {
+            break verdict.failure;
+        }
+    };
+    let Some(failure) = failure else {
+        println!("watched {watch_s} s: no failures in {events} events on the new policy");
+        return Ok(());
+    };
+    if !rollback {
+        return Err(super::Exit::with(
+            2,
+            format!(
+                "{failure}; the shards run on the fallback rules while it backs off or is quarantined: \
+                 swap another policy in, or rerun with --rollback"
+            ),
+        ));
+    }
+    match op.rollback().await {
+        Ok(back) => {
+            let now = op.status().await.map(|s| s.policy).unwrap_or_else(|_| "the policy before".into());
+            let partly = match &back {
+                Swapped::Whole { .. } => String::new(),
+                Swapped::Partly { failed, .. } => format!(" (not on every shard: {failed})"),
+            };
+            Err(super::Exit::with(
+                2,
+                format!("{failure}; rolled back (swap {}) to {now}{partly}", back.swap()),
+            ))
+        }
+        Err(e) => Err(super::Exit::with(2, format!("{failure}; the rollback failed: {e}"))),
+    }
 }
 
 /// What watching a swapped-in policy found.
@@ -366,8 +523,10 @@ struct Watched {
     failure: Option<String>,
 }
 
-/// Compares the shards' counters before a swap and a while after it.
-fn watched(before: &ClusterStatus, after: &ClusterStatus) -> Watched {
+/// Judges the policy whose module's SHA-256 is `sha` (hex) by its own record on every shard
+/// now (failures since it started there, a backoff, a quarantine); a shard that does not run it
+/// is a failure of the swap. The events are counted against `before`.
+fn watched(before: &ClusterStatus, after: &ClusterStatus, sha: &str) -> Watched {
     let shards = |s: &ClusterStatus| -> Vec<crate::net::proto::ShardStatus> {
         s.servers.iter().flat_map(|sv| sv.shards.iter().cloned()).collect()
     };
@@ -380,10 +539,19 @@ fn watched(before: &ClusterStatus, after: &ClusterStatus) -> Watched {
         let base = |f: fn(&crate::shard::ShardStats) -> u64| was.map_or(0, |o| f(&o.stats));
         events += (sh.stats.pushes_admitted + sh.stats.pushes_dropped + sh.stats.pulls_served)
             .saturating_sub(base(|s| s.pushes_admitted + s.pushes_dropped + s.pulls_served));
-        let failures = sh.stats.policy_failures.saturating_sub(base(|s| s.policy_failures));
-        if failures > 0 {
+        if sh.sha256 != sha {
+            failed.push(format!("shard {} runs {}, not the new policy", sh.shard, sh.policy));
+            continue;
+        }
+        if sh.policy_failures_now > 0 {
             let why = sh.last_failure.as_deref().unwrap_or("no message");
-            failed.push(format!("shard {}: {failures} failures, the last: {why}", sh.shard));
+            let backoff = sh.backoff_ms.map(|ms| format!(", backing off {:.1} s", ms as f64 / 1e3));
+            failed.push(format!(
+                "shard {}: {} failures{}, the last: {why}",
+                sh.shard,
+                sh.policy_failures_now,
+                backoff.unwrap_or_default()
+            ));
         }
         if sh.quarantined {
             quarantined.push(sh.shard.to_string());
@@ -432,7 +600,7 @@ fn print_status(s: &ClusterStatus) {
         println!("config: {}", cfg.join(","));
     }
     println!(
-        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>7} {:>8} {:<11}",
+        "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>12} {:>7} {:>11} {:<11}",
         "server",
         "shard",
         "policy",
@@ -443,14 +611,20 @@ fn print_status(s: &ClusterStatus) {
         "held (now)",
         "pulls",
         "deferred",
+        "parked (now)",
         "swaps",
-        "failures",
-        "quarantined"
+        "fails (now)",
+        "state"
     );
     for server in &s.servers {
         for sh in &server.shards {
+            let state = match (sh.quarantined, sh.backoff_ms) {
+                (true, _) => "QUARANTINED".to_string(),
+                (false, Some(ms)) => format!("backoff {:.1}s", ms as f64 / 1e3),
+                (false, None) => "running".to_string(),
+            };
             println!(
-                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>7} {:>8} {:<11}",
+                "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>12} {:>7} {:>11} {:<11}",
                 server.server,
                 sh.shard,
                 sh.policy,
@@ -461,14 +635,24 @@ fn print_status(s: &ClusterStatus) {
                 format!("{} ({})", sh.stats.pushes_held, sh.held),
                 sh.stats.pulls_served,
                 sh.stats.pulls_deferred,
+                sh.parked,
                 sh.stats.swaps,
-                sh.stats.policy_failures,
-                if sh.quarantined { "YES" } else { "no" }
+                format!("{} ({})", sh.stats.policy_failures, sh.policy_failures_now),
+                state
             );
         }
     }
     for server in &s.servers {
         for sh in &server.shards {
+            if let Some(p) = sh.parked_longest {
+                println!(
+                    "shard {} parks worker {}'s pull for iteration {}: parked for {:.1} s (its worker waits)",
+                    sh.shard,
+                    p.worker,
+                    p.iteration,
+                    p.parked_ns as f64 / 1e9
+                );
+            }
             if let Some(h) = sh.held_longest {
                 println!(
                     "shard {} holds worker {}'s push for iteration {}: held for {:.1} s (its worker waits)",

@@ -307,6 +307,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         push_weight: a.train.push_weight(),
         seed: a.train.seed,
         peer_timeout: a.train.peer_timeout(),
+        no_progress: a.train.no_progress(),
         startup_timeout: Duration::from_secs(a.startup_timeout_s),
         max_workers: a.max_workers,
         ready_file: a.ready_file,

@@ -110,6 +110,9 @@ pub struct CoordinatorOptions {
     pub seed: u64,
     /// A silent peer is dropped after this long.
     pub peer_timeout: Duration,
+    /// How long every live worker may wait on a shard's policy before that is the rule's
+    /// failure (zero: never; see [`crate::shard::SupervisorConfig::no_progress_ns`]).
+    pub no_progress: Duration,
     /// How long workers wait for all servers to register.
     pub startup_timeout: Duration,
     /// Worker ids are `0..max_workers` ([`crate::net::proto::DEFAULT_MAX_WORKERS`] by default).
@@ -136,8 +139,9 @@ struct State {
     /// The decisions: server ids and leases, the shard map, failover, worker ids.
     machine: CoordinatorMachine,
     policy: PolicySource,
-    /// The policy before the last swap, for a rollback.
-    previous: Option<PolicySource>,
+    /// The policies that ran before, oldest first, each with whether it failed while it ran
+    /// (a rollback returns only to one that did not).
+    history: Vec<(PolicySource, bool)>,
     /// The hot swap under way: its module, which its `Prepare` commands carry.
     preparing: Option<Preparing>,
     /// Who waits for the hot swap under way to end.
@@ -165,6 +169,8 @@ struct Preparing {
     swap: u64,
     blob: PolicyBlob,
     wasm: Vec<u8>,
+    /// Whether the policy it replaces failed while it ran.
+    outgoing_failed: bool,
 }
 
 struct Coordinator {
@@ -242,7 +248,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                 m
             },
             policy: opts.policy.clone(),
-            previous: None,
+            history: Vec::new(),
             preparing: None,
             swap_waiter: None,
             score: None,
@@ -473,6 +479,7 @@ impl Coordinator {
             replicas: self.opts.replicas,
             max_workers: self.opts.max_workers,
             admission_key: st.admission_key,
+            no_progress_ms: self.opts.no_progress.as_millis() as u64,
         }
     }
 
@@ -662,7 +669,12 @@ impl Coordinator {
                 let preparing = st.preparing.take_if(|p| p.swap == swap);
                 if let (Some(p), SwapOutcome::Committed | SwapOutcome::Partial(_)) = (preparing, &outcome) {
                     let new = PolicySource::from_blob(&p.blob, p.wasm);
-                    st.previous = Some(std::mem::replace(&mut st.policy, new));
+                    let old = std::mem::replace(&mut st.policy, new);
+                    st.history.push((old, p.outgoing_failed));
+                    // Only the last few are kept: a rollback goes back one or two.
+                    if st.history.len() > 8 {
+                        st.history.remove(0);
+                    }
                 }
                 if let Some((_, waiter)) = st.swap_waiter.take_if(|w| w.0 == swap) {
                     let _ = waiter.send(outcome);
@@ -999,10 +1011,7 @@ impl Coordinator {
 
     async fn operate(self: Arc<Self>, req: CoordRequest, payload: Vec<u8>) -> CoordResponse {
         match req {
-            CoordRequest::Swap(blob) => match self.swap(blob, payload).await {
-                Ok((swap, shards)) => CoordResponse::Swapped { swap, shards },
-                Err(e) => CoordResponse::Error(e),
-            },
+            CoordRequest::Swap(blob) => self.swap(blob, payload).await,
             CoordRequest::Status => match self.status().await {
                 Ok(s) => CoordResponse::Status(s),
                 Err(e) => CoordResponse::Error(e),
@@ -1030,15 +1039,26 @@ impl Coordinator {
                 CoordResponse::Ok
             }
             CoordRequest::Rollback => {
-                let previous = self.lock().previous.clone();
-                let Some(previous) = previous else {
-                    return CoordResponse::Error("no swap to roll back".into());
+                let (target, tried) = {
+                    let st = self.lock();
+                    let current = st.policy.blob().sha256;
+                    let target = st
+                        .history
+                        .iter()
+                        .rev()
+                        .find(|(p, failed)| !failed && p.blob().sha256 != current)
+                        .map(|(p, _)| p.clone());
+                    (target, st.history.len())
                 };
-                tracing::warn!(policy = %previous.label, "rolling back to the policy before the last swap");
-                match self.swap(previous.blob(), previous.wasm).await {
-                    Ok((swap, shards)) => CoordResponse::Swapped { swap, shards },
-                    Err(e) => CoordResponse::Error(e),
-                }
+                let Some(previous) = target else {
+                    return CoordResponse::Error(match tried {
+                        0 => "no swap to roll back".into(),
+                        _ => "no earlier policy ran without failures: nothing to roll back to (swap one in)"
+                            .into(),
+                    });
+                };
+                tracing::warn!(policy = %previous.label, "rolling back to the last policy that ran without failures");
+                self.swap(previous.blob(), previous.wasm).await
             }
             CoordRequest::Leaving { .. }
             | CoordRequest::Ready { .. }
@@ -1047,7 +1067,37 @@ impl Coordinator {
         }
     }
 
-    async fn swap(&self, blob: PolicyBlob, wasm: Vec<u8>) -> Result<(u64, u32), String> {
+    /// A hot swap to `blob`'s module (`wasm`): [`CoordResponse::Swapped`] when every shard
+    /// switched, [`CoordResponse::SwappedPartly`] when the swap was committed but some shard
+    /// could not switch, an error when none did.
+    async fn swap(&self, blob: PolicyBlob, wasm: Vec<u8>) -> CoordResponse {
+        match self.swap_to(blob, wasm).await {
+            Ok(Ok((swap, shards))) => CoordResponse::Swapped { swap, shards },
+            Ok(Err((swap, failed))) => CoordResponse::SwappedPartly { swap, failed },
+            Err(e) => CoordResponse::Error(e),
+        }
+    }
+
+    /// Whether the policy running now has failed since it started on any shard (failures,
+    /// a backoff, a quarantine): such a policy is never rolled back to.
+    async fn current_failed(&self) -> bool {
+        let sha = self.lock().policy.blob().sha256;
+        let hex: String = sha.iter().map(|b| format!("{b:02x}")).collect();
+        match self.status().await {
+            Ok(s) => s.servers.iter().flat_map(|sv| &sv.shards).any(|sh| {
+                sh.sha256 == hex && (sh.quarantined || sh.backoff_ms.is_some() || sh.policy_failures_now > 0)
+            }),
+            // Unknown: assume the worst, so a rollback never returns to it.
+            Err(_) => true,
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    async fn swap_to(
+        &self,
+        blob: PolicyBlob,
+        wasm: Vec<u8>,
+    ) -> Result<Result<(u64, u32), (u64, String)>, String> {
         let _one_at_a_time = self.swap_lock.lock().await;
         let digest: [u8; 32] = Sha256::digest(&wasm).into();
         if digest != blob.sha256 {
@@ -1056,10 +1106,11 @@ impl Coordinator {
         crate::node::compile(&self.runtime, blob.label.clone(), wasm.clone())
             .await
             .map_err(|e| e.to_string())?;
+        let outgoing_failed = self.current_failed().await;
         let (swap, done) = {
             let mut st = self.lock();
             let swap = st.machine.begin_swap().map_err(|e| e.to_string())?;
-            st.preparing = Some(Preparing { swap, blob: blob.clone(), wasm });
+            st.preparing = Some(Preparing { swap, blob: blob.clone(), wasm, outgoing_failed });
             let (tx, rx) = tokio::sync::oneshot::channel();
             st.swap_waiter = Some((swap, tx));
             (swap, rx)
@@ -1080,19 +1131,22 @@ impl Coordinator {
         match outcome {
             SwapOutcome::Committed => {
                 tracing::info!(swap, policy = %blob.label, "swap done on every server");
-                Ok((swap, self.opts.shards))
+                Ok(Ok((swap, self.opts.shards)))
             }
             SwapOutcome::Refused(failed) => {
                 let failed = named(failed);
                 tracing::warn!(swap, "swap to {} refused: {failed}", blob.label);
                 Err(format!("no server switched: {failed}"))
             }
-            // Preparation succeeded everywhere, so only a shard's own refusal (its state), or a
-            // server's death meanwhile, gets here.
-            SwapOutcome::Partial(failed) => Err(format!(
-                "swap {swap} committed, but some shards kept their old policy: {}",
-                named(failed)
-            )),
+            // Every server prepared it, each primary took the hand-over on trial, and a shard
+            // that refuses it at the commit starts the module afresh: only a server that did not
+            // answer (dead or cut off, its shards failed over to backups that follow the
+            // record), or a module that cannot start at all, gets here.
+            SwapOutcome::Partial(failed) => {
+                let failed = named(failed);
+                tracing::error!(swap, policy = %blob.label, "swap committed, but not everywhere: {failed}");
+                Ok(Err((swap, failed)))
+            }
         }
     }
 

@@ -271,7 +271,7 @@ impl Coordinator {
             // commit was under way when the old coordinator died (the machine finishes it).
             if let Some(r) = rebuilt.newest.and_then(|x| reports.get(&x)) {
                 st.policy = PolicySource::from_blob(&r.holdings.policy, r.wasm.clone());
-                st.previous = None;
+                st.history.clear();
             }
             if st.restore.take().is_some() {
                 tracing::warn!(

@@ -17,6 +17,12 @@
 //! A failing case is shrunk: the same seed with fewer iterations, then fewer workers, as long as
 //! it still fails, and the events of the smallest are printed. A case is a pure function of the
 //! module, its configuration and the seed.
+//!
+//! Short cases find most broken rules; some need many events on one instance (a counter that
+//! overflows, a bug every few hundred events) or many hand-overs of its state. [`explore_long`]
+//! runs long cases: 2 to 8 workers, 100 to 400 iterations each (thousands of events), none
+//! leaving early, one half on a single instance throughout, the other handing its state to a
+//! fresh instance of itself every 20 to 100 events.
 
 use syncopate_policy_sdk::abi::{IterationReport, LeaveReason, RequestId, WorkerId};
 
@@ -48,6 +54,8 @@ pub struct Explored {
 pub struct Broken {
     /// Its seed.
     pub seed: u64,
+    /// Whether it is a long case ([`explore_long`]).
+    pub long: bool,
     /// Its workers and iterations, once shrunk.
     pub workers: u32,
     /// Iterations per worker.
@@ -62,8 +70,12 @@ impl std::fmt::Display for Broken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "case {} ({} workers, {} iterations each): {}",
-            self.seed, self.workers, self.iterations, self.why
+            "{} {} ({} workers, {} iterations each): {}",
+            if self.long { "long case" } else { "case" },
+            self.seed,
+            self.workers,
+            self.iterations,
+            self.why
         )?;
         // Runs of the same event (time passing while all wait) are shown once, counted.
         let mut runs: Vec<(usize, &str, usize)> = Vec::new();
@@ -87,6 +99,9 @@ impl std::fmt::Display for Broken {
     }
 }
 
+/// How many long cases `policy check` runs unless told (`--long-cases`).
+pub const DEFAULT_LONG_CASES: u32 = 4;
+
 /// Runs `cases` cases from seed `first` on; `Err` is the first broken one, shrunk.
 pub fn explore(
     module: &PolicyModule,
@@ -95,10 +110,32 @@ pub fn explore(
     first: u64,
     cases: u32,
 ) -> Result<Explored, Box<Broken>> {
+    run_cases(module, config, others, first, cases, false)
+}
+
+/// Runs `cases` long cases (module docs) from seed `first` on; `Err` is the first broken one,
+/// shrunk.
+pub fn explore_long(
+    module: &PolicyModule,
+    config: &[(String, String)],
+    first: u64,
+    cases: u32,
+) -> Result<Explored, Box<Broken>> {
+    run_cases(module, config, &[], first, cases, true)
+}
+
+fn run_cases(
+    module: &PolicyModule,
+    config: &[(String, String)],
+    others: &[PolicyModule],
+    first: u64,
+    cases: u32,
+    long: bool,
+) -> Result<Explored, Box<Broken>> {
     let mut out = Explored::default();
     for seed in first..first + u64::from(cases) {
-        let (workers, iterations) = draw(seed);
-        let case = Case { module, config, others, seed, workers, iterations };
+        let (workers, iterations, swaps) = if long { draw_long(seed) } else { draw(seed) };
+        let case = Case { module, config, others, seed, workers, iterations, swaps };
         match case.run() {
             Ok(ran) => {
                 out.cases += 1;
@@ -115,9 +152,30 @@ pub fn explore(
 }
 
 /// The size a seed draws.
-fn draw(seed: u64) -> (u32, u64) {
+fn draw(seed: u64) -> (u32, u64, Swaps) {
     let mut rng = Rng(seed ^ 0x5eed_c4ec_0000_0037);
-    (1 + rng.below(4) as u32, 1 + rng.below(12))
+    (1 + rng.below(4) as u32, 1 + rng.below(12), Swaps::Mixed)
+}
+
+/// The size of a long case, and its hand-overs.
+fn draw_long(seed: u64) -> (u32, u64, Swaps) {
+    let mut rng = Rng(seed ^ 0x10c4_c4ec_0000_0400);
+    let swaps = match seed % 2 {
+        0 => Swaps::None,
+        _ => Swaps::SelfEvery(20 + rng.below(81)),
+    };
+    (2 + rng.below(7) as u32, 100 + rng.below(301), swaps)
+}
+
+/// Which hot swaps a case makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Swaps {
+    /// Now and then, to a fresh instance of itself or out to another policy and back.
+    Mixed,
+    /// None: one instance throughout.
+    None,
+    /// To a fresh instance of itself every this many events.
+    SelfEvery(u64),
 }
 
 /// Fewer iterations, then fewer workers, while the case still breaks a rule.
@@ -125,9 +183,15 @@ fn shrink(mut case: Case<'_>, mut why: String, mut events: Vec<String>) -> Broke
     let mut smaller = true;
     while smaller {
         smaller = false;
-        for (workers, iterations) in
-            [(case.workers, case.iterations - 1), (case.workers - 1, case.iterations)]
-        {
+        for (workers, iterations) in [
+            (case.workers, case.iterations / 2),
+            (case.workers, case.iterations - 1),
+            (case.workers / 2, case.iterations),
+            (case.workers - 1, case.iterations),
+        ] {
+            if (workers, iterations) == (case.workers, case.iterations) {
+                continue;
+            }
             if workers == 0 || iterations == 0 {
                 continue;
             }
@@ -138,7 +202,8 @@ fn shrink(mut case: Case<'_>, mut why: String, mut events: Vec<String>) -> Broke
             }
         }
     }
-    Broken { seed: case.seed, workers: case.workers, iterations: case.iterations, why, events }
+    let long = case.swaps != Swaps::Mixed;
+    Broken { seed: case.seed, long, workers: case.workers, iterations: case.iterations, why, events }
 }
 
 /// splitmix64: the cases' own randomness.
@@ -167,6 +232,7 @@ struct Case<'a> {
     seed: u64,
     workers: u32,
     iterations: u64,
+    swaps: Swaps,
 }
 
 /// What a passing case did.
@@ -197,17 +263,24 @@ enum Step {
 
 #[derive(Default)]
 struct Sink {
-    served: Vec<RequestId>,
-    acked: Vec<(RequestId, WorkerId, u64)>,
+    served: std::collections::BTreeSet<RequestId>,
+    acked: std::collections::BTreeSet<RequestId>,
+    /// (worker, iteration) of every acknowledged push.
+    acked_iterations: std::collections::BTreeSet<(WorkerId, u64)>,
+    /// The first push acknowledged twice: its id, worker and iteration.
+    twice: Option<(RequestId, WorkerId, u64)>,
     failure: Option<String>,
 }
 
 impl ShardSink for Sink {
     fn pull_served(&mut self, r: PullReply<'_>) {
-        self.served.push(r.id);
+        self.served.insert(r.id);
     }
     fn push_acked(&mut self, id: RequestId, worker: WorkerId, iteration: u64) {
-        self.acked.push((id, worker, iteration));
+        self.acked.insert(id);
+        if !self.acked_iterations.insert((worker, iteration)) {
+            self.twice.get_or_insert((id, worker, iteration));
+        }
     }
 }
 
@@ -259,7 +332,7 @@ impl Case<'_> {
                         log.push(format!("  worker {w}'s pull for {} is served", next[w]));
                         step[w] = Step::Push;
                     }
-                    Step::Pushing(id) if sink.acked.iter().any(|a| a.0 == id) => {
+                    Step::Pushing(id) if sink.acked.contains(&id) => {
                         log.push(format!("  worker {w}'s push for {} is acknowledged", next[w]));
                         let report = IterationReport {
                             worker: w as WorkerId,
@@ -303,12 +376,17 @@ impl Case<'_> {
                 continue;
             }
             idle_ns = 0;
-            if roll < 18 {
+            let swap_now = match self.swaps {
+                Swaps::Mixed => roll < 18,
+                Swaps::None => false,
+                Swaps::SelfEvery(n) => events % n == 0,
+            };
+            if swap_now {
                 // A hot swap: out to another policy (then, at the next, back), or the policy's
                 // state to a fresh instance of itself (as a recovery does).
                 let raise = shard.levelling();
                 let out = match (away, self.others.is_empty()) {
-                    (false, false) if rng.below(2) == 0 => {
+                    (false, false) if self.swaps == Swaps::Mixed && rng.below(2) == 0 => {
                         Some(&self.others[rng.below(self.others.len() as u64) as usize])
                     }
                     _ => None,
@@ -345,7 +423,7 @@ impl Case<'_> {
                         shard.leave(id, LeaveReason::Finished, now, &mut sink).map_err(|e| e.to_string())?;
                     }
                 }
-                Step::Pull if roll < 21 && n > 1 => {
+                Step::Pull if roll < 21 && n > 1 && self.swaps == Swaps::Mixed => {
                     shard.leave(id, LeaveReason::Finished, now, &mut sink).map_err(|e| e.to_string())?;
                     step[w] = Step::Gone;
                     log.push(format!("worker {w} leaves before iteration {}", next[w]));
@@ -390,8 +468,7 @@ fn check(sink: &Sink, shard: &Shard) -> Result<(), String> {
     if let Some(f) = &sink.failure {
         return Err(format!("the policy failed: {f}"));
     }
-    let mut seen = std::collections::BTreeSet::new();
-    if let Some(twice) = sink.acked.iter().find(|a| !seen.insert((a.1, a.2))) {
+    if let Some(twice) = sink.twice {
         return Err(format!(
             "worker {}'s push for iteration {} was acknowledged twice (push #{}; {} steps so far)",
             twice.1,

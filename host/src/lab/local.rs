@@ -104,6 +104,7 @@ impl LocalOptions {
             ("--pull-codec", sc.codecs().1.to_string()),
             ("--seed", sc.seed.to_string()),
             ("--peer-timeout-ms", self.peer_timeout_ms.to_string()),
+            ("--no-progress-s", (sc.supervisor().no_progress_ns as f64 / 1e9).to_string()),
             ("--checkpoint-every-s", self.checkpoint_every_s.to_string()),
             ("--replicas", sc.replicas.to_string()),
             ("--max-workers", sc.workers.max(crate::net::proto::DEFAULT_MAX_WORKERS).to_string()),
@@ -406,6 +407,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     .map(std::sync::Arc::new);
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let worker_names: Vec<String> = workers.iter().map(|p| p.name.clone()).collect();
+    let worker_pids: Vec<u32> = workers.iter().map(Proc::pid).collect();
     for (w, p) in workers.into_iter().enumerate() {
         let mut child = p.child;
         let tx = done_tx.clone();
@@ -444,6 +446,15 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(kill_coordinator.unwrap_or(0.0))).into());
     tokio::pin!(kill_coordinator_at);
     let mut coordinator_restarts: Vec<f64> = Vec::new();
+    // When the run was to stop (its target or time limit reached): workers still running
+    // STOP_BACKSTOP later are killed.
+    let mut stop_due: Option<Instant> = None;
+    let backstop = tokio::time::sleep_until(t0.into());
+    tokio::pin!(backstop);
+    let mut killed_at_stop: Vec<u32> = Vec::new();
+    // The last time the coordinator answered a look: one silent for COORDINATOR_SILENT (frozen,
+    // or wedged) is killed, and started again as one that died.
+    let mut answered = Instant::now();
     while ended.len() < worker_names.len() {
         // Biased: a coordinator's death is seen before the next look at the cluster, which it
         // would never answer.
@@ -471,6 +482,24 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 eprintln!("[{t:>6.1} s] the coordinator {how}; starting it again at {addr} (log: logs/{name}.log)");
                 coordinator = Proc::spawn(&opts.exe, dir, &name, &restart_args(&coordinator_args, &addr), &token)?;
                 operator.reconnect();
+                answered = Instant::now();
+            }
+            () = &mut backstop, if stop_due.is_some() && killed_at_stop.is_empty() => {
+                let running: Vec<usize> =
+                    (0..worker_names.len()).filter(|w| !ended.iter().any(|(e, _)| e == w)).collect();
+                eprintln!(
+                    "[{:>6.1} s] the run was to stop {} s ago; killing the workers still running ({running:?}): \
+                     what they pushed and had acknowledged is kept",
+                    t0.elapsed().as_secs_f64(),
+                    STOP_BACKSTOP.as_secs()
+                );
+                for w in running {
+                    killed_at_stop.push(w as u32);
+                    // SAFETY: kill(2) on a child's pid, which it keeps until we reap it.
+                    unsafe {
+                        libc::kill(worker_pids[w] as libc::pid_t, libc::SIGKILL);
+                    }
+                }
             }
             () = &mut kill_at, if kill.is_some() && kill_armed => {
                 let k = kill.take().expect("guarded");
@@ -500,7 +529,24 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                     looked = tokio::time::timeout(WATCH_LIMIT, point) => looked,
                     _ = coordinator.child.wait() => continue,
                 };
-                let Ok(Ok((point, scored))) = looked else { continue };
+                let Ok(Ok((point, scored))) = looked else {
+                    if answered.elapsed() >= COORDINATOR_SILENT {
+                        eprintln!(
+                            "[{:>6.1} s] the coordinator has not answered for {} s; killing it to start it again",
+                            t0.elapsed().as_secs_f64(),
+                            answered.elapsed().as_secs()
+                        );
+                        if let Err(e) = coordinator.child.start_kill() {
+                            tracing::warn!("cannot kill the coordinator: {e}");
+                        }
+                    }
+                    if stop_due.is_none() && stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
+                        stop_due = Some(Instant::now());
+                        backstop.as_mut().reset((Instant::now() + STOP_BACKSTOP).into());
+                    }
+                    continue;
+                };
+                answered = Instant::now();
                 if let Some(k) = kill.filter(|_| !kill_armed && point.iterations > 0) {
                     kill_armed = true;
                     kill_at.as_mut().reset((Instant::now() + Duration::from_secs_f64(k.at_s)).into());
@@ -529,8 +575,16 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                     }
                 }
                 if !stop_sent && stop.should_stop(t0.elapsed().as_secs_f64(), time_to_target.is_some()) {
-                    stop_sent = true;
-                    operator.stop_training().await?;
+                    if stop_due.is_none() {
+                        stop_due = Some(Instant::now());
+                        backstop.as_mut().reset((Instant::now() + STOP_BACKSTOP).into());
+                    }
+                    // Asked again at the next look if the coordinator does not answer now.
+                    match tokio::time::timeout(WATCH_LIMIT, operator.stop_training()).await {
+                        Ok(Ok(())) => stop_sent = true,
+                        Ok(Err(e)) => tracing::warn!("could not ask the workers to stop: {e}"),
+                        Err(_) => tracing::warn!("could not ask the workers to stop: no answer within {WATCH_LIMIT:?}"),
+                    }
                 }
                 points.push(point);
             }
@@ -552,6 +606,11 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                     r.wait_ns as f64 / 1e9
                 );
                 reports.push(r);
+            }
+            _ if killed_at_stop.contains(&(w as u32)) => {
+                let how = format!("was killed {} s after the run was to stop", STOP_BACKSTOP.as_secs());
+                eprintln!("worker {w} {how}; last log lines:\n{}", log_tail(dir, &worker_names[w], 5));
+                failed.push((w as u32, how));
             }
             _ => {
                 let how = describe(status);
@@ -659,6 +718,16 @@ fn describe_point(p: &WatchPoint) -> String {
 
 /// The longest a reading of the cluster may take before the watcher skips it.
 const WATCH_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long after the run was to stop (its target or time limit reached) workers still running
+/// are killed: a stopped worker gives up what a policy keeps waiting within
+/// [`syncopate_engine::worker::STOP_GRACE_NS`] and leaves, so only a wedged one is still there.
+pub const STOP_BACKSTOP: Duration = Duration::from_secs(30);
+
+/// How long the coordinator may go without answering the watcher before the launcher kills it
+/// and starts it again (as it does one that died): a frozen coordinator stops the servers'
+/// leases, and with them training.
+pub const COORDINATOR_SILENT: Duration = Duration::from_secs(15);
 
 /// The arguments a coordinator that died is started again with: the first one's, listening on
 /// the address it had (`addr`), so that servers and workers find it, and never resuming from a

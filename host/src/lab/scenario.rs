@@ -156,6 +156,10 @@ pub struct Scenario {
     pub replicas: u32,
     /// A server killed during the run (needs `replicas = 1`): its backups take over.
     pub kill_server: Option<KillServer>,
+    /// Seconds every live worker may wait on a shard's policy before that is the rule's
+    /// failure, as `--no-progress-s` (default 30; 0: never).
+    #[serde(default)]
+    pub no_progress_s: Option<f64>,
     /// A user's training script that every worker runs instead of a built-in workload: its path,
     /// then its arguments (`["examples/torch/train.py", "--epochs", "2"]`). A `.py` file runs
     /// under Python (`SYNCOPATE_PYTHON`, or `python3`); anything else is run as it is. The
@@ -367,7 +371,21 @@ impl Scenario {
         if self.iterations.is_none() && self.time_limit_s.is_none() {
             return Err("give a budget, iterations or time_limit_s: a run must end".into());
         }
+        if self.no_progress_s.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
+            return Err("no_progress_s must be a number of seconds, 0 or more".into());
+        }
         Ok(())
+    }
+
+    /// How the shards supervise their policies: the defaults, with the scenario's no-progress
+    /// time.
+    pub fn supervisor(&self) -> crate::shard::SupervisorConfig {
+        let default = crate::shard::SupervisorConfig::default();
+        let no_progress_ns = match self.no_progress_s {
+            Some(s) => (s * 1e9) as u64,
+            None => default.no_progress_ns,
+        };
+        crate::shard::SupervisorConfig { no_progress_ns, ..default }
     }
 
     /// The servers' optimizer: all of [`Scenario::optimizer`], or its plain SGD when the

@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -131,6 +131,10 @@ pub struct ClusterSettings {
     /// The key the coordinator issues workers' [`Ticket`]s under. A coordinator draws it at
     /// start; one restarted while the servers ran on takes it back from them.
     pub admission_key: AdmissionKey,
+    /// How long every live worker may wait on a shard's policy before that is the rule's
+    /// failure, in milliseconds; 0: never ([`crate::shard::SupervisorConfig::no_progress_ns`];
+    /// protocol 13).
+    pub no_progress_ms: u64,
 }
 
 /// The key of worker [`Ticket`]s (never printed).
@@ -383,6 +387,15 @@ pub enum CoordResponse {
     Renewed {
         /// Per shard, its term.
         terms: Vec<u64>,
+    },
+    /// The swap was committed, but some shards could not switch, with why (protocol 13): a
+    /// server that did not answer the commit (dead, or cut off: its shards are failed over),
+    /// or a shard on which the module could not even start.
+    SwappedPartly {
+        /// The swap's sequence number.
+        swap: u64,
+        /// What did not switch, and why.
+        failed: String,
     },
 }
 
@@ -674,6 +687,28 @@ pub struct ShardStatus {
     /// that push's worker.
     #[serde(default)]
     pub held_longest: Option<HeldPush>,
+    /// The pull its policy has parked longest, if it parks one (protocol 13).
+    #[serde(default)]
+    pub parked_longest: Option<ParkedPull>,
+    /// Failures of the policy running now since it started on this shard (its swap): what a
+    /// swap's watcher judges it by; `stats.policy_failures` counts every policy's (protocol 13).
+    #[serde(default)]
+    pub policy_failures_now: u64,
+    /// A crash loop keeps the policy out (the fallback rules run) for this many more
+    /// milliseconds, then it restarts (protocol 13).
+    #[serde(default)]
+    pub backoff_ms: Option<u64>,
+}
+
+/// A pull a policy parks, and for how long so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkedPull {
+    /// Its worker.
+    pub worker: WorkerId,
+    /// The iteration it is for (as the shard numbers the worker's).
+    pub iteration: u64,
+    /// How long it has been parked, in nanoseconds.
+    pub parked_ns: u64,
 }
 
 /// A push a policy holds, and for how long so far.
@@ -720,6 +755,9 @@ impl ShardStatus {
             last_failure: shard.last_failure().map(str::to_owned),
             replication: None,
             held_longest: None,
+            parked_longest: None,
+            policy_failures_now: shard.module_failures(),
+            backoff_ms: None,
         }
     }
 }

@@ -644,7 +644,10 @@ fn shard_config(settings: &ClusterSettings, shard: u32) -> ShardConfig {
         optimizer: settings.optimizer,
         local_sgd: settings.local_sgd,
         pull_codec: settings.pull_codec,
-        supervisor: SupervisorConfig::default(),
+        supervisor: SupervisorConfig {
+            no_progress_ns: settings.no_progress_ms.saturating_mul(1_000_000),
+            ..SupervisorConfig::default()
+        },
         push_weight: settings.push_weight,
         max_workers: settings.max_workers,
     }
@@ -778,6 +781,29 @@ async fn prepare(
     Ok(module)
 }
 
+/// Whether every primary here would take `module` in a swap now (each tries the hand-over of its
+/// policy's state and throws it away: [`crate::shard::ShardNode::check_swap`]), so that a module
+/// that refuses to take over is refused before any shard switches.
+async fn check_swap(shared: &Shared, module: &PolicyModule, policy: &PolicyBlob) -> Result<(), String> {
+    let mut refused = Vec::new();
+    for (shard, tx) in shared.primaries() {
+        let (reply, rx) = oneshot::channel();
+        let config = policy.config_for(shard);
+        let cmd = ShardCmd::CheckSwap { module: module.clone(), config, reply };
+        let checked = match tx.send(cmd).await {
+            Ok(()) => rx.await.unwrap_or(Err(RequestError::Stopped(shard))),
+            Err(_) => Err(RequestError::Stopped(shard)),
+        };
+        if let Err(e) = checked {
+            refused.push(format!("shard {shard}: {e}"));
+        }
+    }
+    match refused.is_empty() {
+        true => Ok(()),
+        false => Err(refused.join("; ")),
+    }
+}
+
 async fn coordinator_loop(conn: quinn::Connection, shared: Arc<Shared>) {
     let limits = Limits { max_header: 1 << 20, max_payload: 64 << 20 };
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
@@ -809,7 +835,12 @@ async fn coordinator_loop(conn: quinn::Connection, shared: Arc<Shared>) {
 async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u8>) -> ServerReply {
     match cmd {
         ServerCommand::Prepare { swap, policy } => {
-            match prepare(&shared.runtime, &policy, &payload, &shared.settings, shared.id).await {
+            let prepared =
+                match prepare(&shared.runtime, &policy, &payload, &shared.settings, shared.id).await {
+                    Ok(module) => check_swap(shared, &module, &policy).await.map(|()| module),
+                    Err(e) => Err(e),
+                };
+            match prepared {
                 Ok(module) => {
                     tracing::info!(swap, policy = module.display_name(), "swap prepared");
                     // Backups here find it by its hash: a primary elsewhere may commit, and

@@ -90,6 +90,12 @@ pub(crate) enum ShardCmd {
         raise: Vec<ClockRaise>,
         reply: Reply<()>,
     },
+    /// Whether the shard would take this module in a swap now ([`ShardNode::check_swap`]).
+    CheckSwap {
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        reply: Reply<()>,
+    },
     Status {
         reply: oneshot::Sender<Option<ShardStatus>>,
     },
@@ -319,33 +325,61 @@ impl Plumbing {
     }
 }
 
-/// How often a shard task looks for a push its policy has held too long.
+/// How often a shard task looks for a push its policy has held, or a pull it has parked, too
+/// long.
 const HELD_CHECK: Duration = Duration::from_secs(5);
 
-/// How long a policy may hold a push before the server reports it (a minute: a synchronous
-/// rule holds a push for a straggler's iteration, never for this long on a healthy cluster).
+/// How long a policy may hold a push or park a pull before the server reports it (a minute: a
+/// synchronous rule keeps a worker waiting for a straggler's iteration, never for this long on
+/// a healthy cluster). While some workers still make progress the no-progress rule does not
+/// act (it needs every live worker waiting), so a rule that keeps one worker waiting for ever
+/// is reported here.
 const HELD_TOO_LONG_NS: u64 = 60_000_000_000;
 
-/// Reports, once per push, the push the node's policy has held longest if it has held it for
-/// more than [`HELD_TOO_LONG_NS`]: its worker waits, and a rule that never admits it hangs the
-/// run silently otherwise.
-fn report_held(node: &ShardNode, now: u64, reported: &mut Option<(WorkerId, u64)>) {
-    let Some(shard) = node.shard() else { return };
-    let Some((worker, iteration, since)) = shard.oldest_held() else { return };
-    let held_ns = now.saturating_sub(since);
-    if held_ns < HELD_TOO_LONG_NS || *reported == Some((worker, iteration)) {
-        return;
+/// The requests already reported by [`report_waiting`]: the push and the pull, each by worker
+/// and iteration.
+#[derive(Default)]
+struct Reported {
+    push: Option<(WorkerId, u64)>,
+    pull: Option<(WorkerId, u64)>,
+}
+
+/// Reports, once per request, the push the node's policy has held longest and the pull it has
+/// parked longest, if either has waited more than [`HELD_TOO_LONG_NS`]: its worker waits, and a
+/// rule that never decides it hangs that worker silently otherwise.
+fn report_waiting(node: &ShardNode, now: u64, reported: &mut Reported) {
+    let Some(shard) = node.shard().filter(|_| !node.is_backup()) else { return };
+    let policy = shard.policy().display_name();
+    if let Some((worker, iteration, since)) = shard.oldest_held() {
+        let held_ns = now.saturating_sub(since);
+        if held_ns >= HELD_TOO_LONG_NS && reported.push != Some((worker, iteration)) {
+            reported.push = Some((worker, iteration));
+            tracing::warn!(
+                shard = node.id(),
+                policy,
+                worker,
+                iteration,
+                held_s = held_ns / 1_000_000_000,
+                "the policy has held this push for over a minute; its worker waits for the acknowledgement \
+                 (a rule that never admits a push hangs its worker: `syncopate policy check` finds such rules)"
+            );
+        }
     }
-    *reported = Some((worker, iteration));
-    tracing::warn!(
-        shard = node.id(),
-        policy = shard.policy().display_name(),
-        worker,
-        iteration,
-        held_s = held_ns / 1_000_000_000,
-        "the policy has held this push for over a minute; its worker waits for the acknowledgement \
-         (a rule that never admits a push hangs the run: `syncopate policy check` finds such rules)"
-    );
+    if let Some((worker, iteration, since)) = shard.oldest_parked() {
+        let parked_ns = now.saturating_sub(since);
+        if parked_ns >= HELD_TOO_LONG_NS && reported.pull != Some((worker, iteration)) {
+            reported.pull = Some((worker, iteration));
+            tracing::warn!(
+                shard = node.id(),
+                policy,
+                worker,
+                iteration,
+                parked_s = parked_ns / 1_000_000_000,
+                "the policy has parked this pull for over a minute; its worker waits for the parameters \
+                 (a rule that never releases a pull hangs its worker: `syncopate policy check` finds such rules)"
+            );
+        }
+    }
 }
 
 fn send<T>(tx: Reply<T>, r: Result<T, crate::shard::RequestError>) {
@@ -421,7 +455,7 @@ impl ShardTask {
         // Every few seconds: a push the policy has held too long is reported, by name.
         let mut held_check = tokio::time::interval(HELD_CHECK);
         held_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut reported = None;
+        let mut reported = Reported::default();
         loop {
             let timer = p.node.poll_timeout().map(|at| Duration::from_nanos(at.saturating_sub(self.now())));
             // Biased: a timer that is due fires before requests that arrive after it.
@@ -433,7 +467,7 @@ impl ShardTask {
                     continue;
                 }
                 _ = held_check.tick() => {
-                    report_held(&p.node, self.now(), &mut reported);
+                    report_waiting(&p.node, self.now(), &mut reported);
                     continue;
                 }
                 cmd = rx.recv() => cmd,
@@ -499,6 +533,10 @@ impl ShardTask {
                 let token = p.wait(Waiter::Done(reply));
                 p.node.swap(now, token, module, config, raise, &mut p.obs);
             }
+            ShardCmd::CheckSwap { module, config, reply } => {
+                let checked = p.node.check_swap(now, &module, &config);
+                send(reply, checked.map_err(|e| crate::shard::RequestError::Swap(e.to_string())));
+            }
             ShardCmd::Status { reply } => {
                 let (applied, confirmed) = p.node.replication();
                 let replicated = p.node.is_backup() || p.node.is_replicating();
@@ -511,9 +549,24 @@ impl ShardTask {
                     p.node.shard().and_then(|s| s.oldest_held()).map(|(worker, iteration, since)| {
                         crate::net::proto::HeldPush { worker, iteration, held_ns: now.saturating_sub(since) }
                     });
+                let parked_longest =
+                    p.node.shard().and_then(|s| s.oldest_parked()).map(|(worker, iteration, since)| {
+                        crate::net::proto::ParkedPull {
+                            worker,
+                            iteration,
+                            parked_ns: now.saturating_sub(since),
+                        }
+                    });
+                let backoff_ms = p
+                    .node
+                    .shard()
+                    .and_then(|s| s.backoff_until())
+                    .map(|until| until.saturating_sub(now) / 1_000_000);
                 let _ = reply.send(p.node.shard().map(|s| ShardStatus {
                     replication,
                     held_longest,
+                    parked_longest,
+                    backoff_ms,
                     ..ShardStatus::of(id, s)
                 }));
             }

@@ -106,7 +106,7 @@ pub struct WorkerClient {
     /// Per shard: the codec pushes go in, and what the codecs left out of earlier pushes.
     encoder: std::sync::Mutex<PushEncoder>,
     controls: mpsc::UnboundedReceiver<ControlMessage>,
-    stop: Arc<AtomicBool>,
+    stop: watch::Sender<bool>,
     limits: Limits,
     /// Gradient buffers handed back by QUIC once sent ([`WorkerClient::push_buffer`]).
     pool: TensorPool,
@@ -243,7 +243,7 @@ impl WorkerClient {
         }
         let known_servers = conns.len();
         let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = watch::Sender::new(false);
         let route = Arc::new(Route {
             servers: shards.iter().map(|p| p.server.into()).collect(),
             moved: watch::channel(0).0,
@@ -371,7 +371,14 @@ impl WorkerClient {
 
     /// Whether the coordinator asked the workers to stop (target reached, budget spent).
     pub fn stop_requested(&self) -> bool {
-        self.stop.load(Ordering::Relaxed)
+        *self.stop.borrow()
+    }
+
+    /// Resolves once the coordinator has asked the workers to stop: a driver waiting on a
+    /// request that a policy keeps waiting wakes to give it up.
+    pub async fn stopped(&self) {
+        let mut rx = self.stop.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     /// QUIC statistics of each server connection (path MTU, round-trip time, lost packets,
@@ -1163,7 +1170,7 @@ struct Follow {
     rejoin: Rejoin,
     /// Set once the worker leaves.
     leaving: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
+    stop: watch::Sender<bool>,
     route: Arc<Route>,
 }
 
@@ -1280,13 +1287,13 @@ async fn attempt_rejoin(r: &Rejoin, hello: &Hello) -> Result<(quinn::Connection,
     }
 }
 
-async fn read_notices(conn: &quinn::Connection, stop: &AtomicBool, route: &Route) {
+async fn read_notices(conn: &quinn::Connection, stop: &watch::Sender<bool>, route: &Route) {
     let limits = Limits { max_header: 4096, max_payload: 0 };
     while let Ok(mut recv) = conn.accept_uni().await {
         match wire::read_message::<WorkerNotice>(&mut recv, &limits).await {
             Ok((WorkerNotice::Stop, _)) => {
                 tracing::info!("the coordinator asked us to stop");
-                stop.store(true, Ordering::Relaxed);
+                stop.send_replace(true);
             }
             Ok((WorkerNotice::Moved { shard, server }, _)) => match route.servers.get(shard as usize) {
                 Some(s) if (server as usize) < route.known_servers => {

@@ -239,6 +239,11 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                 }
             },
             Some(msg) = controls.recv() => m.handle(clock.now(), Input::Control(msg))?,
+            // A stop wakes the loop: a request a policy keeps waiting is given up.
+            () = client_ref.stopped(), if !stop_seen => {
+                stop_seen = true;
+                m.handle(clock.now(), Input::Stop)?;
+            }
             () = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
                 m.handle(clock.now(), Input::Timer)?;
             }

@@ -776,6 +776,11 @@ impl Driver {
                         seen.push(msg.clone());
                         m.handle(clock.now(), Input::Control(msg))?;
                     }
+                    // A stop wakes the loop: a request a policy keeps waiting is given up.
+                    () = client.stopped(), if !*stop_seen => {
+                        *stop_seen = true;
+                        m.handle(clock.now(), Input::Stop)?;
+                    }
                     () = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {
                         m.handle(clock.now(), Input::Timer)?;
                     }

@@ -755,6 +755,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             pull_codec: sc.codecs().1,
             push_weight: sc.push_weight.unwrap_or_default(),
             max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
+            supervisor: sc.supervisor(),
             ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
