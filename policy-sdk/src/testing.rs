@@ -55,8 +55,12 @@ pub enum Recorded {
 }
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
-/// shard's clocks, parks deferred pulls and releases them when their condition holds, and holds
-/// pushes until the policy admits them. Every decision is checked against the same rules the
+/// shard's clocks and its version (the optimizer steps: an admitted push on arrival, a round's
+/// or a group's aggregate), so pushes carry their staleness and pulls the version they see as on
+/// a cluster; it parks deferred pulls and releases them when their condition holds, and holds
+/// pushes until the policy admits them. A worker that leaves while its push is held is handled
+/// as the host does: the policy hears [`Event::WorkerLeft`] with the push still held and may
+/// admit or drop it; if it does neither, the push is applied (its gradient is valid). Every decision is checked against the same rules the
 /// host's shards enforce ([`crate::rules`]): a decision that breaks one is an `Err` here, as it
 /// is a policy failure on a cluster.
 ///
@@ -77,7 +81,11 @@ pub struct Driver<P> {
     released: VecDeque<RequestId>,
     mode: Option<UpdateMode>,
     config: Vec<(String, String)>,
+    /// The modelled parameters and optimizer: none (zero parameters) until
+    /// [`Driver::with_optimizer`], which still counts the steps.
     model: Option<Model>,
+    /// The worker whose departure the policy is hearing of.
+    leaving: Option<WorkerId>,
     /// The gradient of the push being decided.
     incoming: Vec<f32>,
     /// Per worker: the version (steps) its last served pull saw, for its pushes' staleness.
@@ -122,7 +130,14 @@ impl<P: Policy> Driver<P> {
             released: VecDeque::new(),
             mode: None,
             config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
-            model: None,
+            model: Some(Model {
+                optimizer: Optimizer::new(OptimizerConfig::default(), 0),
+                params: Vec::new(),
+                steps: 0,
+                rounds: BTreeMap::new(),
+                groups: BTreeMap::new(),
+            }),
+            leaving: None,
             incoming: Vec::new(),
         };
         d.apply(rest, None)?;
@@ -152,7 +167,7 @@ impl<P: Policy> Driver<P> {
         self.model.as_ref().map_or(&[], |m| &m.params)
     }
 
-    /// Optimizer steps taken on the modelled parameters.
+    /// Optimizer steps taken (the shard's version), on the modelled parameters if any.
     pub fn steps(&self) -> u64 {
         self.model.as_ref().map_or(0, |m| m.steps)
     }
@@ -182,6 +197,7 @@ impl<P: Policy> Driver<P> {
             mode: self.mode,
             config: config.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
             model: self.model,
+            leaving: None,
             incoming: Vec::new(),
         };
         d.complete_rounds();
@@ -288,15 +304,29 @@ impl<P: Policy> Driver<P> {
         self.send(view, Event::WorkerJoined { worker, clock }, None).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// A worker leaves.
+    /// A worker leaves, as on a cluster: the policy hears it with the worker's held pushes still
+    /// held and may admit or drop them; those it leaves held are applied (the host's default:
+    /// their gradients are valid); its parked pulls are dropped, and the rounds and pulls it
+    /// held up go on. Panics if the policy breaks a rule (use [`Driver::try_leave`] to see it).
     pub fn leave(&mut self, worker: WorkerId, reason: LeaveReason) {
+        self.try_leave(worker, reason).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// [`Driver::leave`], returning the policy's broken rule instead of panicking.
+    pub fn try_leave(&mut self, worker: WorkerId, reason: LeaveReason) -> Result<(), String> {
         let view = self.clocks.view();
-        self.clocks.leave(worker);
+        self.leaving = Some(worker);
+        let heard = self.send(view, Event::WorkerLeft { worker, reason }, None);
+        self.leaving = None;
+        while let Some(pos) = self.held.iter().position(|h| h.1 == worker) {
+            let (_, _, grad) = self.held.remove(pos);
+            self.admitted(worker, None, grad);
+        }
         self.parked.retain(|p| p.1 != worker);
-        self.held.retain(|h| h.1 != worker);
+        self.clocks.leave(worker);
         self.complete_rounds();
-        self.send(view, Event::WorkerLeft { worker, reason }, None).unwrap_or_else(|e| panic!("{e}"));
         self.release_ready();
+        heard.map(|_| ())
     }
 
     /// `worker` pushes its next iteration. Returns the verdict.
@@ -642,7 +672,7 @@ impl<P: Policy> Driver<P> {
 
 impl<P> DecisionState for Driver<P> {
     fn is_live(&self, worker: WorkerId) -> bool {
-        self.clocks.is_live(worker)
+        self.clocks.is_live(worker) && self.leaving != Some(worker)
     }
     fn is_parked(&self, pull: RequestId) -> bool {
         self.parked.iter().any(|p| p.0 == pull)
@@ -677,4 +707,110 @@ fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) {
     // SAFETY: `buffer` returned a pointer to at least `bytes.len()` initialised bytes owned by
     // `guest`, which nothing else borrows here.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{ParamKind, ParamSpec, PolicyInfo};
+    use crate::{Ctx, Init};
+
+    /// Admits every push on arrival and serves every pull; records the staleness it is shown.
+    struct Records {
+        staleness: Vec<u64>,
+    }
+
+    impl Policy for Records {
+        const INFO: PolicyInfo = PolicyInfo::new("records", "0", "test", &[]);
+        fn new(_init: &Init) -> Result<Self, String> {
+            Ok(Records { staleness: Vec::new() })
+        }
+        fn on_pull(&mut self, _ctx: &mut Ctx<'_>, _pull: &Pull) -> PullVerdict {
+            PullVerdict::Serve
+        }
+        fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
+            self.staleness.push(push.staleness);
+            ctx.metric("staleness", push.staleness as f64);
+            PushVerdict::Admit
+        }
+    }
+
+    /// Holds every push; on a worker's departure drops its held push if `drop` is set, else
+    /// leaves it to the host.
+    struct Holds {
+        drop: bool,
+        held: Vec<(WorkerId, RequestId)>,
+    }
+
+    impl Policy for Holds {
+        const INFO: PolicyInfo = PolicyInfo::new(
+            "holds",
+            "0",
+            "test",
+            &[ParamSpec::new("drop", ParamKind::Bool, "false", "drop a leaver's held push")],
+        );
+        fn new(init: &Init) -> Result<Self, String> {
+            Ok(Holds { drop: init.config.get("drop")?, held: Vec::new() })
+        }
+        fn on_pull(&mut self, _ctx: &mut Ctx<'_>, _pull: &Pull) -> PullVerdict {
+            PullVerdict::Serve
+        }
+        fn on_push(&mut self, _ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
+            self.held.push((push.worker, push.id));
+            PushVerdict::Hold
+        }
+        fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
+            for (w, id) in core::mem::take(&mut self.held) {
+                match w == worker && self.drop {
+                    true => ctx.drop_push(id),
+                    false => self.held.push((w, id)),
+                }
+            }
+            self.held.retain(|h| h.0 != worker);
+        }
+    }
+
+    /// Issue 50: the Driver counted no steps without `with_optimizer`, so every push showed
+    /// staleness 0 and a staleness test passed without testing anything. It counts the steps a
+    /// shard would, as a shard does.
+    #[test]
+    fn pushes_carry_their_staleness_without_an_optimizer() {
+        let mut d = Driver::<Records>::new(&[]).unwrap();
+        d.join(0);
+        d.join(1);
+        d.pull(0).unwrap();
+        d.pull(1).unwrap();
+        d.push(0).unwrap();
+        d.push(0).unwrap();
+        // Worker 1 pulled before worker 0's two steps.
+        d.push(1).unwrap();
+        assert_eq!(d.steps(), 3);
+        let shown: Vec<f64> = d
+            .log
+            .iter()
+            .filter_map(|r| match r {
+                Recorded::Metric(n, v) if n == "staleness" => Some(*v),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(shown, [0.0, 1.0, 2.0]);
+    }
+
+    /// Issue 50: a worker that leaves while its push is held. The policy hears it with the push
+    /// still held and decides; what it leaves held is applied, as a shard does.
+    #[test]
+    fn a_leavers_held_push_is_the_policys_to_drop_and_else_applied() {
+        let sgd = OptimizerConfig { lr: 1.0, momentum: 0.0, weight_decay: 0.0, nesterov: false };
+        for (drop, applied) in [("false", -1.0), ("true", 0.0)] {
+            let mut d = Driver::<Holds>::new(&[("drop", drop)]).unwrap().with_optimizer(sgd, vec![0.0]);
+            d.join(0);
+            d.join(1);
+            assert_eq!(d.push_gradient(0, 0, &[2.0]).unwrap(), PushVerdict::Hold);
+            d.leave(0, LeaveReason::TimedOut);
+            assert_eq!(d.params(), &[applied], "drop={drop}");
+            assert_eq!(d.clock(0), None);
+            let dropped = d.log.iter().any(|r| matches!(r, Recorded::Dropped(_)));
+            assert_eq!(dropped, drop == "true");
+        }
+    }
 }

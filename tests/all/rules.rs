@@ -29,11 +29,17 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
         let params = vec![0.5f32, -1.0];
         let mut driver =
             Driver::<FirstK>::new(&[("k", k)]).unwrap().with_optimizer(optimizer, params.clone());
-        let cfg = ShardConfig { optimizer, push_weight: PushWeight::Sum, ..ShardConfig::default() };
+        // Issue 50: without an optimizer the driver still counts the shard's steps (its version,
+        // from which pushes' staleness comes).
+        let mut plain = Driver::<FirstK>::new(&[("k", k)]).unwrap();
+        // Pushes the policy does not weigh (a leaver's it leaves held) count 1 / live workers, as
+        // in the driver.
+        let cfg = ShardConfig { optimizer, push_weight: PushWeight::Mean, ..ShardConfig::default() };
         let mut rec = Recorder::default();
         let mut shard = Shard::new(cfg, params, &module, &config(&[("k", k)]), &mut rec).unwrap();
         for w in 0..WORKERS {
             driver.join(w);
+            plain.join(w);
             shard.join(w, 0, &mut rec).unwrap();
         }
         // A worker whose push is not yet acknowledged waits: it pushes again only once it is.
@@ -49,6 +55,7 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
             let grad = vec![(w + 1) as f32, step as f32 * 0.25];
             let iteration = next[w as usize];
             driver.push_gradient(w, iteration, &grad).unwrap();
+            plain.push_iteration(w, iteration).unwrap();
             let req = PushRequest {
                 worker: w,
                 iteration,
@@ -60,6 +67,7 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
             };
             shard.push(req, step, &mut rec).unwrap();
             next[w as usize] += 1;
+            assert_eq!(plain.steps(), shard.version(), "seed {seed}, k {k}, step {step}: the version");
             for v in 0..WORKERS {
                 let acked = rec.acked.iter().filter(|a| a.1 == v).count() as u64;
                 assert_eq!(
@@ -69,9 +77,39 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
                 );
             }
         }
+        // Issue 50: a worker whose push is held (k > 1) leaves; the policy hears it with the push
+        // still held, and both apply what it leaves held.
+        if k != "1" {
+            let held = (0..WORKERS).find(|&w| shard.is_push_held(w, next[w as usize] - 1));
+            let w = held.unwrap_or_else(|| {
+                // The last group closed: one more push opens the next, and is held.
+                let w = (0..WORKERS)
+                    .find(|&w| rec.acked.iter().filter(|a| a.1 == w).count() as u64 == next[w as usize])
+                    .expect("every push acknowledged");
+                let (iteration, grad) = (next[w as usize], vec![1.0, 2.0]);
+                driver.push_gradient(w, iteration, &grad).unwrap();
+                let req = PushRequest {
+                    worker: w,
+                    iteration,
+                    samples: 1,
+                    grad,
+                    based_on: None,
+                    tasks: None,
+                    local_steps: 0,
+                };
+                shard.push(req, 150, &mut rec).unwrap();
+                next[w as usize] += 1;
+                w
+            });
+            assert!(shard.is_push_held(w, next[w as usize] - 1), "seed {seed}, k {k}");
+            driver.leave(w, syncopate_policy_sdk::abi::LeaveReason::TimedOut);
+            shard.leave(w, syncopate_policy_sdk::abi::LeaveReason::TimedOut, 200, &mut rec).unwrap();
+            assert!(!shard.is_push_held(w, next[w as usize] - 1));
+        }
         assert!(rec.errors.is_empty(), "{:?}", rec.errors);
         let bits = |p: &[f32]| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(driver.params()), bits(shard.values()), "seed {seed}, k {k}");
+        assert_eq!(driver.steps(), shard.version(), "seed {seed}, k {k}");
         assert!(driver.steps() > 0);
     }
 }

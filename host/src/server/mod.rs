@@ -1376,6 +1376,7 @@ mod tests {
             replicas: 1,
             max_workers: 8,
             admission_key: AdmissionKey([key; 32]),
+            no_progress_ms: 30_000,
         }
     }
 

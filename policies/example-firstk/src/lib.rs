@@ -94,7 +94,8 @@ impl Policy for FirstK {
 
     fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
         self.live.retain(|w| *w != worker);
-        // The host drops what the policy held for a worker that left.
+        // The worker's push it still holds is decided here, as the host lets a policy: this one
+        // leaves it to the host, which applies it (its gradient is valid) once this returns.
         self.group.retain(|g| g.0 != worker);
         if !self.group.is_empty() && !self.can_fill() {
             self.admit_group(ctx);
