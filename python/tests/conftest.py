@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from syncopate.cluster import Cluster, clean_env
 __all__ = [
     "ROOT",
     "Cluster",
+    "Lines",
     "Procs",
     "binary",
     "clean_env",
@@ -156,6 +159,60 @@ class Procs:
             for f in (p.stdout, p.stderr):
                 if f is not None:
                     f.close()
+
+
+class Lines:
+    """A process's output read line by line, every read with a time limit: a test that waits for
+    a line fails when none comes instead of hanging (a plain ``readline`` blocks for ever if the
+    process hangs without writing or exiting). A thread reads the pipe into a queue; nothing
+    else may read ``p.stdout`` once this does."""
+
+    def __init__(self, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None, "the process's output must be a pipe"
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        out = p.stdout
+
+        def pump() -> None:
+            for line in out:
+                self.queue.put(line)
+            self.queue.put(None)
+
+        self.thread = threading.Thread(target=pump, daemon=True)
+        self.thread.start()
+
+    def line(self, within: float = 60) -> str:
+        """The next line, stripped; fails if none comes within ``within`` seconds (a liveness
+        limit) or the output ends."""
+        try:
+            line = self.queue.get(timeout=within)
+        except queue.Empty:
+            raise AssertionError(f"no line within {within} s; so far: {self.seen}") from None
+        assert line is not None, f"the output ended; it was: {self.seen}"
+        self.seen.append(line)
+        return line.strip()
+
+    def until(self, wanted: str, within: float = 60) -> list[str]:
+        """Reads lines until one is ``wanted`` (stripped); all of them, that one last."""
+        deadline = time.monotonic() + within
+        lines = []
+        while True:
+            lines.append(self.line(max(0.0, deadline - time.monotonic())))
+            if lines[-1] == wanted:
+                return lines
+
+    def rest(self, within: float = 60) -> str:
+        """Everything until the output ends (the process exited), within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        rest = []
+        while True:
+            try:
+                line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the output did not end within {within} s") from None
+            if line is None:
+                return "".join(rest)
+            rest.append(line)
 
 
 @pytest.fixture

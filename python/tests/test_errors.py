@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import syncopate
-from conftest import Cluster, ClusterFactory, Procs
+from conftest import Cluster, ClusterFactory, Lines, Procs
 
 
 def test_missing_settings_raise_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,16 +110,16 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
         procs.start([sys.executable, "-c", keep], env=c.env)
     stdin = subprocess.PIPE if call == "push" else subprocess.DEVNULL
     p = procs.start([sys.executable, script, call], env=c.env | {"SYNCOPATE_ID": "0"}, stdin=stdin)
-    assert p.stdout is not None
+    out = Lines(p)
     if call == "push":
         # Its server stopped before the push leaves, so no answer can come (one sent before
         # the stop once returned the call, and the signal landed after it).
-        assert p.stdout.readline().strip() == "ready"
+        assert out.line() == "ready"
         c.servers[0].send_signal(signal.SIGSTOP)
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
-    assert p.stdout.readline().strip() == f"calling {call}"
+    assert out.line() == f"calling {call}"
     if call == "join":
         # Registered with the coordinator: inside the join, at the start barrier.
         wait_for("join", lambda: bool(syncopate.status(c.cluster_file)["workers"]), p, 60)
@@ -133,14 +133,14 @@ def test_ctrl_c_interrupts_a_blocked_call_and_leaves(
     method = {"join": "__init__", "push": "_push_staged"}.get(call, call)
     try:
         p.send_signal(signal.SIGINT)
-        assert p.stdout.readline().strip() == f"interrupted in {method}"
+        assert out.line() == f"interrupted in {method}"
     finally:
         if call == "push":
             c.servers[0].send_signal(signal.SIGCONT)
     p.wait(timeout=60)
-    out = p.stdout.read()
-    assert p.returncode == 3, out
-    assert out.split() == ["left"]
+    rest = out.rest()
+    assert p.returncode == 3, rest
+    assert rest.split() == ["left"]
 
 
 def test_leave_cancels_a_background_pull(cluster: ClusterFactory, procs: Procs) -> None:

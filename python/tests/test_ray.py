@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster as RayCluster
 
 import syncopate
 import syncopate.ray as sray
-from conftest import ROOT, Procs, binary
+from conftest import ROOT, Lines, Procs, binary
 
 DIM = 16
 LOOPBACK = "127.0.0.1"
@@ -282,17 +282,13 @@ def test_ctrl_c_in_the_driver_stops_everything(
     }
     driver = [sys.executable, str(here / "scripts" / "ray_driver.py"), str(tmp_path / "run")]
     p = procs.start(driver, env=env)
-    assert p.stdout is not None
-    lines = []
-    for line in p.stdout:
-        lines.append(line)
-        if line.strip() == "training":
-            break
-    assert own.mine(), "the run was not under way:\n" + "".join(lines)
+    out = Lines(p)
+    lines = out.until("training", within=300)
+    assert own.mine(), "the run was not under way:\n" + "\n".join(lines)
     p.send_signal(signal.SIGINT)
     # A liveness limit: stopping takes seconds (RayRun.stop bounds each of its steps).
     p.wait(timeout=120)
-    out = "".join(lines) + p.stdout.read()
+    out = "\n".join(lines) + out.rest()
     assert p.returncode != 0, out
     assert "KeyboardInterrupt" in out, out
     own.assert_none_left()

@@ -1,6 +1,7 @@
 //! `syncopate ab`: one scenario under several policies, real clusters, one comparison report.
 
 use std::process::Command;
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use syncopate::lab::report::Comparison;
 
@@ -17,7 +18,7 @@ fn ab(name: &str, scenario: &str, policies: &str) -> (std::process::Output, std:
         .arg(&file)
         .args(["--policies", policies, "--out"])
         .arg(dir.join("out"))
-        .output()
+        .output_within(COMMAND_LIMIT)
         .expect("syncopate ab runs");
     (out, dir.join("out"))
 }
@@ -91,7 +92,7 @@ fn ab_runs_a_scenarios_failure_drill_on_real_clusters_and_in_the_simulator() {
         if simulate {
             cmd.arg("--simulate");
         }
-        let out = cmd.output().expect("syncopate ab runs");
+        let out = cmd.output_within(COMMAND_LIMIT).expect("syncopate ab runs");
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
         let c: Comparison =

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 /// The `syncopate` binary, which cargo builds before this target and names here.
 pub fn syncopate_bin() -> PathBuf {
@@ -19,7 +20,11 @@ fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
 #[test]
 fn policy_check_describes_a_good_module() {
     let path = write_temp("ssp.wasm", syncopate::builtin::wasm("ssp").unwrap());
-    let out = Command::new(syncopate_bin()).args(["policy", "check"]).arg(&path).output().unwrap();
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check"])
+        .arg(&path)
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     for needle in [
@@ -52,14 +57,16 @@ fn policy_check_rejects_bad_modules_with_one_line_and_status_1() {
         if name == "hostile-config.wasm" {
             cmd.args(["--config", "after=soon"]);
         }
-        let out = cmd.output().unwrap();
+        let out = cmd.output_within(COMMAND_LIMIT).unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{name}: one line: {stderr}");
         assert!(stderr.contains(says), "{name}: {stderr}");
     }
-    let out =
-        Command::new(syncopate_bin()).args(["policy", "check", "/nonexistent/p.wasm"]).output().unwrap();
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check", "/nonexistent/p.wasm"])
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the file"));
 }
@@ -75,15 +82,19 @@ fn policy_check_runs_events_through_the_module() {
     modules.push(("backup".into(), env!("SYNCOPATE_BACKUP_WASM").into()));
     modules.push(("deadline".into(), env!("SYNCOPATE_EXAMPLE_WASM").into()));
     for (name, path) in &modules {
-        let out = Command::new(syncopate_bin()).args(["policy", "check"]).arg(path).output().unwrap();
+        let out = Command::new(syncopate_bin())
+            .args(["policy", "check"])
+            .arg(path)
+            .output_within(COMMAND_LIMIT)
+            .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{name}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("exercised:   64 generated cases"), "{name}: {stdout}");
+        assert!(stdout.contains("exercised:   68 generated cases (4 long)"), "{name}: {stdout}");
     }
     // A module that loads and starts but panics on its first push fails the check, by name.
     let out = Command::new(syncopate_bin())
         .args(["policy", "check", env!("SYNCOPATE_HOSTILE_WASM"), "--config", "mode=push:panic"])
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
@@ -92,39 +103,56 @@ fn policy_check_runs_events_through_the_module() {
 
 /// Issue 37: `policy check` explores generated event sequences and reports the first that
 /// breaks a rule, shrunk, with its events: a push held forever, a pull parked forever. A module
-/// given as `FILE:k=v` is checked with that configuration.
+/// given as `FILE:k=v` is checked with that configuration. Issue 50: the five modules that
+/// stalled or crash-looped clusters are each caught, with a shrunk case: a rule that holds every
+/// push or parks every pull (failed for no progress), one that panics on every 20th or 200th
+/// event (the second only in a long case: thousands of events on one instance), and one that
+/// refuses every other policy's state (it could never be swapped in).
 #[test]
 fn policy_check_reports_a_request_never_answered_with_the_shrunk_sequence() {
-    for (mode, waits) in [
-        ("push:hold", "push for iteration 0 (#2) is held"),
-        ("pull:park", "pull for iteration 0 (#1) is parked"),
+    for (config, says, events) in [
+        ("mode=push:hold", "worker 0's push of iteration 0 held 30.0 s", "(x30)"),
+        ("mode=pull:park", "worker 0's pull for iteration 0 parked 30.0 s", "(x30)"),
+        ("mode=pull:panic,every=20", "panics on purpose", "pulls for iteration"),
+        ("mode=push:panic,every=200", "panics on purpose", "pushes iteration"),
+        ("mode=refuse-state", "refused the handed-over state: cannot take over from `", "hot swap to"),
     ] {
-        let spec = format!("{}:mode={mode}", env!("SYNCOPATE_HOSTILE_WASM"));
-        let out = Command::new(syncopate_bin()).args(["policy", "check", &spec]).output().unwrap();
+        let spec = format!("{}:{config}", env!("SYNCOPATE_HOSTILE_WASM"));
+        let out = Command::new(syncopate_bin())
+            .args(["policy", "check", &spec])
+            .output_within(COMMAND_LIMIT)
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{mode}: {stderr}");
-        assert!(stderr.contains("(1 workers, 1 iterations each): stuck"), "{mode}, shrunk: {stderr}");
-        assert!(stderr.contains(&format!("worker 0's {waits}")), "{mode}: {stderr}");
-        assert!(
-            stderr.contains("worker 0 joins") && stderr.contains("(x61)"),
-            "{mode}, the events: {stderr}"
-        );
+        assert_eq!(out.status.code(), Some(1), "{config}: {stderr}");
+        assert!(stderr.contains("breaks a rule in a generated case"), "{config}: {stderr}");
+        assert!(stderr.contains(says), "{config}: {stderr}");
+        assert!(stderr.contains(events), "{config}, the events: {stderr}");
+        if config.starts_with("mode=pu") && !config.contains("every") {
+            // Shrunk to the smallest case that shows it.
+            assert!(stderr.contains("(1 workers, 1 iterations each)"), "{config}, shrunk: {stderr}");
+            assert!(stderr.contains("made no progress"), "{config}: {stderr}");
+        }
+        if config.contains("every=200") {
+            assert!(stderr.contains("long case"), "{config}: only a long case reaches it: {stderr}");
+        }
     }
     // The example that holds its pushes and admits them from after_push passes, k from the spec.
     let spec = format!("{}:k=3", env!("SYNCOPATE_FIRSTK_WASM"));
-    let out =
-        Command::new(syncopate_bin()).args(["policy", "check", &spec, "--cases", "100"]).output().unwrap();
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check", &spec, "--cases", "100"])
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(
-        stdout.contains("exercised:   100 generated cases") && !stdout.contains(" 0 pushes held"),
+        stdout.contains("exercised:   104 generated cases (4 long)") && !stdout.contains(" 0 pushes held"),
         "{stdout}"
     );
 }
 
 #[test]
 fn policy_list_shows_the_builtins() {
-    let out = Command::new(syncopate_bin()).args(["policy", "list"]).output().unwrap();
+    let out = Command::new(syncopate_bin()).args(["policy", "list"]).output_within(COMMAND_LIMIT).unwrap();
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     let builtins = [
@@ -170,7 +198,7 @@ fn a_resumed_coordinator_refuses_flags_that_would_change_the_cluster() {
         .arg(&dir)
         .args(["--servers", "5", "--listen", "127.0.0.1:0"])
         .env("SYNCOPATE_TOKEN", "t")
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");

@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use syncopate::lab::report::RunReport;
 use syncopate::net::proto::ClusterStatus;
@@ -147,7 +148,7 @@ pub fn syncopate(args: &[&str], cluster: &Path) -> std::process::Output {
         .arg("--cluster")
         .arg(cluster)
         .stdin(Stdio::null())
-        .output()
+        .output_within(COMMAND_LIMIT)
         .expect("syncopate runs")
 }
 
@@ -406,7 +407,7 @@ fn replays_exactly_and_reports_another_policys_differences(recording: &Path) {
             .args(["policy", "replay", "--json"])
             .arg(recording)
             .args(args)
-            .output()
+            .output_within(COMMAND_LIMIT)
             .expect("syncopate runs");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).expect("replay JSON")
@@ -494,8 +495,11 @@ fn hot_swap_bsp_to_ssp_to_asp_during_a_run_loses_nothing() {
     assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 200.0, "after two swaps");
     // Issue 37: the replay follows the recording's swaps through the recorded modules, each
     // policy taking over the last one's state as on the cluster, and is exact.
-    let out =
-        Command::new(syncopate_bin()).args(["policy", "replay", "--json"]).arg(&recording).output().unwrap();
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "replay", "--json"])
+        .arg(&recording)
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let reports: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("replay JSON");
     assert_eq!(reports.len(), 2, "one recording per shard");
@@ -523,16 +527,23 @@ fn a_swap_to_a_module_failing_on_every_push_exits_non_zero_and_rolls_back_on_req
     let cluster = run.cluster_file();
     std::thread::sleep(Duration::from_millis(300));
     let bad = format!("{}:mode=push:panic", env!("SYNCOPATE_HOSTILE_WASM"));
+    // Checked first, the module is refused before it reaches the cluster.
     let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1"], &cluster);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a failing module's swap exits non-zero");
+    assert_eq!(out.status.code(), Some(1), "nothing was swapped: {err}");
+    assert!(err.contains("not swapped in") && err.contains("panics on purpose"), "{err}");
+    assert_eq!(status(&cluster).policy, "builtin:bsp");
+    let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1", "--no-check"], &cluster);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "swapped in, then failed: {err}");
     assert!(err.contains("panics on purpose") && err.contains("quarantined on shards 0"), "{err}");
     assert!(status(&cluster).servers[0].shards[0].quarantined);
     let out = syncopate(&["policy", "swap", "ssp:s=2", "--watch-s", "0"], &cluster);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1", "--rollback"], &cluster);
+    let out = syncopate(&["policy", "swap", &bad, "--watch-s", "1", "--rollback", "--no-check"], &cluster);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("rolled back") && err.contains("builtin:ssp"), "{err}");
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("rolled back") && err.contains("builtin:ssp"), "{err}");
     let st = status(&cluster);
     assert_eq!(st.policy, "builtin:ssp");
     assert!(st.servers[0].shards.iter().all(|s| !s.quarantined && s.policy == "ssp 0.1.0"), "{st:?}");
@@ -567,9 +578,18 @@ fn a_swap_from_asp_to_bsp_after_drift_levels_the_clocks_and_nobody_waits_for_a_r
         ],
     );
     let cluster = run.cluster_file();
-    std::thread::sleep(Duration::from_millis(1500));
-    let before = status(&cluster);
-    let clocks: Vec<u64> = before.servers[0].shards[0].workers.iter().map(|w| w.clock).collect();
+    // Until ASP has let the clocks drift apart (on a busy machine the start takes a while).
+    let t = Instant::now();
+    let clocks: Vec<u64> = loop {
+        let before = status(&cluster);
+        let clocks: Vec<u64> = before.servers[0].shards[0].workers.iter().map(|w| w.clock).collect();
+        let spread = clocks.iter().max().unwrap_or(&0) - clocks.iter().min().unwrap_or(&0);
+        if clocks.len() == 3 && spread >= 20 {
+            break clocks;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "ASP let the clocks drift apart: {clocks:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let out = syncopate(&["policy", "swap", "bsp", "--watch-s", "0"], &cluster);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (code, run) = run.finish(Duration::from_secs(120));
@@ -649,7 +669,7 @@ fn a_killed_worker_is_dropped_and_bsp_goes_on() {
         .args(["--params", "32", "--iterations", "40", "--delay-ms", "20", "--report"])
         .arg(&late_report)
         .env("SYNCOPATE_TOKEN", &file.token)
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     assert!(late.status.success(), "late worker: {}", String::from_utf8_lossy(&late.stderr));
     let late: syncopate::worker::WorkerReport =
@@ -698,7 +718,7 @@ fn a_worker_asking_for_an_impossible_id_is_refused_and_the_run_goes_on() {
             .arg(&file.ca)
             .args(["--params", "32", "--iterations", "5"])
             .env("SYNCOPATE_TOKEN", &file.token)
-            .output()
+            .output_within(COMMAND_LIMIT)
             .unwrap();
         let err = String::from_utf8_lossy(&bad.stderr);
         assert!(!bad.status.success(), "worker --id {id} was admitted: {err}");
@@ -723,7 +743,7 @@ fn a_worker_asking_for_an_impossible_id_is_refused_and_the_run_goes_on() {
 fn a_missing_server_gives_workers_a_clear_error() {
     let dir = run_dir("missing-server");
     let tls = dir.join("tls");
-    let out = Command::new(syncopate_bin()).arg("certs").arg(&tls).output().unwrap();
+    let out = Command::new(syncopate_bin()).arg("certs").arg(&tls).output_within(COMMAND_LIMIT).unwrap();
     assert!(out.status.success());
     let ready = dir.join("addr");
     let spawn = |args: &[&str]| {
@@ -757,7 +777,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
     let worker = Command::new(syncopate_bin())
         .args(["worker", "--coordinator", &by_name, "--workload", "counter", "--ca", ca.to_str().unwrap()])
         .env("SYNCOPATE_TOKEN", "t0ken")
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let err = String::from_utf8_lossy(&worker.stderr);
     assert!(!worker.status.success());
@@ -765,7 +785,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
     let out = Command::new(syncopate_bin())
         .args(["shutdown", "--coordinator", &by_name, "--ca", ca.to_str().unwrap()])
         .env("SYNCOPATE_TOKEN", "t0ken")
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for child in [&mut coordinator, &mut server] {
@@ -847,14 +867,14 @@ fn a_new_policy_crate_builds_outside_the_repository_and_hot_loads_into_a_cluster
     let mut new = Command::new(syncopate_bin());
     new.args(["policy", "new", "late-ssp"]);
     clean(&mut new);
-    let out = new.output().unwrap();
+    let out = new.output_within(COMMAND_LIMIT).unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let krate = home.join("late-ssp");
     let lock = std::fs::read_to_string(krate.join("Cargo.lock")).unwrap();
     let mut test = Command::new(&cargo);
     test.args(["test", "--locked", "--quiet", "--manifest-path"]).arg(krate.join("Cargo.toml"));
     clean(&mut test);
-    let out = test.output().unwrap();
+    let out = test.output_within(COMMAND_LIMIT).unwrap();
     assert!(out.status.success(), "the template's native test: {}", String::from_utf8_lossy(&out.stderr));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("1 passed"),
@@ -865,7 +885,7 @@ fn a_new_policy_crate_builds_outside_the_repository_and_hot_loads_into_a_cluster
     let mut build = Command::new(syncopate_bin());
     build.args(["policy", "build", "late-ssp", "--config", "s=1"]);
     clean(&mut build);
-    let out = build.output().unwrap();
+    let out = build.output_within(COMMAND_LIMIT).unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
     assert!(said.contains("name:        late-ssp") && said.contains("exercised:"), "{said}");

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 use std::time::{Duration, Instant};
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use crate::cluster::{assert_all, counter_drill, role_pids, syncopate, LocalRun};
 
@@ -328,7 +329,7 @@ fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_serve
         .args(&args[1..])
         .args(["--listen", "127.0.0.1:0"])
         .env("SYNCOPATE_TOKEN", &token)
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let said = String::from_utf8_lossy(&elsewhere.stderr);
     assert!(!elsewhere.status.success(), "{said}");

@@ -13,6 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::wait_file;
@@ -247,7 +248,7 @@ fn a_partitioned_server_does_not_serve_as_a_second_primary() {
     let shutdown = net
         .command(false, &["shutdown", "--coordinator", &coordinator, "--ca", &ca])
         .env("SYNCOPATE_TOKEN", token)
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     assert!(shutdown.status.success(), "{}", String::from_utf8_lossy(&shutdown.stderr));
     net.wait(&["coordinator", "server-a"], Duration::from_secs(30));

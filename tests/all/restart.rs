@@ -4,6 +4,7 @@
 //! minus the sum of every push: a push lost or applied twice across the restart shows.
 
 use std::time::Duration;
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use crate::cluster::{assert_all, counter_drill, role_pids, wait_exit, wait_file, LocalRun};
 
@@ -159,7 +160,7 @@ fn a_coordinator_restarted_with_other_flags_is_refused_by_the_servers_with_the_r
     std::fs::create_dir_all(&dir).unwrap();
     let bin = crate::cli::syncopate_bin();
     let tls = dir.join("tls");
-    assert!(Command::new(&bin).arg("certs").arg(&tls).output().unwrap().status.success());
+    assert!(Command::new(&bin).arg("certs").arg(&tls).output_within(COMMAND_LIMIT).unwrap().status.success());
     let token = "restart-other-flags-token";
     let spawn = |name: &str, args: &[&str]| {
         let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();

@@ -8,6 +8,7 @@ use syncopate::builtin::PolicySpec;
 use syncopate::lab::report::RunReport;
 use syncopate::lab::scenario::{Placement, RunSpec, Scenario};
 use syncopate::lab::sim::{simulate, FailAt, SimFailure, SimFaults, SimOptions, Simulated};
+use syncopate_suite::{OutputWithin, COMMAND_LIMIT};
 
 use crate::cli::syncopate_bin;
 use crate::cluster::run_dir;
@@ -115,7 +116,7 @@ fn the_simulator_ranks_policies_as_the_real_cluster_does() {
         .arg(&file)
         .arg("--out")
         .arg(dir.join("real"))
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let real: Vec<RunReport> = ["bsp", "ssp-s-3", "asp"]
@@ -248,7 +249,7 @@ fn ab_simulate_reports_the_tasks_epsp_moved() {
         .arg(&file)
         .arg("--out")
         .arg(dir.join("out"))
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -292,7 +293,7 @@ fn ab_repeat(dir: &std::path::Path, out: &str, extra: &[&str]) -> syncopate::lab
         .args(extra)
         .arg("--out")
         .arg(&out)
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
@@ -378,7 +379,7 @@ fn a_scenario_can_charge_a_larger_models_bytes_and_every_report_says_so() {
     let out = std::process::Command::new(syncopate_bin())
         .args(["ab", "--policies", "bsp", "--scenario"])
         .arg(&file)
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--simulate") && err.contains("ResNet-110"), "{err}");
@@ -605,7 +606,7 @@ fn a_simtest_seed_replays_bit_for_bit() {
     assert_ne!(Case::draw(18).scenario, a.scenario);
     let out = std::process::Command::new(crate::cli::syncopate_bin())
         .args(["simtest", "--seed", "17"])
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
@@ -816,7 +817,7 @@ fn a_simtest_case_goes_without_a_fault_by_name_and_keeps_the_rest() {
     assert!(err.contains("coordinator-crash"), "{err}");
     let out = std::process::Command::new(crate::cli::syncopate_bin())
         .args(["simtest", "--seed", &seed.to_string(), "--without", "coordinator-crash,swap,death"])
-        .output()
+        .output_within(COMMAND_LIMIT)
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));

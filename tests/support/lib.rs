@@ -320,3 +320,51 @@ impl Drop for ProcessCluster {
         }
     }
 }
+
+/// How long a command a test runs to its end may take before the test kills it and fails: a
+/// liveness limit, far above what any takes on a loaded 2-core machine.
+pub const COMMAND_LIMIT: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// [`std::process::Command::output`] with a time limit: every wait in a test has one, so a
+/// command that hangs fails the test instead of blocking the suite.
+pub trait OutputWithin {
+    /// Runs the command to its end (stdin closed, stdout and stderr captured), as `output` does;
+    /// past `within`, kills it and panics with what it printed so far.
+    fn output_within(&mut self, within: std::time::Duration) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputWithin for std::process::Command {
+    fn output_within(&mut self, within: std::time::Duration) -> std::io::Result<std::process::Output> {
+        use std::io::Read;
+        use std::process::Stdio;
+        let mut child = self.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        let pump = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = r.read_to_end(&mut buf);
+                buf
+            })
+        };
+        let out = pump(Box::new(child.stdout.take().expect("piped")));
+        let err = pump(Box::new(child.stderr.take().expect("piped")));
+        let t = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if t.elapsed() > within {
+                let _ = child.kill();
+                let _ = child.wait();
+                let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+                panic!(
+                    "{self:?} did not finish within {within:?}:\n{}\n{}",
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let (stdout, stderr) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
+        Ok(std::process::Output { status, stdout, stderr })
+    }
+}

@@ -801,6 +801,9 @@ impl Shard {
         self.floor = self.floor.max(self.clocks.view().min_clock);
         self.complete_aggregates(sink);
         self.release_ready(now_ns, sink);
+        // The workers left may all be waiting now (the one that left was the only one that was
+        // not): look again at once.
+        self.look_again(now_ns);
         sink.left(worker);
         // Tasks it took and never pushed go back to their owners, who compute them themselves,
         // so no iteration is left incomplete.
@@ -1170,6 +1173,14 @@ impl Shard {
         let wait = self.supervisor.cfg().no_progress_ns;
         if wait > 0 && self.stall_check_at.is_none() {
             self.stall_check_at = Some(now_ns.saturating_add(wait));
+        }
+    }
+
+    /// Looks for a stall at the next [`advance`](Self::advance) (at `now_ns`), if requests wait.
+    fn look_again(&mut self, now_ns: u64) {
+        let waiting = self.parked.len() + self.held.len() > 0;
+        if waiting && self.supervisor.cfg().no_progress_ns > 0 {
+            self.stall_check_at = Some(self.stall_check_at.map_or(now_ns, |t| t.min(now_ns)));
         }
     }
 

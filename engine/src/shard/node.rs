@@ -891,9 +891,27 @@ impl ShardNode {
         if self.pending.backup {
             return self.pending.reply(token, Reply::Done(Ok(())));
         }
+        let r = self.switch(now, module, config, raise, obs);
+        self.pending.reply(token, Reply::Done(r));
+    }
+
+    /// Switches to `module` with `config`, unless the shard runs them already (a promoted
+    /// backup that took this swap from its old primary's ops before its server's commit came:
+    /// its clocks were raised then, and are not raised twice).
+    fn switch(
+        &mut self,
+        now: u64,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
+        obs: &mut dyn Observer,
+    ) -> Result<(), RequestError> {
+        if self.runs(&module.sha256(), &config) {
+            return Ok(());
+        }
         if self.shard.is_none() {
             (self.module, self.config) = (module, config);
-            return self.pending.reply(token, Reply::Done(Ok(())));
+            return Ok(());
         }
         let sha256 = module.sha256();
         let previous = std::mem::replace(&mut self.module, module);
@@ -904,7 +922,48 @@ impl ShardNode {
         if r.is_err() {
             self.module = previous;
         }
-        self.pending.reply(token, Reply::Done(r));
+        r
+    }
+
+    /// Whether the shard runs the module with this SHA-256 and `config` (or, not created yet,
+    /// will start with them).
+    pub fn runs(&self, sha256: &[u8; 32], config: &[(String, String)]) -> bool {
+        match &self.shard {
+            Some(s) => s.policy().sha256() == *sha256 && s.policy_config() == config,
+            None => self.module.sha256() == *sha256 && self.config == config,
+        }
+    }
+
+    /// A primary just promoted takes the policy its server records (`module` with `config`, its
+    /// last committed swap, raising the clocks by that swap's `raise`), unless it runs it, or
+    /// one of `newer` (a swap its server has prepared and not committed yet, which the old
+    /// primary committed first and streamed). A backup whose primary died before streaming a
+    /// swap's commit would otherwise run the old policy while the cluster records the new one.
+    /// Returns whether it switched.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conform(
+        &mut self,
+        now: u64,
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
+        newer: &[([u8; 32], Vec<(String, String)>)],
+        obs: &mut dyn Observer,
+    ) -> bool {
+        if self.pending.backup || self.runs(&module.sha256(), &config) {
+            return false;
+        }
+        if newer.iter().any(|(sha, c)| self.runs(sha, c)) {
+            return false;
+        }
+        event!(
+            self,
+            warn,
+            shard = self.id(),
+            policy = module.display_name(),
+            "promoted without its old primary's last swap: switching to the policy the cluster records"
+        );
+        self.switch(now, module, config, raise, obs).is_ok()
     }
 
     /// A backup receives its primary's op (`grad`: a push's gradient, a creation's

@@ -209,16 +209,39 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
     })
 }
 
-/// The checkpoint directory `--resume DIR` names: DIR itself, or a run directory's
-/// `checkpoints/` folder, so that `--resume runs/<run>` continues that run.
+/// The checkpoint directory `--resume DIR` names: a run directory's checkpoints, wherever its
+/// `--checkpoint-dir` put them (its `command.json` says), or its `checkpoints/` folder, so that
+/// `--resume runs/<run>` continues that run; else DIR itself.
 fn resume_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
-    let inner = dir.join("checkpoints");
-    let dir = if inner.is_dir() { inner } else { dir.to_path_buf() };
     if !dir.is_dir() {
         anyhow::bail!("--resume {}: no such directory", dir.display());
     }
+    let inner = dir.join("checkpoints");
+    let dir = match kept_checkpoint_dir(&dir.join("command.json")) {
+        Some(elsewhere) => elsewhere,
+        None if inner.is_dir() => inner,
+        None => dir.to_path_buf(),
+    };
+    if !dir.is_dir() {
+        anyhow::bail!("--resume: the run's checkpoint directory {} is gone", dir.display());
+    }
     Ok(std::path::absolute(dir)?)
 }
+
+/// The `--checkpoint-dir` a run kept in `command` (its `command.json`) was started with, if any.
+fn kept_checkpoint_dir(command: &std::path::Path) -> Option<PathBuf> {
+    let args = resume::kept_args(command)?;
+    let at = args.iter().position(|a| a == "--checkpoint-dir")?;
+    args.get(at + 1).map(PathBuf::from)
+}
+
+/// What a run's `command.json` is called in its checkpoint directory, beside the checkpoints,
+/// so that `--resume DIR` alone finds how the run was started there too.
+const KEPT_IN_CHECKPOINTS: &str = "local.json";
+
+/// The failure drills and injected stalls of a run: a resumed run does them again only if they
+/// are given again.
+const DRILLS: &[&str] = &["--kill-server", "--kill-coordinator", "--stall"];
 
 /// Flags a resumed run may set anew: when to stop, what to watch and record, and where; not
 /// what the run is (its cluster, workload, policy, budget, seeds and devices).
@@ -231,6 +254,7 @@ const CHANGEABLE: &[&str] = &[
     "--checkpoint-dir",
     "--kill-server",
     "--kill-coordinator",
+    "--stall",
     "--run-dir",
     "--resume",
     "--no-check",
@@ -253,8 +277,11 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     let now = resume::given("local");
     // `--resume <run>` continues the run with the settings its `command.json` kept.
     let kept =
-        a.faults.resume.as_deref().map(|d| [d.join("command.json"), d.join("..").join("command.json")]);
-    let (a, args) = match kept.map(|files| resume::resumed(&files, &now, CHANGEABLE)).transpose()?.flatten() {
+        a.faults.resume.as_deref().map(|d| {
+            [d.join("command.json"), d.join(KEPT_IN_CHECKPOINTS), d.join("..").join("command.json")]
+        });
+    let resumed = kept.map(|files| resume::resumed(&files, &now, CHANGEABLE, DRILLS)).transpose()?.flatten();
+    let (a, args) = match resumed {
         Some(merged) => match resume::parse("local", &merged)? {
             super::Command::Local(resumed) => (resumed, merged),
             _ => unreachable!("parsed as `local`"),
@@ -274,7 +301,11 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     eprintln!("run directory: {}", run_dir.display());
     // What this run was started with, for a later `--resume` (`--run-dir` and `--resume` are
     // the new run's own).
+    let args = resume::absolute_paths(&args, &["--checkpoint-dir", "--record", "--data"]);
     resume::remember(&run_dir.join("command.json"), &args, &["--run-dir", "--resume"])?;
+    if let Some(dir) = &a.faults.checkpoint_dir {
+        resume::remember(&dir.join(KEPT_IN_CHECKPOINTS), &args, &["--run-dir", "--resume"])?;
+    }
     let report = tokio()?.block_on(crate::lab::local::run(opts))?;
     println!("policy:     {} (swaps: {})", report.policy, report.swaps);
     println!("elapsed:    {:.2} s", report.elapsed_s);

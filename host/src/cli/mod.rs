@@ -120,7 +120,9 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
     println!(
         "simtest: {} of {count} seeds passed in {:.1} s ({:.1} seeds/s): {} simulated runs, {} events, \
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
-         with a worker death, {} with a hot swap ({} to a module that traps, spins or panics), {} messages \
+         with a worker death, {} with a hot swap ({} to a module that traps, spins or panics, {} to one that refuses the \
+         running policy's state ({} preparations refused, the record kept), {} to a rule that never decides; {} runs \
+         found a rule stalled), {} messages \
          delivered twice, {} bad requests refused, {} ops from a deposed primary ignored by its promoted backup, {} with the coordinator crashed and restarted ({} rebuilds: {} \
          backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} dead servers restarted that took their id back ({} two-server runs then survived the other server's death on their backups), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
@@ -136,6 +138,10 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.worker_deaths,
         e.swaps,
         e.hostile,
+        e.refusing,
+        e.swaps_refused,
+        e.undecided,
+        e.stalled,
         e.duplicates,
         e.bad_inputs,
         e.stale_ops,

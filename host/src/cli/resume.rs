@@ -64,12 +64,14 @@ pub(super) fn remember(file: &Path, args: &[String], skip: &[&str]) -> anyhow::R
 
 /// The arguments of the run kept in the first of `files` that exists, with `now` (this
 /// command's) applied: the flags in `changeable` replace the run's, and any other flag that
-/// differs from how the run was started is refused. `None` when no file exists (a run from
-/// before they were kept): then `now` is taken as it is.
+/// differs from how the run was started is refused. The run's flags in `drills` (failure
+/// drills: a killed server, a stall) are not kept: they happen again only if given again.
+/// `None` when no file exists (a run from before they were kept): then `now` is taken as it is.
 pub(super) fn resumed(
     files: &[PathBuf],
     now: &[String],
     changeable: &[&str],
+    drills: &[&str],
 ) -> anyhow::Result<Option<Vec<String>>> {
     let Some(file) = files.iter().find(|f| f.is_file()) else { return Ok(None) };
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
@@ -97,7 +99,7 @@ pub(super) fn resumed(
         }
     }
     let set_now: Vec<&str> = is.iter().map(|f| f.0.as_str()).filter(|f| changeable.contains(f)).collect();
-    let kept = was.iter().filter(|f| !set_now.contains(&f.0.as_str()));
+    let kept = was.iter().filter(|f| !set_now.contains(&f.0.as_str()) && !drills.contains(&f.0.as_str()));
     let changed = is.iter().filter(|f| changeable.contains(&f.0.as_str()));
     // `--script` takes what follows it: it comes last.
     let (script, others): (Vec<_>, Vec<_>) = kept.chain(changed).partition(|f| f.0 == "--script");
@@ -109,6 +111,41 @@ pub(super) fn resumed(
         })
         .collect();
     Ok(Some(merged))
+}
+
+/// `args` with the values of the flags in `paths` made absolute (against the current directory),
+/// so that a run kept with them resumes from anywhere; a script's arguments (after `--script`)
+/// are left as they are.
+pub(super) fn absolute_paths(args: &[String], paths: &[&str]) -> Vec<String> {
+    let absolute =
+        |v: &str| std::path::absolute(v).map(|p| p.display().to_string()).unwrap_or_else(|_| v.to_string());
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.iter().peekable();
+    while let Some(a) = it.next() {
+        if a == "--script" {
+            // The script's own arguments follow, as given.
+            out.push(a.clone());
+            out.extend(it.cloned());
+            break;
+        }
+        match a.split_once('=') {
+            Some((flag, v)) if paths.contains(&flag) => out.push(format!("{flag}={}", absolute(v))),
+            _ if paths.contains(&a.as_str()) => {
+                out.push(a.clone());
+                if let Some(v) = it.next() {
+                    out.push(absolute(v));
+                }
+            }
+            _ => out.push(a.clone()),
+        }
+    }
+    out
+}
+
+/// The arguments kept in `file` (a `command.json`), if it is there and reads.
+pub(super) fn kept_args(file: &Path) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(file).ok()?;
+    serde_json::from_str::<Started>(&text).ok().map(|s| s.args)
 }
 
 /// `command` with `args`, parsed as the command line would be.

@@ -276,14 +276,17 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
     // there (`coordinator.json`; tokens are not kept).
     let now = super::resume::given("coordinator");
     let kept = a.faults.resume.as_deref().map(|d| [d.join("coordinator.json")]);
-    let (a, args) =
-        match kept.map(|f| super::resume::resumed(&f, &now, COORDINATOR_CHANGEABLE)).transpose()?.flatten() {
-            Some(merged) => match super::resume::parse("coordinator", &merged)? {
-                super::Command::Coordinator(resumed) => (resumed, merged),
-                _ => unreachable!("parsed as `coordinator`"),
-            },
-            None => (a, now),
-        };
+    let (a, args) = match kept
+        .map(|f| super::resume::resumed(&f, &now, COORDINATOR_CHANGEABLE, &[]))
+        .transpose()?
+        .flatten()
+    {
+        Some(merged) => match super::resume::parse("coordinator", &merged)? {
+            super::Command::Coordinator(resumed) => (resumed, merged),
+            _ => unreachable!("parsed as `coordinator`"),
+        },
+        None => (a, now),
+    };
     if let Some(dir) = &a.faults.checkpoint_dir {
         super::resume::remember(
             &dir.join("coordinator.json"),

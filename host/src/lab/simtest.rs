@@ -147,6 +147,17 @@ pub struct Exercised {
     pub swaps: u64,
     /// Of those, swaps to a module that traps, spins or panics.
     pub hostile: u64,
+    /// Of those, swaps to a module that refuses to take over the running policy's state: each
+    /// refused by every server at its preparation (no shard switched, the record unchanged).
+    pub refusing: u64,
+    /// Of those, swaps to a rule that never decides (parks every pull or holds every push): the
+    /// shards fail it after the no-progress time, resolve what it kept waiting, and quarantine it.
+    pub undecided: u64,
+    /// Swap preparations servers refused (a shard's state refused by the module).
+    pub swaps_refused: u64,
+    /// Runs whose shards found a rule stalled (every live worker waiting on it for the
+    /// no-progress time).
+    pub stalled: u64,
     /// Messages that reached a shard's primary or backup twice.
     pub duplicates: u64,
     /// Bad requests the shards refused.
@@ -185,6 +196,10 @@ impl std::ops::AddAssign for Exercised {
         self.partitions += o.partitions;
         self.worker_deaths += o.worker_deaths;
         self.swaps += o.swaps;
+        self.refusing += o.refusing;
+        self.undecided += o.undecided;
+        self.swaps_refused += o.swaps_refused;
+        self.stalled += o.stalled;
         self.duplicates += o.duplicates;
         self.bad_inputs += o.bad_inputs;
         self.hostile += o.hostile;
@@ -445,7 +460,7 @@ impl Case {
         let worker_death =
             (unit_weights(&policy) && rng.random_bool(0.3)).then(|| rng.random_range(0..workers));
         let reorder_us = if rng.random_bool(0.5) { rng.random_range(0..=5000) } else { 0 };
-        let swap = (unit_weights(&policy) && rng.random_bool(0.3)).then(|| {
+        let swap: Option<PolicySpec> = (unit_weights(&policy) && rng.random_bool(0.3)).then(|| {
             SWAP_TARGETS[rng.random_range(0..SWAP_TARGETS.len())].parse().expect("a built-in policy")
         });
         // Drawn last, so that the draws above are what they were before it.
@@ -504,6 +519,25 @@ impl Case {
             }
             false => swap,
         };
+        // Drawn after every other draw, so that those are what they were before it. In some
+        // seeds with a swap, the swap is to a module that refuses the running policy's state
+        // (refused by every server at its preparation: nothing switches, the coordinator's
+        // record stays the old policy), or to a rule that never decides after a while (parks
+        // every pull, or holds every push: the shards find it stalled after the no-progress
+        // time, 0.5-2 s here, and resolve what it kept waiting by the fallback rules).
+        let rule = rng.random_range(0..10u32);
+        let after = rng.random_range(0..=60u32);
+        let no_progress_ms = rng.random_range(500..=2000u64);
+        let swap = match (swap, rule) {
+            (Some(_), 0..=1) => Some(format!("{HOSTILE}:mode=refuse-state")),
+            (Some(_), 2) => Some(format!("{HOSTILE}:mode=pull:park,after={after}")),
+            (Some(_), 3) => Some(format!("{HOSTILE}:mode=push:hold,after={after}")),
+            (swap, _) => swap.map(|s| s.to_string()),
+        }
+        .map(|s| s.parse().expect("the swap's spec parses"));
+        if swap.as_ref().is_some_and(never_decides) {
+            scenario.no_progress_s = Some(no_progress_ms as f64 / 1e3);
+        }
         Case {
             seed,
             scenario,
@@ -586,7 +620,11 @@ impl Case {
         let swaps: Vec<(FailAt, PolicySpec)> =
             self.swap.clone().map(|spec| (swap_at, spec)).into_iter().collect();
         let swapped = swaps.len() as u64;
-        let hostile = u64::from(self.swap.as_ref().is_some_and(|p| p.source == HOSTILE));
+        let hostile = u64::from(
+            self.swap.as_ref().is_some_and(|p| p.source == HOSTILE && !refuses(p) && !never_decides(p)),
+        );
+        let refusing = u64::from(self.swap.as_ref().is_some_and(refuses));
+        let undecided = u64::from(self.swap.as_ref().is_some_and(never_decides));
         if !swaps.is_empty() {
             let with = SimFaults { swaps: swaps.clone(), ..quiet };
             clean = self.run(rt, Vec::new(), with).map_err(|e| format!("undisturbed run: {e}"))?;
@@ -594,6 +632,12 @@ impl Case {
         every_iteration(&clean, iterations, "undisturbed run")?;
         if let Some(d) = &clean.replicas_differ {
             return Err(format!("undisturbed run: {d}"));
+        }
+        if let Some(d) = &clean.policy_differs {
+            return Err(format!("undisturbed run: one record of the policy: {d}"));
+        }
+        if refusing > 0 && clean.swaps_refused == 0 {
+            return Err("undisturbed run: the swap to a module that refuses the state was not refused".into());
         }
         if unit_weights(&self.policy) {
             exact(&clean, None, 0, "undisturbed run")?;
@@ -772,6 +816,9 @@ impl Case {
         if let Some(d) = &failed.replicas_differ {
             return Err(format!("{what}: {d}"));
         }
+        if let Some(d) = &failed.policy_differs {
+            return Err(format!("{what}: one record of the policy: {d}"));
+        }
         // Liveness: once the faults are over, the run finishes within a bound.
         // Liveness is the live workers': a run goes on after they are done while the servers
         // wait out a dead worker's timeouts.
@@ -787,9 +834,13 @@ impl Case {
         // longer by their extra steps (the slowest device is at most 4x slower).
         let h = self.swap.as_ref().map_or(0, local_steps);
         let local_ns = h.saturating_sub(1) * iterations * self.scenario.compute_ms * 4 * 1_000_000;
+        // A rule that never decides keeps every worker waiting for a no-progress time, three
+        // times before it is quarantined, in both runs, at times the faults shift.
+        let undecided_ns = undecided * 3 * self.scenario.supervisor().no_progress_ns;
         let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64
             + self.late_joiner_extra_ns(&clean, &failed)
-            + local_ns;
+            + local_ns
+            + undecided_ns;
         if delay_ns > bound_ns {
             return Err(format!(
                 "{what}: the live workers finished {:.3} s after the undisturbed run's did (at {:.3} s), \
@@ -830,6 +881,10 @@ impl Case {
             duplicates: clean.duplicates + failed.duplicates,
             bad_inputs: clean.bad_inputs + failed.bad_inputs,
             hostile,
+            refusing,
+            undecided,
+            swaps_refused: clean.swaps_refused + failed.swaps_refused,
+            stalled: u64::from(stalled(&clean)) + u64::from(stalled(&failed)),
             coordinator_crashes: u64::from(crash.is_some()),
             rebuild: failed.rebuild,
             checkpoints: failed.checkpoints,
@@ -918,6 +973,26 @@ impl Case {
 /// latencies, and a heartbeat's pause for a request a server without a lease refused). The
 /// largest delay in the first 1,000 seeds was 4.1 s, and in the 100,000-seed soak 9.3 s, both
 /// within their seeds' bounds.
+/// Whether `spec` is the hostile module refusing every other policy's state.
+fn refuses(spec: &PolicySpec) -> bool {
+    spec.source == HOSTILE && spec.config.iter().any(|(k, v)| k == "mode" && v == "refuse-state")
+}
+
+/// Whether `spec` is the hostile module that parks every pull or holds every push after a while.
+fn never_decides(spec: &PolicySpec) -> bool {
+    let mode = |m: &str| spec.config.iter().any(|(k, v)| k == "mode" && v == m);
+    spec.source == HOSTILE && (mode("pull:park") || mode("push:hold"))
+}
+
+/// Whether a run's shards found a rule stalled.
+fn stalled(run: &Simulated) -> bool {
+    run.report
+        .servers
+        .iter()
+        .flat_map(|s| &s.shards)
+        .any(|sh| sh.last_failure.as_deref().is_some_and(|f| f.contains("made no progress")))
+}
+
 const LIVENESS_NS_PER_FAULT: u64 = 2 * crate::lease::FAILOVER_MS * 1_000_000;
 
 fn when(at: FailAt) -> String {

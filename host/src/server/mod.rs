@@ -924,6 +924,24 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     for worker in gone {
                         let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
                     }
+                    // It runs the policy this server records (its last committed swap's), unless
+                    // it took a newer one from its old primary that this server has prepared.
+                    let (blob, raise) = {
+                        let (_, blob, _) = shared.policy.lock().expect("not poisoned").clone();
+                        (blob, shared.levelled.lock().expect("not poisoned").clone())
+                    };
+                    let module = shared.modules.lock().expect("not poisoned").get(&blob.sha256).cloned();
+                    let newer = shared
+                        .prepared
+                        .lock()
+                        .expect("not poisoned")
+                        .values()
+                        .map(|(m, b, _)| (m.sha256(), b.config_for(shard)))
+                        .collect();
+                    if let Some(module) = module {
+                        let config = blob.config_for(shard);
+                        let _ = tx.send(ShardCmd::Conform { module, config, raise, newer }).await;
+                    }
                     shared.shards.write().expect("not poisoned").insert(shard, tx);
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
                     ServerReply::Ok

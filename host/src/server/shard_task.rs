@@ -90,6 +90,14 @@ pub(crate) enum ShardCmd {
         raise: Vec<ClockRaise>,
         reply: Reply<()>,
     },
+    /// A primary just promoted takes the policy this server records, unless it runs it or one
+    /// of `newer` ([`ShardNode::conform`]).
+    Conform {
+        module: PolicyModule,
+        config: Vec<(String, String)>,
+        raise: Vec<ClockRaise>,
+        newer: Vec<([u8; 32], Vec<(String, String)>)>,
+    },
     /// Whether the shard would take this module in a swap now ([`ShardNode::check_swap`]).
     CheckSwap {
         module: PolicyModule,
@@ -532,6 +540,9 @@ impl ShardTask {
             ShardCmd::Swap { module, config, raise, reply } => {
                 let token = p.wait(Waiter::Done(reply));
                 p.node.swap(now, token, module, config, raise, &mut p.obs);
+            }
+            ShardCmd::Conform { module, config, raise, newer } => {
+                p.node.conform(now, module, config, raise, &newer, &mut p.obs);
             }
             ShardCmd::CheckSwap { module, config, reply } => {
                 let checked = p.node.check_swap(now, &module, &config);

@@ -13,6 +13,7 @@ the cluster, prints ``left`` and exits with status 3."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from types import FrameType
@@ -67,4 +68,8 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C raises KeyboardInterrupt here whatever this process inherited: Python installs its
+    # handler only where SIGINT is not ignored, and a suite started in the background (`&`,
+    # nohup, a scheduler) hands its children SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1])

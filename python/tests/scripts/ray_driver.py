@@ -5,6 +5,7 @@ workers are pushing, and then waits in :func:`syncopate.ray.RayRun.wait`."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -40,4 +41,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C raises KeyboardInterrupt here whatever this process inherited (a suite started in
+    # the background hands its children SIGINT ignored, and Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main()

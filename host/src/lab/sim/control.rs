@@ -341,6 +341,7 @@ impl Sim {
         match self.coord.begin_swap() {
             Ok(swap) => {
                 tracing::debug!(swap, policy = module.label(), t_ns = self.now, "hot swap begins");
+                self.swap_modules.insert(swap, (module.clone(), config.clone()));
                 self.swapping = Some((swap, module, config));
                 self.drive_coordinator()
             }
@@ -428,6 +429,9 @@ impl Sim {
         match command {
             Command::Promote { shard } => {
                 let promoted = self.promote(shard, x);
+                if promoted {
+                    self.conform(shard, x);
+                }
                 // A member whose connection to this server timed out already leaves at once, as
                 // the server tells its promoted shards.
                 for w in (0..self.workers.len() as u32).filter(|&w| promoted && self.workers[w as usize].gone)
@@ -449,10 +453,23 @@ impl Sim {
                 Ok(true)
             }
             Command::AttachBackup { shard, backup } => self.attach(shard, x, backup),
-            // Every module the run may swap to was compiled before it began.
-            Command::Prepare { swap } | Command::Abort { swap } => {
-                Ok(self.swapping.as_ref().is_some_and(|p| p.0 == swap))
-            }
+            // Every module the run may swap to was compiled before it began; each primary tries
+            // the hand-over of its policy's state, as a server does, and one refusal refuses it.
+            Command::Prepare { swap } => match self.swapping.clone() {
+                Some((n, module, config)) if n == swap => {
+                    for s in (0..self.nodes.len() as u32).filter(|&s| self.server_of[s as usize] == x) {
+                        let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
+                        if let Err(e) = self.nodes[s as usize].check_swap(self.now, &module, &config) {
+                            tracing::debug!(swap, shard = s, t_ns = self.now, "swap refused: {e}");
+                            self.swaps_refused += 1;
+                            return Ok(false);
+                        }
+                    }
+                    Ok(true)
+                }
+                _ => Ok(false),
+            },
+            Command::Abort { swap } => Ok(self.swapping.as_ref().is_some_and(|p| p.0 == swap)),
             Command::Snapshot { round, shard } => {
                 let su = shard as usize;
                 if su >= self.nodes.len() || self.server_of[su] != x {
@@ -476,6 +493,25 @@ impl Sim {
                 }
                 _ => Ok(false),
             },
+        }
+    }
+
+    /// Shard `s`, just promoted on server `x`, takes the policy `x` records (its last committed
+    /// swap's), unless it runs it or the swap `x` has prepared and not committed yet
+    /// ([`ShardNode::conform`], as a server does).
+    fn conform(&mut self, s: u32, x: u32) {
+        let (n, raise) = self.committed[x as usize].clone();
+        let Some((module, config)) = self.swap_modules.get(&n).cloned() else { return };
+        let overrides = &self.opts.run.overrides;
+        let config = crate::builtin::shard_config(&config, overrides, s);
+        let newer: Vec<([u8; 32], Vec<(String, String)>)> = match &self.swapping {
+            Some((m, module, config)) if *m > n => {
+                vec![(module.sha256(), crate::builtin::shard_config(config, overrides, s))]
+            }
+            _ => Vec::new(),
+        };
+        if self.nodes[s as usize].conform(self.now, module, config, raise, &newer, &mut Quiet) {
+            self.conformed += 1;
         }
     }
 

@@ -510,6 +510,9 @@ struct Sim {
     renumbered: Vec<Vec<i64>>,
     /// The hot swap under way: its number, module and configuration.
     swapping: Option<Swapping>,
+    /// Each swap's module and configuration (by its number; 0: the first policy), as a
+    /// coordinator knows them: the policy it records is the one its machine's swap count names.
+    swap_modules: BTreeMap<u64, (PolicyModule, Vec<(String, String)>)>,
     /// The clocks servers prepared a swap with, by the preparation's command, until the answer
     /// reaches the coordinator.
     prepared: BTreeMap<u64, Vec<WorkerClock>>,
@@ -572,6 +575,11 @@ struct Sim {
     promoted_epoch: Vec<Option<u32>>,
     /// Ops from a deposed primary that reached the backup it had, promoted since.
     stale_ops: u64,
+    /// Swaps a server refused at their preparation (a shard's policy state refused).
+    swaps_refused: u64,
+    /// Promoted primaries that switched to the policy their server records
+    /// ([`ShardNode::conform`]).
+    conformed: u64,
 }
 
 /// A finished simulation.
@@ -607,6 +615,14 @@ pub struct Simulated {
     /// Ops from a deposed primary (a stale term) that reached its old backup after that backup
     /// was promoted, each ignored.
     pub stale_ops: u64,
+    /// Where, at the end, a live primary ran another policy than the one its coordinator records
+    /// (the module of its last committed swap); `None` when every one ran the recorded policy.
+    pub policy_differs: Option<String>,
+    /// Preparations of a swap a server refused because a shard's state was refused.
+    pub swaps_refused: u64,
+    /// Promoted primaries that switched to the policy their server records (their old primary
+    /// died before it streamed a swap's commit).
+    pub conformed: u64,
 }
 
 /// What became of a run's checkpoint rounds.
@@ -911,6 +927,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         renumbered: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         swapping: None,
+        swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
         prepared: BTreeMap::new(),
         modules,
         leases: vec![ServerLease::new(0); sc.servers as usize],
@@ -937,6 +954,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         killed_after_restart: 0,
         promoted_epoch: vec![None; shards_n as usize],
         stale_ops: 0,
+        swaps_refused: 0,
+        conformed: 0,
     };
     sim.start_control();
     // Each worker joins every shard, and starts once all have answered (with backups, once
@@ -1046,6 +1065,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let model = sim.model();
+    let (policy_differs, swaps_refused, conformed) = (sim.policy_differs(), sim.swaps_refused, sim.conformed);
     let replicas_differ = match sim.drift.take() {
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
@@ -1066,6 +1086,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         restarts,
         killed_after_restart,
         stale_ops,
+        policy_differs,
+        swaps_refused,
+        conformed,
     })
 }
 
@@ -1162,6 +1185,29 @@ impl Sim {
                 self.coded_bytes(s, c)
             }
         }
+    }
+
+    /// Where a live primary runs another policy than the coordinator records (the module of the
+    /// swap its machine counts last), once the coordinator is up.
+    fn policy_differs(&self) -> Option<String> {
+        if self.coord_phase != control::Phase::Up {
+            return None;
+        }
+        let (recorded, _) = self.swap_modules.get(&self.coord.swaps())?;
+        for (k, node) in self.nodes.iter().enumerate() {
+            if self.dead[self.server_of[k] as usize] {
+                continue;
+            }
+            if node.module().sha256() != recorded.sha256() {
+                return Some(format!(
+                    "shard {k} runs {}, but the coordinator records {} (swap {})",
+                    node.module().display_name(),
+                    recorded.display_name(),
+                    self.coord.swaps()
+                ));
+            }
+        }
+        None
     }
 
     /// Lets the ops still on their way reach the live backups (nothing else happens), then says
