@@ -546,9 +546,11 @@ impl CoordinatorMachine {
             let heard = held.iter().filter_map(|h| h.known.get(k).copied());
             *term = claims.map(|c| c.1).chain(heard).chain(recorded.get(k).copied()).max().unwrap_or(0);
         }
-        let newest = held.iter().filter(|h| live[h.server as usize]).max_by_key(|h| h.swaps);
-        let finishing = newest.map(|h| (h.swaps, h.levelled.clone()));
-        self.swaps = newest.map_or(self.swaps, |h| h.swaps);
+        // The newest swap a live server committed, or one of its copies runs (its primary
+        // committed it and died before the coordinator's crash let the others commit it).
+        let newest = held.iter().filter(|h| live[h.server as usize]).max_by_key(|h| h.newest_swap());
+        let finishing = newest.map(|h| (h.newest_swap(), h.levelled.clone()));
+        self.swaps = newest.map_or(self.swaps, |h| h.newest_swap());
         let newest = newest.map(|h| h.server);
         self.rebuilding = Some(finishing.clone());
         for &(shard, server) in &resolution.promote {

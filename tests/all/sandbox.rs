@@ -357,6 +357,58 @@ fn the_no_progress_time_is_the_shards_setting_and_zero_turns_it_off() {
     assert!(rec.errors.is_empty() && shard.parked_pulls() == 2);
 }
 
+/// A rule that holds pushes on some shards and not others deadlocks the workers across shards:
+/// here worker 1's push was admitted (and it waits for the other shards' acknowledgements, its
+/// report not come), worker 0's is held. Both wait: after the no-progress time the rule fails.
+#[test]
+fn a_worker_acknowledged_here_and_waiting_on_other_shards_counts_as_waiting() {
+    use syncopate::shard::{PullRequest, PushRequest, Shard, ShardConfig};
+    use syncopate_policy_sdk::abi::IterationReport;
+    use syncopate_suite::{config, Recorder};
+    let mut rec = Recorder::default();
+    // Two pulls and worker 1's push behave; worker 0's push, the fourth event, is held.
+    let cfg = [("mode", "push:hold"), ("after", "3")];
+    let mut shard = Shard::new(ShardConfig::default(), vec![0.0], &hostile_module(), &config(&cfg), &mut rec)
+        .expect("starts");
+    let push = |w| PushRequest {
+        worker: w,
+        iteration: 0,
+        samples: 1,
+        grad: vec![1.0],
+        based_on: None,
+        tasks: None,
+        local_steps: 0,
+    };
+    for w in 0..2 {
+        shard.join(w, 0, &mut rec).expect("joins");
+        shard.pull(PullRequest { worker: w, iteration: 0 }, 1_000, &mut rec).expect("pull");
+    }
+    shard.push(push(1), 2_000, &mut rec).expect("push");
+    assert_eq!(rec.acked.len(), 1, "worker 1's push admitted");
+    shard.push(push(0), 3_000, &mut rec).expect("push");
+    assert_eq!(shard.held_pushes(), 1, "worker 0's push held");
+    let stall_at = 3_000 + syncopate::shard::DEFAULT_NO_PROGRESS_NS;
+    shard.advance(stall_at - 1, &mut rec);
+    assert!(rec.errors.is_empty());
+    shard.advance(stall_at, &mut rec);
+    assert!(matches!(rec.errors[..], [PolicyError::NoProgress { .. }]), "{:?}", rec.errors);
+    assert_eq!(rec.acked.len(), 2, "worker 0's push resolved by the fallback rule");
+    // Had worker 1 reported (every shard acknowledged it), it would be computing: no stall.
+    let mut rec = Recorder::default();
+    let mut shard = Shard::new(ShardConfig::default(), vec![0.0], &hostile_module(), &config(&cfg), &mut rec)
+        .expect("starts");
+    for w in 0..2 {
+        shard.join(w, 0, &mut rec).expect("joins");
+        shard.pull(PullRequest { worker: w, iteration: 0 }, 1_000, &mut rec).expect("pull");
+    }
+    shard.push(push(1), 2_000, &mut rec).expect("push");
+    let report = IterationReport { worker: 1, iteration: 0, compute_ns: 1, samples: 1 };
+    shard.iteration_finished(report, 2_500, &mut rec).expect("report");
+    shard.push(push(0), 3_000, &mut rec).expect("push");
+    shard.advance(stall_at + 1_000_000_000, &mut rec);
+    assert!(rec.errors.is_empty(), "{:?}", rec.errors);
+}
+
 /// A worker that computes (or waits on another shard) is not waiting on this one: while one
 /// worker has no request here, others may wait as long as they must (a straggler under BSP).
 #[test]

@@ -44,7 +44,8 @@ pub struct Held {
     pub server: u32,
     /// Swaps committed on it so far.
     pub swaps: u64,
-    /// What the last of them raised the workers' clocks by.
+    /// What the newest swap it knows of (committed, or run by a copy: `copies`) raised the
+    /// workers' clocks by.
     pub levelled: Vec<ClockRaise>,
     /// Shards it is primary for: `(shard, term, parameters)`, 0 parameters before the shard's
     /// creation.
@@ -54,6 +55,16 @@ pub struct Held {
     /// Per shard, the newest term it heard of from the coordinator (each lease renewal's answer
     /// says every shard's term), whether it holds the shard or not: empty if it heard none.
     pub known: Vec<u64>,
+    /// The newest swap any copy it holds runs (a backup runs a swap its primary committed and
+    /// streamed, which this server may not have committed yet: it has prepared it).
+    pub copies: u64,
+}
+
+impl Held {
+    /// The newest swap it knows of: committed, or run by one of its copies.
+    pub fn newest_swap(&self) -> u64 {
+        self.swaps.max(self.copies)
+    }
 }
 
 /// What the holdings say about the map.

@@ -298,6 +298,7 @@ fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
             primaries: vec![(2, 0, 5)],
             backups: vec![(1, 0, 5)],
             known: vec![1, 0, 0],
+            copies: 3,
         },
         // An id outside the cluster is ignored.
         Held { server: 9, swaps: 7, primaries: vec![(0, 9, 5)], ..Held::default() },
@@ -541,4 +542,35 @@ fn a_lost_server_restarted_takes_its_id_back_empty_and_keeps_the_backups_no_one_
     let out = settle(&mut m, |_, _| true);
     assert!(!out.iter().any(|o| matches!(o, CoordOutput::ShardLost { .. })), "{out:?}");
     assert_eq!(m.places(), &[Place { primary: 1, backup: None }, Place { primary: 1, backup: None }]);
+}
+
+/// Issue 50: the coordinator crashed while a swap's commit was under way, and the server that
+/// had committed it died too; the backups it streamed the swap to run the new policy. The
+/// rebuilt coordinator records that swap and commits it on the servers that had not, with the
+/// raise the copies took: every shard ends on the one policy the coordinator records.
+#[test]
+fn a_rebuild_finishes_a_swap_that_only_copies_of_a_dead_server_took() {
+    let raise = vec![crate::shard::ClockRaise { worker: 0, by: 2 }];
+    let held = [Held {
+        server: 1,
+        swaps: 4,
+        copies: 5,
+        levelled: raise.clone(),
+        primaries: vec![(1, 0, 5)],
+        backups: vec![(0, 0, 5)],
+        ..Held::default()
+    }];
+    let mut m = machine(2, 2, 1);
+    let r = m.rebuild(5_000 * MS, &held, &[]);
+    assert_eq!(r.newest, Some(1));
+    assert_eq!(m.swaps(), 5, "the swap its copies run is recorded");
+    let commands: Vec<(u32, Command)> = drain(&mut m)
+        .iter()
+        .filter_map(|o| match o {
+            CoordOutput::Command { server, command, .. } => Some((*server, *command)),
+            _ => None,
+        })
+        .collect();
+    assert!(commands.contains(&(1, Command::Commit { swap: 5 })), "{commands:?}");
+    assert_eq!(m.levelling(5), raise.as_slice());
 }

@@ -500,6 +500,15 @@ pub struct Shard {
     stall_check_at: Option<u64>,
     /// The worker whose departure the policy is hearing of ([`Shard::leave`]).
     leaving: Option<WorkerId>,
+    /// Per worker: its push acknowledged here, not yet followed by its report of that
+    /// iteration, and since when. A worker sends its report once every shard has acknowledged
+    /// its push: until then it waits on the other shards (see [`Shard::check_progress`]).
+    acked_unreported: Vec<Option<(u64, u64)>>,
+    /// The driver's time of the event being handled.
+    now_ns: u64,
+    /// The cluster's number of the swap that put the running policy in (0: the first policy),
+    /// and what it raised the workers' clocks by ([`Shard::commit_swap`]).
+    swap: (u64, Vec<ClockRaise>),
 }
 
 impl DecisionState for Shard {
@@ -589,6 +598,9 @@ impl Shard {
             last_failure: None,
             stall_check_at: None,
             leaving: None,
+            acked_unreported: Vec::new(),
+            now_ns: 0,
+            swap: (0, Vec::new()),
         };
         shard.apply_start(&start, 0, sink)?;
         Ok(shard)
@@ -663,6 +675,13 @@ impl Shard {
     /// then, and restarts it), if it does.
     pub fn backoff_until(&self) -> Option<u64> {
         self.supervisor.backoff_until()
+    }
+
+    /// The cluster's number of the swap that put the running policy in (0: the first one), and
+    /// what that swap raised the workers' clocks by: a server tells a restarted coordinator the
+    /// newest swap its copies run, so that a swap interrupted by its crash is finished alike.
+    pub fn swap(&self) -> (u64, &[ClockRaise]) {
+        (self.swap.0, &self.swap.1)
     }
 
     /// Failures of the running policy since it started on this shard (its swap, or the shard's
@@ -782,6 +801,9 @@ impl Shard {
                 dropped = before - self.partials.len(),
                 "worker left with incomplete iterations; their partial gradients are dropped"
             );
+        }
+        if let Some(slot) = self.acked_unreported.get_mut(worker as usize) {
+            *slot = None;
         }
         // The policy decides on the worker's held pushes while they are held (and its clock
         // still counts); to it, the worker is gone: no control may go to it.
@@ -1135,15 +1157,31 @@ impl Shard {
         if !self.clocks.is_live(report.worker) {
             return Err(ShardError::UnknownWorker(report.worker, self.shard));
         }
+        if let Some(slot) = self.acked_unreported.get_mut(report.worker as usize) {
+            if slot.is_some_and(|(iteration, _)| iteration <= report.iteration) {
+                *slot = None;
+            }
+        }
         let view = self.clocks.view();
         self.run(Event::IterationFinished(report), view, now_ns, sink);
         Ok(())
+    }
+
+    /// `worker`'s push of `iteration` is acknowledged here (admitted, grouped or dropped): until
+    /// its report of that iteration comes, it waits on the other shards' acknowledgements.
+    fn acked_here(&mut self, worker: WorkerId, iteration: u64) {
+        let i = worker as usize;
+        if self.acked_unreported.len() <= i {
+            self.acked_unreported.resize(i + 1, None);
+        }
+        self.acked_unreported[i] = Some((iteration, self.now_ns));
     }
 
     /// Moves the shard's time to `now_ns`: a policy whose crash-loop backoff is over restarts,
     /// every policy timer due fires, and a policy under which every live worker has waited for
     /// the no-progress time fails ([`SupervisorConfig::no_progress_ns`]).
     pub fn advance(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
+        self.now_ns = self.now_ns.max(now_ns);
         match self.supervisor.resume(now_ns) {
             None => {}
             Some(Ok(())) => {
@@ -1184,11 +1222,16 @@ impl Shard {
         }
     }
 
-    /// Looks, once due, whether every live worker has had a request waiting on the policy (a
-    /// parked pull, a held push) for the no-progress time: then the rule has stalled (see
-    /// [`SupervisorConfig::no_progress_ns`]). Otherwise it looks again when the request that
-    /// started waiting last could make it so, or, if some worker waits on nothing, when a
-    /// request next starts waiting. Costs O(waiting requests), once per no-progress time.
+    /// Looks, once due, whether every live worker has waited for the no-progress time: on this
+    /// policy (a parked pull, a held push), or, its push acknowledged here and its report of that
+    /// iteration not come, on the other shards' acknowledgements (a rule that holds pushes on
+    /// some shards and not others deadlocks the workers across shards). With at least one
+    /// request waiting here, the rule has stalled (see [`SupervisorConfig::no_progress_ns`]).
+    /// Otherwise it looks again when the request that started waiting last could make it so,
+    /// or, if some worker waits on nothing, when a request next starts waiting or a worker
+    /// leaves. A worker whose pull was served here and that waits on another shard's pull
+    /// cannot be told from one computing: a rule that parks pulls on some shards only is not
+    /// caught. Costs O(workers), once per no-progress time.
     fn check_progress(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
         let Some(at) = self.stall_check_at else { return };
         if at > now_ns {
@@ -1196,7 +1239,7 @@ impl Shard {
         }
         self.stall_check_at = None;
         let live = self.clocks.view().workers as usize;
-        if !self.supervisor.is_running() || live == 0 || self.parked.len() + self.held.len() < live {
+        if !self.supervisor.is_running() || live == 0 || self.parked.len() + self.held.len() == 0 {
             return;
         }
         // Per live worker, since when it has waited (its longest-waiting request).
@@ -1213,6 +1256,14 @@ impl Shard {
             wait(h.push.worker, since);
         }
         waiting.retain(|w, _| self.clocks.is_live(*w));
+        if waiting.is_empty() {
+            return;
+        }
+        for w in self.clocks.workers().map(|c| c.worker) {
+            if let Some(Some((_, since))) = self.acked_unreported.get(w as usize) {
+                waiting.entry(w).or_insert(*since);
+            }
+        }
         if waiting.len() < live {
             return;
         }
@@ -1292,7 +1343,30 @@ impl Shard {
     /// [`check_swap`](Self::check_swap), but the state has moved since), it starts afresh from its
     /// configuration instead, as on a new shard: every shard of a committed swap runs the module
     /// the cluster records. Only a module that cannot start at all leaves the old one running.
+    /// `swap` is the cluster's number of the swap ([`Shard::swap`]).
     pub fn commit_swap(
+        &mut self,
+        module: &PolicyModule,
+        config: &[(String, String)],
+        raise: &[ClockRaise],
+        swap: u64,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(), PolicyError> {
+        // Already running it (a backup promoted after it took this swap's module otherwise, or
+        // a shard created with it): only the swap's number is taken.
+        let running = self.policy().sha256() == module.sha256() && self.policy_config() == config;
+        let done = match running {
+            true => Ok(()),
+            false => self.commit_or_start(module, config, raise, now_ns, sink),
+        };
+        if done.is_ok() {
+            self.swap = (swap, raise.to_vec());
+        }
+        done
+    }
+
+    fn commit_or_start(
         &mut self,
         module: &PolicyModule,
         config: &[(String, String)],
@@ -1393,6 +1467,7 @@ impl Shard {
 
     /// Handles one event, then whatever it queued.
     fn run(&mut self, event: Event, view: ShardView, now_ns: u64, sink: &mut dyn ShardSink) {
+        self.now_ns = self.now_ns.max(now_ns);
         self.dispatch(event, view, true, now_ns, sink);
         self.drain(now_ns, sink);
     }
@@ -1763,6 +1838,7 @@ impl Shard {
             }
         }
         sink.recycle(grad);
+        self.acked_here(push.worker, push.iteration);
         sink.push_acked(push.id, push.worker, push.iteration);
     }
 
@@ -1780,6 +1856,7 @@ impl Shard {
         contribute(&mut self.groups, group, &mut self.spare_sums, c);
         self.complete_aggregates(sink);
         sink.recycle(grad);
+        self.acked_here(push.worker, push.iteration);
         sink.push_acked(push.id, push.worker, push.iteration);
     }
 
@@ -1818,6 +1895,7 @@ impl Shard {
         self.stats.pushes_dropped += 1;
         sink.recycle(grad);
         self.complete_aggregates(sink);
+        self.acked_here(push.worker, push.iteration);
         sink.push_dropped(push.id, push.worker, push.iteration);
     }
 

@@ -886,36 +886,38 @@ impl ShardNode {
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
+        swap: u64,
         obs: &mut dyn Observer,
     ) {
         if self.pending.backup {
             return self.pending.reply(token, Reply::Done(Ok(())));
         }
-        let r = self.switch(now, module, config, raise, obs);
+        let r = self.switch(now, module, config, raise, swap, obs);
         self.pending.reply(token, Reply::Done(r));
     }
 
-    /// Switches to `module` with `config`, unless the shard runs them already (a promoted
-    /// backup that took this swap from its old primary's ops before its server's commit came:
-    /// its clocks were raised then, and are not raised twice).
+    /// Switches to swap `swap`'s `module` with `config`, unless the shard runs that swap or a
+    /// newer one already (a promoted backup that took it from its old primary's ops before its
+    /// server's commit came: its clocks were raised then, and are not raised twice).
     fn switch(
         &mut self,
         now: u64,
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
+        swap: u64,
         obs: &mut dyn Observer,
     ) -> Result<(), RequestError> {
-        if self.runs(&module.sha256(), &config) {
-            return Ok(());
-        }
-        if self.shard.is_none() {
+        let Some(shard) = self.shard.as_ref() else {
             (self.module, self.config) = (module, config);
+            return Ok(());
+        };
+        if swap > 0 && shard.swap().0 >= swap {
             return Ok(());
         }
         let sha256 = module.sha256();
         let previous = std::mem::replace(&mut self.module, module);
-        let r = match self.step(Op::Swap { sha256, config, raise }, Vec::new(), now, obs) {
+        let r = match self.step(Op::Swap { sha256, config, raise, swap }, Vec::new(), now, obs) {
             Some(Outcome::Swapped(r)) => r.map_err(RequestError::Swap),
             _ => Err(RequestError::NoShardYet(self.id())),
         };
@@ -925,35 +927,22 @@ impl ShardNode {
         r
     }
 
-    /// Whether the shard runs the module with this SHA-256 and `config` (or, not created yet,
-    /// will start with them).
-    pub fn runs(&self, sha256: &[u8; 32], config: &[(String, String)]) -> bool {
-        match &self.shard {
-            Some(s) => s.policy().sha256() == *sha256 && s.policy_config() == config,
-            None => self.module.sha256() == *sha256 && self.config == config,
-        }
-    }
-
     /// A primary just promoted takes the policy its server records (`module` with `config`, its
-    /// last committed swap, raising the clocks by that swap's `raise`), unless it runs it, or
-    /// one of `newer` (a swap its server has prepared and not committed yet, which the old
-    /// primary committed first and streamed). A backup whose primary died before streaming a
-    /// swap's commit would otherwise run the old policy while the cluster records the new one.
-    /// Returns whether it switched.
-    #[allow(clippy::too_many_arguments)]
+    /// last committed swap `swap`, which raised the clocks by `raise`) unless it runs that swap
+    /// or a newer one, taken from its old primary's ops (which its server will commit too). A
+    /// backup whose primary died before streaming a swap's commit would otherwise run the old
+    /// policy while the cluster records the new one. Returns whether it switched.
     pub fn conform(
         &mut self,
         now: u64,
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
-        newer: &[([u8; 32], Vec<(String, String)>)],
+        swap: u64,
         obs: &mut dyn Observer,
     ) -> bool {
-        if self.pending.backup || self.runs(&module.sha256(), &config) {
-            return false;
-        }
-        if newer.iter().any(|(sha, c)| self.runs(sha, c)) {
+        let behind = self.shard.as_ref().is_some_and(|s| s.swap().0 < swap);
+        if self.pending.backup || !behind {
             return false;
         }
         event!(
@@ -961,9 +950,10 @@ impl ShardNode {
             warn,
             shard = self.id(),
             policy = module.display_name(),
+            swap,
             "promoted without its old primary's last swap: switching to the policy the cluster records"
         );
-        self.switch(now, module, config, raise, obs).is_ok()
+        self.switch(now, module, config, raise, swap, obs).is_ok()
     }
 
     /// A backup receives its primary's op (`grad`: a push's gradient, a creation's

@@ -90,6 +90,8 @@ pub enum Op {
         config: Vec<(String, String)>,
         /// How far each worker's clock is raised (the cluster's levelling).
         raise: Vec<ClockRaise>,
+        /// The cluster's number of the swap ([`Shard::swap`]).
+        swap: u64,
     },
     /// Only the time moves: timers due fire.
     Advance,
@@ -178,9 +180,9 @@ impl Shard {
             Op::Finished { report } => Outcome::Done(self.iteration_finished(report, now, sink)),
             Op::Leave { worker, reason } => Outcome::Done(self.leave(worker, reason, now, sink)),
             Op::Goodbye { worker } => Outcome::Left(self.goodbye(worker, now, sink)),
-            Op::Swap { sha256, config, raise } => match module(&sha256) {
+            Op::Swap { sha256, config, raise, swap } => match module(&sha256) {
                 Some(m) => Outcome::Swapped(
-                    self.commit_swap(&m, &config, &raise, now, sink).map_err(|e| e.to_string()),
+                    self.commit_swap(&m, &config, &raise, swap, now, sink).map_err(|e| e.to_string()),
                 ),
                 None => Outcome::Swapped(Err("the swapped-in module is not here".into())),
             },

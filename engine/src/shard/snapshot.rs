@@ -145,6 +145,8 @@ pub struct ShardSnapshot {
     last_failure: Option<String>,
     /// The policy's record of failures, counted across restarts (format 5).
     health: Health,
+    /// The cluster's number of the swap that put the policy in, and its raise (format 5).
+    swap: (u64, Vec<super::ClockRaise>),
 }
 
 impl ShardSnapshot {
@@ -229,10 +231,12 @@ impl ShardSnapshot {
         }
         let undecodable = |e: postcard::Error| SnapshotError::Body(e.to_string());
         if found == 4 {
-            // Format 5 only added a field at the end (postcard is positional): a format-4 body
-            // followed by a clean record is a format-5 body.
+            // Format 5 only added fields at the end (postcard is positional): a format-4 body
+            // followed by a clean record and swap 0 is a format-5 body.
             let mut body = body.to_vec();
             body.extend(postcard::to_allocvec(&Health::default()).expect("a record serializes"));
+            let swap: (u64, Vec<super::ClockRaise>) = (0, Vec::new());
+            body.extend(postcard::to_allocvec(&swap).expect("a swap serializes"));
             return postcard::from_bytes(&body).map_err(undecodable);
         }
         postcard::from_bytes(body).map_err(undecodable)
@@ -287,6 +291,7 @@ impl Shard {
             metrics: self.metrics.clone(),
             last_failure: self.last_failure.clone(),
             health,
+            swap: self.swap.clone(),
         })
     }
 
@@ -377,6 +382,9 @@ impl Shard {
             last_failure: snap.last_failure,
             stall_check_at: None,
             leaving: None,
+            acked_unreported: Vec::new(),
+            now_ns,
+            swap: snap.swap,
         };
         shard.recount_departed();
         shard.policy_started(StartKind::Restart, now_ns, &[], &[], sink);

@@ -122,7 +122,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
          {} failovers, {} runs with two server deaths, {} with a server cut off from the coordinator, {} \
          with a worker death, {} with a hot swap ({} to a module that traps, spins or panics, {} to one that refuses the \
          running policy's state ({} preparations refused, the record kept), {} to a rule that never decides; {} runs \
-         found a rule stalled), {} messages \
+         found a rule stalled; {} promoted backups switched to the recorded policy), {} messages \
          delivered twice, {} bad requests refused, {} ops from a deposed primary ignored by its promoted backup, {} with the coordinator crashed and restarted ({} rebuilds: {} \
          backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} dead servers restarted that took their id back ({} two-server runs then survived the other server's death on their backups), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
@@ -142,6 +142,7 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.swaps_refused,
         e.undecided,
         e.stalled,
+        e.conformed,
         e.duplicates,
         e.bad_inputs,
         e.stale_ops,

@@ -158,6 +158,9 @@ pub struct Exercised {
     /// Runs whose shards found a rule stalled (every live worker waiting on it for the
     /// no-progress time).
     pub stalled: u64,
+    /// Promoted primaries that switched to the policy their server records (their old primary
+    /// died before it streamed a swap's commit).
+    pub conformed: u64,
     /// Messages that reached a shard's primary or backup twice.
     pub duplicates: u64,
     /// Bad requests the shards refused.
@@ -200,6 +203,7 @@ impl std::ops::AddAssign for Exercised {
         self.undecided += o.undecided;
         self.swaps_refused += o.swaps_refused;
         self.stalled += o.stalled;
+        self.conformed += o.conformed;
         self.duplicates += o.duplicates;
         self.bad_inputs += o.bad_inputs;
         self.hostile += o.hostile;
@@ -885,6 +889,7 @@ impl Case {
             undecided,
             swaps_refused: clean.swaps_refused + failed.swaps_refused,
             stalled: u64::from(stalled(&clean)) + u64::from(stalled(&failed)),
+            conformed: failed.conformed,
             coordinator_crashes: u64::from(crash.is_some()),
             rebuild: failed.rebuild,
             checkpoints: failed.checkpoints,

@@ -816,8 +816,20 @@ async fn coordinator_loop(conn: quinn::Connection, shared: Arc<Shared>) {
         };
         let stop = cmd == ServerCommand::Shutdown;
         let reply = handle_command(&shared, cmd, payload).await;
-        let module = match reply {
-            ServerReply::Holdings(_) => shared.policy.lock().expect("not poisoned").2.clone(),
+        // The module of the policy a holding names: the one committed here, or a swap prepared
+        // here that a copy runs already.
+        let module = match &reply {
+            ServerReply::Holdings(h) => {
+                let (_, committed, wasm) = shared.policy.lock().expect("not poisoned").clone();
+                let prepared = shared.prepared.lock().expect("not poisoned");
+                match prepared
+                    .values()
+                    .find(|p| p.1.sha256 == h.policy.sha256 && committed.sha256 != h.policy.sha256)
+                {
+                    Some(p) => p.2.clone(),
+                    None => wasm,
+                }
+            }
             _ => Arc::default(),
         };
         if let Err(e) = net::answer(&mut send, &reply, &module).await {
@@ -872,7 +884,8 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
                 let config = policy.config_for(shard);
-                let cmd = ShardCmd::Swap { module: module.clone(), config, raise: raise.clone(), reply };
+                let cmd =
+                    ShardCmd::Swap { module: module.clone(), config, raise: raise.clone(), swap, reply };
                 let result = match tx.send(cmd).await {
                     Ok(()) => rx.await.unwrap_or(Err(RequestError::Stopped(shard))),
                     Err(_) => Err(RequestError::Stopped(shard)),
@@ -925,22 +938,15 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                         let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
                     }
                     // It runs the policy this server records (its last committed swap's), unless
-                    // it took a newer one from its old primary that this server has prepared.
-                    let (blob, raise) = {
-                        let (_, blob, _) = shared.policy.lock().expect("not poisoned").clone();
-                        (blob, shared.levelled.lock().expect("not poisoned").clone())
+                    // it took that swap or a newer one from its old primary.
+                    let (swap, blob, raise) = {
+                        let (swap, blob, _) = shared.policy.lock().expect("not poisoned").clone();
+                        (swap, blob, shared.levelled.lock().expect("not poisoned").clone())
                     };
                     let module = shared.modules.lock().expect("not poisoned").get(&blob.sha256).cloned();
-                    let newer = shared
-                        .prepared
-                        .lock()
-                        .expect("not poisoned")
-                        .values()
-                        .map(|(m, b, _)| (m.sha256(), b.config_for(shard)))
-                        .collect();
                     if let Some(module) = module {
                         let config = blob.config_for(shard);
-                        let _ = tx.send(ShardCmd::Conform { module, config, raise, newer }).await;
+                        let _ = tx.send(ShardCmd::Conform { module, config, raise, swap }).await;
                     }
                     shared.shards.write().expect("not poisoned").insert(shard, tx);
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;

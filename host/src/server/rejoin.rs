@@ -38,12 +38,36 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let held = |shard: u32| (shard, shared.term(shard), lens.get(&shard).copied().unwrap_or(0));
     let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
     let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
-    let levelled = shared.levelled.lock().expect("not poisoned").clone();
+    let mut levelled = shared.levelled.lock().expect("not poisoned").clone();
     let known_terms = shared.known_terms.lock().expect("not poisoned").clone();
+    // The newest swap a copy here runs: a backup takes a swap its primary committed and streamed
+    // before this server has committed it (it has prepared it, with its module).
+    let mut copies = 0;
+    let mut policy = policy;
+    let kept = super::sorted(&shared.backups.lock().expect("not poisoned"));
+    for (_, tx) in shared.primaries().iter().chain(&kept) {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        if tx.send(super::ShardCmd::Swapped { reply }).await.is_err() {
+            continue;
+        }
+        if let Ok(Some((swap, raise))) = rx.await {
+            if swap > copies {
+                copies = swap;
+                if swap > swaps {
+                    levelled = raise;
+                }
+            }
+        }
+    }
+    if copies > swaps {
+        if let Some((_, blob, _)) = shared.prepared.lock().expect("not poisoned").get(&copies) {
+            policy = blob.clone();
+        }
+    }
     Holdings {
         settings: shared.settings.clone(),
         policy,
-        held: Held { server: shared.id, swaps, levelled, primaries, backups, known: known_terms },
+        held: Held { server: shared.id, swaps, levelled, primaries, backups, known: known_terms, copies },
     }
 }
 

@@ -88,15 +88,20 @@ pub(crate) enum ShardCmd {
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
+        swap: u64,
         reply: Reply<()>,
     },
-    /// A primary just promoted takes the policy this server records, unless it runs it or one
-    /// of `newer` ([`ShardNode::conform`]).
+    /// A primary just promoted takes the policy this server records (its swap `swap`), unless
+    /// it runs that swap or a newer one ([`ShardNode::conform`]).
     Conform {
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
-        newer: Vec<([u8; 32], Vec<(String, String)>)>,
+        swap: u64,
+    },
+    /// The swap the shard's policy came in by, and its raise ([`crate::shard::Shard::swap`]).
+    Swapped {
+        reply: oneshot::Sender<Option<(u64, Vec<ClockRaise>)>>,
     },
     /// Whether the shard would take this module in a swap now ([`ShardNode::check_swap`]).
     CheckSwap {
@@ -537,12 +542,15 @@ impl ShardTask {
                     None => Err(crate::shard::RequestError::NoShardYet(id)),
                 });
             }
-            ShardCmd::Swap { module, config, raise, reply } => {
+            ShardCmd::Swap { module, config, raise, swap, reply } => {
                 let token = p.wait(Waiter::Done(reply));
-                p.node.swap(now, token, module, config, raise, &mut p.obs);
+                p.node.swap(now, token, module, config, raise, swap, &mut p.obs);
             }
-            ShardCmd::Conform { module, config, raise, newer } => {
-                p.node.conform(now, module, config, raise, &newer, &mut p.obs);
+            ShardCmd::Conform { module, config, raise, swap } => {
+                p.node.conform(now, module, config, raise, swap, &mut p.obs);
+            }
+            ShardCmd::Swapped { reply } => {
+                let _ = reply.send(p.node.shard().map(|s| (s.swap().0, s.swap().1.to_vec())));
             }
             ShardCmd::CheckSwap { module, config, reply } => {
                 let checked = p.node.check_swap(now, &module, &config);

@@ -361,6 +361,7 @@ impl Sim {
         module: PolicyModule,
         config: Vec<(String, String)>,
         raise: Vec<ClockRaise>,
+        swap: u64,
     ) -> Result<(), SimError> {
         for s in 0..self.nodes.len() as u32 {
             if self.server_of[s as usize] != x {
@@ -370,7 +371,7 @@ impl Sim {
             self.next_token += 1;
             self.requests.insert(self.next_token, Req::Ignore { s });
             let (module, raise) = (module.clone(), raise.clone());
-            self.nodes[s as usize].swap(self.now, self.next_token, module, config, raise, &mut Quiet);
+            self.nodes[s as usize].swap(self.now, self.next_token, module, config, raise, swap, &mut Quiet);
             self.drain(s)?;
         }
         Ok(())
@@ -488,7 +489,7 @@ impl Sim {
                         self.rebuild.swaps_finished += 1;
                     }
                     self.committed[x as usize] = (swap, raise.clone());
-                    self.commit(x, module, config, raise)?;
+                    self.commit(x, module, config, raise, swap)?;
                     Ok(true)
                 }
                 _ => Ok(false),
@@ -497,20 +498,13 @@ impl Sim {
     }
 
     /// Shard `s`, just promoted on server `x`, takes the policy `x` records (its last committed
-    /// swap's), unless it runs it or the swap `x` has prepared and not committed yet
-    /// ([`ShardNode::conform`], as a server does).
+    /// swap's), unless it runs that swap or a newer one ([`ShardNode::conform`], as a server
+    /// does).
     fn conform(&mut self, s: u32, x: u32) {
         let (n, raise) = self.committed[x as usize].clone();
         let Some((module, config)) = self.swap_modules.get(&n).cloned() else { return };
-        let overrides = &self.opts.run.overrides;
-        let config = crate::builtin::shard_config(&config, overrides, s);
-        let newer: Vec<([u8; 32], Vec<(String, String)>)> = match &self.swapping {
-            Some((m, module, config)) if *m > n => {
-                vec![(module.sha256(), crate::builtin::shard_config(config, overrides, s))]
-            }
-            _ => Vec::new(),
-        };
-        if self.nodes[s as usize].conform(self.now, module, config, raise, &newer, &mut Quiet) {
+        let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
+        if self.nodes[s as usize].conform(self.now, module, config, raise, n, &mut Quiet) {
             self.conformed += 1;
         }
     }
@@ -739,7 +733,24 @@ impl Sim {
                 backups.push((s as u32, term, len(s)));
             }
         }
-        let (swaps, levelled) = self.committed[x as usize].clone();
+        let (swaps, mut levelled) = self.committed[x as usize].clone();
+        // The newest swap a copy here runs (a backup takes its primary's swap from its ops).
+        let mut copies = 0;
+        for s in 0..self.nodes.len() {
+            let copy = match (self.server_of[s] == x, self.backup_of[s] == Some(x)) {
+                (true, _) => self.nodes[s].shard(),
+                (false, true) => self.backups[s].as_ref().and_then(ShardNode::shard),
+                _ => None,
+            };
+            if let Some((swap, raise)) = copy.map(|c| c.swap()) {
+                if swap > copies {
+                    copies = swap;
+                    if swap > swaps {
+                        levelled = raise.to_vec();
+                    }
+                }
+            }
+        }
         Held {
             server: x,
             swaps,
@@ -747,6 +758,7 @@ impl Sim {
             primaries: primaries.into_iter().map(|(s, (t, l))| (s, t, l)).collect(),
             backups,
             known: self.known_terms[x as usize].clone(),
+            copies,
         }
     }
 
