@@ -108,13 +108,23 @@ pub fn shard_file(round: &Path, shard: u32) -> PathBuf {
 /// Writes `bytes` to `path` crash-safely: a temporary file, synced, renamed over `path`, and the
 /// folder synced.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    write_file(path, bytes).map_err(io(format!("cannot write {}", path.display())))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Writes `bytes` to `path` whole or not at all: into `path`'s `.tmp` sibling, synced, then
+/// renamed over `path`. On any failure (a full disk, say) the `.tmp` file is removed and `path`
+/// is left as it was: never a file cut short, or an empty one.
+pub fn write_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io(format!("cannot create {}", tmp.display())))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io(format!("cannot write {}", tmp.display())))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io(format!("cannot rename {} into place", tmp.display())))?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {

@@ -582,7 +582,8 @@ fn a_swap_from_asp_to_bsp_after_drift_levels_the_clocks_and_nobody_waits_for_a_r
     let t = Instant::now();
     let clocks: Vec<u64> = loop {
         let before = status(&cluster);
-        let clocks: Vec<u64> = before.servers[0].shards[0].workers.iter().map(|w| w.clock).collect();
+        let shard = before.servers.first().and_then(|s| s.shards.first());
+        let clocks: Vec<u64> = shard.map(|s| s.workers.iter().map(|w| w.clock).collect()).unwrap_or_default();
         let spread = clocks.iter().max().unwrap_or(&0) - clocks.iter().min().unwrap_or(&0);
         if clocks.len() == 3 && spread >= 20 {
             break clocks;

@@ -12,6 +12,7 @@ mod local_sgd;
 mod net;
 mod oracles;
 mod partition;
+mod progress;
 mod restart;
 mod rules;
 mod sandbox;

@@ -59,7 +59,8 @@ pub(super) fn remember(file: &Path, args: &[String], skip: &[&str]) -> anyhow::R
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let text = serde_json::to_string_pretty(&Started { args: kept })?;
-    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))
+    crate::checkpoint::write_file(file, text.as_bytes())
+        .with_context(|| format!("writing {}", file.display()))
 }
 
 /// The arguments of the run kept in the first of `files` that exists, with `now` (this

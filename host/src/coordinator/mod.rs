@@ -161,6 +161,8 @@ struct State {
     admission_key: AdmissionKey,
     /// The shards' terms last recorded in the checkpoint directory ([`rebuild::TERMS_FILE`]).
     recorded_terms: Vec<u64>,
+    /// Why the last checkpoint round was not taken, until one is.
+    checkpoint_error: Option<String>,
 }
 
 /// A hot swap's module, while the swap is under way.
@@ -258,6 +260,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
             recorded_terms: Vec::new(),
+            checkpoint_error: None,
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
@@ -291,9 +294,12 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                 if coord.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                     return;
                 }
-                if let Err(e) = coord.checkpoint().await {
+                let taken = coord.checkpoint().await;
+                if let Err(e) = &taken {
                     tracing::warn!("checkpoint not taken: {e}");
                 }
+                // Before training starts there is nothing to take: not a failure.
+                coord.lock().checkpoint_error = taken.err().filter(|e| !e.contains("has not started yet"));
             }
         })
     });
@@ -1182,6 +1188,7 @@ impl Coordinator {
                     .filter(|(_, live)| !**live)
                     .map(|(i, _)| i as u32)
                     .collect(),
+                checkpoint_error: st.checkpoint_error.clone(),
             };
             (st.servers.clone(), status)
         };

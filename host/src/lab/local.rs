@@ -455,6 +455,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     // The last time the coordinator answered a look: one silent for COORDINATOR_SILENT (frozen,
     // or wedged) is killed, and started again as one that died.
     let mut answered = Instant::now();
+    let mut checkpoint_error: Option<String> = None;
     while ended.len() < worker_names.len() {
         // Biased: a coordinator's death is seen before the next look at the cluster, which it
         // would never answer.
@@ -547,6 +548,15 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                     continue;
                 };
                 answered = Instant::now();
+                // A checkpoint round that fails (a full disk) is said here, not only in the
+                // coordinator's log.
+                if point.checkpoint_error != checkpoint_error {
+                    checkpoint_error = point.checkpoint_error.clone();
+                    match &checkpoint_error {
+                        Some(e) => eprintln!("[{:>6.1} s] checkpoint round not taken: {e}", point.t_s),
+                        None => eprintln!("[{:>6.1} s] checkpoint rounds are taken again", point.t_s),
+                    }
+                }
                 if let Some(k) = kill.filter(|_| !kill_armed && point.iterations > 0) {
                     kill_armed = true;
                     kill_at.as_mut().reset((Instant::now() + Duration::from_secs_f64(k.at_s)).into());
@@ -641,11 +651,11 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         _ => status.score.map(|r| r.score.accuracy),
     };
     let model_file = dir.join("model.bin");
-    std::fs::write(&model_file, crate::net::wire::f32_bytes(&model))
+    crate::checkpoint::write_file(&model_file, &crate::net::wire::f32_bytes(&model))
         .map_err(io(format!("cannot write {}", model_file.display())))?;
     if let Some((_, Some(params))) = &best {
         let path = dir.join("model-best.bin");
-        std::fs::write(&path, crate::net::wire::f32_bytes(params))
+        crate::checkpoint::write_file(&path, &crate::net::wire::f32_bytes(params))
             .map_err(io(format!("cannot write {}", path.display())))?;
     }
     let elapsed_s = began.elapsed().as_secs_f64();
@@ -693,7 +703,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     }
     let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
     let path = dir.join("report.json");
-    std::fs::write(&path, json).map_err(io(format!("cannot write {}", path.display())))?;
+    crate::checkpoint::write_file(&path, &json).map_err(io(format!("cannot write {}", path.display())))?;
     Ok(report)
 }
 
@@ -764,6 +774,7 @@ async fn watch(
     let shards: Vec<&ShardStatus> = status.servers.iter().flat_map(|s| &s.shards).collect();
     let mut point = WatchPoint::of_shards(t_s, &shards);
     point.lost_servers = status.lost_servers.clone();
+    point.checkpoint_error = status.checkpoint_error.clone();
     // A script scores its own model and reports it; the latest report stands for the model now.
     if let Some(r) = status.score {
         point.accuracy = Some(r.score.accuracy);

@@ -45,6 +45,9 @@ pub struct WatchPoint {
     /// Servers lost and failed over so far.
     #[serde(default)]
     pub lost_servers: Vec<u32>,
+    /// Why the last checkpoint round was not taken (a full disk, say), if it was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_error: Option<String>,
     /// Pushes a policy held so far, all shards.
     #[serde(default)]
     pub pushes_held: u64,
@@ -110,6 +113,7 @@ impl WatchPoint {
             iterations: first.map_or(0, |s| s.stats.pushes_admitted + s.stats.pushes_dropped),
             metrics: metrics.into_iter().map(|(n, sum, k)| (n, sum / f64::from(k))).collect(),
             lost_servers: Vec::new(),
+            checkpoint_error: None,
             pushes_held: shards.iter().map(|s| s.stats.pushes_held).sum(),
             held_now: shards.iter().map(|s| u64::from(s.held)).sum(),
             held_longest_s: shards.iter().filter_map(|s| s.held_longest).map(|h| h.held_ns).max().unwrap_or(0)

@@ -27,6 +27,7 @@
 //! outer_nesterov = false
 //! push_codec = "none"      # none, fp16, bf16, int8, int8-BLOCK, topk-FRACTION (policies may
 //! pull_codec = "none"      # set others); pulls are never top-k
+//! no_progress_s = 30       # every live worker waiting this long on a policy is its failure
 //!
 //! [[slow]]
 //! worker = 0

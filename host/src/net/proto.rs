@@ -814,4 +814,8 @@ pub struct ClusterStatus {
     /// Servers lost and failed over.
     #[serde(default)]
     pub lost_servers: Vec<u32>,
+    /// Why the last checkpoint round was not taken (a full disk, say), until one is (protocol
+    /// 13).
+    #[serde(default)]
+    pub checkpoint_error: Option<String>,
 }

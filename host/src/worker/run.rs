@@ -256,7 +256,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     // The report is written before leaving, so a failed goodbye loses no record of the work.
     if let Some(path) = &opts.report {
         let json = serde_json::to_vec_pretty(&report).expect("reports serialize");
-        std::fs::write(path, json)
+        crate::checkpoint::write_file(path, &json)
             .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
     }
     client.leave().await?;
