@@ -440,6 +440,24 @@ fn replays_exactly_and_reports_another_policys_differences(recording: &Path) {
         "the recorded side does not depend on the replayed module"
     );
     assert!(r["identical"].as_u64().unwrap() < r["compared"].as_u64().unwrap(), "{r}");
+
+    // Issue 50: `policy check --recording` runs a module through the recorded run too; ASP takes
+    // every event, a module that panics on its 40th fails the check, naming it.
+    let check = |spec: &str| {
+        Command::new(syncopate_bin())
+            .args(["policy", "check", spec, "--cases", "4", "--long-cases", "0", "--recording"])
+            .arg(recording)
+            .output_within(COMMAND_LIMIT)
+            .expect("syncopate runs")
+    };
+    let out = check("asp");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("recording:   shard 0") && said.contains("recording:   shard 1"), "{said}");
+    let out = check(&format!("{}:mode=push:panic,after=40", env!("SYNCOPATE_HOSTILE_WASM")));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fails on the recorded run") && err.contains("panics on purpose"), "{err}");
 }
 
 #[test]

@@ -106,6 +106,26 @@ fn a_time_limit_ends_the_run_whatever_the_policy_holds() {
     }
 }
 
+/// An operator's stop (`syncopate stop`) ends a run whatever its policy parks, as a limit does.
+#[test]
+fn an_operators_stop_ends_the_run_whatever_the_policy_holds() {
+    let mut run = start("operator-stop", "mode=pull:park,after=30", 100_000, &["--no-progress-s", "0"]);
+    let cluster = run.cluster_file();
+    // Until the rule parks every pull (and training stops moving).
+    let t = Instant::now();
+    while status(&cluster).servers.iter().flat_map(|s| &s.shards).all(|s| s.parked == 0) {
+        assert!(t.elapsed() < Duration::from_secs(60), "no pull parked:\n{}", run.output());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = syncopate(&["stop"], &cluster);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (st, run) = run.finish(Duration::from_secs(60));
+    assert!(st.success(), "{}", run.output());
+    let report = run.report();
+    assert!(report.workers.iter().any(|w| !w.abandoned.is_empty()), "{:?}", report.workers);
+    assert_all(&run.model(), expected(&report), "after an operator's stop");
+}
+
 /// A module that panics on every 20th event (or every 200th), behaving in between, is
 /// restarted, then backed off, and quarantined at its fifth failure within a minute: the count
 /// survives its restarts. The run goes on under the fallback rules, nothing lost.

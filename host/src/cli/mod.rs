@@ -58,6 +58,13 @@ pub enum Command {
         /// Where to write the files.
         dir: std::path::PathBuf,
     },
+    /// End training: every worker finishes the computation in progress, pushes it, and leaves,
+    /// giving up what a policy keeps waiting (a pull at once, its own push 5 s on), as at a
+    /// time limit; `syncopate local` then saves the model and stops the cluster (operators only).
+    Stop {
+        #[command(flatten)]
+        access: args::AccessArgs,
+    },
     /// Stop a running cluster: every server, then the coordinator (operators only).
     Shutdown {
         #[command(flatten)]
@@ -190,6 +197,15 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Worker(a) => roles::worker(a),
         Command::Policy(cmd) => policy::run(cmd),
         Command::Simtest(a) => simtest(a),
+        Command::Stop { access } => {
+            let access = access.access()?;
+            args::tokio()?.block_on(async {
+                crate::operator::Operator::connect(&access).await?.stop_training().await?;
+                anyhow::Ok(())
+            })?;
+            println!("asked the workers of the cluster at {} to stop", access.coordinator);
+            Ok(())
+        }
         Command::Shutdown { access, save_model } => {
             use anyhow::Context;
             let access = access.access()?;
@@ -197,7 +213,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 let operator = crate::operator::Operator::connect(&access).await?;
                 if let Some(path) = &save_model {
                     let (model, version) = operator.read_model().await?;
-                    std::fs::write(path, crate::net::wire::f32_bytes(&model))
+                    crate::checkpoint::write_file(path, &crate::net::wire::f32_bytes(&model))
                         .with_context(|| format!("cannot write {}", path.display()))?;
                     println!("wrote {} ({} parameters, version {version})", path.display(), model.len());
                 }
