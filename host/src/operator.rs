@@ -76,7 +76,7 @@ impl Operator {
     /// What runs where.
     pub async fn status(&self) -> Result<ClusterStatus, NodeError> {
         match self.ask(&CoordRequest::Status, &[]).await? {
-            CoordResponse::Status(s) => Ok(s),
+            CoordResponse::Status(s) => Ok(*s),
             other => Err(NodeError::Protocol(format!("unexpected answer to status: {other:?}"))),
         }
     }

@@ -719,13 +719,20 @@ fn swap(py: Python<'_>, cluster: &str, policy: &str) -> PyResult<(u64, u32)> {
     let source = policy_source(&spec, Vec::new()).map_err(config_err)?;
     let access = operator_access(cluster)?;
     let rt = operator_runtime()?;
-    py.detach(|| {
-        rt.block_on(async {
-            let op = Operator::connect(&access).await?;
-            op.swap(&source).await
+    let swapped = py
+        .detach(|| {
+            rt.block_on(async {
+                let op = Operator::connect(&access).await?;
+                op.swap(&source).await
+            })
         })
-    })
-    .map_err(node_err)
+        .map_err(node_err)?;
+    match swapped {
+        syncopate::operator::Swapped::Whole { swap, shards } => Ok((swap, shards)),
+        syncopate::operator::Swapped::Partly { swap, failed } => Err(SyncopateError::new_err(format!(
+            "swap {swap} was committed, but not on every shard: {failed}"
+        ))),
+    }
 }
 
 /// The cluster's status (policy per shard, workers, counters), as JSON.

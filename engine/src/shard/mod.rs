@@ -1735,7 +1735,7 @@ impl Shard {
                     backoff_ms = until.saturating_sub(now_ns) / 1_000_000,
                     "policy failing repeatedly; fallback rules in force until it restarts"
                 );
-                self.to_fallback(sink);
+                self.leave_to_fallback(sink);
             }
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {
@@ -1748,7 +1748,7 @@ impl Shard {
                     "policy quarantined; fallback rules in force until a swap"
                 );
                 sink.policy_quarantined(policy);
-                self.to_fallback(sink);
+                self.leave_to_fallback(sink);
             }
         }
     }
@@ -1756,7 +1756,7 @@ impl Shard {
     /// No policy runs: nobody will release explicitly parked pulls (they go under BSP's rule)
     /// or decide held pushes (admitted). Requests still queued for re-delivery meet the
     /// fallback rules in `dispatch`.
-    fn to_fallback(&mut self, sink: &mut dyn ShardSink) {
+    fn leave_to_fallback(&mut self, sink: &mut dyn ShardSink) {
         self.parked.explicit_to_fallback();
         let held: Vec<Held> = self.held.drain(..).collect();
         for h in held {

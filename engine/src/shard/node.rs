@@ -879,6 +879,7 @@ impl ShardNode {
     /// levelling it agreed on, see [`Frontier`](super::Frontier)). A backup swaps when its
     /// primary's op says (the reply is `Ok` at once); a shard not created yet starts with the
     /// new module. A module that refuses the hand-over starts afresh ([`Shard::commit_swap`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn swap(
         &mut self,
         now: u64,

@@ -213,7 +213,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 let operator = crate::operator::Operator::connect(&access).await?;
                 if let Some(path) = &save_model {
                     let (model, version) = operator.read_model().await?;
-                    crate::checkpoint::write_file(path, &crate::net::wire::f32_bytes(&model))
+                    crate::checkpoint::write_file(path, crate::net::wire::f32_bytes(&model))
                         .with_context(|| format!("cannot write {}", path.display()))?;
                     println!("wrote {} ({} parameters, version {version})", path.display(), model.len());
                 }

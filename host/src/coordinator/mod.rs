@@ -1019,7 +1019,7 @@ impl Coordinator {
         match req {
             CoordRequest::Swap(blob) => self.swap(blob, payload).await,
             CoordRequest::Status => match self.status().await {
-                Ok(s) => CoordResponse::Status(s),
+                Ok(s) => CoordResponse::Status(Box::new(s)),
                 Err(e) => CoordResponse::Error(e),
             },
             CoordRequest::Shutdown => {

@@ -651,11 +651,11 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         _ => status.score.map(|r| r.score.accuracy),
     };
     let model_file = dir.join("model.bin");
-    crate::checkpoint::write_file(&model_file, &crate::net::wire::f32_bytes(&model))
+    crate::checkpoint::write_file(&model_file, crate::net::wire::f32_bytes(&model))
         .map_err(io(format!("cannot write {}", model_file.display())))?;
     if let Some((_, Some(params))) = &best {
         let path = dir.join("model-best.bin");
-        crate::checkpoint::write_file(&path, &crate::net::wire::f32_bytes(params))
+        crate::checkpoint::write_file(&path, crate::net::wire::f32_bytes(params))
             .map_err(io(format!("cannot write {}", path.display())))?;
     }
     let elapsed_s = began.elapsed().as_secs_f64();

@@ -10,7 +10,8 @@
 //! (half the three-server seeds), a server cut off from the coordinator one way or both for a
 //! while, the coordinator's notices of moves reaching the workers late, a worker killed, the
 //! workers' messages to shards delayed so that they overtake each other, a hot swap (perhaps to
-//! a module that traps, spins or panics: [`HOSTILE`]), a worker that hears of moves 10-30 s
+//! a module that traps, spins or panics, one that refuses the running policy's state, or a rule
+//! that parks every pull or holds every push after a while: [`HOSTILE`]), a worker that hears of moves 10-30 s
 //! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
 //! requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
 //! and restarted (rebuilding the cluster from its servers as a cluster's does; some crashes
@@ -24,13 +25,17 @@
 //!   over what each ran, perhaps plus a dead worker's last push, which it had not heard back
 //!   about);
 //! - no shard accepted a bad request;
+//! - every live primary runs the policy its coordinator records (a refused swap left every shard
+//!   on the old one; a committed one reached every shard, promoted backups and a restarted
+//!   coordinator's rebuild included);
 //! - no server accepted a push for a shard another server had been promoted to, at any step;
 //! - every backup equalled its primary whenever it had applied every op its primary had, and at
 //!   the end their whole snapshots are the same bytes;
 //! - liveness: the live workers finish within a bound of the undisturbed run's
 //!   (twice `FAILOVER_MS` per fault, plus the notices' delays, partitions, a coordinator's
 //!   outage with the 10 s it may wait for its servers, and a dead worker's peer timeouts
-//!   aside, and a late joiner's extra iterations).
+//!   aside, a late joiner's extra iterations, and three no-progress times for a rule that
+//!   never decides).
 //!
 //! A second fault that comes before the first failover's new backups hold their shards can take
 //! a shard's last copy: a cluster loses that shard too, so such a run is counted as lost, not

@@ -378,7 +378,7 @@ pub enum CoordResponse {
         shards: u32,
     },
     /// The cluster's state.
-    Status(ClusterStatus),
+    Status(Box<ClusterStatus>),
     /// The request failed; nothing changed.
     Error(String),
     /// A server's lease is renewed; every shard's term, by shard (how many times it was

@@ -31,8 +31,9 @@ impl Hostile {
 
     fn armed(&mut self, on: &str) -> bool {
         self.seen += 1;
-        let due = self.every == 0 || (self.seen - self.after) % self.every == 0;
-        self.seen > self.after && due && self.mode.starts_with(on)
+        let past = self.seen > self.after;
+        let due = past && (self.every == 0 || (self.seen - self.after).is_multiple_of(self.every));
+        due && self.mode.starts_with(on)
     }
 
     fn misbehave(&mut self, ctx: &mut Ctx<'_>, own_request: RequestId) {

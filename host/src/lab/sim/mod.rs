@@ -772,7 +772,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             push_weight: sc.push_weight.unwrap_or_default(),
             max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
             supervisor: sc.supervisor(),
-            ..ShardConfig::default()
         };
         let config = opts.run.shard_config(i as u32);
         let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS, quiet: true };
