@@ -1353,8 +1353,9 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<(), PolicyError> {
-        // Already running it (a backup promoted after it took this swap's module otherwise, or
-        // a shard created with it): only the swap's number is taken.
+        // Already running it (a shard created with the module after the swap, or restored
+        // from a snapshot that kept no swap number): only the swap's number is taken. So a
+        // swap to the very module and configuration that run changes nothing else.
         let running = self.policy().sha256() == module.sha256() && self.policy_config() == config;
         let done = match running {
             true => Ok(()),

@@ -453,17 +453,8 @@ impl Supervisor {
         workers: Vec<WorkerClock>,
         now_ns: u64,
     ) -> Result<Vec<u8>, PolicyError> {
-        let (instance, start) = self.handoff(module, config, workers.clone(), now_ns)?;
-        let mut instance = instance;
-        self.checkpoint = instance.export_state()?;
-        self.checkpoint_workers = workers;
-        self.instance = Some(instance);
-        self.module = module.clone();
-        self.config = config.to_vec();
-        self.since_checkpoint = 0;
-        self.health = Health::default();
-        self.quarantined = false;
-        Ok(start)
+        let started = self.handoff(module, config, workers.clone(), now_ns)?;
+        self.install(started, module, config, workers)
     }
 
     /// Replaces the running policy with a fresh instance of `module`, started from `config`
@@ -475,8 +466,20 @@ impl Supervisor {
         workers: Vec<WorkerClock>,
         now_ns: u64,
     ) -> Result<Vec<u8>, PolicyError> {
-        let (mut instance, start) =
-            PolicyInstance::new(module, &init_args(self.shard, self.shards, now_ns, config))?;
+        let started = PolicyInstance::new(module, &init_args(self.shard, self.shards, now_ns, config))?;
+        self.install(started, module, config, workers)
+    }
+
+    /// Makes `started` (a new instance and its start-up decisions) the running policy, with a
+    /// clean record; returns the decisions. On error nothing changes.
+    fn install(
+        &mut self,
+        started: (PolicyInstance, Vec<u8>),
+        module: &PolicyModule,
+        config: &[(String, String)],
+        workers: Vec<WorkerClock>,
+    ) -> Result<Vec<u8>, PolicyError> {
+        let (mut instance, start) = started;
         self.checkpoint = instance.export_state()?;
         self.checkpoint_workers = workers;
         self.instance = Some(instance);
