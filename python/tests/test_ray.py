@@ -324,14 +324,18 @@ def test_a_killed_worker_actor_is_restarted_and_no_push_is_doubled(
     again = report["results"][1]["iterations"]
     assert 0 < again < 120 - 30
     model = np.fromfile(Path(report["run_dir"]) / "model.bin", dtype="<f4")
-    assert np.all(model == model[0]), model
     # Workers 0 and 2 push 1 and 3 every iteration; what is left is worker 1's pushes of 2:
     # those of its first process (acknowledged up to the kill, between the clocks seen just
-    # before it) and every one of the second's, each once.
-    pushes_1 = (-float(model[0]) - (1 + 3) * 120) / 2
-    first = pushes_1 - again
-    assert first == int(first), model
-    assert at_kill["min_clock"] <= first <= at_kill["max_clock"] + 1, (first, at_kill, again)
+    # before it) and every one of the second's, each once. A push is not atomic across shards:
+    # the one the kill interrupted may have reached some shards and not others, so the shards'
+    # counts of the first process's pushes differ by one at most.
+    firsts = set()
+    for value in set(model.tolist()):
+        first = (-value - (1 + 3) * 120) / 2 - again
+        assert first == int(first), model
+        assert at_kill["min_clock"] <= first <= at_kill["max_clock"] + 1, (first, at_kill, again)
+        firsts.add(int(first))
+    assert max(firsts) - min(firsts) <= 1, model
     own.assert_none_left()
 
 

@@ -802,9 +802,6 @@ impl Shard {
                 "worker left with incomplete iterations; their partial gradients are dropped"
             );
         }
-        if let Some(slot) = self.acked_unreported.get_mut(worker as usize) {
-            *slot = None;
-        }
         // The policy decides on the worker's held pushes while they are held (and its clock
         // still counts); to it, the worker is gone: no control may go to it.
         let view = self.clocks.view();
@@ -817,6 +814,9 @@ impl Shard {
         }
         self.parked.forget_worker(worker);
         self.local.forget(worker);
+        if let Some(slot) = self.acked_unreported.get_mut(worker as usize) {
+            *slot = None;
+        }
         self.clocks.leave(worker);
         self.applied_min = None;
         self.recount_departed();
