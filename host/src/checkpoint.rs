@@ -229,6 +229,24 @@ pub fn unix_ms() -> u64 {
 mod tests {
     use super::*;
 
+    /// A write that fails after its `.tmp` file was written (here the rename, over a directory;
+    /// a full disk fails the same way, earlier) leaves no `.tmp` file and the target as it was.
+    #[test]
+    fn a_failed_write_leaves_neither_a_tmp_file_nor_a_torn_target() {
+        let dir = std::env::temp_dir().join(format!("syncopate-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("target.json")).unwrap();
+        assert!(write_file(&dir.join("target.json"), b"{}").is_err());
+        assert!(!dir.join("target.tmp").exists(), "the .tmp file is removed");
+        assert!(dir.join("target.json").is_dir(), "the target is as it was");
+        // And one that succeeds replaces the file whole.
+        write_file(&dir.join("kept.json"), b"old").unwrap();
+        write_file(&dir.join("kept.json"), b"new").unwrap();
+        assert_eq!(std::fs::read(dir.join("kept.json")).unwrap(), b"new");
+        assert!(!dir.join("kept.tmp").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn prune_keeps_the_newest_complete_rounds_and_the_one_being_written() {
         let dir = std::env::temp_dir().join(format!("syncopate-prune-{}", std::process::id()));

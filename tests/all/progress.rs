@@ -313,3 +313,61 @@ fn resume_alone_finds_the_checkpoints_wherever_the_run_put_them() {
     assert!(elsewhere.join("local.json").exists());
     let _ = std::fs::remove_dir_all(&elsewhere);
 }
+
+/// A coordinator that stops answering (frozen: SIGSTOP) is killed and started again by
+/// `syncopate local` after 15 s, as one that died is; the servers and workers rejoin it, and
+/// the run finishes with every push once.
+#[test]
+fn a_frozen_coordinator_is_killed_and_started_again() {
+    let args = [
+        "--workers",
+        "3",
+        "--servers",
+        "2",
+        "--shards",
+        "3",
+        "--params",
+        "16",
+        "--delay-ms",
+        "20",
+        "--iterations",
+        "1500",
+        "--policy",
+        "ssp:s=2",
+    ];
+    let mut run = LocalRun::start("frozen-coordinator", &args);
+    run.cluster_file();
+    let t = Instant::now();
+    let pid = loop {
+        if let Some(&pid) = crate::cluster::role_pids(&run.dir, "coordinator").first() {
+            break pid;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no coordinator process");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: kill(2) on a process of this test's own run.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) }, 0);
+    let (st, run) = run.finish(Duration::from_secs(240));
+    assert!(st.success(), "{}", run.output());
+    assert!(run.output().contains("the coordinator has not answered for"), "{}", run.output());
+    assert!(!run.report().coordinator_restarts.is_empty());
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 1500.0, "across a frozen coordinator");
+}
+
+/// `policy swap` whose watch outlives the run: the swap went through, so it exits 0 and says
+/// the cluster stopped answering, rather than failing to connect.
+#[test]
+fn a_swap_watched_past_the_end_of_the_run_exits_0() {
+    let args =
+        ["--workers", "2", "--servers", "1", "--params", "8", "--delay-ms", "10", "--iterations", "150"];
+    let mut run = LocalRun::start("watch-past-end", &args);
+    let cluster = run.cluster_file();
+    let out = syncopate(&["policy", "swap", "asp", "--watch-s", "60"], &cluster);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("is in force") && said.contains("stopped answering"), "{said}");
+    let (st, run) = run.finish(Duration::from_secs(120));
+    assert!(st.success(), "{}", run.output());
+    assert_eq!(run.report().policy, "builtin:asp");
+}
