@@ -16,13 +16,17 @@ fn hostile(config: &str) -> String {
     format!("{}:{config}", env!("SYNCOPATE_HOSTILE_WASM"))
 }
 
-/// Three workers (pushing 1, 2 and 3), two servers, three shards, 20 ms iterations, the
-/// hostile module with `config` (unchecked: the point is to run it), and `extra`.
+/// The cluster of these tests: three workers (pushing 1, 2 and 3), two servers, three shards,
+/// 16 parameters, 20 ms iterations.
+const CLUSTER: [&str; 10] =
+    ["--workers", "3", "--servers", "2", "--shards", "3", "--params", "16", "--delay-ms", "20"];
+
+/// [`CLUSTER`] under the hostile module with `config` (unchecked: the point is to run it), and
+/// `extra`.
 fn start(name: &str, config: &str, iterations: u64, extra: &[&str]) -> LocalRun {
     let (policy, iterations) = (hostile(config), iterations.to_string());
-    let base = ["--workers", "3", "--servers", "2", "--shards", "3", "--params", "16", "--delay-ms", "20"];
     let run = ["--iterations", &iterations, "--policy", &policy, "--no-check"];
-    LocalRun::start(name, &[&base[..], &run, extra].concat())
+    LocalRun::start(name, &[&CLUSTER[..], &run, extra].concat())
 }
 
 /// What the shards' counters say: per shard, (failures, quarantined).
@@ -195,24 +199,8 @@ fn the_swap_watcher_judges_the_new_policy_alone_and_rollback_skips_failing_ones(
 /// checkpoint's manifest, and a cluster resumed from it.
 #[test]
 fn a_refused_swap_leaves_every_record_on_the_old_policy() {
-    let args = [
-        "--workers",
-        "3",
-        "--servers",
-        "2",
-        "--shards",
-        "3",
-        "--params",
-        "16",
-        "--delay-ms",
-        "20",
-        "--iterations",
-        "400",
-        "--policy",
-        "ssp:s=2",
-        "--checkpoint-every-s",
-        "1",
-    ];
+    let args =
+        [&CLUSTER[..], &["--iterations", "400", "--policy", "ssp:s=2", "--checkpoint-every-s", "1"]].concat();
     let mut first = LocalRun::start("refused-1", &args);
     let cluster = first.cluster_file();
     let out = syncopate(&["policy", "swap", &hostile("mode=refuse-state"), "--no-check"], &cluster);
@@ -262,27 +250,21 @@ fn resume_alone_finds_the_checkpoints_wherever_the_run_put_them() {
     let elsewhere = crate::cluster::run_dir("resume-elsewhere-ckpt");
     let d = elsewhere.display().to_string();
     let args = [
-        "--workers",
-        "3",
-        "--servers",
-        "2",
-        "--shards",
-        "3",
-        "--params",
-        "16",
-        "--delay-ms",
-        "20",
-        "--iterations",
-        "500",
-        "--policy",
-        "bsp",
-        "--checkpoint-every-s",
-        "1",
-        "--checkpoint-dir",
-        &d,
-        "--kill-coordinator",
-        "600",
-    ];
+        &CLUSTER[..],
+        &[
+            "--iterations",
+            "500",
+            "--policy",
+            "bsp",
+            "--checkpoint-every-s",
+            "1",
+            "--checkpoint-dir",
+            &d,
+            "--kill-coordinator",
+            "600",
+        ],
+    ]
+    .concat();
     let mut first = LocalRun::start("resume-elsewhere-1", &args);
     first.cluster_file();
     let t = Instant::now();
@@ -319,22 +301,7 @@ fn resume_alone_finds_the_checkpoints_wherever_the_run_put_them() {
 /// the run finishes with every push once.
 #[test]
 fn a_frozen_coordinator_is_killed_and_started_again() {
-    let args = [
-        "--workers",
-        "3",
-        "--servers",
-        "2",
-        "--shards",
-        "3",
-        "--params",
-        "16",
-        "--delay-ms",
-        "20",
-        "--iterations",
-        "1500",
-        "--policy",
-        "ssp:s=2",
-    ];
+    let args = [&CLUSTER[..], &["--iterations", "1500", "--policy", "ssp:s=2"]].concat();
     let mut run = LocalRun::start("frozen-coordinator", &args);
     run.cluster_file();
     let t = Instant::now();
