@@ -39,6 +39,7 @@
 
 mod buffers;
 mod device;
+pub mod join;
 mod report;
 
 use std::collections::VecDeque;

@@ -21,6 +21,7 @@ use std::time::Duration;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use syncopate_engine::worker::join::{self, JoinAnswer, JoinStep};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use tokio::sync::{mpsc, watch};
 
@@ -412,12 +413,14 @@ impl WorkerClient {
     }
 
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
-    /// that exist keep their parameters. Returns the iteration to start at: a late joiner starts
-    /// with the slowest worker (of the shard whose slowest is furthest on; the others skip it up
-    /// to there, so that its clock is the same on every shard). A worker that comes back to
-    /// shards restored from a checkpoint,
-    /// which still count it as a member, starts at the earliest iteration any of them expects
-    /// from it; the shards already past it acknowledge those pushes as duplicates.
+    /// that exist keep their parameters. Returns the iteration to start at, as
+    /// [`join`] decides from the shards' answers: a worker every
+    /// shard still counts as a member (restored from a checkpoint, or a process restarted under
+    /// its id before any shard dropped its predecessor) starts at the earliest iteration any of
+    /// them expects from it, and the shards already past it acknowledge those pushes as
+    /// duplicates; any other (a late joiner) starts with the slowest worker of the shard whose
+    /// slowest is furthest on, the others skipping it up to there, so that its clock is the
+    /// same on every shard.
     ///
     /// # Panics
     /// If `init` is not the whole model (the length given to [`connect`](Self::connect)); the
@@ -438,70 +441,58 @@ impl WorkerClient {
                 )
                 .await?
                 {
-                    // (the next iteration it numbers there, its clock, a member back)
-                    (DataResponse::Joined { clock, .. }, _) => Ok((clock, clock, false)),
-                    (DataResponse::Rejoined { next, clock }, _) => Ok((next, clock, true)),
+                    (DataResponse::Joined { clock, .. }, _) => {
+                        Ok(JoinAnswer { next: clock, clock, member: false })
+                    }
+                    (DataResponse::Rejoined { next, clock }, _) => {
+                        Ok(JoinAnswer { next, clock, member: true })
+                    }
                     (other, _) => Err(refused(conn, other)),
                 }
             }
         });
-        let joined = futures::future::try_join_all(joins).await?;
-        if joined.iter().any(|j| j.2) {
-            let start = joined.iter().map(|j| j.0).min().unwrap_or(0);
-            self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
-            tracing::info!(worker = self.id, start, "rejoined restored shards");
-            return Ok(start);
-        }
-        self.offsets = joined.iter().map(|_| AtomicI64::new(0)).collect();
-        let top = joined.iter().map(|j| j.1).max().unwrap_or(0);
-        if top == 0 {
-            return Ok(0);
-        }
-        // A late joiner. Its clocks must be level on every shard, or two late joiners could
-        // cross (each ahead where the other is behind, and under BSP each waiting for the
-        // other). It asks every shard where it stands (a member's join changes nothing), since
-        // a hot swap's levelling may have raised its clock on the shards it had joined before
-        // it joined the others; the shards where its clock is below the largest skip it up to
-        // there, and it asks again, until its clocks are level. Each shard then numbers the
-        // worker's iterations from its own `next` (the same on every shard unless a swap raised
-        // some). `lab::sim` models these steps.
+        let mut step = join::after_joins(&futures::future::try_join_all(joins).await?);
         loop {
-            let checks = self.shards.iter().map(|p| {
-                self.on_primary(p.shard, async |conn| {
-                    match net::request::<_, DataResponse>(
-                        conn,
-                        &DataRequest::Join { shard: p.shard },
-                        Payload::EMPTY,
-                        &limits,
-                    )
-                    .await?
-                    {
-                        (DataResponse::Rejoined { next, clock }, _) => Ok((next, clock)),
-                        (DataResponse::Joined { clock, .. }, _) => Ok((clock, clock)),
-                        (other, _) => Err(refused(conn, other)),
-                    }
-                })
-            });
-            let at: Vec<(u64, u64)> = futures::future::try_join_all(checks).await?;
-            let top = at.iter().map(|a| a.1).max().unwrap_or(0);
-            let behind: Vec<(u32, u64)> = self
-                .shards
-                .iter()
-                .zip(&at)
-                .filter(|(_, a)| a.1 < top)
-                .map(|(p, a)| (p.shard, a.0 + (top - a.1)))
-                .collect();
-            if behind.is_empty() {
-                for (offset, a) in self.offsets.iter().zip(&at) {
-                    offset.store(a.0 as i64 - top as i64, Ordering::SeqCst);
+            match step {
+                JoinStep::Start { at, offsets } => {
+                    self.offsets = offsets.into_iter().map(AtomicI64::new).collect();
+                    tracing::info!(worker = self.id, start = at, "joined the shards");
+                    return Ok(at);
                 }
-                tracing::info!(worker = self.id, start = top, "joined a running cluster");
-                return Ok(top);
+                // Where it stands on every shard now: a hot swap's levelling may have raised
+                // its clock on the shards it joined before it joined the others.
+                JoinStep::Check => {
+                    let checks = self.shards.iter().map(|p| {
+                        self.on_primary(p.shard, async |conn| {
+                            match net::request::<_, DataResponse>(
+                                conn,
+                                &DataRequest::Join { shard: p.shard },
+                                Payload::EMPTY,
+                                &limits,
+                            )
+                            .await?
+                            {
+                                (DataResponse::Rejoined { next, clock }, _) => {
+                                    Ok(JoinAnswer { next, clock, member: true })
+                                }
+                                (DataResponse::Joined { clock, .. }, _) => {
+                                    Ok(JoinAnswer { next: clock, clock, member: false })
+                                }
+                                (other, _) => Err(refused(conn, other)),
+                            }
+                        })
+                    });
+                    step = join::after_check(&futures::future::try_join_all(checks).await?);
+                }
+                JoinStep::Skip(behind) => {
+                    let skips = behind.into_iter().map(|(i, to)| {
+                        let shard = self.shards[i].shard;
+                        self.on_shard(shard, move |_| DataRequest::Skip { shard, to })
+                    });
+                    futures::future::try_join_all(skips).await?;
+                    step = JoinStep::Check;
+                }
             }
-            let skips = behind
-                .into_iter()
-                .map(|(shard, to)| self.on_shard(shard, move |_| DataRequest::Skip { shard, to }));
-            futures::future::try_join_all(skips).await?;
         }
     }
 

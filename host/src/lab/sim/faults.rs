@@ -6,6 +6,7 @@
 //! does.
 
 use rand::Rng as _;
+use syncopate_engine::worker::join::{self, JoinAnswer, JoinStep};
 use syncopate_engine::worker::{WorkerConfig, WorkerMachine};
 
 use super::events::{Copied, Ev};
@@ -21,14 +22,6 @@ pub(super) struct Joining {
     at: Vec<Option<(u64, u64)>>,
     checked: bool,
     skips: Vec<(u64, u64)>,
-}
-
-impl Joining {
-    /// The largest clock of the shards, once all have answered.
-    pub(super) fn top(&self) -> Option<u64> {
-        let at: Option<Vec<(u64, u64)>> = self.at.iter().copied().collect();
-        at.and_then(|a| a.into_iter().map(|a| a.1).max())
-    }
 }
 
 impl Sim {
@@ -57,38 +50,51 @@ impl Sim {
 
     /// Late joiner `w` heard from shard `s` where it stands there: the next iteration the
     /// shard expects from it and its clock (a join's answer, or a skip's). Once every shard has
-    /// answered, every shard is asked again (a member's join says where it stands and changes
-    /// nothing), since a hot swap's levelling may have raised its clock meanwhile on the shards
-    /// it had joined; the worker starts once such a check finds its clocks level, each shard
-    /// numbering its iterations from its own next one; if they are not, the shards where its
-    /// clock is below the largest are told to skip it up to there, and it checks again. A shard that moves
-    /// meanwhile answers the worker's join of its new primary, which counts as its answer.
+    /// answered, it takes the step [`join`] decides, as the
+    /// client does: every shard is asked again (a member's join says where it stands and
+    /// changes nothing), since a hot swap's levelling may have raised its clock meanwhile on
+    /// the shards it had joined; the worker starts once such a check finds its clocks level,
+    /// each shard numbering its iterations from its own next one; if they are not, the shards
+    /// where its clock is below the largest are told to skip it up to there, and it checks
+    /// again. A shard that moves meanwhile answers the worker's join of its new primary, which
+    /// counts as its answer. (A late joiner had no predecessor under its id, so no shard holds a
+    /// push of its own: a member's answer, from a promoted backup that knew its join, is levelled
+    /// as a fresh one is.)
     pub(super) fn joined_late(&mut self, w: u32, s: u32, at: (u64, u64)) -> Result<(), SimError> {
         let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
         j.at[s as usize] = Some(at);
-        let Some(top) = j.top() else { return Ok(()) };
-        let level = j.at.iter().all(|a| a.is_some_and(|a| a.1 == top));
-        // (Joined where every clock is 0, it starts there, as the client does: nobody has
-        // pushed, and no swap has raised anything.)
-        if level && (j.checked || top == 0) {
-            let next: Vec<u64> = j.at.iter().map(|a| a.map_or(top, |a| a.0)).collect();
-            return self.begin(w, top, &next);
-        }
-        let shards = j.at.len() as u32;
-        // The check (after the joins, or after skips), or skips up to the largest clock.
-        let check = !j.checked;
-        let asks: Vec<u32> = match check {
-            true => (0..shards).collect(),
-            false => (0..shards).filter(|&x| j.at[x as usize].is_some_and(|a| a.1 < top)).collect(),
+        let Some(answers) =
+            j.at.iter()
+                .map(|a| a.map(|(next, clock)| JoinAnswer { next, clock, member: false }))
+                .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(());
+        };
+        let step = match j.checked {
+            true => join::after_check(&answers),
+            false => join::after_joins(&answers),
+        };
+        let (asks, check) = match step {
+            JoinStep::Start { at, offsets } => {
+                let next: Vec<u64> = offsets.iter().map(|o| at.saturating_add_signed(*o)).collect();
+                return self.begin(w, at, &next);
+            }
+            JoinStep::Check => ((0..answers.len()).collect::<Vec<_>>(), true),
+            JoinStep::Skip(behind) => {
+                let top = answers.iter().map(|a| a.clock).max().unwrap_or(0);
+                for &(x, to) in &behind {
+                    j.skips[x] = (to, top);
+                }
+                (behind.into_iter().map(|(x, _)| x).collect(), false)
+            }
         };
         j.checked = check;
         for &x in &asks {
-            if let Some((next, clock)) = j.at[x as usize].take() {
-                j.skips[x as usize] = (next + (top - clock.min(top)), top);
-            }
+            j.at[x] = None;
         }
         let skips = j.skips.clone();
         for x in asks {
+            let x = x as u32;
             if self.down(x) {
                 continue;
             }

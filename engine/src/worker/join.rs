@@ -1,0 +1,124 @@
+//! Where a worker that joins a running cluster starts, decided from the shards' answers to its
+//! joins: pure arithmetic, asked by the tokio client (`syncopate worker`, the Python package)
+//! and by the simulator, so both start a joiner the same way.
+//!
+//! Each shard answers a join with the next iteration it expects from the worker, the worker's
+//! clock there, and whether it counted the worker as a member already (a process restarted
+//! under its id, a shard restored from a checkpoint) or took it afresh at the slowest live
+//! worker's clock. Two cases:
+//! - **Every shard knew it**: it starts at the earliest iteration any shard expects; the shards
+//!   already past acknowledge those pushes as the duplicates they are (their first copies were
+//!   applied there).
+//! - **Otherwise** (a late joiner, or a process restarted while some shards had dropped its
+//!   predecessor and others not yet) its clocks must be made level: it asks every shard again
+//!   where it stands (a member's join changes nothing), the shards where its clock is below the
+//!   largest skip it up to there, and it asks again, until they are level; each shard then
+//!   numbers its iterations from its own next one. Level clocks matter twice: two late joiners
+//!   whose clocks cross (each ahead where the other is behind) would wait for each other under
+//!   BSP, and a shard that took the worker afresh at clock `c` counts a push numbered below `c`
+//!   as a duplicate, acknowledged and never applied.
+
+/// One shard's answer to a worker's join (or to a check of where it stands).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JoinAnswer {
+    /// The next iteration the shard expects from the worker, in its numbering.
+    pub next: u64,
+    /// The worker's clock there.
+    pub clock: u64,
+    /// Whether the shard already counted the worker as a member.
+    pub member: bool,
+}
+
+/// What a joining worker does next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JoinStep {
+    /// It starts at iteration `at`; shard `i` numbers its iteration `k` as `k + offsets[i]`.
+    Start {
+        /// The worker's first iteration.
+        at: u64,
+        /// Per shard, what to add to the worker's iteration to get the shard's numbering.
+        offsets: Vec<i64>,
+    },
+    /// It asks every shard again where it stands.
+    Check,
+    /// It tells these shards (by index) to skip it up to the iteration given, then checks again.
+    Skip(Vec<(usize, u64)>),
+}
+
+/// The step after the first answers, one per shard.
+pub fn after_joins(answers: &[JoinAnswer]) -> JoinStep {
+    let zeros = || vec![0; answers.len()];
+    if !answers.is_empty() && answers.iter().all(|a| a.member) {
+        let at = answers.iter().map(|a| a.next).min().unwrap_or(0);
+        return JoinStep::Start { at, offsets: zeros() };
+    }
+    // Nobody has pushed anywhere (and no swap raised a clock): it starts with everyone.
+    if answers.iter().all(|a| a.clock == 0) {
+        return JoinStep::Start { at: 0, offsets: zeros() };
+    }
+    JoinStep::Check
+}
+
+/// The step after a check's answers, one per shard: start once the clocks are level, else skip
+/// the shards behind up to the largest clock.
+pub fn after_check(answers: &[JoinAnswer]) -> JoinStep {
+    let top = answers.iter().map(|a| a.clock).max().unwrap_or(0);
+    let behind: Vec<(usize, u64)> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.clock < top)
+        .map(|(i, a)| (i, a.next + (top - a.clock)))
+        .collect();
+    if behind.is_empty() {
+        let offsets = answers.iter().map(|a| a.next as i64 - top as i64).collect();
+        return JoinStep::Start { at: top, offsets };
+    }
+    JoinStep::Skip(behind)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(next: u64, clock: u64) -> JoinAnswer {
+        JoinAnswer { next, clock, member: true }
+    }
+
+    fn fresh(clock: u64) -> JoinAnswer {
+        JoinAnswer { next: clock, clock, member: false }
+    }
+
+    #[test]
+    fn a_worker_every_shard_knew_starts_at_the_earliest_iteration_expected() {
+        let step = after_joins(&[member(33, 33), member(34, 34)]);
+        assert_eq!(step, JoinStep::Start { at: 33, offsets: vec![0, 0] });
+    }
+
+    #[test]
+    fn a_worker_that_joins_before_anyone_pushed_starts_at_zero() {
+        assert_eq!(after_joins(&[fresh(0), fresh(0)]), JoinStep::Start { at: 0, offsets: vec![0, 0] });
+        assert_eq!(after_joins(&[]), JoinStep::Start { at: 0, offsets: vec![] });
+    }
+
+    #[test]
+    fn a_late_joiner_checks_then_skips_the_shards_behind_up_to_the_largest_clock() {
+        assert_eq!(after_joins(&[fresh(5), fresh(7)]), JoinStep::Check);
+        assert_eq!(after_check(&[fresh(5), fresh(7)]), JoinStep::Skip(vec![(0, 7)]));
+        // A swap raised its clock on shard 1 past its numbering there.
+        let raised = JoinAnswer { next: 7, clock: 9, member: true };
+        assert_eq!(after_check(&[fresh(9), raised]), JoinStep::Start { at: 9, offsets: vec![0, -2] });
+    }
+
+    /// A process restarted under its id while one shard had dropped its predecessor (and took
+    /// it afresh at the others' clock, 34) and the other still counted it (next 33): starting at
+    /// 33 would have the first shard acknowledge iteration 33 as a duplicate, never applied.
+    /// The clocks are levelled instead: the second shard skips it up to 34.
+    #[test]
+    fn a_restarted_process_some_shards_had_dropped_levels_its_clocks() {
+        let first = [fresh(34), member(33, 33)];
+        assert_eq!(after_joins(&first), JoinStep::Check);
+        assert_eq!(after_check(&first), JoinStep::Skip(vec![(1, 34)]));
+        let levelled = [fresh(34), member(34, 34)];
+        assert_eq!(after_check(&levelled), JoinStep::Start { at: 34, offsets: vec![0, 0] });
+    }
+}
