@@ -616,6 +616,32 @@ fn a_simtest_seed_replays_bit_for_bit() {
     );
 }
 
+/// Issue 51: a seed is the whole input in any process, not only in the one that drew it. Two
+/// processes check the same seeds (with failovers, each of which re-sends the requests its dead
+/// primary had not answered) and print the same trace: a hash of every event every run
+/// delivered, in order, with its time. A map iterated in the process's hash order would show.
+#[test]
+fn simtest_runs_the_same_events_in_two_processes() {
+    let run = || {
+        std::thread::spawn(|| {
+            std::process::Command::new(crate::cli::syncopate_bin())
+                .args(["simtest", "--seeds", "60", "--start", "3000"])
+                .output_within(COMMAND_LIMIT)
+                .unwrap()
+        })
+    };
+    let (a, b) = (run(), run());
+    let trace = |out: std::process::Output| {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("60 of 60 seeds passed"), "{text}");
+        let line = text.lines().find(|l| l.starts_with("simtest: trace ")).map(str::to_owned);
+        line.unwrap_or_else(|| panic!("no trace in {text}"))
+    };
+    let (a, b) = (trace(a.join().unwrap()), trace(b.join().unwrap()));
+    assert_eq!(a, b, "the same seeds ran different events in two processes");
+}
+
 /// Issue 36: a cut link (both ways, shorter than the peer timeout) holds up what crosses it
 /// until it heals, as a connection's retransmissions carry it then, in order. A worker cut off
 /// from a server waits for it; two servers cut off from each other hold up every push whose

@@ -133,7 +133,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
          delivered twice, {} bad requests refused, {} ops from a deposed primary ignored by its promoted backup, {} with the coordinator crashed and restarted ({} rebuilds: {} \
          backups promoted, {} servers refused, {} swaps finished), {} with a link cut (a worker's to a server, or between servers), {} checkpoint rounds taken and checked ({} abandoned, {} not begun), {} dead servers restarted that took their id back ({} two-server runs then survived the other server's death on their backups), {} losing a shard's last copy (as a cluster \
          would; {} of them found lost by a restarted coordinator that knew a newer term, {} found as a stale copy it \
-         could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s",
+         could not tell from a current one); the longest a disturbed run took beyond its undisturbed one, partitions and peer timeouts aside: {:.3} s\n\
+         simtest: trace {:016x} (a hash of every event every run delivered: the same for the same seeds in any process)",
         found.passed,
         found.seconds,
         found.passed as f64 / found.seconds.max(1e-9),
@@ -167,7 +168,8 @@ fn simtest(a: SimtestArgs) -> anyhow::Result<()> {
         e.lost,
         e.outdated,
         e.stale,
-        e.max_delay_ms as f64 / 1e3
+        e.max_delay_ms as f64 / 1e3,
+        e.trace
     );
     if let Some((seed, why)) = found.failed {
         let given = Shrunk { without: a.without.clone(), case: Case::draw(seed), why: String::new() };

@@ -131,6 +131,9 @@ pub struct Exercised {
     pub runs: u64,
     /// Events handled over all runs.
     pub events: u64,
+    /// The runs' traces ([`Simulated::trace`](crate::lab::sim::Simulated::trace)) summed: the
+    /// same for the same seeds in any process and any order.
+    pub trace: u64,
     /// Server deaths failed over (a death in a run's last events may come after its end).
     pub failovers: u64,
     /// Runs with two server deaths.
@@ -196,6 +199,7 @@ impl std::ops::AddAssign for Exercised {
     fn add_assign(&mut self, o: Self) {
         self.runs += o.runs;
         self.events += o.events;
+        self.trace = self.trace.wrapping_add(o.trace);
         self.failovers += o.failovers;
         self.double_failures += o.double_failures;
         self.lost += o.lost;
@@ -802,6 +806,7 @@ impl Case {
                     duplicates: clean.duplicates,
                     bad_inputs: clean.bad_inputs,
                     events: clean.events,
+                    trace: clean.trace,
                     double_failures: double,
                     lost: 1,
                     stale: u64::from(matches!(e, SimError::StaleCopy { .. })),
@@ -880,6 +885,7 @@ impl Case {
             runs: 2 + swapped,
             swaps: swapped,
             events: clean.events + failed.events,
+            trace: clean.trace.rotate_left(17) ^ failed.trace,
             failovers: failed.report.failovers.len() as u64,
             double_failures: double,
             lost: 0,

@@ -35,7 +35,7 @@ pub(super) enum Copied {
     Note(ToShard),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(super) enum Ev {
     /// A worker machine's timer.
     Wake(u32),
@@ -126,12 +126,45 @@ pub(super) struct Queue {
     len: usize,
     /// Scheduling order, the key's tie-break.
     seq: u64,
+    /// Every event popped, with its key (time and scheduling order), hashed in order.
+    trace: Fnv,
+}
+
+/// FNV-1a, 64 bits: the same value in every process and build on a machine, unlike std's
+/// `DefaultHasher` (whose algorithm may change between releases) or a `HashMap`'s (seeded per
+/// process).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 impl Default for Queue {
     fn default() -> Self {
         // Sequence numbers start at 1: the first key, at time 0, must be above `last`.
-        Queue { last: 0, buckets: std::array::from_fn(|_| Vec::new()), occupied: 0, len: 0, seq: 1 }
+        Queue {
+            last: 0,
+            buckets: std::array::from_fn(|_| Vec::new()),
+            occupied: 0,
+            len: 0,
+            seq: 1,
+            trace: Fnv::default(),
+        }
     }
 }
 
@@ -180,7 +213,14 @@ impl Queue {
         }
         let (key, ev) = self.buckets[0].pop().expect("the minimum is in bucket 0");
         self.len -= 1;
+        std::hash::Hash::hash(&(key, ev), &mut self.trace);
         Some(((key >> 64) as u64, ev))
+    }
+
+    /// A hash of every event popped so far, in order, with its time and scheduling order: two
+    /// runs of one case that differ in any event, or in the order of any two, differ here.
+    pub(super) fn trace(&self) -> u64 {
+        std::hash::Hasher::finish(&self.trace)
     }
 }
 

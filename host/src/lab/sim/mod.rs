@@ -45,7 +45,7 @@ mod control;
 mod events;
 mod faults;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use rand::Rng as _;
 use syncopate_engine::worker::{
@@ -455,7 +455,7 @@ struct Sim {
     ranges: Vec<(usize, usize)>,
     server_of: Vec<u32>,
     /// Requests waiting for a shard's reply, by token.
-    requests: HashMap<Token, Req>,
+    requests: BTreeMap<Token, Req>,
     next_token: Token,
     workers: Vec<SimWorker>,
     evaluator: Option<Evaluator>,
@@ -591,6 +591,9 @@ pub struct Simulated {
     pub model: Vec<f32>,
     /// Events handled: a [`SimFailure`] can name any of them.
     pub events: u64,
+    /// A hash of every event the run's queue delivered, in order, with its time: the same for
+    /// every run of the same case, in any process (the determinism test compares it).
+    pub trace: u64,
     /// Where a backup differed from its primary: at any point where it had applied every op its
     /// primary had (parameters, version or the clocks' view), or, at the end, once the ops on their way
     /// have reached it (their whole snapshots); `None` when every backup always equalled its
@@ -891,7 +894,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         nodes: shards,
         node_cfgs,
         ranges,
-        requests: HashMap::new(),
+        requests: BTreeMap::new(),
         next_token: 0,
         workers,
         evaluator,
@@ -1071,11 +1074,12 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
     let (rebuild, checkpoints, restarts) = (sim.rebuild, sim.checkpoints, sim.restarted);
-    let (killed_after_restart, stale_ops) = (sim.killed_after_restart, sim.stale_ops);
+    let (killed_after_restart, stale_ops, trace) = (sim.killed_after_restart, sim.stale_ops, sim.queue.trace());
     Ok(Simulated {
         report: sim.report(),
         model,
         events: handled,
+        trace,
         replicas_differ,
         two_primaries,
         duplicates,
