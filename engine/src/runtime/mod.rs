@@ -78,6 +78,10 @@ impl PolicyRuntime {
     pub fn with_limits(limits: SandboxLimits) -> Result<Self, PolicyError> {
         let mut config = wasmtime::Config::new();
         config.consume_fuel(true).cranelift_opt_level(wasmtime::OptLevel::Speed).max_wasm_stack(1 << 20);
+        // The same bits on every CPU: a primary and its backup may run on different machines
+        // and must decide alike. A NaN's bits otherwise follow the CPU (x86 makes 0/0 negative,
+        // ARM positive), and relaxed SIMD may fuse or not.
+        config.cranelift_nan_canonicalization(true).relaxed_simd_deterministic(true);
         let engine = wasmtime::Engine::new(&config)
             .map_err(|e| PolicyError::Host(format!("cannot create the wasm engine: {e}")))?;
         Ok(PolicyRuntime { engine, limits, compiled: Arc::default() })
@@ -121,5 +125,37 @@ impl PolicyRuntime {
     /// Validates and compiles a module. `label` names it in errors (a file name, say).
     pub fn compile(&self, label: &str, wasm: &[u8]) -> Result<PolicyModule, PolicyError> {
         PolicyModule::compile(self, label, wasm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PolicyRuntime;
+
+    /// Issue 51: a policy's floats have the same bits on every CPU. 0/0 makes a NaN whose sign
+    /// the CPU picks (x86 sets it, ARM does not); canonicalised, it is 0x7fc00000 (f32) and
+    /// 0x7ff8000000000000 (f64) everywhere, so a decision that looks at the bits (a hash, a
+    /// comparison of raw values, an exported state) is the same on a primary and its backup.
+    #[test]
+    fn a_nan_a_policy_makes_has_the_same_bits_on_every_cpu() {
+        let rt = PolicyRuntime::new().unwrap();
+        let wasm = wat::parse_str(
+            r#"(module
+                (func (export "div32") (param f32 f32) (result i32)
+                    local.get 0 local.get 1 f32.div i32.reinterpret_f32)
+                (func (export "div64") (param f64 f64) (result i64)
+                    local.get 0 local.get 1 f64.div i64.reinterpret_f64))"#,
+        )
+        .unwrap();
+        let module = wasmtime::Module::new(rt.engine(), wasm).unwrap();
+        let mut store = wasmtime::Store::new(rt.engine(), ());
+        store.set_fuel(1_000_000).unwrap();
+        let instance = wasmtime::Instance::new(&mut store, &module, &[]).unwrap();
+        let div32 = instance.get_typed_func::<(f32, f32), i32>(&mut store, "div32").unwrap();
+        let div64 = instance.get_typed_func::<(f64, f64), i64>(&mut store, "div64").unwrap();
+        assert_eq!(div32.call(&mut store, (0.0, 0.0)).unwrap() as u32, 0x7fc0_0000);
+        assert_eq!(div64.call(&mut store, (0.0, 0.0)).unwrap() as u64, 0x7ff8_0000_0000_0000);
+        // Numbers are untouched.
+        assert_eq!(div32.call(&mut store, (1.0, 4.0)).unwrap() as u32, 0.25f32.to_bits());
     }
 }

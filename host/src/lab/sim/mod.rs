@@ -454,7 +454,8 @@ struct Sim {
     node_cfgs: Vec<NodeConfig>,
     ranges: Vec<(usize, usize)>,
     server_of: Vec<u32>,
-    /// Requests waiting for a shard's reply, by token.
+    /// Requests waiting for a shard's reply, by token, in order: those lost with a dead primary
+    /// are sent again in token order, the same in every process.
     requests: BTreeMap<Token, Req>,
     next_token: Token,
     workers: Vec<SimWorker>,
@@ -1074,7 +1075,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     };
     let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
     let (rebuild, checkpoints, restarts) = (sim.rebuild, sim.checkpoints, sim.restarted);
-    let (killed_after_restart, stale_ops, trace) = (sim.killed_after_restart, sim.stale_ops, sim.queue.trace());
+    let (killed_after_restart, stale_ops, trace) =
+        (sim.killed_after_restart, sim.stale_ops, sim.queue.trace());
     Ok(Simulated {
         report: sim.report(),
         model,
