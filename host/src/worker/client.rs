@@ -413,14 +413,13 @@ impl WorkerClient {
     }
 
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
-    /// that exist keep their parameters. Returns the iteration to start at, as
-    /// [`join`] decides from the shards' answers: a worker every
-    /// shard still counts as a member (restored from a checkpoint, or a process restarted under
-    /// its id before any shard dropped its predecessor) starts at the earliest iteration any of
-    /// them expects from it, and the shards already past it acknowledge those pushes as
-    /// duplicates; any other (a late joiner) starts with the slowest worker of the shard whose
-    /// slowest is furthest on, the others skipping it up to there, so that its clock is the
-    /// same on every shard.
+    /// that exist keep their parameters. Returns the iteration to start at, as [`join`] decides
+    /// from the shards' answers: a worker every shard still counts as a member (restored from a
+    /// checkpoint, or a process restarted under its id before any shard dropped its
+    /// predecessor) starts at the earliest iteration any of them expects from it, and the
+    /// shards already past it acknowledge those pushes as duplicates; any other (a late joiner)
+    /// starts with the slowest worker of the shard whose slowest is furthest on, the others
+    /// skipping it up to there, so that its clock is the same on every shard.
     ///
     /// # Panics
     /// If `init` is not the whole model (the length given to [`connect`](Self::connect)); the
