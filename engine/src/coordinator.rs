@@ -719,6 +719,13 @@ impl CoordinatorMachine {
         }
     }
 
+    /// The swap whose commit is under way (sent to its servers, not all answered yet): until
+    /// it ends, a server may run the new policy while [`swaps`](Self::swaps) still counts the
+    /// old one.
+    pub fn committing(&self) -> Option<u64> {
+        self.swap.as_ref().filter(|round| round.committing).map(|round| round.swap)
+    }
+
     /// Hot swaps committed so far (each the number of the last).
     pub fn swaps(&self) -> u64 {
         self.swaps

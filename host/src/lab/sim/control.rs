@@ -410,6 +410,7 @@ impl Sim {
                 CoordOutput::SwapDone { swap, outcome } => {
                     tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
                     self.swapping = None;
+                    self.swaps_ended += 1;
                 }
                 CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Taken } => {
                     self.round_taken(round)?

@@ -578,6 +578,8 @@ struct Sim {
     stale_ops: u64,
     /// Swaps a server refused at their preparation (a shard's policy state refused).
     swaps_refused: u64,
+    /// Hot swaps that ended (committed, refused or partly committed) before the run did.
+    swaps_ended: u64,
     /// Promoted primaries that switched to the policy their server records
     /// ([`ShardNode::conform`]).
     conformed: u64,
@@ -624,6 +626,8 @@ pub struct Simulated {
     pub policy_differs: Option<String>,
     /// Preparations of a swap a server refused because a shard's state was refused.
     pub swaps_refused: u64,
+    /// Hot swaps that ended before the run did (one drawn near its end may not have).
+    pub swaps_ended: u64,
     /// Promoted primaries that switched to the policy their server records (their old primary
     /// died before it streamed a swap's commit).
     pub conformed: u64,
@@ -958,6 +962,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         promoted_epoch: vec![None; shards_n as usize],
         stale_ops: 0,
         swaps_refused: 0,
+        swaps_ended: 0,
         conformed: 0,
     };
     sim.start_control();
@@ -1069,6 +1074,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     let model = sim.model();
     let (policy_differs, swaps_refused, conformed) = (sim.policy_differs(), sim.swaps_refused, sim.conformed);
+    let swaps_ended = sim.swaps_ended;
     let replicas_differ = match sim.drift.take() {
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
@@ -1093,6 +1099,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         stale_ops,
         policy_differs,
         swaps_refused,
+        swaps_ended,
         conformed,
     })
 }
@@ -1193,17 +1200,21 @@ impl Sim {
     }
 
     /// Where a live primary runs another policy than the coordinator records (the module of the
-    /// swap its machine counts last), once the coordinator is up.
+    /// swap its machine counts last, or of the swap whose commit is under way, for a run that
+    /// ended during it), once the coordinator is up.
     fn policy_differs(&self) -> Option<String> {
         if self.coord_phase != control::Phase::Up {
             return None;
         }
         let (recorded, _) = self.swap_modules.get(&self.coord.swaps())?;
+        // A run that ended during a swap's commit: a shard may have taken it already.
+        let committing = self.coord.committing().and_then(|n| self.swap_modules.get(&n));
         for (k, node) in self.nodes.iter().enumerate() {
             if self.dead[self.server_of[k] as usize] {
                 continue;
             }
-            if node.module().sha256() != recorded.sha256() {
+            let sha = node.module().sha256();
+            if sha != recorded.sha256() && committing.is_none_or(|(m, _)| sha != m.sha256()) {
                 return Some(format!(
                     "shard {k} runs {}, but the coordinator records {} (swap {})",
                     node.module().display_name(),
