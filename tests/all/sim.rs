@@ -619,7 +619,9 @@ fn a_simtest_seed_replays_bit_for_bit() {
 /// Issue 51: a seed is the whole input in any process, not only in the one that drew it. Two
 /// processes check the same seeds (with failovers, each of which re-sends the requests its dead
 /// primary had not answered) and print the same trace: a hash of every event every run
-/// delivered, in order, with its time. A map iterated in the process's hash order would show.
+/// delivered, in order, with its time. A map iterated in the process's hash order would show
+/// here once its order reached an event (the `HashMap` of requests this replaced never did in
+/// these seeds, nor in 1,000 others: two processes printed the same trace with it).
 #[test]
 fn simtest_runs_the_same_events_in_two_processes() {
     let run = || {

@@ -192,6 +192,16 @@ fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
     }
 }
 
+/// A shard's answer to a join, or its refusal. A fresh join numbers the worker's iterations
+/// from its clock there.
+fn join_answer(conn: &quinn::Connection, r: DataResponse) -> Result<JoinAnswer, NetError> {
+    match r {
+        DataResponse::Joined { clock, .. } => Ok(JoinAnswer { next: clock, clock, member: false }),
+        DataResponse::Rejoined { next, clock } => Ok(JoinAnswer { next, clock, member: true }),
+        other => Err(refused(conn, other)),
+    }
+}
+
 impl WorkerClient {
     /// Registers with the coordinator (as worker `id`, or the lowest free id) for a model of
     /// `model_len` parameters, and connects to every server.
@@ -432,22 +442,9 @@ impl WorkerClient {
             let values = wire::f32_bytes(&init[p.start as usize..p.end as usize]);
             async move {
                 let conn = &conn;
-                match net::request::<_, DataResponse>(
-                    conn,
-                    &DataRequest::Join { shard: p.shard },
-                    values.into(),
-                    &limits,
-                )
-                .await?
-                {
-                    (DataResponse::Joined { clock, .. }, _) => {
-                        Ok(JoinAnswer { next: clock, clock, member: false })
-                    }
-                    (DataResponse::Rejoined { next, clock }, _) => {
-                        Ok(JoinAnswer { next, clock, member: true })
-                    }
-                    (other, _) => Err(refused(conn, other)),
-                }
+                let request = DataRequest::Join { shard: p.shard };
+                let (r, _) = net::request::<_, DataResponse>(conn, &request, values.into(), &limits).await?;
+                join_answer(conn, r)
             }
         });
         let mut step = join::after_joins(&futures::future::try_join_all(joins).await?);
@@ -463,22 +460,11 @@ impl WorkerClient {
                 JoinStep::Check => {
                     let checks = self.shards.iter().map(|p| {
                         self.on_primary(p.shard, async |conn| {
-                            match net::request::<_, DataResponse>(
-                                conn,
-                                &DataRequest::Join { shard: p.shard },
-                                Payload::EMPTY,
-                                &limits,
-                            )
-                            .await?
-                            {
-                                (DataResponse::Rejoined { next, clock }, _) => {
-                                    Ok(JoinAnswer { next, clock, member: true })
-                                }
-                                (DataResponse::Joined { clock, .. }, _) => {
-                                    Ok(JoinAnswer { next: clock, clock, member: false })
-                                }
-                                (other, _) => Err(refused(conn, other)),
-                            }
+                            let request = DataRequest::Join { shard: p.shard };
+                            let (r, _) =
+                                net::request::<_, DataResponse>(conn, &request, Payload::EMPTY, &limits)
+                                    .await?;
+                            join_answer(conn, r)
                         })
                     });
                     step = join::after_check(&futures::future::try_join_all(checks).await?);
