@@ -231,6 +231,13 @@ impl Cluster {
                 wk.machine
                     .handle(self.now, Input::Pulled { deferred: true, deferred_ns: waited, local_steps })
                     .expect("pulled");
+                // The end of a wait it told the shard of goes out at once, as a driver sends it.
+                match wk.machine.poll_action(self.now) {
+                    Some(Action::Waiting { iteration, waiting }) => {
+                        self.shard.pull_waiting(w as u32, iteration, waiting, self.now).expect("notice");
+                    }
+                    next => wk.next = next,
+                }
                 true
             }
             Wait::Push(id) => {
@@ -266,6 +273,9 @@ impl Cluster {
                     self.shard.iteration_finished(report, now, &mut self.rec).expect("report");
                 }
                 Action::Skip { to, .. } => self.shard.skip(worker, to, now, &mut self.rec).expect("skip"),
+                Action::Waiting { iteration, waiting } => {
+                    self.shard.pull_waiting(worker, iteration, waiting, now).expect("notice");
+                }
                 Action::Applied { control, iteration, .. } => {
                     let applied = Applied { worker, control, iteration };
                     self.shard.control_applied(applied, now, &mut self.rec).expect("acknowledged");

@@ -34,6 +34,7 @@
 //! for it, exactly as if the worker had computed it alone. Later iterations that arrive meanwhile
 //! wait their turn, so a worker's iterations still complete in order.
 
+mod elsewhere;
 mod gate;
 mod layout;
 mod level;
@@ -74,6 +75,7 @@ use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
 use crate::recording::{PolicyStart, StartKind};
 use crate::runtime::{PolicyError, PolicyModule};
+use elsewhere::Elsewhere;
 use parked::{ParkedPulls, Scan};
 use supervisor::{EventKind, Recovery, Supervisor};
 
@@ -500,10 +502,9 @@ pub struct Shard {
     stall_check_at: Option<u64>,
     /// The worker whose departure the policy is hearing of ([`Shard::leave`]).
     leaving: Option<WorkerId>,
-    /// Per worker: its push acknowledged here, not yet followed by its report of that
-    /// iteration, and since when. A worker sends its report once every shard has acknowledged
-    /// its push: until then it waits on the other shards (see [`Shard::check_progress`]).
-    acked_unreported: Vec<Option<(u64, u64)>>,
+    /// Per worker, what it waits on elsewhere: another shard's acknowledgement of its push, or
+    /// its answer to its pull (see [`Shard::check_progress`]).
+    elsewhere: Elsewhere,
     /// The driver's time of the event being handled.
     now_ns: u64,
     /// The cluster's number of the swap that put the running policy in (0: the first policy),
@@ -598,7 +599,7 @@ impl Shard {
             last_failure: None,
             stall_check_at: None,
             leaving: None,
-            acked_unreported: Vec::new(),
+            elsewhere: Elsewhere::default(),
             now_ns: 0,
             swap: (0, Vec::new()),
         };
@@ -814,9 +815,7 @@ impl Shard {
         }
         self.parked.forget_worker(worker);
         self.local.forget(worker);
-        if let Some(slot) = self.acked_unreported.get_mut(worker as usize) {
-            *slot = None;
-        }
+        self.elsewhere.forget(worker);
         self.clocks.leave(worker);
         self.applied_min = None;
         self.recount_departed();
@@ -970,6 +969,8 @@ impl Shard {
         if !self.clocks.is_live(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
+        // Its pull of this iteration has ended (whoever computed these tasks).
+        self.elsewhere.moved_on(worker, iteration);
         if grad.len() != self.params.len() {
             return Err(ShardError::WrongLength {
                 shard: self.shard,
@@ -1134,6 +1135,9 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
         let clock = self.clocks.get(req.worker).ok_or(ShardError::UnknownWorker(req.worker, self.shard))?;
+        if let Some(before) = req.iteration.checked_sub(1) {
+            self.elsewhere.moved_on(req.worker, before);
+        }
         if let Some(p) = self.parked.find(req.worker, req.iteration) {
             // The worker asks again for a pull that is parked (it reconnected after a restore):
             // the parked one answers it when released; the policy has decided it already.
@@ -1157,11 +1161,7 @@ impl Shard {
         if !self.clocks.is_live(report.worker) {
             return Err(ShardError::UnknownWorker(report.worker, self.shard));
         }
-        if let Some(slot) = self.acked_unreported.get_mut(report.worker as usize) {
-            if slot.is_some_and(|(iteration, _)| iteration <= report.iteration) {
-                *slot = None;
-            }
-        }
+        self.elsewhere.reported(report.worker, report.iteration);
         let view = self.clocks.view();
         self.run(Event::IterationFinished(report), view, now_ns, sink);
         Ok(())
@@ -1170,11 +1170,27 @@ impl Shard {
     /// `worker`'s push of `iteration` is acknowledged here (admitted, grouped or dropped): until
     /// its report of that iteration comes, it waits on the other shards' acknowledgements.
     fn acked_here(&mut self, worker: WorkerId, iteration: u64) {
-        let i = worker as usize;
-        if self.acked_unreported.len() <= i {
-            self.acked_unreported.resize(i + 1, None);
+        self.elsewhere.acked(worker, iteration, self.now_ns);
+    }
+
+    /// `worker` says its pull of `iteration` waits on another shard's answer (`waiting`), or
+    /// that every shard has answered it ([`Op::Waiting`]): while it waits, it counts as waiting
+    /// here too, and the shard looks at once whether the rule stalled the run.
+    pub fn pull_waiting(
+        &mut self,
+        worker: WorkerId,
+        iteration: u64,
+        waiting: bool,
+        now_ns: u64,
+    ) -> Result<(), ShardError> {
+        if !self.clocks.is_live(worker) {
+            return Err(ShardError::UnknownWorker(worker, self.shard));
         }
-        self.acked_unreported[i] = Some((iteration, self.now_ns));
+        self.elsewhere.pull_waiting(worker, iteration, waiting, now_ns);
+        if waiting {
+            self.look_again(now_ns);
+        }
+        Ok(())
     }
 
     /// Moves the shard's time to `now_ns`: a policy whose crash-loop backoff is over restarts,
@@ -1223,15 +1239,15 @@ impl Shard {
     }
 
     /// Looks, once due, whether every live worker has waited for the no-progress time: on this
-    /// policy (a parked pull, a held push), or, its push acknowledged here and its report of that
-    /// iteration not come, on the other shards' acknowledgements (a rule that holds pushes on
-    /// some shards and not others deadlocks the workers across shards). With at least one
-    /// request waiting here, the rule has stalled (see [`SupervisorConfig::no_progress_ns`]).
-    /// Otherwise it looks again when the request that started waiting last could make it so,
-    /// or, if some worker waits on nothing, when a request next starts waiting or a worker
-    /// leaves. A worker whose pull was served here and that waits on another shard's pull
-    /// cannot be told from one computing: a rule that parks pulls on some shards only is not
-    /// caught. Costs O(workers), once per no-progress time.
+    /// policy (a parked pull, a held push), or on other shards (its push acknowledged here and
+    /// its report not come; its pull served here and, as it told us, waiting on another
+    /// shard's answer: see [`elsewhere`]). A rule that parks pulls or holds pushes on some
+    /// shards and not others deadlocks the workers across shards, while each shard sees
+    /// someone not waiting on it. With at least one request waiting here, the rule has
+    /// stalled (see [`SupervisorConfig::no_progress_ns`]). Otherwise it looks again when the
+    /// request that started waiting last could make it so, or, if some worker waits on
+    /// nothing, when a request next starts waiting, a worker says it waits elsewhere, or a
+    /// worker leaves. Costs O(workers), once per no-progress time.
     fn check_progress(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
         let Some(at) = self.stall_check_at else { return };
         if at > now_ns {
@@ -1260,8 +1276,9 @@ impl Shard {
             return;
         }
         for w in self.clocks.workers().map(|c| c.worker) {
-            if let Some(Some((_, since))) = self.acked_unreported.get(w as usize) {
-                waiting.entry(w).or_insert(*since);
+            if let Some(since) = self.elsewhere.since(w) {
+                let t = waiting.entry(w).or_insert(since);
+                *t = (*t).min(since);
             }
         }
         if waiting.len() < live {
@@ -1301,7 +1318,7 @@ impl Shard {
         );
         let error =
             PolicyError::NoProgress { policy: self.supervisor.module().display_name().to_owned(), stuck };
-        tracing::debug!(shard = self.shard, %error, "policy stalled");
+        tracing::debug!(shard = self.shard, now_ns, %error, "policy stalled");
         self.stats.policy_failures += 1;
         self.last_failure = Some(error.to_string());
         sink.policy_failed(&error);

@@ -809,6 +809,22 @@ impl ShardNode {
         }
     }
 
+    /// A worker says its pull of `iteration` waits on another shard (`waiting`), or that every
+    /// shard answered it ([`Shard::pull_waiting`]). Nothing answers it.
+    pub fn waiting(
+        &mut self,
+        now: u64,
+        worker: WorkerId,
+        iteration: u64,
+        waiting: bool,
+        obs: &mut dyn Observer,
+    ) {
+        let op = Op::Waiting { worker, iteration, waiting };
+        if let Some(Outcome::Done(Err(e))) = self.step(op, Vec::new(), now, obs) {
+            tracing::debug!(shard = self.id(), "wait notice ignored: {e}");
+        }
+    }
+
     /// A worker leaves: `Finished` is a goodbye, which waits for the worker's tasks still out
     /// (so nothing it trained is lost) before the reply; any other reason drops it now.
     /// `token`: where to answer, if anyone waits.

@@ -95,6 +95,15 @@ pub enum Op {
     },
     /// Only the time moves: timers due fire.
     Advance,
+    /// [`Shard::pull_waiting`] (protocol 14; added last, as the op stream is positional).
+    Waiting {
+        /// The worker.
+        worker: WorkerId,
+        /// The iteration whose pull it waits on.
+        iteration: u64,
+        /// Whether it waits on another shard (`false`: every shard answered).
+        waiting: bool,
+    },
 }
 
 /// An op with its place in the stream and its driver's time when it was applied.
@@ -178,6 +187,9 @@ impl Shard {
                 Outcome::Done(self.pull(PullRequest { worker, iteration }, now, sink).map(|_| ()))
             }
             Op::Finished { report } => Outcome::Done(self.iteration_finished(report, now, sink)),
+            Op::Waiting { worker, iteration, waiting } => {
+                Outcome::Done(self.pull_waiting(worker, iteration, waiting, now))
+            }
             Op::Leave { worker, reason } => Outcome::Done(self.leave(worker, reason, now, sink)),
             Op::Goodbye { worker } => Outcome::Left(self.goodbye(worker, now, sink)),
             Op::Swap { sha256, config, raise, swap } => match module(&sha256) {
@@ -187,6 +199,21 @@ impl Shard {
                 None => Outcome::Swapped(Err("the swapped-in module is not here".into())),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod wire {
+    use super::*;
+
+    /// The op stream a primary sends its backup is positional (postcard): a worker's wait notice
+    /// is variant 12, added last.
+    #[test]
+    fn a_wait_notice_op_encodes_as_pinned() {
+        let op = Op::Waiting { worker: 3, iteration: 9, waiting: true };
+        let bytes = postcard::to_allocvec(&op).expect("encodes");
+        assert_eq!(bytes, [12, 3, 9, 1]);
+        assert_eq!(postcard::from_bytes::<Op>(&bytes).expect("decodes"), op);
     }
 }
 

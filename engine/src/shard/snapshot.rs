@@ -24,6 +24,7 @@ use sha2::{Digest, Sha256};
 use syncopate_policy_sdk::abi::{RequestId, TimerId, UpdateMode, WorkerClock, WorkerId};
 use syncopate_policy_sdk::clocks::Clocks;
 
+use super::elsewhere::Elsewhere;
 use super::parked::ParkedPulls;
 use super::supervisor::{Health, Supervisor};
 use super::{
@@ -32,10 +33,12 @@ use super::{
 };
 use crate::runtime::{PolicyError, PolicyModule};
 
-/// The snapshot format [`ShardSnapshot::encode`] writes. [`ShardSnapshot::decode`] reads it and
-/// format 4 (which had no record of the policy's failures: [`Health`]; a format-4 snapshot
-/// restores with a clean one).
-pub const SNAPSHOT_FORMAT: u32 = 5;
+/// The snapshot format [`ShardSnapshot::encode`] writes. [`ShardSnapshot::decode`] reads it,
+/// format 5 (which had no record of which workers wait on other shards: a format-5 snapshot
+/// restores with none, and the shard learns them again from the workers' next requests) and
+/// format 4 (which had no record of the policy's failures either: [`Health`]; a format-4
+/// snapshot restores with a clean one).
+pub const SNAPSHOT_FORMAT: u32 = 6;
 
 /// The oldest format [`ShardSnapshot::decode`] reads.
 pub const OLDEST_SNAPSHOT_FORMAT: u32 = 4;
@@ -147,6 +150,9 @@ pub struct ShardSnapshot {
     health: Health,
     /// The cluster's number of the swap that put the policy in, and its raise (format 5).
     swap: (u64, Vec<super::ClockRaise>),
+    /// Which workers wait on other shards (format 6): a backup started from a snapshot, or a
+    /// restored shard, finds a rule stalled as the shard it copies would.
+    elsewhere: Elsewhere,
 }
 
 impl ShardSnapshot {
@@ -230,13 +236,17 @@ impl ShardSnapshot {
             return Err(SnapshotError::Checksum);
         }
         let undecodable = |e: postcard::Error| SnapshotError::Body(e.to_string());
-        if found == 4 {
-            // Format 5 only added fields at the end (postcard is positional): a format-4 body
-            // followed by a clean record and swap 0 is a format-5 body.
+        if found < SNAPSHOT_FORMAT {
+            // Formats 5 and 6 only added fields at the end (postcard is positional): a format-4
+            // body followed by a clean record and swap 0 is a format-5 body, and a format-5
+            // body followed by no worker waiting elsewhere is a format-6 body.
             let mut body = body.to_vec();
-            body.extend(postcard::to_allocvec(&Health::default()).expect("a record serializes"));
-            let swap: (u64, Vec<super::ClockRaise>) = (0, Vec::new());
-            body.extend(postcard::to_allocvec(&swap).expect("a swap serializes"));
+            if found == 4 {
+                body.extend(postcard::to_allocvec(&Health::default()).expect("a record serializes"));
+                let swap: (u64, Vec<super::ClockRaise>) = (0, Vec::new());
+                body.extend(postcard::to_allocvec(&swap).expect("a swap serializes"));
+            }
+            body.extend(postcard::to_allocvec(&Elsewhere::default()).expect("marks serialize"));
             return postcard::from_bytes(&body).map_err(undecodable);
         }
         postcard::from_bytes(body).map_err(undecodable)
@@ -292,6 +302,7 @@ impl Shard {
             last_failure: self.last_failure.clone(),
             health,
             swap: self.swap.clone(),
+            elsewhere: self.elsewhere.clone(),
         })
     }
 
@@ -382,7 +393,7 @@ impl Shard {
             last_failure: snap.last_failure,
             stall_check_at: None,
             leaving: None,
-            acked_unreported: Vec::new(),
+            elsewhere: snap.elsewhere,
             now_ns,
             swap: snap.swap,
         };
@@ -677,6 +688,53 @@ mod tests {
         let again = snap.encode();
         assert_eq!(u32::from_le_bytes(again[8..12].try_into().unwrap()), SNAPSHOT_FORMAT);
         assert_eq!(ShardSnapshot::decode(&again).unwrap(), snap);
+    }
+
+    #[test]
+    fn a_format_5_snapshot_still_decodes_with_no_worker_waiting_elsewhere() {
+        // Written by the build before format 6 (commit b5d8925): the shard of the format-4
+        // test (SSP, s = 1; 8 parameters at 0.5; workers 0, 1, 2; pushes of 0.25 from worker
+        // 0, iterations 0-2, and worker 1, iteration 0; worker 0's pull for iteration 3 parked;
+        // at 6 µs).
+        let bytes = include_bytes!("testdata/snapshot-format5.bin");
+        assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 5);
+        let snap = ShardSnapshot::decode(bytes).expect("format 5 is still read");
+        assert_eq!((snap.shard(), snap.workers().len(), snap.now_ns()), (0, 3, 6_000));
+        assert_eq!((snap.next_push(0), snap.next_push(1)), (Some(3), Some(1)));
+        assert_eq!(snap.parked.len(), 1);
+        assert_eq!(snap.swap, (0, Vec::new()));
+        assert!((0..3).all(|w| snap.elsewhere.since(w).is_none()));
+        let again = snap.encode();
+        assert_eq!(u32::from_le_bytes(again[8..12].try_into().unwrap()), SNAPSHOT_FORMAT);
+        assert_eq!(ShardSnapshot::decode(&again).unwrap(), snap);
+    }
+
+    /// The marks of workers waiting on other shards travel with the snapshot: a backup
+    /// started from it counts them as its primary does.
+    #[test]
+    fn a_snapshot_keeps_who_waits_on_other_shards() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let module = rt.compile("bsp", crate::builtin::wasm("bsp").unwrap()).unwrap();
+        let mut log = Log::default();
+        let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 4], &module, &[], &mut log).unwrap();
+        for w in 0..2 {
+            shard.join(w, 0, &mut log).unwrap();
+        }
+        let push = PushRequest {
+            worker: 0,
+            iteration: 0,
+            samples: 1,
+            grad: vec![1.0; 4],
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+        };
+        shard.push(push, 1_000, &mut log).unwrap();
+        shard.pull_waiting(1, 0, true, 2_000).unwrap();
+        let snap = ShardSnapshot::decode(&shard.snapshot(3_000).unwrap().encode()).unwrap();
+        assert_eq!((snap.elsewhere.since(0), snap.elsewhere.since(1)), (Some(1_000), Some(2_000)));
+        let back = Shard::restore(ShardConfig::default(), snap, &module, &mut log).unwrap();
+        assert_eq!((back.elsewhere.since(0), back.elsewhere.since(1)), (Some(1_000), Some(2_000)));
     }
 
     #[test]

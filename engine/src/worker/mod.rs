@@ -23,6 +23,10 @@
 //!   it waits for a pull or a push, or between iterations, never during its injected delay.
 //! - A task is computed once: a hand-over yields only tasks not yet started, and a task handed
 //!   over is never started here.
+//! - A pull that has waited [`WAIT_NOTICE_NS`] is told to every shard ([`Action::Waiting`]),
+//!   once, and so is its end (answered, or given up at a stop): a shard that served it counts
+//!   the worker as waiting on another shard meanwhile, which is how a rule that parks pulls on
+//!   some shards only is found stalled.
 //! - A pause delays the start of the worker's next pull by its length from its arrival; it is
 //!   acknowledged at once (as every setting is: "applies from iteration N"). A push codec is
 //!   the driver's to apply ([`crate::codec::PushEncoder`]), from the acknowledged iteration.
@@ -59,6 +63,13 @@ use device::DeviceState;
 /// gives up and leaves: enough for any transfer, short enough that a limit ends a run whose
 /// policy holds pushes for ever.
 pub const STOP_GRACE_NS: u64 = 5_000_000_000;
+
+/// How long a pull waits before the worker tells every shard that it waits
+/// ([`Action::Waiting`]): a shard that has answered it cannot tell a worker waiting on another
+/// shard from one computing, and the stall rule needs to (`shard::Shard::check_progress`). Long
+/// beside an answer's usual time, so that a run whose rule decides promptly sends no notice;
+/// short beside the no-progress time, which it delays by this much at most.
+pub const WAIT_NOTICE_NS: u64 = 1_000_000_000;
 
 /// How a worker is set up.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -170,6 +181,15 @@ pub enum Action {
     },
     /// Tell every shard an iteration is finished.
     Finished(IterationReport),
+    /// Tell every shard that this worker's pull of `iteration` has waited [`WAIT_NOTICE_NS`]
+    /// (`waiting`), or, after such a notice, that every shard has answered it. Nothing answers;
+    /// a notice that cannot be delivered is not an error.
+    Waiting {
+        /// The iteration pulled.
+        iteration: u64,
+        /// Whether it still waits.
+        waiting: bool,
+    },
     /// Tell every shard this worker skips from iteration `from` to `to` (the iterations in
     /// between are never pushed); carry out the actions that follow only once every shard has
     /// taken it.
@@ -296,6 +316,8 @@ struct Current {
     acked_after_ns: u64,
     /// Local steps (0: one gradient), from the pulls.
     local_steps: u32,
+    /// Whether the shards were told that its pull waits ([`Action::Waiting`]).
+    told_waiting: bool,
 }
 
 /// Tasks moved to this worker.
@@ -430,7 +452,9 @@ impl WorkerMachine {
         let pause = (self.own == Own::Start && self.pause_until > self.now).then_some(self.pause_until);
         let give_up =
             (self.stop && self.own == Own::Pushing).then(|| self.stop_at.saturating_add(STOP_GRACE_NS));
-        [pacing, delay, pause, give_up].into_iter().flatten().min()
+        let tell = (self.own == Own::Pulling && !self.cur.told_waiting)
+            .then(|| self.cur.started_at.saturating_add(WAIT_NOTICE_NS));
+        [pacing, delay, pause, give_up, tell].into_iter().flatten().min()
     }
 
     /// The next thing to do, if any. Call until `None` after every input.
@@ -452,6 +476,7 @@ impl WorkerMachine {
                 if self.gave_up && !matches!(self.own, Own::Pulling | Own::Pushing) => {}
             Input::Pulled { deferred, deferred_ns, local_steps } => {
                 self.expect(self.own == Own::Pulling, "Pulled")?;
+                self.waited_no_more();
                 self.cur.pulled_at = now;
                 self.cur.local_steps = local_steps;
                 self.report.wait_ns += now - self.cur.started_at;
@@ -713,6 +738,7 @@ impl WorkerMachine {
             let before = self.out.len();
             self.abandon_for_skip();
             self.give_up_at_stop();
+            self.tell_if_waiting();
             match self.own {
                 Own::Start if !self.skips.is_empty() => self.skip_now(),
                 Own::Start if self.stop || self.iteration >= self.cfg.iterations => self.leave_when_idle(),
@@ -777,9 +803,29 @@ impl WorkerMachine {
             _ => return,
         };
         tracing::warn!(worker = self.cfg.id, "stopping: gave up {what}");
+        if self.own == Own::Pulling {
+            self.waited_no_more();
+        }
         self.report.abandoned.push(what);
         self.gave_up = true;
         self.own = Own::Start;
+    }
+
+    /// Tells the shards, once per pull, that it has waited [`WAIT_NOTICE_NS`].
+    fn tell_if_waiting(&mut self) {
+        let due = self.cur.started_at.saturating_add(WAIT_NOTICE_NS);
+        if self.own == Own::Pulling && !self.cur.told_waiting && self.now >= due {
+            self.cur.told_waiting = true;
+            self.out.push_back(Action::Waiting { iteration: self.cur.iteration, waiting: true });
+        }
+    }
+
+    /// Its pull ended (answered, or given up): the shards told that it waits hear that it no
+    /// longer does.
+    fn waited_no_more(&mut self) {
+        if std::mem::take(&mut self.cur.told_waiting) {
+            self.out.push_back(Action::Waiting { iteration: self.cur.iteration, waiting: false });
+        }
     }
 
     /// Leaves once the computation in progress (moved tasks) is done; no new iteration starts.

@@ -305,3 +305,38 @@ fn the_next_pull_is_promised_only_while_nothing_can_change_it() {
     m.handle(0, Input::Stop).unwrap();
     assert_eq!(m.next_pull_if_quiet(), None, "stopping");
 }
+
+#[test]
+fn a_pull_that_waits_is_told_to_the_shards_once_and_so_is_its_end() {
+    let mut m = machine(3, Device::default());
+    assert_eq!(actions(&mut m, 0), [Action::Pull { iteration: 0 }]);
+    assert_eq!(m.poll_timeout(), Some(WAIT_NOTICE_NS), "it wakes to tell the shards");
+    assert_eq!(actions(&mut m, WAIT_NOTICE_NS - 1), []);
+    m.handle(WAIT_NOTICE_NS, Input::Timer).unwrap();
+    assert_eq!(actions(&mut m, WAIT_NOTICE_NS), [Action::Waiting { iteration: 0, waiting: true }]);
+    assert_eq!(m.poll_timeout(), None, "told once");
+    m.handle(2 * WAIT_NOTICE_NS, Input::Pulled { deferred: true, deferred_ns: 1, local_steps: 0 }).unwrap();
+    let a = actions(&mut m, 2 * WAIT_NOTICE_NS);
+    assert!(
+        matches!(&a[..], [Action::Waiting { iteration: 0, waiting: false }, Action::Compute(_)]),
+        "its end before the computation: {a:?}"
+    );
+    // A pull answered in time is told nobody.
+    let t = 2 * WAIT_NOTICE_NS;
+    m.handle(t, computed(32)).unwrap();
+    actions(&mut m, t);
+    m.handle(t + 1, own_pushed()).unwrap();
+    assert!(matches!(actions(&mut m, t + 1)[..], [Action::Finished(_), Action::Pull { iteration: 1 }]));
+    m.handle(t + 2, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
+    assert!(matches!(actions(&mut m, t + 2)[..], [Action::Compute(_)]));
+    m.handle(t + 3, computed(32)).unwrap();
+    actions(&mut m, t + 3);
+    m.handle(t + 4, own_pushed()).unwrap();
+    actions(&mut m, t + 4);
+    // A pull given up at a stop after its notice: its end is told too.
+    m.handle(t + 4 + WAIT_NOTICE_NS, Input::Timer).unwrap();
+    assert_eq!(actions(&mut m, t + 4 + WAIT_NOTICE_NS), [Action::Waiting { iteration: 2, waiting: true }]);
+    m.handle(t + 5 + WAIT_NOTICE_NS, Input::Stop).unwrap();
+    let a = actions(&mut m, t + 5 + WAIT_NOTICE_NS);
+    assert_eq!(a, [Action::Waiting { iteration: 2, waiting: false }, Action::Leave], "{a:?}");
+}

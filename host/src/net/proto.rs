@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -583,6 +583,17 @@ pub enum DataRequest {
         /// The iteration it continues from.
         to: u64,
     },
+    /// The worker's pull of `iteration` has waited a while on some shard (`waiting`), or, after
+    /// such a notice, every shard has answered it: a shard that answered it counts it as
+    /// waiting meanwhile (the stall rule, `Shard::check_progress`). Protocol 14.
+    Waiting {
+        /// The shard.
+        shard: u32,
+        /// The iteration pulled, numbered as the shard numbers this worker's iterations.
+        iteration: u64,
+        /// Whether it still waits.
+        waiting: bool,
+    },
 }
 
 /// Answers on the data plane.
@@ -818,4 +829,22 @@ pub struct ClusterStatus {
     /// 13).
     #[serde(default)]
     pub checkpoint_error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
+    /// and a change to them is a change of [`PROTOCOL_VERSION`].
+    #[test]
+    fn requests_encode_as_protocol_14_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 14);
+        let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
+        assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
+        let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };
+        assert_eq!(bytes(&notice), [10, 2, 0xac, 0x02, 1], "variant 10, varints, a bool");
+        let back: DataRequest = postcard::from_bytes(&[10, 0, 7, 0]).expect("decodes");
+        assert_eq!(back, DataRequest::Waiting { shard: 0, iteration: 7, waiting: false });
+    }
 }

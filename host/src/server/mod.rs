@@ -1222,7 +1222,8 @@ async fn handle_request(
         | DataRequest::PushTasks { shard, .. }
         | DataRequest::TasksYielded { shard, .. }
         | DataRequest::ControlApplied { shard, .. }
-        | DataRequest::Skip { shard, .. } => *shard,
+        | DataRequest::Skip { shard, .. }
+        | DataRequest::Waiting { shard, .. } => *shard,
     };
     let Some(tx) = shared.shard(shard) else {
         if shared.lease.is_some() {
@@ -1352,6 +1353,10 @@ async fn handle_request(
                 return err(format!("worker {worker} reported for worker {}", report.worker));
             }
             let _ = tx.send(ShardCmd::Finished { report }).await;
+            (DataResponse::Ok, None)
+        }
+        DataRequest::Waiting { iteration, waiting, .. } => {
+            let _ = tx.send(ShardCmd::Waiting { worker, iteration, waiting }).await;
             (DataResponse::Ok, None)
         }
         DataRequest::Leave { .. } => {

@@ -70,6 +70,11 @@ pub(crate) enum ShardCmd {
     Finished {
         report: IterationReport,
     },
+    Waiting {
+        worker: WorkerId,
+        iteration: u64,
+        waiting: bool,
+    },
     Leave {
         worker: WorkerId,
         reason: LeaveReason,
@@ -531,6 +536,9 @@ impl ShardTask {
                 p.node.pull(now, token, worker, iteration, &mut p.obs);
             }
             ShardCmd::Finished { report } => p.node.finished(now, report, obs),
+            ShardCmd::Waiting { worker, iteration, waiting } => {
+                p.node.waiting(now, worker, iteration, waiting, obs)
+            }
             ShardCmd::Leave { worker, reason, reply } => {
                 let token = reply.map(|r| p.wait(Waiter::Done(r)));
                 p.node.leave(now, token, worker, reason, &mut p.obs);

@@ -38,6 +38,9 @@ use crate::NodeError;
 
 use super::links::ServerLinks;
 
+/// How long a wait notice ([`WorkerClient::waiting`]) may take before it is given up.
+const NOTICE_WAIT: Duration = Duration::from_secs(5);
+
 /// The QUIC stream priority of requests without a payload (pulls, reports): they go ahead of
 /// the parts of a push in flight, whose priorities are their shards' indices.
 const URGENT: i32 = i32::MAX;
@@ -921,6 +924,31 @@ impl WorkerClient {
         DataRequest::Finished {
             shard,
             report: IterationReport { iteration: self.shard_iteration(i, report.iteration), ..report },
+        }
+    }
+
+    /// Tells every shard that this worker's pull of `iteration` has waited a while (`waiting`),
+    /// or that every shard answered it ([`syncopate_engine::worker::Action::Waiting`]). Best
+    /// effort: a notice only helps the shards see a rule that stalls the run, so one that cannot
+    /// be delivered within [`NOTICE_WAIT`] (a shard moving to its backup) is given up, with a
+    /// debug line, and is not an error.
+    pub async fn waiting(&self, iteration: u64, waiting: bool) {
+        let notices = self.on_every_shard(|i, shard| DataRequest::Waiting {
+            shard,
+            iteration: self.shard_iteration(i, iteration),
+            waiting,
+        });
+        match tokio::time::timeout(NOTICE_WAIT, notices).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(worker = self.id, iteration, waiting, "wait notice not delivered: {e}")
+            }
+            Err(_) => tracing::debug!(
+                worker = self.id,
+                iteration,
+                waiting,
+                "wait notice given up after {NOTICE_WAIT:?}"
+            ),
         }
     }
 

@@ -215,6 +215,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     client_ref.control_applied(shard, control, iteration).await?;
                 }
                 Action::Finished(report) => client_ref.finished(report).await?,
+                Action::Waiting { iteration, waiting } => client_ref.waiting(iteration, waiting).await,
                 Action::Skip { to, .. } => client_ref.skip(to).await?,
                 Action::Leave => break,
             }

@@ -762,6 +762,7 @@ impl Driver {
                         Action::Finished(report) if reported.take_if(|it| *it == report.iteration).is_some() => {}
                         Action::Finished(report) => beside(client.finished(report), bg).await?,
                         Action::Skip { to, .. } => beside(client.skip(to), bg).await?,
+                        Action::Waiting { iteration, waiting } => beside(client.waiting(iteration, waiting), bg).await,
                         Action::Leave => return Ok(Next::Leave),
                     }
                     continue;

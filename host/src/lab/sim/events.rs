@@ -14,6 +14,9 @@ pub(super) enum ToShard {
     Finished(IterationReport),
     Skip(u64),
     Goodbye,
+    /// [`Action::Waiting`](syncopate_engine::worker::Action::Waiting): its pull of this
+    /// iteration waits (`true`), or was answered everywhere.
+    Waiting(u64, bool),
 }
 
 /// A worker's message that a shard's primary took, as it will reach that primary again (a

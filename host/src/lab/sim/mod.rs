@@ -1586,6 +1586,9 @@ impl Sim {
                 }
                 Action::Finished(report) => self.send(w, 0..shards, ToShard::Finished(report)),
                 Action::Skip { to, .. } => self.send(w, 0..shards, ToShard::Skip(to)),
+                Action::Waiting { iteration, waiting } => {
+                    self.send(w, 0..shards, ToShard::Waiting(iteration, waiting));
+                }
                 Action::Leave => self.send(w, 0..shards, ToShard::Goodbye),
             }
         }
@@ -1638,6 +1641,7 @@ impl Sim {
                 node.skip(now, self.next_token, w, to, &mut Quiet)
             }
             ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
+            ToShard::Waiting(iteration, waiting) => node.waiting(now, w, iteration, waiting, &mut Quiet),
         }
         self.drain(s)
     }
@@ -1756,6 +1760,7 @@ impl Sim {
                         ..r
                     }),
                     ToShard::Skip(to) => ToShard::Skip(to.saturating_add_signed(by)),
+                    ToShard::Waiting(i, waiting) => ToShard::Waiting(i.saturating_add_signed(by), waiting),
                     msg @ (ToShard::Handover(_) | ToShard::Goodbye) => msg,
                 };
                 self.duplicate(w, s, || Copied::Note(msg));
