@@ -834,6 +834,21 @@ impl Case {
         if let Some(d) = &failed.policy_differs {
             return Err(format!("{what}: one record of the policy: {d}"));
         }
+        // A stall is a rule's failure to decide: only a rule that never decides may be found
+        // stalled (a worker computing, or one whose pull was answered everywhere, waits on
+        // nothing, whatever the faults). One limit: a worker whose pull waits on a shard it
+        // cannot reach (it hears of the shard's move late) has told the shards that it waits,
+        // and counts as waiting: if that lasts the no-progress time, the rule that keeps the
+        // others waiting for it is found stalled (seed 408: a worker heard of a move 29.8 s
+        // late, under SSP).
+        let unreachable_ns =
+            self.late_worker.map_or(0, |l| l.1 * 1_000_000 + LIVENESS_NS_PER_FAULT * faults as u64);
+        let may_stall = undecided > 0 || unreachable_ns >= self.scenario.supervisor().no_progress_ns;
+        for (run, name) in [(&clean, "undisturbed run"), (&failed, what.as_str())] {
+            if !may_stall && stalled(run) {
+                return Err(format!("{name}: a shard found a rule that decides stalled"));
+            }
+        }
         // Liveness: once the faults are over, the run finishes within a bound.
         // Liveness is the live workers': a run goes on after they are done while the servers
         // wait out a dead worker's timeouts.
@@ -849,9 +864,17 @@ impl Case {
         // longer by their extra steps (the slowest device is at most 4x slower).
         let h = self.swap.as_ref().map_or(0, local_steps);
         let local_ns = h.saturating_sub(1) * iterations * self.scenario.compute_ms * 4 * 1_000_000;
-        // A rule that never decides keeps every worker waiting for a no-progress time, three
-        // times before it is quarantined, in both runs, at times the faults shift.
-        let undecided_ns = undecided * 3 * self.scenario.supervisor().no_progress_ns;
+        // A rule that never decides stalls the run three times before it is quarantined, at
+        // times the faults shift, so that the disturbed run may meet stalls the undisturbed
+        // one ended before. A stall lasts until the last worker reaches the rule (it finishes
+        // its iteration: at most the slowest device's, 4x the scenario's compute time), then a
+        // no-progress time; a shard that sees a worker waiting on another shard's pull only
+        // once it says so counts from its notice, a second into its wait (seed 2018 of a soak
+        // met a third stall of 12 s that its undisturbed run never had).
+        let stall_ns = self.scenario.compute_ms * 4 * 1_000_000
+            + self.scenario.supervisor().no_progress_ns
+            + syncopate_engine::worker::WAIT_NOTICE_NS;
+        let undecided_ns = undecided * 3 * stall_ns;
         let bound_ns = (LIVENESS_NS_PER_FAULT + self.notice_delay_ms * 1_000_000 + late_ns) * faults as u64
             + self.late_joiner_extra_ns(&clean, &failed)
             + local_ns
