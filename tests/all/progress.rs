@@ -83,6 +83,33 @@ fn a_rule_that_never_decides_falls_back_within_the_no_progress_time() {
     }
 }
 
+/// A rule that keeps different workers waiting on different shards: shard `s` parks only
+/// worker `s`'s pulls, so no shard has every worker's pull parked, and each sees the others'
+/// pulls served. The workers tell the shards that their pulls wait (after a second), so each
+/// shard finds every worker waiting: it resolves its parked pull by the fallback rule, and
+/// quarantines the rule at its third stall. Before the workers told, this run never ended.
+#[test]
+fn a_rule_that_parks_different_workers_on_different_shards_falls_back_too() {
+    let t = Instant::now();
+    let run = start("never-skewed", "mode=pull:park,after=30,skew=1", 150, &["--no-progress-s", "2"]);
+    let (st, run) = run.finish(Duration::from_secs(180));
+    assert!(st.success(), "{}", run.output());
+    let report = run.report();
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * 150.0, "skewed");
+    for (shard, (failures, quarantined)) in shard_failures(&report).into_iter().enumerate() {
+        assert!(
+            quarantined && failures == 3,
+            "shard {shard}: {failures} failures, quarantined {quarantined}"
+        );
+    }
+    let last = report.shards().filter_map(|s| s.last_failure.clone()).collect::<Vec<_>>();
+    assert!(
+        last.iter().all(|f| f.contains("all 3 live workers waited") && f.contains("1 pull parked")),
+        "one worker parked on each shard, the others waiting elsewhere: {last:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(120), "took {:?}", t.elapsed());
+}
+
 /// `--time-limit-s` ends a run whatever its policy holds or parks, even with the no-progress
 /// rule off: the workers give up the pull a policy keeps deferring at once, and their own push
 /// 5 s after the stop; what was acknowledged is kept, what was stuck is reported, and a push

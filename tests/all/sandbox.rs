@@ -409,6 +409,47 @@ fn a_worker_acknowledged_here_and_waiting_on_other_shards_counts_as_waiting() {
     assert!(rec.errors.is_empty(), "{:?}", rec.errors);
 }
 
+/// A rule that parks pulls on some shards and not others deadlocks the workers across shards:
+/// here worker 1's pull was served (it waits on another shard's answer, which it tells every
+/// shard after a while), worker 0's is parked. Both wait: after the no-progress time from the
+/// notice, the rule fails. A worker that says its pull was answered everywhere is computing,
+/// and a notice that arrives after that is void.
+#[test]
+fn a_worker_served_here_that_says_it_waits_on_another_shard_counts_as_waiting() {
+    use syncopate::shard::{PullRequest, Shard, ShardConfig, DEFAULT_NO_PROGRESS_NS};
+    use syncopate_suite::{config, Recorder};
+    // Worker 1's pull behaves; worker 0's, the second event, is parked for ever.
+    let cfg = [("mode", "pull:park"), ("after", "1")];
+    let start = || {
+        let mut rec = Recorder::default();
+        let mut shard =
+            Shard::new(ShardConfig::default(), vec![0.0], &hostile_module(), &config(&cfg), &mut rec)
+                .expect("starts");
+        shard.join(0, 0, &mut rec).expect("joins");
+        shard.join(1, 0, &mut rec).expect("joins");
+        shard.pull(PullRequest { worker: 1, iteration: 0 }, 1_000, &mut rec).expect("pull");
+        shard.pull(PullRequest { worker: 0, iteration: 0 }, 2_000, &mut rec).expect("pull");
+        assert_eq!((rec.served.len(), shard.parked_pulls()), (1, 1));
+        (shard, rec)
+    };
+    let told = 1_000_000_000;
+    let (mut shard, mut rec) = start();
+    shard.pull_waiting(1, 0, true, told).expect("notice");
+    shard.advance(told + DEFAULT_NO_PROGRESS_NS - 1, &mut rec);
+    assert!(rec.errors.is_empty(), "not yet: {:?}", rec.errors);
+    shard.advance(told + DEFAULT_NO_PROGRESS_NS, &mut rec);
+    assert!(matches!(rec.errors[..], [PolicyError::NoProgress { .. }]), "{:?}", rec.errors);
+    assert_eq!(rec.served.len(), 2, "worker 0's pull served by the fallback rule");
+    // Worker 1 computes: its pull was answered everywhere (the end overtook the notice here).
+    let (mut shard, mut rec) = start();
+    shard.pull_waiting(1, 0, false, told).expect("notice");
+    shard.pull_waiting(1, 0, true, told + 1).expect("notice");
+    shard.advance(told + 2 * DEFAULT_NO_PROGRESS_NS, &mut rec);
+    assert!(rec.errors.is_empty() && shard.parked_pulls() == 1, "{:?}", rec.errors);
+    // A stranger's notice is refused.
+    assert!(shard.pull_waiting(7, 0, true, told).is_err());
+}
+
 /// A worker that computes (or waits on another shard) is not waiting on this one: while one
 /// worker has no request here, others may wait as long as they must (a straggler under BSP).
 #[test]

@@ -3,7 +3,9 @@
 //! `mode` picks the misbehaviour and `after` how many events it behaves (as BSP) before it
 //! starts; with `every` = N it misbehaves only on every Nth event after that (a crash loop: it
 //! behaves in between, and its count of events is part of its exported state, so a restart from
-//! its checkpoint fails again N events on). Every mode is something a buggy or hostile module could really do from inside the
+//! its checkpoint fails again N events on). With `skew` = 1, shard `s` misbehaves only on the
+//! requests of worker `s` (modulo the live workers): different shards keep different workers
+//! waiting, and no shard keeps them all. Every mode is something a buggy or hostile module could really do from inside the
 //! sandbox: trap, spin forever, allocate without bound, panic, answer with decisions that
 //! break the ABI's rules, or park a pull or hold a push and never let it go.
 
@@ -16,6 +18,8 @@ pub struct Hostile {
     mode: String,
     after: u64,
     every: u64,
+    skew: bool,
+    shard: u32,
     seen: u64,
     hoard: Vec<Vec<u8>>,
 }
@@ -27,6 +31,13 @@ impl Hostile {
         } else {
             PullVerdict::Defer(Release::MinClockAtLeast(pull.clock))
         }
+    }
+
+    /// Whether to misbehave on this event of `worker`'s (of a kind `on`).
+    fn armed_for(&mut self, on: &str, ctx: &Ctx<'_>, worker: WorkerId) -> bool {
+        let armed = self.armed(on);
+        let workers = ctx.view().workers.max(1);
+        armed && (!self.skew || worker % workers == self.shard % workers)
     }
 
     fn armed(&mut self, on: &str) -> bool {
@@ -76,6 +87,7 @@ impl Policy for Hostile {
             ParamSpec::new("mode", ParamKind::Text, "none", "pull:MODE or push:MODE, MODE one of trap, loop, bomb, panic, release-unknown, admit-unknown, control-stranger; pull:park (never released), push:hold (never admitted); or refuse-state"),
             ParamSpec::new("after", ParamKind::Uint, "0", "events to behave before misbehaving"),
             ParamSpec::new("every", ParamKind::Uint, "0", "misbehave only on every Nth event after that (0: on every one)"),
+            ParamSpec::new("skew", ParamKind::Uint, "0", "1: on shard s, misbehave only on worker s's requests (modulo the live workers)"),
         ],
     );
 
@@ -84,6 +96,8 @@ impl Policy for Hostile {
             mode: init.config.get("mode")?,
             after: init.config.get("after")?,
             every: init.config.get("every")?,
+            skew: init.config.get::<u64>("skew")? == 1,
+            shard: init.shard,
             seen: 0,
             hoard: Vec::new(),
         })
@@ -95,7 +109,7 @@ impl Policy for Hostile {
     }
 
     fn on_pull(&mut self, ctx: &mut Ctx<'_>, pull: &Pull) -> PullVerdict {
-        if self.armed("pull:") {
+        if self.armed_for("pull:", ctx, pull.worker) {
             if self.mode == "pull:park" {
                 // Parked until released, and never released.
                 return PullVerdict::Defer(Release::Explicit);
@@ -106,7 +120,7 @@ impl Policy for Hostile {
     }
 
     fn on_push(&mut self, ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
-        if self.armed("push:") {
+        if self.armed_for("push:", ctx, push.worker) {
             if self.mode == "push:hold" {
                 // Held, and never admitted.
                 return PushVerdict::Hold;
