@@ -34,6 +34,16 @@ struct Marks {
     pulled: Option<u64>,
 }
 
+impl Marks {
+    /// Its pull of `iteration` (and every earlier one) has ended.
+    fn pull_ended(&mut self, iteration: u64) {
+        self.pulled = Some(self.pulled.map_or(iteration, |p| p.max(iteration)));
+        if self.pulling.is_some_and(|(i, _)| i <= iteration) {
+            self.pulling = None;
+        }
+    }
+}
+
 /// Per worker, what it waits on elsewhere (see the module docs). Part of a shard's snapshot
 /// (format 6), so that a backup started from one counts as its primary does.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,10 +85,7 @@ impl Elsewhere {
                 m.pulling = Some((iteration, now));
             }
         } else {
-            m.pulled = Some(m.pulled.map_or(iteration, |p| p.max(iteration)));
-            if m.pulling.is_some_and(|(i, _)| i <= iteration) {
-                m.pulling = None;
-            }
+            m.pull_ended(iteration);
         }
     }
 
@@ -86,10 +93,7 @@ impl Elsewhere {
     /// it; the pull of a later one): that pull has ended.
     pub(super) fn moved_on(&mut self, worker: WorkerId, iteration: u64) {
         if let Some(m) = self.marks.get_mut(worker as usize) {
-            m.pulled = Some(m.pulled.map_or(iteration, |p| p.max(iteration)));
-            if m.pulling.is_some_and(|(i, _)| i <= iteration) {
-                m.pulling = None;
-            }
+            m.pull_ended(iteration);
         }
     }
 
