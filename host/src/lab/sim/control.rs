@@ -540,7 +540,8 @@ impl Sim {
             }
             _ => r.shard() != s,
         });
-        self.limbo.extend(lost);
+        let now = self.now;
+        self.limbo.extend(lost.into_iter().map(|ev| (ev, now)));
         (self.server_of[su], self.backup_of[su]) = (b, None);
         self.epoch[su] += 1;
         self.timer_at[su] = None;
@@ -612,10 +613,17 @@ impl Sim {
         }
         let node = self.server_node(s);
         // What it sent that was lost on the way to the old primary, or with it.
-        let (mine, rest): (Vec<Ev>, Vec<Ev>) = std::mem::take(&mut self.limbo).into_iter().partition(|ev| {
-            matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
-        });
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.limbo).into_iter().partition(|(ev, _)| {
+                matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
+            });
         self.limbo = rest;
+        for (ev, since) in &mine {
+            if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
+                self.unreachable_ns[wu] += self.now.saturating_sub(*since);
+            }
+        }
+        let mine = mine.into_iter().map(|(ev, _)| ev);
         let member = sim_shard(&self.nodes[su]).is_member(w);
         if self.workers[wu].machine.is_done() {
             // Its goodbye went to the dead primary. A cluster makes it leave when it closes its

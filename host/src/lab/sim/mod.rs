@@ -491,8 +491,11 @@ struct Sim {
     dead: Vec<bool>,
     /// Servers failed over, in order.
     lost: Vec<u32>,
-    /// Requests that reached a dead server before its failover.
-    limbo: Vec<Ev>,
+    /// Requests that reached a dead server before its failover, and since when they wait.
+    limbo: Vec<(Ev, u64)>,
+    /// Per worker: how long its pulls and pushes waited in limbo (on a shard it could not
+    /// reach), added up.
+    unreachable_ns: Vec<u64>,
     /// The coordinator's decisions (`control.rs`).
     coord: CoordinatorMachine,
     /// Per worker: the shards that answered its first join; it starts once all have.
@@ -628,6 +631,9 @@ pub struct Simulated {
     pub swaps_refused: u64,
     /// Hot swaps that ended before the run did (one drawn near its end may not have).
     pub swaps_ended: u64,
+    /// The most time a worker's pulls and pushes waited on shards it could not reach (sent to
+    /// a dead primary, or lost with it, until the worker heard of the move), added up.
+    pub unreachable_ns: u64,
     /// Promoted primaries that switched to the policy their server records (their old primary
     /// died before it streamed a swap's commit).
     pub conformed: u64,
@@ -891,6 +897,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     }
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
+    let n_workers = workers.len();
     let mut sim = Sim {
         opts: opts.clone(),
         now: 0,
@@ -924,6 +931,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         dead: vec![false; sc.servers as usize],
         lost: Vec::new(),
         limbo: Vec::new(),
+        unreachable_ns: vec![0; n_workers],
         coord,
         coord_timer_at: None,
         joins: vec![0; n as usize],
@@ -1075,6 +1083,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let model = sim.model();
     let (policy_differs, swaps_refused, conformed) = (sim.policy_differs(), sim.swaps_refused, sim.conformed);
     let swaps_ended = sim.swaps_ended;
+    let unreachable_ns = sim.unreachable_ns.iter().copied().max().unwrap_or(0);
     let replicas_differ = match sim.drift.take() {
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
@@ -1100,6 +1109,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         policy_differs,
         swaps_refused,
         swaps_ended,
+        unreachable_ns,
         conformed,
     })
 }
@@ -1661,7 +1671,7 @@ impl Sim {
             match self.arrival(w, s, matches!(ev, Ev::PushArrive(..))) {
                 Arrival::Primary => {}
                 Arrival::Lost => {
-                    self.limbo.push(ev);
+                    self.limbo.push((ev, self.now));
                     return Ok(());
                 }
                 // Refused for want of a lease: the worker asks again after a pause (a dead one
