@@ -837,20 +837,24 @@ impl Case {
         // A stall is a rule's failure to decide: only a rule that never decides may be found
         // stalled (a worker computing, or one whose pull was answered everywhere, waits on
         // nothing, whatever the faults). One limit: a worker whose pull waits on a shard it
-        // cannot reach (it hears of the shard's move late) has told the shards that it waits,
-        // and counts as waiting: if that lasts about the no-progress time, the rule that keeps
-        // the others waiting for it is found stalled (seed 408: a worker heard of a move 29.8 s
-        // late, under SSP; seed 9859, 21.6 s late, its pull then its push lost with two dead
-        // servers). The simulator adds up those waits from each request's loss, which comes up
-        // to a failover after the server's death.
+        // cannot reach has told the shards that it waits, and counts as waiting: if that lasts
+        // about the no-progress time, the rule that keeps the others waiting for it is found
+        // stalled. So a stall of a rule that decides is accepted only where the run's faults
+        // could keep a worker away that long: its requests' waits on dead primaries until it
+        // heard of the moves (measured by the simulator, from each request's loss), the cut
+        // links and partitions, a coordinator's crash and a failover per fault (seed 408: a
+        // worker heard of a move 29.8 s late; 9859: 21.6 s late, two servers dead; 34448: 20.4 s
+        // on dead primaries, a 7.5 s cut link and a 3.9 s coordinator crash; all under SSP).
         let no_progress_ns = self.scenario.supervisor().no_progress_ns;
-        for (run, name) in [(&clean, "undisturbed run"), (&failed, what.as_str())] {
-            let unreachable = run.unreachable_ns + LIVENESS_NS_PER_FAULT >= no_progress_ns;
+        let faults_ns = partition_ns + crash_ns + LIVENESS_NS_PER_FAULT * faults as u64;
+        for (run, name, faults_ns) in [(&clean, "undisturbed run", 0), (&failed, what.as_str(), faults_ns)] {
+            let unreachable = run.unreachable_ns + faults_ns >= no_progress_ns;
             if undecided == 0 && !unreachable && stalled(run) {
                 return Err(format!(
                     "{name}: a shard found a rule that decides stalled (the most a worker's requests \
-                     waited on shards it could not reach: {:.1} s)",
-                    run.unreachable_ns as f64 / 1e9
+                     waited on shards it could not reach: {:.1} s; the faults' time: {:.1} s)",
+                    run.unreachable_ns as f64 / 1e9,
+                    faults_ns as f64 / 1e9
                 ));
             }
         }
