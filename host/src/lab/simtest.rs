@@ -844,11 +844,15 @@ impl Case {
         // heard of the moves (measured by the simulator, from each request's loss), the cut
         // links and partitions, a coordinator's crash and a failover per fault (seed 408: a
         // worker heard of a move 29.8 s late; 9859: 21.6 s late, two servers dead; 34448: 20.4 s
-        // on dead primaries, a 7.5 s cut link and a 3.9 s coordinator crash; all under SSP).
+        // on dead primaries, a 7.5 s cut link and a 3.9 s coordinator crash; all under SSP). A
+        // dead worker counts as live, and as waiting on the shards that had not acknowledged
+        // its last push, until the shards drop it: a peer timeout after its death, and on a
+        // shard promoted meanwhile, the promoted shard's backstop (60 s; seed 5587).
         let no_progress_ns = self.scenario.supervisor().no_progress_ns;
         let faults_ns = partition_ns + crash_ns + LIVENESS_NS_PER_FAULT * faults as u64;
+        let faults_ns = if dead_worker.is_some() { u64::MAX } else { faults_ns };
         for (run, name, faults_ns) in [(&clean, "undisturbed run", 0), (&failed, what.as_str(), faults_ns)] {
-            let unreachable = run.unreachable_ns + faults_ns >= no_progress_ns;
+            let unreachable = run.unreachable_ns.saturating_add(faults_ns) >= no_progress_ns;
             if undecided == 0 && !unreachable && stalled(run) {
                 return Err(format!(
                     "{name}: a shard found a rule that decides stalled (the most a worker's requests \
