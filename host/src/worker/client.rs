@@ -930,7 +930,7 @@ impl WorkerClient {
     /// Tells every shard that this worker's pull of `iteration` has waited a while (`waiting`),
     /// or that every shard answered it ([`syncopate_engine::worker::Action::Waiting`]). Best
     /// effort: a notice only helps the shards see a rule that stalls the run, so one that cannot
-    /// be delivered within [`NOTICE_WAIT`] (a shard moving to its backup) is given up, with a
+    /// be delivered within 5 s (a shard moving to its backup) is given up, with a
     /// debug line, and is not an error.
     pub async fn waiting(&self, iteration: u64, waiting: bool) {
         let notices = self.on_every_shard(|i, shard| DataRequest::Waiting {
