@@ -102,11 +102,17 @@ fn a_rule_that_parks_different_workers_on_different_shards_falls_back_too() {
             "shard {shard}: {failures} failures, quarantined {quarantined}"
         );
     }
-    let last = report.shards().filter_map(|s| s.last_failure.clone()).collect::<Vec<_>>();
-    assert!(
-        last.iter().all(|f| f.contains("all 3 live workers waited") && f.contains("1 pull parked")),
-        "one worker parked on each shard, the others waiting elsewhere: {last:?}"
-    );
+    // On shard s, worker s's pull parked first (the others' pulls served, or deferred by the
+    // module's BSP behind worker s's missing push): all waited, worker s's pull the longest.
+    for shard in report.shards() {
+        let last = shard.last_failure.as_deref().unwrap_or_default();
+        let own = format!("longest: worker {}'s pull", shard.shard);
+        assert!(
+            last.contains("all 3 live workers waited") && last.contains(&own),
+            "shard {}: {last}",
+            shard.shard
+        );
+    }
     assert!(t.elapsed() < Duration::from_secs(120), "took {:?}", t.elapsed());
 }
 
