@@ -452,9 +452,7 @@ impl WorkerMachine {
         let pause = (self.own == Own::Start && self.pause_until > self.now).then_some(self.pause_until);
         let give_up =
             (self.stop && self.own == Own::Pushing).then(|| self.stop_at.saturating_add(STOP_GRACE_NS));
-        let tell = (self.own == Own::Pulling && !self.cur.told_waiting)
-            .then(|| self.cur.started_at.saturating_add(WAIT_NOTICE_NS));
-        [pacing, delay, pause, give_up, tell].into_iter().flatten().min()
+        [pacing, delay, pause, give_up, self.notice_due()].into_iter().flatten().min()
     }
 
     /// The next thing to do, if any. Call until `None` after every input.
@@ -811,10 +809,15 @@ impl WorkerMachine {
         self.own = Own::Start;
     }
 
+    /// When its pull, not yet told of, is due to be told to the shards.
+    fn notice_due(&self) -> Option<u64> {
+        (self.own == Own::Pulling && !self.cur.told_waiting)
+            .then(|| self.cur.started_at.saturating_add(WAIT_NOTICE_NS))
+    }
+
     /// Tells the shards, once per pull, that it has waited [`WAIT_NOTICE_NS`].
     fn tell_if_waiting(&mut self) {
-        let due = self.cur.started_at.saturating_add(WAIT_NOTICE_NS);
-        if self.own == Own::Pulling && !self.cur.told_waiting && self.now >= due {
+        if self.notice_due().is_some_and(|due| self.now >= due) {
             self.cur.told_waiting = true;
             self.out.push_back(Action::Waiting { iteration: self.cur.iteration, waiting: true });
         }
