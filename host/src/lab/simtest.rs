@@ -850,9 +850,12 @@ impl Case {
         // shard promoted meanwhile, the promoted shard's backstop (60 s; seed 5587).
         let no_progress_ns = self.scenario.supervisor().no_progress_ns;
         let faults_ns = partition_ns + crash_ns + LIVENESS_NS_PER_FAULT * faults as u64;
-        let faults_ns = if dead_worker.is_some() { u64::MAX } else { faults_ns };
-        for (run, name, faults_ns) in [(&clean, "undisturbed run", 0), (&failed, what.as_str(), faults_ns)] {
-            let unreachable = run.unreachable_ns.saturating_add(faults_ns) >= no_progress_ns;
+        let disturbed = [
+            (&clean, "undisturbed run", 0, false),
+            (&failed, what.as_str(), faults_ns, dead_worker.is_some()),
+        ];
+        for (run, name, faults_ns, dead) in disturbed {
+            let unreachable = dead || run.unreachable_ns + faults_ns >= no_progress_ns;
             if undecided == 0 && !unreachable && stalled(run) {
                 return Err(format!(
                     "{name}: a shard found a rule that decides stalled (the most a worker's requests \
