@@ -969,8 +969,6 @@ impl Shard {
         if !self.clocks.is_live(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
-        // Its pull of this iteration has ended (whoever computed these tasks).
-        self.elsewhere.moved_on(worker, iteration);
         if grad.len() != self.params.len() {
             return Err(ShardError::WrongLength {
                 shard: self.shard,
@@ -995,12 +993,18 @@ impl Shard {
             let reason = "local steps cannot be split into tasks".to_string();
             return Err(ShardError::BadTasks { worker, iteration, mask: part.mask, reason });
         }
-        if partial {
+        let id = if partial {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
-            return self.push_part(worker, iteration, samples, grad, based_on, part, now_ns, sink);
-        }
-        let id = self.id();
-        self.offer(id, worker, iteration, samples, grad, based_on, local_steps, now_ns, sink);
+            self.push_part(worker, iteration, samples, grad, based_on, part, now_ns, sink)?
+        } else {
+            let id = self.id();
+            self.offer(id, worker, iteration, samples, grad, based_on, local_steps, now_ns, sink);
+            id
+        };
+        // Its pull of this iteration has ended (whoever computed these tasks). Only a push the
+        // shard took says so: a refused one (one that skips iterations, say) must not void the
+        // worker's notice that it waits on its pull.
+        self.elsewhere.moved_on(worker, iteration);
         Ok(id)
     }
 
@@ -1135,7 +1139,11 @@ impl Shard {
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
         let clock = self.clocks.get(req.worker).ok_or(ShardError::UnknownWorker(req.worker, self.shard))?;
-        if let Some(before) = req.iteration.checked_sub(1) {
+        // Its pull of the iteration before has ended, if this pull follows a push the shard
+        // has seen: one numbered past that (a buggy or hostile peer's) must not void the
+        // worker's notice that it waits on its pull.
+        let expected = self.next_push.get(req.worker as usize).copied().unwrap_or(0);
+        if let Some(before) = req.iteration.checked_sub(1).filter(|_| req.iteration <= expected) {
             self.elsewhere.moved_on(req.worker, before);
         }
         if let Some(p) = self.parked.find(req.worker, req.iteration) {
@@ -2144,6 +2152,47 @@ mod tests {
             .filter_map(|e| if let Event::Pull(p) = e { Some(p.version) } else { None })
             .collect();
         assert_eq!(pulls, vec![0, 4]);
+    }
+
+    /// Seed 83330 of the fault search: a refused push that skipped iterations ended the
+    /// worker's pull as far as the shard could tell, so its later notice that the pull waited
+    /// on another shard was void, no shard saw every worker waiting, and a rule that parked
+    /// pulls on the other shards stalled the run to its end.
+    #[test]
+    fn a_refused_or_impossible_request_does_not_void_a_notice_that_a_worker_waits_elsewhere() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let asp = rt.compile("asp", crate::builtin::wasm("asp").unwrap()).unwrap();
+        let mut sink = Keep::default();
+        let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 2], &asp, &[], &mut sink).unwrap();
+        shard.join(0, 0, &mut sink).unwrap();
+        let push = |iteration| PushRequest {
+            worker: 0,
+            iteration,
+            samples: 1,
+            grad: vec![1.0; 2],
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+        };
+        shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
+        shard.push(push(0), 1, &mut sink).unwrap();
+        let report = IterationReport { worker: 0, iteration: 0, compute_ns: 1, samples: 1 };
+        shard.iteration_finished(report, 1, &mut sink).unwrap();
+        shard.pull(PullRequest { worker: 0, iteration: 1 }, 2, &mut sink).unwrap();
+        assert_eq!(shard.elsewhere.since(0), None, "it waits on nothing elsewhere");
+        match shard.push(push(5), 3, &mut sink) {
+            Err(ShardError::OutOfOrder { iteration: 5, expected: 1, .. }) => {}
+            other => panic!("a push that skips iterations was taken: {other:?}"),
+        }
+        shard.pull(PullRequest { worker: 0, iteration: 9 }, 4, &mut sink).unwrap();
+        shard.pull_waiting(0, 1, true, 5).unwrap();
+        assert_eq!(shard.elsewhere.since(0), Some(5), "its pull of iteration 1 still waits elsewhere");
+        shard.push(push(1), 6, &mut sink).unwrap();
+        let report = IterationReport { worker: 0, iteration: 1, compute_ns: 1, samples: 1 };
+        shard.iteration_finished(report, 6, &mut sink).unwrap();
+        assert_eq!(shard.elsewhere.since(0), None, "its push of iteration 1 ended the wait");
+        shard.pull_waiting(0, 1, true, 7).unwrap();
+        assert_eq!(shard.elsewhere.since(0), None, "a late notice after the push is void");
     }
 
     #[test]
