@@ -976,6 +976,12 @@ impl Shard {
                 got: grad.len(),
             });
         }
+        // A gradient that is not finite is refused even for an iteration the shard has: a
+        // duplicate of a held push takes the place of the push's acknowledgement, which a bad
+        // request must not take.
+        if !all_finite(&grad) {
+            return Err(ShardError::NonFinite(worker, iteration));
+        }
         let expected = self.next_push[worker as usize];
         if iteration < expected {
             return Err(ShardError::Duplicate { worker, iteration, expected });
@@ -984,9 +990,6 @@ impl Shard {
             tasks.is_some_and(|t| !t.is_whole()) || self.partials.iter().any(|p| p.worker == worker);
         if iteration > expected && (!partial || iteration - expected >= MAX_OPEN_ITERATIONS) {
             return Err(ShardError::OutOfOrder { worker, iteration, expected });
-        }
-        if !all_finite(&grad) {
-            return Err(ShardError::NonFinite(worker, iteration));
         }
         if partial && local_steps > 0 {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
@@ -2193,6 +2196,37 @@ mod tests {
         assert_eq!(shard.elsewhere.since(0), None, "its push of iteration 1 ended the wait");
         shard.pull_waiting(0, 1, true, 7).unwrap();
         assert_eq!(shard.elsewhere.since(0), None, "a late notice after the push is void");
+    }
+
+    /// Seed 220839 of the fault search: a bad push (a NaN) of an iteration that a promoted
+    /// backup held for its policy was taken as the worker's retry of its held push (a
+    /// duplicate), so it took the place of the push's acknowledgement and the worker's own
+    /// retry was refused. A gradient that is not finite is refused as such first.
+    #[test]
+    fn a_push_that_is_not_finite_is_refused_as_such_even_for_an_iteration_the_shard_has() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let asp = rt.compile("asp", crate::builtin::wasm("asp").unwrap()).unwrap();
+        let mut sink = Keep::default();
+        let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 2], &asp, &[], &mut sink).unwrap();
+        shard.join(0, 0, &mut sink).unwrap();
+        let push = |grad: Vec<f32>| PushRequest {
+            worker: 0,
+            iteration: 0,
+            samples: 1,
+            grad,
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+        };
+        shard.push(push(vec![1.0; 2]), 1, &mut sink).unwrap();
+        match shard.push(push(vec![f32::NAN, 1.0]), 2, &mut sink) {
+            Err(ShardError::NonFinite(0, 0)) => {}
+            other => panic!("a NaN push of an iteration the shard has: {other:?}"),
+        }
+        match shard.push(push(vec![1.0; 2]), 3, &mut sink) {
+            Err(ShardError::Duplicate { worker: 0, iteration: 0, expected: 1 }) => {}
+            other => panic!("a retry of an iteration the shard has: {other:?}"),
+        }
     }
 
     #[test]
