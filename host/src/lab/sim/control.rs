@@ -116,6 +116,12 @@ impl Sim {
     pub(super) fn kill(&mut self, x: u32) {
         if !std::mem::replace(&mut self.dead[x as usize], true) {
             tracing::debug!(server = x, t_ns = self.now, "server killed");
+            // A deposed primary that dies is no shard's zombie any more: restarted under its
+            // id, it is a new process that holds nothing (it refuses a push for a shard it
+            // does not have), not the old primary come back.
+            for z in self.zombie_of.iter_mut().filter(|z| **z == Some(x)) {
+                *z = None;
+            }
             if let Some((r, under_way)) = self.restarts.iter_mut().find(|(r, on)| r.server == x && !on) {
                 *under_way = true;
                 let at = self.now + r.after_ns;
