@@ -13,7 +13,8 @@
 //!   has waited a while ([`crate::worker::WAIT_NOTICE_NS`]) tells every shard, and tells them
 //!   again when the pull is answered. The notices travel apart and may arrive in either order:
 //!   an iteration's end is kept, and a later notice of its start is void; its push, its next
-//!   pull or its departure end the mark too.
+//!   pull or its departure end the mark too (a push only once the shard took it, a pull only
+//!   if it follows a push the shard has seen, so that a bad request cannot void a notice).
 //!
 //! Marks are per worker (bounded by the shard's worker limit: only a live worker sets one) and
 //! cost nothing on the per-event path beyond a slot write. They are part of the shard's
