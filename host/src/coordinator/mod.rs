@@ -26,7 +26,7 @@ use syncopate_policy_sdk::abi::WorkerId;
 use tokio::sync::watch;
 
 use crate::net::proto::{
-    AdmissionKey, ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, PolicyBlob,
+    AdmissionKey, ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, LeaseEnd, PolicyBlob,
     ReportedScore, Role, ServerCommand, ServerReply, ShardPlace, Ticket, Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
@@ -887,12 +887,10 @@ impl Coordinator {
                             Some((_, Some(c))) if c.stable_id() != conn.stable_id()
                         );
                         match st.machine.renew(now_ns, s) {
-                            _ if replaced => CoordResponse::Error(
-                                "this server was failed over, and a restarted one has taken its id".into(),
-                            ),
+                            _ if replaced => CoordResponse::LeaseEnded(LeaseEnd::Replaced),
                             Ok(()) => CoordResponse::Renewed { terms: st.machine.terms().to_vec() },
                             // Failed over: its shards have other primaries now.
-                            Err(e) => CoordResponse::Error(e.to_string()),
+                            Err(e) => CoordResponse::LeaseEnded(e.into()),
                         }
                     }
                     Ok((other, _)) => CoordResponse::Error(format!("a server may not send {other:?}")),

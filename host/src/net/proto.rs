@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -397,6 +397,36 @@ pub enum CoordResponse {
         /// What did not switch, and why.
         failed: String,
     },
+    /// A server's lease renewal is refused for good (protocol 15): it must stop, its shards
+    /// have other primaries. The only answer to a renewal that stops a server; an
+    /// [`Error`](Self::Error) it does not understand leaves it renewing.
+    LeaseEnded(LeaseEnd),
+}
+
+/// Why the coordinator ended a server's lease ([`CoordResponse::LeaseEnded`]). The wire carries
+/// the variant's index (pinned by a test): add variants only at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum LeaseEnd {
+    /// Its lease lapsed and it was failed over.
+    #[error("this server was failed over")]
+    FailedOver,
+    /// It was failed over, and a process restarted under its id has taken the id.
+    #[error("this server was failed over, and a restarted one has taken its id")]
+    Replaced,
+    /// The coordinator knows no server of this id (one that restarted and lost its records,
+    /// say).
+    #[error("server {0} is not registered here")]
+    Unknown(u32),
+}
+
+impl From<syncopate_engine::lease::LeaseError> for LeaseEnd {
+    fn from(e: syncopate_engine::lease::LeaseError) -> Self {
+        use syncopate_engine::lease::LeaseError;
+        match e {
+            LeaseError::FailedOver => Self::FailedOver,
+            LeaseError::Unknown(server) => Self::Unknown(server),
+        }
+    }
 }
 
 /// Commands from the coordinator to a server, on the server's registration connection.
@@ -838,13 +868,65 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_14_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 14);
+    fn requests_encode_as_protocol_15_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 15);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };
         assert_eq!(bytes(&notice), [10, 2, 0xac, 0x02, 1], "variant 10, varints, a bool");
         let back: DataRequest = postcard::from_bytes(&[10, 0, 7, 0]).expect("decodes");
         assert_eq!(back, DataRequest::Waiting { shard: 0, iteration: 7, waiting: false });
+    }
+
+    /// A shard's refusals cross the wire as engine enums (`RequestError`, `ShardError`) by
+    /// variant index: these bytes pin every variant's code, so reordering or inserting one in
+    /// the engine fails here instead of changing the protocol without a word.
+    #[test]
+    fn every_refusal_a_shard_sends_encodes_as_its_code_in_protocol_15() {
+        use crate::shard::{RequestError as R, ShardError as S, Waiting};
+        let bytes = |e: R| postcard::to_allocvec(&DataResponse::Refused(e)).expect("encodes");
+        let why = || "x".to_owned();
+        let cases: Vec<(R, Vec<u8>)> = vec![
+            (R::NoShardYet(1), vec![10, 0, 1]),
+            (R::CannotStart { shard: 1, reason: why() }, vec![10, 1, 1, 1, b'x']),
+            (R::Snapshot { shard: 1, reason: why() }, vec![10, 2, 1, 1, b'x']),
+            (R::WrongSlice { shard: 1, holds: 2, got: 3 }, vec![10, 3, 1, 2, 3]),
+            (R::AlreadyWaiting { worker: 1, iteration: 2, what: Waiting::Push }, vec![10, 4, 1, 2, 1]),
+            (R::Shard(S::UnknownWorker(1, 2)), vec![10, 5, 0, 1, 2]),
+            (R::Shard(S::AlreadyJoined(1, 2)), vec![10, 5, 1, 1, 2]),
+            (R::Shard(S::WorkerOutOfRange { worker: 1, shard: 2, max: 3 }), vec![10, 5, 2, 1, 2, 3]),
+            (R::Shard(S::WrongLength { shard: 1, expected: 2, got: 3 }), vec![10, 5, 3, 1, 2, 3]),
+            (R::Shard(S::NonFinite(1, 2)), vec![10, 5, 4, 1, 2]),
+            (R::Shard(S::Duplicate { worker: 1, iteration: 2, expected: 3 }), vec![10, 5, 5, 1, 2, 3]),
+            (
+                R::Shard(S::BadTasks { worker: 1, iteration: 2, mask: 3, reason: why() }),
+                vec![10, 5, 6, 1, 2, 3, 1, b'x'],
+            ),
+            (R::Shard(S::OutOfOrder { worker: 1, iteration: 2, expected: 3 }), vec![10, 5, 7, 1, 2, 3]),
+            (R::Shard(S::SkipTooFar { worker: 1, from: 2, to: 3 }), vec![10, 5, 8, 1, 2, 3]),
+            (R::Swap(why()), vec![10, 6, 1, b'x']),
+            (R::Backup(1), vec![10, 7, 1]),
+            (R::Left(1, 2), vec![10, 8, 1, 2]),
+            (R::Stopped(1), vec![10, 9, 1]),
+        ];
+        for (error, want) in cases {
+            let got = bytes(error.clone());
+            assert_eq!(got, want, "{error:?}");
+            let back: DataResponse = postcard::from_bytes(&got).expect("decodes");
+            assert_eq!(back, DataResponse::Refused(error));
+        }
+    }
+
+    /// A lease's end is a code, not a string: a server stops on these and only these.
+    #[test]
+    fn a_lease_end_encodes_as_its_code_in_protocol_15() {
+        let bytes = |r: &CoordResponse| postcard::to_allocvec(r).expect("encodes");
+        assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::FailedOver)), [6, 0]);
+        assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::Replaced)), [6, 1]);
+        assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::Unknown(300))), [6, 2, 0xac, 0x02]);
+        assert_eq!(bytes(&CoordResponse::Error("no".into())), [3, 2, b'n', b'o'], "still variant 3");
+        let back: CoordResponse = postcard::from_bytes(&[6, 1]).expect("decodes");
+        assert_eq!(back, CoordResponse::LeaseEnded(LeaseEnd::Replaced));
+        assert!(postcard::from_bytes::<CoordResponse>(&[6, 3]).is_err(), "an unknown code is refused");
     }
 }

@@ -352,8 +352,13 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
     loop {
         let sent = Instant::now();
         let asked = net::request::<_, CoordResponse>(&coord, &req, Payload::EMPTY, &limits);
-        match tokio::time::timeout(Duration::from_millis(LEASE_MS), asked).await {
-            Ok(Ok((CoordResponse::Renewed { terms }, _))) => {
+        let answer = match tokio::time::timeout(Duration::from_millis(LEASE_MS), asked).await {
+            Ok(Ok((answer, _))) => Ok(answer),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("no answer within a lease".to_owned()),
+        };
+        match Renewal::of(answer) {
+            Renewal::Renewed(terms) => {
                 renewed = sent;
                 let mut known = shared.known_terms.lock().expect("not poisoned");
                 // Bounded by the cluster's shards; terms only grow.
@@ -369,13 +374,13 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
                         .renewed(sent.saturating_duration_since(shared.epoch).as_nanos() as u64);
                 }
             }
-            Ok(Ok((CoordResponse::Error(e), _))) => {
-                tracing::error!("the coordinator ended our lease ({e}); stopping");
+            Renewal::Ended(why) => {
+                tracing::error!("the coordinator ended our lease ({why}); stopping");
                 let _ = shared.shutdown.send(true);
                 return;
             }
-            other => {
-                tracing::warn!("lease not renewed: {other:?}");
+            Renewal::NotRenewed(why) => {
+                tracing::warn!("lease not renewed: {why}");
                 // A whole lease without an answer: the coordinator may have died (a restarted
                 // one is reached only on a new connection, and this one would take the peer
                 // timeout to fail). Give it up, and rejoin (`run`). A live coordinator takes the
@@ -387,6 +392,33 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
             }
         }
         tokio::time::sleep_until((sent + Duration::from_millis(HEARTBEAT_MS)).into()).await;
+    }
+}
+
+/// What a server makes of its coordinator's answer to a lease renewal: only a lease's end
+/// ([`crate::net::proto::CoordResponse::LeaseEnded`]) stops it. An error it does not understand, or an answer that
+/// is not a renewal's, counts as no answer: it goes on renewing, and gives the lease up (to
+/// rejoin) only once a whole lease has passed unrenewed.
+#[derive(Debug, PartialEq)]
+enum Renewal {
+    /// Renewed; every shard's term.
+    Renewed(Vec<u64>),
+    /// Failed over: stop.
+    Ended(crate::net::proto::LeaseEnd),
+    /// Not renewed this time, and why.
+    NotRenewed(String),
+}
+
+impl Renewal {
+    fn of(answer: Result<crate::net::proto::CoordResponse, String>) -> Self {
+        use crate::net::proto::CoordResponse;
+        match answer {
+            Ok(CoordResponse::Renewed { terms }) => Self::Renewed(terms),
+            Ok(CoordResponse::LeaseEnded(why)) => Self::Ended(why),
+            Ok(CoordResponse::Error(e)) => Self::NotRenewed(format!("the coordinator refused it: {e}")),
+            Ok(other) => Self::NotRenewed(format!("an answer that is not a renewal's: {other:?}")),
+            Err(e) => Self::NotRenewed(e),
+        }
     }
 }
 
@@ -1387,7 +1419,23 @@ async fn handle_request(
 
 #[cfg(test)]
 mod tests {
-    use super::admit;
+    use super::{admit, Renewal};
+    use crate::net::proto::{CoordResponse, LeaseEnd};
+
+    /// Only a lease's end stops a server: an error it does not understand (a newer
+    /// coordinator's, a refusal of a message it should not have sent) leaves it renewing.
+    #[test]
+    fn only_a_lease_end_stops_a_server_and_an_error_it_does_not_understand_does_not() {
+        let renewed = CoordResponse::Renewed { terms: vec![2, 0] };
+        assert_eq!(Renewal::of(Ok(renewed)), Renewal::Renewed(vec![2, 0]));
+        for end in [LeaseEnd::FailedOver, LeaseEnd::Replaced, LeaseEnd::Unknown(3)] {
+            assert_eq!(Renewal::of(Ok(CoordResponse::LeaseEnded(end))), Renewal::Ended(end));
+        }
+        let refused = Renewal::of(Ok(CoordResponse::Error("this server was failed over".into())));
+        assert!(matches!(&refused, Renewal::NotRenewed(why) if why.contains("failed over")), "{refused:?}");
+        assert!(matches!(Renewal::of(Ok(CoordResponse::Ok)), Renewal::NotRenewed(_)));
+        assert!(matches!(Renewal::of(Err("timed out".into())), Renewal::NotRenewed(_)));
+    }
     use crate::net::proto::{AdmissionKey, ClusterSettings, Ticket};
     use crate::shard::{OptimizerConfig, PushWeight};
 
