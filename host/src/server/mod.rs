@@ -963,12 +963,6 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             };
             match ask(shard, &tx, |reply| ShardCmd::Promote { reply }).await {
                 Ok(()) => {
-                    // Members whose connection here has ended already will not come back.
-                    let gone: Vec<WorkerId> =
-                        shared.gone.lock().expect("not poisoned").iter().copied().collect();
-                    for worker in gone {
-                        let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
-                    }
                     // It runs the policy this server records (its last committed swap's), unless
                     // it took that swap or a newer one from its old primary.
                     let (swap, blob, raise) = {
@@ -980,8 +974,20 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                         let config = blob.config_for(shard);
                         let _ = tx.send(ShardCmd::Conform { module, config, raise, swap }).await;
                     }
-                    shared.shards.write().expect("not poisoned").insert(shard, tx);
+                    shared.shards.write().expect("not poisoned").insert(shard, tx.clone());
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
+                    // Members whose connection here has ended will not come back. Read only once
+                    // the shard is among the primaries: a connection that ends meanwhile marks
+                    // its worker gone, then tells the primaries. Had `gone` been read before the
+                    // insert, a connection ending between the two would tell neither this shard
+                    // (not yet a primary) nor this read (too early), and the shard would await
+                    // the worker until its backstop. In this order one of the two always sees
+                    // the other; a worker told twice leaves once.
+                    let gone: Vec<WorkerId> =
+                        shared.gone.lock().expect("not poisoned").iter().copied().collect();
+                    for worker in gone {
+                        let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
+                    }
                     ServerReply::Ok
                 }
                 Err(e) => ServerReply::Error(e.to_string()),
