@@ -693,9 +693,9 @@ mod tests {
     #[test]
     fn a_format_5_snapshot_still_decodes_with_no_worker_waiting_elsewhere() {
         // Written before format 6, by a throwaway test on snapshot code as of commit b5d8925,
-        // which built the shard of the format-4 test (SSP, s = 1; 8 parameters at 0.5; workers 0, 1, 2; pushes of 0.25 from worker
-        // 0, iterations 0-2, and worker 1, iteration 0; worker 0's pull for iteration 3 parked;
-        // at 6 µs).
+        // which built the shard of the format-4 test (SSP, s = 1; 8 parameters at 0.5; workers
+        // 0, 1, 2; pushes of 0.25 from worker 0, iterations 0-2, and worker 1, iteration 0;
+        // worker 0's pull for iteration 3 parked; at 6 µs).
         let bytes = include_bytes!("testdata/snapshot-format5.bin");
         assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 5);
         let snap = ShardSnapshot::decode(bytes).expect("format 5 is still read");

@@ -396,9 +396,9 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
 }
 
 /// What a server makes of its coordinator's answer to a lease renewal: only a lease's end
-/// ([`crate::net::proto::CoordResponse::LeaseEnded`]) stops it. An error it does not understand, or an answer that
-/// is not a renewal's, counts as no answer: it goes on renewing, and gives the lease up (to
-/// rejoin) only once a whole lease has passed unrenewed.
+/// ([`crate::net::proto::CoordResponse::LeaseEnded`]) stops it. An error it does not
+/// understand, or an answer that is not a renewal's, counts as no answer: it goes on renewing,
+/// and gives the lease up (to rejoin) only once a whole lease has passed unrenewed.
 #[derive(Debug, PartialEq)]
 enum Renewal {
     /// Renewed; every shard's term.
@@ -1426,7 +1426,8 @@ async fn handle_request(
 #[cfg(test)]
 mod tests {
     use super::{admit, Renewal};
-    use crate::net::proto::{CoordResponse, LeaseEnd};
+    use crate::net::proto::{AdmissionKey, ClusterSettings, CoordResponse, LeaseEnd, Ticket};
+    use crate::shard::{OptimizerConfig, PushWeight};
 
     /// Only a lease's end stops a server: an error it does not understand (a newer
     /// coordinator's, a refusal of a message it should not have sent) leaves it renewing.
@@ -1442,8 +1443,6 @@ mod tests {
         assert!(matches!(Renewal::of(Ok(CoordResponse::Ok)), Renewal::NotRenewed(_)));
         assert!(matches!(Renewal::of(Err("timed out".into())), Renewal::NotRenewed(_)));
     }
-    use crate::net::proto::{AdmissionKey, ClusterSettings, Ticket};
-    use crate::shard::{OptimizerConfig, PushWeight};
 
     fn settings(key: u8) -> ClusterSettings {
         ClusterSettings {
