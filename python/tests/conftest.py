@@ -46,6 +46,9 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # busy on the machine (scripts/test-under-load.sh's hog) they would hardly run. At 0 they
 # compete as every other process of the tests does.
 os.environ["RAY_worker_niceness"] = "0"
+# Ray reports usage statistics to usage-stats.ray.io unless told not to: its dashboard looked
+# the name up (a DNS query to the machine's resolver, outside loopback) during a CI run.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 def binary() -> Path:

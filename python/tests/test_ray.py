@@ -118,7 +118,8 @@ def local_ray() -> Iterator[str]:
     # ask for most of the machine's shared memory. Every node, and so everything Ray and
     # syncopate.ray start on it, on loopback.
     node = {"num_cpus": 2, "object_store_memory": 200 << 20, "node_ip_address": LOOPBACK}
-    cluster = RayCluster(initialize_head=True, head_node_args=node)
+    # No dashboard: the tests do not use it, and it is one more process on a 2-core machine.
+    cluster = RayCluster(initialize_head=True, head_node_args=node | {"include_dashboard": False})
     for _ in range(NODES - 1):
         cluster.add_node(**node)
     cluster.wait_for_nodes()
