@@ -30,8 +30,9 @@ use syncopate_policy_sdk::abi::WorkerId;
 
 pub use syncopate_policy_sdk::codec::Codec;
 
-/// A tensor that does not decode.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A tensor that does not decode (on the wire inside a server's refusal of a push: add variants
+/// only at the end).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, thiserror::Error)]
 pub enum CodecError {
     /// Shorter or longer than its header says.
     #[error("a {codec} tensor of {n} values is {expected} bytes, not {got}")]

@@ -64,7 +64,9 @@ impl NodeError {
                 }
                 _ => ErrorKind::Lost,
             },
-            NodeError::Net(NetError::Refused { .. } | NetError::RefusedByShard { .. }) => ErrorKind::Refused,
+            NodeError::Net(
+                NetError::Refused { .. } | NetError::RefusedByShard { .. } | NetError::RefusedByServer { .. },
+            ) => ErrorKind::Refused,
             NodeError::Lost(_) => ErrorKind::Lost,
             _ => ErrorKind::Other,
         }

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use syncopate::net::proto::{DataRequest, Hello, Role, Welcome, PROTOCOL_VERSION};
+use syncopate::net::proto::{DataError, DataRequest, DataResponse, Hello, Role, Welcome, PROTOCOL_VERSION};
 use syncopate::net::tls::{ClusterAccess, ClusterFile, Token};
 use syncopate::net::wire::{self, Limits, WireError};
 use syncopate::net::{self, close};
@@ -229,6 +229,44 @@ fn a_shards_refusals_reach_the_worker_typed() {
         let mut model = [0.0f32; 8];
         w.pull(1, &mut model).await.unwrap();
         assert_eq!(model, [-1.0; 8]);
+        // What the server refuses itself is typed too (protocol 16): a reader's push, and a
+        // shard it does not hold (in a cluster without backups, where the shard has no other
+        // home; with backups it answers `Unavailable`, and a worker asks where it went).
+        let server = w.connection_stats()[0].0;
+        let ep =
+            net::tls::dial_only(cluster.access.tls.client_config(Duration::from_secs(10)).unwrap(), server)
+                .unwrap();
+        let (conn, _) =
+            net::connect(&ep, server, &cluster.access.tls.server_name, &hello(cluster.access.token.secret()))
+                .await
+                .unwrap();
+        let ask = |req: DataRequest| {
+            let conn = conn.clone();
+            async move {
+                let (r, _) =
+                    net::request::<_, DataResponse>(&conn, &req, wire::Payload::EMPTY, &Limits::default())
+                        .await
+                        .unwrap();
+                r
+            }
+        };
+        let push = DataRequest::Push {
+            shard: 0,
+            iteration: 1,
+            samples: 1,
+            based_on: None,
+            local_steps: 0,
+            codec: syncopate::codec::Codec::None,
+        };
+        assert_eq!(ask(push).await, DataResponse::Error(DataError::ReadOnly));
+        assert_eq!(
+            ask(DataRequest::Pull { shard: 9, iteration: 0 }).await,
+            DataResponse::Error(DataError::NotHere { shard: 9, server: 0 })
+        );
+        // And the worker's pushes still land, once each.
+        w.push(1, &[1.0; 8], 1).await.unwrap();
+        w.pull(2, &mut model).await.unwrap();
+        assert_eq!(model, [-2.0; 8]);
     });
     drop(cluster);
     let _ = std::fs::remove_dir_all(&dir);

@@ -56,6 +56,7 @@ pub use buffers::Buffers;
 pub use device::Device;
 pub use report::WorkerReport;
 
+use crate::shard::RequestError;
 use crate::tasks::{ControlMessage, Handover, MovedTasks, TaskPart, MAX_TASKS};
 use device::DeviceState;
 
@@ -228,16 +229,15 @@ pub enum Input {
     Pushed {
         /// Whose push.
         kind: JobKind,
-        /// `Ok`: how many shards' policies dropped it (0: applied everywhere); `Err`: why a
-        /// shard refused it.
-        result: Result<u32, String>,
+        /// `Ok`: how many shards' policies dropped it (0: applied everywhere); `Err`: why it
+        /// was not taken.
+        result: Result<u32, PushFailed>,
     },
-    /// A hand-over was refused: the tasks stay this worker's, and it computes them.
+    /// A hand-over was refused: the tasks stay this worker's, and it computes them (the
+    /// driver, which has the refusal, logs why).
     HandoverRefused {
         /// The refused hand-over.
         handover: Handover,
-        /// Why.
-        error: String,
     },
     /// A control message from a shard.
     Control(ControlMessage),
@@ -248,8 +248,20 @@ pub enum Input {
     Stop,
 }
 
+/// Why a push was not taken ([`Input::Pushed`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PushFailed {
+    /// A shard refused it, for this reason.
+    #[error("a shard refused it: {0}")]
+    Refused(RequestError),
+    /// It did not reach every shard: a server refused it itself or could not be reached (the
+    /// driver, which has the error, logs it).
+    #[error("it did not reach every shard")]
+    Undelivered,
+}
+
 /// A worker that cannot go on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum WorkerError {
     /// Tasks were moved to a worker whose workload cannot split iterations.
     #[error("moved tasks of worker {owner} arrived, but the workload cannot split iterations")]
@@ -257,13 +269,13 @@ pub enum WorkerError {
         /// Whose tasks.
         owner: WorkerId,
     },
-    /// A shard refused this worker's own push.
-    #[error("push for iteration {iteration} refused: {reason}")]
+    /// This worker's own push was not taken.
+    #[error("push for iteration {iteration} not taken: {why}")]
     PushRefused {
         /// The iteration.
         iteration: u64,
-        /// The shard's reason.
-        reason: String,
+        /// Why.
+        why: PushFailed,
     },
     /// The device settings are invalid.
     #[error("device: {0}")]
@@ -509,9 +521,7 @@ impl WorkerMachine {
                 self.expect(self.own == Own::Pushing, "Pushed")?;
                 let dropped = match result {
                     Ok(d) => d,
-                    Err(reason) => {
-                        return Err(WorkerError::PushRefused { iteration: self.cur.iteration, reason })
-                    }
+                    Err(why) => return Err(WorkerError::PushRefused { iteration: self.cur.iteration, why }),
                 };
                 if dropped > 0 {
                     self.report.pushes_dropped += 1;
@@ -548,9 +558,8 @@ impl WorkerMachine {
                     Ok(_) => self.report.tasks_helped += u64::from(job.count),
                 }
             }
-            Input::HandoverRefused { handover: h, error } => {
+            Input::HandoverRefused { handover: h } => {
                 // The tasks stay ours if the hand-over is refused: nothing is lost.
-                tracing::warn!(worker = self.cfg.id, "task hand-over refused: {error}");
                 if h.iteration == self.cur.iteration {
                     self.cur.given &= !TaskPart::range(h.first, h.count, self.cur.total.max(1)).mask;
                     self.cur.next = self.cur.next.min(h.first);

@@ -340,3 +340,22 @@ fn a_pull_that_waits_is_told_to_the_shards_once_and_so_is_its_end() {
     let a = actions(&mut m, t + 5 + WAIT_NOTICE_NS);
     assert_eq!(a, [Action::Waiting { iteration: 2, waiting: false }, Action::Leave], "{a:?}");
 }
+
+/// A refusal of the worker's own push ends it with the shard's reason, typed: a driver can
+/// tell a NaN from an iteration out of order without reading a sentence.
+#[test]
+fn a_refused_own_push_ends_the_worker_with_the_shards_typed_reason() {
+    use crate::shard::{RequestError, ShardError};
+    let mut m = machine(2, Device::default());
+    actions(&mut m, 0);
+    m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
+    actions(&mut m, 1);
+    m.handle(1, computed(32)).unwrap();
+    actions(&mut m, 1);
+    let nan = RequestError::Shard(ShardError::NonFinite(1, 0));
+    let refused = Input::Pushed { kind: JobKind::Own, result: Err(PushFailed::Refused(nan.clone())) };
+    assert_eq!(
+        m.handle(2, refused),
+        Err(WorkerError::PushRefused { iteration: 0, why: PushFailed::Refused(nan) })
+    );
+}

@@ -92,6 +92,15 @@ pub enum NetError {
         /// Why.
         error: crate::shard::RequestError,
     },
+    /// The server itself refused the request (a shard it does not hold in a cluster without
+    /// backups, a push that does not decode, ...), typed as it made it.
+    #[error("{addr} refused: {error}")]
+    RefusedByServer {
+        /// The server.
+        addr: SocketAddr,
+        /// Why.
+        error: proto::DataError,
+    },
     /// The peer answered with a message that makes no sense here.
     #[error("{addr} answered out of protocol: {what}")]
     Unexpected {
@@ -102,12 +111,21 @@ pub enum NetError {
     },
     /// The server no longer holds the shard as its primary (it lost its lease, or the shard
     /// moved): ask the coordinator where it is now.
-    #[error("{addr} cannot serve the shard now: {reason}")]
+    #[error("{addr} cannot serve the shard now: {why}")]
     Unavailable {
         /// The peer.
         addr: SocketAddr,
-        /// Its reason.
-        reason: String,
+        /// Why.
+        why: proto::NotServing,
+    },
+    /// The coordinator moved the shard to another server while a request to it was under way:
+    /// ask the new one.
+    #[error("shard {shard} moved away from {addr}")]
+    Moved {
+        /// The server the request went to.
+        addr: SocketAddr,
+        /// The shard.
+        shard: u32,
     },
     /// No answer in time.
     #[error("{addr} did not answer within {after:?}")]

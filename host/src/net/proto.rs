@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 15;
+pub const PROTOCOL_VERSION: u32 = 16;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -661,16 +661,17 @@ pub enum DataResponse {
         /// Optimizer steps applied so far.
         version: u64,
     },
-    /// The request was refused; the connection stays open.
-    Error(String),
+    /// The server itself refused the request, before any shard saw it (protocol 16: a code,
+    /// not a string); the connection stays open.
+    Error(DataError),
     /// The push was acknowledged, but its policy dropped it: the gradient was discarded.
     PushDropped,
     /// The shard already has this iteration from this worker (a retry, or a worker that came
     /// back after a restore): acknowledged, and not applied a second time.
     PushDuplicate,
     /// This server does not hold the shard as its primary now (it lost its lease, or the shard
-    /// moved): the worker asks where it is and tries there.
-    Unavailable(String),
+    /// moved): the worker asks where it is and tries there (protocol 16: a code, not a string).
+    Unavailable(NotServing),
     /// Joined again a shard that already counted the worker as a member (it was restored from
     /// a checkpoint, or promoted, or the worker asks where it stands): the next iteration the
     /// shard expects from it, and its clock there.
@@ -684,6 +685,67 @@ pub enum DataResponse {
     /// can tell an iteration out of order from a gradient with a NaN); the connection stays
     /// open. `Error` carries what the server itself refuses (a shard it does not hold).
     Refused(crate::shard::RequestError),
+}
+
+/// Why a server refuses a data request itself, before any shard sees it
+/// ([`DataResponse::Error`]). The wire carries the variant's index (pinned by a test): add
+/// variants only at the end.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum DataError {
+    /// It does not hold the shard, and the cluster keeps no backups to move it to.
+    #[error("shard {shard} is not on server {server}")]
+    NotHere {
+        /// The shard asked for.
+        shard: u32,
+        /// This server.
+        server: u32,
+    },
+    /// A connection without a worker id (an operator's, an evaluator's) may only read.
+    #[error("readers may only read")]
+    ReadOnly,
+    /// A push whose payload does not decode in the codec it names.
+    #[error("a push that does not decode: {0}")]
+    Undecodable(crate::codec::CodecError),
+    /// Moved tasks that are not tasks of the iteration: `first + count` past `total`.
+    #[error("tasks {first}..{} of {total} do not exist", .first.saturating_add(*.count))]
+    NoSuchTasks {
+        /// The first task handed over.
+        first: u32,
+        /// How many.
+        count: u32,
+        /// The iteration's tasks.
+        total: u32,
+    },
+    /// A worker sent a report in another worker's name.
+    #[error("worker {worker} reported for worker {named}")]
+    ReportForOther {
+        /// The worker on the connection.
+        worker: WorkerId,
+        /// The worker the report names.
+        named: WorkerId,
+    },
+}
+
+/// Why a server cannot serve a shard now ([`DataResponse::Unavailable`]): the worker asks where
+/// the shard is and tries there. The wire carries the variant's index (pinned by a test): add
+/// variants only at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum NotServing {
+    /// It does not hold the shard as its primary (the shard moved, or never was here).
+    #[error("shard {shard} is not on server {server}")]
+    NotPrimary {
+        /// The shard asked for.
+        shard: u32,
+        /// This server.
+        server: u32,
+    },
+    /// It is cut off from the coordinator: its lease lapsed, and its backups may be taking
+    /// over, so it serves nothing until it renews it.
+    #[error("server {server} lost its lease from the coordinator")]
+    LeaseLost {
+        /// This server.
+        server: u32,
+    },
 }
 
 /// A control message from a shard's policy, sent on a unidirectional stream to the worker
@@ -868,8 +930,8 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_15_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 15);
+    fn requests_encode_as_protocol_16_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 16);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };
@@ -882,7 +944,7 @@ mod tests {
     /// variant index: these bytes pin every variant's code, so reordering or inserting one in
     /// the engine fails here instead of changing the protocol without a word.
     #[test]
-    fn every_refusal_a_shard_sends_encodes_as_its_code_in_protocol_15() {
+    fn every_refusal_a_shard_sends_encodes_as_its_code_in_protocol_16() {
         use crate::shard::{RequestError as R, ShardError as S, Waiting};
         let bytes = |e: R| postcard::to_allocvec(&DataResponse::Refused(e)).expect("encodes");
         let why = || "x".to_owned();
@@ -917,9 +979,52 @@ mod tests {
         }
     }
 
+    /// What a server refuses itself, and why it cannot serve a shard now, are codes (protocol
+    /// 16): these bytes pin every variant's, so a worker can act on them (ask where the shard
+    /// moved, give up) without reading a sentence.
+    #[test]
+    fn every_refusal_a_server_sends_encodes_as_its_code_in_protocol_16() {
+        use crate::codec::{Codec, CodecError as C};
+        let cases: Vec<(DataResponse, Vec<u8>)> = vec![
+            (DataResponse::Error(DataError::NotHere { shard: 1, server: 2 }), vec![5, 0, 1, 2]),
+            (DataResponse::Error(DataError::ReadOnly), vec![5, 1]),
+            (
+                DataResponse::Error(DataError::Undecodable(C::Length {
+                    codec: Codec::Bf16,
+                    n: 1,
+                    expected: 2,
+                    got: 3,
+                })),
+                vec![5, 2, 0, 2, 1, 2, 3],
+            ),
+            (DataResponse::Error(DataError::Undecodable(C::TooLong { n: 1, max: 2 })), vec![5, 2, 1, 1, 2]),
+            (
+                DataResponse::Error(DataError::Undecodable(C::Index { index: 1, at: 2, n: 3 })),
+                vec![5, 2, 2, 1, 2, 3],
+            ),
+            (DataResponse::Error(DataError::Undecodable(C::Kept { k: 1, n: 2 })), vec![5, 2, 3, 1, 2]),
+            (
+                DataResponse::Error(DataError::NoSuchTasks { first: 1, count: 2, total: 3 }),
+                vec![5, 3, 1, 2, 3],
+            ),
+            (DataResponse::Error(DataError::ReportForOther { worker: 1, named: 2 }), vec![5, 4, 1, 2]),
+            (DataResponse::Unavailable(NotServing::NotPrimary { shard: 1, server: 2 }), vec![8, 0, 1, 2]),
+            (DataResponse::Unavailable(NotServing::LeaseLost { server: 300 }), vec![8, 1, 0xac, 0x02]),
+        ];
+        for (response, want) in cases {
+            let got = postcard::to_allocvec(&response).expect("encodes");
+            assert_eq!(got, want, "{response:?}");
+            let back: DataResponse = postcard::from_bytes(&got).expect("decodes");
+            assert_eq!(back, response);
+        }
+        assert!(postcard::from_bytes::<DataResponse>(&[5, 5]).is_err(), "an unknown code is refused");
+        let tasks = DataError::NoSuchTasks { first: 3, count: 4, total: 5 };
+        assert_eq!(tasks.to_string(), "tasks 3..7 of 5 do not exist");
+    }
+
     /// A lease's end is a code, not a string: a server stops on these and only these.
     #[test]
-    fn a_lease_end_encodes_as_its_code_in_protocol_15() {
+    fn a_lease_end_encodes_as_its_code_in_protocol_16() {
         let bytes = |r: &CoordResponse| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::FailedOver)), [6, 0]);
         assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::Replaced)), [6, 1]);

@@ -32,8 +32,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::lease::ServerLease;
 use crate::net::proto::{
-    ClusterSettings, ControlMessage, DataRequest, DataResponse, Hello, MovedTasks, PolicyBlob, Role,
-    ServerCommand, ServerReply, ServerStatus, Ticket, Welcome, PROTOCOL_VERSION,
+    ClusterSettings, ControlMessage, DataError, DataRequest, DataResponse, Hello, MovedTasks, NotServing,
+    PolicyBlob, Role, ServerCommand, ServerReply, ServerStatus, Ticket, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
@@ -1264,13 +1264,11 @@ async fn handle_request(
         | DataRequest::Waiting { shard, .. } => *shard,
     };
     let Some(tx) = shared.shard(shard) else {
+        let server = shared.id;
         if shared.lease.is_some() {
-            return (
-                DataResponse::Unavailable(format!("shard {shard} is not on server {}", shared.id)),
-                None,
-            );
+            return (DataResponse::Unavailable(NotServing::NotPrimary { shard, server }), None);
         }
-        return (DataResponse::Error(format!("shard {shard} is not on server {}", shared.id)), None);
+        return (DataResponse::Error(DataError::NotHere { shard, server }), None);
     };
     let tx = &tx;
     if let Some(lease) = &shared.lease {
@@ -1278,16 +1276,15 @@ async fn handle_request(
             && !matches!(req, DataRequest::Read { .. })
         {
             // Cut off from the coordinator: its backup may be taking over, so no more.
-            let reason = format!("server {} lost its lease from the coordinator", shared.id);
-            return (DataResponse::Unavailable(reason), None);
+            return (DataResponse::Unavailable(NotServing::LeaseLost { server: shared.id }), None);
         }
     }
     let worker = match (&req, peer.worker) {
         (DataRequest::Read { .. }, _) => 0,
         (_, Some(w)) => w,
-        (_, None) => return (DataResponse::Error("readers may only read".into()), None),
+        (_, None) => return (DataResponse::Error(DataError::ReadOnly), None),
     };
-    let err = |e: String| (DataResponse::Error(e), None);
+    let err = |e: DataError| (DataResponse::Error(e), None);
     // The shard's own refusals, typed as it made them.
     let refused = |e: RequestError| (DataResponse::Refused(e), None);
     match req {
@@ -1328,7 +1325,7 @@ async fn handle_request(
                     crate::codec::decode(codec, bytemuck::cast_slice(&payload), peer.max_values, &mut grad);
                 shared.pool.give(payload);
                 if let Err(e) = decoded {
-                    return err(format!("a push that does not decode: {e}"));
+                    return err(DataError::Undecodable(e));
                 }
                 grad
             };
@@ -1353,10 +1350,7 @@ async fn handle_request(
             let split = MovedTasks { total, batch, part };
             let handover = Handover { owner: worker, to, iteration, first, count, split };
             if !handover.is_valid() {
-                return err(format!(
-                    "tasks {first}..{} of {total} do not exist",
-                    first.saturating_add(count)
-                ));
+                return err(DataError::NoSuchTasks { first, count, total });
             }
             let _ = tx.send(ShardCmd::Yielded { handover }).await;
             (DataResponse::Ok, None)
@@ -1388,7 +1382,7 @@ async fn handle_request(
         }
         DataRequest::Finished { report, .. } => {
             if report.worker != worker {
-                return err(format!("worker {worker} reported for worker {}", report.worker));
+                return err(DataError::ReportForOther { worker, named: report.worker });
             }
             let _ = tx.send(ShardCmd::Finished { report }).await;
             (DataResponse::Ok, None)

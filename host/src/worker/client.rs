@@ -181,6 +181,7 @@ fn server_lost(e: &NetError) -> bool {
         e,
         NetError::Lost { .. }
             | NetError::Unavailable { .. }
+            | NetError::Moved { .. }
             | NetError::Timeout { .. }
             | NetError::Wire { .. }
     )
@@ -188,8 +189,8 @@ fn server_lost(e: &NetError) -> bool {
 
 fn refused(conn: &quinn::Connection, what: DataResponse) -> NetError {
     match what {
-        DataResponse::Unavailable(reason) => NetError::Unavailable { addr: conn.remote_address(), reason },
-        DataResponse::Error(reason) => NetError::Refused { addr: conn.remote_address(), reason },
+        DataResponse::Unavailable(why) => NetError::Unavailable { addr: conn.remote_address(), why },
+        DataResponse::Error(error) => NetError::RefusedByServer { addr: conn.remote_address(), error },
         DataResponse::Refused(error) => NetError::RefusedByShard { addr: conn.remote_address(), error },
         other => NetError::Unexpected { addr: conn.remote_address(), what: format!("{other:?}") },
     }
@@ -323,7 +324,7 @@ impl WorkerClient {
                     Err(e) if server_lost(&e) => e,
                     r => return r,
                 },
-                _ = gone => NetError::Unavailable { addr: conn.remote_address(), reason: "the shard moved".into() },
+                _ = gone => NetError::Moved { addr: conn.remote_address(), shard },
             };
             let mut moved = self.route.moved.subscribe();
             let wait = moved.wait_for(|_| self.route.server(shard) != server);

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use syncopate_engine::worker::{
-    Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerMachine, WorkerReport,
+    Action, Buffers, Device, Input, JobKind, PushFailed, PushJob, WorkerConfig, WorkerMachine, WorkerReport,
 };
 use syncopate_policy_sdk::abi::WorkerId;
 use syncopate_workloads::Workload;
@@ -23,6 +23,7 @@ use syncopate_workloads::Workload;
 use super::client::{PullStats, WorkerClient};
 use super::clock::Clock;
 use crate::net::tls::ClusterAccess;
+use crate::net::NetError;
 use crate::shard::OptimizerConfig;
 use crate::NodeError;
 
@@ -191,10 +192,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                             "computed moved tasks"
                         );
                     }
-                    m.handle(
-                        clock.now(),
-                        Input::Pushed { kind: job.kind, result: r.map_err(|e| e.to_string()) },
-                    )?;
+                    m.handle(clock.now(), pushed(job.kind, r)?)?;
                 }
                 Action::Handover { shard, handover: h } => {
                     let (tasks, split) = ((h.first, h.count), h.split);
@@ -208,7 +206,8 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                         split.part,
                     );
                     if let Err(e) = r.await {
-                        m.handle(clock.now(), Input::HandoverRefused { handover: h, error: e.to_string() })?;
+                        tracing::warn!(worker = id, "task hand-over refused: {e}");
+                        m.handle(clock.now(), Input::HandoverRefused { handover: h })?;
                     }
                 }
                 Action::Applied { shard, control, iteration } => {
@@ -236,7 +235,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     if let Some(grad) = grad {
                         bufs.grad = grad;
                     }
-                    m.handle(clock.now(), Input::Pushed { kind: job.kind, result: r.map_err(|e| e.to_string()) })?;
+                    m.handle(clock.now(), pushed(job.kind, r)?)?;
                 }
             },
             Some(msg) = controls.recv() => m.handle(clock.now(), Input::Control(msg))?,
@@ -262,4 +261,20 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     }
     client.leave().await?;
     Ok(report)
+}
+
+/// A push's result, for the machine: a shard's refusal is the machine's to judge (as is the
+/// failure of moved tasks, whose owner may have left); any other failure of the worker's own
+/// push ends the run with the client's error, which says what failed on the way.
+fn pushed(kind: JobKind, r: Result<u32, NodeError>) -> Result<Input, NodeError> {
+    let result = match r {
+        Ok(dropped) => Ok(dropped),
+        Err(NodeError::Net(NetError::RefusedByShard { error, .. })) => Err(PushFailed::Refused(error)),
+        Err(e) if kind == JobKind::Own => return Err(e),
+        Err(e) => {
+            tracing::warn!(?kind, "moved tasks not delivered: {e}");
+            Err(PushFailed::Undelivered)
+        }
+    };
+    Ok(Input::Pushed { kind, result })
 }

@@ -752,7 +752,8 @@ impl Driver {
                             )
                             .await;
                             if let Err(e) = r {
-                                m.handle(clock.now(), Input::HandoverRefused { handover: h, error: e.to_string() })?;
+                                tracing::warn!(worker = client.id(), "task hand-over refused: {e}");
+                                m.handle(clock.now(), Input::HandoverRefused { handover: h })?;
                             }
                         }
                         Action::Applied { shard, control, iteration } => {

@@ -661,7 +661,7 @@ impl Sim {
                 }
                 Ev::PushArrive(_, _, help) => {
                     let (slot, acked) =
-                        if help { (wk.help, &wk.help_acked) } else { (wk.own, &wk.own_acked) };
+                        if help { (&wk.help, &wk.help_acked) } else { (&wk.own, &wk.own_acked) };
                     if slot.is_some() && !acked[su] && asked.insert(ev) {
                         let t = self.transfer(wu, node, self.shard_bytes(s));
                         self.at(t, ev);

@@ -49,7 +49,7 @@ use std::collections::BTreeMap;
 
 use rand::Rng as _;
 use syncopate_engine::worker::{
-    Action, Buffers, Device, Input, JobKind, PushJob, WorkerConfig, WorkerError, WorkerMachine,
+    Action, Buffers, Device, Input, JobKind, PushFailed, PushJob, WorkerConfig, WorkerError, WorkerMachine,
 };
 
 use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerClock, WorkerId};
@@ -382,13 +382,14 @@ impl Req {
 }
 
 /// A push on its way: the job and the shards that have acknowledged it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct InFlight {
     job: PushJob,
     acks: u32,
     /// When the latest acknowledgement sent so far arrives.
     acks_at: u64,
-    refused: bool,
+    /// A shard's refusal (of moved tasks whose owner left meanwhile).
+    refused: Option<RequestError>,
     /// Shards whose policy dropped it.
     dropped: u32,
 }
@@ -1424,7 +1425,7 @@ impl Sim {
                 // The owner left meanwhile: its iteration is void, as on the cluster.
                 tracing::debug!("moved tasks refused: {e}");
                 if let Some(p) = self.workers[w as usize].help.as_mut() {
-                    p.refused = true;
+                    p.refused = Some(e);
                 }
                 self.ack(w, s, help, false);
             }
@@ -1575,7 +1576,7 @@ impl Sim {
                     } else {
                         (&mut wk.own, &mut wk.own_acked)
                     };
-                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: false, dropped: 0 });
+                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: None, dropped: 0 });
                     acked.fill(false);
                     for s in 0..shards {
                         let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
@@ -1706,7 +1707,8 @@ impl Sim {
             }
             Ev::PushArrive(w, s, help) => {
                 let wk = &self.workers[w as usize];
-                let Some(InFlight { job, .. }) = (if help { wk.help } else { wk.own }) else {
+                let Some(&InFlight { job, .. }) = (if help { wk.help.as_ref() } else { wk.own.as_ref() })
+                else {
                     return Ok(());
                 };
                 let (lo, hi) = self.ranges[s as usize];
@@ -1753,9 +1755,9 @@ impl Sim {
                 let wk = &mut self.workers[w as usize];
                 let slot = if help { &mut wk.help } else { &mut wk.own };
                 let Some(p) = slot.as_mut().filter(|p| p.acks == shards) else { return Ok(()) };
-                let (kind, refused, dropped) = (p.job.kind, p.refused, p.dropped);
+                let (kind, refused, dropped) = (p.job.kind, p.refused.take(), p.dropped);
                 *slot = None;
-                let result = if refused { Err("refused by a shard".to_string()) } else { Ok(dropped) };
+                let result = refused.map_or(Ok(dropped), |e| Err(PushFailed::Refused(e)));
                 self.feed(w, Input::Pushed { kind, result })?;
             }
             Ev::ToShard(w, s, i) => {
