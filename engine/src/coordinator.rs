@@ -142,8 +142,9 @@ pub enum SwapOutcome {
     Partial(Vec<(u32, String)>),
 }
 
-/// A hot swap that cannot begin.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// A hot swap that cannot begin (on the wire inside the coordinator's refusal: add variants
+/// only at the end).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum SwapError {
     /// Another swap is under way.
     #[error("swap {0} is under way")]

@@ -65,7 +65,10 @@ impl NodeError {
                 _ => ErrorKind::Lost,
             },
             NodeError::Net(
-                NetError::Refused { .. } | NetError::RefusedByShard { .. } | NetError::RefusedByServer { .. },
+                NetError::Refused { .. }
+                | NetError::RefusedByShard { .. }
+                | NetError::RefusedByServer { .. }
+                | NetError::RefusedByCoordinator { .. },
             ) => ErrorKind::Refused,
             NodeError::Lost(_) => ErrorKind::Lost,
             _ => ErrorKind::Other,

@@ -55,8 +55,8 @@ impl Operator {
         let conn = self.connection().await?;
         let (answer, _) = net::request::<_, CoordResponse>(&conn, req, payload.into(), &LIMITS).await?;
         match answer {
-            CoordResponse::Error(reason) => {
-                Err(NetError::Refused { addr: self.access.coordinator, reason }.into())
+            CoordResponse::Error(error) => {
+                Err(NetError::RefusedByCoordinator { addr: self.access.coordinator, error }.into())
             }
             other => Ok(other),
         }
@@ -160,7 +160,9 @@ impl Swapped {
     fn from(answer: CoordResponse, what: &str) -> Result<Self, NodeError> {
         match answer {
             CoordResponse::Swapped { swap, shards } => Ok(Swapped::Whole { swap, shards }),
-            CoordResponse::SwappedPartly { swap, failed } => Ok(Swapped::Partly { swap, failed }),
+            CoordResponse::SwappedPartly { swap, failed } => {
+                Ok(Swapped::Partly { swap, failed: crate::net::proto::listed(&failed) })
+            }
             other => Err(NodeError::Protocol(format!("unexpected answer to {what}: {other:?}"))),
         }
     }

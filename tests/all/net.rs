@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use syncopate::net::proto::{DataError, DataRequest, DataResponse, Hello, Role, Welcome, PROTOCOL_VERSION};
+use syncopate::net::proto::{
+    CoordError, DataError, DataRequest, DataResponse, Hello, Role, Welcome, PROTOCOL_VERSION,
+};
 use syncopate::net::tls::{ClusterAccess, ClusterFile, Token};
 use syncopate::net::wire::{self, Limits, WireError};
 use syncopate::net::{self, close};
@@ -194,7 +196,8 @@ fn large_tensors_cross_in_large_packets_bit_for_bit() {
 /// A shard's refusals reach the worker typed as the shard made them: a gradient with a NaN,
 /// an iteration that skips ahead. A worker can tell one from another
 /// (the Python package and a driver decide on them), and after each the worker goes on: the
-/// connection stays open and a good push is applied once.
+/// connection stays open and a good push is applied once. What a server or the coordinator
+/// refuses itself arrives as a code too (protocol 16).
 #[test]
 fn a_shards_refusals_reach_the_worker_typed() {
     use syncopate::net::NetError;
@@ -267,6 +270,12 @@ fn a_shards_refusals_reach_the_worker_typed() {
         w.push(1, &[1.0; 8], 1).await.unwrap();
         w.pull(2, &mut model).await.unwrap();
         assert_eq!(model, [-2.0; 8]);
+        // The coordinator's refusals are codes as well: a rollback before any swap.
+        let operator = Operator::connect(&cluster.access).await.unwrap();
+        match operator.rollback().await.expect_err("nothing to roll back") {
+            NodeError::Net(NetError::RefusedByCoordinator { error: CoordError::NoSwapYet, .. }) => {}
+            other => panic!("expected the coordinator's typed refusal, got {other:?}"),
+        }
     });
     drop(cluster);
     let _ = std::fs::remove_dir_all(&dir);

@@ -26,8 +26,9 @@ use syncopate_policy_sdk::abi::WorkerId;
 use tokio::sync::watch;
 
 use crate::net::proto::{
-    AdmissionKey, ClusterSettings, ClusterStatus, CoordRequest, CoordResponse, Hello, LeaseEnd, PolicyBlob,
-    ReportedScore, Role, ServerCommand, ServerReply, ShardPlace, Ticket, Welcome, WorkerNotice, WorkerStatus,
+    AdmissionKey, Asker, ClusterSettings, ClusterStatus, CoordError, CoordRequest, CoordResponse, Hello,
+    LeaseEnd, PolicyBlob, ReportedScore, Role, ServerCommand, ServerFailure, ServerReply, ShardPlace, Ticket,
+    Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
@@ -893,7 +894,7 @@ impl Coordinator {
                             Err(e) => CoordResponse::LeaseEnded(e.into()),
                         }
                     }
-                    Ok((other, _)) => CoordResponse::Error(format!("a server may not send {other:?}")),
+                    Ok(_) => CoordResponse::Error(CoordError::NotForRole(Asker::Server)),
                     Err(_) => continue,
                 };
                 let _ = net::answer(&mut send, &answer, &[]).await;
@@ -971,9 +972,7 @@ impl Coordinator {
                 Ok((CoordRequest::Ready { worker }, _)) if worker == id => self.start_barrier(id).await,
                 Ok((CoordRequest::Score { worker, score }, _)) if worker == id => {
                     if !(0.0..=1.0).contains(&score.accuracy) || score.loss.is_some_and(|l| !l.is_finite()) {
-                        CoordResponse::Error(format!(
-                            "a score's accuracy must be within 0..=1 and its loss finite, not {score:?}"
-                        ))
+                        CoordResponse::Error(CoordError::BadScore)
                     } else {
                         let mut st = self.lock();
                         let count = st.score.map_or(0, |s| s.count) + 1;
@@ -987,7 +986,7 @@ impl Coordinator {
                         CoordResponse::Ok
                     }
                 }
-                Ok((other, _)) => CoordResponse::Error(format!("a worker may not send {other:?}")),
+                Ok(_) => CoordResponse::Error(CoordError::NotForRole(Asker::Worker)),
                 Err(e) => {
                     tracing::warn!(worker = id, "closing a worker connection that sent a bad frame: {e}");
                     conn.close(close::MALFORMED.into(), format!("malformed message: {e}").as_bytes());
@@ -1056,9 +1055,8 @@ impl Coordinator {
                 };
                 let Some(previous) = target else {
                     return CoordResponse::Error(match tried {
-                        0 => "no swap to roll back".into(),
-                        _ => "no earlier policy ran without failures: nothing to roll back to (swap one in)"
-                            .into(),
+                        0 => CoordError::NoSwapYet,
+                        _ => CoordError::NoGoodPolicy,
                     });
                 };
                 tracing::warn!(policy = %previous.label, "rolling back to the last policy that ran without failures");
@@ -1067,7 +1065,7 @@ impl Coordinator {
             CoordRequest::Leaving { .. }
             | CoordRequest::Ready { .. }
             | CoordRequest::Score { .. }
-            | CoordRequest::Heartbeat { .. } => CoordResponse::Error("that is a worker's request".into()),
+            | CoordRequest::Heartbeat { .. } => CoordResponse::Error(CoordError::NotForRole(Asker::Operator)),
         }
     }
 
@@ -1101,36 +1099,36 @@ impl Coordinator {
         &self,
         blob: PolicyBlob,
         wasm: Vec<u8>,
-    ) -> Result<Result<(u64, u32), (u64, String)>, String> {
+    ) -> Result<Result<(u64, u32), (u64, Vec<ServerFailure>)>, CoordError> {
         let _one_at_a_time = self.swap_lock.lock().await;
         let digest: [u8; 32] = Sha256::digest(&wasm).into();
         if digest != blob.sha256 {
-            return Err("the module's bytes do not match its sha256".into());
+            return Err(CoordError::Digest);
         }
         crate::node::compile(&self.runtime, blob.label.clone(), wasm.clone())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| CoordError::Module(e.to_string()))?;
         let outgoing_failed = self.current_failed().await;
         let (swap, done) = {
             let mut st = self.lock();
-            let swap = st.machine.begin_swap().map_err(|e| e.to_string())?;
+            let swap = st.machine.begin_swap()?;
             st.preparing = Some(Preparing { swap, blob: blob.clone(), wasm, outgoing_failed });
             let (tx, rx) = tokio::sync::oneshot::channel();
             st.swap_waiter = Some((swap, tx));
             (swap, rx)
         };
         self.drive().await;
-        let outcome = done.await.map_err(|_| format!("swap {swap} was abandoned"))?;
+        let outcome = done.await.map_err(|_| CoordError::Abandoned(swap))?;
         let named = |failed: Vec<(u32, String)>| {
             let servers = self.lock().servers.clone();
             failed
                 .into_iter()
-                .map(|(id, e)| match servers.get(id as usize) {
-                    Some((addr, _)) => format!("server {id} ({addr}): {e}"),
-                    None => format!("server {id}: {e}"),
+                .map(|(server, reason)| ServerFailure {
+                    server,
+                    addr: servers.get(server as usize).map(|(addr, _)| *addr),
+                    reason,
                 })
                 .collect::<Vec<_>>()
-                .join("; ")
         };
         match outcome {
             SwapOutcome::Committed => {
@@ -1138,9 +1136,9 @@ impl Coordinator {
                 Ok(Ok((swap, self.opts.shards)))
             }
             SwapOutcome::Refused(failed) => {
-                let failed = named(failed);
-                tracing::warn!(swap, "swap to {} refused: {failed}", blob.label);
-                Err(format!("no server switched: {failed}"))
+                let refused = CoordError::NoneSwitched(named(failed));
+                tracing::warn!(swap, "swap to {} refused: {refused}", blob.label);
+                Err(refused)
             }
             // Every server prepared it, each primary took the hand-over on trial, and a shard
             // that refuses it at the commit starts the module afresh: only a server that did not
@@ -1148,13 +1146,18 @@ impl Coordinator {
             // record), or a module that cannot start at all, gets here.
             SwapOutcome::Partial(failed) => {
                 let failed = named(failed);
-                tracing::error!(swap, policy = %blob.label, "swap committed, but not everywhere: {failed}");
+                tracing::error!(
+                    swap,
+                    policy = %blob.label,
+                    "swap committed, but not everywhere: {}",
+                    crate::net::proto::listed(&failed)
+                );
                 Ok(Err((swap, failed)))
             }
         }
     }
 
-    async fn status(&self) -> Result<ClusterStatus, String> {
+    async fn status(&self) -> Result<ClusterStatus, CoordError> {
         let (servers, mut status) = {
             let st = self.lock();
             let blob = st.policy.blob();
@@ -1207,7 +1210,7 @@ impl Coordinator {
             match answer {
                 Ok(s) => status.servers.push(s),
                 Err(e) if self.opts.replicas > 0 => tracing::warn!(server = i, %addr, "no status: {e}"),
-                Err(e) => return Err(format!("server {i} ({addr}) did not report: {e}")),
+                Err(reason) => return Err(CoordError::NoStatus { server: i as u32, addr: *addr, reason }),
             }
         }
         Ok(status)
@@ -1218,7 +1221,7 @@ async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) 
     match command_reply(conn, cmd, payload).await?.0 {
         ServerReply::Ok => Ok(Answer::Done),
         ServerReply::Clocks(clocks) => Ok(Answer::Clocks(clocks)),
-        ServerReply::Error(e) => Err(e),
+        ServerReply::Error(e) => Err(e.to_string()),
         other => Err(format!("unexpected answer {other:?}")),
     }
 }
@@ -1226,7 +1229,7 @@ async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) 
 async fn command_status(conn: &quinn::Connection) -> Result<crate::net::proto::ServerStatus, String> {
     match command_reply(conn, &ServerCommand::Status, &[]).await?.0 {
         ServerReply::Status(s) => Ok(s),
-        ServerReply::Error(e) => Err(e),
+        ServerReply::Error(e) => Err(e.to_string()),
         other => Err(format!("unexpected answer {other:?}")),
     }
 }

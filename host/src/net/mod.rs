@@ -101,6 +101,15 @@ pub enum NetError {
         /// Why.
         error: proto::DataError,
     },
+    /// The coordinator refused the request, typed as it made it (a rollback with nothing to
+    /// roll back to, a swap no server switched to, ...).
+    #[error("{addr} refused: {error}")]
+    RefusedByCoordinator {
+        /// The coordinator.
+        addr: SocketAddr,
+        /// Why.
+        error: proto::CoordError,
+    },
     /// The peer answered with a message that makes no sense here.
     #[error("{addr} answered out of protocol: {what}")]
     Unexpected {

@@ -379,8 +379,8 @@ pub enum CoordResponse {
     },
     /// The cluster's state.
     Status(Box<ClusterStatus>),
-    /// The request failed; nothing changed.
-    Error(String),
+    /// The request failed; nothing changed (protocol 16: a code, not a string).
+    Error(CoordError),
     /// A server's lease is renewed; every shard's term, by shard (how many times it was
     /// promoted), for the server to tell a restarted coordinator
     /// ([`Held::known`]).
@@ -394,13 +394,165 @@ pub enum CoordResponse {
     SwappedPartly {
         /// The swap's sequence number.
         swap: u64,
-        /// What did not switch, and why.
-        failed: String,
+        /// The servers whose shards did not all switch, each with its account (protocol 16).
+        failed: Vec<ServerFailure>,
     },
     /// A server's lease renewal is refused for good (protocol 15): it must stop, its shards
     /// have other primaries. The only answer to a renewal that stops a server; an
     /// [`Error`](Self::Error) it does not understand leaves it renewing.
     LeaseEnded(LeaseEnd),
+}
+
+/// Who asked the coordinator something it does not answer for them
+/// ([`CoordError::NotForRole`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Asker {
+    /// A server, on its registration connection.
+    Server,
+    /// A worker.
+    Worker,
+    /// An operator.
+    Operator,
+}
+
+impl std::fmt::Display for Asker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Asker::Server => "a server",
+            Asker::Worker => "a worker",
+            Asker::Operator => "an operator",
+        })
+    }
+}
+
+/// One server's part in a failed swap: its id, its address if the coordinator knows it, and
+/// its account.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerFailure {
+    /// The server.
+    pub server: u32,
+    /// Where it listens, if it registered.
+    pub addr: Option<SocketAddr>,
+    /// What it said, or why it said nothing.
+    pub reason: String,
+}
+
+impl std::fmt::Display for ServerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.addr {
+            Some(addr) => write!(f, "server {} ({addr}): {}", self.server, self.reason),
+            None => write!(f, "server {}: {}", self.server, self.reason),
+        }
+    }
+}
+
+/// Items joined by "; ": how an error or a report that lists several reads.
+pub fn listed<T: std::fmt::Display>(items: &[T]) -> String {
+    items.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+}
+
+/// Why the coordinator refuses a request ([`CoordResponse::Error`]). The variant is the code a
+/// program acts on; where the account of a failure comes from outside this protocol (a module
+/// that does not compile, a policy that refuses the state handed over, a server that did not
+/// answer) the variant carries it as text, for people. The wire carries the variant's index
+/// (pinned by a test): add variants only at the end.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum CoordError {
+    /// The request is not one this connection's role makes.
+    #[error("{0} may not send that request")]
+    NotForRole(Asker),
+    /// A score out of range.
+    #[error("a score's accuracy must be within 0..=1 and its loss finite")]
+    BadScore,
+    /// A server did not report its status (a cluster without backups, where the status
+    /// cannot go on without it).
+    #[error("server {server} ({addr}) did not report: {reason}")]
+    NoStatus {
+        /// The server.
+        server: u32,
+        /// Where it listens.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// A rollback, but no swap has happened.
+    #[error("no swap to roll back")]
+    NoSwapYet,
+    /// A rollback, but no earlier policy ran without failures.
+    #[error("no earlier policy ran without failures: nothing to roll back to (swap one in)")]
+    NoGoodPolicy,
+    /// A swap whose module's bytes do not match its sha256.
+    #[error("the module's bytes do not match its sha256")]
+    Digest,
+    /// A swap to a module that does not compile or is not a policy (the host's account).
+    #[error("{0}")]
+    Module(String),
+    /// A swap that cannot begin now.
+    #[error(transparent)]
+    Busy(#[from] syncopate_engine::coordinator::SwapError),
+    /// A swap the coordinator gave up (it lost its round).
+    #[error("swap {0} was abandoned")]
+    Abandoned(u64),
+    /// A swap that no server switched to, with each server's account.
+    #[error("no server switched: {}", listed(.0))]
+    NoneSwitched(Vec<ServerFailure>),
+}
+
+/// Why a server refuses a command of the coordinator ([`ServerReply::Error`]). The variant is
+/// the code; text is the account of what lies outside this protocol (a module, the disk, a
+/// peer). The wire carries the variant's index (pinned by a test): add variants only at the
+/// end.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, thiserror::Error)]
+pub enum ServerError {
+    /// The module could not be prepared here: it does not compile, or a shard's policy refused
+    /// the state handed over.
+    #[error("{0}")]
+    Prepare(String),
+    /// A commit of a swap this server did not prepare.
+    #[error("swap {0} was not prepared here")]
+    Unprepared(u64),
+    /// The commit reached these shards, which refused it.
+    #[error("{}", listed(.0))]
+    Commit(Vec<ShardFailure>),
+    /// A new backup could not be attached.
+    #[error("shard {shard}'s backup at {addr}: {reason}")]
+    Attach {
+        /// The shard.
+        shard: u32,
+        /// The backup's server.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// A promotion of a backup this server does not keep.
+    #[error("server {server} keeps no backup of shard {shard}")]
+    NoBackup {
+        /// The shard.
+        shard: u32,
+        /// This server.
+        server: u32,
+    },
+    /// The backup refused its promotion.
+    #[error("{0}")]
+    Promote(crate::shard::RequestError),
+    /// A checkpoint could not be written.
+    #[error("{0}")]
+    Checkpoint(String),
+}
+
+/// A shard's refusal of a command ([`ServerError::Commit`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardFailure {
+    /// The shard.
+    pub shard: u32,
+    /// Why.
+    pub error: crate::shard::RequestError,
+}
+
+impl std::fmt::Display for ShardFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shard {}: {}", self.shard, self.error)
+    }
 }
 
 /// Why the coordinator ended a server's lease ([`CoordResponse::LeaseEnded`]). The wire carries
@@ -501,8 +653,8 @@ pub enum ServerReply {
     Ok,
     /// The shards' state.
     Status(ServerStatus),
-    /// The command failed.
-    Error(String),
+    /// The command failed (protocol 16: a code, not a string).
+    Error(ServerError),
     /// What it holds (the module its shards run is the payload).
     Holdings(Box<Holdings>),
     /// Prepared: the clocks of the workers on its primaries (each worker's largest).
@@ -1022,6 +1174,78 @@ mod tests {
         assert_eq!(tasks.to_string(), "tasks 3..7 of 5 do not exist");
     }
 
+    /// The control plane's refusals are codes too (protocol 16): the coordinator's to workers,
+    /// servers and operators, and a server's to the coordinator's commands. Text is only the
+    /// account of what lies outside the protocol (a module's words, the disk's, a peer's).
+    #[test]
+    fn every_refusal_of_the_control_plane_encodes_as_its_code_in_protocol_16() {
+        use crate::shard::{RequestError, ShardError};
+        use syncopate_engine::coordinator::SwapError;
+        let addr: SocketAddr = ([127, 0, 0, 1], 300).into();
+        let x = || "x".to_owned();
+        let coord: Vec<(CoordError, Vec<u8>)> = vec![
+            (CoordError::NotForRole(Asker::Server), vec![3, 0, 0]),
+            (CoordError::NotForRole(Asker::Worker), vec![3, 0, 1]),
+            (CoordError::NotForRole(Asker::Operator), vec![3, 0, 2]),
+            (CoordError::BadScore, vec![3, 1]),
+            (
+                CoordError::NoStatus { server: 1, addr, reason: x() },
+                vec![3, 2, 1, 0, 127, 0, 0, 1, 0xac, 0x02, 1, b'x'],
+            ),
+            (CoordError::NoSwapYet, vec![3, 3]),
+            (CoordError::NoGoodPolicy, vec![3, 4]),
+            (CoordError::Digest, vec![3, 5]),
+            (CoordError::Module(x()), vec![3, 6, 1, b'x']),
+            (CoordError::Busy(SwapError::Busy(1)), vec![3, 7, 0, 1]),
+            (CoordError::Busy(SwapError::Registering { registered: 1, servers: 2 }), vec![3, 7, 1, 1, 2]),
+            (CoordError::Busy(SwapError::Checkpointing(1)), vec![3, 7, 2, 1]),
+            (CoordError::Abandoned(1), vec![3, 8, 1]),
+            (
+                CoordError::NoneSwitched(vec![ServerFailure { server: 1, addr: None, reason: x() }]),
+                vec![3, 9, 1, 1, 0, 1, b'x'],
+            ),
+        ];
+        for (error, want) in coord {
+            let response = CoordResponse::Error(error);
+            let got = postcard::to_allocvec(&response).expect("encodes");
+            assert_eq!(got, want, "{response:?}");
+            assert_eq!(postcard::from_bytes::<CoordResponse>(&got).expect("decodes"), response);
+        }
+        let partly = CoordResponse::SwappedPartly {
+            swap: 2,
+            failed: vec![ServerFailure { server: 1, addr: None, reason: x() }],
+        };
+        assert_eq!(postcard::to_allocvec(&partly).expect("encodes"), [5, 2, 1, 1, 0, 1, b'x']);
+        let nan = RequestError::Shard(ShardError::NonFinite(1, 2));
+        let server: Vec<(ServerError, Vec<u8>)> = vec![
+            (ServerError::Prepare(x()), vec![2, 0, 1, b'x']),
+            (ServerError::Unprepared(1), vec![2, 1, 1]),
+            (
+                ServerError::Commit(vec![ShardFailure { shard: 1, error: nan.clone() }]),
+                vec![2, 2, 1, 1, 5, 4, 1, 2],
+            ),
+            (
+                ServerError::Attach { shard: 1, addr, reason: x() },
+                vec![2, 3, 1, 0, 127, 0, 0, 1, 0xac, 0x02, 1, b'x'],
+            ),
+            (ServerError::NoBackup { shard: 1, server: 2 }, vec![2, 4, 1, 2]),
+            (ServerError::Promote(nan), vec![2, 5, 5, 4, 1, 2]),
+            (ServerError::Checkpoint(x()), vec![2, 6, 1, b'x']),
+        ];
+        for (error, want) in server {
+            let reply = ServerReply::Error(error);
+            let got = postcard::to_allocvec(&reply).expect("encodes");
+            assert_eq!(got, want, "{reply:?}");
+            assert_eq!(postcard::from_bytes::<ServerReply>(&got).expect("decodes"), reply);
+        }
+        // What people read stays what it was.
+        let refused = CoordError::NoneSwitched(vec![
+            ServerFailure { server: 0, addr: Some(addr), reason: "a".into() },
+            ServerFailure { server: 1, addr: None, reason: "b".into() },
+        ]);
+        assert_eq!(refused.to_string(), "no server switched: server 0 (127.0.0.1:300): a; server 1: b");
+    }
+
     /// A lease's end is a code, not a string: a server stops on these and only these.
     #[test]
     fn a_lease_end_encodes_as_its_code_in_protocol_16() {
@@ -1029,7 +1253,6 @@ mod tests {
         assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::FailedOver)), [6, 0]);
         assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::Replaced)), [6, 1]);
         assert_eq!(bytes(&CoordResponse::LeaseEnded(LeaseEnd::Unknown(300))), [6, 2, 0xac, 0x02]);
-        assert_eq!(bytes(&CoordResponse::Error("no".into())), [3, 2, b'n', b'o'], "still variant 3");
         let back: CoordResponse = postcard::from_bytes(&[6, 1]).expect("decodes");
         assert_eq!(back, CoordResponse::LeaseEnded(LeaseEnd::Replaced));
         assert!(postcard::from_bytes::<CoordResponse>(&[6, 3]).is_err(), "an unknown code is refused");

@@ -33,7 +33,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::lease::ServerLease;
 use crate::net::proto::{
     ClusterSettings, ControlMessage, DataError, DataRequest, DataResponse, Hello, MovedTasks, NotServing,
-    PolicyBlob, Role, ServerCommand, ServerReply, ServerStatus, Ticket, Welcome, PROTOCOL_VERSION,
+    PolicyBlob, Role, ServerCommand, ServerError, ServerReply, ServerStatus, ShardFailure, Ticket, Welcome,
+    PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
@@ -902,13 +903,13 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     }
                     ServerReply::Clocks(frontier.clocks().collect())
                 }
-                Err(e) => ServerReply::Error(e),
+                Err(e) => ServerReply::Error(ServerError::Prepare(e)),
             }
         }
         ServerCommand::Commit { swap, raise } => {
             let Some((module, policy, wasm)) = shared.prepared.lock().expect("not poisoned").remove(&swap)
             else {
-                return ServerReply::Error(format!("swap {swap} was not prepared here"));
+                return ServerReply::Error(ServerError::Unprepared(swap));
             };
             *shared.policy.lock().expect("not poisoned") = (swap, policy.clone(), wasm);
             *shared.levelled.lock().expect("not poisoned") = raise.clone();
@@ -922,15 +923,15 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     Ok(()) => rx.await.unwrap_or(Err(RequestError::Stopped(shard))),
                     Err(_) => Err(RequestError::Stopped(shard)),
                 };
-                if let Err(e) = result {
-                    failed.push(format!("shard {shard}: {e}"));
+                if let Err(error) = result {
+                    failed.push(ShardFailure { shard, error });
                 }
             }
             if failed.is_empty() {
                 tracing::info!(swap, policy = module.display_name(), "swap committed");
                 ServerReply::Ok
             } else {
-                ServerReply::Error(failed.join("; "))
+                ServerReply::Error(ServerError::Commit(failed))
             }
         }
         ServerCommand::Abort { swap } => {
@@ -954,12 +955,12 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
         ServerCommand::AttachBackup { shard, addr, incarnation } => {
             match attach_backup(shared, shard, addr, incarnation).await {
                 Ok(()) => ServerReply::Ok,
-                Err(e) => ServerReply::Error(format!("shard {shard}'s backup at {addr}: {e}")),
+                Err(reason) => ServerReply::Error(ServerError::Attach { shard, addr, reason }),
             }
         }
         ServerCommand::Promote { shard } => {
             let Some(tx) = shared.backups.lock().expect("not poisoned").remove(&shard) else {
-                return ServerReply::Error(format!("server {} keeps no backup of shard {shard}", shared.id));
+                return ServerReply::Error(ServerError::NoBackup { shard, server: shared.id });
             };
             match ask(shard, &tx, |reply| ShardCmd::Promote { reply }).await {
                 Ok(()) => {
@@ -990,7 +991,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     }
                     ServerReply::Ok
                 }
-                Err(e) => ServerReply::Error(e.to_string()),
+                Err(e) => ServerReply::Error(ServerError::Promote(e)),
             }
         }
         ServerCommand::DropBackup { shard } => {
@@ -1001,7 +1002,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
         }
         ServerCommand::Checkpoint { dir, shard } => match checkpoint(shared, &dir, shard).await {
             Ok(()) => ServerReply::Ok,
-            Err(e) => ServerReply::Error(e),
+            Err(e) => ServerReply::Error(ServerError::Checkpoint(e)),
         },
         ServerCommand::Shutdown => {
             tracing::info!("shutdown requested by the coordinator");
@@ -1420,7 +1421,9 @@ async fn handle_request(
 #[cfg(test)]
 mod tests {
     use super::{admit, Renewal};
-    use crate::net::proto::{AdmissionKey, ClusterSettings, CoordResponse, LeaseEnd, Ticket};
+    use crate::net::proto::{
+        AdmissionKey, Asker, ClusterSettings, CoordError, CoordResponse, LeaseEnd, Ticket,
+    };
     use crate::shard::{OptimizerConfig, PushWeight};
 
     /// Only a lease's end stops a server: an error it does not understand (a newer
@@ -1432,8 +1435,8 @@ mod tests {
         for end in [LeaseEnd::FailedOver, LeaseEnd::Replaced, LeaseEnd::Unknown(3)] {
             assert_eq!(Renewal::of(Ok(CoordResponse::LeaseEnded(end))), Renewal::Ended(end));
         }
-        let refused = Renewal::of(Ok(CoordResponse::Error("this server was failed over".into())));
-        assert!(matches!(&refused, Renewal::NotRenewed(why) if why.contains("failed over")), "{refused:?}");
+        let refused = Renewal::of(Ok(CoordResponse::Error(CoordError::NotForRole(Asker::Server))));
+        assert!(matches!(&refused, Renewal::NotRenewed(why) if why.contains("may not send")), "{refused:?}");
         assert!(matches!(Renewal::of(Ok(CoordResponse::Ok)), Renewal::NotRenewed(_)));
         assert!(matches!(Renewal::of(Err("timed out".into())), Renewal::NotRenewed(_)));
     }
