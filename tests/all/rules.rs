@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use syncopate::shard::{OptimizerConfig, PushRequest, PushWeight, Shard, ShardConfig};
+use syncopate::shard::{OptimizerConfig, PushHeader, PushRequest, PushWeight, Shard, ShardConfig};
 use syncopate_policy_example_firstk::FirstK;
 use syncopate_policy_sdk::testing::Driver;
 use syncopate_suite::{config, runtime, Recorder};
@@ -255,7 +255,7 @@ fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
     for &(w, i) in &order {
         token += 1;
         let p = push(w, i);
-        primary.push(1, token, w, i, 1, None, p.grad, None, 0, &mut Quiet);
+        primary.push(1, token, PushHeader::gradient(w, i, 1), p.grad, &mut Quiet);
         relay(&mut primary, &mut backup);
     }
     let (p, b) = (primary.shard().unwrap(), backup.shard().unwrap());

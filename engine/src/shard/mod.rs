@@ -53,7 +53,7 @@ pub use node::{
     Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
     Waiting,
 };
-pub use ops::{Op, Outcome, Stamped};
+pub use ops::{Op, Outcome, PushHeader, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};
 pub use supervisor::{CrashLoop, Health, SupervisorConfig, DEFAULT_NO_PROGRESS_NS};
 pub use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
@@ -965,21 +965,21 @@ impl Shard {
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
-        let PushRequest { worker, iteration, samples, grad, based_on, tasks, local_steps } = req;
+        let PushRequest { worker, iteration, tasks, local_steps, .. } = req;
         if !self.clocks.is_live(worker) {
             return Err(ShardError::UnknownWorker(worker, self.shard));
         }
-        if grad.len() != self.params.len() {
+        if req.grad.len() != self.params.len() {
             return Err(ShardError::WrongLength {
                 shard: self.shard,
                 expected: self.params.len(),
-                got: grad.len(),
+                got: req.grad.len(),
             });
         }
         // A gradient that is not finite is refused even for an iteration the shard has: a
         // duplicate of a held push takes the place of the push's acknowledgement, which a bad
         // request must not take.
-        if !all_finite(&grad) {
+        if !all_finite(&req.grad) {
             return Err(ShardError::NonFinite(worker, iteration));
         }
         let expected = self.next_push[worker as usize];
@@ -998,10 +998,10 @@ impl Shard {
         }
         let id = if partial {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
-            self.push_part(worker, iteration, samples, grad, based_on, part, now_ns, sink)?
+            self.push_part(req, part, now_ns, sink)?
         } else {
             let id = self.id();
-            self.offer(id, worker, iteration, samples, grad, based_on, local_steps, now_ns, sink);
+            self.offer(id, req, now_ns, sink);
             id
         };
         // Its pull of this iteration has ended (whoever computed these tasks). Only a push the
@@ -1011,20 +1011,10 @@ impl Shard {
         Ok(id)
     }
 
-    /// Hands the policy worker `worker`'s next iteration, complete.
-    #[allow(clippy::too_many_arguments)]
-    fn offer(
-        &mut self,
-        id: RequestId,
-        worker: WorkerId,
-        iteration: u64,
-        samples: u32,
-        grad: Vec<f32>,
-        based_on: Option<u64>,
-        local_steps: u32,
-        now_ns: u64,
-        sink: &mut dyn ShardSink,
-    ) {
+    /// Hands the policy a worker's next iteration, complete (`req`'s tasks are not looked at:
+    /// they are all there).
+    fn offer(&mut self, id: RequestId, req: PushRequest, now_ns: u64, sink: &mut dyn ShardSink) {
+        let PushRequest { worker, iteration, samples, grad, based_on, local_steps, .. } = req;
         let clock = self.clocks.get(worker).unwrap_or(0);
         self.next_push[worker as usize] = iteration + 1;
         let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
@@ -1034,20 +1024,16 @@ impl Shard {
         self.run(Event::Push(push), view, now_ns, sink);
     }
 
-    /// Adds some tasks of an iteration to its accounting; offers every iteration that is now
-    /// complete and next in line. Returns the id the iteration's push will have.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds `part`, some tasks of an iteration, to its accounting; offers every iteration that
+    /// is now complete and next in line. Returns the id the iteration's push will have.
     fn push_part(
         &mut self,
-        worker: WorkerId,
-        iteration: u64,
-        samples: u32,
-        grad: Vec<f32>,
-        based_on: Option<u64>,
+        req: PushRequest,
         part: TaskPart,
         now_ns: u64,
         sink: &mut dyn ShardSink,
     ) -> Result<RequestId, ShardError> {
+        let PushRequest { worker, iteration, samples, grad, based_on, .. } = req;
         let bad = |reason: String| ShardError::BadTasks { worker, iteration, mask: part.mask, reason };
         if !part.is_valid() {
             return Err(bad(format!("not a set of tasks out of {}", part.total)));
@@ -1113,7 +1099,17 @@ impl Shard {
             // Division, not a reciprocal: (n * g) / n is exactly g.
             let n = p.samples as f32;
             p.sum.iter_mut().for_each(|g| *g /= n);
-            self.offer(p.id, worker, p.iteration, p.samples, p.sum, p.based_on, 0, now_ns, sink);
+            let (iteration, samples, based_on) = (p.iteration, p.samples, p.based_on);
+            let req = PushRequest {
+                worker,
+                iteration,
+                samples,
+                grad: p.sum,
+                based_on,
+                tasks: None,
+                local_steps: 0,
+            };
+            self.offer(p.id, req, now_ns, sink);
         }
     }
 

@@ -42,8 +42,8 @@ use std::sync::Arc;
 use syncopate_policy_sdk::abi::{Applied, Envelope, IterationReport, LeaveReason, RequestId, WorkerId};
 
 use super::{
-    AckGate, ClockRaise, ControlMessage, Handover, Observer, Op, Outcome, PullReply, Shard, ShardConfig,
-    ShardError, ShardSink, ShardSnapshot, Stamped, TaskPart,
+    AckGate, ClockRaise, ControlMessage, Handover, Observer, Op, Outcome, PullReply, PushHeader, Shard,
+    ShardConfig, ShardError, ShardSink, ShardSnapshot, Stamped,
 };
 use crate::recording::PolicyStart;
 use crate::runtime::{PolicyError, PolicyModule};
@@ -570,7 +570,7 @@ impl ShardNode {
         let seq = self.pending.gate.stamp();
         if self.replicating {
             let payload = match op {
-                Op::Push { .. } | Op::Create => {
+                Op::Push(_) | Op::Create => {
                     let mut copy = obs.buffer(grad.len());
                     copy.copy_from_slice(&grad);
                     copy
@@ -696,22 +696,9 @@ impl ShardNode {
         }
     }
 
-    /// A worker's push (`tasks`: some tasks of an iteration, with their owner, acknowledged as
-    /// soon as they are counted).
-    #[allow(clippy::too_many_arguments)]
-    pub fn push(
-        &mut self,
-        now: u64,
-        token: Token,
-        worker: WorkerId,
-        iteration: u64,
-        samples: u32,
-        based_on: Option<u64>,
-        grad: Vec<f32>,
-        tasks: Option<(WorkerId, TaskPart)>,
-        local_steps: u32,
-        obs: &mut dyn Observer,
-    ) {
+    /// A worker's push of `grad` (with [`PushHeader::tasks`]: some tasks of an iteration, with
+    /// their owner, acknowledged as soon as they are counted).
+    pub fn push(&mut self, now: u64, token: Token, push: PushHeader, grad: Vec<f32>, obs: &mut dyn Observer) {
         let id = self.id();
         if self.pending.backup {
             return self.pending.reply(token, Reply::Pushed(Err(RequestError::Backup(id))));
@@ -719,8 +706,8 @@ impl ShardNode {
         if self.shard.is_none() {
             return self.pending.reply(token, Reply::Pushed(Err(RequestError::NoShardYet(id))));
         }
-        let op = Op::Push { worker, iteration, samples, based_on, tasks, local_steps };
-        if tasks.is_some() {
+        let (op, worker, iteration) = (Op::Push(push), push.worker, push.iteration);
+        if push.tasks.is_some() {
             match self.step(op, grad, now, obs) {
                 Some(Outcome::Pushed(Ok(()))) => self.pending.ack(token, PushOutcome::Applied),
                 Some(Outcome::Pushed(Err(ShardError::Duplicate { .. }))) => {
@@ -1162,7 +1149,7 @@ mod tests {
         primary.confirmed(seq);
         assert_eq!(replies(&drain(&mut primary)), vec![1]);
 
-        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 4], None, 0, &mut Quiet);
+        primary.push(2, 2, PushHeader::gradient(0, 0, 1), vec![1.0; 4], &mut Quiet);
         let out = drain(&mut primary);
         assert!(replies(&out).is_empty(), "held until the backup has the op");
         let seq = deliver(out, &mut backup).unwrap();
@@ -1183,7 +1170,7 @@ mod tests {
             [NodeOutput::Reply { reply: Reply::Joined(Ok(Joined::Rejoined { next: 1, clock: 1 })), .. }]
         ));
         assert_eq!(backup.poll_timeout(), None, "nobody is awaited any more");
-        backup.push(4, 4, 0, 0, 1, None, vec![1.0; 4], None, 0, &mut Quiet);
+        backup.push(4, 4, PushHeader::gradient(0, 0, 1), vec![1.0; 4], &mut Quiet);
         let out = drain(&mut backup);
         assert!(matches!(
             out[..],
@@ -1207,9 +1194,9 @@ mod tests {
                 .collect()
         };
         let mut stream = ops(drain(&mut primary));
-        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        primary.push(2, 2, PushHeader::gradient(0, 0, 1), vec![1.0; 2], &mut Quiet);
         stream.extend(ops(drain(&mut primary)));
-        primary.push(3, 3, 0, 1, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        primary.push(3, 3, PushHeader::gradient(0, 1, 1), vec![1.0; 2], &mut Quiet);
         let last = ops(drain(&mut primary));
         let confirms = |b: &mut ShardNode| -> Vec<u64> {
             drain(b)
@@ -1245,7 +1232,7 @@ mod tests {
         let (mut primary, mut backup) = (node("asp", false), node("asp", true));
         primary.attach_backup(0, &mut Quiet).unwrap();
         primary.join(1, 1, 0, vec![0.0; 2], &mut Quiet);
-        primary.push(2, 2, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        primary.push(2, 2, PushHeader::gradient(0, 0, 1), vec![1.0; 2], &mut Quiet);
         let seq = deliver(drain(&mut primary), &mut backup).unwrap();
         primary.confirmed(seq);
         drain(&mut primary);
@@ -1298,7 +1285,7 @@ mod tests {
     #[test]
     fn requests_are_refused_with_typed_errors() {
         let mut n = node("bsp", false);
-        n.push(0, 1, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        n.push(0, 1, PushHeader::gradient(0, 0, 1), vec![1.0; 2], &mut Quiet);
         n.pull(0, 2, 0, 0, &mut Quiet);
         n.join(0, 3, 0, Vec::new(), &mut Quiet);
         let out = drain(&mut n);
@@ -1316,9 +1303,9 @@ mod tests {
         ));
         n.join(0, 4, 0, vec![0.0; 2], &mut Quiet);
         n.join(0, 5, 1, vec![0.0; 3], &mut Quiet);
-        n.push(0, 6, 0, 0, 1, None, vec![f32::NAN; 2], None, 0, &mut Quiet);
-        n.push(0, 7, 0, 5, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
-        n.push(0, 8, 9, 0, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
+        n.push(0, 6, PushHeader::gradient(0, 0, 1), vec![f32::NAN; 2], &mut Quiet);
+        n.push(0, 7, PushHeader::gradient(0, 5, 1), vec![0.0; 2], &mut Quiet);
+        n.push(0, 8, PushHeader::gradient(9, 0, 1), vec![0.0; 2], &mut Quiet);
         let out = drain(&mut n);
         let errs: Vec<&RequestError> = out
             .iter()
@@ -1333,7 +1320,7 @@ mod tests {
         assert!(matches!(errs[3], RequestError::Shard(ShardError::UnknownWorker(9, 0))), "{errs:?}");
         // Under BSP with two members a pull of iteration 1 waits; the same pull again is refused.
         n.join(0, 9, 1, Vec::new(), &mut Quiet);
-        n.push(0, 10, 0, 0, 1, None, vec![0.0; 2], None, 0, &mut Quiet);
+        n.push(0, 10, PushHeader::gradient(0, 0, 1), vec![0.0; 2], &mut Quiet);
         n.pull(0, 11, 0, 1, &mut Quiet);
         n.pull(0, 12, 0, 1, &mut Quiet);
         let out = drain(&mut n);
@@ -1371,8 +1358,8 @@ mod tests {
         primary.join(5, 1, 0, vec![0.0; 2], &mut Quiet);
         primary.join(5, 2, 1, Vec::new(), &mut Quiet);
         primary.join(5, 3, 2, Vec::new(), &mut Quiet);
-        primary.push(6, 4, 0, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
-        primary.push(6, 5, 0, 1, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        primary.push(6, 4, PushHeader::gradient(0, 0, 1), vec![1.0; 2], &mut Quiet);
+        primary.push(6, 5, PushHeader::gradient(0, 1, 1), vec![1.0; 2], &mut Quiet);
         deliver(drain(&mut primary), &mut backup);
         backup.promote();
         assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "members awaited");
@@ -1390,7 +1377,7 @@ mod tests {
         assert!(out.iter().any(|o| matches!(o, NodeOutput::Left { worker: 0 })), "{out:?}");
         // Worker 1 pushes on; worker 0 returns: a new member at the shard's clock, told that its
         // iterations from 2 on (its pushes 0 and 1 were applied) are now numbered from there.
-        backup.push(20, 7, 1, 0, 1, None, vec![1.0; 2], None, 0, &mut Quiet);
+        backup.push(20, 7, PushHeader::gradient(1, 0, 1), vec![1.0; 2], &mut Quiet);
         backup.join(21, 8, 0, Vec::new(), &mut Quiet);
         let out = drain(&mut backup);
         assert!(

@@ -13,6 +13,31 @@ use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId}
 use super::{ClockRaise, Handover, PullRequest, PushRequest, Shard, ShardError, ShardSink, TaskPart};
 use crate::runtime::PolicyModule;
 
+/// What a push says besides its gradient: one shape from the server's data plane through the
+/// node ([`super::ShardNode::push`]) to the op a backup applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushHeader {
+    /// The worker pushing.
+    pub worker: WorkerId,
+    /// The iteration, as the shard numbers the worker's iterations.
+    pub iteration: u64,
+    /// Samples it was computed on.
+    pub samples: u32,
+    /// The version it was computed from, if the worker says.
+    pub based_on: Option<u64>,
+    /// Some tasks only: their owner and which.
+    pub tasks: Option<(WorkerId, TaskPart)>,
+    /// The local steps it covers (0: a gradient; [`PushRequest::local_steps`]).
+    pub local_steps: u32,
+}
+
+impl PushHeader {
+    /// A worker's gradient of its whole iteration, of no stated version.
+    pub fn gradient(worker: WorkerId, iteration: u64, samples: u32) -> Self {
+        PushHeader { worker, iteration, samples, based_on: None, tasks: None, local_steps: 0 }
+    }
+}
+
 /// One change to a shard.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
@@ -25,21 +50,9 @@ pub enum Op {
         worker: WorkerId,
     },
     /// [`Shard::push`] (or, with `tasks`, [`Shard::push_by`] for the tasks' owner); the
-    /// gradient is the op's payload.
-    Push {
-        /// The worker pushing.
-        worker: WorkerId,
-        /// The iteration.
-        iteration: u64,
-        /// Samples it was computed on.
-        samples: u32,
-        /// The version it was computed from.
-        based_on: Option<u64>,
-        /// Some tasks only: their owner and which.
-        tasks: Option<(WorkerId, TaskPart)>,
-        /// The local steps it covers (0: a gradient; [`PushRequest::local_steps`]).
-        local_steps: u32,
-    },
+    /// gradient is the op's payload. (Encoded as the struct variant it was before protocol 16:
+    /// the same bytes.)
+    Push(PushHeader),
     /// [`Shard::tasks_yielded`].
     Yielded {
         /// The hand-over.
@@ -151,7 +164,7 @@ impl Shard {
         match op {
             Op::Create | Op::Advance => Outcome::Done(Ok(())),
             Op::Join { worker } => Outcome::Joined(self.join(worker, now, sink)),
-            Op::Push { worker, iteration, samples, based_on, tasks, local_steps } => {
+            Op::Push(PushHeader { worker, iteration, samples, based_on, tasks, local_steps }) => {
                 let r = match tasks {
                     Some((owner, part)) => {
                         let req = PushRequest {
@@ -214,6 +227,25 @@ mod wire {
         let bytes = postcard::to_allocvec(&op).expect("encodes");
         assert_eq!(bytes, [12, 3, 9, 1]);
         assert_eq!(postcard::from_bytes::<Op>(&bytes).expect("decodes"), op);
+    }
+
+    /// A push op carries its [`PushHeader`] as the struct variant before it did: the same bytes
+    /// (variant 2, then the fields in order), so the stream between servers did not change.
+    #[test]
+    fn a_push_op_encodes_as_pinned() {
+        let op = Op::Push(PushHeader {
+            worker: 1,
+            iteration: 2,
+            samples: 3,
+            based_on: Some(4),
+            tasks: Some((5, TaskPart { mask: 6, total: 7 })),
+            local_steps: 8,
+        });
+        let bytes = postcard::to_allocvec(&op).expect("encodes");
+        assert_eq!(bytes, [2, 1, 2, 3, 1, 4, 1, 5, 6, 7, 8]);
+        assert_eq!(postcard::from_bytes::<Op>(&bytes).expect("decodes"), op);
+        let plain = postcard::to_allocvec(&Op::Push(PushHeader::gradient(1, 2, 3))).expect("encodes");
+        assert_eq!(plain, [2, 1, 2, 3, 0, 0, 0]);
     }
 }
 
@@ -352,15 +384,7 @@ mod tests {
                 }
                 let worker = self.workers[w as usize].clone();
                 for i in worker.unacked {
-                    let op = Op::Push {
-                        worker: w,
-                        iteration: i,
-                        samples: 1,
-                        based_on: None,
-                        tasks: None,
-                        local_steps: 0,
-                    };
-                    self.op(op, vec![grad(w, i); 4]);
+                    self.op(Op::Push(PushHeader::gradient(w, i, 1)), vec![grad(w, i); 4]);
                 }
                 if !worker.done && !worker.served {
                     self.op(Op::Pull { worker: w, iteration: worker.pulled }, Vec::new());
@@ -391,10 +415,7 @@ mod tests {
             }
             let i = wk.pulled;
             self.workers[w as usize].unacked.push(i);
-            self.op(
-                Op::Push { worker: w, iteration: i, samples: 1, based_on: None, tasks: None, local_steps: 0 },
-                vec![grad(w, i); 4],
-            );
+            self.op(Op::Push(PushHeader::gradient(w, i, 1)), vec![grad(w, i); 4]);
             let report = IterationReport { worker: w, iteration: i, samples: 1, compute_ns: 1_000 };
             self.op(Op::Finished { report }, Vec::new());
             let wk = &mut self.workers[w as usize];

@@ -41,7 +41,7 @@ use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{
-    ClockRaise, Codec, Frontier, Handover, RequestError, ShardConfig, SupervisorConfig, TaskPart,
+    ClockRaise, Codec, Frontier, Handover, PushHeader, RequestError, ShardConfig, SupervisorConfig, TaskPart,
 };
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
@@ -1330,16 +1330,8 @@ async fn handle_request(
                 }
                 grad
             };
-            let push = |reply| ShardCmd::Push {
-                worker,
-                iteration,
-                samples,
-                based_on,
-                grad,
-                tasks,
-                local_steps,
-                reply,
-            };
+            let push = PushHeader { worker, iteration, samples, based_on, tasks, local_steps };
+            let push = |reply| ShardCmd::Push { push, grad, reply };
             match ask(shard, tx, push).await {
                 Ok(PushOutcome::Applied) => (DataResponse::PushAcked, None),
                 Ok(PushOutcome::Dropped) => (DataResponse::PushDropped, None),

@@ -19,8 +19,8 @@ use crate::net::proto::{ControlMessage, ShardStatus};
 use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{
-    ClockRaise, Handover, NodeConfig, NodeOutput, Observer, Reply as NodeReply, ShardConfig, ShardNode,
-    ShardSnapshot, TaskPart, Token,
+    ClockRaise, Handover, NodeConfig, NodeOutput, Observer, PushHeader, Reply as NodeReply, ShardConfig,
+    ShardNode, ShardSnapshot, Token,
 };
 pub(crate) use crate::shard::{Joined, PushOutcome, Served, Stamped};
 
@@ -36,16 +36,10 @@ pub(crate) enum ShardCmd {
         reply: Reply<Joined>,
     },
     Push {
-        worker: WorkerId,
-        iteration: u64,
-        samples: u32,
-        based_on: Option<u64>,
+        /// What the push says (with `tasks`, some tasks of their owner's iteration,
+        /// acknowledged as soon as they are counted).
+        push: PushHeader,
         grad: Vec<f32>,
-        /// Some tasks only: the owner of the iteration and which of its tasks. Acknowledged as
-        /// soon as they are counted.
-        tasks: Option<(WorkerId, TaskPart)>,
-        /// The local steps it covers (0: a gradient).
-        local_steps: u32,
         reply: Reply<PushOutcome>,
     },
     /// The owner of moved tasks handed them over.
@@ -507,23 +501,13 @@ impl ShardTask {
                 let token = p.wait(Waiter::Joined(reply));
                 p.node.join(now, token, worker, init, &mut p.obs);
             }
-            ShardCmd::Push { worker, iteration, samples, based_on, grad, tasks, local_steps, reply } => {
-                if let Some((owner, _)) = tasks.filter(|t| t.0 != worker) {
+            ShardCmd::Push { push, grad, reply } => {
+                if let Some((owner, _)) = push.tasks.filter(|t| t.0 != push.worker) {
+                    let (worker, iteration) = (push.worker, push.iteration);
                     tracing::debug!(shard = id, worker, owner, iteration, "moved tasks pushed");
                 }
                 let token = p.wait(Waiter::Pushed(reply));
-                p.node.push(
-                    now,
-                    token,
-                    worker,
-                    iteration,
-                    samples,
-                    based_on,
-                    grad,
-                    tasks,
-                    local_steps,
-                    &mut p.obs,
-                );
+                p.node.push(now, token, push, grad, &mut p.obs);
             }
             ShardCmd::Yielded { handover } => p.node.yielded(now, handover, obs),
             ShardCmd::Applied { applied } => p.node.applied(now, applied, obs),

@@ -1,10 +1,10 @@
 //! The simulator's event queue, its events, and the mailbox that holds messages in flight.
 
-use syncopate_policy_sdk::abi::{Applied, IterationReport, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport};
 
 use syncopate_engine::coordinator::Command;
 
-use crate::shard::{Handover, TaskPart};
+use crate::shard::{Handover, PushHeader};
 
 /// A message without tensors, on its way to a shard.
 #[derive(Clone, Copy, Debug)]
@@ -24,17 +24,8 @@ pub(super) enum ToShard {
 /// numbered the original.
 #[derive(Clone, Debug)]
 pub(super) enum Copied {
-    Pull {
-        iteration: u64,
-    },
-    Push {
-        iteration: u64,
-        samples: u32,
-        based_on: Option<u64>,
-        grad: Vec<f32>,
-        tasks: Option<(WorkerId, TaskPart)>,
-        local_steps: u32,
-    },
+    Pull { iteration: u64 },
+    Push { push: PushHeader, grad: Vec<f32> },
     Note(ToShard),
 }
 

@@ -11,7 +11,7 @@ use syncopate_engine::worker::{WorkerConfig, WorkerMachine};
 
 use super::events::{Copied, Ev};
 use super::{sim_shard, Req, Sim, SimError, DUPLICATE_WITHIN_NS};
-use crate::shard::Quiet;
+use crate::shard::{PushHeader, Quiet};
 
 /// A late joiner on its way in ([`SimFaults::late_join`](super::SimFaults::late_join)), as
 /// `WorkerClient::join` goes: per shard, the next iteration it expects from the worker and the
@@ -173,18 +173,30 @@ impl Sim {
         let node = &mut self.nodes[s as usize];
         let ones = |n: usize| vec![1.0f32; n];
         match kind {
-            0 => node.push(now, token, max + r as u32, iteration, 1, None, ones(len), None, 0, &mut Quiet),
-            1 => node.push(now, token, w, iteration, 1, None, ones(len + r as usize), None, 0, &mut Quiet),
+            0 => node.push(
+                now,
+                token,
+                PushHeader::gradient(max + r as u32, iteration, 1),
+                ones(len),
+                &mut Quiet,
+            ),
+            1 => node.push(
+                now,
+                token,
+                PushHeader::gradient(w, iteration, 1),
+                ones(len + r as usize),
+                &mut Quiet,
+            ),
             2 => {
                 let mut grad = ones(len);
                 grad[0] = f32::NAN;
-                node.push(now, token, w, iteration, 1, None, grad, None, 0, &mut Quiet)
+                node.push(now, token, PushHeader::gradient(w, iteration, 1), grad, &mut Quiet)
             }
             3 => {
                 // Past the next push the shard expects (one numbered as that next push would be
                 // the worker's own, as far as a shard can tell: the servers authenticate workers).
                 let ahead = sim_shard(node).resumes_at(w).max(iteration) + r;
-                node.push(now, token, w, ahead, 1, None, ones(len), None, 0, &mut Quiet)
+                node.push(now, token, PushHeader::gradient(w, ahead, 1), ones(len), &mut Quiet)
             }
             4 => node.pull(now, token, never_joined, iteration, &mut Quiet),
             5 => node.join(now, token, never_joined, ones(len + r as usize), &mut Quiet),

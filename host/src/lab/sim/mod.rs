@@ -62,8 +62,8 @@ use crate::lease::ServerLease;
 use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
 use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
 use crate::shard::{
-    ClockRaise, Joined, NodeConfig, NodeOutput, Op, PushOutcome, Quiet, Reply, RequestError, Served, Shard,
-    ShardConfig, ShardNode, Stamped, Token,
+    ClockRaise, Joined, NodeConfig, NodeOutput, Op, PushHeader, PushOutcome, Quiet, Reply, RequestError,
+    Served, Shard, ShardConfig, ShardNode, Stamped, Token,
 };
 use crate::worker::WorkerReport;
 use control::Arrival;
@@ -1470,7 +1470,7 @@ impl Sim {
     fn replicate(&mut self, s: u32, stamped: Stamped, payload: Vec<f32>) {
         let su = s as usize;
         let Some(b) = self.backup_of[su] else { return };
-        let bytes = if matches!(stamped.op, Op::Push { .. }) { self.shard_bytes(s) } else { 64 };
+        let bytes = if matches!(stamped.op, Op::Push(_)) { self.shard_bytes(s) } else { 64 };
         let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
         let t = self.transfer(from, to, bytes);
         let i = self.replication.post((self.epoch[su], stamped, payload), 1);
@@ -1729,26 +1729,10 @@ impl Sim {
                 // Another worker's tasks are numbered as their owner numbers them.
                 let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
                 self.stranger(w, s, numbered)?;
-                self.duplicate(w, s, || Copied::Push {
-                    iteration: numbered,
-                    samples,
-                    based_on,
-                    grad: grad.clone(),
-                    tasks,
-                    local_steps,
-                });
-                self.nodes[s as usize].push(
-                    self.now,
-                    token,
-                    w,
-                    numbered,
-                    samples,
-                    based_on,
-                    grad,
-                    tasks,
-                    local_steps,
-                    &mut Quiet,
-                );
+                let push =
+                    PushHeader { worker: w, iteration: numbered, samples, based_on, tasks, local_steps };
+                self.duplicate(w, s, || Copied::Push { push, grad: grad.clone() });
+                self.nodes[s as usize].push(self.now, token, push, grad, &mut Quiet);
                 self.drain(s)?;
             }
             Ev::AckArrive(w, help) => {
@@ -1790,18 +1774,7 @@ impl Sim {
                 let node = &mut self.nodes[s as usize];
                 match copy {
                     Copied::Pull { iteration } => node.pull(now, token, w, iteration, &mut Quiet),
-                    Copied::Push { iteration, samples, based_on, grad, tasks, local_steps } => node.push(
-                        now,
-                        token,
-                        w,
-                        iteration,
-                        samples,
-                        based_on,
-                        grad,
-                        tasks,
-                        local_steps,
-                        &mut Quiet,
-                    ),
+                    Copied::Push { push, grad } => node.push(now, token, push, grad, &mut Quiet),
                     Copied::Note(msg) => return self.note(w, s, msg),
                 }
                 self.drain(s)?;
