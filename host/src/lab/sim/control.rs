@@ -231,7 +231,7 @@ impl Sim {
         match ev {
             Ev::Heartbeat(x) if !self.dead[x as usize] => {
                 if !self.cut_to[x as usize] {
-                    self.at(self.now + self.latency_ns, Ev::Renew(x, self.now));
+                    self.at(self.now + self.net.latency_ns, Ev::Renew(x, self.now));
                 }
                 self.at(self.now + HEARTBEAT_MS * MS, Ev::Heartbeat(x));
             }
@@ -249,14 +249,14 @@ impl Sim {
                     Err(_) => Ev::Stop(x),
                 };
                 if !self.cut_from[x as usize] {
-                    self.at(self.now + self.latency_ns, answer);
+                    self.at(self.now + self.net.latency_ns, answer);
                 }
             }
             // What the partition held up goes on its way (the connection retransmits it).
             Ev::Heal(x) => {
                 (self.cut_to[x as usize], self.cut_from[x as usize]) = (false, false);
                 for ev in std::mem::take(&mut self.held[x as usize]) {
-                    self.at(self.now + self.latency_ns, ev);
+                    self.at(self.now + self.net.latency_ns, ev);
                 }
             }
             Ev::Renewed(x, asked) => {
@@ -292,7 +292,7 @@ impl Sim {
                 if self.cut_to[x as usize] {
                     self.held[x as usize].push(Ev::CommandDone(i, id, ok));
                 } else {
-                    self.at(self.now + self.latency_ns, Ev::CommandDone(i, id, ok));
+                    self.at(self.now + self.net.latency_ns, Ev::CommandDone(i, id, ok));
                 }
             }
             // An answer to a coordinator that crashed since is lost with it.
@@ -327,7 +327,7 @@ impl Sim {
         if self.cut_from[x as usize] {
             self.held[x as usize].push(ev);
         } else {
-            self.at(self.now + self.latency_ns, ev);
+            self.at(self.now + self.net.latency_ns, ev);
         }
     }
 
@@ -398,7 +398,7 @@ impl Sim {
                         if let Some((_, by)) = self.opts.faults.late_worker.filter(|l| l.0 == w) {
                             delay += by;
                         }
-                        self.at(self.now + self.latency_ns + delay, Ev::Moved(w, shard));
+                        self.at(self.now + self.net.latency_ns + delay, Ev::Moved(w, shard));
                     }
                 }
                 CoordOutput::ServerLost { server } => {
@@ -599,9 +599,9 @@ impl Sim {
         self.backup_of[su] = Some(b);
         self.epoch[su] += 1;
         let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
-        let t = self.transfer(from, to, snapshot.len() as u64 + 64);
+        let t = self.net.transfer(self.now, from, to, snapshot.len() as u64 + 64);
         let epoch = self.epoch[su];
-        self.at(t + self.latency_ns, Ev::Confirm(s, epoch, seq));
+        self.at(t + self.net.latency_ns, Ev::Confirm(s, epoch, seq));
         self.drain(s)?;
         Ok(true)
     }
@@ -649,13 +649,13 @@ impl Sim {
             let wk = &self.workers[wu];
             match ev {
                 Ev::ToShard(..) => {
-                    let t = self.after_latency(wu, node);
+                    let t = self.net.after_latency(self.now, wu, node);
                     self.at(t, ev)
                 }
                 Ev::PullArrive(_, _, iteration) => {
                     let waiting = wk.pulling == Some(iteration) && !wk.replied[su];
                     if waiting && asked.insert(ev) {
-                        let t = self.transfer(wu, node, 64);
+                        let t = self.net.transfer(self.now, wu, node, 64);
                         self.at(t, ev);
                     }
                 }
@@ -663,7 +663,7 @@ impl Sim {
                     let (slot, acked) =
                         if help { (&wk.help, &wk.help_acked) } else { (&wk.own, &wk.own_acked) };
                     if slot.is_some() && !acked[su] && asked.insert(ev) {
-                        let t = self.transfer(wu, node, self.shard_bytes(s));
+                        let t = self.net.transfer(self.now, wu, node, self.shard_bytes(s));
                         self.at(t, ev);
                     }
                 }
@@ -715,7 +715,7 @@ impl Sim {
                 self.held[x as usize].push(Ev::Rejoin(x));
             } else {
                 let retry = self.rng.random_range(0..=HEARTBEAT_MS * MS);
-                self.at(self.now + self.latency_ns + retry, Ev::Rejoin(x));
+                self.at(self.now + self.net.latency_ns + retry, Ev::Rejoin(x));
             }
         }
         self.nobody_left()
@@ -788,7 +788,7 @@ impl Sim {
         let Phase::Rejoining(rejoined) = &mut self.coord_phase else {
             tracing::debug!(server = x, t_ns = self.now, "rejoined too late: refused, it stops");
             self.rebuild.refused += 1;
-            self.at(self.now + self.latency_ns, Ev::Stop(x));
+            self.at(self.now + self.net.latency_ns, Ev::Stop(x));
             return Ok(());
         };
         let first = rejoined.is_empty();
@@ -820,7 +820,7 @@ impl Sim {
         self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
         self.rebuild.refused += rebuilt.resolution.stale.len() as u64;
         for &x in rebuilt.resolution.stale.keys() {
-            self.at(self.now + self.latency_ns, Ev::Stop(x));
+            self.at(self.now + self.net.latency_ns, Ev::Stop(x));
         }
         if let Some((&shard, &(newest, held))) = rebuilt.resolution.outdated.iter().next() {
             return Err(SimError::Outdated { shard, newest, held });
@@ -859,7 +859,7 @@ impl Sim {
             let _ = self.coord.admit_worker(Some(w), len);
             for s in 0..self.nodes.len() as u32 {
                 if self.known[w as usize][s as usize] < self.term[s as usize] {
-                    self.at(self.now + self.latency_ns, Ev::Moved(w, s));
+                    self.at(self.now + self.net.latency_ns, Ev::Moved(w, s));
                 }
             }
         }

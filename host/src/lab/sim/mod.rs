@@ -40,36 +40,52 @@
 //!
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
+//!
+//! Where things are: this file sets a run up and dispatches its events ([`simulate`]);
+//! `options.rs` says what a run is asked to do, `outcome.rs` what it reports; `events.rs` is the
+//! event queue and the messages in flight; `network.rs` the links; `workers.rs` the workers'
+//! drivers; `control.rs` the control plane (leases, the coordinator's machine, failovers,
+//! rebuilds, checkpoints); `faults.rs` late joins, duplicates and bad requests; `invariants.rs`
+//! what is checked as the run goes.
 
 mod control;
 mod events;
 mod faults;
+mod invariants;
+mod network;
+mod options;
+mod outcome;
+mod workers;
+
+pub use options::{
+    Cut, FailAt, Node, SimError, SimFailure, SimFaults, SimLinkCut, SimOptions, SimPartition, SimRestart,
+    DUPLICATE_WITHIN_NS,
+};
+pub use outcome::{CheckpointCounts, RebuildCounts, Simulated};
 
 use std::collections::BTreeMap;
 
 use rand::Rng as _;
-use syncopate_engine::worker::{
-    Action, Buffers, Device, Input, JobKind, PushFailed, PushJob, WorkerConfig, WorkerError, WorkerMachine,
-};
+use syncopate_engine::worker::{Buffers, Device, Input, PushFailed, WorkerConfig, WorkerMachine};
 
-use syncopate_policy_sdk::abi::{Applied, Control, IterationReport, LeaveReason, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerClock, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
-use crate::codec::{self, Codec, Encoded, PushEncoder};
-use crate::lab::report::{RunReport, ServerRecord, StopRules, WatchPoint};
-use crate::lab::scenario::RunSpec;
+use crate::codec::{self, Codec, PushEncoder};
+use crate::lab::report::WatchPoint;
 use crate::lease::ServerLease;
-use crate::net::proto::{ControlMessage, ShardStatus, WorkerStatus};
-use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
+use crate::net::proto::ControlMessage;
+use crate::runtime::{PolicyModule, PolicyRuntime};
 use crate::shard::{
     ClockRaise, Joined, NodeConfig, NodeOutput, Op, PushHeader, PushOutcome, Quiet, Reply, RequestError,
-    Served, Shard, ShardConfig, ShardNode, Stamped, Token,
+    Shard, ShardConfig, ShardNode, Stamped, Token,
 };
-use crate::worker::WorkerReport;
 use control::Arrival;
 use events::{Copied, Ev, Mailbox, Queue, ToShard};
-use faults::Joining;
+use invariants::bits_equal;
+use network::Network;
 use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
+use workers::{InFlight, SimWorker};
 
 /// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
 /// rejoin (the simulator's live workers rejoin once they hear of the move, so it runs out only
@@ -80,275 +96,6 @@ const REJOIN_GRACE_NS: u64 = PEER_TIMEOUT_NS;
 /// A run in which nothing happens for this long but lease renewals and observations has
 /// stalled, and ends (10 minutes of virtual time).
 const STALL_NS: u64 = 600_000_000_000;
-
-/// How to simulate.
-#[derive(Clone, Debug)]
-pub struct SimOptions {
-    /// The run: scenario (its seed makes the run reproducible) and policy.
-    pub run: RunSpec,
-    /// Compute real gradients and score the model (false: decisions only, for large clusters).
-    pub gradients: bool,
-    /// The Fashion-MNIST directory (default: where Debian's package puts it).
-    pub data: Option<std::path::PathBuf>,
-    /// Servers killed during the run (needs the scenario's `replicas = 1`), instead of the
-    /// scenario's `kill_server`: tests kill them at event indices.
-    pub failures: Vec<SimFailure>,
-    /// Faults besides server deaths (they need `replicas = 1`).
-    pub faults: SimFaults,
-}
-
-/// Faults a simulation injects besides server deaths.
-#[derive(Clone, Debug, Default)]
-pub struct SimFaults {
-    /// Servers cut off from the coordinator for a while.
-    pub partitions: Vec<SimPartition>,
-    /// Workers that die (their process stops): what they sent is still delivered, nothing
-    /// reaches them any more, and each server makes a dead worker leave its shards a peer
-    /// timeout (10 s) after its death, as a cluster's servers do when its connection times out.
-    pub worker_deaths: Vec<(WorkerId, FailAt)>,
-    /// Hot swaps, begun at each time by the coordinator's machine as an operator's `policy
-    /// swap` is: two-phase, so a swap that a server not yet failed over cannot prepare (dead)
-    /// switches nobody; once all have prepared, each switches its primaries as its commit
-    /// arrives, and the backups follow by their op streams.
-    pub swaps: Vec<(FailAt, crate::builtin::PolicySpec)>,
-    /// Each message from a worker to a shard (pull, push, report, hand-over, goodbye) takes up
-    /// to this much longer than the link says, in nanoseconds, drawn per message: a cluster
-    /// sends each request on a stream of its own, and streams overtake each other.
-    pub reorder_ns: u64,
-    /// Each notice from the coordinator to a worker (a shard moved) takes up to this much
-    /// longer than the latency, in nanoseconds, drawn per notice from the scenario's seed: a
-    /// worker may go on addressing a shard's old primary for that long.
-    pub notice_delay_ns: u64,
-    /// One worker that hears of every move this much later still, in nanoseconds: a worker in
-    /// a long iteration, or paused, while its shards fail over (longer than the 10 s grace
-    /// promoted shards used to give).
-    pub late_worker: Option<(WorkerId, u64)>,
-    /// The chance that a message a shard's primary took from a worker (pull, push, report,
-    /// hand-over, goodbye), or an op a backup took from its primary, reaches it a second time,
-    /// up to [`DUPLICATE_WITHIN_NS`] later: a request asked again, an op sent again. The copy's
-    /// answer goes to nobody; a copy that finds the shard moved is lost.
-    pub duplicate: f64,
-    /// The chance that a bad request from a buggy or hostile peer reaches a shard's primary
-    /// just before a worker's pull or push does: a push from an id past `max_workers`, one of
-    /// the wrong length, with a NaN, or skipping iterations (numbered as the worker's own); a
-    /// pull from an id that never joined; a join with a slice of the wrong length; a skip from
-    /// an impossible id. Each must be refused and change nothing: one that a shard accepts
-    /// ends the run ([`SimError::AcceptedBad`]).
-    pub bad_inputs: f64,
-    /// Workers that join late, each at its time, rather than with the others: as a cluster's
-    /// `WorkerClient::join` does, each joins every shard and levels its clocks before it starts
-    /// (it asks every shard where it stands, skips those where its clock is behind up to the
-    /// largest, and asks again).
-    pub late_join: Vec<(WorkerId, FailAt)>,
-    /// The coordinator crashes at a time, and restarts this many nanoseconds later: the
-    /// commands and answers on their way are lost, leases lapse, the servers rejoin the new
-    /// one, which rebuilds the cluster from what they hold as a cluster's does
-    /// ([`CoordinatorMachine::rebuild`]), and the workers then get its map.
-    pub coordinator_crash: Option<(FailAt, u64)>,
-    /// Whether the crashed coordinator had recorded the shards' terms where its successor finds
-    /// them (a checkpoint directory, as `syncopate local` gives it), or only its servers' word
-    /// is left.
-    pub crash_keeps_terms: bool,
-    /// Links between a worker and a server, or between two servers, cut for a while, both
-    /// ways ([`SimLinkCut`]).
-    pub link_cuts: Vec<SimLinkCut>,
-    /// Checkpoint rounds, each begun at its time by the coordinator's machine, as a cluster's
-    /// periodic checkpoint is: each shard's primary takes its snapshot when the command reaches
-    /// it. A round the machine will not begin then (a swap, a failover or a rebuild under way,
-    /// the coordinator down) is counted and skipped. A round taken is checked when it ends: it
-    /// holds every shard's snapshot, each decodes, runs the policy its shard ran when the round
-    /// began, and has applied at least what every copy of the shard had then; otherwise the
-    /// run ends ([`SimError::Checkpoint`]). A snapshot changes nothing in its shard, so a run
-    /// with rounds ends where the same run without them does.
-    pub checkpoints: Vec<FailAt>,
-    /// Servers started again after they die ([`SimRestart`]).
-    pub server_restarts: Vec<SimRestart>,
-}
-
-/// A dead server started again: a new process under the same id and address, holding nothing.
-/// Until the coordinator's machine admits it ([`CoordinatorMachine::replace_server`]: the old
-/// one failed over, and a peer timeout since) it is refused and asks again a heartbeat later,
-/// as `syncopate server` does; then it takes its id back, and every shard without a backup
-/// gets one, on it first. A server is restarted once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimRestart {
-    /// The server.
-    pub server: u32,
-    /// How long after its death it starts again, in nanoseconds.
-    pub after_ns: u64,
-    /// Another server that dies this many nanoseconds after the restarted one took its id back
-    /// (with two servers, only the restarted one's new backups can save its shards).
-    pub then_kill: Option<(u32, u64)>,
-}
-
-/// One end of a link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Node {
-    /// A worker.
-    Worker(WorkerId),
-    /// A server.
-    Server(u32),
-}
-
-/// A link cut for a while, both ways: between a worker and a server, or between two servers (a
-/// primary and its backup's server). What either end sends the other (requests, replies,
-/// acknowledgements, control messages; ops, snapshots and confirmations) waits until the link
-/// heals, then goes in the order it was sent, as a connection's retransmissions carry it.
-/// Shorter than the peer timeout, so neither end gives the connection up. Every other link is
-/// untouched.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimLinkCut {
-    /// One end.
-    pub a: Node,
-    /// The other.
-    pub b: Node,
-    /// When the link is cut.
-    pub at: FailAt,
-    /// How long it stays cut, in nanoseconds (under [`PEER_TIMEOUT_NS`]).
-    pub heal_after_ns: u64,
-}
-
-/// How much later than the original a duplicate arrives, at most (50 ms).
-pub const DUPLICATE_WITHIN_NS: u64 = 50_000_000;
-
-/// A server cut off from the coordinator for a while: the workers and the other servers still
-/// reach it, but its lease renewals, or the coordinator's answers, or both, are lost, as are
-/// the coordinator's commands to it. Its lease lapses, so it refuses requests (the workers ask
-/// again after a pause); if the coordinator's lease on it lapses too, it is failed over, and it
-/// stops once the partition heals and it hears so.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimPartition {
-    /// The server.
-    pub server: u32,
-    /// When the partition begins.
-    pub at: FailAt,
-    /// How long it lasts, in nanoseconds.
-    pub heal_after_ns: u64,
-    /// Which way messages are lost.
-    pub cut: Cut,
-}
-
-/// Which messages between a server and the coordinator a partition loses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cut {
-    /// Both ways.
-    Both,
-    /// The server's to the coordinator (the coordinator hears no renewal).
-    ToCoordinator,
-    /// The coordinator's to the server (renewals arrive, the answers do not).
-    FromCoordinator,
-}
-
-/// A server killed during a simulation. It stops at once and renews its lease no more; what
-/// reaches it is lost. When its lease lapses in the coordinator's machine
-/// ([`FAILOVER_MS`](crate::net::proto::FAILOVER_MS) after its last renewal), as on a cluster,
-/// its shards' backups are promoted and the workers, once they hear, ask them again for every
-/// pull and push that was lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SimFailure {
-    /// The server.
-    pub server: u32,
-    /// When it dies.
-    pub at: FailAt,
-}
-
-/// When a simulated server dies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailAt {
-    /// Before this event: 0, 1, 2... in the order the simulator handles them (tests kill a
-    /// server at every event of a run in turn).
-    Event(u64),
-    /// Before the first event at or after this virtual time, in nanoseconds from the start
-    /// (a scenario's `kill_server`).
-    Time(u64),
-}
-
-impl SimFailure {
-    /// The scenario's failure drill, if it has one.
-    pub fn of(scenario: &crate::lab::scenario::Scenario) -> Option<Self> {
-        scenario.kill_server.map(|k| SimFailure { server: k.server, at: FailAt::Time((k.at_s * 1e9) as u64) })
-    }
-
-    fn due(&self, event: u64, now_ns: u64) -> bool {
-        self.at.due(event, now_ns)
-    }
-}
-
-impl FailAt {
-    fn due(&self, event: u64, now_ns: u64) -> bool {
-        match *self {
-            FailAt::Event(e) => e == event,
-            FailAt::Time(t) => now_ns >= t,
-        }
-    }
-}
-
-/// A simulation that cannot run.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// The policy does not load or start.
-    #[error("policy `{0}`: {1}")]
-    Policy(String, PolicyError),
-    /// The scenario runs a user's script, which only a real cluster can.
-    #[error("the simulator cannot run a training script ({0}); run it on a real cluster (`syncopate ab` without --simulate)")]
-    Script(String),
-    /// The workload cannot be built.
-    #[error(transparent)]
-    Workload(#[from] syncopate_workloads::WorkloadError),
-    /// A shard refused a request the simulated worker made (a simulator bug).
-    #[error("shard {0} refused a request: {1}")]
-    Refused(u32, String),
-    /// A simulated worker could not go on.
-    #[error("worker {0}: {1}")]
-    Worker(WorkerId, WorkerError),
-    /// The options do not go together.
-    #[error("{0}")]
-    Options(String),
-    /// A shard accepted a bad request ([`SimFaults::bad_inputs`]).
-    #[error("shard {0} accepted a bad request: {1}")]
-    AcceptedBad(u32, &'static str),
-    /// A shard died with its server, its backup dead too or never made: the run cannot go on
-    /// (as a cluster's cannot).
-    #[error("shard {shard} was lost with server {server}: it had no live backup")]
-    ShardLost {
-        /// The shard.
-        shard: u32,
-        /// The server that died.
-        server: u32,
-    },
-    /// A restarted coordinator found only older copies of a shard than a server had heard of
-    /// (its newest copies died before the restart): the shard is lost, and said so, as a cluster
-    /// says so.
-    #[error("shard {shard} lost: its newest copies (term {newest}) died before the coordinator restarted, and only older ones (term {held}) came back")]
-    Outdated {
-        /// The shard.
-        shard: u32,
-        /// The newest term a server heard of.
-        newest: u64,
-        /// The newest term a copy that came back holds.
-        held: u64,
-    },
-    /// A checkpoint round the coordinator's machine reported taken is not whole or not right
-    /// ([`SimFaults::checkpoints`]).
-    #[error("checkpoint round {round} was taken, but {why}")]
-    Checkpoint {
-        /// The round.
-        round: u64,
-        /// What is wrong with it.
-        why: String,
-    },
-    /// A restarted coordinator resolved a shard to a stale copy: every server holding its
-    /// newest term died before it could rejoin, and a server failed over earlier claims an
-    /// older one. The shard's last current copy is lost (a cluster would go on from the stale
-    /// copy: the coordinator keeps no term of its own).
-    #[error("shard {shard}'s newest copies died before the coordinator restarted; it resolved to server {server}'s older one")]
-    StaleCopy {
-        /// The shard.
-        shard: u32,
-        /// The server whose stale copy it resolved to.
-        server: u32,
-    },
-}
 
 /// What a request to a shard was, for its reply.
 #[derive(Clone, Copy, Debug)]
@@ -381,69 +128,8 @@ impl Req {
     }
 }
 
-/// A push on its way: the job and the shards that have acknowledged it.
-#[derive(Clone, Debug)]
-struct InFlight {
-    job: PushJob,
-    acks: u32,
-    /// When the latest acknowledgement sent so far arrives.
-    acks_at: u64,
-    /// A shard's refusal (of moved tasks whose owner left meanwhile).
-    refused: Option<RequestError>,
-    /// Shards whose policy dropped it.
-    dropped: u32,
-}
-
-/// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
-struct SimWorker {
-    cfg: WorkerConfig,
-    /// Not joined yet: a late joiner before its time.
-    absent: bool,
-    /// A late joiner joining.
-    joining: Option<Joining>,
-    machine: WorkerMachine,
-    bufs: Buffers,
-    workload: Option<Box<dyn Workload>>,
-    /// Pull replies sent for the current pull, and when the latest arrives.
-    replies: u32,
-    replies_at: u64,
-    deferred: bool,
-    deferred_ns: u64,
-    /// The most local steps any shard's reply to the current pull said.
-    local_steps: u32,
-    /// Its push codecs and error-feedback residuals, as a cluster worker's client keeps them.
-    encoder: PushEncoder,
-    /// Per shard, the own push in flight as that shard decodes it (when its codec is not
-    /// `none`; `None`: the values as they are).
-    encoded: Vec<Option<Vec<f32>>>,
-    based_on: Vec<Option<u64>>,
-    own: Option<InFlight>,
-    help: Option<InFlight>,
-    /// Per shard: whether it acknowledged the push in flight (own, help): a retried push that
-    /// is acknowledged twice counts once.
-    own_acked: Vec<bool>,
-    help_acked: Vec<bool>,
-    /// The iteration of the pull in flight, and which shards have answered it.
-    pulling: Option<u64>,
-    replied: Vec<bool>,
-    wake_at: Option<u64>,
-    /// Counted in [`Sim::done`].
-    done: bool,
-    /// Its process died.
-    dead: bool,
-    /// The servers' connections to it have timed out (a peer timeout after its death).
-    gone: bool,
-}
-
 /// A hot swap under way: its number, module and configuration.
 type Swapping = (u64, PolicyModule, Vec<(String, String)>);
-
-/// One link direction: busy until `free_ns`.
-#[derive(Clone, Copy, Default)]
-struct Link {
-    free_ns: u64,
-    bytes: u64,
-}
 
 struct Sim {
     opts: SimOptions,
@@ -461,9 +147,8 @@ struct Sim {
     next_token: Token,
     workers: Vec<SimWorker>,
     evaluator: Option<Evaluator>,
-    /// Uplink and downlink of each worker, then of each server.
-    up: Vec<Link>,
-    down: Vec<Link>,
+    /// The links between the workers and the servers.
+    net: Network,
     timer_at: Vec<Option<u64>>,
     controls: Mailbox<ControlMessage>,
     to_shard: Mailbox<ToShard>,
@@ -479,8 +164,6 @@ struct Sim {
     watch: Vec<WatchPoint>,
     stopping: bool,
     time_to_target: Option<f64>,
-    bytes_per_ns: f64,
-    latency_ns: u64,
     /// Per shard: its backup and the backup's server (with `replicas` 1).
     backups: Vec<Option<ShardNode>>,
     backup_of: Vec<Option<u32>>,
@@ -555,11 +238,6 @@ struct Sim {
     rebuild: RebuildCounts,
     /// The shards' terms the crashed coordinator recorded ([`SimFaults::crash_keeps_terms`]).
     recorded_terms: Vec<u64>,
-    /// Per pair of nodes (the lower index first): until when the link is cut ([`SimLinkCut`]).
-    cut_links: BTreeMap<(usize, usize), u64>,
-    /// Per direction of a link that was cut: when what was sent on it last leaves, so that
-    /// what waited for the heal goes in order.
-    pipes: BTreeMap<(usize, usize), u64>,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
@@ -587,100 +265,6 @@ struct Sim {
     /// Promoted primaries that switched to the policy their server records
     /// ([`ShardNode::conform`]).
     conformed: u64,
-}
-
-/// A finished simulation.
-#[derive(Debug)]
-pub struct Simulated {
-    /// The same report a real run writes (its `model_file` is empty until the model is saved).
-    pub report: RunReport,
-    /// The final parameters, every shard's in order (one value per shard without gradients).
-    pub model: Vec<f32>,
-    /// Events handled: a [`SimFailure`] can name any of them.
-    pub events: u64,
-    /// A hash of every event the run's queue delivered, in order, with its time: the same for
-    /// every run of the same case, in any process (the determinism test compares it).
-    pub trace: u64,
-    /// Where a backup differed from its primary: at any point where it had applied every op its
-    /// primary had (parameters, version or the clocks' view), or, at the end, once the ops on their way
-    /// have reached it (their whole snapshots); `None` when every backup always equalled its
-    /// primary.
-    pub replicas_differ: Option<String>,
-    /// The first time a server accepted a push for a shard after another server had been
-    /// promoted to it (two primaries in one term); `None` when that never happened.
-    pub two_primaries: Option<String>,
-    /// Messages that reached a shard's primary or backup a second time
-    /// ([`SimFaults::duplicate`]).
-    pub duplicates: u64,
-    /// Bad requests the shards refused ([`SimFaults::bad_inputs`]).
-    pub bad_inputs: u64,
-    /// What a restarted coordinator's rebuild did ([`SimFaults::coordinator_crash`]).
-    pub rebuild: RebuildCounts,
-    /// What became of the checkpoint rounds ([`SimFaults::checkpoints`]).
-    pub checkpoints: CheckpointCounts,
-    /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
-    pub restarts: u64,
-    /// Servers killed after another's restart ([`SimRestart::then_kill`]) while the run went on.
-    pub killed_after_restart: u64,
-    /// Ops from a deposed primary (a stale term) that reached its old backup after that backup
-    /// was promoted, each ignored.
-    pub stale_ops: u64,
-    /// Where, at the end, a live primary ran another policy than the one its coordinator records
-    /// (the module of its last committed swap); `None` when every one ran the recorded policy.
-    pub policy_differs: Option<String>,
-    /// Preparations of a swap a server refused because a shard's state was refused.
-    pub swaps_refused: u64,
-    /// Hot swaps that ended before the run did (one drawn near its end may not have).
-    pub swaps_ended: u64,
-    /// The most time a worker's pulls and pushes waited on shards it could not reach (sent to
-    /// a dead primary, or lost with it, until the worker heard of the move), added up.
-    pub unreachable_ns: u64,
-    /// Promoted primaries that switched to the policy their server records (their old primary
-    /// died before it streamed a swap's commit).
-    pub conformed: u64,
-}
-
-/// What became of a run's checkpoint rounds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CheckpointCounts {
-    /// Rounds taken (and checked).
-    pub taken: u64,
-    /// Rounds abandoned: a shard's snapshot could not be written (its primary died, or had
-    /// moved, when the command arrived).
-    pub abandoned: u64,
-    /// Rounds the coordinator would not begin then (a swap, a failover or a rebuild under way,
-    /// or it was down).
-    pub refused: u64,
-}
-
-impl std::ops::AddAssign for CheckpointCounts {
-    fn add_assign(&mut self, o: Self) {
-        self.taken += o.taken;
-        self.abandoned += o.abandoned;
-        self.refused += o.refused;
-    }
-}
-
-/// What restarted coordinators' rebuilds did in a run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RebuildCounts {
-    /// Rebuilds.
-    pub rebuilds: u64,
-    /// Backups promoted because their primary did not rejoin.
-    pub promoted: u64,
-    /// Servers refused: stale (failed over before the crash) or too late to rejoin.
-    pub refused: u64,
-    /// Servers told to commit a swap that others had committed before the crash.
-    pub swaps_finished: u64,
-}
-
-impl std::ops::AddAssign for RebuildCounts {
-    fn add_assign(&mut self, o: Self) {
-        self.rebuilds += o.rebuilds;
-        self.promoted += o.promoted;
-        self.refused += o.refused;
-        self.swaps_finished += o.swaps_finished;
-    }
 }
 
 include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
@@ -911,8 +495,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         next_token: 0,
         workers,
         evaluator,
-        up: vec![Link::default(); nodes],
-        down: vec![Link::default(); nodes],
+        net: Network::new(nodes, mbit, sc.latency_us * 1000),
         timer_at: vec![None; shards_n as usize],
         controls: Mailbox::default(),
         to_shard: Mailbox::default(),
@@ -923,8 +506,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         watch: Vec::new(),
         stopping: false,
         time_to_target: None,
-        bytes_per_ns: mbit * 1e6 / 8.0 / 1e9,
-        latency_ns: sc.latency_us * 1000,
         epoch: vec![0; shards_n as usize],
         backups,
         backup_of,
@@ -959,8 +540,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         incarnation: 0,
         rebuild: RebuildCounts::default(),
         recorded_terms: Vec::new(),
-        cut_links: BTreeMap::new(),
-        pipes: BTreeMap::new(),
         two_primaries: None,
         drift: None,
         rounds: BTreeMap::new(),
@@ -1046,8 +625,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             let c = link_cuts.remove(k);
             tracing::debug!(a = ?c.a, b = ?c.b, t_ns = t, "link cut");
             let (a, b) = (sim.node_index(c.a), sim.node_index(c.b));
-            let until = sim.cut_links.entry((a.min(b), a.max(b))).or_default();
-            *until = (*until).max(t + c.heal_after_ns);
+            sim.net.cut(a, b, t + c.heal_after_ns);
         }
         while let Some(k) = checkpoints.iter().position(|c| c.due(handled, t)) {
             checkpoints.remove(k);
@@ -1120,38 +698,6 @@ impl Sim {
         self.queue.push(t, ev);
     }
 
-    /// A transfer of `bytes` from node `from` to node `to` starting now; returns its arrival
-    /// (held until a cut link heals: [`SimLinkCut`], which holds up no other link).
-    fn transfer(&mut self, from: usize, to: usize, bytes: u64) -> u64 {
-        let start = self.now.max(self.up[from].free_ns).max(self.down[to].free_ns);
-        let takes = (bytes as f64 / self.bytes_per_ns) as u64;
-        let end = start + takes;
-        self.up[from].free_ns = end;
-        self.down[to].free_ns = end;
-        self.up[from].bytes += bytes;
-        self.down[to].bytes += bytes;
-        self.through_cut(from, to, end, takes) + self.latency_ns
-    }
-
-    /// When a message that would leave node `from` for node `to` at `end` (taking `takes` on the
-    /// wire) leaves it, if their link was ever cut ([`SimLinkCut`]): not before the link heals,
-    /// and after what was sent on it before.
-    fn through_cut(&mut self, from: usize, to: usize, end: u64, takes: u64) -> u64 {
-        if self.cut_links.is_empty() {
-            return end;
-        }
-        let Some(&until) = self.cut_links.get(&(from.min(to), from.max(to))) else { return end };
-        let pipe = self.pipes.entry((from, to)).or_default();
-        let out = end.max(until + takes).max(*pipe + takes);
-        *pipe = out;
-        out
-    }
-
-    /// When a message without tensors sent now from node `from` reaches node `to`.
-    fn after_latency(&mut self, from: usize, to: usize) -> u64 {
-        self.through_cut(from, to, self.now, 0) + self.latency_ns
-    }
-
     /// A node's index: the workers first, then the servers.
     fn node_index(&self, n: Node) -> usize {
         match n {
@@ -1182,99 +728,6 @@ impl Sim {
             }
             None => codec::wire_len(codec, n) as u64 + 64,
         }
-    }
-
-    /// Encodes worker `w`'s own push `job` for shard `s` as its client would (with error
-    /// feedback), keeps what the shard will decode, and returns the bytes on the wire.
-    fn encode_push(&mut self, w: u32, s: u32, job: &PushJob) -> u64 {
-        let (lo, hi) = self.ranges[s as usize];
-        let wk = &mut self.workers[w as usize];
-        wk.encoded[s as usize] = None;
-        if !self.opts.gradients {
-            let codec = wk.encoder.codec(s as usize, job.iteration);
-            return self.coded_bytes(s, codec);
-        }
-        let mut out = Vec::new();
-        match wk.encoder.encode(s as usize, job.iteration, &wk.bufs.grad[lo..hi], &mut out) {
-            Encoded::Raw => self.shard_bytes(s),
-            Encoded::Bytes(Codec::None) => {
-                wk.encoded[s as usize] = Some(bytemuck::cast_slice(&out).to_vec());
-                self.shard_bytes(s)
-            }
-            Encoded::Bytes(c) => {
-                let mut decoded = Vec::new();
-                codec::decode(c, &out, hi - lo, &mut decoded).expect("our own encoding decodes");
-                wk.encoded[s as usize] = Some(decoded);
-                self.coded_bytes(s, c)
-            }
-        }
-    }
-
-    /// Where a live primary runs another policy than the coordinator records (the module of the
-    /// swap its machine counts last, or of the swap whose commit is under way, for a run that
-    /// ended during it), once the coordinator is up.
-    fn policy_differs(&self) -> Option<String> {
-        if self.coord_phase != control::Phase::Up {
-            return None;
-        }
-        let (recorded, _) = self.swap_modules.get(&self.coord.swaps())?;
-        // A run that ended during a swap's commit: a shard may have taken it already.
-        let committing = self.coord.committing().and_then(|n| self.swap_modules.get(&n));
-        for (k, node) in self.nodes.iter().enumerate() {
-            if self.dead[self.server_of[k] as usize] {
-                continue;
-            }
-            let sha = node.module().sha256();
-            if sha != recorded.sha256() && committing.is_none_or(|(m, _)| sha != m.sha256()) {
-                return Some(format!(
-                    "shard {k} runs {}, but the coordinator records {} (swap {})",
-                    node.module().display_name(),
-                    recorded.display_name(),
-                    self.coord.swaps()
-                ));
-            }
-        }
-        None
-    }
-
-    /// Lets the ops still on their way reach the live backups (nothing else happens), then says
-    /// where a live backup differs from its primary. The run's time is left where it ended.
-    fn replicas_differ(&mut self) -> Result<Option<String>, SimError> {
-        let end = self.now;
-        while let Some((t, ev)) = self.queue.pop() {
-            if let Ev::Replicate(..) = ev {
-                self.now = t;
-                self.handle(ev)?;
-            }
-        }
-        self.now = end;
-        for (k, backup) in self.backups.iter_mut().enumerate() {
-            let (Some(backup), Some(b)) = (backup.as_mut(), self.backup_of[k]) else { continue };
-            if self.dead[b as usize] || self.dead[self.server_of[k] as usize] {
-                continue;
-            }
-            // The whole state, policy included: both snapshots taken at the same time.
-            let snap = |n: &mut ShardNode| n.snapshot(end).map(|s| s.encode()).map_err(|e| e.to_string());
-            let (ps, qs) = (snap(&mut self.nodes[k]), snap(backup));
-            let (p, q) = (sim_shard(&self.nodes[k]), sim_shard(backup));
-            if ps != qs && bits_equal(p, q) && p.version() == q.version() && p.workers() == q.workers() {
-                return Ok(Some(format!(
-                    "shard {k}: its backup on server {b} has the primary's parameters, version and members, \
-                     but not its whole state (policy, pending requests or counters)"
-                )));
-            }
-            if !bits_equal(p, q) || p.version() != q.version() || p.workers() != q.workers() {
-                return Ok(Some(format!(
-                    "shard {k}: its backup on server {b} is at version {} with members {:?}, its primary at {} with {:?}{}",
-                    q.version(),
-                    q.workers(),
-                    p.version(),
-                    p.workers(),
-                    if bits_equal(p, q) { "" } else { ", and their parameters differ" }
-                )));
-            }
-        }
-        Ok(None)
     }
 
     /// A token for a request to a shard.
@@ -1351,86 +804,13 @@ impl Sim {
                 NodeOutput::Replicate { stamped, payload } => self.replicate(s, stamped, payload),
                 NodeOutput::Control { worker, msg } => {
                     let i = self.controls.post(msg, 1);
-                    let t = self.after_latency(self.server_node(s), worker as usize);
+                    let t = self.net.after_latency(self.now, self.server_node(s), worker as usize);
                     self.at(t, Ev::Control(worker, i));
                 }
                 NodeOutput::Confirm { .. } | NodeOutput::Left { .. } => {}
             }
         }
         self.arm_timer(s);
-        Ok(())
-    }
-
-    /// Shard `s` answers worker `w`'s pull for `iteration`.
-    fn served(&mut self, s: u32, w: WorkerId, iteration: u64, served: Served) {
-        let wk = &mut self.workers[w as usize];
-        // The answer to a pull asked again after a failover, which the old primary had
-        // answered already, changes nothing.
-        if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
-            return;
-        }
-        wk.based_on[s as usize] = Some(served.version);
-        wk.deferred |= served.waited_ns > 0;
-        wk.deferred_ns = wk.deferred_ns.max(served.waited_ns);
-        wk.local_steps = wk.local_steps.max(served.local_steps);
-        if self.opts.gradients {
-            let (lo, hi) = self.ranges[s as usize];
-            let params = &mut wk.bufs.params[lo..hi];
-            if served.codec == Codec::None {
-                params.copy_from_slice(&served.values);
-            } else {
-                // What the worker's client decodes from the encoded reply.
-                let (mut bytes, mut decoded) = (Vec::new(), Vec::new());
-                codec::encode(served.codec, &served.values, None, &mut codec::Scratch::default(), &mut bytes);
-                codec::decode(served.codec, &bytes, params.len(), &mut decoded)
-                    .expect("our own encoding decodes");
-                params.copy_from_slice(&decoded);
-            }
-        }
-        let (from, bytes) = (self.server_node(s), self.coded_bytes(s, served.codec));
-        let t = self.transfer(from, w as usize, bytes);
-        // The worker goes on when the last reply arrives: one event at that time, not one
-        // per shard (a fifth of a large run's events).
-        let wk = &mut self.workers[w as usize];
-        wk.replies += 1;
-        wk.replies_at = wk.replies_at.max(t);
-        if wk.replies == self.nodes.len() as u32 {
-            let at = wk.replies_at;
-            self.at(at, Ev::PullDone(w));
-        }
-    }
-
-    /// Shard `s` answers worker `w`'s push (of moved tasks if `help`; of its own whole
-    /// iteration if `whole`).
-    fn pushed(
-        &mut self,
-        s: u32,
-        w: WorkerId,
-        help: bool,
-        iteration: u64,
-        whole: bool,
-        r: Result<PushOutcome, RequestError>,
-    ) -> Result<(), SimError> {
-        match r {
-            // A whole push's acknowledgement counts for the push still in flight (not one
-            // answered before a failover).
-            Ok(outcome) if whole => {
-                let own = self.workers[w as usize].own.as_ref();
-                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
-                    self.ack(w, s, false, outcome == PushOutcome::Dropped);
-                }
-            }
-            Ok(_) => self.ack(w, s, help, false),
-            Err(e) if help => {
-                // The owner left meanwhile: its iteration is void, as on the cluster.
-                tracing::debug!("moved tasks refused: {e}");
-                if let Some(p) = self.workers[w as usize].help.as_mut() {
-                    p.refused = Some(e);
-                }
-                self.ack(w, s, help, false);
-            }
-            Err(e) => return Err(SimError::Refused(s, e.to_string())),
-        }
         Ok(())
     }
 
@@ -1444,35 +824,13 @@ impl Sim {
         }
     }
 
-    /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
-    /// way. Every acknowledgement takes the latency alone (after a cut link heals): the last to
-    /// arrive becomes an event once all are sent.
-    fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
-        let shards = self.nodes.len() as u32;
-        let at = self.after_latency(self.server_node(s), w as usize);
-        let wk = &mut self.workers[w as usize];
-        let (slot, acked) =
-            if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
-        let Some(p) = slot.as_mut() else { return };
-        if std::mem::replace(&mut acked[s as usize], true) {
-            return;
-        }
-        p.acks += 1;
-        p.acks_at = p.acks_at.max(at);
-        p.dropped += u32::from(dropped);
-        if p.acks == shards {
-            let at = p.acks_at;
-            self.at(at, Ev::AckArrive(w, help));
-        }
-    }
-
     /// Shard `s`'s primary hands its backup an op: it crosses the servers' link.
     fn replicate(&mut self, s: u32, stamped: Stamped, payload: Vec<f32>) {
         let su = s as usize;
         let Some(b) = self.backup_of[su] else { return };
         let bytes = if matches!(stamped.op, Op::Push(_)) { self.shard_bytes(s) } else { 64 };
         let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
-        let t = self.transfer(from, to, bytes);
+        let t = self.net.transfer(self.now, from, to, bytes);
         let i = self.replication.post((self.epoch[su], stamped, payload), 1);
         self.at(t, Ev::Replicate(s, i));
     }
@@ -1498,125 +856,6 @@ impl Sim {
         self.dead[self.server_of[s as usize] as usize]
     }
 
-    /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
-    /// it; a peer timeout later, the servers make it leave their shards.
-    fn kill_worker(&mut self, w: u32) {
-        let wk = &mut self.workers[w as usize];
-        if std::mem::replace(&mut wk.dead, true) {
-            return;
-        }
-        tracing::debug!(worker = w, t_ns = self.now, "worker killed");
-        if !wk.done {
-            wk.done = true;
-            self.done += 1;
-        }
-        self.at(self.now + PEER_TIMEOUT_NS, Ev::WorkerLost(w));
-    }
-
-    /// The servers' connections to dead worker `w` time out: it leaves every shard it is a
-    /// member of.
-    fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
-        self.workers[w as usize].gone = true;
-        for s in 0..self.nodes.len() as u32 {
-            if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
-                self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
-                self.drain(s)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Worker `w` has joined every shard: it starts (once).
-    fn start(&mut self, w: u32) -> Result<(), SimError> {
-        if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
-            return Ok(());
-        }
-        self.drive(w)
-    }
-
-    /// Feeds worker `w`'s machine an input, then carries out its actions.
-    fn feed(&mut self, w: u32, input: Input) -> Result<(), SimError> {
-        self.workers[w as usize].machine.handle(self.now, input).map_err(|e| SimError::Worker(w, e))?;
-        self.drive(w)
-    }
-
-    /// Carries out every action worker `w`'s machine has, and sets its timer.
-    fn drive(&mut self, w: u32) -> Result<(), SimError> {
-        let shards = self.nodes.len() as u32;
-        while let Some(action) = self.workers[w as usize].machine.poll_action(self.now) {
-            match action {
-                Action::Pull { iteration } => {
-                    let wk = &mut self.workers[w as usize];
-                    (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
-                    wk.local_steps = 0;
-                    wk.pulling = Some(iteration);
-                    wk.replied.fill(false);
-                    for s in 0..shards {
-                        let t = self.transfer(w as usize, self.server_node(s), 64);
-                        let t = self.reorder(t);
-                        self.at(t, Ev::PullArrive(w, s, iteration));
-                    }
-                }
-                Action::Compute(job) => {
-                    let wk = &mut self.workers[w as usize];
-                    let workload = wk.workload.as_deref_mut().map(|x| x as &mut dyn Workload);
-                    let step = wk.bufs.compute(w, &job, workload);
-                    wk.machine
-                        .handle(self.now, Input::Computed { step, compute_ns: 0 })
-                        .map_err(|e| SimError::Worker(w, e))?;
-                }
-                Action::Push(job) => {
-                    let wk = &mut self.workers[w as usize];
-                    if self.opts.gradients {
-                        wk.bufs.gradient(&job);
-                    }
-                    let help = job.kind != JobKind::Own;
-                    let (slot, acked) = if help {
-                        (&mut wk.help, &mut wk.help_acked)
-                    } else {
-                        (&mut wk.own, &mut wk.own_acked)
-                    };
-                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: None, dropped: 0 });
-                    acked.fill(false);
-                    for s in 0..shards {
-                        let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
-                        let t = self.transfer(w as usize, self.server_node(s), bytes);
-                        let t = self.reorder(t);
-                        self.at(t, Ev::PushArrive(w, s, help));
-                    }
-                }
-                Action::Handover { shard, handover } => {
-                    self.send(w, shard..shard + 1, ToShard::Handover(handover));
-                }
-                Action::Applied { shard, control, iteration } => {
-                    if let Control::SetPushCodec { codec } = control {
-                        self.workers[w as usize].encoder.set(shard as usize, codec, iteration);
-                    }
-                    let msg = ToShard::Applied(Applied { worker: w, control, iteration });
-                    self.send(w, shard..shard + 1, msg);
-                }
-                Action::Finished(report) => self.send(w, 0..shards, ToShard::Finished(report)),
-                Action::Skip { to, .. } => self.send(w, 0..shards, ToShard::Skip(to)),
-                Action::Waiting { iteration, waiting } => {
-                    self.send(w, 0..shards, ToShard::Waiting(iteration, waiting));
-                }
-                Action::Leave => self.send(w, 0..shards, ToShard::Goodbye),
-            }
-        }
-        let wk = &mut self.workers[w as usize];
-        if !wk.done && wk.machine.is_done() {
-            wk.done = true;
-            self.done += 1;
-        }
-        if let Some(t) = wk.machine.poll_timeout() {
-            if wk.wake_at.is_none_or(|at| t < at) {
-                wk.wake_at = Some(t);
-                self.at(t.max(self.now), Ev::Wake(w));
-            }
-        }
-        Ok(())
-    }
-
     /// When a worker's message due at `t` arrives: later by a drawn delay, with
     /// [`SimFaults::reorder_ns`], so that its requests, each on a stream of its own in a
     /// cluster, may overtake each other.
@@ -1631,7 +870,7 @@ impl Sim {
     fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
         let i = self.to_shard.post(msg, shards.len() as u32);
         for s in shards {
-            let t = self.after_latency(w as usize, self.server_node(s));
+            let t = self.net.after_latency(self.now, w as usize, self.server_node(s));
             let t = self.reorder(t);
             self.at(t, Ev::ToShard(w, s, i));
         }
@@ -1680,7 +919,7 @@ impl Sim {
                 Arrival::Refused if self.workers[w as usize].dead => return Ok(()),
                 Arrival::Refused => {
                     let pause = crate::lease::HEARTBEAT_MS * 1_000_000;
-                    self.at(self.now + 2 * self.latency_ns + pause, ev);
+                    self.at(self.now + 2 * self.net.latency_ns + pause, ev);
                     return Ok(());
                 }
             }
@@ -1849,8 +1088,10 @@ impl Sim {
                 if let Some(seq) = confirmed {
                     let (b, primary) = (self.backup_of[s as usize], self.server_node(s));
                     let t = match b {
-                        Some(b) => self.after_latency(self.node_index(Node::Server(b)), primary),
-                        None => self.now + self.latency_ns,
+                        Some(b) => {
+                            self.net.after_latency(self.now, self.node_index(Node::Server(b)), primary)
+                        }
+                        None => self.now + self.net.latency_ns,
                     };
                     self.at(t, Ev::Confirm(s, epoch, seq));
                 }
@@ -1899,119 +1140,9 @@ impl Sim {
         }
         Ok(())
     }
-
-    fn stop_rules(&self) -> StopRules {
-        let sc = &self.opts.run.scenario;
-        StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
-    }
-
-    fn model(&self) -> Vec<f32> {
-        self.nodes.iter().flat_map(|s| sim_shard(s).values().iter().copied()).collect()
-    }
-
-    fn observe(&mut self) {
-        let t_s = self.now as f64 / 1e9;
-        let score =
-            self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
-        let status: Vec<ShardStatus> =
-            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
-        let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
-        point.accuracy = score.map(|s| s.accuracy);
-        point.loss = score.map(|s| s.loss);
-        point.lost_servers.clone_from(&self.lost);
-        if self.time_to_target.is_none() && self.stop_rules().reached(&point) {
-            self.time_to_target = Some(t_s);
-        }
-        self.watch.push(point);
-    }
-
-    fn report(mut self) -> RunReport {
-        self.observe();
-        let n = self.workers.len();
-        let shards: Vec<ShardStatus> =
-            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
-        let staleness = RunReport::staleness_of(shards.iter());
-        let servers = (0..self.opts.run.scenario.servers)
-            .map(|id| {
-                let node = n + id as usize;
-                let mine =
-                    shards.iter().filter(|s| self.server_of[s.shard as usize] == id).cloned().collect();
-                ServerRecord {
-                    server: id,
-                    shards: mine,
-                    bytes_sent: self.up[node].bytes,
-                    bytes_received: self.down[node].bytes,
-                }
-            })
-            .collect();
-        let model = self.model();
-        let final_score = self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&model));
-        let best = self
-            .watch
-            .iter()
-            .filter_map(|p| p.accuracy)
-            .fold(None, |b: Option<f32>, a| Some(b.map_or(a, |b| b.max(a))));
-        let members = self
-            .workers
-            .iter()
-            .map(|w| WorkerStatus {
-                worker: w.machine.config().id,
-                connected: false,
-                finished: w.machine.is_done(),
-            })
-            .collect();
-        let workers: Vec<WorkerReport> = self
-            .workers
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let mut r = w.machine.report().clone();
-                if !w.machine.is_done() {
-                    // Still waiting when the run was ended: it ran until then.
-                    r.elapsed_ns = self.now;
-                }
-                (r.bytes_sent, r.bytes_received) = (self.up[i].bytes, self.down[i].bytes);
-                r.codec_owed = w.encoder.owed();
-                r
-            })
-            .collect();
-        let phases = crate::lab::report::phases(&self.watch);
-        let failovers = crate::lab::report::failovers(&self.watch);
-        RunReport {
-            simulated: true,
-            modelled: self.opts.run.scenario.modelled.as_ref().map(|m| m.name.clone()),
-            elapsed_s: self.now as f64 / 1e9,
-            workers,
-            failed_workers: Vec::new(),
-            policy: self.opts.run.policy.to_string(),
-            sha256: shards.first().map(|s| s.sha256.clone()).unwrap_or_default(),
-            config: self.opts.run.policy.config.clone(),
-            swaps: 0,
-            servers,
-            members,
-            model_len: model.len(),
-            model_version: self.nodes.iter().map(|s| sim_shard(s).version()).min().unwrap_or(0),
-            model_file: None,
-            started_unix_s: 0.0,
-            watch: self.watch,
-            final_accuracy: final_score.map(|s| s.accuracy),
-            best_accuracy: best,
-            time_to_target_s: self.time_to_target,
-            staleness,
-            plots: Vec::new(),
-            phases,
-            failovers,
-            coordinator_restarts: Vec::new(),
-        }
-    }
 }
 
 /// A simulated shard: the simulator creates every one before the run starts.
 fn sim_shard(node: &ShardNode) -> &Shard {
     node.shard().expect("the simulator creates every shard at the start")
-}
-
-/// Whether two shards hold the same parameters, bit for bit.
-fn bits_equal(p: &Shard, q: &Shard) -> bool {
-    p.values().iter().map(|v| v.to_bits()).eq(q.values().iter().map(|v| v.to_bits()))
 }

@@ -1,0 +1,310 @@
+//! The simulated workers' side: what each worker's driver keeps (its [`WorkerMachine`], buffers,
+//! the push and pull in flight and which shards answered them) and what it does with the
+//! machine's actions and the shards' answers, as `syncopate worker` drives the same machine over
+//! QUIC.
+
+use syncopate_engine::worker::{Action, Buffers, Input, JobKind, PushJob, WorkerConfig, WorkerMachine};
+use syncopate_policy_sdk::abi::{Applied, Control, LeaveReason, WorkerId};
+use syncopate_workloads::Workload;
+
+use super::events::{Ev, ToShard};
+use super::faults::Joining;
+use super::{sim_shard, Sim, SimError, PEER_TIMEOUT_NS};
+use crate::codec::{self, Codec, Encoded, PushEncoder};
+use crate::shard::{PushOutcome, Quiet, RequestError, Served};
+
+/// A push on its way: the job and the shards that have acknowledged it.
+#[derive(Clone, Debug)]
+pub(super) struct InFlight {
+    pub(super) job: PushJob,
+    pub(super) acks: u32,
+    /// When the latest acknowledgement sent so far arrives.
+    pub(super) acks_at: u64,
+    /// A shard's refusal (of moved tasks whose owner left meanwhile).
+    pub(super) refused: Option<RequestError>,
+    /// Shards whose policy dropped it.
+    pub(super) dropped: u32,
+}
+
+/// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
+pub(super) struct SimWorker {
+    pub(super) cfg: WorkerConfig,
+    /// Not joined yet: a late joiner before its time.
+    pub(super) absent: bool,
+    /// A late joiner joining.
+    pub(super) joining: Option<Joining>,
+    pub(super) machine: WorkerMachine,
+    pub(super) bufs: Buffers,
+    pub(super) workload: Option<Box<dyn Workload>>,
+    /// Pull replies sent for the current pull, and when the latest arrives.
+    pub(super) replies: u32,
+    pub(super) replies_at: u64,
+    pub(super) deferred: bool,
+    pub(super) deferred_ns: u64,
+    /// The most local steps any shard's reply to the current pull said.
+    pub(super) local_steps: u32,
+    /// Its push codecs and error-feedback residuals, as a cluster worker's client keeps them.
+    pub(super) encoder: PushEncoder,
+    /// Per shard, the own push in flight as that shard decodes it (when its codec is not
+    /// `none`; `None`: the values as they are).
+    pub(super) encoded: Vec<Option<Vec<f32>>>,
+    pub(super) based_on: Vec<Option<u64>>,
+    pub(super) own: Option<InFlight>,
+    pub(super) help: Option<InFlight>,
+    /// Per shard: whether it acknowledged the push in flight (own, help): a retried push that
+    /// is acknowledged twice counts once.
+    pub(super) own_acked: Vec<bool>,
+    pub(super) help_acked: Vec<bool>,
+    /// The iteration of the pull in flight, and which shards have answered it.
+    pub(super) pulling: Option<u64>,
+    pub(super) replied: Vec<bool>,
+    pub(super) wake_at: Option<u64>,
+    /// Counted in [`Sim::done`].
+    pub(super) done: bool,
+    /// Its process died.
+    pub(super) dead: bool,
+    /// The servers' connections to it have timed out (a peer timeout after its death).
+    pub(super) gone: bool,
+}
+
+impl Sim {
+    /// Encodes worker `w`'s own push `job` for shard `s` as its client would (with error
+    /// feedback), keeps what the shard will decode, and returns the bytes on the wire.
+    pub(super) fn encode_push(&mut self, w: u32, s: u32, job: &PushJob) -> u64 {
+        let (lo, hi) = self.ranges[s as usize];
+        let wk = &mut self.workers[w as usize];
+        wk.encoded[s as usize] = None;
+        if !self.opts.gradients {
+            let codec = wk.encoder.codec(s as usize, job.iteration);
+            return self.coded_bytes(s, codec);
+        }
+        let mut out = Vec::new();
+        match wk.encoder.encode(s as usize, job.iteration, &wk.bufs.grad[lo..hi], &mut out) {
+            Encoded::Raw => self.shard_bytes(s),
+            Encoded::Bytes(Codec::None) => {
+                wk.encoded[s as usize] = Some(bytemuck::cast_slice(&out).to_vec());
+                self.shard_bytes(s)
+            }
+            Encoded::Bytes(c) => {
+                let mut decoded = Vec::new();
+                codec::decode(c, &out, hi - lo, &mut decoded).expect("our own encoding decodes");
+                wk.encoded[s as usize] = Some(decoded);
+                self.coded_bytes(s, c)
+            }
+        }
+    }
+
+    /// Shard `s` answers worker `w`'s pull for `iteration`.
+    pub(super) fn served(&mut self, s: u32, w: WorkerId, iteration: u64, served: Served) {
+        let wk = &mut self.workers[w as usize];
+        // The answer to a pull asked again after a failover, which the old primary had
+        // answered already, changes nothing.
+        if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
+            return;
+        }
+        wk.based_on[s as usize] = Some(served.version);
+        wk.deferred |= served.waited_ns > 0;
+        wk.deferred_ns = wk.deferred_ns.max(served.waited_ns);
+        wk.local_steps = wk.local_steps.max(served.local_steps);
+        if self.opts.gradients {
+            let (lo, hi) = self.ranges[s as usize];
+            let params = &mut wk.bufs.params[lo..hi];
+            if served.codec == Codec::None {
+                params.copy_from_slice(&served.values);
+            } else {
+                // What the worker's client decodes from the encoded reply.
+                let (mut bytes, mut decoded) = (Vec::new(), Vec::new());
+                codec::encode(served.codec, &served.values, None, &mut codec::Scratch::default(), &mut bytes);
+                codec::decode(served.codec, &bytes, params.len(), &mut decoded)
+                    .expect("our own encoding decodes");
+                params.copy_from_slice(&decoded);
+            }
+        }
+        let (from, bytes) = (self.server_node(s), self.coded_bytes(s, served.codec));
+        let t = self.net.transfer(self.now, from, w as usize, bytes);
+        // The worker goes on when the last reply arrives: one event at that time, not one
+        // per shard (a fifth of a large run's events).
+        let wk = &mut self.workers[w as usize];
+        wk.replies += 1;
+        wk.replies_at = wk.replies_at.max(t);
+        if wk.replies == self.nodes.len() as u32 {
+            let at = wk.replies_at;
+            self.at(at, Ev::PullDone(w));
+        }
+    }
+
+    /// Shard `s` answers worker `w`'s push (of moved tasks if `help`; of its own whole
+    /// iteration if `whole`).
+    pub(super) fn pushed(
+        &mut self,
+        s: u32,
+        w: WorkerId,
+        help: bool,
+        iteration: u64,
+        whole: bool,
+        r: Result<PushOutcome, RequestError>,
+    ) -> Result<(), SimError> {
+        match r {
+            // A whole push's acknowledgement counts for the push still in flight (not one
+            // answered before a failover).
+            Ok(outcome) if whole => {
+                let own = self.workers[w as usize].own.as_ref();
+                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
+                    self.ack(w, s, false, outcome == PushOutcome::Dropped);
+                }
+            }
+            Ok(_) => self.ack(w, s, help, false),
+            Err(e) if help => {
+                // The owner left meanwhile: its iteration is void, as on the cluster.
+                tracing::debug!("moved tasks refused: {e}");
+                if let Some(p) = self.workers[w as usize].help.as_mut() {
+                    p.refused = Some(e);
+                }
+                self.ack(w, s, help, false);
+            }
+            Err(e) => return Err(SimError::Refused(s, e.to_string())),
+        }
+        Ok(())
+    }
+
+    /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
+    /// way. Every acknowledgement takes the latency alone (after a cut link heals): the last to
+    /// arrive becomes an event once all are sent.
+    pub(super) fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
+        let shards = self.nodes.len() as u32;
+        let at = self.net.after_latency(self.now, self.server_node(s), w as usize);
+        let wk = &mut self.workers[w as usize];
+        let (slot, acked) =
+            if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
+        let Some(p) = slot.as_mut() else { return };
+        if std::mem::replace(&mut acked[s as usize], true) {
+            return;
+        }
+        p.acks += 1;
+        p.acks_at = p.acks_at.max(at);
+        p.dropped += u32::from(dropped);
+        if p.acks == shards {
+            let at = p.acks_at;
+            self.at(at, Ev::AckArrive(w, help));
+        }
+    }
+
+    /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
+    /// it; a peer timeout later, the servers make it leave their shards.
+    pub(super) fn kill_worker(&mut self, w: u32) {
+        let wk = &mut self.workers[w as usize];
+        if std::mem::replace(&mut wk.dead, true) {
+            return;
+        }
+        tracing::debug!(worker = w, t_ns = self.now, "worker killed");
+        if !wk.done {
+            wk.done = true;
+            self.done += 1;
+        }
+        self.at(self.now + PEER_TIMEOUT_NS, Ev::WorkerLost(w));
+    }
+
+    /// The servers' connections to dead worker `w` time out: it leaves every shard it is a
+    /// member of.
+    pub(super) fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
+        self.workers[w as usize].gone = true;
+        for s in 0..self.nodes.len() as u32 {
+            if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
+                self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                self.drain(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Worker `w` has joined every shard: it starts (once).
+    pub(super) fn start(&mut self, w: u32) -> Result<(), SimError> {
+        if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
+            return Ok(());
+        }
+        self.drive(w)
+    }
+
+    /// Feeds worker `w`'s machine an input, then carries out its actions.
+    pub(super) fn feed(&mut self, w: u32, input: Input) -> Result<(), SimError> {
+        self.workers[w as usize].machine.handle(self.now, input).map_err(|e| SimError::Worker(w, e))?;
+        self.drive(w)
+    }
+
+    /// Carries out every action worker `w`'s machine has, and sets its timer.
+    pub(super) fn drive(&mut self, w: u32) -> Result<(), SimError> {
+        let shards = self.nodes.len() as u32;
+        while let Some(action) = self.workers[w as usize].machine.poll_action(self.now) {
+            match action {
+                Action::Pull { iteration } => {
+                    let wk = &mut self.workers[w as usize];
+                    (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
+                    wk.local_steps = 0;
+                    wk.pulling = Some(iteration);
+                    wk.replied.fill(false);
+                    for s in 0..shards {
+                        let t = self.net.transfer(self.now, w as usize, self.server_node(s), 64);
+                        let t = self.reorder(t);
+                        self.at(t, Ev::PullArrive(w, s, iteration));
+                    }
+                }
+                Action::Compute(job) => {
+                    let wk = &mut self.workers[w as usize];
+                    let workload = wk.workload.as_deref_mut().map(|x| x as &mut dyn Workload);
+                    let step = wk.bufs.compute(w, &job, workload);
+                    wk.machine
+                        .handle(self.now, Input::Computed { step, compute_ns: 0 })
+                        .map_err(|e| SimError::Worker(w, e))?;
+                }
+                Action::Push(job) => {
+                    let wk = &mut self.workers[w as usize];
+                    if self.opts.gradients {
+                        wk.bufs.gradient(&job);
+                    }
+                    let help = job.kind != JobKind::Own;
+                    let (slot, acked) = if help {
+                        (&mut wk.help, &mut wk.help_acked)
+                    } else {
+                        (&mut wk.own, &mut wk.own_acked)
+                    };
+                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: None, dropped: 0 });
+                    acked.fill(false);
+                    for s in 0..shards {
+                        let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
+                        let t = self.net.transfer(self.now, w as usize, self.server_node(s), bytes);
+                        let t = self.reorder(t);
+                        self.at(t, Ev::PushArrive(w, s, help));
+                    }
+                }
+                Action::Handover { shard, handover } => {
+                    self.send(w, shard..shard + 1, ToShard::Handover(handover));
+                }
+                Action::Applied { shard, control, iteration } => {
+                    if let Control::SetPushCodec { codec } = control {
+                        self.workers[w as usize].encoder.set(shard as usize, codec, iteration);
+                    }
+                    let msg = ToShard::Applied(Applied { worker: w, control, iteration });
+                    self.send(w, shard..shard + 1, msg);
+                }
+                Action::Finished(report) => self.send(w, 0..shards, ToShard::Finished(report)),
+                Action::Skip { to, .. } => self.send(w, 0..shards, ToShard::Skip(to)),
+                Action::Waiting { iteration, waiting } => {
+                    self.send(w, 0..shards, ToShard::Waiting(iteration, waiting));
+                }
+                Action::Leave => self.send(w, 0..shards, ToShard::Goodbye),
+            }
+        }
+        let wk = &mut self.workers[w as usize];
+        if !wk.done && wk.machine.is_done() {
+            wk.done = true;
+            self.done += 1;
+        }
+        if let Some(t) = wk.machine.poll_timeout() {
+            if wk.wake_at.is_none_or(|at| t < at) {
+                wk.wake_at = Some(t);
+                self.at(t.max(self.now), Ev::Wake(w));
+            }
+        }
+        Ok(())
+    }
+}
