@@ -48,7 +48,7 @@ use crate::shard::{ClockRaise, Frontier};
 pub mod checkpoint;
 pub mod rebuild;
 pub use checkpoint::{CheckpointError, CheckpointOutcome};
-pub use rebuild::{resolve, Held, Rebuilt, Resolution, REJOIN_WAIT_MS};
+pub use rebuild::{resolve, GatherError, Gathered, Gathering, Held, Rebuilt, Resolution, REJOIN_WAIT_MS};
 
 /// What the cluster is set up as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -168,6 +168,137 @@ pub struct Rebuilt {
     pub newest: Option<u32>,
 }
 
+/// A restarted coordinator gathering what the servers that rejoin it hold, until it rebuilds:
+/// once every server has rejoined, or [`REJOIN_WAIT_MS`] after the first did, whichever comes
+/// first. A server that comes after the rebuild began is refused (it stops); one that rejoins
+/// twice is refused the second time. Both drivers gather with it: the tokio coordinator
+/// (`host/src/coordinator/rebuild.rs`, over QUIC) and the simulator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gathering {
+    servers: u32,
+    held: BTreeMap<u32, Held>,
+    /// When the rebuild is due (after the first report).
+    due_ns: Option<u64>,
+    begun: bool,
+}
+
+/// A rejoining server's report, counted ([`Gathering::rejoined`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gathered {
+    /// The rebuild begins at `due_ns` unless every server rejoins first; `first`: this was the
+    /// first report, and the driver arms its timer for then.
+    Waiting {
+        /// When the rebuild is due.
+        due_ns: u64,
+        /// Whether this report was the first.
+        first: bool,
+    },
+    /// Every server has rejoined: rebuild now ([`Gathering::begin`]).
+    Complete,
+}
+
+/// Why a rejoining server's report is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GatherError {
+    /// The rebuild has begun without it: it stops.
+    #[error("the cluster was rebuilt without this server (it came back too late)")]
+    TooLate,
+    /// It has rejoined already.
+    #[error("server {0} has already rejoined")]
+    Again(u32),
+    /// Not one of the cluster's server ids.
+    #[error("server id {server} is not one of this cluster's {servers} servers")]
+    NoSuchServer {
+        /// The id it gave.
+        server: u32,
+        /// Servers the cluster has.
+        servers: u32,
+    },
+}
+
+impl Gathering {
+    /// A gathering for a cluster of `servers` servers, nobody rejoined yet.
+    pub fn new(servers: u32) -> Self {
+        Gathering { servers, held: BTreeMap::new(), due_ns: None, begun: false }
+    }
+
+    /// A server rejoins at `now_ns` holding `held` (its id is `held.server`).
+    pub fn rejoined(&mut self, now_ns: u64, held: Held) -> Result<Gathered, GatherError> {
+        let server = held.server;
+        if server >= self.servers {
+            return Err(GatherError::NoSuchServer { server, servers: self.servers });
+        }
+        if self.begun {
+            return Err(GatherError::TooLate);
+        }
+        if self.held.contains_key(&server) {
+            return Err(GatherError::Again(server));
+        }
+        self.held.insert(server, held);
+        let first = self.due_ns.is_none();
+        let due_ns = *self.due_ns.get_or_insert(now_ns.saturating_add(REJOIN_WAIT_MS * 1_000_000));
+        if self.held.len() as u32 == self.servers {
+            return Ok(Gathered::Complete);
+        }
+        Ok(Gathered::Waiting { due_ns, first })
+    }
+
+    /// Whether the rebuild is due at `now_ns`: some server rejoined, its wait is over, and the
+    /// rebuild has not begun.
+    pub fn is_due(&self, now_ns: u64) -> bool {
+        !self.begun && self.due_ns.is_some_and(|due| now_ns >= due)
+    }
+
+    /// Whether nobody has rejoined yet.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// Begins the rebuild: what the servers that rejoined hold, by server id. `None` if it has
+    /// begun already (a timer and the last report can both ask).
+    pub fn begin(&mut self) -> Option<BTreeMap<u32, Held>> {
+        if std::mem::replace(&mut self.begun, true) {
+            return None;
+        }
+        Some(std::mem::take(&mut self.held))
+    }
+}
+
+#[cfg(test)]
+mod gathering {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn held(server: u32) -> Held {
+        Held { server, ..Held::default() }
+    }
+
+    /// The rebuild waits for every server, but no longer than the wait after the first; it
+    /// begins once, and a server that comes after it began, or twice, is refused.
+    #[test]
+    fn a_rebuild_begins_when_all_rejoined_or_the_wait_after_the_first_is_over_and_only_once() {
+        let mut g = Gathering::new(3);
+        assert!(!g.is_due(u64::MAX), "nobody rejoined: nothing is due");
+        let due = 5 * MS + REJOIN_WAIT_MS * MS;
+        assert_eq!(g.rejoined(5 * MS, held(1)), Ok(Gathered::Waiting { due_ns: due, first: true }));
+        assert_eq!(g.rejoined(7 * MS, held(1)), Err(GatherError::Again(1)));
+        assert_eq!(g.rejoined(7 * MS, held(0)), Ok(Gathered::Waiting { due_ns: due, first: false }));
+        assert_eq!(g.rejoined(7 * MS, held(3)), Err(GatherError::NoSuchServer { server: 3, servers: 3 }));
+        assert!(!g.is_due(due - 1) && g.is_due(due));
+        let got = g.begin().expect("begins");
+        assert_eq!(got.keys().copied().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(g.begin(), None, "once");
+        assert!(!g.is_due(u64::MAX));
+        assert_eq!(g.rejoined(due + 1, held(2)), Err(GatherError::TooLate));
+
+        let mut all = Gathering::new(2);
+        assert!(matches!(all.rejoined(0, held(1)), Ok(Gathered::Waiting { first: true, .. })));
+        assert_eq!(all.rejoined(1, held(0)), Ok(Gathered::Complete));
+        assert_eq!(all.begin().map(|h| h.len()), Some(2));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,8 +5,9 @@
 //! When the coordinator comes back at the same address:
 //! 1. every server that lost it rejoins under its old id; the coordinator asks each for its
 //!    [`Holdings`] and keeps the answer back;
-//! 2. once every server has rejoined, or [`REJOIN_WAIT_MS`] after the first did, the machine
-//!    rebuilds the map from the holdings ([`CoordinatorMachine::rebuild`]): a server claiming a
+//! 2. once every server has rejoined, or [`REJOIN_WAIT_MS`] after the first did (the engine's
+//!    [`Gathering`] decides, as in the simulator), the machine rebuilds the map from the
+//!    holdings ([`CoordinatorMachine::rebuild`]): a server claiming a
 //!    stale term is refused (it stops, as it would have), backups whose primary did not come
 //!    back are promoted, a swap some servers committed is finished on the others;
 //! 3. the newest policy a live server runs becomes the cluster's; once the machine's commands
@@ -24,20 +25,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use syncopate_engine::coordinator::Held;
+use syncopate_engine::coordinator::{Gathered, Gathering, Held};
 
 use super::{command_reply, Coordinator, PolicySource};
 use crate::net::proto::{AdmissionKey, Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
 
 /// The servers rejoining a restarted coordinator, until it has rebuilt the cluster.
-#[derive(Default)]
 pub(super) struct Rebuild {
-    /// By server id.
+    /// What they hold, and when the rebuild begins: the engine's decision, as in the simulator.
+    gathering: Gathering,
+    /// By server id: where each is, and what else it said.
     reports: BTreeMap<u32, Rejoined>,
-    /// The rebuild has begun: no more reports.
-    begun: bool,
     /// Once rebuilt: the servers refused, and why.
     refused: BTreeMap<u32, String>,
+}
+
+impl Rebuild {
+    fn new(servers: u32) -> Self {
+        Rebuild { gathering: Gathering::new(servers), reports: BTreeMap::new(), refused: BTreeMap::new() }
+    }
 }
 
 /// A server that rejoined.
@@ -192,7 +198,7 @@ impl Coordinator {
                         _ => Err(format!("server {id} at {addr} is not registered here")),
                     };
                 }
-                st.rebuild = Some(Rebuild::default());
+                st.rebuild = Some(Rebuild::new(self.opts.servers));
                 // The workers hold tickets issued under the old coordinator's key: keep it.
                 st.admission_key = holdings.settings.admission_key;
                 tracing::warn!(
@@ -202,11 +208,6 @@ impl Coordinator {
                     REJOIN_WAIT_MS,
                     self.opts.servers
                 );
-                let me = self.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(REJOIN_WAIT_MS)).await;
-                    me.begin_rebuild();
-                });
             }
             if holdings.settings.admission_key != st.admission_key {
                 return Err(format!(
@@ -214,14 +215,25 @@ impl Coordinator {
                      (its admission key differs): it belongs to another cluster"
                 ));
             }
-            let Some(rebuild) = st.rebuild.as_mut().filter(|r| !r.begun) else {
-                return Err("the cluster was rebuilt without this server (it came back too late)".into());
-            };
-            if rebuild.reports.contains_key(&id) {
-                return Err(format!("server {id} has already rejoined"));
-            }
+            let now_ns = self.now_ns();
+            let rebuild = st.rebuild.as_mut().expect("made above");
+            let gathered =
+                rebuild.gathering.rejoined(now_ns, holdings.held.clone()).map_err(|e| e.to_string())?;
             rebuild.reports.insert(id, Rejoined { addr, conn: conn.clone(), holdings, wasm });
-            rebuild.reports.len() as u32 == self.opts.servers
+            match gathered {
+                Gathered::Complete => true,
+                Gathered::Waiting { due_ns, first } => {
+                    if first {
+                        let me = self.clone();
+                        let wait = Duration::from_nanos(due_ns.saturating_sub(now_ns));
+                        tokio::spawn(async move {
+                            tokio::time::sleep(wait).await;
+                            me.begin_rebuild();
+                        });
+                    }
+                    false
+                }
+            }
         };
         if complete {
             self.begin_rebuild();
@@ -233,23 +245,21 @@ impl Coordinator {
         }
     }
 
-    /// Starts the rebuild, once.
+    /// Starts the rebuild, once (the wait after the first server and the last server's report
+    /// may both ask).
     fn begin_rebuild(self: &Arc<Self>) {
-        {
-            let mut st = self.lock();
-            match st.rebuild.as_mut() {
-                Some(r) if !r.begun => r.begun = true,
-                _ => return,
-            }
-        }
-        tokio::spawn(self.clone().rebuild());
+        let held = match self.lock().rebuild.as_mut().and_then(|r| r.gathering.begin()) {
+            Some(held) => held,
+            None => return,
+        };
+        tokio::spawn(self.clone().rebuild(held));
     }
 
     /// Rebuilds the cluster from the rejoined servers' holdings (the module's doc).
-    async fn rebuild(self: Arc<Self>) {
+    async fn rebuild(self: Arc<Self>, held: BTreeMap<u32, Held>) {
         let t = Instant::now();
         let reports = std::mem::take(&mut self.lock().rebuild.as_mut().expect("rebuilding").reports);
-        let holdings: Vec<Held> = reports.values().map(|r| r.holdings.held.clone()).collect();
+        let holdings: Vec<Held> = held.into_values().collect();
         let n = self.opts.servers;
         let key = self.lock().admission_key;
         let recorded = self.recorded_terms(key).await;

@@ -26,7 +26,7 @@
 //!   the commands and answers on their way to it are lost, renewals go unanswered, so leases
 //!   lapse and the servers refuse requests. When it restarts, each live server rejoins it (a
 //!   cut-off one once its partition heals) and says what it holds; once all have, or
-//!   [`REJOIN_WAIT_MS`] after the first, the new machine rebuilds the cluster from those
+//!   [`REJOIN_WAIT_MS`](syncopate_engine::coordinator::REJOIN_WAIT_MS) after the first, the new machine rebuilds the cluster from those
 //!   holdings ([`CoordinatorMachine::rebuild`](syncopate_engine::coordinator::CoordinatorMachine::rebuild)),
 //!   as a restarted cluster coordinator does: stale servers and late ones are told to stop,
 //!   backups whose primary did not come back are promoted, an interrupted swap is finished.
@@ -46,8 +46,8 @@ use std::collections::BTreeMap;
 
 use rand::Rng;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Held, Refusal,
-    REJOIN_WAIT_MS,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, GatherError,
+    Gathered, Gathering, Held, Refusal,
 };
 use syncopate_policy_sdk::abi::LeaveReason;
 
@@ -89,8 +89,8 @@ pub(super) enum Phase {
     Up,
     /// It crashed: nothing reaches it.
     Down,
-    /// It restarted, and gathers the holdings of the servers that rejoin it, by server.
-    Rejoining(BTreeMap<u32, Held>),
+    /// It restarted, and gathers the holdings of the servers that rejoin it.
+    Rejoining(Gathering),
     /// It rebuilt the cluster and its commands are under way; servers are answered once done.
     Rebuilding,
 }
@@ -705,7 +705,7 @@ impl Sim {
         self.coord = CoordinatorMachine::new(cfg);
         // Its rounds go on past those begun before (a cluster's coordinator finds their folders).
         self.coord.set_next_round(self.rounds.keys().max().map_or(1, |r| r + 1));
-        self.coord_phase = Phase::Rejoining(BTreeMap::new());
+        self.coord_phase = Phase::Rejoining(Gathering::new(self.dead.len() as u32));
         tracing::debug!(t_ns = self.now, "coordinator restarted");
         for x in 0..self.dead.len() as u32 {
             if self.dead[x as usize] {
@@ -724,7 +724,7 @@ impl Sim {
     /// While the restarted coordinator waits for its first server, every server is dead: it
     /// will wait for ever, and the shards are lost.
     fn nobody_left(&self) -> Result<(), SimError> {
-        let waiting = matches!(&self.coord_phase, Phase::Rejoining(r) if r.is_empty());
+        let waiting = matches!(&self.coord_phase, Phase::Rejoining(g) if g.is_empty());
         match waiting && self.dead.iter().all(|&d| d) {
             true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
             false => Ok(()),
@@ -777,42 +777,41 @@ impl Sim {
         }
     }
 
-    /// Server `x` rejoins the restarted coordinator. While it gathers holdings, it keeps
-    /// `x`'s; once all live servers have rejoined, it rebuilds (and [`REJOIN_WAIT_MS`] after the
-    /// first, whoever came). One that comes after the rebuild began is refused, and stops.
+    /// Server `x` rejoins the restarted coordinator, which gathers its holdings as the cluster's
+    /// does ([`Gathering`]): once every server has rejoined, or the wait after the first is over,
+    /// it rebuilds. One that comes after the rebuild began is refused, and stops.
     fn rejoin(&mut self, x: u32) -> Result<(), SimError> {
         if self.dead[x as usize] {
             return self.nobody_left();
         }
         let held = self.holdings(x);
-        let Phase::Rejoining(rejoined) = &mut self.coord_phase else {
-            tracing::debug!(server = x, t_ns = self.now, "rejoined too late: refused, it stops");
-            self.rebuild.refused += 1;
-            self.at(self.now + self.net.latency_ns, Ev::Stop(x));
-            return Ok(());
+        let gathered = match &mut self.coord_phase {
+            Phase::Rejoining(gathering) => gathering.rejoined(self.now, held),
+            _ => Err(GatherError::TooLate),
         };
-        let first = rejoined.is_empty();
-        rejoined.insert(x, held);
-        let all = rejoined.len() == self.dead.len();
-        if first {
-            let i = self.incarnation;
-            self.at(self.now + REJOIN_WAIT_MS * MS, Ev::RebuildDue(i));
+        match gathered {
+            Ok(Gathered::Waiting { due_ns, first }) => {
+                if first {
+                    self.at(due_ns, Ev::RebuildDue(self.incarnation));
+                }
+                Ok(())
+            }
+            Ok(Gathered::Complete) => self.rebuild(),
+            Err(e) => {
+                tracing::debug!(server = x, t_ns = self.now, "rejoin refused, it stops: {e}");
+                self.rebuild.refused += 1;
+                self.at(self.now + self.net.latency_ns, Ev::Stop(x));
+                Ok(())
+            }
         }
-        if all {
-            return self.rebuild();
-        }
-        Ok(())
     }
 
     /// The restarted coordinator rebuilds the cluster from the holdings it gathered. A shard
     /// nobody holds is lost, as on a cluster.
     fn rebuild(&mut self) -> Result<(), SimError> {
-        if !matches!(self.coord_phase, Phase::Rejoining(_)) {
-            return Ok(());
-        }
-        let Phase::Rejoining(rejoined) = std::mem::replace(&mut self.coord_phase, Phase::Rebuilding) else {
-            unreachable!("matched above")
-        };
+        let Phase::Rejoining(gathering) = &mut self.coord_phase else { return Ok(()) };
+        let Some(rejoined) = gathering.begin() else { return Ok(()) };
+        self.coord_phase = Phase::Rebuilding;
         let held: Vec<Held> = rejoined.into_values().collect();
         let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded_terms);
         tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
