@@ -42,7 +42,8 @@
 //! failed. So is a run whose restarted coordinator found only older copies of a shard than its
 //! newest (their servers died before the restart): [`SimError::Outdated`] when a surviving
 //! server had heard of the newer term (the cluster says the shard is lost),
-//! [`SimError::StaleCopy`] when none had (a cluster would serve the stale copy).
+//! [`SimError::StaleCopy`] when none had (a cluster would serve the stale copy). A rebuild that
+//! chose a copy older than one it had word of ([`SimError::OlderCopy`]) is never excused.
 //!
 //! A seed is the whole input: `syncopate simtest --seed S` replays seed `S` bit for bit, and a
 //! failure prints that command, then shrinks the case ([`shrink`]). Not drawn yet: server

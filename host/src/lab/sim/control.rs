@@ -832,13 +832,29 @@ impl Sim {
         // coordinator cannot know of a term nobody reports. That copy lacks acknowledged
         // pushes, so the shard's last current copy is lost, as a double fault loses it; a
         // cluster would go on from the stale one (docs/fault-tolerance.md says so).
+        // That excuse holds only if the rebuild had nothing better: no copy that came back, and
+        // no term a rejoined server heard of or the old coordinator recorded, newer than the
+        // copy it chose. Otherwise the rebuild itself chose wrong.
         for (k, place) in rebuilt.resolution.places.iter().enumerate() {
             let Some(place) = place else { continue };
-            let current = |h: &Held| {
-                let mut all = h.primaries.iter().chain(&h.backups);
-                all.any(|c| c.0 as usize == k && c.1 == self.term[k] as u64)
+            let copies = |h: &Held| {
+                let all = h.primaries.iter().chain(&h.backups);
+                all.filter(|c| c.0 as usize == k).map(|c| c.1).collect::<Vec<_>>()
             };
-            if !held.iter().any(|h| h.server == place.primary && current(h)) {
+            let chosen =
+                held.iter().filter(|h| h.server == place.primary).flat_map(copies).max().unwrap_or(0);
+            let heard = held.iter().filter_map(|h| h.known.get(k).copied());
+            let newest = held
+                .iter()
+                .flat_map(copies)
+                .chain(heard)
+                .chain(self.recorded_terms.get(k).copied())
+                .max()
+                .unwrap_or(0);
+            if newest > chosen {
+                return Err(SimError::OlderCopy { shard: k as u32, chosen, newest });
+            }
+            if chosen != self.term[k] as u64 {
                 return Err(SimError::StaleCopy { shard: k as u32, server: place.primary });
             }
         }

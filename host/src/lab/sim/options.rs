@@ -274,4 +274,16 @@ pub enum SimError {
         /// The server whose stale copy it resolved to.
         server: u32,
     },
+    /// A restarted coordinator's rebuild chose a copy of a shard older than one it had: a copy
+    /// that came back, or a term a rejoined server heard of (a bug of the rebuild, never
+    /// excused).
+    #[error("shard {shard}: the rebuild chose its copy of term {chosen}, though it knew of term {newest}")]
+    OlderCopy {
+        /// The shard.
+        shard: u32,
+        /// The term of the copy it chose.
+        chosen: u64,
+        /// The newest term it had word of.
+        newest: u64,
+    },
 }
