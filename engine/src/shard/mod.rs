@@ -50,8 +50,8 @@ pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use level::{levelling, ClockRaise, Frontier};
 pub use local::{LocalSgd, LocalSgdConfig};
 pub use node::{
-    Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, Token,
-    Waiting,
+    Joined, NodeConfig, NodeOutput, PushOutcome, Quiet, Reply, RequestError, Served, ShardNode, SwapTo,
+    Token, Waiting,
 };
 pub use ops::{Op, Outcome, PushHeader, Stamped};
 pub use snapshot::{ShardSnapshot, SnapshotError, SNAPSHOT_FORMAT};

@@ -416,6 +416,20 @@ impl Observer for Tap<'_> {
     }
 }
 
+/// A committed swap as one shard takes it ([`ShardNode::swap`], [`ShardNode::conform`]).
+#[derive(Clone, Debug)]
+pub struct SwapTo {
+    /// The module.
+    pub module: PolicyModule,
+    /// Its configuration on this shard.
+    pub config: Vec<(String, String)>,
+    /// How far it raises each worker's clock: the levelling the cluster agreed on (see
+    /// [`Frontier`](super::Frontier)).
+    pub raise: Vec<ClockRaise>,
+    /// The swap's number.
+    pub swap: u64,
+}
+
 /// One shard on a server, primary or backup: the module's doc.
 #[derive(Debug)]
 pub struct ShardNode {
@@ -878,40 +892,22 @@ impl ShardNode {
         }
     }
 
-    /// The cluster commits a swap to `module`, raising the workers' clocks by `raise` (the
-    /// levelling it agreed on, see [`Frontier`](super::Frontier)). A backup swaps when its
-    /// primary's op says (the reply is `Ok` at once); a shard not created yet starts with the
-    /// new module. A module that refuses the hand-over starts afresh ([`Shard::commit_swap`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn swap(
-        &mut self,
-        now: u64,
-        token: Token,
-        module: PolicyModule,
-        config: Vec<(String, String)>,
-        raise: Vec<ClockRaise>,
-        swap: u64,
-        obs: &mut dyn Observer,
-    ) {
+    /// The cluster commits a swap ([`SwapTo`]). A backup swaps when its primary's op says (the
+    /// reply is `Ok` at once); a shard not created yet starts with the new module. A module
+    /// that refuses the hand-over starts afresh ([`Shard::commit_swap`]).
+    pub fn swap(&mut self, now: u64, token: Token, to: SwapTo, obs: &mut dyn Observer) {
         if self.pending.backup {
             return self.pending.reply(token, Reply::Done(Ok(())));
         }
-        let r = self.switch(now, module, config, raise, swap, obs);
+        let r = self.switch(now, to, obs);
         self.pending.reply(token, Reply::Done(r));
     }
 
-    /// Switches to swap `swap`'s `module` with `config`, unless the shard runs that swap or a
-    /// newer one already (a promoted backup that took it from its old primary's ops before its
-    /// server's commit came: its clocks were raised then, and are not raised twice).
-    fn switch(
-        &mut self,
-        now: u64,
-        module: PolicyModule,
-        config: Vec<(String, String)>,
-        raise: Vec<ClockRaise>,
-        swap: u64,
-        obs: &mut dyn Observer,
-    ) -> Result<(), RequestError> {
+    /// Switches to swap `to`, unless the shard runs that swap or a newer one already (a
+    /// promoted backup that took it from its old primary's ops before its server's commit
+    /// came: its clocks were raised then, and are not raised twice).
+    fn switch(&mut self, now: u64, to: SwapTo, obs: &mut dyn Observer) -> Result<(), RequestError> {
+        let SwapTo { module, config, raise, swap } = to;
         let Some(shard) = self.shard.as_ref() else {
             (self.module, self.config) = (module, config);
             return Ok(());
@@ -931,20 +927,13 @@ impl ShardNode {
         r
     }
 
-    /// A primary just promoted takes the policy its server records (`module` with `config`, its
-    /// last committed swap `swap`, which raised the clocks by `raise`) unless it runs that swap
-    /// or a newer one, taken from its old primary's ops (which its server will commit too). A
-    /// backup whose primary died before streaming a swap's commit would otherwise run the old
-    /// policy while the cluster records the new one. Returns whether it switched.
-    pub fn conform(
-        &mut self,
-        now: u64,
-        module: PolicyModule,
-        config: Vec<(String, String)>,
-        raise: Vec<ClockRaise>,
-        swap: u64,
-        obs: &mut dyn Observer,
-    ) -> bool {
+    /// A primary just promoted takes the policy its server records (its last committed swap,
+    /// `to`) unless it runs that swap or a newer one, taken from its old primary's ops (which
+    /// its server will commit too). A backup whose primary died before streaming a swap's
+    /// commit would otherwise run the old policy while the cluster records the new one.
+    /// Returns whether it switched.
+    pub fn conform(&mut self, now: u64, to: SwapTo, obs: &mut dyn Observer) -> bool {
+        let (module, swap) = (&to.module, to.swap);
         let behind = self.shard.as_ref().is_some_and(|s| s.swap().0 < swap);
         if self.pending.backup || !behind {
             return false;
@@ -957,7 +946,7 @@ impl ShardNode {
             swap,
             "promoted without its old primary's last swap: switching to the policy the cluster records"
         );
-        self.switch(now, module, config, raise, swap, obs).is_ok()
+        self.switch(now, to, obs).is_ok()
     }
 
     /// A backup receives its primary's op (`grad`: a push's gradient, a creation's

@@ -41,7 +41,8 @@ use crate::net::wire::{self, Limits, Payload, WireError};
 use crate::net::{self, close, NetError};
 use crate::runtime::{PolicyInstance, PolicyModule, PolicyRuntime};
 use crate::shard::{
-    ClockRaise, Codec, Frontier, Handover, PushHeader, RequestError, ShardConfig, SupervisorConfig, TaskPart,
+    ClockRaise, Codec, Frontier, Handover, PushHeader, RequestError, ShardConfig, SupervisorConfig, SwapTo,
+    TaskPart,
 };
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
@@ -917,8 +918,8 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             for (shard, tx) in shared.primaries() {
                 let (reply, rx) = oneshot::channel();
                 let config = policy.config_for(shard);
-                let cmd =
-                    ShardCmd::Swap { module: module.clone(), config, raise: raise.clone(), swap, reply };
+                let to = SwapTo { module: module.clone(), config, raise: raise.clone(), swap };
+                let cmd = ShardCmd::Swap { to, reply };
                 let result = match tx.send(cmd).await {
                     Ok(()) => rx.await.unwrap_or(Err(RequestError::Stopped(shard))),
                     Err(_) => Err(RequestError::Stopped(shard)),
@@ -973,7 +974,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                     let module = shared.modules.lock().expect("not poisoned").get(&blob.sha256).cloned();
                     if let Some(module) = module {
                         let config = blob.config_for(shard);
-                        let _ = tx.send(ShardCmd::Conform { module, config, raise, swap }).await;
+                        let _ = tx.send(ShardCmd::Conform(SwapTo { module, config, raise, swap })).await;
                     }
                     shared.shards.write().expect("not poisoned").insert(shard, tx.clone());
                     *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;

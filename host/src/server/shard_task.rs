@@ -20,7 +20,7 @@ use crate::recording::{self, PolicyStart};
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{
     ClockRaise, Handover, NodeConfig, NodeOutput, Observer, PushHeader, Reply as NodeReply, ShardConfig,
-    ShardNode, ShardSnapshot, Token,
+    ShardNode, ShardSnapshot, SwapTo, Token,
 };
 pub(crate) use crate::shard::{Joined, PushOutcome, Served, Stamped};
 
@@ -84,20 +84,12 @@ pub(crate) enum ShardCmd {
         reason: LeaveReason,
     },
     Swap {
-        module: PolicyModule,
-        config: Vec<(String, String)>,
-        raise: Vec<ClockRaise>,
-        swap: u64,
+        to: SwapTo,
         reply: Reply<()>,
     },
-    /// A primary just promoted takes the policy this server records (its swap `swap`), unless
-    /// it runs that swap or a newer one ([`ShardNode::conform`]).
-    Conform {
-        module: PolicyModule,
-        config: Vec<(String, String)>,
-        raise: Vec<ClockRaise>,
-        swap: u64,
-    },
+    /// A primary just promoted takes the policy this server records (its last committed
+    /// swap), unless it runs that swap or a newer one ([`ShardNode::conform`]).
+    Conform(SwapTo),
     /// The swap the shard's policy came in by, and its raise ([`crate::shard::Shard::swap`]).
     Swapped {
         reply: oneshot::Sender<Option<(u64, Vec<ClockRaise>)>>,
@@ -534,12 +526,12 @@ impl ShardTask {
                     None => Err(crate::shard::RequestError::NoShardYet(id)),
                 });
             }
-            ShardCmd::Swap { module, config, raise, swap, reply } => {
+            ShardCmd::Swap { to, reply } => {
                 let token = p.wait(Waiter::Done(reply));
-                p.node.swap(now, token, module, config, raise, swap, &mut p.obs);
+                p.node.swap(now, token, to, &mut p.obs);
             }
-            ShardCmd::Conform { module, config, raise, swap } => {
-                p.node.conform(now, module, config, raise, swap, &mut p.obs);
+            ShardCmd::Conform(to) => {
+                p.node.conform(now, to, &mut p.obs);
             }
             ShardCmd::Swapped { reply } => {
                 let _ = reply.send(p.node.shard().map(|s| (s.swap().0, s.swap().1.to_vec())));

@@ -55,7 +55,7 @@ use super::events::Ev;
 use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition, PEER_TIMEOUT_NS};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
-use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot};
+use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
 
 const MS: u64 = 1_000_000;
 
@@ -376,8 +376,8 @@ impl Sim {
             let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
             self.next_token += 1;
             self.requests.insert(self.next_token, Req::Ignore { s });
-            let (module, raise) = (module.clone(), raise.clone());
-            self.nodes[s as usize].swap(self.now, self.next_token, module, config, raise, swap, &mut Quiet);
+            let to = SwapTo { module: module.clone(), config, raise: raise.clone(), swap };
+            self.nodes[s as usize].swap(self.now, self.next_token, to, &mut Quiet);
             self.drain(s)?;
         }
         Ok(())
@@ -511,7 +511,7 @@ impl Sim {
         let (n, raise) = self.committed[x as usize].clone();
         let Some((module, config)) = self.swap_modules.get(&n).cloned() else { return };
         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
-        if self.nodes[s as usize].conform(self.now, module, config, raise, n, &mut Quiet) {
+        if self.nodes[s as usize].conform(self.now, SwapTo { module, config, raise, swap: n }, &mut Quiet) {
             self.conformed += 1;
         }
     }
