@@ -243,12 +243,6 @@ impl Gathering {
         Ok(Gathered::Waiting { due_ns, first })
     }
 
-    /// Whether the rebuild is due at `now_ns`: some server rejoined, its wait is over, and the
-    /// rebuild has not begun.
-    pub fn is_due(&self, now_ns: u64) -> bool {
-        !self.begun && self.due_ns.is_some_and(|due| now_ns >= due)
-    }
-
     /// Whether nobody has rejoined yet.
     pub fn is_empty(&self) -> bool {
         self.held.is_empty()
@@ -279,17 +273,14 @@ mod gathering {
     #[test]
     fn a_rebuild_begins_when_all_rejoined_or_the_wait_after_the_first_is_over_and_only_once() {
         let mut g = Gathering::new(3);
-        assert!(!g.is_due(u64::MAX), "nobody rejoined: nothing is due");
         let due = 5 * MS + REJOIN_WAIT_MS * MS;
         assert_eq!(g.rejoined(5 * MS, held(1)), Ok(Gathered::Waiting { due_ns: due, first: true }));
         assert_eq!(g.rejoined(7 * MS, held(1)), Err(GatherError::Again(1)));
         assert_eq!(g.rejoined(7 * MS, held(0)), Ok(Gathered::Waiting { due_ns: due, first: false }));
         assert_eq!(g.rejoined(7 * MS, held(3)), Err(GatherError::NoSuchServer { server: 3, servers: 3 }));
-        assert!(!g.is_due(due - 1) && g.is_due(due));
         let got = g.begin().expect("begins");
         assert_eq!(got.keys().copied().collect::<Vec<_>>(), [0, 1]);
         assert_eq!(g.begin(), None, "once");
-        assert!(!g.is_due(u64::MAX));
         assert_eq!(g.rejoined(due + 1, held(2)), Err(GatherError::TooLate));
 
         let mut all = Gathering::new(2);

@@ -28,7 +28,7 @@ use sha2::{Digest, Sha256};
 use syncopate_engine::coordinator::{Gathered, Gathering, Held};
 
 use super::{command_reply, Coordinator, PolicySource};
-use crate::net::proto::{AdmissionKey, Holdings, ServerCommand, ServerReply, REJOIN_WAIT_MS};
+use crate::net::proto::{AdmissionKey, Holdings, PolicyBlob, ServerCommand, ServerReply, REJOIN_WAIT_MS};
 
 /// The servers rejoining a restarted coordinator, until it has rebuilt the cluster.
 pub(super) struct Rebuild {
@@ -52,8 +52,8 @@ struct Rejoined {
     addr: SocketAddr,
     /// The connection it rejoined on.
     conn: quinn::Connection,
-    /// What it holds.
-    holdings: Holdings,
+    /// The policy its shards run (what it holds is the gathering's).
+    policy: PolicyBlob,
     /// The module its shards run.
     wasm: Vec<u8>,
 }
@@ -217,9 +217,9 @@ impl Coordinator {
             }
             let now_ns = self.now_ns();
             let rebuild = st.rebuild.as_mut().expect("made above");
-            let gathered =
-                rebuild.gathering.rejoined(now_ns, holdings.held.clone()).map_err(|e| e.to_string())?;
-            rebuild.reports.insert(id, Rejoined { addr, conn: conn.clone(), holdings, wasm });
+            let Holdings { policy, held, .. } = holdings;
+            let gathered = rebuild.gathering.rejoined(now_ns, held).map_err(|e| e.to_string())?;
+            rebuild.reports.insert(id, Rejoined { addr, conn: conn.clone(), policy, wasm });
             match gathered {
                 Gathered::Complete => true,
                 Gathered::Waiting { due_ns, first } => {
@@ -280,7 +280,7 @@ impl Coordinator {
             // The newest policy a live server runs: the others were prepared for it, if a swap's
             // commit was under way when the old coordinator died (the machine finishes it).
             if let Some(r) = rebuilt.newest.and_then(|x| reports.get(&x)) {
-                st.policy = PolicySource::from_blob(&r.holdings.policy, r.wasm.clone());
+                st.policy = PolicySource::from_blob(&r.policy, r.wasm.clone());
                 st.history.clear();
             }
             if st.restore.take().is_some() {

@@ -26,7 +26,8 @@
 //!   the commands and answers on their way to it are lost, renewals go unanswered, so leases
 //!   lapse and the servers refuse requests. When it restarts, each live server rejoins it (a
 //!   cut-off one once its partition heals) and says what it holds; once all have, or
-//!   [`REJOIN_WAIT_MS`](syncopate_engine::coordinator::REJOIN_WAIT_MS) after the first, the new machine rebuilds the cluster from those
+//!   [`REJOIN_WAIT_MS`](syncopate_engine::coordinator::REJOIN_WAIT_MS) after the first, the new
+//!   machine rebuilds the cluster from those
 //!   holdings ([`CoordinatorMachine::rebuild`](syncopate_engine::coordinator::CoordinatorMachine::rebuild)),
 //!   as a restarted cluster coordinator does: stale servers and late ones are told to stop,
 //!   backups whose primary did not come back are promoted, an interrupted swap is finished.
