@@ -76,6 +76,69 @@ pub fn after_check(answers: &[JoinAnswer]) -> JoinStep {
     JoinStep::Skip(behind)
 }
 
+/// A joining worker's progress through [`after_joins`] and [`after_check`], answer by answer:
+/// what the tokio client and the simulator feed their shards' answers to, so that both take
+/// the same steps. The driver first asks every shard to join; each time a step asks every
+/// shard again ([`JoinStep::Check`]) it joins every shard again; each time it asks some to skip
+/// ([`JoinStep::Skip`]), it tells them and reports each one taken ([`Joining::skipped`]), after
+/// which every shard is checked again.
+#[derive(Clone, Debug)]
+pub struct Joining {
+    answers: Vec<Option<JoinAnswer>>,
+    /// Whether the answers awaited are a check's.
+    checked: bool,
+    /// The shards told to skip that have not yet taken it.
+    skipping: Vec<bool>,
+}
+
+impl Joining {
+    /// A worker about to join `shards` shards.
+    pub fn new(shards: usize) -> Joining {
+        Joining { answers: vec![None; shards], checked: false, skipping: vec![false; shards] }
+    }
+
+    /// Shard `i` answered a join (the first, a check, or the join of a new primary after a
+    /// move, which counts as its answer, or as its skip if it was told one: the check that
+    /// follows sees where it stands). Once every shard has answered, the next step; a step that
+    /// asks again ([`JoinStep::Check`]) clears the answers, and one that skips waits for the
+    /// skips.
+    pub fn joined(&mut self, i: usize, answer: JoinAnswer) -> Option<JoinStep> {
+        if self.skipping[i] {
+            return self.skipped(i);
+        }
+        if self.skipping.iter().any(|s| *s) {
+            return None;
+        }
+        self.answers[i] = Some(answer);
+        let answers = self.answers.iter().copied().collect::<Option<Vec<_>>>()?;
+        let step = if self.checked { after_check(&answers) } else { after_joins(&answers) };
+        match &step {
+            JoinStep::Start { .. } => {}
+            JoinStep::Check => self.check(),
+            JoinStep::Skip(behind) => {
+                for &(x, _) in behind {
+                    self.skipping[x] = true;
+                }
+            }
+        }
+        Some(step)
+    }
+
+    /// Shard `i` took the skip it was told. Once every shard told has, [`JoinStep::Check`].
+    pub fn skipped(&mut self, i: usize) -> Option<JoinStep> {
+        if !std::mem::replace(&mut self.skipping[i], false) || self.skipping.iter().any(|s| *s) {
+            return None;
+        }
+        self.check();
+        Some(JoinStep::Check)
+    }
+
+    fn check(&mut self) {
+        self.checked = true;
+        self.answers.fill(None);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +183,40 @@ mod tests {
         assert_eq!(after_check(&first), JoinStep::Skip(vec![(1, 34)]));
         let levelled = [fresh(34), member(34, 34)];
         assert_eq!(after_check(&levelled), JoinStep::Start { at: 34, offsets: vec![0, 0] });
+    }
+
+    #[test]
+    fn joining_answer_by_answer_checks_skips_checks_again_and_starts_level() {
+        let mut j = Joining::new(2);
+        assert_eq!(j.joined(1, fresh(7)), None);
+        assert_eq!(j.joined(0, fresh(5)), Some(JoinStep::Check));
+        assert_eq!(j.joined(0, fresh(5)), None);
+        assert_eq!(j.joined(1, fresh(7)), Some(JoinStep::Skip(vec![(0, 7)])));
+        // Nothing counts while a skip is out, and a shard not told to skip takes none.
+        assert_eq!(j.joined(1, fresh(7)), None);
+        assert_eq!(j.skipped(1), None);
+        assert_eq!(j.skipped(0), Some(JoinStep::Check));
+        assert_eq!(j.skipped(0), None);
+        assert_eq!(j.joined(0, member(7, 7)), None);
+        assert_eq!(j.joined(1, member(7, 7)), Some(JoinStep::Start { at: 7, offsets: vec![0, 0] }));
+    }
+
+    /// A shard told to skip moved before the skip reached it: the join of its new primary
+    /// stands for the skip, and the check that follows sees where it is.
+    #[test]
+    fn a_join_from_a_shard_told_to_skip_counts_as_its_skip() {
+        let mut j = Joining::new(2);
+        j.joined(0, fresh(5));
+        j.joined(1, fresh(7));
+        j.joined(0, fresh(5));
+        assert_eq!(j.joined(1, fresh(7)), Some(JoinStep::Skip(vec![(0, 7)])));
+        assert_eq!(j.joined(0, fresh(5)), Some(JoinStep::Check));
+    }
+
+    #[test]
+    fn joining_before_anyone_pushed_starts_at_once() {
+        let mut j = Joining::new(2);
+        assert_eq!(j.joined(0, fresh(0)), None);
+        assert_eq!(j.joined(1, fresh(0)), Some(JoinStep::Start { at: 0, offsets: vec![0, 0] }));
     }
 }

@@ -42,6 +42,7 @@
 //!   wherever they are computed.
 
 mod buffers;
+pub mod client;
 mod device;
 pub mod join;
 mod report;

@@ -18,10 +18,12 @@
 
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use syncopate_engine::worker::join::{self, JoinAnswer, JoinStep};
+use syncopate_engine::worker::client::{ClientMachine, Loss, PushSlot, Retry, Tally, MOVE_WAIT_NS};
+pub use syncopate_engine::worker::client::{PullStats, ShardPulled};
+use syncopate_engine::worker::join::{JoinAnswer, JoinStep, Joining};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 use tokio::sync::{mpsc, watch};
 
@@ -45,41 +47,6 @@ const NOTICE_WAIT: Duration = Duration::from_secs(5);
 /// the parts of a push in flight, whose priorities are their shards' indices.
 const URGENT: i32 = i32::MAX;
 
-/// What a pull returned, across shards.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PullStats {
-    /// The longest time any shard deferred the pull, in nanoseconds.
-    pub waited_ns: u64,
-    /// Shards that deferred it.
-    pub deferred_shards: u32,
-    /// The fewest optimizer steps of any shard.
-    pub min_version: u64,
-    /// The local steps to take in this iteration: the most any shard said (0: push a
-    /// gradient; see [`push_local`](WorkerClient::push_local)).
-    pub local_steps: u32,
-}
-
-impl PullStats {
-    /// Counts one shard's answer in.
-    pub fn add(&mut self, shard: ShardPulled) {
-        self.local_steps = self.local_steps.max(shard.local_steps);
-        self.waited_ns = self.waited_ns.max(shard.waited_ns);
-        self.deferred_shards += u32::from(shard.waited_ns > 0);
-        self.min_version = self.min_version.min(shard.version);
-    }
-}
-
-/// What one shard's pull returned ([`WorkerClient::pull_shard`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ShardPulled {
-    /// How long the shard deferred the pull, in nanoseconds.
-    pub waited_ns: u64,
-    /// The shard's optimizer steps.
-    pub version: u64,
-    /// The local steps it asks for.
-    pub local_steps: u32,
-}
-
 /// A worker's connection to the cluster.
 #[derive(Debug)]
 pub struct WorkerClient {
@@ -92,16 +59,9 @@ pub struct WorkerClient {
     /// The servers' connections, by id (dialed again when one ended: a restarted server).
     servers: ServerLinks,
     shards: Vec<ShardPlace>,
-    /// Per shard: what the shard's numbering of this worker's iterations adds to the worker's
-    /// own (negative for a late joiner, whom shards behind the others number from their
-    /// clock; changed when a shard that dropped this worker takes it back, see
-    /// [`on_primary`](Self::on_primary)).
-    offsets: Vec<AtomicI64>,
     /// Per shard: held while this worker joins it again after losing its primary, so that the
     /// renumbering a fresh join brings is in place before any other request goes there.
     rejoining: Vec<tokio::sync::Mutex<()>>,
-    /// Per shard: the version of the parameters last pulled (what the next push is based on).
-    pulled: Vec<AtomicU64>,
     model_len: usize,
     /// Workers the cluster expects.
     workers: u32,
@@ -114,7 +74,9 @@ pub struct WorkerClient {
     limits: Limits,
     /// Gradient buffers handed back by QUIC once sent ([`WorkerClient::push_buffer`]).
     pool: TensorPool,
-    /// Which server holds each shard now (the coordinator moves a shard when its server dies).
+    /// The client machine (which server holds each shard now, how each numbers this worker's
+    /// iterations, what each request still waits for), shared with the task that follows the
+    /// coordinator's moves.
     route: Arc<Route>,
 }
 
@@ -129,17 +91,24 @@ enum CoordinatorLink {
     Gone(String),
 }
 
-/// Where each shard's primary is, kept current by the coordinator's notices.
+/// The client machine, kept current by the coordinator's notices, and a signal of its moves.
 #[derive(Debug)]
 struct Route {
-    /// Per shard (index = shard number): the server holding it.
-    servers: Vec<std::sync::atomic::AtomicU32>,
+    /// Locked only for a decision or an update, never across a wait.
+    client: Mutex<ClientMachine>,
     /// Bumped on every move.
     moved: watch::Sender<u64>,
-    /// Whether shards have backups (only then is a lost server worth waiting out).
-    replicated: bool,
-    /// How many servers the welcome listed: a move to any other is ignored.
-    known_servers: usize,
+}
+
+/// What a request to a shard is, for the client machine to say whether it still waits for it
+/// after a move.
+#[derive(Clone, Copy, Debug)]
+enum Asked {
+    Pull(u64),
+    Push(PushSlot, u64),
+    /// Anything else: it is sent again after a move (a join, a skip, an acknowledgement, a
+    /// report: each is idempotent at the shard).
+    Note,
 }
 
 /// Checks a welcome's map before anything indexes by it: shards numbered `0..n` in order, each
@@ -164,16 +133,28 @@ fn check_places(shards: &[ShardPlace], servers: usize, model_len: usize) -> Resu
 }
 
 impl Route {
-    fn server(&self, shard: u32) -> u32 {
-        self.servers[shard as usize].load(Ordering::Relaxed)
+    fn client(&self) -> MutexGuard<'_, ClientMachine> {
+        self.client.lock().expect("not poisoned")
+    }
+
+    fn server(&self, i: usize) -> u32 {
+        self.client().server(i)
+    }
+
+    /// The coordinator says `shard` is on `server` now (a notice, or a new welcome's map).
+    fn moved(&self, shard: u32, server: u32) {
+        match self.client().moved(shard, server) {
+            Ok(true) => tracing::warn!(shard, server, "the coordinator moved a shard"),
+            Ok(false) => return,
+            Err(e) => return tracing::warn!("ignoring a move from the coordinator: {e}"),
+        }
+        self.moved.send_modify(|n| *n += 1);
     }
 }
 
 /// How long a worker waits for a lost shard to move (or its server to serve again) before it
-/// gives up; longer while the coordinator is away. A coordinator that dies stops the servers'
-/// leases at once, but the worker notices only after the peer timeout (10 s by default), so
-/// this is longer than that.
-const MOVE_WAIT: Duration = Duration::from_secs(20);
+/// gives up, from the request's start; longer while the coordinator is away.
+const MOVE_WAIT: Duration = Duration::from_nanos(MOVE_WAIT_NS);
 
 /// Whether an error means the shard's server is gone or no longer its primary.
 fn server_lost(e: &NetError) -> bool {
@@ -256,15 +237,12 @@ impl WorkerClient {
             tokio::spawn(read_controls(conn.clone(), tx.clone()));
             conns.push(conn);
         }
-        let known_servers = conns.len();
+        let routes: Vec<u32> = shards.iter().map(|p| p.server).collect();
+        let client = ClientMachine::new(worker, &routes, conns.len() as u32, replicated)
+            .map_err(|e| NodeError::Protocol(format!("the coordinator's map of shards: {e}")))?;
         let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
         let stop = watch::Sender::new(false);
-        let route = Arc::new(Route {
-            servers: shards.iter().map(|p| p.server.into()).collect(),
-            moved: watch::channel(0).0,
-            replicated,
-            known_servers,
-        });
+        let route = Arc::new(Route { client: Mutex::new(client), moved: watch::channel(0).0 });
         let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
         let leaving = Arc::new(AtomicBool::new(false));
         let follow =
@@ -278,9 +256,7 @@ impl WorkerClient {
             coordinator: linked,
             leaving,
             servers: conns,
-            offsets: shards.iter().map(|_| AtomicI64::new(0)).collect(),
             rejoining: shards.iter().map(|_| tokio::sync::Mutex::new(())).collect(),
-            pulled: shards.iter().map(|_| AtomicU64::new(u64::MAX)).collect(),
             shards,
             model_len,
             workers,
@@ -294,46 +270,60 @@ impl WorkerClient {
         })
     }
 
-    /// Runs `f` against the server holding `shard` now. With backups, when that server is lost
-    /// (the coordinator moves the shard, or the server says it no longer holds it), the worker
-    /// rejoins the shard on its new primary and runs `f` again there: a push is then
-    /// acknowledged once (as a duplicate if the new primary had it), a parked pull is answered
-    /// by the one the new primary has parked. `f` numbers iterations as the shard does each time
-    /// it runs ([`shard_iteration`](Self::shard_iteration)): a new primary that had dropped this
-    /// worker (it stayed away past the promoted shard's backstop) takes it as a new member, and
-    /// says where its old numbering stopped; from there on its iterations are numbered from the
-    /// clock it joined at, and those before were all applied, so a retried push is applied once
-    /// or acknowledged as the duplicate it is.
+    /// Runs `f` against the server holding shard `i` now. When that server is lost (the
+    /// coordinator moves the shard, or the server says it no longer holds it), the client
+    /// machine decides: without backups the request fails; with them the worker waits for the
+    /// move, rejoins the shard on its new primary and, if the machine still waits for what `f`
+    /// asks (`asked`), runs `f` again there: a push is then acknowledged once (as a duplicate
+    /// if the new primary had it), a parked pull is answered by the one the new primary has
+    /// parked. `f` numbers iterations as the shard does each time it runs
+    /// ([`shard_iteration`](Self::shard_iteration)): a new primary that had dropped this worker
+    /// (it stayed away past the promoted shard's backstop) takes it as a new member, and says
+    /// where its old numbering stopped; the machine numbers its iterations from the clock it
+    /// joined at from there on ([`ClientMachine::rejoined`]).
     async fn on_primary<T>(
         &self,
-        shard: u32,
+        i: usize,
+        asked: Asked,
         mut f: impl AsyncFnMut(&quinn::Connection) -> Result<T, NetError>,
     ) -> Result<T, NetError> {
-        if !self.route.replicated {
-            // No backup to move to: a lost server is an error, and the request needs no watch.
-            return f(&self.servers.get(self.route.server(shard))).await;
-        }
+        let shard = i as u32;
+        let replicated = self.route.client().replicated();
         let mut deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
-            let server = self.route.server(shard);
-            let conn = &self.servers.live(&self.endpoint, server).await;
-            let mut moved = self.route.moved.subscribe();
-            let gone = moved.wait_for(|_| self.route.server(shard) != server);
-            let lost = tokio::select! {
-                r = f(conn) => match r {
+            let server = self.route.server(i);
+            let lost = if replicated {
+                let conn = &self.servers.live(&self.endpoint, server).await;
+                let mut moved = self.route.moved.subscribe();
+                let gone = moved.wait_for(|_| self.route.server(i) != server);
+                tokio::select! {
+                    r = f(conn) => match r {
+                        Err(e) if server_lost(&e) => e,
+                        r => return r,
+                    },
+                    _ = gone => NetError::Moved { addr: conn.remote_address(), shard },
+                }
+            } else {
+                // No backup to move to: the request needs no watch.
+                match f(&self.servers.get(server)).await {
                     Err(e) if server_lost(&e) => e,
                     r => return r,
-                },
-                _ = gone => NetError::Moved { addr: conn.remote_address(), shard },
+                }
+            };
+            let loss = match lost {
+                NetError::Unavailable { .. } => Loss::Unleased,
+                _ => Loss::Lost,
+            };
+            // A server that missed a lease renewal refuses for a moment, then serves again if
+            // the coordinator did not fail it over: ask it again after a pause, until the
+            // deadline.
+            let pause = match self.route.client().after_loss(loss) {
+                Retry::Fail => return Err(lost),
+                Retry::AskAgain { after_ns } => Duration::from_nanos(after_ns),
+                Retry::AwaitMove { within_ns } => Duration::from_nanos(within_ns),
             };
             let mut moved = self.route.moved.subscribe();
-            let wait = moved.wait_for(|_| self.route.server(shard) != server);
-            // A server that missed a lease renewal refuses for a moment, then serves again if the
-            // coordinator did not fail it over: ask it again after a pause, until the deadline.
-            let pause = match lost {
-                NetError::Unavailable { .. } => Duration::from_millis(crate::net::proto::HEARTBEAT_MS),
-                _ => MOVE_WAIT,
-            };
+            let wait = moved.wait_for(|_| self.route.server(i) != server);
             let until = deadline.min(tokio::time::Instant::now() + pause);
             if tokio::time::timeout_at(until, wait).await.is_err() {
                 // While the coordinator is away (restarting), servers refuse for want of a
@@ -348,7 +338,7 @@ impl WorkerClient {
                 }
                 continue;
             }
-            let to = self.route.server(shard);
+            let to = self.route.server(i);
             tracing::warn!(
                 worker = self.id,
                 shard,
@@ -357,29 +347,37 @@ impl WorkerClient {
                 "shard moved ({lost}); retrying there"
             );
             let conn = &self.servers.live(&self.endpoint, to).await;
-            let index = self.shards.iter().position(|p| p.shard == shard).unwrap_or(0);
-            let _alone = self.rejoining[index].lock().await;
-            match net::request::<_, DataResponse>(
-                conn,
-                &DataRequest::Join { shard },
-                Payload::EMPTY,
-                &self.limits,
-            )
-            .await?
-            {
-                (DataResponse::Rejoined { .. }, _) => {}
-                (DataResponse::Joined { clock, next }, _) => {
-                    let by = clock as i64 - next as i64;
-                    self.offsets[index].fetch_add(by, Ordering::SeqCst);
-                    tracing::warn!(
-                        worker = self.id,
-                        shard,
-                        next,
-                        clock,
-                        "the shard's new primary had dropped this worker: it numbers our iterations from {next} on from {clock} now"
-                    );
-                }
-                (other, _) => return Err(refused(conn, other)),
+            let _alone = self.rejoining[i].lock().await;
+            let request = DataRequest::Join { shard };
+            let answer =
+                match net::request::<_, DataResponse>(conn, &request, Payload::EMPTY, &self.limits).await? {
+                    (DataResponse::Rejoined { next, clock }, _) => JoinAnswer { next, clock, member: true },
+                    // Taken afresh: `next` is where its old numbering stopped.
+                    (DataResponse::Joined { clock, next }, _) => JoinAnswer { next, clock, member: false },
+                    (other, _) => return Err(refused(conn, other)),
+                };
+            if let Some(by) = self.route.client().rejoined(i, answer) {
+                tracing::warn!(
+                    worker = self.id,
+                    shard,
+                    next = answer.next,
+                    clock = answer.clock,
+                    by,
+                    "the shard's new primary had dropped this worker: it numbers our iterations from {} on \
+                     from {} now",
+                    answer.next,
+                    answer.clock
+                );
+            }
+            let awaited = match asked {
+                Asked::Pull(iteration) => self.route.client().awaits_pull(i, iteration),
+                Asked::Push(slot, iteration) => self.route.client().awaits_push(slot, i, iteration),
+                Asked::Note => true,
+            };
+            if !awaited {
+                // Its answer was counted already: nothing to ask the new primary, and nothing to
+                // return but the loss.
+                return Err(lost);
             }
         }
     }
@@ -451,19 +449,24 @@ impl WorkerClient {
                 join_answer(conn, r)
             }
         });
-        let mut step = join::after_joins(&futures::future::try_join_all(joins).await?);
+        // The answers go to the join machine one by one, as the simulator's do.
+        let mut joining = Joining::new(self.shards.len());
+        let mut step = None;
+        for (i, answer) in futures::future::try_join_all(joins).await?.into_iter().enumerate() {
+            step = joining.joined(i, answer);
+        }
         loop {
             match step {
-                JoinStep::Start { at, offsets } => {
-                    self.offsets = offsets.into_iter().map(AtomicI64::new).collect();
+                Some(JoinStep::Start { at, offsets }) => {
+                    self.route.client().start(&offsets);
                     tracing::info!(worker = self.id, start = at, "joined the shards");
                     return Ok(at);
                 }
                 // Where it stands on every shard now: a hot swap's levelling may have raised
                 // its clock on the shards it joined before it joined the others.
-                JoinStep::Check => {
-                    let checks = self.shards.iter().map(|p| {
-                        self.on_primary(p.shard, async |conn| {
+                Some(JoinStep::Check) => {
+                    let checks = self.shards.iter().enumerate().map(|(i, p)| {
+                        self.on_primary(i, Asked::Note, async |conn| {
                             let request = DataRequest::Join { shard: p.shard };
                             let (r, _) =
                                 net::request::<_, DataResponse>(conn, &request, Payload::EMPTY, &limits)
@@ -471,15 +474,26 @@ impl WorkerClient {
                             join_answer(conn, r)
                         })
                     });
-                    step = join::after_check(&futures::future::try_join_all(checks).await?);
+                    step = None;
+                    for (i, answer) in futures::future::try_join_all(checks).await?.into_iter().enumerate() {
+                        step = joining.joined(i, answer);
+                    }
                 }
-                JoinStep::Skip(behind) => {
-                    let skips = behind.into_iter().map(|(i, to)| {
+                Some(JoinStep::Skip(behind)) => {
+                    let skips = behind.iter().map(|&(i, to)| {
                         let shard = self.shards[i].shard;
                         self.on_shard(shard, move |_| DataRequest::Skip { shard, to })
                     });
                     futures::future::try_join_all(skips).await?;
-                    step = JoinStep::Check;
+                    step = None;
+                    for (i, _) in behind {
+                        step = joining.skipped(i);
+                    }
+                }
+                None => {
+                    return Err(NodeError::Protocol(
+                        "joining the shards stopped short of a step (a client bug)".into(),
+                    ))
                 }
             }
         }
@@ -498,7 +512,7 @@ impl WorkerClient {
 
     /// How shard `i` numbers this worker's iteration `iteration`.
     fn shard_iteration(&self, i: usize, iteration: u64) -> u64 {
-        iteration.saturating_add_signed(self.offsets[i].load(Ordering::SeqCst))
+        self.route.client().numbered(i, iteration)
     }
 
     /// Pulls the whole model before computing `iteration`, into `out`. Returns when every shard
@@ -524,12 +538,19 @@ impl WorkerClient {
         let pulls = parts
             .into_iter()
             .enumerate()
-            .map(|(i, mut mine)| async move { self.pull_shard(i, iteration, &mut mine).await });
-        let mut stats = PullStats { min_version: u64::MAX, ..PullStats::default() };
-        for pulled in futures::future::try_join_all(pulls).await? {
-            stats.add(pulled);
-        }
-        Ok(stats)
+            .map(|(i, mut mine)| async move { self.pull_counted(i, iteration, &mut mine).await });
+        let answers = futures::future::try_join_all(pulls).await?;
+        // The client machine's count of the answers, whose last is the pull's; a pull its
+        // caller asked again is counted here.
+        let done = answers.iter().find_map(|(_, tally)| match tally {
+            Tally::Done(stats) => Some(*stats),
+            _ => None,
+        });
+        Ok(done.unwrap_or_else(|| {
+            let mut stats = PullStats::default();
+            answers.iter().for_each(|(answer, _)| stats.add(*answer));
+            stats
+        }))
     }
 
     /// Pulls shard `i`'s part of the model before computing `iteration` into `out` (its key
@@ -545,18 +566,36 @@ impl WorkerClient {
         iteration: u64,
         out: &mut [&mut [f32]],
     ) -> Result<ShardPulled, NodeError> {
+        Ok(self.pull_counted(i, iteration, out).await?.0)
+    }
+
+    /// [`pull_shard`](Self::pull_shard), with what the answer did to the client machine's count
+    /// of the pull across shards.
+    async fn pull_counted(
+        &self,
+        i: usize,
+        iteration: u64,
+        out: &mut [&mut [f32]],
+    ) -> Result<(ShardPulled, Tally<PullStats>), NodeError> {
         let p = &self.shards[i];
         let got: usize = out.iter().map(|s| s.len()).sum();
         assert_eq!(got, (p.end - p.start) as usize, "out must be the shard's key range");
         let limits = self.limits;
+        self.route.client().pull_begun(iteration);
         let (waited_ns, version, local_steps) = self
-            .on_primary(p.shard, async |conn| {
+            .on_primary(i, Asked::Pull(iteration), async |conn| {
                 let req = DataRequest::Pull { shard: p.shard, iteration: self.shard_iteration(i, iteration) };
                 pull_into(conn, &req, out, limits, &self.pool).await
             })
             .await?;
-        self.pulled[i].store(version, Ordering::Relaxed);
-        Ok(ShardPulled { waited_ns, version, local_steps })
+        let answer = ShardPulled { waited_ns, version, local_steps };
+        let mut client = self.route.client();
+        let tally = client.pulled(i, iteration, answer);
+        if tally == Tally::Stale {
+            // Asked again by its caller after it was answered: the values landed all the same.
+            client.landed(i, version);
+        }
+        Ok((answer, tally))
     }
 
     /// The number of parameters: the length of the whole model.
@@ -680,7 +719,8 @@ impl WorkerClient {
             }
             parts
         };
-        self.push_parts(parts, self.push_request(iteration, samples, local_steps)).await
+        let asked = Asked::Push(PushSlot::Own, iteration);
+        self.push_parts(parts, asked, self.push_request(iteration, samples, local_steps)).await
     }
 
     /// Shard `i`'s part of a push in the codec its policy set, error feedback added; `None`
@@ -747,12 +787,14 @@ impl WorkerClient {
             None => (Codec::None, Payload::Shared(self.pool.send_shared(Arc::new(values)))),
         };
         let make = self.push_request(iteration, samples, local_steps);
+        self.route.client().push_begun(PushSlot::Own, iteration);
         // The first layers' parts (the first shards' keys) go first when several share the
         // link, as ByteScheduler orders them: backward feeds them last, and the next forward
         // pass needs them first, so they overtake what is left of the last layers' parts, whose
         // pulls are needed only later in that pass. Alone on the link, a part goes at once.
         let priority = -i32::try_from(i).unwrap_or(i32::MAX);
-        Ok(self.push_one(i, codec, payload, self.based_on(i), priority, &make).await?)
+        let asked = Asked::Push(PushSlot::Own, iteration);
+        Ok(self.push_one(i, codec, payload, asked, priority, &make).await?)
     }
 
     /// Pushes tasks `mask` (of `total`) of worker `owner`'s iteration `iteration`: this worker's
@@ -777,7 +819,8 @@ impl WorkerClient {
             .iter()
             .map(|p| (Codec::None, grad.slice(p.start as usize * f32s..p.end as usize * f32s)))
             .collect();
-        self.push_parts(parts, |i, shard, based_on, _| {
+        let slot = if owner == self.id { PushSlot::Own } else { PushSlot::Help };
+        self.push_parts(parts, Asked::Push(slot, iteration), |i, shard, based_on, _| {
             let iteration = if owner == self.id { self.shard_iteration(i, iteration) } else { iteration };
             DataRequest::PushTasks { shard, owner, iteration, samples, based_on, mask, total }
         })
@@ -790,56 +833,67 @@ impl WorkerClient {
     async fn push_parts(
         &self,
         parts: Vec<(Codec, Payload<'_>)>,
+        asked: Asked,
         make: impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
     ) -> Result<u32, NodeError> {
         assert_eq!(parts.len(), self.shards.len(), "a part per shard");
+        if let Asked::Push(slot, iteration) = asked {
+            self.route.client().push_begun(slot, iteration);
+        }
         let pushes = parts
             .into_iter()
             .enumerate()
-            .map(|(i, (codec, values))| self.push_one(i, codec, values, self.based_on(i), 0, &make));
+            .map(|(i, (codec, values))| self.push_one(i, codec, values, asked, 0, &make));
         Ok(futures::future::try_join_all(pushes).await?.into_iter().sum())
     }
 
-    /// The shard version the model this worker last pulled from shard `i` had (`None` before
-    /// any pull): what a push says it was computed from.
-    fn based_on(&self, i: usize) -> Option<u64> {
-        Some(self.pulled[i].load(Ordering::Relaxed)).filter(|v| *v != u64::MAX)
-    }
-
-    /// Sends shard `i` its part of a push with the request `make(index, shard, based_on,
-    /// codec)` builds, at QUIC stream priority `priority`, and waits for its answer: 1 if its
-    /// policy dropped it, else 0.
+    /// Sends shard `i` its part of a push (`asked`: whose, of which iteration) with the request
+    /// `make(index, shard, based_on, codec)` builds, at QUIC stream priority `priority`, and
+    /// waits for its answer: 1 if its policy dropped it, else 0. `based_on` is the shard
+    /// version of the model this worker last pulled there (`None` before any pull).
     async fn push_one(
         &self,
         i: usize,
         codec: Codec,
         values: Payload<'_>,
-        based_on: Option<u64>,
+        asked: Asked,
         priority: i32,
         make: &impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest,
     ) -> Result<u32, NetError> {
         let p = &self.shards[i];
-        self.on_primary(p.shard, async move |conn| {
-            let req = make(i, p.shard, based_on, codec);
-            let values = values.clone();
-            match net::request_with_priority::<_, DataResponse>(conn, &req, values, &self.limits, priority)
+        let based_on = self.route.client().based_on(i);
+        let dropped = self
+            .on_primary(i, asked, async move |conn| {
+                let req = make(i, p.shard, based_on, codec);
+                let values = values.clone();
+                match net::request_with_priority::<_, DataResponse>(
+                    conn,
+                    &req,
+                    values,
+                    &self.limits,
+                    priority,
+                )
                 .await?
-            {
-                // A duplicate is an iteration the shard already has (the worker redoes it
-                // after a restore, or retries it after a failover): acknowledged, applied once.
-                (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
-                (DataResponse::PushDropped, _) => Ok(1),
-                (other, _) => Err(refused(conn, other)),
-            }
-        })
-        .await
+                {
+                    // A duplicate is an iteration the shard already has (the worker redoes it
+                    // after a restore, or retries it after a failover): acknowledged, applied once.
+                    (DataResponse::PushAcked | DataResponse::PushDuplicate, _) => Ok(0),
+                    (DataResponse::PushDropped, _) => Ok(1),
+                    (other, _) => Err(refused(conn, other)),
+                }
+            })
+            .await?;
+        if let Asked::Push(slot, iteration) = asked {
+            self.route.client().push_answered(slot, i, iteration, Ok(dropped == 1));
+        }
+        Ok(dropped)
     }
 
     /// Whether every shard numbers this worker's iterations as it does (always, unless a
     /// promoted shard dropped the worker and took it back renumbered): only then can its tasks
     /// move and can it skip ahead.
     pub fn numbering_shared(&self) -> bool {
-        self.offsets.iter().all(|o| o.load(Ordering::SeqCst) == 0)
+        self.route.client().numbering_shared()
     }
 
     /// Sends the server holding `shard` the request `make(index)` builds (`index`: the shard's
@@ -849,7 +903,7 @@ impl WorkerClient {
             NodeError::Protocol(format!("a control message named shard {shard}, which we do not use"))
         })?;
         let result = self
-            .on_primary(shard, async |conn| {
+            .on_primary(index, Asked::Note, async |conn| {
                 let req = make(index);
                 match net::request::<_, DataResponse>(conn, &req, Payload::EMPTY, &self.limits).await? {
                     (DataResponse::Ok, _) => Ok(()),
@@ -964,7 +1018,7 @@ impl WorkerClient {
     /// Sends shard `i` the request `make(i, shard)` builds, which it answers with `Ok`.
     async fn tell_shard(&self, i: usize, make: &impl Fn(usize, u32) -> DataRequest) -> Result<(), NodeError> {
         let p = &self.shards[i];
-        self.on_primary(p.shard, async move |conn| {
+        self.on_primary(i, Asked::Note, async move |conn| {
             let req = make(i, p.shard);
             // A few bytes: ahead of pushes in flight, as a pull's request is.
             match net::request_with_priority::<_, DataResponse>(
@@ -1215,16 +1269,9 @@ async fn follow_coordinator(mut conn: quinn::Connection, link: watch::Sender<Coo
         match rejoin_coordinator(&rejoin, id).await {
             Ok((c, places)) => {
                 for p in places {
-                    match route.servers.get(p.shard as usize) {
-                        Some(s) if (p.server as usize) < route.known_servers => {
-                            s.store(p.server, Ordering::Relaxed)
-                        }
-                        _ => tracing::warn!(
-                            ?p,
-                            "ignoring a place on a shard or server this cluster does not have"
-                        ),
-                    }
+                    route.moved(p.shard, p.server);
                 }
+                // Wakes every request waiting on a lost server to look again.
                 route.moved.send_modify(|n| *n += 1);
                 link.send_replace(CoordinatorLink::Up(c.clone()));
                 conn = c;
@@ -1300,20 +1347,7 @@ async fn read_notices(conn: &quinn::Connection, stop: &watch::Sender<bool>, rout
                 tracing::info!("the coordinator asked us to stop");
                 stop.send_replace(true);
             }
-            Ok((WorkerNotice::Moved { shard, server }, _)) => match route.servers.get(shard as usize) {
-                Some(s) if (server as usize) < route.known_servers => {
-                    tracing::warn!(shard, server, "the coordinator moved a shard");
-                    s.store(server, Ordering::Relaxed);
-                    route.moved.send_modify(|n| *n += 1);
-                }
-                _ => tracing::warn!(
-                    shard,
-                    server,
-                    "ignoring a move to a shard or server this cluster does not have ({} shards, {} servers)",
-                    route.servers.len(),
-                    route.known_servers
-                ),
-            },
+            Ok((WorkerNotice::Moved { shard, server }, _)) => route.moved(shard, server),
             Err(e) => tracing::warn!("unreadable notice from the coordinator: {e}"),
         }
     }

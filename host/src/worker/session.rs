@@ -509,8 +509,7 @@ impl Session {
                 let pulled = async {
                     loop {
                         if let Some(r) = results.borrow_mut().take() {
-                            let mut stats =
-                                crate::worker::PullStats { min_version: u64::MAX, ..Default::default() };
+                            let mut stats = crate::worker::PullStats::default();
                             for shard in r?.into_iter().flatten() {
                                 stats.add(shard);
                             }

@@ -53,6 +53,7 @@ use syncopate_engine::coordinator::{
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
+use super::workers::slot;
 use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition, PEER_TIMEOUT_NS};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
@@ -644,7 +645,8 @@ impl Sim {
         let token = self.token(Req::Join { w, s, again: true });
         self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
         self.drain(s)?;
-        // Each lost pull and push is asked again, once, if the worker still waits for it.
+        // Each lost pull and push is asked again, once, if the worker's client still waits for
+        // it there.
         let mut asked = std::collections::BTreeSet::new();
         for ev in mine {
             let wk = &self.workers[wu];
@@ -653,17 +655,17 @@ impl Sim {
                     let t = self.net.after_latency(self.now, wu, node);
                     self.at(t, ev)
                 }
-                Ev::PullArrive(_, _, iteration) => {
-                    let waiting = wk.pulling == Some(iteration) && !wk.replied[su];
-                    if waiting && asked.insert(ev) {
-                        let t = self.net.transfer(self.now, wu, node, 64);
-                        self.at(t, ev);
-                    }
+                Ev::PullArrive(_, _, iteration)
+                    if wk.client.awaits_pull(su, iteration) && asked.insert(ev) =>
+                {
+                    let t = self.net.transfer(self.now, wu, node, 64);
+                    self.at(t, ev);
                 }
                 Ev::PushArrive(_, _, help) => {
-                    let (slot, acked) =
-                        if help { (&wk.help, &wk.help_acked) } else { (&wk.own, &wk.own_acked) };
-                    if slot.is_some() && !acked[su] && asked.insert(ev) {
+                    let p = if help { &wk.help } else { &wk.own };
+                    let awaited =
+                        p.as_ref().is_some_and(|p| wk.client.awaits_push(slot(help), su, p.job.iteration));
+                    if awaited && asked.insert(ev) {
                         let t = self.net.transfer(self.now, wu, node, self.shard_bytes(s));
                         self.at(t, ev);
                     }

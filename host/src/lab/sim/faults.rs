@@ -6,23 +6,12 @@
 //! does.
 
 use rand::Rng as _;
-use syncopate_engine::worker::join::{self, JoinAnswer, JoinStep};
+use syncopate_engine::worker::join::{JoinAnswer, JoinStep, Joining};
 use syncopate_engine::worker::{WorkerConfig, WorkerMachine};
 
 use super::events::{Copied, Ev};
 use super::{sim_shard, Req, Sim, SimError, DUPLICATE_WITHIN_NS};
 use crate::shard::{PushHeader, Quiet};
-
-/// A late joiner on its way in ([`SimFaults::late_join`](super::SimFaults::late_join)), as
-/// `WorkerClient::join` goes: per shard, the next iteration it expects from the worker and the
-/// worker's clock there, as its last answer said (`None` while a join or a skip is unanswered);
-/// whether these answers are a check's (joins again, after the skips), which the start waits for;
-/// and, per shard, where its skip asked last goes.
-pub(super) struct Joining {
-    at: Vec<Option<(u64, u64)>>,
-    checked: bool,
-    skips: Vec<(u64, u64)>,
-}
 
 impl Sim {
     /// Worker `w`, a late joiner, joins every shard whose primary it can reach (those on a
@@ -34,7 +23,7 @@ impl Sim {
             return Ok(());
         }
         wk.absent = false;
-        wk.joining = Some(Joining { at: vec![None; shards], checked: false, skips: vec![(0, 0); shards] });
+        wk.joining = Some(Joining::new(shards));
         tracing::debug!(worker = w, t_ns = self.now, "a late joiner joins");
         for s in 0..shards as u32 {
             // It asks the coordinator where the shards are: it knows every move so far.
@@ -48,88 +37,69 @@ impl Sim {
         Ok(())
     }
 
-    /// Late joiner `w` heard from shard `s` where it stands there: the next iteration the
-    /// shard expects from it and its clock (a join's answer, or a skip's). Once every shard has
-    /// answered, it takes the step [`join`] decides, as the
-    /// client does: every shard is asked again (a member's join says where it stands and
-    /// changes nothing), since a hot swap's levelling may have raised its clock meanwhile on
-    /// the shards it had joined; the worker starts once such a check finds its clocks level,
-    /// each shard numbering its iterations from its own next one; if they are not, the shards
-    /// where its clock is below the largest are told to skip it up to there, and it checks
-    /// again. A shard that moves meanwhile answers the worker's join of its new primary, which
-    /// counts as its answer. (A late joiner had no predecessor under its id, so no shard holds a
-    /// push of its own: a member's answer, from a promoted backup that knew its join, is levelled
-    /// as a fresh one is.)
-    pub(super) fn joined_late(&mut self, w: u32, s: u32, at: (u64, u64)) -> Result<(), SimError> {
+    /// Late joiner `w` heard from shard `s` where it stands there (a join's answer), and
+    /// takes the step its [`Joining`] decides once every shard has answered, as `WorkerClient`
+    /// does: every shard is asked again (a member's join says where it stands and changes
+    /// nothing), since a hot swap's levelling may have raised its clock meanwhile on the shards
+    /// it had joined; the worker starts once such a check finds its clocks level, each shard
+    /// numbering its iterations from its own next one; if they are not, the shards where its
+    /// clock is below the largest are told to skip it up to there, and it checks again. A shard
+    /// that moves meanwhile answers the worker's join of its new primary, which counts as its
+    /// answer. (A late joiner had no predecessor under its id, so no shard holds a push of its
+    /// own: a member's answer, from a promoted backup that knew its join, is levelled as a fresh
+    /// one is; the caller passes every answer as a fresh one.)
+    pub(super) fn joined_late(&mut self, w: u32, s: u32, answer: JoinAnswer) -> Result<(), SimError> {
         let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
-        j.at[s as usize] = Some(at);
-        let Some(answers) =
-            j.at.iter()
-                .map(|a| a.map(|(next, clock)| JoinAnswer { next, clock, member: false }))
-                .collect::<Option<Vec<_>>>()
-        else {
-            return Ok(());
-        };
-        let step = match j.checked {
-            true => join::after_check(&answers),
-            false => join::after_joins(&answers),
-        };
-        let (asks, check) = match step {
-            JoinStep::Start { at, offsets } => {
-                let next: Vec<u64> = offsets.iter().map(|o| at.saturating_add_signed(*o)).collect();
-                return self.begin(w, at, &next);
-            }
-            JoinStep::Check => ((0..answers.len()).collect::<Vec<_>>(), true),
-            JoinStep::Skip(behind) => {
-                let top = answers.iter().map(|a| a.clock).max().unwrap_or(0);
-                for &(x, to) in &behind {
-                    j.skips[x] = (to, top);
-                }
-                (behind.into_iter().map(|(x, _)| x).collect(), false)
-            }
-        };
-        j.checked = check;
-        for &x in &asks {
-            j.at[x] = None;
-        }
-        let skips = j.skips.clone();
-        for x in asks {
-            let x = x as u32;
-            if self.down(x) {
-                continue;
-            }
-            if check {
-                let token = self.token(Req::Join { w, s: x, again: false });
-                self.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
-            } else {
-                let token = self.token(Req::LateSkip { w, s: x });
-                self.nodes[x as usize].skip(self.now, token, w, skips[x as usize].0, &mut Quiet);
-            }
-            self.drain(x)?;
-        }
-        Ok(())
+        let step = j.joined(s as usize, answer);
+        self.join_step(w, step)
     }
 
-    /// Late joiner `w`'s skip on shard `s` was answered: it stands where the skip took it.
+    /// Late joiner `w`'s skip on shard `s` was answered.
     pub(super) fn skipped_late(&mut self, w: u32, s: u32) -> Result<(), SimError> {
-        match self.workers[w as usize].joining.as_ref().map(|j| j.skips[s as usize]) {
-            Some(to) => self.joined_late(w, s, to),
+        let Some(j) = self.workers[w as usize].joining.as_mut() else { return Ok(()) };
+        let step = j.skipped(s as usize);
+        self.join_step(w, step)
+    }
+
+    /// Late joiner `w` takes the step its [`Joining`] decided.
+    fn join_step(&mut self, w: u32, step: Option<JoinStep>) -> Result<(), SimError> {
+        match step {
             None => Ok(()),
+            Some(JoinStep::Start { at, offsets }) => self.begin(w, at, &offsets),
+            Some(JoinStep::Check) => {
+                for x in 0..self.nodes.len() as u32 {
+                    if !self.down(x) {
+                        let token = self.token(Req::Join { w, s: x, again: false });
+                        self.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+                        self.drain(x)?;
+                    }
+                }
+                Ok(())
+            }
+            Some(JoinStep::Skip(behind)) => {
+                for (x, to) in behind {
+                    let x = x as u32;
+                    if !self.down(x) {
+                        let token = self.token(Req::LateSkip { w, s: x });
+                        self.nodes[x as usize].skip(self.now, token, w, to, &mut Quiet);
+                        self.drain(x)?;
+                    }
+                }
+                Ok(())
+            }
         }
     }
 
-    /// Late joiner `w` starts at `start` (its clock on every shard), each shard numbering its
-    /// iterations from `next` (the same on every shard but those a swap raised it on).
-    pub(super) fn begin(&mut self, w: u32, start: u64, next: &[u64]) -> Result<(), SimError> {
-        for (s, n) in next.iter().enumerate() {
-            self.renumbered[w as usize][s] = *n as i64 - start as i64;
-        }
-        let shared = next.iter().all(|n| *n == start);
+    /// Late joiner `w` starts at `start` (its clock on every shard), shard `i` numbering its
+    /// iterations `offsets[i]` on from its own (0 on every shard but those a swap raised it on).
+    pub(super) fn begin(&mut self, w: u32, start: u64, offsets: &[i64]) -> Result<(), SimError> {
         let wk = &mut self.workers[w as usize];
+        wk.client.start(offsets);
+        let shared = wk.client.numbering_shared();
         let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg };
         wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
         wk.joining = None;
-        tracing::debug!(worker = w, start, ?next, t_ns = self.now, "the late joiner starts");
+        tracing::debug!(worker = w, start, ?offsets, t_ns = self.now, "the late joiner starts");
         self.start(w)
     }
 

@@ -66,7 +66,9 @@ pub use outcome::{CheckpointCounts, RebuildCounts, Simulated};
 use std::collections::BTreeMap;
 
 use rand::Rng as _;
-use syncopate_engine::worker::{Buffers, Device, Input, PushFailed, WorkerConfig, WorkerMachine};
+use syncopate_engine::worker::client::ClientMachine;
+use syncopate_engine::worker::join::JoinAnswer;
+use syncopate_engine::worker::{Buffers, Device, Input, WorkerConfig, WorkerMachine};
 
 use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerClock, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
@@ -192,10 +194,6 @@ struct Sim {
     term: Vec<u32>,
     /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
     known: Vec<Vec<u32>>,
-    /// Per worker, per shard: what the shard's numbering of the worker's iterations adds to the
-    /// worker's own, changed when a new primary that had dropped the worker takes it back (as
-    /// `WorkerClient` renumbers, see [`Joined::Fresh`](crate::shard::Joined::Fresh)).
-    renumbered: Vec<Vec<i64>>,
     /// The hot swap under way: its number, module and configuration.
     swapping: Option<Swapping>,
     /// Each swap's module and configuration (by its number; 0: the first policy), as a
@@ -425,27 +423,23 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             device,
         };
         let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
+        let routes: Vec<u32> = (0..shards_n).map(|s| s % sc.servers).collect();
+        let client = ClientMachine::new(w, &routes, sc.servers, sc.replicas > 0)
+            .map_err(|e| SimError::Options(e.to_string()))?;
         workers.push(SimWorker {
             cfg,
             absent: opts.faults.late_join.iter().any(|l| l.0 == w),
             joining: None,
             machine,
+            client,
             bufs,
             workload,
-            replies: 0,
             replies_at: 0,
-            deferred: false,
-            deferred_ns: 0,
-            local_steps: 0,
+            pulled: None,
             encoder: PushEncoder::new(w, shards_n as usize, sc.codecs().0),
             encoded: vec![None; shards_n as usize],
-            based_on: vec![None; shards_n as usize],
             own: None,
             help: None,
-            own_acked: vec![false; shards_n as usize],
-            help_acked: vec![false; shards_n as usize],
-            pulling: None,
-            replied: vec![false; shards_n as usize],
             wake_at: None,
             done: false,
             dead: false,
@@ -521,7 +515,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         starting: true,
         term: vec![0; shards_n as usize],
         known: vec![vec![0; shards_n as usize]; n as usize],
-        renumbered: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         swapping: None,
         swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
@@ -733,7 +726,7 @@ impl Sim {
     /// A token for a request to a shard.
     /// How shard `s` numbers worker `w`'s iteration `iteration`.
     fn numbered(&self, w: WorkerId, s: u32, iteration: u64) -> u64 {
-        iteration.saturating_add_signed(self.renumbered[w as usize][s as usize])
+        self.workers[w as usize].client.numbered(s as usize, iteration)
     }
 
     fn token(&mut self, req: Req) -> Token {
@@ -769,11 +762,11 @@ impl Sim {
                         (Req::Join { w, .. }, Reply::Joined(Ok(joined)))
                             if self.workers[w as usize].joining.is_some() =>
                         {
-                            let at = match joined {
+                            let (next, clock) = match joined {
                                 Joined::Fresh { clock, .. } => (clock, clock),
                                 Joined::Rejoined { next, clock } => (next, clock),
                             };
-                            self.joined_late(w, s, at)?;
+                            self.joined_late(w, s, JoinAnswer { next, clock, member: false })?;
                         }
                         (Req::LateSkip { .. }, Reply::Done(Err(e))) => {
                             return Err(SimError::Refused(s, e.to_string()))
@@ -782,7 +775,8 @@ impl Sim {
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
                             if let (true, Joined::Fresh { clock, next }) = (again, joined) {
                                 // A new primary that had dropped it: its numbering there moves.
-                                self.renumbered[w as usize][s as usize] += clock as i64 - next as i64;
+                                let answer = JoinAnswer { next, clock, member: false };
+                                self.workers[w as usize].client.rejoined(s as usize, answer);
                                 tracing::debug!(worker = w, shard = s, next, clock, "taken back afresh");
                             }
                             self.joins[w as usize] += 1;
@@ -897,7 +891,6 @@ impl Sim {
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
-        let shards = self.nodes.len() as u32;
         if let Ev::Wake(w) | Ev::PullDone(w) | Ev::AckArrive(w, _) | Ev::Control(w, _) | Ev::Moved(w, _) = ev
         {
             if self.workers[w as usize].dead {
@@ -939,10 +932,10 @@ impl Sim {
             }
             Ev::PullDone(w) => {
                 let wk = &mut self.workers[w as usize];
-                wk.pulling = None;
                 wk.bufs.pulled();
-                let (deferred, deferred_ns, local_steps) = (wk.deferred, wk.deferred_ns, wk.local_steps);
-                self.feed(w, Input::Pulled { deferred, deferred_ns, local_steps })?;
+                let Some(stats) = wk.pulled.take() else { return Ok(()) };
+                let (deferred, deferred_ns) = (stats.deferred_shards > 0, stats.waited_ns);
+                self.feed(w, Input::Pulled { deferred, deferred_ns, local_steps: stats.local_steps })?;
             }
             Ev::PushArrive(w, s, help) => {
                 let wk = &self.workers[w as usize];
@@ -961,7 +954,7 @@ impl Sim {
                 };
                 // A whole push is the owner's own; parts say whose tasks they are.
                 debug_assert!(job.tasks.is_some() || job.owner == w);
-                let (samples, based_on) = (job.samples, wk.based_on[s as usize]);
+                let (samples, based_on) = (job.samples, wk.client.based_on(s as usize));
                 let (iteration, whole, local_steps) = (job.iteration, job.tasks.is_none(), job.local_steps);
                 let token = self.token(Req::Push { w, s, help, iteration, whole });
                 let tasks = job.tasks.map(|part| (job.owner, part));
@@ -977,25 +970,23 @@ impl Sim {
             Ev::AckArrive(w, help) => {
                 let wk = &mut self.workers[w as usize];
                 let slot = if help { &mut wk.help } else { &mut wk.own };
-                let Some(p) = slot.as_mut().filter(|p| p.acks == shards) else { return Ok(()) };
-                let (kind, refused, dropped) = (p.job.kind, p.refused.take(), p.dropped);
-                *slot = None;
-                let result = refused.map_or(Ok(dropped), |e| Err(PushFailed::Refused(e)));
+                let Some(result) = slot.as_mut().and_then(|p| p.result.take()) else { return Ok(()) };
+                let kind = slot.take().map(|p| p.job.kind).expect("a push answered");
                 self.feed(w, Input::Pushed { kind, result })?;
             }
             Ev::ToShard(w, s, i) => {
                 // The shard numbers the worker's iterations its own way (after a renumbering).
-                let by = self.renumbered[w as usize][s as usize];
-                let msg = match self.to_shard.deliver(i) {
+                let msg = self.to_shard.deliver(i);
+                let numbered = |it| self.numbered(w, s, it);
+                let msg = match msg {
                     ToShard::Applied(a) => {
-                        ToShard::Applied(Applied { iteration: a.iteration.saturating_add_signed(by), ..a })
+                        ToShard::Applied(Applied { iteration: numbered(a.iteration), ..a })
                     }
-                    ToShard::Finished(r) => ToShard::Finished(IterationReport {
-                        iteration: r.iteration.saturating_add_signed(by),
-                        ..r
-                    }),
-                    ToShard::Skip(to) => ToShard::Skip(to.saturating_add_signed(by)),
-                    ToShard::Waiting(i, waiting) => ToShard::Waiting(i.saturating_add_signed(by), waiting),
+                    ToShard::Finished(r) => {
+                        ToShard::Finished(IterationReport { iteration: numbered(r.iteration), ..r })
+                    }
+                    ToShard::Skip(to) => ToShard::Skip(numbered(to)),
+                    ToShard::Waiting(i, waiting) => ToShard::Waiting(numbered(i), waiting),
                     msg @ (ToShard::Handover(_) | ToShard::Goodbye) => msg,
                 };
                 self.duplicate(w, s, || Copied::Note(msg));

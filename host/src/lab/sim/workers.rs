@@ -1,32 +1,42 @@
-//! The simulated workers' side: what each worker's driver keeps (its [`WorkerMachine`], buffers,
-//! the push and pull in flight and which shards answered them) and what it does with the
-//! machine's actions and the shards' answers, as `syncopate worker` drives the same machine over
-//! QUIC.
+//! The simulated workers' side: what each worker's driver keeps (its [`WorkerMachine`], its
+//! [`ClientMachine`], buffers, the push and pull in flight) and what it does with the machines'
+//! actions and the shards' answers, as `syncopate worker` drives the same machines over QUIC.
+//! What the client decides (how shards number the worker's iterations, what a push is based on,
+//! when a pull or push is answered everywhere, what to send again after a move) is the
+//! [`ClientMachine`]'s, as in `WorkerClient`; the simulator keeps only time and bytes.
 
-use syncopate_engine::worker::{Action, Buffers, Input, JobKind, PushJob, WorkerConfig, WorkerMachine};
+use syncopate_engine::worker::client::{ClientMachine, PullStats, PushSlot, ShardPulled, Tally};
+use syncopate_engine::worker::join::Joining;
+use syncopate_engine::worker::{
+    Action, Buffers, Input, JobKind, PushFailed, PushJob, WorkerConfig, WorkerMachine,
+};
 use syncopate_policy_sdk::abi::{Applied, Control, LeaveReason, WorkerId};
 use syncopate_workloads::Workload;
 
 use super::events::{Ev, ToShard};
-use super::faults::Joining;
 use super::{sim_shard, Sim, SimError, PEER_TIMEOUT_NS};
 use crate::codec::{self, Codec, Encoded, PushEncoder};
 use crate::shard::{PushOutcome, Quiet, RequestError, Served};
 
-/// A push on its way: the job and the shards that have acknowledged it.
+/// A push on its way: the job, when the latest acknowledgement sent so far arrives, and, once
+/// every shard has answered, its result.
 #[derive(Clone, Debug)]
 pub(super) struct InFlight {
     pub(super) job: PushJob,
-    pub(super) acks: u32,
-    /// When the latest acknowledgement sent so far arrives.
     pub(super) acks_at: u64,
-    /// A shard's refusal (of moved tasks whose owner left meanwhile).
-    pub(super) refused: Option<RequestError>,
-    /// Shards whose policy dropped it.
-    pub(super) dropped: u32,
+    pub(super) result: Option<Result<u32, PushFailed>>,
 }
 
-/// One simulated worker: the machine and what its driver keeps (buffers, transfers in flight).
+/// Which push slot a job goes in.
+pub(super) fn slot(help: bool) -> PushSlot {
+    if help {
+        PushSlot::Help
+    } else {
+        PushSlot::Own
+    }
+}
+
+/// One simulated worker: the machines and what its driver keeps (buffers, transfers in flight).
 pub(super) struct SimWorker {
     pub(super) cfg: WorkerConfig,
     /// Not joined yet: a late joiner before its time.
@@ -34,30 +44,21 @@ pub(super) struct SimWorker {
     /// A late joiner joining.
     pub(super) joining: Option<Joining>,
     pub(super) machine: WorkerMachine,
+    /// What its client knows and decides about its shards.
+    pub(super) client: ClientMachine,
     pub(super) bufs: Buffers,
     pub(super) workload: Option<Box<dyn Workload>>,
-    /// Pull replies sent for the current pull, and when the latest arrives.
-    pub(super) replies: u32,
+    /// When the latest pull reply sent so far arrives, and, once every shard has answered, what
+    /// they said.
     pub(super) replies_at: u64,
-    pub(super) deferred: bool,
-    pub(super) deferred_ns: u64,
-    /// The most local steps any shard's reply to the current pull said.
-    pub(super) local_steps: u32,
+    pub(super) pulled: Option<PullStats>,
     /// Its push codecs and error-feedback residuals, as a cluster worker's client keeps them.
     pub(super) encoder: PushEncoder,
     /// Per shard, the own push in flight as that shard decodes it (when its codec is not
     /// `none`; `None`: the values as they are).
     pub(super) encoded: Vec<Option<Vec<f32>>>,
-    pub(super) based_on: Vec<Option<u64>>,
     pub(super) own: Option<InFlight>,
     pub(super) help: Option<InFlight>,
-    /// Per shard: whether it acknowledged the push in flight (own, help): a retried push that
-    /// is acknowledged twice counts once.
-    pub(super) own_acked: Vec<bool>,
-    pub(super) help_acked: Vec<bool>,
-    /// The iteration of the pull in flight, and which shards have answered it.
-    pub(super) pulling: Option<u64>,
-    pub(super) replied: Vec<bool>,
     pub(super) wake_at: Option<u64>,
     /// Counted in [`Sim::done`].
     pub(super) done: bool,
@@ -97,15 +98,17 @@ impl Sim {
     /// Shard `s` answers worker `w`'s pull for `iteration`.
     pub(super) fn served(&mut self, s: u32, w: WorkerId, iteration: u64, served: Served) {
         let wk = &mut self.workers[w as usize];
+        let answer = ShardPulled {
+            waited_ns: served.waited_ns,
+            version: served.version,
+            local_steps: served.local_steps,
+        };
         // The answer to a pull asked again after a failover, which the old primary had
         // answered already, changes nothing.
-        if wk.pulling != Some(iteration) || std::mem::replace(&mut wk.replied[s as usize], true) {
+        let tally = wk.client.pulled(s as usize, iteration, answer);
+        if tally == Tally::Stale {
             return;
         }
-        wk.based_on[s as usize] = Some(served.version);
-        wk.deferred |= served.waited_ns > 0;
-        wk.deferred_ns = wk.deferred_ns.max(served.waited_ns);
-        wk.local_steps = wk.local_steps.max(served.local_steps);
         if self.opts.gradients {
             let (lo, hi) = self.ranges[s as usize];
             let params = &mut wk.bufs.params[lo..hi];
@@ -125,9 +128,9 @@ impl Sim {
         // The worker goes on when the last reply arrives: one event at that time, not one
         // per shard (a fifth of a large run's events).
         let wk = &mut self.workers[w as usize];
-        wk.replies += 1;
         wk.replies_at = wk.replies_at.max(t);
-        if wk.replies == self.nodes.len() as u32 {
+        if let Tally::Done(stats) = tally {
+            wk.pulled = Some(stats);
             let at = wk.replies_at;
             self.at(at, Ev::PullDone(w));
         }
@@ -144,46 +147,36 @@ impl Sim {
         whole: bool,
         r: Result<PushOutcome, RequestError>,
     ) -> Result<(), SimError> {
-        match r {
-            // A whole push's acknowledgement counts for the push still in flight (not one
-            // answered before a failover).
-            Ok(outcome) if whole => {
-                let own = self.workers[w as usize].own.as_ref();
-                if own.is_some_and(|p| p.job.tasks.is_none() && p.job.iteration == iteration) {
-                    self.ack(w, s, false, outcome == PushOutcome::Dropped);
-                }
-            }
-            Ok(_) => self.ack(w, s, help, false),
+        let answer = match r {
+            // Only a whole push counts its shards' drops (parts are counted by their owner).
+            Ok(outcome) => Ok(whole && outcome == PushOutcome::Dropped),
+            // The owner left meanwhile: its iteration is void, as on the cluster.
             Err(e) if help => {
-                // The owner left meanwhile: its iteration is void, as on the cluster.
                 tracing::debug!("moved tasks refused: {e}");
-                if let Some(p) = self.workers[w as usize].help.as_mut() {
-                    p.refused = Some(e);
-                }
-                self.ack(w, s, help, false);
+                Err(e)
             }
             Err(e) => return Err(SimError::Refused(s, e.to_string())),
-        }
+        };
+        self.ack(w, s, help, iteration, answer);
         Ok(())
     }
 
-    /// Shard `s`'s acknowledgement of worker `w`'s push (`help`: of tasks moved to it) is on its
-    /// way. Every acknowledgement takes the latency alone (after a cut link heals): the last to
-    /// arrive becomes an event once all are sent.
-    pub(super) fn ack(&mut self, w: u32, s: u32, help: bool, dropped: bool) {
-        let shards = self.nodes.len() as u32;
+    /// Shard `s`'s answer to worker `w`'s push of `iteration` (`help`: of tasks moved to it)
+    /// is on its way. Every acknowledgement takes the latency alone (after a cut link heals):
+    /// the last to arrive becomes an event once the client has counted every shard's.
+    fn ack(&mut self, w: u32, s: u32, help: bool, iteration: u64, answer: Result<bool, RequestError>) {
         let at = self.net.after_latency(self.now, self.server_node(s), w as usize);
         let wk = &mut self.workers[w as usize];
-        let (slot, acked) =
-            if help { (&mut wk.help, &mut wk.help_acked) } else { (&mut wk.own, &mut wk.own_acked) };
-        let Some(p) = slot.as_mut() else { return };
-        if std::mem::replace(&mut acked[s as usize], true) {
-            return;
-        }
-        p.acks += 1;
+        let p = if help { &mut wk.help } else { &mut wk.own };
+        let Some(p) = p.as_mut() else { return };
+        let done = match wk.client.push_answered(slot(help), s as usize, iteration, answer) {
+            Tally::Stale => return,
+            Tally::Counted => None,
+            Tally::Done(result) => Some(result.map_err(PushFailed::Refused)),
+        };
         p.acks_at = p.acks_at.max(at);
-        p.dropped += u32::from(dropped);
-        if p.acks == shards {
+        if let Some(result) = done {
+            p.result = Some(result);
             let at = p.acks_at;
             self.at(at, Ev::AckArrive(w, help));
         }
@@ -238,10 +231,8 @@ impl Sim {
             match action {
                 Action::Pull { iteration } => {
                     let wk = &mut self.workers[w as usize];
-                    (wk.replies, wk.replies_at, wk.deferred, wk.deferred_ns) = (0, 0, false, 0);
-                    wk.local_steps = 0;
-                    wk.pulling = Some(iteration);
-                    wk.replied.fill(false);
+                    (wk.replies_at, wk.pulled) = (0, None);
+                    wk.client.pull_begun(iteration);
                     for s in 0..shards {
                         let t = self.net.transfer(self.now, w as usize, self.server_node(s), 64);
                         let t = self.reorder(t);
@@ -262,13 +253,9 @@ impl Sim {
                         wk.bufs.gradient(&job);
                     }
                     let help = job.kind != JobKind::Own;
-                    let (slot, acked) = if help {
-                        (&mut wk.help, &mut wk.help_acked)
-                    } else {
-                        (&mut wk.own, &mut wk.own_acked)
-                    };
-                    *slot = Some(InFlight { job, acks: 0, acks_at: 0, refused: None, dropped: 0 });
-                    acked.fill(false);
+                    wk.client.push_begun(slot(help), job.iteration);
+                    let p = if help { &mut wk.help } else { &mut wk.own };
+                    *p = Some(InFlight { job, acks_at: 0, result: None });
                     for s in 0..shards {
                         let bytes = if help { self.shard_bytes(s) } else { self.encode_push(w, s, &job) };
                         let t = self.net.transfer(self.now, w as usize, self.server_node(s), bytes);
