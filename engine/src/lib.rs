@@ -12,11 +12,14 @@
 //!   policy on every event, and a server's protocol for it (`ShardNode`);
 //! - [`placement`]: the shard map, and the coordinator's decisions when a server dies;
 //! - [`lease`]: the lease rule that keeps a shard from having two primaries, both sides;
+//! - [`server`]: a server's own state beside its shards (what it holds at which term, workers
+//!   gone, connections by worker), with one owner;
 //! - [`coordinator`]: the coordinator as a state machine (server ids and leases, failover and
 //!   re-replication, worker admission, two-phase hot swaps);
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
-//!   hand-over, the emulated device);
+//!   hand-over, the emulated device), its client (route, numbering, what each request waits
+//!   for, what to send again after a move) and its join;
 //! - [`recording`] and [`replay`]: a shard's policy events recorded, and fed to any module;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/`.
 
@@ -28,6 +31,7 @@ pub mod placement;
 pub mod recording;
 pub mod replay;
 pub mod runtime;
+pub mod server;
 pub mod shard;
 pub mod tasks;
 pub mod worker;

@@ -46,6 +46,7 @@ use crate::shard::{
 };
 use crate::NodeError;
 use shard_task::{Joined, Modules, PushOutcome, ReplicaFrame, ReplicaLink, Replicate, ShardCmd, ShardTask};
+use syncopate_engine::server::ServerState;
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -69,10 +70,10 @@ pub struct ServerOptions {
 }
 
 struct Shared {
-    /// The shards this server is primary for (a promotion adds one).
-    shards: std::sync::RwLock<HashMap<u32, mpsc::Sender<ShardCmd>>>,
-    /// The shards this server keeps backups of.
-    backups: Mutex<HashMap<u32, mpsc::Sender<ShardCmd>>>,
+    /// The server's own state (its primaries and backups and their terms, the terms the
+    /// coordinator told, workers gone, the connection behind each worker's memberships), with
+    /// one owner: each change to it happens whole ([`ServerState`]).
+    state: Mutex<ServerState<mpsc::Sender<ShardCmd>>>,
     /// Modules by SHA-256, for backups' swaps.
     modules: Modules,
     /// Connections to other servers, for replication streams, by address and incarnation (a
@@ -96,24 +97,10 @@ struct Shared {
     /// What the last swap committed here raised the workers' clocks by: a restarted coordinator
     /// finishes an interrupted swap with it on the servers that had not committed.
     levelled: Mutex<Vec<ClockRaise>>,
-    /// Per shard, the newest term the coordinator's lease answers told of
-    /// (`Held::known`).
-    known_terms: Mutex<Vec<u64>>,
-    /// Workers whose connection here ended and who have not connected again: a shard promoted
-    /// here later does not wait for them (at most `--max-workers` ids).
-    gone: Mutex<BTreeSet<WorkerId>>,
-    /// Which connection each worker id came in on last, and which connection joined each
-    /// (worker, shard) membership: a restarted worker may connect and join again before its
-    /// old connection is seen to end, and that ending must not take the new one's memberships
-    /// (it once did: the restarted worker's pushes were refused as from a non-member).
-    incarnations: Mutex<Incarnations>,
     /// Where pulls are encoded before they are copied into a pooled buffer: spares kept from
     /// pull to pull (at most [`SPARE_SCRATCHES`]), so that compressed pulls allocate nothing
     /// once warm and concurrent ones do not wait for each other.
     pull_scratch: Mutex<Vec<(Vec<u8>, crate::codec::Scratch)>>,
-    /// Per shard held here: its term (a primary's own; a backup's, its primary's). See
-    /// [`Holdings`](crate::net::proto::Holdings).
-    terms: Mutex<HashMap<u32, u64>>,
     /// The coordinator's address, to rejoin it at.
     coordinator: SocketAddr,
     limits: Limits,
@@ -132,19 +119,29 @@ struct Shared {
 type Prepared = (PolicyModule, PolicyBlob, Arc<Vec<u8>>);
 
 impl Shared {
+    /// The server's own state, for one change or one read (never held across a wait).
+    fn state(&self) -> std::sync::MutexGuard<'_, ServerState<mpsc::Sender<ShardCmd>>> {
+        self.state.lock().expect("not poisoned")
+    }
+
     /// The channel of the shard this server is primary for.
     fn shard(&self, shard: u32) -> Option<mpsc::Sender<ShardCmd>> {
-        self.shards.read().expect("not poisoned").get(&shard).cloned()
+        self.state().primary(shard).cloned()
     }
 
     /// The term this server knows for `shard`.
     fn term(&self, shard: u32) -> u64 {
-        self.terms.lock().expect("not poisoned").get(&shard).copied().unwrap_or(0)
+        self.state().term(shard)
     }
 
     /// Every primary shard's channel, by shard.
     fn primaries(&self) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
-        sorted(&self.shards.read().expect("not poisoned"))
+        self.state().primaries()
+    }
+
+    /// Every backup's channel, by shard.
+    fn backups(&self) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
+        self.state().backups()
     }
 
     fn bytes(&self) -> (u64, u64) {
@@ -207,8 +204,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     endpoint.set_server_config(Some(opts.tls.server_config(timeout, net::window::MIN_WINDOW)?));
     let epoch = Instant::now();
     let pool = TensorPool::default();
-    let mut shards = HashMap::new();
-    let mut backups = HashMap::new();
+    let mut state = ServerState::new(settings.shards);
     let modules: Modules = Default::default();
     modules.lock().expect("not poisoned").insert(module.sha256(), module.clone());
     // A server restarted in a lost one's place holds nothing: its shards moved at the failover.
@@ -217,7 +213,6 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let backed: Vec<u32> =
         (0..settings.shards).filter(|s| fresh && settings.backup_of(*s) == Some(id)).collect();
     let all: Vec<u32> = mine.iter().chain(&backed).copied().collect();
-    let terms = all.iter().map(|&s| (s, 0)).collect();
     let mut restored = restore_shards(settings.restore.as_deref(), &all).await?;
     for shard in all {
         let backup = !mine.contains(&shard);
@@ -236,19 +231,16 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         };
         tokio::spawn(task.run(rx));
         match backup {
-            true => backups.insert(shard, tx),
-            false => shards.insert(shard, tx),
+            true => state.hold_backup(shard, tx),
+            false => state.hold_primary(shard, tx),
         };
     }
-    if !backups.is_empty() {
-        let mut b: Vec<_> = backups.keys().collect();
-        b.sort_unstable();
-        tracing::info!(server = id, shards = ?b, "keeping backups");
+    if !backed.is_empty() {
+        tracing::info!(server = id, shards = ?backed, "keeping backups");
     }
     let (shutdown, mut stop) = watch::channel(false);
     let shared = Arc::new(Shared {
-        shards: std::sync::RwLock::new(shards),
-        backups: Mutex::new(backups),
+        state: Mutex::new(state),
         modules,
         peers: Default::default(),
         endpoint: endpoint.clone(),
@@ -262,11 +254,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         prepared: Mutex::new(HashMap::new()),
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
         levelled: Mutex::new(Vec::new()),
-        known_terms: Mutex::new(Vec::new()),
-        gone: Mutex::new(BTreeSet::new()),
-        incarnations: Mutex::new(Incarnations::default()),
         pull_scratch: Mutex::new(Vec::new()),
-        terms: Mutex::new(terms),
         coordinator: opts.coordinator,
         limits: opts.limits,
         token: opts.token.clone(),
@@ -321,13 +309,6 @@ fn ns_since(epoch: Instant) -> u64 {
     epoch.elapsed().as_nanos() as u64
 }
 
-/// The shard tasks of a map, in shard order.
-fn sorted(tasks: &HashMap<u32, mpsc::Sender<ShardCmd>>) -> Vec<(u32, mpsc::Sender<ShardCmd>)> {
-    let mut all: Vec<_> = tasks.iter().map(|(k, v)| (*k, v.clone())).collect();
-    all.sort_unstable_by_key(|(k, _)| *k);
-    all
-}
-
 /// The status of each shard task that has a shard.
 async fn statuses(tasks: Vec<(u32, mpsc::Sender<ShardCmd>)>) -> Vec<crate::net::proto::ShardStatus> {
     let mut out = Vec::new();
@@ -362,13 +343,7 @@ async fn renew_lease(coord: quinn::Connection, shared: Arc<Shared>) {
         match Renewal::of(answer) {
             Renewal::Renewed(terms) => {
                 renewed = sent;
-                let mut known = shared.known_terms.lock().expect("not poisoned");
-                // Bounded by the cluster's shards; terms only grow.
-                known.resize(terms.len().min(shared.settings.shards as usize), 0);
-                for (k, t) in known.iter_mut().zip(terms) {
-                    *k = (*k).max(t);
-                }
-                drop(known);
+                shared.state().renewed(&terms);
                 if let Some(lease) = &shared.lease {
                     lease
                         .lock()
@@ -571,8 +546,7 @@ async fn serve_replica_stream(mut send: quinn::SendStream, mut recv: quinn::Recv
     };
     let shard = open.header.shard;
     // A backup follows its primary's term (a stale primary is never told to attach a backup).
-    shared.terms.lock().expect("not poisoned").insert(shard, open.header.term);
-    let mut tx = shared.backups.lock().expect("not poisoned").get(&shard).cloned();
+    let mut tx = shared.state().stream_opened(shard, open.header.term);
     // The backup task confirms each op as it takes it, in order, and only while it is a backup:
     // once promoted it confirms nothing more, so its old primary acknowledges nothing more.
     let (acks, mut confirmed) = mpsc::unbounded_channel::<u64>();
@@ -724,7 +698,7 @@ fn start_backup(
         backup: true,
     };
     tokio::spawn(task.run(rx));
-    shared.backups.lock().expect("not poisoned").insert(shard, tx.clone());
+    shared.state().hold_backup(shard, tx.clone());
     match from_snapshot {
         true => tracing::warn!(shard, "keeping a new backup, from its primary's snapshot"),
         false => tracing::warn!(shard, "keeping a new backup, created by its primary's first op"),
@@ -941,8 +915,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
         }
         ServerCommand::Status => {
             let shards = statuses(shared.primaries()).await;
-            let kept = sorted(&shared.backups.lock().expect("not poisoned"));
-            let backups = statuses(kept).await;
+            let backups = statuses(shared.backups()).await;
             let (bytes_sent, bytes_received) = shared.bytes();
             ServerReply::Status(ServerStatus {
                 server: shared.id,
@@ -960,7 +933,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             }
         }
         ServerCommand::Promote { shard } => {
-            let Some(tx) = shared.backups.lock().expect("not poisoned").remove(&shard) else {
+            let Some(tx) = shared.state().take_backup(shard) else {
                 return ServerReply::Error(ServerError::NoBackup { shard, server: shared.id });
             };
             match ask(shard, &tx, |reply| ShardCmd::Promote { reply }).await {
@@ -976,17 +949,11 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
                         let config = blob.config_for(shard);
                         let _ = tx.send(ShardCmd::Conform(SwapTo { module, config, raise, swap })).await;
                     }
-                    shared.shards.write().expect("not poisoned").insert(shard, tx.clone());
-                    *shared.terms.lock().expect("not poisoned").entry(shard).or_default() += 1;
-                    // Members whose connection here has ended will not come back. Read only once
-                    // the shard is among the primaries: a connection that ends meanwhile marks
-                    // its worker gone, then tells the primaries. Had `gone` been read before the
-                    // insert, a connection ending between the two would tell neither this shard
-                    // (not yet a primary) nor this read (too early), and the shard would await
-                    // the worker until its backstop. In this order one of the two always sees
-                    // the other; a worker told twice leaves once.
-                    let gone: Vec<WorkerId> =
-                        shared.gone.lock().expect("not poisoned").iter().copied().collect();
+                    // Members whose connection here has ended will not come back: the shard
+                    // becomes a primary and learns of them in one step of the server's state, so
+                    // a connection that ends meanwhile tells it instead (it is then among the
+                    // primaries); a worker told twice leaves once.
+                    let gone = shared.state().promoted(shard, tx.clone());
                     for worker in gone {
                         let _ = tx.send(ShardCmd::Lost { worker, reason: LeaveReason::TimedOut }).await;
                     }
@@ -1043,14 +1010,6 @@ fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -
     }
 }
 
-/// The connections behind worker ids (see `Shared::incarnations`), by `stable_id`; entries go
-/// when their connection ends or leaves, so there are at most as many as memberships.
-#[derive(Default)]
-struct Incarnations {
-    newest: HashMap<WorkerId, usize>,
-    joined_by: HashMap<(WorkerId, u32), usize>,
-}
-
 /// What a connection's streams share.
 struct Peer {
     worker: Option<WorkerId>,
@@ -1103,8 +1062,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     }
     tracing::debug!(%addr, ?worker, "peer connected");
     if let Some(w) = worker {
-        shared.gone.lock().expect("not poisoned").remove(&w);
-        shared.incarnations.lock().expect("not poisoned").newest.insert(w, conn.stable_id());
+        shared.state().connected(w, conn.stable_id());
     }
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let _sharing = shared.windows.join(&conn);
@@ -1130,34 +1088,20 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                     _ => LeaveReason::Failed,
                 };
-                let mut left: Vec<u32> =
-                    std::mem::take(&mut *peer.joined.lock().expect("not poisoned")).into_iter().collect();
-                // Only what this connection still owns: a newer one of the same worker may have
-                // joined since (a restarted process), and keeps its memberships.
-                let mut newest = true;
+                let joined = std::mem::take(&mut *peer.joined.lock().expect("not poisoned"));
                 if let Some(w) = worker {
-                    let mut inc = shared.incarnations.lock().expect("not poisoned");
-                    left.retain(|&shard| match inc.joined_by.get(&(w, shard)) {
-                        Some(&c) if c == peer.conn => inc.joined_by.remove(&(w, shard)).is_some(),
-                        _ => false,
-                    });
-                    newest = inc.newest.get(&w) == Some(&peer.conn);
-                    if newest {
-                        inc.newest.remove(&w);
+                    // Only what this connection still owns: a newer one of the same worker may
+                    // have joined since (a restarted process), and keeps its memberships.
+                    let ended = shared.state().connection_ended(w, peer.conn, joined);
+                    if !ended.leave.is_empty() {
+                        let left: Vec<u32> = ended.leave.iter().map(|(s, _)| *s).collect();
+                        tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
                     }
-                }
-                if let (Some(w), false) = (worker, left.is_empty()) {
-                    tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
-                    for shard in left {
-                        if let Some(tx) = shared.shard(shard) {
-                            let _ = tx.send(ShardCmd::Leave { worker: w, reason, reply: None }).await;
-                        }
+                    for (_, tx) in ended.leave {
+                        let _ = tx.send(ShardCmd::Leave { worker: w, reason, reply: None }).await;
                     }
-                }
-                // Shards promoted here may await it still: it joined them on their old primary.
-                if let (Some(w), true) = (worker, newest) {
-                    shared.gone.lock().expect("not poisoned").insert(w);
-                    for (_, tx) in shared.primaries() {
+                    // Shards promoted here may await it still: it joined them on their old primary.
+                    for (_, tx) in ended.lost {
                         let _ = tx.send(ShardCmd::Lost { worker: w, reason }).await;
                     }
                 }
@@ -1295,12 +1239,7 @@ async fn handle_request(
             match ask(shard, tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
                 Ok(joined) => {
                     peer.joined.lock().expect("not poisoned").insert(shard);
-                    shared
-                        .incarnations
-                        .lock()
-                        .expect("not poisoned")
-                        .joined_by
-                        .insert((worker, shard), peer.conn);
+                    shared.state().joined(worker, shard, peer.conn);
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
                         Joined::Rejoined { next, clock } => (DataResponse::Rejoined { next, clock }, None),
@@ -1387,12 +1326,7 @@ async fn handle_request(
         }
         DataRequest::Leave { .. } => {
             peer.joined.lock().expect("not poisoned").remove(&shard);
-            {
-                let mut inc = shared.incarnations.lock().expect("not poisoned");
-                if inc.joined_by.get(&(worker, shard)) == Some(&peer.conn) {
-                    inc.joined_by.remove(&(worker, shard));
-                }
-            }
+            shared.state().left(worker, shard, peer.conn);
             match ask(shard, tx, |reply| ShardCmd::Leave {
                 worker,
                 reason: LeaveReason::Finished,

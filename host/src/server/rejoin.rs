@@ -28,7 +28,7 @@ const ATTEMPT: Duration = Duration::from_secs(1);
 pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let (swaps, policy, _) = shared.policy.lock().expect("not poisoned").clone();
     let primaries = shared.primaries();
-    let backups = super::sorted(&shared.backups.lock().expect("not poisoned"));
+    let backups = shared.backups();
     let lens: std::collections::HashMap<u32, u64> =
         statuses(primaries.iter().chain(&backups).cloned().collect())
             .await
@@ -39,12 +39,12 @@ pub(super) async fn holdings(shared: &Shared) -> Holdings {
     let primaries = primaries.iter().map(|(shard, _)| held(*shard)).collect();
     let backups = backups.iter().map(|(shard, _)| held(*shard)).collect();
     let mut levelled = shared.levelled.lock().expect("not poisoned").clone();
-    let known_terms = shared.known_terms.lock().expect("not poisoned").clone();
+    let known_terms = shared.state().known_terms().to_vec();
     // The newest swap a copy here runs: a backup takes a swap its primary committed and streamed
     // before this server has committed it (it has prepared it, with its module).
     let mut copies = 0;
     let mut policy = policy;
-    let kept = super::sorted(&shared.backups.lock().expect("not poisoned"));
+    let kept = shared.backups();
     for (_, tx) in shared.primaries().iter().chain(&kept) {
         let (reply, rx) = tokio::sync::oneshot::channel();
         if tx.send(super::ShardCmd::Swapped { reply }).await.is_err() {
