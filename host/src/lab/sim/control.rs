@@ -58,6 +58,7 @@ use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition, PEER_TIMEOUT_NS};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
+use syncopate_engine::server::ServerState;
 
 const MS: u64 = 1_000_000;
 
@@ -163,8 +164,12 @@ impl Sim {
         self.restarted += 1;
         self.leases[xu] = ServerLease::new(self.now);
         (self.cut_to[xu], self.cut_from[xu]) = (false, false);
-        self.claims[xu].clear();
-        self.known_terms[xu].clear();
+        // A new process: it holds nothing, and the live workers connect to it again (a worker
+        // redials a server whose connection ended when its next request goes there).
+        self.servers[xu] = ServerState::new(self.nodes.len() as u32);
+        for w in (0..self.workers.len() as u32).filter(|&w| !self.workers[w as usize].dead) {
+            self.servers[xu].connected(w, w as usize);
+        }
         self.answer_terms[xu].clear();
         // It runs the policy the others run (it was welcomed with it).
         let newest = (0..self.dead.len()).filter(|&y| !self.dead[y]).max_by_key(|&y| self.committed[y].0);
@@ -263,11 +268,7 @@ impl Sim {
             }
             Ev::Renewed(x, asked) => {
                 self.leases[x as usize].renewed(asked);
-                let (heard, known) = (&self.answer_terms[x as usize], &mut self.known_terms[x as usize]);
-                known.resize(heard.len().max(known.len()), 0);
-                for (k, t) in known.iter_mut().zip(heard) {
-                    *k = (*k).max(*t);
-                }
+                self.servers[x as usize].renewed(&self.answer_terms[x as usize]);
             }
             Ev::Stop(x) => self.kill(x),
             Ev::CoordTimer => {
@@ -438,18 +439,15 @@ impl Sim {
     fn carry_out(&mut self, x: u32, command: Command) -> Result<bool, SimError> {
         match command {
             Command::Promote { shard } => {
-                let promoted = self.promote(shard, x);
-                if promoted {
-                    self.conform(shard, x);
-                }
+                let Some(gone) = self.promote(shard, x) else { return Ok(false) };
+                self.conform(shard, x);
                 // A member whose connection to this server timed out already leaves at once, as
-                // the server tells its promoted shards.
-                for w in (0..self.workers.len() as u32).filter(|&w| promoted && self.workers[w as usize].gone)
-                {
+                // the server's state tells its promoted shards.
+                for w in gone {
                     self.nodes[shard as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
                 }
                 self.drain(shard)?;
-                Ok(promoted)
+                Ok(true)
             }
             Command::DropBackup { shard } => {
                 let su = shard as usize;
@@ -520,19 +518,23 @@ impl Sim {
 
     /// Shard `s`'s backup on server `b` becomes its primary; the old primary's node goes, and
     /// with it the acknowledgements it held and the requests it had not answered (the workers
-    /// ask again when they hear of the move).
-    fn promote(&mut self, s: u32, b: u32) -> bool {
+    /// ask again when they hear of the move). Returns the workers whose connection to server
+    /// `b` ended, which the promoted shard must hear of (`None`: no backup to promote).
+    fn promote(&mut self, s: u32, b: u32) -> Option<Vec<u32>> {
         let su = s as usize;
         if self.backup_of[su] != Some(b) {
-            return false;
+            return None;
         }
-        let Some(mut backup) = self.backups[su].take() else { return false };
+        let mut backup = self.backups[su].take()?;
         backup.promote();
         let old = self.server_of[su];
         self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
         // Ops the old primary sent on the stream it had to this node still reach it.
         self.promoted_epoch[su] = Some(self.epoch[su]);
-        self.claims[old as usize].insert(s, self.term[su] as u64);
+        // The old primary's server still holds it at its term (what it claims if it lives).
+        let state = &mut self.servers[b as usize];
+        state.take_backup(s);
+        let gone = state.promoted(s, ());
         self.nodes[su] = backup;
         // The requests the old primary had not answered are lost with it: the workers ask
         // again when they hear of the move.
@@ -555,7 +557,7 @@ impl Sim {
         self.timer_at[su] = None;
         self.term[su] += 1;
         self.arm_timer(s);
-        true
+        Some(gone)
     }
 
     /// Shard `s`'s primary, on server `primary`, starts streaming to a new backup on server `b`:
@@ -599,6 +601,10 @@ impl Sim {
         };
         self.backups[su] = Some(backup);
         self.backup_of[su] = Some(b);
+        // The new backup's server keeps it at its primary's term, which the stream's opening
+        // says.
+        self.servers[b as usize].hold_backup(s, ());
+        self.servers[b as usize].stream_opened(s, self.term[su] as u64);
         self.epoch[su] += 1;
         let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
         let t = self.net.transfer(self.now, from, to, snapshot.len() as u64 + 64);
@@ -739,16 +745,15 @@ impl Sim {
     /// primaries' terms, and its swaps.
     fn holdings(&self, x: u32) -> Held {
         let len = |s: usize| sim_shard(&self.nodes[s]).values().len() as u64;
-        let mut primaries: BTreeMap<u32, (u64, u64)> =
-            self.claims[x as usize].iter().map(|(&s, &t)| (s, (t, len(s as usize)))).collect();
+        let state = &self.servers[x as usize];
+        // Its primaries at the terms its state keeps: those it holds now, and those promoted
+        // away from it while it lived.
+        let primaries =
+            state.primaries().into_iter().map(|(s, ())| (s, state.term(s), len(s as usize))).collect();
         let mut backups = Vec::new();
         for s in 0..self.nodes.len() {
-            let term = self.term[s] as u64;
-            if self.server_of[s] == x {
-                primaries.insert(s as u32, (term, len(s)));
-            }
             if self.backup_of[s] == Some(x) && self.backups[s].is_some() {
-                backups.push((s as u32, term, len(s)));
+                backups.push((s as u32, state.term(s as u32), len(s)));
             }
         }
         let (swaps, mut levelled) = self.committed[x as usize].clone();
@@ -769,15 +774,7 @@ impl Sim {
                 }
             }
         }
-        Held {
-            server: x,
-            swaps,
-            levelled,
-            primaries: primaries.into_iter().map(|(s, (t, l))| (s, t, l)).collect(),
-            backups,
-            known: self.known_terms[x as usize].clone(),
-            copies,
-        }
+        Held { server: x, swaps, levelled, primaries, backups, known: state.known_terms().to_vec(), copies }
     }
 
     /// Server `x` rejoins the restarted coordinator, which gathers its holdings as the cluster's

@@ -87,6 +87,7 @@ use events::{Copied, Ev, Mailbox, Queue, ToShard};
 use invariants::bits_equal;
 use network::Network;
 use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
+use syncopate_engine::server::ServerState;
 use workers::{InFlight, SimWorker};
 
 /// The cluster's default peer timeout (10 s): how long a promoted backup waits for members to
@@ -218,15 +219,15 @@ struct Sim {
     held: Vec<Vec<Ev>>,
     /// Per shard: the server of the primary it was promoted from, while that one lives.
     zombie_of: Vec<Option<u32>>,
-    /// Per server: the shards it was primary of when they were promoted away from it, with
-    /// their term then (what it would claim to a restarted coordinator).
-    claims: Vec<BTreeMap<u32, u64>>,
+    /// Per server: its own state, as the cluster's servers keep it ([`ServerState`]): the
+    /// shards it holds (a primary promoted away from it too, at the term it had: what it would
+    /// claim to a restarted coordinator) and their terms, the newest terms its lease answers
+    /// told, and the workers whose connection to it ended.
+    servers: Vec<ServerState<()>>,
     /// Per server: the swaps it committed, and what the last raised the clocks by.
     committed: Vec<(u64, Vec<ClockRaise>)>,
-    /// Per server: the shards' terms its last lease answer on the way says, and the newest
-    /// each answer that reached it said (what it tells a restarted coordinator).
+    /// Per server: the shards' terms its last lease answer on the way says.
     answer_terms: Vec<Vec<u64>>,
-    known_terms: Vec<Vec<u64>>,
     /// Whether the coordinator runs, is down, or is rebuilding after a restart.
     coord_phase: control::Phase,
     /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
@@ -443,7 +444,6 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             wake_at: None,
             done: false,
             dead: false,
-            gone: false,
         });
     }
     // The coordinator: every server registers and is answered, and the backups made above are
@@ -477,6 +477,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
     let n_workers = workers.len();
+    let servers = (0..sc.servers).map(|x| server_state(x, sc.servers, &backup_of, n)).collect();
     let mut sim = Sim {
         opts: opts.clone(),
         now: 0,
@@ -525,10 +526,9 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         cut_from: vec![false; sc.servers as usize],
         held: vec![Vec::new(); sc.servers as usize],
         zombie_of: vec![None; shards_n as usize],
-        claims: vec![BTreeMap::new(); sc.servers as usize],
+        servers,
         committed: vec![(0, Vec::new()); sc.servers as usize],
         answer_terms: vec![Vec::new(); sc.servers as usize],
-        known_terms: vec![Vec::new(); sc.servers as usize],
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
@@ -1131,6 +1131,25 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// Server `x`'s state at the start (of `servers`): the primaries of the shards placed on it
+/// and the backups placed on it, each at term 0, and every one of the `workers` connected (a
+/// worker's connection is named by its id).
+fn server_state(x: u32, servers: u32, backup_of: &[Option<u32>], workers: u32) -> ServerState<()> {
+    let mut state = ServerState::new(backup_of.len() as u32);
+    for (s, b) in (0..).zip(backup_of) {
+        if s % servers == x {
+            state.hold_primary(s, ());
+        }
+        if *b == Some(x) {
+            state.hold_backup(s, ());
+        }
+    }
+    for w in 0..workers {
+        state.connected(w, w as usize);
+    }
+    state
 }
 
 /// A simulated shard: the simulator creates every one before the run starts.

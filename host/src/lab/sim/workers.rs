@@ -64,8 +64,6 @@ pub(super) struct SimWorker {
     pub(super) done: bool,
     /// Its process died.
     pub(super) dead: bool,
-    /// The servers' connections to it have timed out (a peer timeout after its death).
-    pub(super) gone: bool,
 }
 
 impl Sim {
@@ -197,10 +195,13 @@ impl Sim {
         self.at(self.now + PEER_TIMEOUT_NS, Ev::WorkerLost(w));
     }
 
-    /// The servers' connections to dead worker `w` time out: it leaves every shard it is a
-    /// member of.
+    /// The servers' connections to dead worker `w` time out: each live server's state marks it
+    /// gone (a shard promoted there later hears of it), and it leaves every shard it is a member
+    /// of.
     pub(super) fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
-        self.workers[w as usize].gone = true;
+        for x in (0..self.servers.len()).filter(|&x| !self.dead[x]) {
+            self.servers[x].connection_ended(w, w as usize, std::iter::empty());
+        }
         for s in 0..self.nodes.len() as u32 {
             if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
                 self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
