@@ -176,22 +176,21 @@ impl<H: Clone> ServerState<H> {
         }
     }
 
-    /// Worker `worker`'s connection `conn`, which had joined `joined`, ended: the primaries it
-    /// leaves, and, unless a newer connection of the worker came, every primary to tell it is
-    /// gone (it is marked gone in the same step).
-    pub fn connection_ended(
-        &mut self,
-        worker: WorkerId,
-        conn: ConnId,
-        joined: impl IntoIterator<Item = u32>,
-    ) -> Ended<H> {
+    /// Worker `worker`'s connection `conn` ended: the primaries it leaves (the memberships this
+    /// connection was the last to join), and, unless a newer connection of the worker came,
+    /// every primary to tell it is gone (it is marked gone in the same step).
+    pub fn connection_ended(&mut self, worker: WorkerId, conn: ConnId) -> Ended<H> {
+        let mine: Vec<u32> = self
+            .joined_by
+            .range((worker, 0)..=(worker, u32::MAX))
+            .filter(|(_, c)| **c == conn)
+            .map(|((_, shard), _)| *shard)
+            .collect();
         let mut leave = Vec::new();
-        for shard in joined {
-            if self.joined_by.get(&(worker, shard)) == Some(&conn) {
-                self.joined_by.remove(&(worker, shard));
-                if let Some(h) = self.primaries.get(&shard) {
-                    leave.push((shard, h.clone()));
-                }
+        for shard in mine {
+            self.joined_by.remove(&(worker, shard));
+            if let Some(h) = self.primaries.get(&shard) {
+                leave.push((shard, h.clone()));
             }
         }
         if self.newest.get(&worker) != Some(&conn) {
@@ -200,6 +199,11 @@ impl<H: Clone> ServerState<H> {
         self.newest.remove(&worker);
         self.gone.insert(worker);
         Ended { leave, lost: self.primaries() }
+    }
+
+    /// The workers connected here now (each by its newest connection).
+    pub fn connected_workers(&self) -> BTreeSet<WorkerId> {
+        self.newest.keys().copied().collect()
     }
 
     /// Whether `worker` is gone (its last connection here ended).
@@ -231,7 +235,7 @@ mod tests {
         // The connection ends first: the promotion finds the worker gone.
         let mut s = server();
         let b = s.take_backup(1).unwrap();
-        let ended = s.connection_ended(7, 70, [0]);
+        let ended = s.connection_ended(7, 70);
         assert_eq!(ended.leave, vec![(0, "p0")]);
         assert_eq!(ended.lost, vec![(0, "p0")]);
         assert_eq!(s.promoted(1, b), vec![7]);
@@ -240,7 +244,7 @@ mod tests {
         let mut s = server();
         let b = s.take_backup(1).unwrap();
         assert_eq!(s.promoted(1, b), Vec::<WorkerId>::new());
-        let ended = s.connection_ended(7, 70, [0]);
+        let ended = s.connection_ended(7, 70);
         assert_eq!(ended.lost, vec![(0, "p0"), (1, "b1")]);
         assert_eq!((s.term(1), s.primary(1)), (1, Some(&"b1")));
         assert!(s.backup(1).is_none());
@@ -253,9 +257,9 @@ mod tests {
         let mut s = server();
         s.connected(7, 71);
         s.joined(7, 0, 71);
-        assert_eq!(s.connection_ended(7, 70, [0]), Ended { leave: vec![], lost: vec![] });
+        assert_eq!(s.connection_ended(7, 70), Ended { leave: vec![], lost: vec![] });
         assert!(!s.is_gone(7));
-        let ended = s.connection_ended(7, 71, [0]);
+        let ended = s.connection_ended(7, 71);
         assert_eq!((ended.leave.len(), ended.lost.len()), (1, 1));
         assert!(s.is_gone(7));
         // It comes back: gone no more.
@@ -269,7 +273,7 @@ mod tests {
         s.connected(7, 71);
         s.joined(7, 0, 71);
         s.left(7, 0, 70);
-        assert_eq!(s.connection_ended(7, 71, [0]).leave, vec![(0, "p0")]);
+        assert_eq!(s.connection_ended(7, 71).leave, vec![(0, "p0")]);
     }
 
     #[test]

@@ -269,17 +269,17 @@ macro_rules! event {
 }
 
 /// How long a restored shard waits for its first member to come back, at least, and a promoted
-/// one for each member (a backstop: a member whose connection ends leaves at once, see
-/// [`ShardNode::lost`]; one away longer is dropped, and taken back afresh, renumbered, when it
-/// returns: see [`Joined::Fresh`]).
+/// one for each member connected to its server (a backstop: a member whose connection ends
+/// leaves at once, see [`ShardNode::lost`]; one away longer is dropped, and taken back afresh,
+/// renumbered, when it returns: see [`Joined::Fresh`]).
 const FIRST_REJOIN_NS: u64 = 60_000_000_000;
 
-/// Members of a restored or promoted shard that have not rejoined yet, and until when they may.
+/// Members of a restored or promoted shard that have not rejoined yet, each with the time by
+/// which it may.
 #[derive(Debug)]
 struct Awaiting {
-    workers: BTreeSet<WorkerId>,
-    deadline_ns: u64,
-    /// Whether the deadline shortens to the rejoin grace once a member is back (a restored
+    workers: BTreeMap<WorkerId, u64>,
+    /// Whether every deadline shortens to the rejoin grace once a member is back (a restored
     /// shard's; a promoted one waits for its members' connections to end instead).
     shortens: bool,
 }
@@ -479,12 +479,13 @@ impl ShardNode {
     ) -> Result<Self, crate::shard::SnapshotError> {
         let mut node = ShardNode::new(cfg, module, config, backup);
         let now = snap.now_ns();
-        let members: BTreeSet<WorkerId> = snap.workers().iter().map(|c| c.worker).collect();
+        let until = now + node.cfg.rejoin_grace_ns.max(FIRST_REJOIN_NS);
+        let members: BTreeMap<WorkerId, u64> = snap.workers().iter().map(|c| (c.worker, until)).collect();
         let mut tap = Tap { pending: &mut node.pending, obs };
         node.shard = Some(Shard::restore(node.cfg.shard.clone(), snap, &node.module, &mut tap)?);
         node.last_now = now;
         if !backup {
-            node.await_members(members, now, true);
+            node.await_members(members, true);
         }
         Ok(node)
     }
@@ -541,7 +542,7 @@ impl ShardNode {
     /// primary's; a backup's timers fire on its primary's ops) or a rejoin deadline.
     pub fn poll_timeout(&self) -> Option<u64> {
         let timer = self.shard.as_ref().and_then(Shard::next_timer_ns).filter(|_| !self.pending.backup);
-        let gone = self.awaiting.as_ref().map(|a| a.deadline_ns);
+        let gone = self.awaiting.as_ref().and_then(|a| a.workers.values().min().copied());
         timer.into_iter().chain(gone).min()
     }
 
@@ -552,25 +553,29 @@ impl ShardNode {
         {
             self.step(Op::Advance, Vec::new(), now, obs);
         }
-        if let Some(a) = self.awaiting.take_if(|a| a.deadline_ns <= now) {
-            for worker in a.workers {
+        if let Some(a) = self.awaiting.as_mut() {
+            let due: Vec<WorkerId> = a.workers.iter().filter(|(_, d)| **d <= now).map(|(w, _)| *w).collect();
+            a.workers.retain(|_, d| *d > now);
+            if a.workers.is_empty() {
+                self.awaiting = None;
+            }
+            for worker in due {
                 event!(self, warn, shard = self.id(), worker, "worker did not come back; it leaves");
                 self.step(Op::Leave { worker, reason: LeaveReason::TimedOut }, Vec::new(), now, obs);
             }
         }
     }
 
-    fn await_members(&mut self, members: BTreeSet<WorkerId>, now: u64, shortens: bool) {
-        let wait = self.cfg.rejoin_grace_ns.max(FIRST_REJOIN_NS);
-        self.awaiting =
-            (!members.is_empty()).then_some(Awaiting { workers: members, deadline_ns: now + wait, shortens });
+    /// Awaits `members`, each until the time given.
+    fn await_members(&mut self, members: BTreeMap<WorkerId, u64>, shortens: bool) {
+        self.awaiting = (!members.is_empty()).then_some(Awaiting { workers: members, shortens });
     }
 
     /// The driver lost its connection to `worker` (it died, or it finished and closed it): a
     /// member this node still awaits after a promotion or restore, which it would never hear
     /// from again, leaves now. Others leave by the connection they joined through.
     pub fn lost(&mut self, now: u64, worker: WorkerId, reason: LeaveReason, obs: &mut dyn Observer) {
-        if self.awaiting.as_ref().is_some_and(|a| a.workers.contains(&worker)) {
+        if self.awaiting.as_ref().is_some_and(|a| a.workers.contains_key(&worker)) {
             event!(self, warn, shard = self.id(), worker, ?reason, "an awaited member is gone; it leaves");
             self.leave(now, None, worker, reason, obs);
         }
@@ -695,7 +700,8 @@ impl ShardNode {
                 if a.workers.is_empty() {
                     self.awaiting = None;
                 } else if a.shortens {
-                    a.deadline_ns = a.deadline_ns.min(now + self.cfg.rejoin_grace_ns);
+                    let by = now + self.cfg.rejoin_grace_ns;
+                    a.workers.values_mut().for_each(|d| *d = (*d).min(by));
                 }
             }
             let next = shard.rejoin(worker)?;
@@ -1061,18 +1067,33 @@ impl ShardNode {
         self.pending.release(|gate, out| gate.detach(|a| out.push(a)));
     }
 
-    /// This backup becomes the shard's primary. Its members are given time to rejoin; its
-    /// driver's clock goes on from [`last_now`](Self::last_now).
-    pub fn promote(&mut self) {
+    /// This backup becomes the shard's primary; its driver's clock goes on from
+    /// [`last_now`](Self::last_now). Its members are given time to rejoin: those `connected` to
+    /// its server, until the backstop (their connection's end, [`lost`](Self::lost), says if
+    /// they died); the others, the rejoin grace only. A member not connected to the server may
+    /// be alive and about to connect, once it hears of the move (and, dropped for being late,
+    /// it is taken back afresh), or dead and never to connect: its death was seen only by
+    /// servers that held its connections (a server restarted since it died never did), and no
+    /// connection's end will tell this one.
+    pub fn promote(&mut self, connected: &BTreeSet<WorkerId>) {
         if !self.pending.backup {
             return;
         }
         self.pending.backup = false;
         self.shared_start = false;
-        let members: BTreeSet<WorkerId> =
-            self.shard.as_ref().map(|s| s.workers().iter().map(|c| c.worker).collect()).unwrap_or_default();
+        let now = self.last_now;
+        let (backstop, grace) =
+            (now + self.cfg.rejoin_grace_ns.max(FIRST_REJOIN_NS), now + self.cfg.rejoin_grace_ns);
+        let members: BTreeMap<WorkerId, u64> = self
+            .shard
+            .as_ref()
+            .map(|s| {
+                let until = |w| if connected.contains(&w) { backstop } else { grace };
+                s.workers().iter().map(|c| (c.worker, until(c.worker))).collect()
+            })
+            .unwrap_or_default();
         event!(self, warn, shard = self.id(), members = members.len(), "promoted to primary");
-        self.await_members(members, self.last_now, false);
+        self.await_members(members, false);
     }
 
     /// The shard's snapshot at `now` (checkpoints, re-replication).
@@ -1151,7 +1172,7 @@ mod tests {
 
         // The primary dies; the backup takes over and the worker asks again: it is a
         // duplicate, acknowledged and not applied twice.
-        backup.promote();
+        backup.promote(&BTreeSet::from([0]));
         assert!(!backup.is_backup() && backup.poll_timeout().is_some(), "its member is awaited");
         backup.join(3, 3, 0, Vec::new(), &mut Quiet);
         assert!(matches!(
@@ -1227,13 +1248,13 @@ mod tests {
         drain(&mut primary);
         // Re-replication: a third node starts from the (promoted) backup's snapshot and is
         // promoted in turn before any op reaches it.
-        backup.promote();
+        backup.promote(&BTreeSet::from([0]));
         let (_, snapshot) = backup.attach_backup(10, &mut Quiet).unwrap().expect("after ops, a snapshot");
         let snap = ShardSnapshot::decode(&snapshot).unwrap();
         let mut third =
             ShardNode::restore(cfg(), backup.module().clone(), Vec::new(), true, snap, &mut Quiet)
                 .expect("restores");
-        third.promote();
+        third.promote(&BTreeSet::from([0]));
         assert_eq!(third.replication().0, 0, "no op of its own yet");
         let Some((_, next)) = third.attach_backup(20, &mut Quiet).unwrap() else {
             panic!("a promoted backup with state hands its next backup a snapshot, not nothing")
@@ -1244,6 +1265,33 @@ mod tests {
         // A fresh primary's first attachment still starts its backup as it started.
         let mut fresh = node("asp", false);
         assert!(fresh.attach_backup(0, &mut Quiet).unwrap().is_none());
+    }
+
+    /// Found by the fault search once the simulator ran the servers' own state: a worker died
+    /// before its second server restarted, and its first server died before the worker's
+    /// connection there timed out. No connection's end would ever tell the shards promoted on
+    /// the restarted server, which then awaited the dead member until the 60-second backstop.
+    /// A member not connected to the promoting server is awaited the rejoin grace only.
+    #[test]
+    fn a_promoted_backup_awaits_a_member_not_connected_to_its_server_only_the_rejoin_grace() {
+        let (mut primary, mut backup) = (node("asp", false), node("asp", true));
+        primary.attach_backup(0, &mut Quiet).unwrap();
+        primary.join(1, 1, 0, vec![0.0; 2], &mut Quiet);
+        primary.join(1, 2, 1, Vec::new(), &mut Quiet);
+        let seq = deliver(drain(&mut primary), &mut backup).unwrap();
+        primary.confirmed(seq);
+        // Worker 0 is connected to the backup's server, worker 1 is not.
+        backup.promote(&BTreeSet::from([0]));
+        let t0 = backup.last_now();
+        let grace = t0 + cfg().rejoin_grace_ns;
+        assert_eq!(backup.poll_timeout(), Some(grace));
+        backup.handle_timeout(grace, &mut Quiet);
+        let view = backup.shard().unwrap().workers().iter().map(|c| c.worker).collect::<Vec<_>>();
+        assert_eq!(view, vec![0], "the member not connected left; the connected one is still awaited");
+        assert_eq!(backup.poll_timeout(), Some(t0 + FIRST_REJOIN_NS));
+        // The connected one's connection ends: it leaves at once.
+        backup.lost(grace + 1, 0, LeaveReason::TimedOut, &mut Quiet);
+        assert_eq!(backup.poll_timeout(), None);
     }
 
     #[test]
@@ -1263,7 +1311,7 @@ mod tests {
             drain(&mut primary)[..],
             [NodeOutput::Reply { token: 2, reply: Reply::Done(Ok(())) }]
         ));
-        backup.promote();
+        backup.promote(&BTreeSet::from([0]));
         backup.join(3, 3, 0, Vec::new(), &mut Quiet);
         assert!(matches!(
             drain(&mut backup)[..],
@@ -1350,7 +1398,7 @@ mod tests {
         primary.push(6, 4, PushHeader::gradient(0, 0, 1), vec![1.0; 2], &mut Quiet);
         primary.push(6, 5, PushHeader::gradient(0, 1, 1), vec![1.0; 2], &mut Quiet);
         deliver(drain(&mut primary), &mut backup);
-        backup.promote();
+        backup.promote(&BTreeSet::from([0, 1, 2]));
         assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "members awaited");
         backup.join(10, 6, 1, Vec::new(), &mut Quiet);
         assert_eq!(backup.poll_timeout(), Some(6 + FIRST_REJOIN_NS), "no shorter grace once one is back");

@@ -21,7 +21,7 @@ mod shard_task;
 
 use crate::net::pool::TensorPool;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -936,7 +936,10 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             let Some(tx) = shared.state().take_backup(shard) else {
                 return ServerReply::Error(ServerError::NoBackup { shard, server: shared.id });
             };
-            match ask(shard, &tx, |reply| ShardCmd::Promote { reply }).await {
+            // Members not connected here are awaited only the rejoin grace: one that died before
+            // this process started (a server restarted since) has no connection here to end.
+            let connected = shared.state().connected_workers();
+            match ask(shard, &tx, |reply| ShardCmd::Promote { connected, reply }).await {
                 Ok(()) => {
                     // It runs the policy this server records (its last committed swap's), unless
                     // it took that swap or a newer one from its old primary.
@@ -1018,7 +1021,6 @@ struct Peer {
     /// The most values a tensor from it may decode to: its model's length (from its hello),
     /// within the payload limit.
     max_values: usize,
-    joined: Mutex<BTreeSet<u32>>,
     controls: mpsc::UnboundedSender<ControlMessage>,
 }
 
@@ -1067,13 +1069,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     shared.traffic.lock().expect("not poisoned").0.push(conn.clone());
     let _sharing = shared.windows.join(&conn);
     let (controls, control_rx) = mpsc::unbounded_channel();
-    let peer = Arc::new(Peer {
-        worker,
-        conn: conn.stable_id(),
-        max_values,
-        joined: Mutex::new(BTreeSet::new()),
-        controls,
-    });
+    let peer = Arc::new(Peer { worker, conn: conn.stable_id(), max_values, controls });
     let writer = tokio::spawn(write_controls(conn.clone(), control_rx));
     loop {
         match conn.accept_bi().await {
@@ -1088,11 +1084,10 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
                     }
                     _ => LeaveReason::Failed,
                 };
-                let joined = std::mem::take(&mut *peer.joined.lock().expect("not poisoned"));
                 if let Some(w) = worker {
                     // Only what this connection still owns: a newer one of the same worker may
                     // have joined since (a restarted process), and keeps its memberships.
-                    let ended = shared.state().connection_ended(w, peer.conn, joined);
+                    let ended = shared.state().connection_ended(w, peer.conn);
                     if !ended.leave.is_empty() {
                         let left: Vec<u32> = ended.leave.iter().map(|(s, _)| *s).collect();
                         tracing::warn!(%addr, worker = w, ?reason, "worker lost ({e}); it leaves shards {left:?}");
@@ -1238,7 +1233,6 @@ async fn handle_request(
             let controls = peer.controls.clone();
             match ask(shard, tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
                 Ok(joined) => {
-                    peer.joined.lock().expect("not poisoned").insert(shard);
                     shared.state().joined(worker, shard, peer.conn);
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
@@ -1325,7 +1319,6 @@ async fn handle_request(
             (DataResponse::Ok, None)
         }
         DataRequest::Leave { .. } => {
-            peer.joined.lock().expect("not poisoned").remove(&shard);
             shared.state().left(worker, shard, peer.conn);
             match ask(shard, tx, |reply| ShardCmd::Leave {
                 worker,

@@ -127,8 +127,10 @@ pub(crate) enum ShardCmd {
     },
     /// The backup is gone for good (its server died): stop waiting for it.
     DropBackup,
-    /// This backup becomes the shard's primary.
+    /// This backup becomes the shard's primary; `connected`: the workers connected to this
+    /// server ([`ShardNode::promote`](crate::shard::ShardNode::promote)).
     Promote {
+        connected: std::collections::BTreeSet<syncopate_policy_sdk::abi::WorkerId>,
         reply: Reply<()>,
     },
 }
@@ -601,9 +603,9 @@ impl ShardTask {
                 p.obs.link = None;
                 p.node.drop_backup();
             }
-            ShardCmd::Promote { reply } => {
+            ShardCmd::Promote { connected, reply } => {
                 if p.node.is_backup() {
-                    p.node.promote();
+                    p.node.promote(&connected);
                     // The clock goes on from the last op's time, so timers and waits keep theirs.
                     self.continue_clock_from(p.node.last_now());
                 }

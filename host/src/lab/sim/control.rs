@@ -526,7 +526,7 @@ impl Sim {
             return None;
         }
         let mut backup = self.backups[su].take()?;
-        backup.promote();
+        backup.promote(&self.servers[b as usize].connected_workers());
         let old = self.server_of[su];
         self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
         // Ops the old primary sent on the stream it had to this node still reach it.

@@ -741,6 +741,11 @@ impl Sim {
             match out {
                 NodeOutput::Reply { token, reply } => {
                     let Some(req) = self.requests.remove(&token) else { continue };
+                    if let (Req::Join { w, .. }, Reply::Joined(Ok(_))) = (&req, &reply) {
+                        // The membership is the worker's connection to this server's.
+                        let x = self.server_of[s as usize] as usize;
+                        self.servers[x].joined(*w, s, *w as usize);
+                    }
                     match (req, reply) {
                         (Req::Ignore { .. }, _) => {}
                         (Req::Bad { s, what }, reply) => {
@@ -884,7 +889,11 @@ impl Sim {
                 self.requests.insert(self.next_token, Req::Ignore { s });
                 node.skip(now, self.next_token, w, to, &mut Quiet)
             }
-            ToShard::Goodbye => node.leave(now, None, w, LeaveReason::Finished, &mut Quiet),
+            ToShard::Goodbye => {
+                let x = self.server_of[s as usize] as usize;
+                self.servers[x].left(w, s, w as usize);
+                self.nodes[s as usize].leave(now, None, w, LeaveReason::Finished, &mut Quiet)
+            }
             ToShard::Waiting(iteration, waiting) => node.waiting(now, w, iteration, waiting, &mut Quiet),
         }
         self.drain(s)

@@ -195,17 +195,30 @@ impl Sim {
         self.at(self.now + PEER_TIMEOUT_NS, Ev::WorkerLost(w));
     }
 
-    /// The servers' connections to dead worker `w` time out: each live server's state marks it
-    /// gone (a shard promoted there later hears of it), and it leaves every shard it is a member
-    /// of.
+    /// The servers' connections to dead worker `w` time out. Each live server does what its
+    /// state says, as the cluster's servers do: the worker leaves the shards it joined through
+    /// that connection, and every primary there hears it is gone (a promoted shard that still
+    /// awaits it lets it go).
     pub(super) fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
-        for x in (0..self.servers.len()).filter(|&x| !self.dead[x]) {
-            self.servers[x].connection_ended(w, w as usize, std::iter::empty());
-        }
-        for s in 0..self.nodes.len() as u32 {
-            if !self.down(s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
-                self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
-                self.drain(s)?;
+        for x in 0..self.servers.len() as u32 {
+            if self.dead[x as usize] {
+                continue;
+            }
+            let ended = self.servers[x as usize].connection_ended(w, w as usize);
+            // The shards this server is primary of now (its state also keeps those promoted
+            // away from it while it lived, whose nodes the simulator does not keep).
+            let here = |sim: &Self, s: u32| sim.server_of[s as usize] == x && !sim.down(s);
+            for (s, ()) in ended.leave {
+                if here(self, s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
+                    self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                    self.drain(s)?;
+                }
+            }
+            for (s, ()) in ended.lost {
+                if here(self, s) {
+                    self.nodes[s as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
+                    self.drain(s)?;
+                }
             }
         }
         Ok(())
