@@ -425,7 +425,7 @@ impl WorkerClient {
     }
 
     /// Joins every shard. `init` (the whole model) creates shards that do not exist yet; shards
-    /// that exist keep their parameters. Returns the iteration to start at, as [`join`] decides
+    /// that exist keep their parameters. Returns the iteration to start at, as [`Joining`] decides
     /// from the shards' answers: a worker every shard still counts as a member (restored from a
     /// checkpoint, or a process restarted under its id before any shard dropped its
     /// predecessor) starts at the earliest iteration any of them expects from it, and the

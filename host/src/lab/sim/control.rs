@@ -22,57 +22,29 @@
 //!   with its primaries' clocks, then each switches its primaries when its commit arrives,
 //!   raising the clocks by the levelling the machine chose.
 //!
-//! - the coordinator may crash ([`SimFaults::coordinator_crash`](super::SimFaults::coordinator_crash)):
-//!   the commands and answers on their way to it are lost, renewals go unanswered, so leases
-//!   lapse and the servers refuse requests. When it restarts, each live server rejoins it (a
-//!   cut-off one once its partition heals) and says what it holds; once all have, or
-//!   [`REJOIN_WAIT_MS`](syncopate_engine::coordinator::REJOIN_WAIT_MS) after the first, the new
-//!   machine rebuilds the cluster from those
-//!   holdings ([`CoordinatorMachine::rebuild`](syncopate_engine::coordinator::CoordinatorMachine::rebuild)),
-//!   as a restarted cluster coordinator does: stale servers and late ones are told to stop,
-//!   backups whose primary did not come back are promoted, an interrupted swap is finished.
-//!   Renewals are answered again once its commands are done, and each worker then gets the map.
-//!
+//! - the coordinator may crash and restart (`rebuild.rs`), and checkpoint rounds are the
+//!   machine's too (`checkpoints.rs`);
 //! - a dead server may be started again ([`SimRestart`](super::SimRestart)): a new process under
 //!   its id, holding nothing, which asks the machine for its id every heartbeat until it is
 //!   admitted, then gets backups of the shards that have none;
-//! - checkpoint rounds ([`SimFaults::checkpoints`](super::SimFaults::checkpoints)) are the
-//!   machine's too: each shard's primary takes its snapshot when the command reaches it (a dead
-//!   server, or one the shard moved from, cannot), and a round the machine reports taken is
-//!   checked ([`SimError::Checkpoint`]).
+//! - each server keeps its own state as a cluster's server does ([`ServerState`]): the shards it
+//!   holds and their terms (a promotion bumps its shard's), the terms its lease answers told,
+//!   the workers whose connection to it ended, and which connection joined each membership.
 //!
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
-use std::collections::BTreeMap;
-
 use rand::Rng;
-use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, GatherError,
-    Gathered, Gathering, Held, Refusal,
-};
+use syncopate_engine::coordinator::{Answer, CheckpointOutcome, Command, CoordOutput, Gathering, Refusal};
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
-use super::workers::slot;
-use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition, PEER_TIMEOUT_NS};
+use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
 use syncopate_engine::server::ServerState;
 
-const MS: u64 = 1_000_000;
-
-/// A checkpoint round begun: what its shards were when it began, and the snapshots written.
-#[derive(Debug, Default)]
-pub(super) struct SimRound {
-    /// Per shard: its policy module's SHA-256 when the round began.
-    policies: Vec<[u8; 32]>,
-    /// Per shard: the fewest optimizer steps any live copy of it had applied when the round
-    /// began (every push acknowledged by then is among them).
-    floors: Vec<u64>,
-    /// The snapshots written, as a server writes them (encoded), by shard.
-    written: BTreeMap<u32, Vec<u8>>,
-}
+pub(super) const MS: u64 = 1_000_000;
 
 /// What becomes of a worker's message to a shard when it arrives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,7 +359,7 @@ impl Sim {
     }
 
     /// Carries out what the coordinator machine decided.
-    fn drive_coordinator(&mut self) -> Result<(), SimError> {
+    pub(super) fn drive_coordinator(&mut self) -> Result<(), SimError> {
         while let Some(out) = self.coord.poll_output() {
             match out {
                 CoordOutput::Command { id, server, command } => {
@@ -612,341 +584,5 @@ impl Sim {
         self.at(t + self.net.latency_ns, Ev::Confirm(s, epoch, seq));
         self.drain(s)?;
         Ok(true)
-    }
-
-    /// Worker `w` hears that shard `s` moved: it rejoins the new primary (a member, or, if its
-    /// join had not reached the backup, anew) and sends again the pulls and pushes that were
-    /// lost on the way to the old primary or with it, if it still waits for them (a push
-    /// applied twice is a duplicate; a parked pull answers the retried one).
-    fn moved(&mut self, w: u32, s: u32) -> Result<(), SimError> {
-        let (su, wu) = (s as usize, w as usize);
-        self.known[wu][su] = self.term[su];
-        if self.workers[wu].absent {
-            // A late joiner before its time: it asks where the shards are when it joins.
-            return Ok(());
-        }
-        let node = self.server_node(s);
-        // What it sent that was lost on the way to the old primary, or with it.
-        let (mine, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.limbo).into_iter().partition(|(ev, _)| {
-                matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
-            });
-        self.limbo = rest;
-        for (ev, since) in &mine {
-            if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
-                self.unreachable_ns[wu] += self.now.saturating_sub(*since);
-            }
-        }
-        let mine = mine.into_iter().map(|(ev, _)| ev);
-        let member = sim_shard(&self.nodes[su]).is_member(w);
-        if self.workers[wu].machine.is_done() {
-            // Its goodbye went to the dead primary. A cluster makes it leave when it closes its
-            // connection to the new primary's server, after its goodbye; the simulator, now.
-            if member {
-                self.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
-                self.drain(s)?;
-            }
-            return Ok(());
-        }
-        let token = self.token(Req::Join { w, s, again: true });
-        self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
-        self.drain(s)?;
-        // Each lost pull and push is asked again, once, if the worker's client still waits for
-        // it there.
-        let mut asked = std::collections::BTreeSet::new();
-        for ev in mine {
-            let wk = &self.workers[wu];
-            match ev {
-                Ev::ToShard(..) => {
-                    let t = self.net.after_latency(self.now, wu, node);
-                    self.at(t, ev)
-                }
-                Ev::PullArrive(_, _, iteration)
-                    if wk.client.awaits_pull(su, iteration) && asked.insert(ev) =>
-                {
-                    let t = self.net.transfer(self.now, wu, node, 64);
-                    self.at(t, ev);
-                }
-                Ev::PushArrive(_, _, help) => {
-                    let p = if help { &wk.help } else { &wk.own };
-                    let awaited =
-                        p.as_ref().is_some_and(|p| wk.client.awaits_push(slot(help), su, p.job.iteration));
-                    if awaited && asked.insert(ev) {
-                        let t = self.net.transfer(self.now, wu, node, self.shard_bytes(s));
-                        self.at(t, ev);
-                    }
-                }
-                _ => {}
-            }
-        }
-        tracing::debug!(worker = w, shard = s, ?asked, t_ns = self.now, "heard the shard moved");
-        Ok(())
-    }
-
-    /// The coordinator crashes, and restarts `down_ns` later: what is on its way to it is lost
-    /// (answers to its commands by incarnation, renewals by its phase), its lease checks stop.
-    pub(super) fn crash_coordinator(&mut self, down_ns: u64) {
-        if !self.controlled() {
-            return;
-        }
-        tracing::debug!(t_ns = self.now, down_ns, "coordinator crashed");
-        self.coord_phase = Phase::Down;
-        // What it recorded at its last promotion (the machine's terms now), if it keeps them.
-        self.recorded_terms =
-            if self.opts.faults.crash_keeps_terms { self.coord.terms().to_vec() } else { Vec::new() };
-        self.incarnation += 1;
-        self.coord_timer_at = None;
-        self.at(self.now + down_ns, Ev::CoordRestart);
-    }
-
-    /// The coordinator restarts with a machine of its own: the live servers rejoin it, each a
-    /// latency and up to a heartbeat later (they retry); one cut off from it, once it heals.
-    /// With every server dead, nothing rejoins it: every shard is lost.
-    fn restart_coordinator(&mut self) -> Result<(), SimError> {
-        let sc = &self.opts.run.scenario;
-        let cfg = CoordinatorConfig {
-            servers: sc.servers,
-            shards: self.nodes.len() as u32,
-            replicas: sc.replicas,
-            max_workers: self.coord.config().max_workers,
-            peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
-        };
-        self.coord = CoordinatorMachine::new(cfg);
-        // Its rounds go on past those begun before (a cluster's coordinator finds their folders).
-        self.coord.set_next_round(self.rounds.keys().max().map_or(1, |r| r + 1));
-        self.coord_phase = Phase::Rejoining(Gathering::new(self.dead.len() as u32));
-        tracing::debug!(t_ns = self.now, "coordinator restarted");
-        for x in 0..self.dead.len() as u32 {
-            if self.dead[x as usize] {
-                continue;
-            }
-            if self.cut_to[x as usize] || self.cut_from[x as usize] {
-                self.held[x as usize].push(Ev::Rejoin(x));
-            } else {
-                let retry = self.rng.random_range(0..=HEARTBEAT_MS * MS);
-                self.at(self.now + self.net.latency_ns + retry, Ev::Rejoin(x));
-            }
-        }
-        self.nobody_left()
-    }
-
-    /// While the restarted coordinator waits for its first server, every server is dead: it
-    /// will wait for ever, and the shards are lost.
-    fn nobody_left(&self) -> Result<(), SimError> {
-        let waiting = matches!(&self.coord_phase, Phase::Rejoining(g) if g.is_empty());
-        match waiting && self.dead.iter().all(|&d| d) {
-            true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
-            false => Ok(()),
-        }
-    }
-
-    /// What server `x` holds, as it tells a restarted coordinator: its primaries at their
-    /// terms (and those promoted away from it, at the term it knew), its backups at their
-    /// primaries' terms, and its swaps.
-    fn holdings(&self, x: u32) -> Held {
-        let len = |s: usize| sim_shard(&self.nodes[s]).values().len() as u64;
-        let state = &self.servers[x as usize];
-        // Its primaries at the terms its state keeps: those it holds now, and those promoted
-        // away from it while it lived.
-        let primaries =
-            state.primaries().into_iter().map(|(s, ())| (s, state.term(s), len(s as usize))).collect();
-        let mut backups = Vec::new();
-        for s in 0..self.nodes.len() {
-            if self.backup_of[s] == Some(x) && self.backups[s].is_some() {
-                backups.push((s as u32, state.term(s as u32), len(s)));
-            }
-        }
-        let (swaps, mut levelled) = self.committed[x as usize].clone();
-        // The newest swap a copy here runs (a backup takes its primary's swap from its ops).
-        let mut copies = 0;
-        for s in 0..self.nodes.len() {
-            let copy = match (self.server_of[s] == x, self.backup_of[s] == Some(x)) {
-                (true, _) => self.nodes[s].shard(),
-                (false, true) => self.backups[s].as_ref().and_then(ShardNode::shard),
-                _ => None,
-            };
-            if let Some((swap, raise)) = copy.map(|c| c.swap()) {
-                if swap > copies {
-                    copies = swap;
-                    if swap > swaps {
-                        levelled = raise.to_vec();
-                    }
-                }
-            }
-        }
-        Held { server: x, swaps, levelled, primaries, backups, known: state.known_terms().to_vec(), copies }
-    }
-
-    /// Server `x` rejoins the restarted coordinator, which gathers its holdings as the cluster's
-    /// does ([`Gathering`]): once every server has rejoined, or the wait after the first is over,
-    /// it rebuilds. One that comes after the rebuild began is refused, and stops.
-    fn rejoin(&mut self, x: u32) -> Result<(), SimError> {
-        if self.dead[x as usize] {
-            return self.nobody_left();
-        }
-        let held = self.holdings(x);
-        let gathered = match &mut self.coord_phase {
-            Phase::Rejoining(gathering) => gathering.rejoined(self.now, held),
-            _ => Err(GatherError::TooLate),
-        };
-        match gathered {
-            Ok(Gathered::Waiting { due_ns, first }) => {
-                if first {
-                    self.at(due_ns, Ev::RebuildDue(self.incarnation));
-                }
-                Ok(())
-            }
-            Ok(Gathered::Complete) => self.rebuild(),
-            Err(e) => {
-                tracing::debug!(server = x, t_ns = self.now, "rejoin refused, it stops: {e}");
-                self.rebuild.refused += 1;
-                self.at(self.now + self.net.latency_ns, Ev::Stop(x));
-                Ok(())
-            }
-        }
-    }
-
-    /// The restarted coordinator rebuilds the cluster from the holdings it gathered. A shard
-    /// nobody holds is lost, as on a cluster.
-    fn rebuild(&mut self) -> Result<(), SimError> {
-        let Phase::Rejoining(gathering) = &mut self.coord_phase else { return Ok(()) };
-        let Some(rejoined) = gathering.begin() else { return Ok(()) };
-        self.coord_phase = Phase::Rebuilding;
-        let held: Vec<Held> = rejoined.into_values().collect();
-        let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded_terms);
-        tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
-        self.rebuild.rebuilds += 1;
-        self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
-        self.rebuild.refused += rebuilt.resolution.stale.len() as u64;
-        for &x in rebuilt.resolution.stale.keys() {
-            self.at(self.now + self.net.latency_ns, Ev::Stop(x));
-        }
-        if let Some((&shard, &(newest, held))) = rebuilt.resolution.outdated.iter().next() {
-            return Err(SimError::Outdated { shard, newest, held });
-        }
-        if let Some(shard) = rebuilt.resolution.places.iter().position(Option::is_none) {
-            return Err(SimError::ShardLost { shard: shard as u32, server: self.server_of[shard] });
-        }
-        // A shard whose newest copies all died before the restart resolves to an older one (a
-        // server failed over while cut off, which claims it at the term it knew): the
-        // coordinator cannot know of a term nobody reports. That copy lacks acknowledged
-        // pushes, so the shard's last current copy is lost, as a double fault loses it; a
-        // cluster would go on from the stale one (docs/fault-tolerance.md says so).
-        // That excuse holds only if the rebuild had nothing better: no copy that came back, and
-        // no term a rejoined server heard of or the old coordinator recorded, newer than the
-        // copy it chose. Otherwise the rebuild itself chose wrong.
-        for (k, place) in rebuilt.resolution.places.iter().enumerate() {
-            let Some(place) = place else { continue };
-            let copies = |h: &Held| {
-                let all = h.primaries.iter().chain(&h.backups);
-                all.filter(|c| c.0 as usize == k).map(|c| c.1).collect::<Vec<_>>()
-            };
-            let chosen =
-                held.iter().filter(|h| h.server == place.primary).flat_map(copies).max().unwrap_or(0);
-            let heard = held.iter().filter_map(|h| h.known.get(k).copied());
-            let newest = held
-                .iter()
-                .flat_map(copies)
-                .chain(heard)
-                .chain(self.recorded_terms.get(k).copied())
-                .max()
-                .unwrap_or(0);
-            if newest > chosen {
-                return Err(SimError::OlderCopy { shard: k as u32, chosen, newest });
-            }
-            if chosen != self.term[k] as u64 {
-                return Err(SimError::StaleCopy { shard: k as u32, server: place.primary });
-            }
-        }
-        self.drive_coordinator()
-    }
-
-    /// The rebuild's commands are done: renewals are answered again, the swap it finished is
-    /// over, and every worker gets the map (each rejoins the shards that moved meanwhile).
-    fn rebuilt(&mut self) {
-        self.coord_phase = Phase::Up;
-        self.swapping = None;
-        let len = self.coord.model_len().unwrap_or(1);
-        for w in 0..self.workers.len() as u32 {
-            if self.workers[w as usize].dead {
-                continue;
-            }
-            let _ = self.coord.admit_worker(Some(w), len);
-            for s in 0..self.nodes.len() as u32 {
-                if self.known[w as usize][s as usize] < self.term[s as usize] {
-                    self.at(self.now + self.net.latency_ns, Ev::Moved(w, s));
-                }
-            }
-        }
-    }
-
-    /// A checkpoint round, begun by the coordinator's machine ([`SimFaults::checkpoints`](super::SimFaults::checkpoints)):
-    /// each shard's primary is told to take its snapshot. One the machine will not begin now
-    /// is counted and skipped, as a cluster's periodic round is.
-    pub(super) fn checkpoint(&mut self) -> Result<(), SimError> {
-        if !self.controlled() || self.coord_phase != Phase::Up {
-            tracing::debug!(t_ns = self.now, "checkpoint round not begun: no coordinator");
-            self.checkpoints.refused += 1;
-            return Ok(());
-        }
-        match self.coord.begin_checkpoint() {
-            Ok(round) => {
-                let mut r = SimRound::default();
-                for s in 0..self.nodes.len() {
-                    let primary = sim_shard(&self.nodes[s]);
-                    r.policies.push(primary.policy().sha256());
-                    let backup = self.backups[s].as_ref().and_then(|b| b.shard());
-                    let backup = backup.filter(|_| self.backup_of[s].is_some_and(|b| !self.dead[b as usize]));
-                    r.floors.push(backup.map_or(primary.version(), |b| b.version().min(primary.version())));
-                }
-                tracing::debug!(round, t_ns = self.now, "checkpoint round begins");
-                self.rounds.insert(round, r);
-                self.drive_coordinator()
-            }
-            Err(e) => {
-                tracing::debug!(t_ns = self.now, "checkpoint round not begun: {e}");
-                self.checkpoints.refused += 1;
-                Ok(())
-            }
-        }
-    }
-
-    /// The machine says round `round` was taken: it must hold every shard's snapshot, each
-    /// decoding to its shard, running the policy its shard ran when the round began, and having
-    /// applied at least what every live copy of it had then.
-    fn round_taken(&mut self, round: u64) -> Result<(), SimError> {
-        let bad = |why: String| Err(SimError::Checkpoint { round, why });
-        let Some(r) = self.rounds.get(&round) else { return bad("it was never begun".into()) };
-        let shards = self.nodes.len() as u32;
-        for k in 0..shards {
-            let Some(bytes) = r.written.get(&k) else {
-                return bad(format!("shard {k}'s snapshot was never written"));
-            };
-            let snap = match ShardSnapshot::decode(bytes) {
-                Ok(snap) => snap,
-                Err(e) => return bad(format!("shard {k}'s snapshot does not decode: {e}")),
-            };
-            if (snap.shard(), snap.shards()) != (k, shards) {
-                return bad(format!("shard {k}'s file holds shard {} of {}", snap.shard(), snap.shards()));
-            }
-            let began = r.policies[k as usize];
-            if snap.policy_sha256() != began {
-                return bad(format!(
-                    "shard {k}'s snapshot runs another policy than the shard ran when the round began \
-                     (a swap overlapped the round)"
-                ));
-            }
-            let floor = r.floors[k as usize];
-            if snap.version() < floor {
-                return bad(format!(
-                    "shard {k}'s snapshot has applied {} steps, fewer than every copy had when the round \
-                     began ({floor}): acknowledged pushes are missing from it",
-                    snap.version()
-                ));
-            }
-        }
-        tracing::debug!(round, t_ns = self.now, "checkpoint round taken");
-        self.checkpoints.taken += 1;
-        Ok(())
     }
 }

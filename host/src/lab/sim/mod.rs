@@ -41,13 +41,17 @@
 //! Events are ordered by virtual time, ties by the order they were scheduled: nothing depends on
 //! the host's clock or on thread scheduling.
 //!
-//! Where things are: this file sets a run up and dispatches its events ([`simulate`]);
-//! `options.rs` says what a run is asked to do, `outcome.rs` what it reports; `events.rs` is the
-//! event queue and the messages in flight; `network.rs` the links; `workers.rs` the workers'
-//! drivers; `control.rs` the control plane (leases, the coordinator's machine, failovers,
-//! rebuilds, checkpoints); `faults.rs` late joins, duplicates and bad requests; `invariants.rs`
-//! what is checked as the run goes.
+//! Where things are: this file runs a run and dispatches its events ([`simulate`]); `setup.rs`
+//! sets one up; `options.rs` says what a run is asked to do, `outcome.rs` what it reports;
+//! `events.rs` is the event queue and the messages in flight; `network.rs` the links;
+//! `shards.rs` the shards' drivers (each node's outputs, ops to backups); `workers.rs` the
+//! workers' drivers (each worker's machine and client machine, and what a worker does when it
+//! hears a shard moved); `control.rs` the control plane (leases, the coordinator's machine,
+//! failovers, each server's own state); `rebuild.rs` a coordinator's crash and rebuild;
+//! `checkpoints.rs` checkpoint rounds; `faults.rs` late joins, duplicates and bad requests;
+//! `invariants.rs` what is checked as the run goes.
 
+mod checkpoints;
 mod control;
 mod events;
 mod faults;
@@ -55,6 +59,9 @@ mod invariants;
 mod network;
 mod options;
 mod outcome;
+mod rebuild;
+mod setup;
+mod shards;
 mod workers;
 
 pub use options::{
@@ -242,7 +249,7 @@ struct Sim {
     /// The first time a backup that had applied every op of its primary's differed from it.
     drift: Option<String>,
     /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
-    rounds: BTreeMap<u64, control::SimRound>,
+    rounds: BTreeMap<u64, checkpoints::SimRound>,
     /// What became of the rounds.
     checkpoints: CheckpointCounts,
     /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
@@ -286,267 +293,8 @@ fn load(spec: &crate::builtin::PolicySpec, rt: &PolicyRuntime) -> Result<PolicyM
 
 /// Runs the scenario under the policy.
 pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimError> {
-    let (sc, policy) = (&opts.run.scenario, &opts.run.policy);
-    if let Some(script) = sc.script.first() {
-        return Err(SimError::Script(script.clone()));
-    }
-    let n = sc.workers;
-    let shards_n = opts.run.shards();
-    let module = load(policy, rt)?;
-    let mut swaps = Vec::new();
-    for (at, spec) in &opts.faults.swaps {
-        swaps.push((*at, load(spec, rt)?, spec.config.clone()));
-    }
-    let modules: Vec<PolicyModule> =
-        std::iter::once(module.clone()).chain(swaps.iter().map(|s| s.1.clone())).collect();
-    let data = opts.data.clone().unwrap_or_else(|| syncopate_workloads::fashion::DEFAULT_DIR.into());
-    let wopts = sc.workload_options(&data);
-    let (workloads, evaluator) = if opts.gradients {
-        let w = syncopate_workloads::for_parts(&sc.workload, &wopts, n)?;
-        (w, Evaluator::for_workload(&sc.workload, &wopts)?)
-    } else {
-        (Vec::new(), None)
-    };
-    // Without gradients the shards hold one value each, but transfers keep the model's size.
-    let len = syncopate_workloads::param_len(&sc.workload, &wopts)
-        .ok_or_else(|| syncopate_workloads::WorkloadError::Unknown(sc.workload.clone()))?;
-    let model: Vec<f32> = match workloads.first() {
-        Some(w) => w.init_params(sc.seed),
-        None => vec![0.0; shards_n as usize],
-    };
-    let ranges: Vec<(usize, usize)> = (0..shards_n as usize)
-        .map(|i| (len * i / shards_n as usize, len * (i + 1) / shards_n as usize))
-        .collect();
-    let held = |i: usize| if opts.gradients { ranges[i] } else { (i, i + 1) };
-    let mut quiet = Quiet;
-    // The scenario's rules (replicas 0 or 1, and 1 only with two servers), then the failure's.
-    sc.check().map_err(SimError::Options)?;
-    let failures: Vec<SimFailure> = match &opts.failures[..] {
-        [] => SimFailure::of(sc).into_iter().collect(),
-        given => given.to_vec(),
-    };
-    if let Some((w, _)) = opts.faults.worker_deaths.iter().find(|(w, _)| *w >= n) {
-        return Err(SimError::Options(format!("worker {w} does not exist")));
-    }
-    for c in &opts.faults.link_cuts {
-        let exists = |e: Node| match e {
-            Node::Worker(w) => w < n,
-            Node::Server(x) => x < sc.servers,
-        };
-        let workers = matches!((c.a, c.b), (Node::Worker(_), Node::Worker(_)));
-        if !exists(c.a) || !exists(c.b) || workers || c.a == c.b {
-            return Err(SimError::Options(format!("no link between {:?} and {:?}", c.a, c.b)));
-        }
-        if c.heal_after_ns >= PEER_TIMEOUT_NS {
-            return Err(SimError::Options("a cut link heals within the peer timeout (10 s)".into()));
-        }
-    }
-    let struck = failures.iter().map(|f| f.server).chain(opts.faults.partitions.iter().map(|p| p.server));
-    let restarts = opts.faults.server_restarts.iter();
-    let struck =
-        struck.chain(restarts.flat_map(|r| std::iter::once(r.server).chain(r.then_kill.map(|k| k.0))));
-    for server in struck {
-        if sc.replicas == 0 {
-            return Err(SimError::Options("a server failure needs replicas 1".into()));
-        }
-        if server >= sc.servers {
-            return Err(SimError::Options(format!("server {server} does not exist")));
-        }
-    }
-    let backup_of: Vec<Option<u32>> =
-        (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, sc.replicas)).collect();
-    let mut backups = Vec::new();
-    let mut shards = Vec::new();
-    let mut node_cfgs = Vec::new();
-    for (i, backed) in backup_of.iter().enumerate() {
-        let (lo, hi) = held(i);
-        let cfg = ShardConfig {
-            shard: i as u32,
-            shards: shards_n,
-            seed: sc.seed,
-            optimizer: sc.server_optimizer(),
-            local_sgd: sc.local_sgd(),
-            pull_codec: sc.codecs().1,
-            push_weight: sc.push_weight.unwrap_or_default(),
-            max_workers: sc.workers.max(crate::shard::DEFAULT_MAX_WORKERS),
-            supervisor: sc.supervisor(),
-        };
-        let config = opts.run.shard_config(i as u32);
-        let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS, quiet: true };
-        node_cfgs.push(node_cfg.clone());
-        let start = |backup: bool, quiet: &mut Quiet| {
-            // Each created as its shard is, from the same parameters: the ops keep them equal.
-            let mut node = ShardNode::new(node_cfg.clone(), module.clone(), config.clone(), backup);
-            node.create(model[lo..hi].to_vec(), quiet)
-                .map_err(|e| SimError::Policy(policy.to_string(), e))?;
-            Ok::<_, SimError>(node)
-        };
-        let mut primary = start(false, &mut quiet)?;
-        if backed.is_some() {
-            backups.push(Some(start(true, &mut quiet)?));
-            // Attached before the first op: the backup starts as the primary did.
-            primary.attach_backup(0, &mut quiet).map_err(|e| SimError::Options(e.to_string()))?;
-        } else {
-            backups.push(None);
-        }
-        shards.push(primary);
-    }
-    let mut workloads = workloads.into_iter();
-    let mut workers = Vec::new();
-    for w in 0..n {
-        let mut workload = workloads.next();
-        let (mut bufs, can_split) =
-            Buffers::for_workload(workload.as_deref_mut().map(|x| x as &mut dyn Workload), w);
-        if let Some(o) = sc.worker_optimizer() {
-            bufs.place_optimizer(o);
-        }
-        bufs.set_inner_optimizer(sc.optimizer());
-        let device = Device {
-            compute_ns: sc.compute_ms.max(1) * 1_000_000,
-            slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
-            jitter_ms: sc.jitter.iter().find(|j| j.worker == w).map(|j| (j.mean_ms, j.sd_ms)),
-            stall_ns: sc
-                .stall
-                .iter()
-                .find(|s| s.worker == w)
-                .map(|s| ((s.at_s * 1e9) as u64, (s.for_s * 1e9) as u64)),
-            seed: sc.seed ^ (u64::from(w) << 40) ^ 0x5eed,
-            granularity_ns: 0,
-        };
-        let cfg = WorkerConfig {
-            id: w,
-            start: 0,
-            iterations: sc.iterations_or_unbounded(),
-            batch: sc.batch,
-            part: w,
-            can_split,
-            numbering_shared: true,
-            device,
-        };
-        let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
-        let routes: Vec<u32> = (0..shards_n).map(|s| s % sc.servers).collect();
-        let client = ClientMachine::new(w, &routes, sc.servers, sc.replicas > 0)
-            .map_err(|e| SimError::Options(e.to_string()))?;
-        workers.push(SimWorker {
-            cfg,
-            absent: opts.faults.late_join.iter().any(|l| l.0 == w),
-            joining: None,
-            machine,
-            client,
-            bufs,
-            workload,
-            replies_at: 0,
-            pulled: None,
-            encoder: PushEncoder::new(w, shards_n as usize, sc.codecs().0),
-            encoded: vec![None; shards_n as usize],
-            own: None,
-            help: None,
-            wake_at: None,
-            done: false,
-            dead: false,
-        });
-    }
-    // The coordinator: every server registers and is answered, and the backups made above are
-    // the ones it has attached.
-    let mut coord = CoordinatorMachine::new(CoordinatorConfig {
-        servers: sc.servers,
-        shards: shards_n,
-        replicas: sc.replicas,
-        max_workers: n.max(crate::shard::DEFAULT_MAX_WORKERS),
-        peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
-    });
-    for _ in 0..sc.servers {
-        coord.register_server(0).map_err(|e| SimError::Options(e.to_string()))?;
-        coord.server_answered();
-    }
-    while let Some(out) = coord.poll_output() {
-        if let CoordOutput::Command { id, .. } = out {
-            coord.command_done(id, Ok(Answer::Done));
-        }
-    }
-    let places: Vec<Option<u32>> = coord.places().iter().map(|p| p.backup).collect();
-    assert_eq!(places, backup_of, "the simulator's backups are where the coordinator puts them");
-    // The simulated servers are ready at once: their first renewals are in at time 0 (a cluster's
-    // come once each has compiled the policy).
-    for x in 0..sc.servers {
-        coord.renew(0, x).map_err(|e| SimError::Options(e.to_string()))?;
-    }
-    for w in 0..n {
-        coord.admit_worker(Some(w), len as u64).map_err(|e| SimError::Options(e.to_string()))?;
-    }
-    let nodes = (n + sc.servers) as usize;
-    let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
-    let n_workers = workers.len();
-    let servers = (0..sc.servers).map(|x| server_state(x, sc.servers, &backup_of, n)).collect();
-    let mut sim = Sim {
-        opts: opts.clone(),
-        now: 0,
-        queue: Queue::default(),
-        server_of: (0..shards_n).map(|s| s % sc.servers).collect(),
-        nodes: shards,
-        node_cfgs,
-        ranges,
-        requests: BTreeMap::new(),
-        next_token: 0,
-        workers,
-        evaluator,
-        net: Network::new(nodes, mbit, sc.latency_us * 1000),
-        timer_at: vec![None; shards_n as usize],
-        controls: Mailbox::default(),
-        to_shard: Mailbox::default(),
-        copies: Mailbox::default(),
-        duplicates: 0,
-        bad_inputs: 0,
-        done: 0,
-        watch: Vec::new(),
-        stopping: false,
-        time_to_target: None,
-        epoch: vec![0; shards_n as usize],
-        backups,
-        backup_of,
-        replication: Mailbox::default(),
-        dead: vec![false; sc.servers as usize],
-        lost: Vec::new(),
-        limbo: Vec::new(),
-        unreachable_ns: vec![0; n_workers],
-        coord,
-        coord_timer_at: None,
-        joins: vec![0; n as usize],
-        started: vec![false; n as usize],
-        starting: true,
-        term: vec![0; shards_n as usize],
-        known: vec![vec![0; shards_n as usize]; n as usize],
-        rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
-        swapping: None,
-        swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
-        prepared: BTreeMap::new(),
-        modules,
-        leases: vec![ServerLease::new(0); sc.servers as usize],
-        cut_to: vec![false; sc.servers as usize],
-        cut_from: vec![false; sc.servers as usize],
-        held: vec![Vec::new(); sc.servers as usize],
-        zombie_of: vec![None; shards_n as usize],
-        servers,
-        committed: vec![(0, Vec::new()); sc.servers as usize],
-        answer_terms: vec![Vec::new(); sc.servers as usize],
-        coord_phase: control::Phase::Up,
-        incarnation: 0,
-        rebuild: RebuildCounts::default(),
-        recorded_terms: Vec::new(),
-        two_primaries: None,
-        drift: None,
-        rounds: BTreeMap::new(),
-        checkpoints: CheckpointCounts::default(),
-        restarted: 0,
-        restarts: opts.faults.server_restarts.iter().map(|&r| (r, false)).collect(),
-        killed_after_restart: 0,
-        promoted_epoch: vec![None; shards_n as usize],
-        stale_ops: 0,
-        swaps_refused: 0,
-        swaps_ended: 0,
-        conformed: 0,
-    };
-    sim.start_control();
+    let (mut sim, failures, swaps) = setup::build(opts, rt)?;
+    let (sc, n, shards_n) = (&opts.run.scenario, opts.run.scenario.workers, opts.run.shards());
     // Each worker joins every shard, and starts once all have answered (with backups, once
     // its join is on the backup too).
     for s in 0..shards_n {
@@ -735,121 +483,6 @@ impl Sim {
         self.next_token
     }
 
-    /// Carries out what shard `s`'s primary said.
-    fn drain(&mut self, s: u32) -> Result<(), SimError> {
-        while let Some(out) = self.nodes[s as usize].poll_output() {
-            match out {
-                NodeOutput::Reply { token, reply } => {
-                    let Some(req) = self.requests.remove(&token) else { continue };
-                    if let (Req::Join { w, .. }, Reply::Joined(Ok(_))) = (&req, &reply) {
-                        // The membership is the worker's connection to this server's.
-                        let x = self.server_of[s as usize] as usize;
-                        self.servers[x].joined(*w, s, *w as usize);
-                    }
-                    match (req, reply) {
-                        (Req::Ignore { .. }, _) => {}
-                        (Req::Bad { s, what }, reply) => {
-                            let accepted = match reply {
-                                Reply::Joined(r) => r.is_ok(),
-                                // A push the shard already has is acknowledged as the
-                                // duplicate it is, whatever it holds: nothing is applied.
-                                Reply::Pushed(r) => r.is_ok_and(|o| o != PushOutcome::Duplicate),
-                                Reply::Pulled(r) => r.is_ok(),
-                                Reply::Done(r) => r.is_ok(),
-                            };
-                            if accepted {
-                                return Err(SimError::AcceptedBad(s, what));
-                            }
-                        }
-                        (Req::Pull { w, iteration, .. }, Reply::Pulled(Ok(served))) => {
-                            self.served(s, w, iteration, served)
-                        }
-                        (Req::Join { w, .. }, Reply::Joined(Ok(joined)))
-                            if self.workers[w as usize].joining.is_some() =>
-                        {
-                            let (next, clock) = match joined {
-                                Joined::Fresh { clock, .. } => (clock, clock),
-                                Joined::Rejoined { next, clock } => (next, clock),
-                            };
-                            self.joined_late(w, s, JoinAnswer { next, clock, member: false })?;
-                        }
-                        (Req::LateSkip { .. }, Reply::Done(Err(e))) => {
-                            return Err(SimError::Refused(s, e.to_string()))
-                        }
-                        (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => self.skipped_late(w, s)?,
-                        (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
-                            if let (true, Joined::Fresh { clock, next }) = (again, joined) {
-                                // A new primary that had dropped it: its numbering there moves.
-                                let answer = JoinAnswer { next, clock, member: false };
-                                self.workers[w as usize].client.rejoined(s as usize, answer);
-                                tracing::debug!(worker = w, shard = s, next, clock, "taken back afresh");
-                            }
-                            self.joins[w as usize] += 1;
-                            if !self.starting && self.joins[w as usize] == self.nodes.len() as u32 {
-                                self.start(w)?;
-                            }
-                        }
-                        // The worker left while its pull waited: nobody is left to answer.
-                        (Req::Pull { .. }, Reply::Pulled(Err(RequestError::Left(..)))) => {}
-                        (Req::Push { w, help, iteration, whole, .. }, Reply::Pushed(r)) => {
-                            self.pushed(s, w, help, iteration, whole, r)?
-                        }
-                        (_, Reply::Pulled(Err(e)) | Reply::Joined(Err(e))) => {
-                            return Err(SimError::Refused(s, e.to_string()))
-                        }
-                        _ => {}
-                    }
-                }
-                NodeOutput::Replicate { stamped, payload } => self.replicate(s, stamped, payload),
-                NodeOutput::Control { worker, msg } => {
-                    let i = self.controls.post(msg, 1);
-                    let t = self.net.after_latency(self.now, self.server_node(s), worker as usize);
-                    self.at(t, Ev::Control(worker, i));
-                }
-                NodeOutput::Confirm { .. } | NodeOutput::Left { .. } => {}
-            }
-        }
-        self.arm_timer(s);
-        Ok(())
-    }
-
-    /// Schedules shard `s`'s next timer, unless an earlier one is scheduled.
-    fn arm_timer(&mut self, s: u32) {
-        if let Some(t) = self.nodes[s as usize].poll_timeout() {
-            if self.timer_at[s as usize].is_none_or(|at| t < at) {
-                self.timer_at[s as usize] = Some(t);
-                self.at(t.max(self.now), Ev::Timer(s));
-            }
-        }
-    }
-
-    /// Shard `s`'s primary hands its backup an op: it crosses the servers' link.
-    fn replicate(&mut self, s: u32, stamped: Stamped, payload: Vec<f32>) {
-        let su = s as usize;
-        let Some(b) = self.backup_of[su] else { return };
-        let bytes = if matches!(stamped.op, Op::Push(_)) { self.shard_bytes(s) } else { 64 };
-        let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
-        let t = self.net.transfer(self.now, from, to, bytes);
-        let i = self.replication.post((self.epoch[su], stamped, payload), 1);
-        self.at(t, Ev::Replicate(s, i));
-    }
-
-    /// An op from shard `s`'s deposed primary reaches the node it streamed to, now the shard's
-    /// primary: it must change nothing and confirm nothing ([`SimError::AcceptedBad`] else).
-    fn stale_op(&mut self, s: u32, stamped: Stamped, grad: Vec<f32>) -> Result<(), SimError> {
-        // (Nothing is pending: every call is drained; this makes sure of it.)
-        self.drain(s)?;
-        let node = &mut self.nodes[s as usize];
-        let (before, version) = (node.replication(), sim_shard(node).version());
-        node.replicated(stamped, grad, |_| None, &mut Quiet);
-        let answered = std::iter::from_fn(|| node.poll_output()).count();
-        if answered > 0 || node.replication() != before || sim_shard(node).version() != version {
-            return Err(SimError::AcceptedBad(s, "an op from its deposed primary (a stale term)"));
-        }
-        self.stale_ops += 1;
-        Ok(())
-    }
-
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
         self.dead[self.server_of[s as usize] as usize]
@@ -1032,70 +665,7 @@ impl Sim {
                     self.drain(s)?;
                 }
             }
-            Ev::Replicate(s, i) => {
-                let (epoch, stamped, grad) = self.replication.deliver(i);
-                let su = s as usize;
-                // The worst case for a death: an op still on its way from a primary that died
-                // never arrives (it may still be in the dead process's buffers), and a dead
-                // backup applies nothing.
-                let on_live = self.backup_of[su].is_some_and(|b| !self.dead[b as usize]) && !self.down(s);
-                // An op from a primary that was deposed while it lived (a stale term) still
-                // reaches the backup it streamed to, promoted since, which must ignore it.
-                let deposed_alive = self.zombie_of[su].is_some_and(|x| !self.dead[x as usize]);
-                if deposed_alive && self.promoted_epoch[su] == Some(epoch) && !self.down(s) {
-                    return self.stale_op(s, stamped, grad);
-                }
-                if self.backups[su].is_none() || !on_live || epoch != self.epoch[su] {
-                    return Ok(());
-                }
-                let p = self.opts.faults.duplicate;
-                if p > 0.0 && self.rng.random_bool(p) {
-                    let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
-                    let i = self.replication.post((epoch, stamped.clone(), grad.clone()), 1);
-                    self.at(again, Ev::Replicate(s, i));
-                }
-                let Some(backup) = self.backups[su].as_mut() else { return Ok(()) };
-                self.duplicates += u64::from(stamped.seq <= backup.replication().0);
-                let modules = &self.modules;
-                let find = |sha: &[u8; 32]| modules.iter().find(|m| m.sha256() == *sha).cloned();
-                backup.replicated(stamped, grad, find, &mut Quiet);
-                // Every time the backup has applied every op its primary has, the two must be
-                // equal (the end of the run compares their whole snapshots). Cheap, allocating
-                // nothing: version, clocks' view and parameters.
-                let primary = &self.nodes[su];
-                if self.drift.is_none() && backup.replication().0 == primary.replication().0 {
-                    let (p, q) = (sim_shard(primary), sim_shard(backup));
-                    if p.version() != q.version() || p.view() != q.view() || !bits_equal(p, q) {
-                        self.drift = Some(format!(
-                            "shard {s}: at {} ns, after op {}, its backup is at version {} with members {:?}, its \
-                             primary at {} with {:?}{}",
-                            self.now,
-                            primary.replication().0,
-                            q.version(),
-                            q.workers(),
-                            p.version(),
-                            p.workers(),
-                            if bits_equal(p, q) { "" } else { ", and their parameters differ" }
-                        ));
-                    }
-                }
-                let mut confirmed = None;
-                while let Some(out) = backup.poll_output() {
-                    if let NodeOutput::Confirm { seq } = out {
-                        confirmed = Some(seq);
-                    }
-                }
-                if let Some(seq) = confirmed {
-                    let (b, primary) = (self.backup_of[s as usize], self.server_node(s));
-                    let t = match b {
-                        Some(b) => {
-                            self.net.after_latency(self.now, self.node_index(Node::Server(b)), primary)
-                        }
-                        None => self.now + self.net.latency_ns,
-                    };
-                    self.at(t, Ev::Confirm(s, epoch, seq));
-                }
-            }
+            Ev::Replicate(s, i) => self.op_arrives(s, i)?,
             Ev::Confirm(s, epoch, seq) => {
                 // Likewise a confirmation on its way from a backup that died.
                 let backup_dead = self.backup_of[s as usize].is_none_or(|b| self.dead[b as usize]);

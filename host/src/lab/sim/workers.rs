@@ -14,7 +14,7 @@ use syncopate_policy_sdk::abi::{Applied, Control, LeaveReason, WorkerId};
 use syncopate_workloads::Workload;
 
 use super::events::{Ev, ToShard};
-use super::{sim_shard, Sim, SimError, PEER_TIMEOUT_NS};
+use super::{sim_shard, Req, Sim, SimError, PEER_TIMEOUT_NS};
 use crate::codec::{self, Codec, Encoded, PushEncoder};
 use crate::shard::{PushOutcome, Quiet, RequestError, Served};
 
@@ -306,6 +306,75 @@ impl Sim {
                 self.at(t.max(self.now), Ev::Wake(w));
             }
         }
+        Ok(())
+    }
+
+    /// Worker `w` hears that shard `s` moved: it rejoins the new primary (a member, or, if its
+    /// join had not reached the backup, anew) and sends again the pulls and pushes that were
+    /// lost on the way to the old primary or with it, if it still waits for them (a push
+    /// applied twice is a duplicate; a parked pull answers the retried one).
+    pub(super) fn moved(&mut self, w: u32, s: u32) -> Result<(), SimError> {
+        let (su, wu) = (s as usize, w as usize);
+        self.known[wu][su] = self.term[su];
+        if self.workers[wu].absent {
+            // A late joiner before its time: it asks where the shards are when it joins.
+            return Ok(());
+        }
+        let node = self.server_node(s);
+        // What it sent that was lost on the way to the old primary, or with it.
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.limbo).into_iter().partition(|(ev, _)| {
+                matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
+            });
+        self.limbo = rest;
+        for (ev, since) in &mine {
+            if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
+                self.unreachable_ns[wu] += self.now.saturating_sub(*since);
+            }
+        }
+        let mine = mine.into_iter().map(|(ev, _)| ev);
+        let member = sim_shard(&self.nodes[su]).is_member(w);
+        if self.workers[wu].machine.is_done() {
+            // Its goodbye went to the dead primary. A cluster makes it leave when it closes its
+            // connection to the new primary's server, after its goodbye; the simulator, now.
+            if member {
+                self.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                self.drain(s)?;
+            }
+            return Ok(());
+        }
+        let token = self.token(Req::Join { w, s, again: true });
+        self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
+        self.drain(s)?;
+        // Each lost pull and push is asked again, once, if the worker's client still waits for
+        // it there.
+        let mut asked = std::collections::BTreeSet::new();
+        for ev in mine {
+            let wk = &self.workers[wu];
+            match ev {
+                Ev::ToShard(..) => {
+                    let t = self.net.after_latency(self.now, wu, node);
+                    self.at(t, ev)
+                }
+                Ev::PullArrive(_, _, iteration)
+                    if wk.client.awaits_pull(su, iteration) && asked.insert(ev) =>
+                {
+                    let t = self.net.transfer(self.now, wu, node, 64);
+                    self.at(t, ev);
+                }
+                Ev::PushArrive(_, _, help) => {
+                    let p = if help { &wk.help } else { &wk.own };
+                    let awaited =
+                        p.as_ref().is_some_and(|p| wk.client.awaits_push(slot(help), su, p.job.iteration));
+                    if awaited && asked.insert(ev) {
+                        let t = self.net.transfer(self.now, wu, node, self.shard_bytes(s));
+                        self.at(t, ev);
+                    }
+                }
+                _ => {}
+            }
+        }
+        tracing::debug!(worker = w, shard = s, ?asked, t_ns = self.now, "heard the shard moved");
         Ok(())
     }
 }
