@@ -21,6 +21,7 @@ use std::time::Duration;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use syncopate_engine::tasks::Handover;
 use syncopate_engine::worker::client::{ClientMachine, Loss, PushSlot, Retry, Tally, MOVE_WAIT_NS};
 pub use syncopate_engine::worker::client::{PullStats, ShardPulled};
 use syncopate_engine::worker::join::{JoinAnswer, JoinStep, Joining};
@@ -914,19 +915,11 @@ impl WorkerClient {
         Ok(result?)
     }
 
-    /// Answers a move request from `shard`'s policy: tasks `first..first + count` of this
-    /// worker's iteration go to worker `to` (`count` 0: none could).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn tasks_yielded(
-        &self,
-        shard: u32,
-        to: WorkerId,
-        iteration: u64,
-        (first, count): (u32, u32),
-        total: u32,
-        batch: u32,
-        part: u32,
-    ) -> Result<(), NodeError> {
+    /// Answers a move request from `shard`'s policy: the tasks `handover` names (of this
+    /// worker's iteration) go to its helper (`count` 0: none could).
+    pub async fn tasks_yielded(&self, shard: u32, handover: &Handover) -> Result<(), NodeError> {
+        let Handover { to, iteration, first, count, split, .. } = *handover;
+        let (total, batch, part) = (split.total, split.batch, split.part);
         let req = DataRequest::TasksYielded { shard, to, iteration, first, count, total, batch, part };
         self.on_shard(shard, |_| req.clone()).await
     }

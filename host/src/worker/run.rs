@@ -195,17 +195,7 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                     m.handle(clock.now(), pushed(job.kind, r)?)?;
                 }
                 Action::Handover { shard, handover: h } => {
-                    let (tasks, split) = ((h.first, h.count), h.split);
-                    let r = client_ref.tasks_yielded(
-                        shard,
-                        h.to,
-                        h.iteration,
-                        tasks,
-                        split.total,
-                        split.batch,
-                        split.part,
-                    );
-                    if let Err(e) = r.await {
+                    if let Err(e) = client_ref.tasks_yielded(shard, &h).await {
                         tracing::warn!(worker = id, "task hand-over refused: {e}");
                         m.handle(clock.now(), Input::HandoverRefused { handover: h })?;
                     }

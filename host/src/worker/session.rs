@@ -744,12 +744,7 @@ impl Driver {
                             )))
                         }
                         Action::Handover { shard, handover: h } => {
-                            let s = h.split;
-                            let r = beside(
-                                client.tasks_yielded(shard, h.to, h.iteration, (h.first, h.count), s.total, s.batch, s.part),
-                                bg,
-                            )
-                            .await;
+                            let r = beside(client.tasks_yielded(shard, &h), bg).await;
                             if let Err(e) = r {
                                 tracing::warn!(worker = client.id(), "task hand-over refused: {e}");
                                 m.handle(clock.now(), Input::HandoverRefused { handover: h })?;
