@@ -26,7 +26,7 @@ use syncopate_policy_sdk::clocks::Clocks;
 
 use super::elsewhere::Elsewhere;
 use super::parked::ParkedPulls;
-use super::supervisor::{Health, Supervisor};
+use super::supervisor::{Health, Kept, Supervisor};
 use super::{
     Aggregate, Held, LocalSgd, Metric, Optimizer, Parked, Partial, PushWeight, Shard, ShardConfig, ShardSink,
     ShardStats, StartKind, TaskLedger,
@@ -333,18 +333,15 @@ impl Shard {
             });
         }
         check_bounds(&snap, cfg.max_workers)?;
-        let supervisor = Supervisor::restore(
-            cfg.supervisor,
-            cfg.shard,
-            cfg.shards,
-            module,
-            &snap.policy_config,
-            snap.policy_state,
-            snap.workers.clone(),
-            snap.quarantined,
-            snap.health,
-            snap.now_ns,
-        )?;
+        let kept = Kept {
+            state: snap.policy_state,
+            workers: snap.workers.clone(),
+            quarantined: snap.quarantined,
+            health: snap.health,
+            now_ns: snap.now_ns,
+        };
+        let supervisor =
+            Supervisor::restore(cfg.supervisor, (cfg.shard, cfg.shards), module, &snap.policy_config, kept)?;
         let mut clocks = Clocks::new();
         for w in &snap.workers {
             clocks.join(w.worker, w.clock);

@@ -208,6 +208,20 @@ fn init_args<'a>(shard: u32, shards: u32, now_ns: u64, config: &'a [(String, Str
     InitArgs { shard, shards, now_ns, config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect() }
 }
 
+/// What a shard's snapshot kept of its policy, for [`Supervisor::restore`].
+pub(crate) struct Kept {
+    /// The policy's exported state.
+    pub(crate) state: Vec<u8>,
+    /// The live workers when it was exported.
+    pub(crate) workers: Vec<WorkerClock>,
+    /// Whether the module was quarantined.
+    pub(crate) quarantined: bool,
+    /// The module's record.
+    pub(crate) health: Health,
+    /// The snapshot's time.
+    pub(crate) now_ns: u64,
+}
+
 impl Supervisor {
     /// Creates the first instance. Returns the supervisor and the start-up decisions.
     pub(crate) fn start(
@@ -246,24 +260,19 @@ impl Supervisor {
         }
     }
 
-    /// A supervisor whose instance continues from `state`, exported by the same module from a
-    /// shard whose live workers were `workers` (a snapshot being restored), with the module's
-    /// record `health`. The module's start-up decisions are not returned: the shard's mode and
-    /// timers come from the snapshot. A module backing off at the snapshot waits out its
-    /// backoff before it runs.
-    #[allow(clippy::too_many_arguments)]
+    /// A supervisor whose instance continues from what a snapshot `kept` of the policy (its
+    /// state, exported by the same module from a shard whose live workers were the ones it
+    /// names, and the module's record). The module's start-up decisions are not returned: the
+    /// shard's mode and timers come from the snapshot. A module backing off at the snapshot
+    /// waits out its backoff before it runs.
     pub(crate) fn restore(
         cfg: SupervisorConfig,
-        shard: u32,
-        shards: u32,
+        (shard, shards): (u32, u32),
         module: &PolicyModule,
         config: &[(String, String)],
-        state: Vec<u8>,
-        workers: Vec<WorkerClock>,
-        quarantined: bool,
-        health: Health,
-        now_ns: u64,
+        kept: Kept,
     ) -> Result<Self, PolicyError> {
+        let Kept { state, workers, quarantined, health, now_ns } = kept;
         let mut sup = Supervisor {
             cfg,
             shard,
