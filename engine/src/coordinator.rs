@@ -235,8 +235,9 @@ pub enum CoordOutput {
     },
 }
 
-/// A request the coordinator refuses; its message is what the peer is told.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// A request the coordinator refuses; its message is what the peer is told, and it crosses the
+/// wire as it is (the index of each variant is its code).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum Refusal {
     /// All the cluster's servers have registered.
     #[error("the cluster already has its {0} servers")]
@@ -255,7 +256,7 @@ pub enum Refusal {
         /// The id it would take.
         server: u32,
         /// Why not now.
-        why: &'static str,
+        why: NotYet,
     },
     /// The worker asked for an id at or above `max_workers`.
     #[error("worker id {id} is out of range: this cluster admits ids 0 to {} (its --max-workers is {max})", max - 1)]
@@ -282,6 +283,35 @@ pub enum Refusal {
         /// The worker's.
         worker: u64,
     },
+}
+
+/// Why a server restarted in a lost one's place cannot take its id back yet
+/// ([`Refusal::NotYet`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
+pub enum NotYet {
+    /// The old one's lease has not lapsed.
+    #[error(
+        "it is still live in the cluster's view (a restarted server takes its id back once its lease has \
+         lapsed and it was failed over)"
+    )]
+    StillLive,
+    /// The old one is being failed over.
+    #[error("it is being failed over")]
+    FailingOver,
+    /// Too soon after the old one was lost.
+    #[error(
+        "a peer timeout has not passed since it was lost (the old process's connections may still be open)"
+    )]
+    PeerTimeout,
+    /// A restarted coordinator is rebuilding the cluster.
+    #[error("the cluster is being rebuilt after a coordinator restart")]
+    Rebuilding,
+    /// A hot swap is under way.
+    #[error("a hot swap is under way")]
+    Swapping,
+    /// New backups are being attached.
+    #[error("new backups are being attached")]
+    AttachingBackups,
 }
 
 /// A worker the cluster has admitted.
@@ -479,23 +509,23 @@ impl CoordinatorMachine {
             return Err(Refusal::NoSuchServer { server, servers });
         }
         if self.leases.is_live(server) {
-            return not_yet("it is still live in the cluster's view (a restarted server takes its id back once its lease has lapsed and it was failed over)");
+            return not_yet(NotYet::StillLive);
         }
         if self.failing == Some(server) || self.queued.contains(&server) {
-            return not_yet("it is being failed over");
+            return not_yet(NotYet::FailingOver);
         }
         let quiet_ns = self.cfg.peer_timeout_ms * 1_000_000;
         if self.lost_at.get(&server).is_some_and(|&at| now_ns < at + quiet_ns) {
-            return not_yet("a peer timeout has not passed since it was lost (the old process's connections may still be open)");
+            return not_yet(NotYet::PeerTimeout);
         }
         if self.rebuilding.is_some() {
-            return not_yet("the cluster is being rebuilt after a coordinator restart");
+            return not_yet(NotYet::Rebuilding);
         }
         if self.swap.is_some() {
-            return not_yet("a hot swap is under way");
+            return not_yet(NotYet::Swapping);
         }
         if self.pending.values().any(|p| matches!(p, Purpose::NewBackup { .. })) {
-            return not_yet("new backups are being attached");
+            return not_yet(NotYet::AttachingBackups);
         }
         self.leases.revive(now_ns, server);
         self.lost_at.remove(&server);

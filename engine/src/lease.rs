@@ -64,8 +64,8 @@ pub struct LeaseTable {
     renewed: Vec<Option<u64>>,
 }
 
-/// A renewal the coordinator refuses.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// A renewal the coordinator refuses (on the wire as it is).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum LeaseError {
     /// The server's lease lapsed and it was failed over: its shards have other primaries.
     #[error("this server was failed over")]

@@ -800,7 +800,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
         .unwrap();
     let err = String::from_utf8_lossy(&worker.stderr);
     assert!(!worker.status.success());
-    assert!(err.contains("only 1 of 2 servers registered within 1s"), "{err}");
+    assert!(err.contains("only 1 of 2 servers registered within 1000 ms"), "{err}");
     let out = Command::new(syncopate_bin())
         .args(["shutdown", "--coordinator", &by_name, "--ca", ca.to_str().unwrap()])
         .env("SYNCOPATE_TOKEN", "t0ken")

@@ -197,8 +197,8 @@ pub enum Gathered {
     Complete,
 }
 
-/// Why a rejoining server's report is refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// Why a rejoining server's report is refused (on the wire as it is).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum GatherError {
     /// The rebuild has begun without it: it stops.
     #[error("the cluster was rebuilt without this server (it came back too late)")]

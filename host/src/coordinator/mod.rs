@@ -27,8 +27,8 @@ use tokio::sync::watch;
 
 use crate::net::proto::{
     AdmissionKey, Asker, ClusterSettings, ClusterStatus, CoordError, CoordRequest, CoordResponse, Hello,
-    LeaseEnd, PolicyBlob, ReportedScore, Role, ServerCommand, ServerFailure, ServerReply, ShardPlace, Ticket,
-    Welcome, WorkerNotice, WorkerStatus,
+    LeaseEnd, PeerKind, PolicyBlob, ReportedScore, Role, ServerCommand, ServerFailure, ServerReply,
+    ShardPlace, Ticket, Unwelcome, Welcome, WorkerNotice, WorkerStatus,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits};
@@ -509,20 +509,13 @@ impl Coordinator {
     /// peer timeout not passed since), it is told to ask again ([`Welcome::NotYet`]). A server
     /// at another address is refused: workers reach a server at the address they were given.
     fn replacement(&self, st: &mut State, conn: &quinn::Connection, addr: SocketAddr) -> (Welcome, Vec<u8>) {
-        let full = Refusal::ServersFull(self.opts.servers).to_string();
         let Some(id) = st.servers.iter().position(|(a, _)| *a == addr).map(|i| i as u32) else {
-            let lost: Vec<String> = (0..st.servers.len())
-                .filter(|&i| !st.machine.is_live(i as u32))
-                .map(|i| format!("server {i} at {}", st.servers[i].0))
+            let lost = (0..st.servers.len() as u32)
+                .filter(|&i| !st.machine.is_live(i))
+                .map(|i| (i, st.servers[i as usize].0))
                 .collect();
-            let hint = match lost.is_empty() {
-                true => String::new(),
-                false => format!(
-                    "; a server restarted in a lost one's place must listen at its address ({})",
-                    lost.join(", ")
-                ),
-            };
-            return (Welcome::Refused(format!("{full}{hint}")), Vec::new());
+            let refused = Unwelcome::NotAtLostAddress { servers: self.opts.servers, lost };
+            return (Welcome::Refused(refused), Vec::new());
         };
         match st.machine.replace_server(self.now_ns(), id) {
             Ok(()) => {
@@ -531,8 +524,8 @@ impl Coordinator {
                 tracing::warn!(server = id, %addr, "a restarted server takes its id back, holding nothing; it gets new backups");
                 self.server_welcome(st, id, true)
             }
-            Err(e @ Refusal::NotYet { .. }) => (Welcome::NotYet(e.to_string()), Vec::new()),
-            Err(e) => (Welcome::Refused(e.to_string()), Vec::new()),
+            Err(e @ Refusal::NotYet { .. }) => (Welcome::NotYet(e), Vec::new()),
+            Err(e) => (Welcome::Refused(Unwelcome::Refused(e)), Vec::new()),
         }
     }
 
@@ -756,7 +749,7 @@ impl Coordinator {
                     Ok(()) => self.server_welcome(&self.lock(), id, false),
                     Err(reason) => {
                         tracing::warn!(server = id, %data_addr, "a rejoining server refused: {reason}");
-                        return net::refuse(&mut send, reason).await;
+                        return net::refuse(&mut send, Unwelcome::Rejoin(reason)).await;
                     }
                 };
                 if net::answer(&mut send, &welcome.0, &welcome.1).await.is_err() {
@@ -768,14 +761,7 @@ impl Coordinator {
                 let (welcome, wasm) = {
                     let mut st = self.lock();
                     if st.rebuild.is_some() {
-                        (
-                            Welcome::Refused(
-                                "this coordinator is rebuilding its cluster from the servers that ran on \
-                                 while it restarted; a new server cannot join it"
-                                    .into(),
-                            ),
-                            Vec::new(),
-                        )
+                        (Welcome::Refused(Unwelcome::Rebuilding), Vec::new())
                     } else {
                         // Its lease starts with its first heartbeat (see FIRST_HEARTBEAT_MS).
                         match st.machine.register_server(self.now_ns()) {
@@ -786,7 +772,7 @@ impl Coordinator {
                             }
                             // A full cluster: a restart in a lost server's place, at its address.
                             Err(Refusal::ServersFull(_)) => self.replacement(&mut st, &conn, data_addr),
-                            Err(refusal) => (Welcome::Refused(refusal.to_string()), Vec::new()),
+                            Err(refusal) => (Welcome::Refused(Unwelcome::Refused(refusal)), Vec::new()),
                         }
                     }
                 };
@@ -842,7 +828,7 @@ impl Coordinator {
                     tracing::warn!(worker = id, %addr, "worker lost: {}", conn.close_reason().map(|r| r.to_string()).unwrap_or_default());
                 }
             }
-            Role::Replica { .. } => net::refuse(&mut send, "replication goes between servers".into()).await,
+            Role::Replica { .. } => net::refuse(&mut send, Unwelcome::WrongPlace(PeerKind::Replica)).await,
             Role::Operator => {
                 if net::answer(&mut send, &Welcome::Accepted, &[]).await.is_err() {
                     return;
@@ -919,16 +905,14 @@ impl Coordinator {
         let want = self.opts.servers;
         if tokio::time::timeout(self.opts.startup_timeout, ready.wait_for(|n| *n >= want)).await.is_err() {
             let have = *ready.borrow();
-            return Welcome::Refused(format!(
-                "only {have} of {want} servers registered within {:?}",
-                self.opts.startup_timeout
-            ));
+            let waited_ms = self.opts.startup_timeout.as_millis() as u64;
+            return Welcome::Refused(Unwelcome::ServersMissing { have, want, waited_ms });
         }
         let _ = self.replicated.subscribe().wait_for(|r| *r).await;
         let mut st = self.lock();
         let id = match st.machine.admit_worker(asked, model_len) {
             Ok(id) => id,
-            Err(refusal) => return Welcome::Refused(refusal.to_string()),
+            Err(refusal) => return Welcome::Refused(Unwelcome::Refused(refusal)),
         };
         let partition = Partition::even(model_len as usize, self.opts.shards);
         let shards = (0..self.opts.shards)

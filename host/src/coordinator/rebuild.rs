@@ -28,7 +28,9 @@ use sha2::{Digest, Sha256};
 use syncopate_engine::coordinator::{Gathered, Gathering, Held};
 
 use super::{command_reply, Coordinator, PolicySource};
-use crate::net::proto::{AdmissionKey, Holdings, PolicyBlob, ServerCommand, ServerReply, REJOIN_WAIT_MS};
+use crate::net::proto::{
+    AdmissionKey, Holdings, PolicyBlob, RejoinRefused, ServerCommand, ServerReply, Setting, REJOIN_WAIT_MS,
+};
 
 /// The servers rejoining a restarted coordinator, until it has rebuilt the cluster.
 pub(super) struct Rebuild {
@@ -37,7 +39,7 @@ pub(super) struct Rebuild {
     /// By server id: where each is, and what else it said.
     reports: BTreeMap<u32, Rejoined>,
     /// Once rebuilt: the servers refused, and why.
-    refused: BTreeMap<u32, String>,
+    refused: BTreeMap<u32, RejoinRefused>,
 }
 
 impl Rebuild {
@@ -80,30 +82,27 @@ fn cluster_of(key: AdmissionKey) -> [u8; 32] {
 fn same_cluster(
     ours: &crate::net::proto::ClusterSettings,
     theirs: &crate::net::proto::ClusterSettings,
-) -> Result<(), String> {
-    let differs = |what: &str, a: String, b: String| {
-        Err(format!(
-            "it was started with {what} {b}, this coordinator with {a}: restart the coordinator with the flags it had"
-        ))
-    };
+) -> Result<(), RejoinRefused> {
+    let differs =
+        |setting, ours: String, theirs: String| Err(RejoinRefused::OtherSettings { setting, ours, theirs });
     if ours.shards != theirs.shards {
-        return differs("--shards", ours.shards.to_string(), theirs.shards.to_string());
+        return differs(Setting::Shards, ours.shards.to_string(), theirs.shards.to_string());
     }
     if ours.servers != theirs.servers {
-        return differs("--servers", ours.servers.to_string(), theirs.servers.to_string());
+        return differs(Setting::Servers, ours.servers.to_string(), theirs.servers.to_string());
     }
     if ours.replicas != theirs.replicas {
-        return differs("--replicas", ours.replicas.to_string(), theirs.replicas.to_string());
+        return differs(Setting::Replicas, ours.replicas.to_string(), theirs.replicas.to_string());
     }
     if ours.max_workers != theirs.max_workers {
-        return differs("--max-workers", ours.max_workers.to_string(), theirs.max_workers.to_string());
+        return differs(Setting::MaxWorkers, ours.max_workers.to_string(), theirs.max_workers.to_string());
     }
     if ours.optimizer != theirs.optimizer
         || ours.push_weight != theirs.push_weight
         || ours.seed != theirs.seed
     {
         return differs(
-            "the training settings",
+            Setting::Training,
             format!("{:?} {:?} seed {}", ours.optimizer, ours.push_weight, ours.seed),
             format!("{:?} {:?} seed {}", theirs.optimizer, theirs.push_weight, theirs.seed),
         );
@@ -112,10 +111,10 @@ fn same_cluster(
 }
 
 /// Asks a server what it holds; its policy module comes as the payload.
-async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), String> {
-    match command_reply(conn, &ServerCommand::Holdings, &[]).await? {
+async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), RejoinRefused> {
+    match command_reply(conn, &ServerCommand::Holdings, &[]).await.map_err(RejoinRefused::NoHoldings)? {
         (ServerReply::Holdings(h), wasm) => Ok((*h, wasm)),
-        (other, _) => Err(format!("it answered {other:?} when asked what it holds")),
+        (other, _) => Err(RejoinRefused::NoHoldings(format!("it answered {other:?}"))),
     }
 }
 
@@ -167,18 +166,15 @@ impl Coordinator {
         id: u32,
         addr: SocketAddr,
         conn: &quinn::Connection,
-    ) -> Result<(), String> {
+    ) -> Result<(), RejoinRefused> {
         if id >= self.opts.servers {
-            return Err(format!("server id {id} is not one of this cluster's {} servers", self.opts.servers));
+            return Err(RejoinRefused::NoSuchServer { server: id, servers: self.opts.servers });
         }
         // Checked before anything changes here: a server of another cluster (or one welcomed
         // with other flags) leaves this coordinator as it was.
         let (holdings, wasm) = ask_holdings(conn).await?;
         if holdings.held.server != id {
-            return Err(format!(
-                "it says it is server {id}, but holds server {}'s shards",
-                holdings.held.server
-            ));
+            return Err(RejoinRefused::HoldsAnother { said: id, holds: holdings.held.server });
         }
         same_cluster(&self.settings(&self.lock()), &holdings.settings)?;
         let complete = {
@@ -190,12 +186,12 @@ impl Coordinator {
                     let now_ns = self.now_ns();
                     return match st.servers.get(id as usize) {
                         Some((a, _)) if *a == addr || !st.machine.is_live(id) => {
-                            st.machine.renew(now_ns, id).map_err(|e| e.to_string())?;
+                            st.machine.renew(now_ns, id).map_err(RejoinRefused::Lease)?;
                             st.servers[id as usize].1 = Some(conn.clone());
                             tracing::warn!(server = id, %addr, "server reconnected");
                             Ok(())
                         }
-                        _ => Err(format!("server {id} at {addr} is not registered here")),
+                        _ => Err(RejoinRefused::NotRegistered { server: id, addr }),
                     };
                 }
                 st.rebuild = Some(Rebuild::new(self.opts.servers));
@@ -210,15 +206,12 @@ impl Coordinator {
                 );
             }
             if holdings.settings.admission_key != st.admission_key {
-                return Err(format!(
-                    "server {id} was admitted by another coordinator than the servers that rejoined first \
-                     (its admission key differs): it belongs to another cluster"
-                ));
+                return Err(RejoinRefused::OtherCluster(id));
             }
             let now_ns = self.now_ns();
             let rebuild = st.rebuild.as_mut().expect("made above");
             let Holdings { policy, held, .. } = holdings;
-            let gathered = rebuild.gathering.rejoined(now_ns, held).map_err(|e| e.to_string())?;
+            let gathered = rebuild.gathering.rejoined(now_ns, held).map_err(RejoinRefused::Gather)?;
             rebuild.reports.insert(id, Rejoined { addr, conn: conn.clone(), policy, wasm });
             match gathered {
                 Gathered::Complete => true,
@@ -297,8 +290,12 @@ impl Coordinator {
                 .stale
                 .iter()
                 .map(|(&server, &shard)| {
-                    tracing::error!(server, shard, "a rejoining server was failed over before the restart; it stops");
-                    (server, format!("this server was failed over before the coordinator restarted (shard {shard} has a newer primary)"))
+                    tracing::error!(
+                        server,
+                        shard,
+                        "a rejoining server was failed over before the restart; it stops"
+                    );
+                    (server, RejoinRefused::FailedOver { shard })
                 })
                 .collect();
             rebuilt

@@ -81,7 +81,7 @@ pub enum NetError {
         /// The peer.
         addr: SocketAddr,
         /// Its reason.
-        reason: String,
+        reason: proto::Unwelcome,
     },
     /// A shard refused the request, for a reason typed as the shard made it (an iteration out
     /// of order, a gradient with a NaN, an id it does not admit, ...).
@@ -282,7 +282,7 @@ pub async fn accept_hello(
 
 /// Sends a refusal and waits (briefly) until the peer has read it, so that closing the
 /// connection afterwards does not swallow the reason.
-pub async fn refuse(send: &mut quinn::SendStream, reason: String) {
+pub async fn refuse(send: &mut quinn::SendStream, reason: proto::Unwelcome) {
     if answer(send, &Welcome::Refused(reason), &[]).await.is_ok() {
         let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
     }

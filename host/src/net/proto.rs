@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 16;
+pub const PROTOCOL_VERSION: u32 = 17;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -267,12 +267,193 @@ pub enum Welcome {
     },
     /// To an operator, or to a worker or reader on a server's data plane.
     Accepted,
-    /// The hello was understood but cannot be served (wrong model length, cluster full...).
-    Refused(String),
+    /// The hello was understood but cannot be served (wrong model length, cluster full...;
+    /// protocol 17: a code, not a string).
+    Refused(Unwelcome),
     /// Not now: a server restarted in a lost server's place before the coordinator can give
     /// it the id back (the old one not failed over yet, or a peer timeout not passed since).
-    /// It asks again a heartbeat later (protocol 12).
-    NotYet(String),
+    /// It asks again a heartbeat later (protocol 12; protocol 17: the machine's
+    /// [`Refusal::NotYet`](syncopate_engine::coordinator::Refusal::NotYet), not a string).
+    NotYet(syncopate_engine::coordinator::Refusal),
+}
+
+/// Why a hello is refused ([`Welcome::Refused`]), by the coordinator or a server; the index of
+/// each variant is its code (protocol 17).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum Unwelcome {
+    /// The coordinator's machine refused it: a worker's id or model, a full cluster, a server
+    /// id it does not have.
+    #[error("{0}")]
+    Refused(syncopate_engine::coordinator::Refusal),
+    /// A server registering with a full cluster, not at the address of a lost server: workers
+    /// reach a server at the address they were given. `lost`: the lost servers, by id and
+    /// address.
+    #[error("the cluster already has its {servers} servers{}", lost_hint(lost))]
+    NotAtLostAddress {
+        /// The servers the cluster has.
+        servers: u32,
+        /// The lost servers, by id and address.
+        lost: Vec<(u32, SocketAddr)>,
+    },
+    /// The coordinator rebuilds its cluster after a restart: no new server may join.
+    #[error(
+        "this coordinator is rebuilding its cluster from the servers that ran on while it restarted; a new \
+         server cannot join it"
+    )]
+    Rebuilding,
+    /// Not every server registered within the start-up time: no worker is admitted.
+    #[error("only {have} of {want} servers registered within {waited_ms} ms")]
+    ServersMissing {
+        /// Servers registered.
+        have: u32,
+        /// Servers the cluster has.
+        want: u32,
+        /// How long the coordinator waited.
+        waited_ms: u64,
+    },
+    /// A server coming back to the coordinator is refused.
+    #[error("{0}")]
+    Rejoin(RejoinRefused),
+    /// A connection of a role this listener does not serve (replication goes between servers;
+    /// a server's data plane takes workers and readers).
+    #[error("this listener does not serve {0}s")]
+    WrongPlace(PeerKind),
+    /// A worker id at or past the cluster's `--max-workers`, on a server's data plane.
+    #[error("worker id {worker} is out of range: this cluster admits ids below {max} (--max-workers)")]
+    IdOutOfRange {
+        /// The id.
+        worker: WorkerId,
+        /// The cluster's `max_workers`.
+        max: u32,
+    },
+    /// A worker whose ticket this cluster's coordinator did not issue.
+    #[error("worker {0}'s ticket was not issued by this cluster's coordinator")]
+    ForeignTicket(WorkerId),
+    /// A worker without a ticket, on a server's data plane.
+    #[error("worker {0} came without a ticket: join through the coordinator")]
+    NoTicket(WorkerId),
+    /// A worker without an id, on a server's data plane.
+    #[error("a worker on a server's data plane gives the id the coordinator admitted: join through the coordinator")]
+    NoId,
+}
+
+/// What a refused peer is ([`Unwelcome::WrongPlace`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerKind {
+    /// A server registering.
+    Server,
+    /// A server streaming a replica.
+    Replica,
+}
+
+impl std::fmt::Display for PeerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerKind::Server => "server registration",
+            PeerKind::Replica => "replication stream",
+        })
+    }
+}
+
+/// The hint of [`Unwelcome::NotAtLostAddress`].
+fn lost_hint(lost: &[(u32, SocketAddr)]) -> String {
+    if lost.is_empty() {
+        return String::new();
+    }
+    let lost: Vec<String> = lost.iter().map(|(id, addr)| format!("server {id} at {addr}")).collect();
+    format!("; a server restarted in a lost one's place must listen at its address ({})", lost.join(", "))
+}
+
+/// Why a server coming back to the coordinator is refused ([`Unwelcome::Rejoin`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RejoinRefused {
+    /// Not one of the cluster's server ids.
+    #[error("server id {server} is not one of this cluster's {servers} servers")]
+    NoSuchServer {
+        /// The id it gave.
+        server: u32,
+        /// Servers the cluster has.
+        servers: u32,
+    },
+    /// It did not say what it holds: the coordinator's account of the exchange (a peer's
+    /// answer outside the protocol, or none).
+    #[error("it did not say what it holds: {0}")]
+    NoHoldings(String),
+    /// It gave one id and holds another server's shards.
+    #[error("it says it is server {said}, but holds server {holds}'s shards")]
+    HoldsAnother {
+        /// The id it gave.
+        said: u32,
+        /// The id its holdings name.
+        holds: u32,
+    },
+    /// It was started with other settings than this coordinator.
+    #[error("it was started with {setting} {theirs}, this coordinator with {ours}: restart the coordinator with the flags it had")]
+    OtherSettings {
+        /// Which.
+        setting: Setting,
+        /// This coordinator's, as shown.
+        ours: String,
+        /// The server's, as shown.
+        theirs: String,
+    },
+    /// This coordinator ran all along and has no such server at that address.
+    #[error("server {server} at {addr} is not registered here")]
+    NotRegistered {
+        /// The id it gave.
+        server: u32,
+        /// Its data address.
+        addr: SocketAddr,
+    },
+    /// Its lease is refused.
+    #[error("{0}")]
+    Lease(crate::lease::LeaseError),
+    /// Another coordinator admitted it than the servers that rejoined first.
+    #[error(
+        "server {0} was admitted by another coordinator than the servers that rejoined first (its admission \
+         key differs): it belongs to another cluster"
+    )]
+    OtherCluster(u32),
+    /// The rebuild's gathering refused it.
+    #[error("{0}")]
+    Gather(syncopate_engine::coordinator::GatherError),
+    /// It was failed over before the coordinator restarted: `shard` has a newer primary. It
+    /// stops.
+    #[error(
+        "this server was failed over before the coordinator restarted (shard {shard} has a newer primary)"
+    )]
+    FailedOver {
+        /// A shard it claims at a stale term.
+        shard: u32,
+    },
+}
+
+/// A cluster setting a server and a restarted coordinator must share
+/// ([`RejoinRefused::OtherSettings`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Setting {
+    /// `--shards`.
+    Shards,
+    /// `--servers`.
+    Servers,
+    /// `--replicas`.
+    Replicas,
+    /// `--max-workers`.
+    MaxWorkers,
+    /// The optimizer, the push weighting and the seed.
+    Training,
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Setting::Shards => "--shards",
+            Setting::Servers => "--servers",
+            Setting::Replicas => "--replicas",
+            Setting::MaxWorkers => "--max-workers",
+            Setting::Training => "the training settings",
+        })
+    }
 }
 
 /// Requests to the coordinator, after the hello.
@@ -1082,8 +1263,8 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_16_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 16);
+    fn requests_encode_as_protocol_17_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 17);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };
@@ -1172,6 +1353,91 @@ mod tests {
         assert!(postcard::from_bytes::<DataResponse>(&[5, 5]).is_err(), "an unknown code is refused");
         let tasks = DataError::NoSuchTasks { first: 3, count: 4, total: 5 };
         assert_eq!(tasks.to_string(), "tasks 3..7 of 5 do not exist");
+    }
+
+    /// A refused hello says why in codes too (protocol 17): the coordinator's and a server's
+    /// refusals, and a restarted server's "not yet".
+    #[test]
+    fn every_refusal_of_a_hello_encodes_as_its_code_in_protocol_17() {
+        use syncopate_engine::coordinator::{GatherError, NotYet, Refusal};
+        let addr: SocketAddr = ([127, 0, 0, 1], 300).into();
+        let a = [0, 127, 0, 0, 1, 0xac, 0x02];
+        let x = || "x".to_owned();
+        let with = |head: &[u8], tail: &[u8]| [head, tail].concat();
+        let refusals: Vec<(Unwelcome, Vec<u8>)> = vec![
+            (Unwelcome::Refused(Refusal::ServersFull(2)), vec![3, 0, 0, 2]),
+            (Unwelcome::Refused(Refusal::NoSuchServer { server: 3, servers: 2 }), vec![3, 0, 1, 3, 2]),
+            (
+                Unwelcome::Refused(Refusal::NotYet { server: 1, why: NotYet::PeerTimeout }),
+                vec![3, 0, 2, 1, 2],
+            ),
+            (Unwelcome::Refused(Refusal::IdOutOfRange { id: 9, max: 8 }), vec![3, 0, 3, 9, 8]),
+            (Unwelcome::Refused(Refusal::IdTaken(1)), vec![3, 0, 4, 1]),
+            (Unwelcome::Refused(Refusal::WorkersFull(8)), vec![3, 0, 5, 8]),
+            (Unwelcome::Refused(Refusal::EmptyModel), vec![3, 0, 6]),
+            (Unwelcome::Refused(Refusal::ModelLength { cluster: 2, worker: 3 }), vec![3, 0, 7, 2, 3]),
+            (Unwelcome::NotAtLostAddress { servers: 2, lost: vec![(1, addr)] }, with(&[3, 1, 2, 1, 1], &a)),
+            (Unwelcome::Rebuilding, vec![3, 2]),
+            (Unwelcome::ServersMissing { have: 1, want: 2, waited_ms: 3 }, vec![3, 3, 1, 2, 3]),
+            (Unwelcome::Rejoin(RejoinRefused::NoSuchServer { server: 3, servers: 2 }), vec![3, 4, 0, 3, 2]),
+            (Unwelcome::Rejoin(RejoinRefused::NoHoldings(x())), vec![3, 4, 1, 1, b'x']),
+            (Unwelcome::Rejoin(RejoinRefused::HoldsAnother { said: 1, holds: 0 }), vec![3, 4, 2, 1, 0]),
+            (
+                Unwelcome::Rejoin(RejoinRefused::OtherSettings {
+                    setting: Setting::MaxWorkers,
+                    ours: x(),
+                    theirs: x(),
+                }),
+                vec![3, 4, 3, 3, 1, b'x', 1, b'x'],
+            ),
+            (Unwelcome::Rejoin(RejoinRefused::NotRegistered { server: 1, addr }), with(&[3, 4, 4, 1], &a)),
+            (Unwelcome::Rejoin(RejoinRefused::Lease(crate::lease::LeaseError::FailedOver)), vec![3, 4, 5, 0]),
+            (
+                Unwelcome::Rejoin(RejoinRefused::Lease(crate::lease::LeaseError::Unknown(4))),
+                vec![3, 4, 5, 1, 4],
+            ),
+            (Unwelcome::Rejoin(RejoinRefused::OtherCluster(1)), vec![3, 4, 6, 1]),
+            (Unwelcome::Rejoin(RejoinRefused::Gather(GatherError::TooLate)), vec![3, 4, 7, 0]),
+            (Unwelcome::Rejoin(RejoinRefused::Gather(GatherError::Again(1))), vec![3, 4, 7, 1, 1]),
+            (
+                Unwelcome::Rejoin(RejoinRefused::Gather(GatherError::NoSuchServer { server: 3, servers: 2 })),
+                vec![3, 4, 7, 2, 3, 2],
+            ),
+            (Unwelcome::Rejoin(RejoinRefused::FailedOver { shard: 5 }), vec![3, 4, 8, 5]),
+            (Unwelcome::WrongPlace(PeerKind::Server), vec![3, 5, 0]),
+            (Unwelcome::WrongPlace(PeerKind::Replica), vec![3, 5, 1]),
+            (Unwelcome::IdOutOfRange { worker: 9, max: 8 }, vec![3, 6, 9, 8]),
+            (Unwelcome::ForeignTicket(3), vec![3, 7, 3]),
+            (Unwelcome::NoTicket(3), vec![3, 8, 3]),
+            (Unwelcome::NoId, vec![3, 9]),
+        ];
+        for (refusal, want) in refusals {
+            let welcome = Welcome::Refused(refusal);
+            let got = postcard::to_allocvec(&welcome).expect("encodes");
+            assert_eq!(got, want, "{welcome:?}");
+            assert_eq!(postcard::from_bytes::<Welcome>(&got).expect("decodes"), welcome);
+        }
+        let whys = [
+            NotYet::StillLive,
+            NotYet::FailingOver,
+            NotYet::PeerTimeout,
+            NotYet::Rebuilding,
+            NotYet::Swapping,
+            NotYet::AttachingBackups,
+        ];
+        for (code, why) in whys.into_iter().enumerate() {
+            let welcome = Welcome::NotYet(Refusal::NotYet { server: 1, why });
+            let got = postcard::to_allocvec(&welcome).expect("encodes");
+            assert_eq!(got, [4, 2, 1, code as u8], "{welcome:?}");
+            assert_eq!(postcard::from_bytes::<Welcome>(&got).expect("decodes"), welcome);
+        }
+        // What people read is what they read before the codes.
+        let lost = Unwelcome::NotAtLostAddress { servers: 2, lost: vec![(1, addr)] };
+        assert_eq!(
+            lost.to_string(),
+            "the cluster already has its 2 servers; a server restarted in a lost one's place must listen at its \
+             address (server 1 at 127.0.0.1:300)"
+        );
     }
 
     /// The control plane's refusals are codes too (protocol 16): the coordinator's to workers,

@@ -33,8 +33,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::lease::ServerLease;
 use crate::net::proto::{
     ClusterSettings, ControlMessage, DataError, DataRequest, DataResponse, Hello, MovedTasks, NotServing,
-    PolicyBlob, Role, ServerCommand, ServerError, ServerReply, ServerStatus, ShardFailure, Ticket, Welcome,
-    PROTOCOL_VERSION,
+    PeerKind, PolicyBlob, Role, ServerCommand, ServerError, ServerReply, ServerStatus, ShardFailure, Ticket,
+    Unwelcome, Welcome, PROTOCOL_VERSION,
 };
 use crate::net::tls::{TlsFiles, Token};
 use crate::net::wire::{self, Limits, Payload, WireError};
@@ -999,17 +999,14 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
 
 /// Whether a worker may use this server's shards as `worker`: only with an id below the
 /// cluster's `max_workers` and the ticket the coordinator issued for it.
-fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -> Result<(), String> {
+fn admit(settings: &ClusterSettings, worker: WorkerId, ticket: Option<Ticket>) -> Result<(), Unwelcome> {
     if worker >= settings.max_workers {
-        return Err(format!(
-            "worker id {worker} is out of range: this cluster admits ids below {} (--max-workers)",
-            settings.max_workers
-        ));
+        return Err(Unwelcome::IdOutOfRange { worker, max: settings.max_workers });
     }
     match ticket {
         Some(t) if t.admits(&settings.admission_key.0, worker) => Ok(()),
-        Some(_) => Err(format!("worker {worker}'s ticket was not issued by this cluster's coordinator")),
-        None => Err(format!("worker {worker} came without a ticket: join through the coordinator")),
+        Some(_) => Err(Unwelcome::ForeignTicket(worker)),
+        None => Err(Unwelcome::NoTicket(worker)),
     }
 }
 
@@ -1038,8 +1035,9 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             Ok(()) => Some(w),
             Err(reason) => {
                 tracing::warn!(%addr, worker = w, "refused a worker: {reason}");
-                net::refuse(&mut send, reason.clone()).await;
-                conn.close(close::PROTOCOL.into(), reason.as_bytes());
+                let text = reason.to_string();
+                net::refuse(&mut send, reason).await;
+                conn.close(close::PROTOCOL.into(), text.as_bytes());
                 return;
             }
         },
@@ -1053,9 +1051,13 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             return;
         }
         other => {
-            let reason = format!("a server's data plane takes workers and readers, not {other:?}");
-            net::refuse(&mut send, reason.clone()).await;
-            conn.close(close::PROTOCOL.into(), reason.as_bytes());
+            let reason = match other {
+                Role::Worker { .. } => Unwelcome::NoId,
+                _ => Unwelcome::WrongPlace(PeerKind::Server),
+            };
+            let text = reason.to_string();
+            net::refuse(&mut send, reason).await;
+            conn.close(close::PROTOCOL.into(), text.as_bytes());
             return;
         }
     };
@@ -1342,7 +1344,7 @@ async fn handle_request(
 mod tests {
     use super::{admit, Renewal};
     use crate::net::proto::{
-        AdmissionKey, Asker, ClusterSettings, CoordError, CoordResponse, LeaseEnd, Ticket,
+        AdmissionKey, Asker, ClusterSettings, CoordError, CoordResponse, LeaseEnd, Ticket, Unwelcome,
     };
     use crate::shard::{OptimizerConfig, PushWeight};
 
@@ -1385,12 +1387,13 @@ mod tests {
         let ticket = |w| Some(Ticket::issue(&s.admission_key.0, w));
         assert_eq!(admit(&s, 3, ticket(3)), Ok(()));
         assert_eq!(admit(&s, 7, ticket(7)), Ok(()));
-        let err = |r: Result<(), String>| r.expect_err("refused");
-        assert!(err(admit(&s, 8, ticket(8))).contains("out of range"));
-        assert!(err(admit(&s, 4_000_000_000, ticket(4_000_000_000))).contains("out of range"));
-        assert!(err(admit(&s, 3, None)).contains("without a ticket"));
-        assert!(err(admit(&s, 3, ticket(4))).contains("not issued by this cluster"));
+        assert_eq!(admit(&s, 8, ticket(8)), Err(Unwelcome::IdOutOfRange { worker: 8, max: 8 }));
+        let far = 4_000_000_000;
+        assert_eq!(admit(&s, far, ticket(far)), Err(Unwelcome::IdOutOfRange { worker: far, max: 8 }));
+        assert_eq!(admit(&s, 3, None), Err(Unwelcome::NoTicket(3)));
+        assert_eq!(admit(&s, 3, ticket(4)), Err(Unwelcome::ForeignTicket(3)));
         let other = settings(2);
-        assert!(err(admit(&other, 3, ticket(3))).contains("not issued by this cluster"));
+        assert_eq!(admit(&other, 3, ticket(3)), Err(Unwelcome::ForeignTicket(3)));
+        assert!(admit(&s, 3, None).unwrap_err().to_string().contains("without a ticket"));
     }
 }
