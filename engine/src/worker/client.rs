@@ -26,8 +26,6 @@
 //! cluster's client takes the same way. The drivers own the bytes (encoding, QUIC streams) and
 //! the waiting.
 
-use syncopate_policy_sdk::abi::WorkerId;
-
 use super::join::JoinAnswer;
 use crate::shard::RequestError;
 
@@ -190,7 +188,6 @@ struct PushRound {
 /// One worker's client; see the module docs.
 #[derive(Clone, Debug)]
 pub struct ClientMachine {
-    worker: WorkerId,
     /// Whether shards have backups: only then is a lost server worth waiting out.
     replicated: bool,
     servers: u32,
@@ -202,29 +199,14 @@ pub struct ClientMachine {
 }
 
 impl ClientMachine {
-    /// A client of worker `worker` whose shard `i` is on server `routes[i]`, in a cluster of
-    /// `servers` servers (`replicated`: shards have backups).
-    pub fn new(
-        worker: WorkerId,
-        routes: &[u32],
-        servers: u32,
-        replicated: bool,
-    ) -> Result<ClientMachine, RouteError> {
+    /// A worker's client whose shard `i` is on server `routes[i]`, in a cluster of `servers`
+    /// servers (`replicated`: shards have backups).
+    pub fn new(routes: &[u32], servers: u32, replicated: bool) -> Result<ClientMachine, RouteError> {
         if let Some(&server) = routes.iter().find(|s| **s >= servers) {
             return Err(RouteError::NoSuchServer { server, servers });
         }
         let links = routes.iter().map(|&server| Link { server, offset: 0, based_on: None }).collect();
-        Ok(ClientMachine { worker, replicated, servers, links, pulls: Vec::new(), pushes: Vec::new() })
-    }
-
-    /// The worker's id.
-    pub fn worker(&self) -> WorkerId {
-        self.worker
-    }
-
-    /// How many shards.
-    pub fn shards(&self) -> usize {
-        self.links.len()
+        Ok(ClientMachine { replicated, servers, links, pulls: Vec::new(), pushes: Vec::new() })
     }
 
     /// Whether shards have backups.
@@ -404,11 +386,6 @@ impl ClientMachine {
     pub fn awaits_push(&self, slot: PushSlot, i: usize, iteration: u64) -> bool {
         self.pushes.iter().any(|r| r.slot == slot && r.iteration == iteration && !r.acked[i])
     }
-
-    /// Forgets the pushes of `slot` (the driver gave them up: a stop's grace ran out).
-    pub fn give_up(&mut self, slot: PushSlot) {
-        self.pushes.retain(|r| r.slot != slot);
-    }
 }
 
 #[cfg(test)]
@@ -416,13 +393,13 @@ mod tests {
     use super::*;
 
     fn client() -> ClientMachine {
-        ClientMachine::new(3, &[0, 1], 3, true).unwrap()
+        ClientMachine::new(&[0, 1], 3, true).unwrap()
     }
 
     #[test]
     fn a_map_or_move_naming_what_the_cluster_lacks_is_refused_and_changes_nothing() {
         assert_eq!(
-            ClientMachine::new(0, &[0, 5], 2, true).unwrap_err(),
+            ClientMachine::new(&[0, 5], 2, true).unwrap_err(),
             RouteError::NoSuchServer { server: 5, servers: 2 }
         );
         let mut c = client();
@@ -485,7 +462,7 @@ mod tests {
         let c = client();
         assert_eq!(c.after_loss(Loss::Unleased), Retry::AskAgain { after_ns: 200_000_000 });
         assert_eq!(c.after_loss(Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
-        let alone = ClientMachine::new(0, &[0], 1, false).unwrap();
+        let alone = ClientMachine::new(&[0], 1, false).unwrap();
         assert_eq!(alone.after_loss(Loss::Lost), Retry::Fail);
         assert_eq!(alone.after_loss(Loss::Unleased), Retry::Fail);
     }
@@ -499,7 +476,5 @@ mod tests {
         }
         assert!(!c.awaits_pull(1, 0) && !c.awaits_push(PushSlot::Own, 1, 1));
         assert!(c.awaits_pull(1, ROUNDS as u64 + 1) && c.awaits_push(PushSlot::Own, 1, 2));
-        c.give_up(PushSlot::Own);
-        assert!(!c.awaits_push(PushSlot::Own, 1, ROUNDS as u64 + 1));
     }
 }

@@ -239,7 +239,7 @@ impl WorkerClient {
             conns.push(conn);
         }
         let routes: Vec<u32> = shards.iter().map(|p| p.server).collect();
-        let client = ClientMachine::new(worker, &routes, conns.len() as u32, replicated)
+        let client = ClientMachine::new(&routes, conns.len() as u32, replicated)
             .map_err(|e| NodeError::Protocol(format!("the coordinator's map of shards: {e}")))?;
         let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
         let stop = watch::Sender::new(false);

@@ -712,13 +712,13 @@ impl Sim {
     }
 }
 
-/// Server `x`'s state at the start (of `servers`): the primaries of the shards placed on it
-/// and the backups placed on it, each at term 0, and every one of the `workers` connected (a
-/// worker's connection is named by its id).
-fn server_state(x: u32, servers: u32, backup_of: &[Option<u32>], workers: u32) -> ServerState<()> {
+/// Server `x`'s state at the start: the primaries of the shards placed on it (`server_of`) and
+/// the backups placed on it (`backup_of`), each at term 0, and every one of the `workers`
+/// connected (a worker's connection is named by its id).
+fn server_state(x: u32, server_of: &[u32], backup_of: &[Option<u32>], workers: u32) -> ServerState<()> {
     let mut state = ServerState::new(backup_of.len() as u32);
-    for (s, b) in (0..).zip(backup_of) {
-        if s % servers == x {
+    for ((s, p), b) in (0..).zip(server_of).zip(backup_of) {
+        if *p == x {
             state.hold_primary(s, ());
         }
         if *b == Some(x) {

@@ -83,6 +83,7 @@ pub(super) fn build(
     }
     let backup_of: Vec<Option<u32>> =
         (0..shards_n).map(|s| crate::net::proto::backup_server(s, sc.servers, sc.replicas)).collect();
+    let server_of: Vec<u32> = (0..shards_n).map(|s| s % sc.servers).collect();
     let mut backups = Vec::new();
     let mut shards = Vec::new();
     let mut node_cfgs = Vec::new();
@@ -152,8 +153,7 @@ pub(super) fn build(
             device,
         };
         let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
-        let routes: Vec<u32> = (0..shards_n).map(|s| s % sc.servers).collect();
-        let client = ClientMachine::new(w, &routes, sc.servers, sc.replicas > 0)
+        let client = ClientMachine::new(&server_of, sc.servers, sc.replicas > 0)
             .map_err(|e| SimError::Options(e.to_string()))?;
         workers.push(SimWorker {
             cfg,
@@ -205,12 +205,12 @@ pub(super) fn build(
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
     let n_workers = workers.len();
-    let servers = (0..sc.servers).map(|x| server_state(x, sc.servers, &backup_of, n)).collect();
+    let servers = (0..sc.servers).map(|x| server_state(x, &server_of, &backup_of, n)).collect();
     let mut sim = Sim {
         opts: opts.clone(),
         now: 0,
         queue: Queue::default(),
-        server_of: (0..shards_n).map(|s| s % sc.servers).collect(),
+        server_of,
         nodes: shards,
         node_cfgs,
         ranges,
