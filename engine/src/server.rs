@@ -16,6 +16,9 @@
 //!   join again before its old connection is seen to end; that ending leaves the shards only
 //!   where the old connection was the last to join, and marks the worker gone only if no newer
 //!   connection came ([`ServerState::connection_ended`]).
+//! - **Every membership has a connection to end it**: a join answered after its connection
+//!   ended (the answer waits for the shard's backup) goes to the worker's newest connection, or,
+//!   with none left, makes the worker leave at once ([`ServerState::joined`]).
 //! - **Terms**: a primary's term is the one it started or was promoted at (each promotion adds
 //!   one), a backup's is its primary's (told when the primary's stream opens); the newest term
 //!   the coordinator told of each shard only grows, and is bounded by the cluster's shards. A
@@ -57,6 +60,8 @@ pub struct ServerState<H> {
     gone: BTreeSet<WorkerId>,
     /// The connection each worker came in on last.
     newest: BTreeMap<WorkerId, ConnId>,
+    /// Every worker's connection that has not ended.
+    live: BTreeSet<(WorkerId, ConnId)>,
     /// The connection that joined each (worker, shard) membership.
     joined_by: BTreeMap<(WorkerId, u32), ConnId>,
 }
@@ -72,6 +77,7 @@ impl<H: Clone> ServerState<H> {
             known: Vec::new(),
             gone: BTreeSet::new(),
             newest: BTreeMap::new(),
+            live: BTreeSet::new(),
             joined_by: BTreeMap::new(),
         }
     }
@@ -161,11 +167,24 @@ impl<H: Clone> ServerState<H> {
     pub fn connected(&mut self, worker: WorkerId, conn: ConnId) {
         self.gone.remove(&worker);
         self.newest.insert(worker, conn);
+        self.live.insert((worker, conn));
     }
 
-    /// Worker `worker` joined `shard` on `conn`.
-    pub fn joined(&mut self, worker: WorkerId, shard: u32, conn: ConnId) {
-        self.joined_by.insert((worker, shard), conn);
+    /// Worker `worker`'s join of `shard` on `conn` was answered: the membership is that
+    /// connection's, or, if it ended meanwhile (a join's answer waits for the shard's backup,
+    /// which may take as long as a failover), the worker's newest connection's. If the worker
+    /// has no connection left here, nothing would ever end the membership: the primary to make
+    /// it leave now is returned.
+    pub fn joined(&mut self, worker: WorkerId, shard: u32, conn: ConnId) -> Option<H> {
+        let owner = match self.live.contains(&(worker, conn)) {
+            true => conn,
+            false => match self.newest.get(&worker) {
+                Some(&newer) => newer,
+                None => return self.primaries.get(&shard).cloned(),
+            },
+        };
+        self.joined_by.insert((worker, shard), owner);
+        None
     }
 
     /// Worker `worker` left `shard` on `conn` (its goodbye): the membership goes if `conn` was
@@ -180,6 +199,7 @@ impl<H: Clone> ServerState<H> {
     /// connection was the last to join), and, unless a newer connection of the worker came,
     /// every primary to tell it is gone (it is marked gone in the same step).
     pub fn connection_ended(&mut self, worker: WorkerId, conn: ConnId) -> Ended<H> {
+        self.live.remove(&(worker, conn));
         let mine: Vec<u32> = self
             .joined_by
             .range((worker, 0)..=(worker, u32::MAX))
@@ -223,7 +243,7 @@ mod tests {
         s.hold_primary(0, "p0");
         s.hold_backup(1, "b1");
         s.connected(7, 70);
-        s.joined(7, 0, 70);
+        assert_eq!(s.joined(7, 0, 70), None);
         s
     }
 
@@ -256,7 +276,7 @@ mod tests {
     fn an_old_connections_end_leaves_a_newer_ones_memberships_alone() {
         let mut s = server();
         s.connected(7, 71);
-        s.joined(7, 0, 71);
+        assert_eq!(s.joined(7, 0, 71), None);
         assert_eq!(s.connection_ended(7, 70), Ended { leave: vec![], lost: vec![] });
         assert!(!s.is_gone(7));
         let ended = s.connection_ended(7, 71);
@@ -267,11 +287,30 @@ mod tests {
         assert!(!s.is_gone(7));
     }
 
+    /// A join's answer waited (for the shard's backup) while the joining connection ended:
+    /// the membership is the worker's newest connection's, and with none left the worker
+    /// leaves at once, or it would stay a member nobody ends (soak seed 45605: a late joiner
+    /// died while its join waited out a dead backup, and the shards waited for it for ever).
+    #[test]
+    fn a_join_answered_after_its_connection_ended_goes_to_the_newest_or_leaves() {
+        let mut s = server();
+        s.connected(7, 71);
+        assert_eq!(s.connection_ended(7, 70).leave, vec![(0, "p0")]);
+        // Connection 70's join of a shard, answered now: connection 71 owns it.
+        assert_eq!(s.joined(7, 0, 70), None);
+        assert_eq!(s.connection_ended(7, 71).leave, vec![(0, "p0")]);
+        // No connection left: the answer comes to nobody, and the worker leaves.
+        assert_eq!(s.joined(7, 0, 71), Some("p0"));
+        assert_eq!(s.connection_ended(7, 71), Ended { leave: vec![], lost: vec![] });
+        // A shard not a primary here has nobody to tell.
+        assert_eq!(s.joined(7, 1, 71), None);
+    }
+
     #[test]
     fn a_goodbye_on_an_old_connection_keeps_the_newer_membership() {
         let mut s = server();
         s.connected(7, 71);
-        s.joined(7, 0, 71);
+        assert_eq!(s.joined(7, 0, 71), None);
         s.left(7, 0, 70);
         assert_eq!(s.connection_ended(7, 71).leave, vec![(0, "p0")]);
     }

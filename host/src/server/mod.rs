@@ -1235,7 +1235,13 @@ async fn handle_request(
             let controls = peer.controls.clone();
             match ask(shard, tx, |reply| ShardCmd::Join { worker, init: payload, controls, reply }).await {
                 Ok(joined) => {
-                    shared.state().joined(worker, shard, peer.conn);
+                    // Its connection may have ended while the join waited (for the backup):
+                    // then nobody would end the membership, and the worker leaves now.
+                    let orphaned = shared.state().joined(worker, shard, peer.conn);
+                    if let Some(tx) = orphaned {
+                        tracing::warn!(worker, shard, "a join answered after the worker's connection ended; it leaves");
+                        let _ = tx.send(ShardCmd::Leave { worker, reason: LeaveReason::Failed, reply: None }).await;
+                    }
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),
                         Joined::Rejoined { next, clock } => (DataResponse::Rejoined { next, clock }, None),

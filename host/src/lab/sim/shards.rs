@@ -13,9 +13,12 @@ impl Sim {
                 NodeOutput::Reply { token, reply } => {
                     let Some(req) = self.requests.remove(&token) else { continue };
                     if let (Req::Join { w, .. }, Reply::Joined(Ok(_))) = (&req, &reply) {
-                        // The membership is the worker's connection to this server's.
+                        // The membership is the worker's connection to this server's; one that
+                        // ended while the join waited leaves the worker nobody would end.
                         let x = self.server_of[s as usize] as usize;
-                        self.servers[x].joined(*w, s, *w as usize);
+                        if self.servers[x].joined(*w, s, *w as usize).is_some() {
+                            self.nodes[s as usize].leave(self.now, None, *w, LeaveReason::Failed, &mut Quiet);
+                        }
                     }
                     match (req, reply) {
                         (Req::Ignore { .. }, _) => {}
