@@ -20,9 +20,12 @@
 //!   shards moved, and once those commands are done every shard left without a backup gets a
 //!   new one on a live server ([`crate::placement::new_backups`]). One failover runs at a time;
 //!   a second lapse waits for the first to finish.
-//! - **restarted servers** ([`CoordinatorMachine::replace_server`]): a new process in the
-//!   place of a lost server takes its id back, empty, once the old one is failed over and a
-//!   peer timeout has passed, and shards without a backup get one on it.
+//! - **restarted servers** ([`CoordinatorMachine::replace_server_at`]): a new process at a
+//!   lost server's address (workers reach a server at the address they were given) takes its
+//!   id back, empty, once the old one is failed over and a peer timeout has passed, and shards
+//!   without a backup get one on it. A server that lost its connection to the coordinator
+//!   reconnects under its id from its own address, or while it is not live
+//!   ([`CoordinatorMachine::reconnect_server`]).
 //! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
 //!   that no connected worker holds, or is given the lowest never given out.
 //! - **hot swaps**, two-phase: every live server prepares the module off the hot path and answers
@@ -38,6 +41,7 @@
 //!   servers ran on rebuilds the map, the policy and the leases from what they hold.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
 
 use syncopate_policy_sdk::abi::{WorkerClock, WorkerId};
 
@@ -314,6 +318,53 @@ pub enum NotYet {
     AttachingBackups,
 }
 
+/// Why a server registering with a full cluster does not take a lost server's id
+/// ([`CoordinatorMachine::replace_server_at`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Replacement {
+    /// It is not at the address of a server the cluster has: workers reach a server at the
+    /// address they were given, so a replacement must listen where the lost one did.
+    #[error("the cluster has all its servers, and none at this address")]
+    NotAtLostAddress {
+        /// The servers not live now, with their addresses: where a replacement may start.
+        lost: Vec<(u32, SocketAddr)>,
+    },
+    /// It is at a server's address, but cannot take its id (now, or at all).
+    #[error(transparent)]
+    Refused(Refusal),
+}
+
+/// Why a registered server's reconnection is refused ([`CoordinatorMachine::reconnect_server`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Reconnect {
+    /// No server has that id at that address, and the id's server is live: another process
+    /// holds it.
+    #[error("server {server} is registered at another address, and live")]
+    NotRegistered {
+        /// The id it gave.
+        server: u32,
+    },
+    /// Its lease cannot be renewed (it was failed over).
+    #[error(transparent)]
+    Lease(#[from] crate::lease::LeaseError),
+}
+
+/// What a coordinator records outside itself (its driver keeps it in the checkpoint directory)
+/// for a restarted coordinator's rebuild: what no surviving server may know.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    /// Each shard's term ([`CoordinatorMachine::terms`]): a promotion's term is recorded before
+    /// the workers hear of the move, so a rebuild never takes a copy older than one they used.
+    pub terms: Vec<u64>,
+    /// Each server's address, by id ([`CoordinatorMachine::server_addrs`]): a server lost
+    /// before the restart can still be replaced at its address after it.
+    pub servers: Vec<SocketAddr>,
+}
+
+/// The address a server has before it is known: one that no server listens at.
+pub const UNKNOWN_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+
 /// A worker the cluster has admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerEntry {
@@ -365,6 +416,8 @@ pub struct CoordinatorMachine {
     cfg: CoordinatorConfig,
     places: Vec<Place>,
     leases: LeaseTable,
+    /// Each server's address, by id ([`UNKNOWN_ADDR`] for one a rebuild did not hear from).
+    addrs: Vec<SocketAddr>,
     /// Servers answered (welcomed); the backups are attached when all are.
     answered: u32,
     replicated: bool,
@@ -403,6 +456,7 @@ impl CoordinatorMachine {
             places: placement::initial(cfg.shards, cfg.servers, cfg.replicas),
             cfg,
             leases: LeaseTable::default(),
+            addrs: Vec::new(),
             answered: 0,
             replicated: false,
             workers: BTreeMap::new(),
@@ -463,12 +517,56 @@ impl CoordinatorMachine {
         self.cfg.replicas > 0
     }
 
-    /// A server registers at `now_ns`: its id, unless the cluster has all its servers.
-    pub fn register_server(&mut self, now_ns: u64) -> Result<u32, Refusal> {
+    /// A server listening at `addr` registers at `now_ns`: its id, unless the cluster has all
+    /// its servers (then see [`replace_server_at`](Self::replace_server_at)).
+    pub fn register_server(&mut self, now_ns: u64, addr: SocketAddr) -> Result<u32, Refusal> {
         if self.leases.len() as u32 >= self.cfg.servers {
             return Err(Refusal::ServersFull(self.cfg.servers));
         }
+        self.addrs.push(addr);
         Ok(self.leases.add(now_ns))
+    }
+
+    /// Each server's address, by id ([`UNKNOWN_ADDR`] for one a rebuild did not hear from).
+    pub fn server_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// What to record for a restarted coordinator ([`Record`]).
+    pub fn record(&self) -> Record {
+        Record { terms: self.terms.clone(), servers: self.addrs.clone() }
+    }
+
+    /// A server registering at `now_ns` from `addr` with a full cluster: a process restarted in
+    /// the place of the lost server at that address takes its id back, holding nothing, with a
+    /// lease from `now_ns` as a new server's, and every shard without a backup gets one on the
+    /// next live server after its primary's, this one included (at once, or when the failover
+    /// under way re-replicates). Refused while the server still counts as live (its old
+    /// process's lease has not lapsed: the driver must also refuse that process's renewals from
+    /// now on), or while it or the map is changing (its failover, a swap, a rebuild, new
+    /// backups under way): [`Refusal::NotYet`], and nothing changes. At another address it is
+    /// refused, and told where the lost servers were.
+    pub fn replace_server_at(&mut self, now_ns: u64, addr: SocketAddr) -> Result<u32, Replacement> {
+        let Some(id) = self.addrs.iter().position(|a| *a == addr).map(|i| i as u32) else {
+            let lost = (0..self.addrs.len() as u32)
+                .filter(|&i| !self.leases.is_live(i))
+                .map(|i| (i, self.addrs[i as usize]))
+                .collect();
+            return Err(Replacement::NotAtLostAddress { lost });
+        };
+        self.replace_server(now_ns, id).map_err(Replacement::Refused)?;
+        Ok(id)
+    }
+
+    /// Registered server `server` reconnects from `addr` at `now_ns` (it lost its connection to
+    /// this coordinator, which ran on): from its own address, or while its id is not live (the
+    /// lease then says whether it was failed over), its lease is renewed; from another address
+    /// while its id is live, it is refused: another process holds the id.
+    pub fn reconnect_server(&mut self, now_ns: u64, server: u32, addr: SocketAddr) -> Result<(), Reconnect> {
+        match self.addrs.get(server as usize) {
+            Some(a) if *a == addr || !self.leases.is_live(server) => Ok(self.renew(now_ns, server)?),
+            _ => Err(Reconnect::NotRegistered { server }),
+        }
     }
 
     /// A registered server was answered. Once all have been, the primaries are told to attach
@@ -502,7 +600,7 @@ impl CoordinatorMachine {
     /// also refuse that process's renewals from now on), while it or the map is changing (its
     /// failover, a swap, a rebuild, new backups under way), or for an id the cluster does not
     /// have; nothing changes then.
-    pub fn replace_server(&mut self, now_ns: u64, server: u32) -> Result<(), Refusal> {
+    fn replace_server(&mut self, now_ns: u64, server: u32) -> Result<(), Refusal> {
         let servers = self.cfg.servers;
         let not_yet = |why| Err(Refusal::NotYet { server, why });
         if server >= self.leases.len() as u32 {
@@ -547,10 +645,25 @@ impl CoordinatorMachine {
     /// where their primary did not come back, primaries without a backup told to go on alone,
     /// and the commit of a swap that some servers had committed on the others (with the same
     /// levelling). Once they are done, [`CoordOutput::Rebuilt`], then new backups. A holding
-    /// from a server id outside the cluster is ignored. `recorded` are the shards' terms the old
-    /// coordinator recorded ([`terms`](Self::terms), kept by its driver), or empty.
-    pub fn rebuild(&mut self, now_ns: u64, held: &[Held], recorded: &[u64]) -> Rebuilt {
+    /// from a server id outside the cluster is ignored. `recorded` is what the old coordinator
+    /// recorded ([`record`](Self::record), kept by its driver; empty if none). `addrs` are the
+    /// rejoined servers' addresses; a server that did not rejoin keeps its recorded one, or
+    /// [`UNKNOWN_ADDR`].
+    pub fn rebuild(
+        &mut self,
+        now_ns: u64,
+        held: &[Held],
+        recorded: &Record,
+        addrs: &BTreeMap<u32, SocketAddr>,
+    ) -> Rebuilt {
         let n = self.cfg.servers;
+        self.addrs = (0..n)
+            .map(|i| {
+                let kept = recorded.servers.get(i as usize).copied();
+                addrs.get(&i).copied().or(kept).unwrap_or(UNKNOWN_ADDR)
+            })
+            .collect();
+        let recorded = recorded.terms.as_slice();
         let held: Vec<Held> = held.iter().filter(|h| h.server < n).cloned().collect();
         let resolution = resolve(self.cfg.shards, &held, recorded);
         let rejoined = |i: u32| held.iter().any(|h| h.server == i);

@@ -381,6 +381,86 @@ fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_serve
     assert!((0..3).any(|w| run.log(&format!("worker-{w}")).contains("connected again")));
 }
 
+/// The coordinator dies after a server's failover, and `local` starts it again: the new
+/// coordinator rebuilds the cluster from the live server alone, and takes the lost server's
+/// address from its predecessor's record in the checkpoint directory (`terms.json`), so a
+/// process restarted at that address still takes the lost server's id back, with a backup of
+/// every shard, and the run finishes with every push counted once. Before the record kept the
+/// servers' addresses, the restarted coordinator knew none for a server that did not rejoin it,
+/// and refused its replacement for good.
+#[test]
+fn a_server_restarted_after_the_coordinators_restart_takes_its_id_back() {
+    let iterations = 2500;
+    let name = "failover-restart-after-coordinator";
+    let mut run = counter_drill(name, "ssp:s=2", iterations, &["--replicas", "1"]);
+    wait_for_clock(&mut run, 60);
+    let victim = server_pids(&run.dir)[0];
+    let read = |what: &str| std::fs::read(format!("/proc/{victim}/{what}")).unwrap();
+    let args: Vec<String> = read("cmdline")
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let token = read("environ")
+        .split(|b| *b == 0)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .find_map(|v| v.strip_prefix("SYNCOPATE_TOKEN=").map(str::to_string))
+        .expect("the server has its token");
+    let id_file = &args[args.iter().position(|a| a == "--id-file").unwrap() + 1];
+    let id: u32 = std::fs::read_to_string(id_file).unwrap().trim().parse().unwrap();
+    let addr = run.status().servers.iter().find(|s| s.server == id).map(|s| s.addr).expect("listed");
+    sigkill(victim);
+    let t = Instant::now();
+    while run.status().lost_servers != vec![id] {
+        assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let coordinator = role_pids(&run.dir, "coordinator");
+    sigkill(coordinator[0]);
+    // The launcher starts it again; it waits for the dead server up to its rejoin wait, then
+    // rebuilds from the other.
+    let t = Instant::now();
+    while !run.log("coordinator-2").contains("cluster rebuilt from the servers' holdings") {
+        assert!(t.elapsed() < Duration::from_secs(60), "no rebuild:\n{}", run.output());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::File::create(run.dir.join("logs").join("server-restarted.log")).unwrap();
+    let mut restarted = std::process::Command::new(crate::cli::syncopate_bin())
+        .args(&args[1..])
+        .args(["--listen", &addr.to_string()])
+        .env("SYNCOPATE_TOKEN", &token)
+        .env("SYNCOPATE_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    loop {
+        let st = run.status();
+        let mapped = st.placement.iter().all(|p| p.1 != id && p.2 == Some(id));
+        let held = st.servers.iter().find(|s| s.server == id).is_some_and(|s| s.backups.len() == 3);
+        if st.lost_servers.is_empty() && mapped && held {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the restarted server did not take its id back after the coordinator's restart: {st:?}\n{}\n{}",
+            run.log("server-restarted"),
+            run.log("coordinator-2")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (st, run) = run.finish(Duration::from_secs(180));
+    let _ = restarted.kill();
+    let _ = restarted.wait();
+    assert!(st.success(), "{}\n{}", run.output(), run.log("server-restarted"));
+    assert_all(&run.model(), -(1.0 + 2.0 + 3.0) * iterations as f32, name);
+    let report = run.report();
+    assert_eq!(report.coordinator_restarts.len(), 1, "{:?}", report.coordinator_restarts);
+    assert!(report.workers.iter().all(|w| w.iterations == iterations), "{:?}", report.workers);
+    assert!(run.log("server-restarted").contains("registered in the place of lost server"));
+}
+
 /// A worker and a server killed at once, under BSP. The dead server's shards are promoted on
 /// the other server, where the dead worker never joined them (it joined them on their old
 /// primary, which died before it noticed), so their barrier must learn of the death some other

@@ -5,6 +5,11 @@ use crate::lease::{LeaseError, FAILOVER_MS, FIRST_HEARTBEAT_MS};
 
 const MS: u64 = 1_000_000;
 
+/// Server `x`'s address in these tests.
+fn at(x: u32) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7000 + x as u16))
+}
+
 fn machine(servers: u32, shards: u32, replicas: u32) -> CoordinatorMachine {
     CoordinatorMachine::new(CoordinatorConfig {
         servers,
@@ -36,9 +41,9 @@ fn settle(m: &mut CoordinatorMachine, ok: impl Fn(u32, Command) -> bool) -> Vec<
 fn started(servers: u32, shards: u32) -> CoordinatorMachine {
     let mut m = machine(servers, shards, 1);
     for s in 0..servers {
-        assert_eq!(m.register_server(0), Ok(s));
+        assert_eq!(m.register_server(0, at(s)), Ok(s));
     }
-    assert_eq!(m.register_server(0), Err(Refusal::ServersFull(servers)));
+    assert_eq!(m.register_server(0, at(servers)), Err(Refusal::ServersFull(servers)));
     for _ in 0..servers {
         assert!(!m.is_replicated());
         m.server_answered();
@@ -52,8 +57,8 @@ fn started(servers: u32, shards: u32) -> CoordinatorMachine {
 #[test]
 fn backups_are_attached_before_workers_are_welcomed() {
     let mut m = machine(2, 2, 1);
-    m.register_server(0).unwrap();
-    m.register_server(0).unwrap();
+    m.register_server(0, at(0)).unwrap();
+    m.register_server(0, at(1)).unwrap();
     m.server_answered();
     assert!(drain(&mut m).is_empty());
     m.server_answered();
@@ -140,8 +145,8 @@ fn a_second_lapse_waits_for_the_first_failover_and_a_shard_without_copies_is_los
 #[test]
 fn without_backups_nothing_is_failed_over() {
     let mut m = machine(2, 2, 0);
-    m.register_server(0).unwrap();
-    m.register_server(0).unwrap();
+    m.register_server(0, at(0)).unwrap();
+    m.register_server(0, at(1)).unwrap();
     m.server_answered();
     m.server_answered();
     assert_eq!(drain(&mut m), vec![CoordOutput::Replicated]);
@@ -255,7 +260,7 @@ fn a_swap_levels_the_workers_by_one_raise_each_on_every_server() {
 #[test]
 fn a_swap_involves_the_servers_not_failed_over_and_waits_for_all_to_register() {
     let mut m = machine(2, 2, 1);
-    m.register_server(0).unwrap();
+    m.register_server(0, at(0)).unwrap();
     assert_eq!(m.begin_swap(), Err(SwapError::Registering { registered: 1, servers: 2 }));
     let mut m = started(3, 3);
     let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
@@ -305,7 +310,7 @@ fn a_restarted_coordinator_rebuilds_from_the_holdings_then_re_replicates() {
     ];
     let mut m = machine(3, 3, 1);
     let now = 5_000 * MS;
-    let r = m.rebuild(now, &held, &[]);
+    let r = m.rebuild(now, &held, &Record::default(), &BTreeMap::new());
     assert_eq!(r.resolution.stale, BTreeMap::from([(0, 0)]));
     assert_eq!(r.missing, Vec::<u32>::new());
     assert_eq!(r.newest, Some(2));
@@ -372,7 +377,7 @@ fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
     // Done, a promotion takes the shard to the next term; failed, it loses the shard.
     for ok in [true, false] {
         let mut m = machine(2, 2, 1);
-        let r = m.rebuild(0, &held, &[]);
+        let r = m.rebuild(0, &held, &Record::default(), &BTreeMap::new());
         assert_eq!(r.missing, vec![0]);
         assert_eq!(r.resolution.promote, vec![(0, 1)]);
         let out = drain(&mut m);
@@ -446,7 +451,7 @@ fn a_round_missing_a_shard_is_abandoned_and_names_it() {
 #[test]
 fn rounds_swaps_and_failovers_never_overlap_and_a_round_follows_the_moved_map() {
     let mut m = machine(2, 2, 1);
-    m.register_server(0).unwrap();
+    m.register_server(0, at(0)).unwrap();
     assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Registering { registered: 1, servers: 2 }));
     let mut m = started(3, 3);
     m.admit_worker(None, 30).unwrap();
@@ -487,29 +492,68 @@ fn a_rebuild_under_way_holds_off_a_round() {
             ..Held::default()
         })
         .collect();
-    m.rebuild(0, &held, &[]);
+    m.rebuild(0, &held, &Record::default(), &BTreeMap::new());
     // Nothing to promote, drop or commit: rebuilt at once.
     assert_eq!(drain(&mut m), vec![CoordOutput::Rebuilt]);
     assert_eq!(m.begin_checkpoint(), Ok(1));
 
     // One server missing: its shard's backup is promoted first.
     let mut m = machine(2, 2, 1);
-    m.rebuild(0, &held[..1], &[]);
+    m.rebuild(0, &held[..1], &Record::default(), &BTreeMap::new());
     assert_eq!(m.begin_checkpoint(), Err(CheckpointError::Rebuilding));
     settle(&mut m, |_, _| true);
     assert_eq!(m.begin_checkpoint(), Ok(1));
 }
 
+/// A server that lost its connection to a coordinator that ran on renews its lease under its
+/// id from its own address; from another while its id is live, it is refused (another
+/// process holds the id); once failed over, its lease says so.
+#[test]
+fn a_server_reconnects_under_its_id_from_its_address_or_while_the_id_is_not_live() {
+    let mut m = started(2, 2);
+    let t = FIRST_HEARTBEAT_MS * MS;
+    assert_eq!(m.reconnect_server(t, 1, at(1)), Ok(()));
+    assert_eq!(m.reconnect_server(t, 1, at(0)), Err(Reconnect::NotRegistered { server: 1 }));
+    assert_eq!(m.reconnect_server(t, 2, at(2)), Err(Reconnect::NotRegistered { server: 2 }));
+    let t = t + FAILOVER_MS * MS + 1;
+    m.renew(t, 0).unwrap();
+    m.handle_timeout(t);
+    settle(&mut m, |_, _| true);
+    assert_eq!(m.reconnect_server(t, 1, at(9)), Err(Reconnect::Lease(LeaseError::FailedOver)));
+}
+
+/// A rebuilt coordinator knows the rejoined servers' addresses, and no address for one that
+/// did not come back: a replacement for it is told so.
+#[test]
+fn a_rebuild_learns_the_rejoined_servers_addresses() {
+    let held = [Held { server: 0, primaries: vec![(0, 0, 10)], ..Held::default() }];
+    let mut m = machine(2, 2, 1);
+    m.rebuild(0, &held, &Record::default(), &BTreeMap::from([(0, at(0))]));
+    assert_eq!(m.server_addrs(), &[at(0), UNKNOWN_ADDR]);
+    // With the old coordinator's record, the lost server keeps its address, and a process
+    // restarted there takes its id back (once a peer timeout has passed since the rebuild);
+    // a rejoined server's own address wins over the record's.
+    let mut m = machine(2, 2, 1);
+    let recorded = Record { terms: vec![0, 0], servers: vec![at(7), at(1)] };
+    m.rebuild(0, &held, &recorded, &BTreeMap::from([(0, at(0))]));
+    assert_eq!(m.server_addrs(), &[at(0), at(1)]);
+    assert_eq!(m.record().servers, vec![at(0), at(1)]);
+    settle(&mut m, |_, _| true);
+    assert_eq!(m.replace_server_at(10_000 * MS, at(1)), Ok(1));
+}
+
 #[test]
 fn a_lost_server_restarted_takes_its_id_back_empty_and_keeps_the_backups_no_one_could() {
     let mut m = started(2, 2);
-    assert_eq!(m.replace_server(0, 2), Err(Refusal::NoSuchServer { server: 2, servers: 2 }));
-    assert!(matches!(m.replace_server(0, 1), Err(Refusal::NotYet { server: 1, .. })), "still live");
+    let not_yet = |r| matches!(r, Err(Replacement::Refused(Refusal::NotYet { server: 1, .. })));
+    // Only at a lost server's address: none is lost yet.
+    assert_eq!(m.replace_server_at(0, at(2)), Err(Replacement::NotAtLostAddress { lost: vec![] }));
+    assert!(not_yet(m.replace_server_at(0, at(1))), "still live");
     // Server 1 lapses: shard 1 moves to server 0, and no shard has a backup any more.
     let t = FIRST_HEARTBEAT_MS * MS + FAILOVER_MS * MS + 1;
     m.renew(t, 0).unwrap();
     m.handle_timeout(t);
-    assert!(matches!(m.replace_server(t, 1), Err(Refusal::NotYet { server: 1, .. })), "being failed over");
+    assert!(not_yet(m.replace_server_at(t, at(1))), "being failed over");
     let out = settle(&mut m, |_, _| true);
     assert!(out.contains(&CoordOutput::NoBackupPlace { shard: 0 }), "{out:?}");
     assert_eq!(m.places(), &[Place { primary: 0, backup: None }, Place { primary: 0, backup: None }]);
@@ -518,10 +562,13 @@ fn a_lost_server_restarted_takes_its_id_back_empty_and_keeps_the_backups_no_one_
     // every connection to the old one has timed out (a peer timeout after the loss).
     assert_eq!(m.renew(t + MS, 1), Err(LeaseError::FailedOver));
     let quiet = t + 10_000 * MS;
-    assert!(matches!(m.replace_server(quiet - 1, 1), Err(Refusal::NotYet { server: 1, .. })), "too soon");
+    assert!(not_yet(m.replace_server_at(quiet - 1, at(1))), "too soon");
     let t = quiet;
     m.renew(t, 0).unwrap();
-    assert_eq!(m.replace_server(t + MS, 1), Ok(()));
+    // Elsewhere it is refused, told where the lost server listened.
+    let lost = Replacement::NotAtLostAddress { lost: vec![(1, at(1))] };
+    assert_eq!(m.replace_server_at(t + MS, at(5)), Err(lost));
+    assert_eq!(m.replace_server_at(t + MS, at(1)), Ok(1));
     let out = settle(&mut m, |_, _| true);
     assert_eq!(
         out,
@@ -534,7 +581,7 @@ fn a_lost_server_restarted_takes_its_id_back_empty_and_keeps_the_backups_no_one_
     );
     assert_eq!(m.live(), vec![true, true]);
     assert_eq!(m.renew(t + 2 * MS, 1), Ok(()));
-    assert!(matches!(m.replace_server(t + 2 * MS, 1), Err(Refusal::NotYet { .. })), "live again");
+    assert!(not_yet(m.replace_server_at(t + 2 * MS, at(1))), "live again");
     // A second death now loses nothing: server 0's shards move to the restarted server.
     let t2 = t + 2 * MS + FAILOVER_MS * MS + 1;
     m.renew(t2, 1).unwrap();
@@ -561,7 +608,7 @@ fn a_rebuild_finishes_a_swap_that_only_copies_of_a_dead_server_took() {
         ..Held::default()
     }];
     let mut m = machine(2, 2, 1);
-    let r = m.rebuild(5_000 * MS, &held, &[]);
+    let r = m.rebuild(5_000 * MS, &held, &Record::default(), &BTreeMap::new());
     assert_eq!(r.newest, Some(1));
     assert_eq!(m.swaps(), 5, "the swap its copies run is recorded");
     let commands: Vec<(u32, Command)> = drain(&mut m)

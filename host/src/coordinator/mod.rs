@@ -37,8 +37,8 @@ use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Refusal,
-    SwapOutcome,
+    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Record, Refusal,
+    Replacement, SwapOutcome,
 };
 
 mod rebuild;
@@ -133,9 +133,9 @@ pub struct CoordinatorOptions {
 }
 
 struct State {
-    /// By server id: its data address and the connection it registered on (`None` for a
-    /// server a restarted coordinator never heard from again, or refused).
-    servers: Vec<(SocketAddr, Option<quinn::Connection>)>,
+    /// By server id: the connection it registered on (`None` for a server a restarted
+    /// coordinator never heard from again, or refused). Its address is the machine's.
+    conns: Vec<Option<quinn::Connection>>,
     worker_conns: BTreeMap<WorkerId, quinn::Connection>,
     /// The decisions: server ids and leases, the shard map, failover, worker ids.
     machine: CoordinatorMachine,
@@ -160,8 +160,9 @@ struct State {
     /// The key workers' tickets are issued under: drawn at start, or taken back from the
     /// servers after a restart.
     admission_key: AdmissionKey,
-    /// The shards' terms last recorded in the checkpoint directory ([`rebuild::TERMS_FILE`]).
-    recorded_terms: Vec<u64>,
+    /// The shards' terms and the servers' addresses last recorded in the checkpoint directory
+    /// ([`rebuild::TERMS_FILE`]).
+    recorded: Record,
     /// Why the last checkpoint round was not taken, until one is.
     checkpoint_error: Option<String>,
 }
@@ -235,7 +236,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     let (shutdown, mut stop) = watch::channel(false);
     let coord = Arc::new(Coordinator {
         state: Mutex::new(State {
-            servers: Vec::new(),
+            conns: Vec::new(),
             worker_conns: BTreeMap::new(),
             machine: {
                 let mut m = CoordinatorMachine::new(CoordinatorConfig {
@@ -260,7 +261,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             restore: resumed.map(|r| r.dir),
             rebuild: None,
             admission_key: AdmissionKey(rand::random()),
-            recorded_terms: Vec::new(),
+            recorded: Record::default(),
             checkpoint_error: None,
         }),
         registered: watch::channel(0).0,
@@ -358,14 +359,24 @@ fn resume_from(
 type LiveServer = (u32, SocketAddr, quinn::Connection);
 
 impl State {
+    /// By server id: its data address and its connection, if it has one.
+    fn servers(&self) -> Vec<(SocketAddr, Option<quinn::Connection>)> {
+        self.machine.server_addrs().iter().copied().zip(self.conns.iter().cloned()).collect()
+    }
+
+    /// Server `server`'s connection, if it has one.
+    fn conn(&self, server: u32) -> Option<&quinn::Connection> {
+        self.conns.get(server as usize).and_then(Option::as_ref)
+    }
+
     /// The servers not lost (failed over servers take no more commands).
     fn live_servers(&self) -> Vec<LiveServer> {
         let live = self.machine.live();
-        self.servers
-            .iter()
+        self.servers()
+            .into_iter()
             .enumerate()
             .filter(|(i, _)| live.get(*i).copied().unwrap_or(true))
-            .filter_map(|(i, (addr, conn))| Some((i as u32, *addr, conn.clone()?)))
+            .filter_map(|(i, (addr, conn))| Some((i as u32, addr, conn?)))
             .collect()
     }
 }
@@ -504,28 +515,25 @@ impl Coordinator {
     }
 
     /// A server registering with a full cluster: a process restarted in the place of a lost
-    /// server, at that server's address, takes its id back ([`CoordinatorMachine::replace_server`]),
-    /// holding nothing; its backups follow. Too soon (the old one not failed over yet, or a
-    /// peer timeout not passed since), it is told to ask again ([`Welcome::NotYet`]). A server
-    /// at another address is refused: workers reach a server at the address they were given.
+    /// server, at that server's address, takes its id back
+    /// ([`CoordinatorMachine::replace_server_at`]), holding nothing; its backups follow. Too soon
+    /// (the old one not failed over yet, or a peer timeout not passed since), it is told to ask
+    /// again ([`Welcome::NotYet`]). A server at another address is refused: workers reach a
+    /// server at the address they were given.
     fn replacement(&self, st: &mut State, conn: &quinn::Connection, addr: SocketAddr) -> (Welcome, Vec<u8>) {
-        let Some(id) = st.servers.iter().position(|(a, _)| *a == addr).map(|i| i as u32) else {
-            let lost = (0..st.servers.len() as u32)
-                .filter(|&i| !st.machine.is_live(i))
-                .map(|i| (i, st.servers[i as usize].0))
-                .collect();
-            let refused = Unwelcome::NotAtLostAddress { servers: self.opts.servers, lost };
-            return (Welcome::Refused(refused), Vec::new());
-        };
-        match st.machine.replace_server(self.now_ns(), id) {
-            Ok(()) => {
-                st.servers[id as usize] = (addr, Some(conn.clone()));
+        match st.machine.replace_server_at(self.now_ns(), addr) {
+            Ok(id) => {
+                st.conns[id as usize] = Some(conn.clone());
                 *st.incarnations.entry(id).or_default() += 1;
                 tracing::warn!(server = id, %addr, "a restarted server takes its id back, holding nothing; it gets new backups");
                 self.server_welcome(st, id, true)
             }
-            Err(e @ Refusal::NotYet { .. }) => (Welcome::NotYet(e), Vec::new()),
-            Err(e) => (Welcome::Refused(Unwelcome::Refused(e)), Vec::new()),
+            Err(Replacement::NotAtLostAddress { lost }) => {
+                let refused = Unwelcome::NotAtLostAddress { servers: self.opts.servers, lost };
+                (Welcome::Refused(refused), Vec::new())
+            }
+            Err(Replacement::Refused(e @ Refusal::NotYet { .. })) => (Welcome::NotYet(e), Vec::new()),
+            Err(Replacement::Refused(e)) => (Welcome::Refused(Unwelcome::Refused(e)), Vec::new()),
         }
     }
 
@@ -557,19 +565,18 @@ impl Coordinator {
             let results =
                 futures::future::join_all(commands.iter().map(|&(_, server, c)| self.carry_out(server, c)))
                     .await;
-            let terms = {
+            let record = {
                 let mut st = self.lock();
                 for ((id, ..), result) in commands.into_iter().zip(results) {
                     st.machine.command_done(id, result);
                 }
-                let terms = st.machine.terms();
+                let record = st.machine.record();
                 let recording = self.opts.checkpoint_dir.is_some();
-                (recording && terms != st.recorded_terms.as_slice())
-                    .then(|| (terms.to_vec(), st.admission_key))
+                (recording && record != st.recorded).then(|| (record, st.admission_key))
             };
             // A promotion's term is recorded before the workers hear of the move.
-            if let Some((terms, key)) = terms {
-                self.record_terms(terms, key).await;
+            if let Some((record, key)) = record {
+                self.record(record, key).await;
             }
         }
     }
@@ -588,7 +595,7 @@ impl Coordinator {
                 Command::Commit { swap } => st.machine.levelling(swap).to_vec(),
                 _ => Vec::new(),
             };
-            (st.servers.clone(), preparing, raise, incarnation)
+            (st.servers(), preparing, raise, incarnation)
         };
         let (cmd, payload) = match what {
             Command::Promote { shard } => (ServerCommand::Promote { shard }, Vec::new()),
@@ -651,7 +658,7 @@ impl Coordinator {
             }
             CoordOutput::Rebuilt => self.rebuilt_out(),
             CoordOutput::ServerLost { server } => {
-                let addr = self.lock().servers.get(server as usize).map(|s| s.0);
+                let addr = self.lock().machine.server_addrs().get(server as usize).copied();
                 tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
             }
             CoordOutput::ShardLost { shard, server } => {
@@ -760,13 +767,15 @@ impl Coordinator {
             Role::Server { data_addr, rejoin: None } => {
                 let (welcome, wasm) = {
                     let mut st = self.lock();
-                    if st.rebuild.is_some() {
+                    // Until a restarted coordinator has rebuilt the cluster, its machine knows
+                    // no server; after, a server restarted in a lost one's place is its to take.
+                    if st.rebuild.is_some() && !*self.rebuilt.borrow() {
                         (Welcome::Refused(Unwelcome::Rebuilding), Vec::new())
                     } else {
                         // Its lease starts with its first heartbeat (see FIRST_HEARTBEAT_MS).
-                        match st.machine.register_server(self.now_ns()) {
+                        match st.machine.register_server(self.now_ns(), data_addr) {
                             Ok(id) => {
-                                st.servers.push((data_addr, Some(conn.clone())));
+                                st.conns.push(Some(conn.clone()));
                                 tracing::info!(server = id, %data_addr, "server registered");
                                 self.server_welcome(&st, id, false)
                             }
@@ -869,10 +878,7 @@ impl Coordinator {
                         let mut st = self.lock();
                         // A process restarted under this id has taken it: this connection's
                         // process was failed over, and stays so.
-                        let replaced = matches!(
-                            st.servers.get(server as usize),
-                            Some((_, Some(c))) if c.stable_id() != conn.stable_id()
-                        );
+                        let replaced = st.conn(server).is_some_and(|c| c.stable_id() != conn.stable_id());
                         match st.machine.renew(now_ns, s) {
                             _ if replaced => CoordResponse::LeaseEnded(LeaseEnd::Replaced),
                             Ok(()) => CoordResponse::Renewed { terms: st.machine.terms().to_vec() },
@@ -891,10 +897,7 @@ impl Coordinator {
             () = heartbeats => conn.closed().await,
         };
         // A server that reconnected has a new connection: the old one's end is no loss.
-        let current = matches!(
-            self.lock().servers.get(server as usize),
-            Some((_, Some(c))) if c.stable_id() == conn.stable_id()
-        );
+        let current = self.lock().conn(server).is_some_and(|c| c.stable_id() == conn.stable_id());
         if current && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             tracing::error!(%data_addr, "server lost: {reason}; its shards are unavailable");
         }
@@ -930,7 +933,7 @@ impl Coordinator {
         Welcome::Worker {
             worker: id,
             shards,
-            servers: st.servers.iter().map(|(a, _)| *a).collect(),
+            servers: st.machine.server_addrs().to_vec(),
             peer_timeout_ms: self.opts.peer_timeout.as_millis() as u64,
             workers: self.opts.workers,
             optimizer: self.opts.optimizer,
@@ -1104,12 +1107,12 @@ impl Coordinator {
         self.drive().await;
         let outcome = done.await.map_err(|_| CoordError::Abandoned(swap))?;
         let named = |failed: Vec<(u32, String)>| {
-            let servers = self.lock().servers.clone();
+            let addrs = self.lock().machine.server_addrs().to_vec();
             failed
                 .into_iter()
                 .map(|(server, reason)| ServerFailure {
                     server,
-                    addr: servers.get(server as usize).map(|(addr, _)| *addr),
+                    addr: addrs.get(server as usize).copied(),
                     reason,
                 })
                 .collect::<Vec<_>>()
@@ -1175,7 +1178,7 @@ impl Coordinator {
                     .collect(),
                 checkpoint_error: st.checkpoint_error.clone(),
             };
-            (st.servers.clone(), status)
+            (st.servers(), status)
         };
         let lost: Vec<bool> = self.lock().machine.live().iter().map(|l| !l).collect();
         for (i, (addr, conn)) in servers.iter().enumerate() {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use syncopate_engine::coordinator::{Gathered, Gathering, Held};
+use syncopate_engine::coordinator::{Gathered, Gathering, Held, Reconnect, Record};
 
 use super::{command_reply, Coordinator, PolicySource};
 use crate::net::proto::{
@@ -61,17 +61,22 @@ struct Rejoined {
 }
 
 /// The file in the checkpoint directory where the coordinator records the shards' terms at
-/// each promotion, so that a restarted one knows a term no surviving server heard of.
+/// each promotion, and the servers' addresses, so that a restarted one knows a term no
+/// surviving server heard of, and where a server lost before the restart listened.
 pub(super) const TERMS_FILE: &str = "terms.json";
 
-/// The shards' terms as recorded, with the cluster they belong to.
-#[derive(serde::Serialize, serde::Deserialize)]
+/// The coordinator's record ([`Record`]) as written, with the cluster it belongs to. A file
+/// written before the servers' addresses were recorded reads with none.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct RecordedTerms {
     /// SHA-256 of the cluster's admission key (the key itself stays secret): a file left by
     /// another cluster in the same directory is ignored.
     cluster: [u8; 32],
     /// By shard.
     terms: Vec<u64>,
+    /// By server id.
+    #[serde(default)]
+    servers: Vec<SocketAddr>,
 }
 
 fn cluster_of(key: AdmissionKey) -> [u8; 32] {
@@ -119,12 +124,17 @@ async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), R
 }
 
 impl Coordinator {
-    /// Records the shards' terms in the checkpoint directory, if there is one (crash-safe; a
-    /// failure is logged, and the restart's rebuild then has the servers' word only).
-    pub(super) async fn record_terms(&self, terms: Vec<u64>, key: AdmissionKey) {
+    /// Records the shards' terms and the servers' addresses in the checkpoint directory, if
+    /// there is one (crash-safe; a failure is logged, and the restart's rebuild then has the
+    /// servers' word only).
+    pub(super) async fn record(&self, record: Record, key: AdmissionKey) {
         let Some(dir) = self.opts.checkpoint_dir.clone() else { return };
-        let bytes = serde_json::to_vec(&RecordedTerms { cluster: cluster_of(key), terms: terms.clone() })
-            .expect("terms serialize");
+        let file = RecordedTerms {
+            cluster: cluster_of(key),
+            terms: record.terms.clone(),
+            servers: record.servers.clone(),
+        };
+        let bytes = serde_json::to_vec(&file).expect("terms serialize");
         let written = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
             crate::checkpoint::write_atomic(&dir.join(TERMS_FILE), &bytes).map_err(|e| e.to_string())
@@ -133,27 +143,33 @@ impl Coordinator {
         .map_err(|e| e.to_string())
         .and_then(|r| r);
         match written {
-            Ok(()) => self.lock().recorded_terms = terms,
+            Ok(()) => self.lock().recorded = record,
             Err(e) => tracing::warn!("cannot record the shards' terms: {e}"),
         }
     }
 
     /// The terms the coordinator before this one recorded for this cluster, if any.
-    async fn recorded_terms(&self, key: AdmissionKey) -> Vec<u64> {
+    async fn recorded(&self, key: AdmissionKey) -> Record {
         let Some(path) = self.opts.checkpoint_dir.as_ref().map(|d| d.join(TERMS_FILE)) else {
-            return Vec::new();
+            return Record::default();
         };
         let read = tokio::task::spawn_blocking(move || std::fs::read(&path)).await;
-        let Ok(Ok(bytes)) = read else { return Vec::new() };
+        let Ok(Ok(bytes)) = read else { return Record::default() };
         match serde_json::from_slice::<RecordedTerms>(&bytes) {
-            Ok(r) if r.cluster == cluster_of(key) && r.terms.len() == self.opts.shards as usize => r.terms,
+            Ok(r)
+                if r.cluster == cluster_of(key)
+                    && r.terms.len() == self.opts.shards as usize
+                    && r.servers.len() <= self.opts.servers as usize =>
+            {
+                Record { terms: r.terms, servers: r.servers }
+            }
             Ok(_) => {
                 tracing::warn!("ignoring {TERMS_FILE}: it belongs to another cluster");
-                Vec::new()
+                Record::default()
             }
             Err(e) => {
                 tracing::warn!("ignoring {TERMS_FILE}: {e}");
-                Vec::new()
+                Record::default()
             }
         }
     }
@@ -180,18 +196,19 @@ impl Coordinator {
         let complete = {
             let mut st = self.lock();
             if st.rebuild.is_none() {
-                if !st.servers.is_empty() {
+                if !st.conns.is_empty() {
                     // Not a restart: this coordinator has run all along, and the server lost its
                     // connection to it.
-                    let now_ns = self.now_ns();
-                    return match st.servers.get(id as usize) {
-                        Some((a, _)) if *a == addr || !st.machine.is_live(id) => {
-                            st.machine.renew(now_ns, id).map_err(RejoinRefused::Lease)?;
-                            st.servers[id as usize].1 = Some(conn.clone());
+                    return match st.machine.reconnect_server(self.now_ns(), id, addr) {
+                        Ok(()) => {
+                            st.conns[id as usize] = Some(conn.clone());
                             tracing::warn!(server = id, %addr, "server reconnected");
                             Ok(())
                         }
-                        _ => Err(RejoinRefused::NotRegistered { server: id, addr }),
+                        Err(Reconnect::Lease(e)) => Err(RejoinRefused::Lease(e)),
+                        Err(Reconnect::NotRegistered { .. }) => {
+                            Err(RejoinRefused::NotRegistered { server: id, addr })
+                        }
                     };
                 }
                 st.rebuild = Some(Rebuild::new(self.opts.servers));
@@ -255,20 +272,16 @@ impl Coordinator {
         let holdings: Vec<Held> = held.into_values().collect();
         let n = self.opts.servers;
         let key = self.lock().admission_key;
-        let recorded = self.recorded_terms(key).await;
+        let recorded = self.recorded(key).await;
         let rebuilt = {
             let mut st = self.lock();
             let now_ns = self.now_ns();
-            let rebuilt = st.machine.rebuild(now_ns, &holdings, &recorded);
-            st.recorded_terms = recorded;
+            let addrs = reports.iter().map(|(&i, r)| (i, r.addr)).collect();
+            let rebuilt = st.machine.rebuild(now_ns, &holdings, &recorded, &addrs);
+            st.recorded = recorded;
             let stale = &rebuilt.resolution.stale;
-            let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
-            st.servers = (0..n)
-                .map(|i| match reports.get(&i) {
-                    Some(r) if !stale.contains_key(&i) => (r.addr, Some(r.conn.clone())),
-                    Some(r) => (r.addr, None),
-                    None => (unspecified, None),
-                })
+            st.conns = (0..n)
+                .map(|i| reports.get(&i).filter(|_| !stale.contains_key(&i)).map(|r| r.conn.clone()))
                 .collect();
             // The newest policy a live server runs: the others were prepared for it, if a swap's
             // commit was under way when the old coordinator died (the machine finishes it).
@@ -341,5 +354,28 @@ impl Coordinator {
         self.replicated.send_replace(true);
         self.registered.send_replace(self.opts.servers);
         self.rebuilt.send_replace(true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `terms.json` as this build writes it, and as builds before the servers' addresses were
+    /// recorded wrote it (read with none): the file's format, pinned.
+    #[test]
+    fn the_recorded_terms_file_reads_as_written_and_without_addresses_as_before() {
+        let file = RecordedTerms {
+            cluster: [7; 32],
+            terms: vec![0, 2],
+            servers: vec![SocketAddr::from(([127, 0, 0, 1], 7071))],
+        };
+        let json = serde_json::to_string(&file).expect("serializes");
+        let cluster = format!("[{}]", ["7"; 32].join(","));
+        assert_eq!(json, format!(r#"{{"cluster":{cluster},"terms":[0,2],"servers":["127.0.0.1:7071"]}}"#));
+        assert_eq!(serde_json::from_str::<RecordedTerms>(&json).expect("reads"), file);
+        let before = format!(r#"{{"cluster":{cluster},"terms":[0,2]}}"#);
+        let read = serde_json::from_str::<RecordedTerms>(&before).expect("reads");
+        assert_eq!((read.terms, read.servers), (vec![0, 2], vec![]));
     }
 }

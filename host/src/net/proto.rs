@@ -360,7 +360,15 @@ fn lost_hint(lost: &[(u32, SocketAddr)]) -> String {
     if lost.is_empty() {
         return String::new();
     }
-    let lost: Vec<String> = lost.iter().map(|(id, addr)| format!("server {id} at {addr}")).collect();
+    let unknown = syncopate_engine::coordinator::UNKNOWN_ADDR;
+    let lost: Vec<String> = lost
+        .iter()
+        .map(|(id, addr)| match *addr == unknown {
+            // A coordinator restarted without a record (--checkpoint-dir) that it did not rejoin.
+            true => format!("server {id}, whose address this coordinator lost at its restart"),
+            false => format!("server {id} at {addr}"),
+        })
+        .collect();
     format!("; a server restarted in a lost one's place must listen at its address ({})", lost.join(", "))
 }
 
@@ -1437,6 +1445,12 @@ mod tests {
             lost.to_string(),
             "the cluster already has its 2 servers; a server restarted in a lost one's place must listen at its \
              address (server 1 at 127.0.0.1:300)"
+        );
+        let unknown = syncopate_engine::coordinator::UNKNOWN_ADDR;
+        let lost = Unwelcome::NotAtLostAddress { servers: 2, lost: vec![(1, unknown)] };
+        assert!(
+            lost.to_string().ends_with("(server 1, whose address this coordinator lost at its restart)"),
+            "{lost}"
         );
     }
 

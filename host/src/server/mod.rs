@@ -1239,8 +1239,14 @@ async fn handle_request(
                     // then nobody would end the membership, and the worker leaves now.
                     let orphaned = shared.state().joined(worker, shard, peer.conn);
                     if let Some(tx) = orphaned {
-                        tracing::warn!(worker, shard, "a join answered after the worker's connection ended; it leaves");
-                        let _ = tx.send(ShardCmd::Leave { worker, reason: LeaveReason::Failed, reply: None }).await;
+                        tracing::warn!(
+                            worker,
+                            shard,
+                            "a join answered after the worker's connection ended; it leaves"
+                        );
+                        let _ = tx
+                            .send(ShardCmd::Leave { worker, reason: LeaveReason::Failed, reply: None })
+                            .await;
                     }
                     match joined {
                         Joined::Fresh { clock, next } => (DataResponse::Joined { clock, next }, None),

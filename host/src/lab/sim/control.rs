@@ -34,11 +34,13 @@
 //! So the failover a simulation shows, timing included, is decided by the code a cluster runs.
 
 use rand::Rng;
-use syncopate_engine::coordinator::{Answer, CheckpointOutcome, Command, CoordOutput, Gathering, Refusal};
+use syncopate_engine::coordinator::{
+    Answer, CheckpointOutcome, Command, CoordOutput, Gathering, Refusal, Replacement,
+};
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
-use super::{sim_shard, Cut, Req, Sim, SimError, SimPartition};
+use super::{server_addr, sim_shard, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
@@ -118,9 +120,9 @@ impl Sim {
             self.at(retry, Ev::ServerRestart(x));
             return Ok(());
         }
-        match self.coord.replace_server(self.now, x) {
-            Ok(()) => {}
-            Err(Refusal::NotYet { why, .. }) => {
+        match self.coord.replace_server_at(self.now, server_addr(x)) {
+            Ok(id) => debug_assert_eq!(id, x, "a restarted server takes the id at its address"),
+            Err(Replacement::Refused(Refusal::NotYet { why, .. })) => {
                 tracing::debug!(server = x, t_ns = self.now, "restarted server refused for now: {why}");
                 self.at(retry, Ev::ServerRestart(x));
                 return Ok(());

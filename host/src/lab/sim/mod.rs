@@ -93,7 +93,7 @@ use control::Arrival;
 use events::{Copied, Ev, Mailbox, Queue, ToShard};
 use invariants::bits_equal;
 use network::Network;
-use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine};
+use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine, Record};
 use syncopate_engine::server::ServerState;
 use workers::{InFlight, SimWorker};
 
@@ -242,8 +242,9 @@ struct Sim {
     incarnation: u32,
     /// What its rebuilds did.
     rebuild: RebuildCounts,
-    /// The shards' terms the crashed coordinator recorded ([`SimFaults::crash_keeps_terms`]).
-    recorded_terms: Vec<u64>,
+    /// What the crashed coordinator recorded, terms and servers' addresses
+    /// ([`SimFaults::crash_keeps_terms`]).
+    recorded: Record,
     /// The first time a server accepted a push for a shard another server had been promoted to.
     two_primaries: Option<String>,
     /// The first time a backup that had applied every op of its primary's differed from it.
@@ -729,6 +730,12 @@ fn server_state(x: u32, server_of: &[u32], backup_of: &[Option<u32>], workers: u
         state.connected(w, w as usize);
     }
     state
+}
+
+/// Server `x`'s data address in the simulator: only the coordinator's machine reads it (a
+/// process restarted in a lost server's place takes back the id at its address).
+fn server_addr(x: u32) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + x as u16))
 }
 
 /// A simulated shard: the simulator creates every one before the run starts.

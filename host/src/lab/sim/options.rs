@@ -92,7 +92,7 @@ pub struct SimFaults {
 }
 
 /// A dead server started again: a new process under the same id and address, holding nothing.
-/// Until the coordinator's machine admits it ([`CoordinatorMachine::replace_server`](syncopate_engine::coordinator::CoordinatorMachine::replace_server): the old
+/// Until the coordinator's machine admits it ([`CoordinatorMachine::replace_server_at`](syncopate_engine::coordinator::CoordinatorMachine::replace_server_at): the old
 /// one failed over, and a peer timeout since) it is refused and asks again a heartbeat later,
 /// as `syncopate server` does; then it takes its id back, and every shard without a backup
 /// gets one, on it first. A server is restarted once.

@@ -32,8 +32,8 @@ impl Sim {
         tracing::debug!(t_ns = self.now, down_ns, "coordinator crashed");
         self.coord_phase = Phase::Down;
         // What it recorded at its last promotion (the machine's terms now), if it keeps them.
-        self.recorded_terms =
-            if self.opts.faults.crash_keeps_terms { self.coord.terms().to_vec() } else { Vec::new() };
+        self.recorded =
+            if self.opts.faults.crash_keeps_terms { self.coord.record() } else { Default::default() };
         self.incarnation += 1;
         self.coord_timer_at = None;
         self.at(self.now + down_ns, Ev::CoordRestart);
@@ -152,8 +152,9 @@ impl Sim {
         let Phase::Rejoining(gathering) = &mut self.coord_phase else { return Ok(()) };
         let Some(rejoined) = gathering.begin() else { return Ok(()) };
         self.coord_phase = Phase::Rebuilding;
+        let addrs = rejoined.keys().map(|&x| (x, super::server_addr(x))).collect();
         let held: Vec<Held> = rejoined.into_values().collect();
-        let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded_terms);
+        let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded, &addrs);
         tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
         self.rebuild.rebuilds += 1;
         self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
@@ -188,7 +189,7 @@ impl Sim {
                 .iter()
                 .flat_map(copies)
                 .chain(heard)
-                .chain(self.recorded_terms.get(k).copied())
+                .chain(self.recorded.terms.get(k).copied())
                 .max()
                 .unwrap_or(0);
             if newest > chosen {

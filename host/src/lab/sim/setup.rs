@@ -183,8 +183,8 @@ pub(super) fn build(
         max_workers: n.max(crate::shard::DEFAULT_MAX_WORKERS),
         peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
     });
-    for _ in 0..sc.servers {
-        coord.register_server(0).map_err(|e| SimError::Options(e.to_string()))?;
+    for x in 0..sc.servers {
+        coord.register_server(0, super::server_addr(x)).map_err(|e| SimError::Options(e.to_string()))?;
         coord.server_answered();
     }
     while let Some(out) = coord.poll_output() {
@@ -260,7 +260,7 @@ pub(super) fn build(
         coord_phase: control::Phase::Up,
         incarnation: 0,
         rebuild: RebuildCounts::default(),
-        recorded_terms: Vec::new(),
+        recorded: Default::default(),
         two_primaries: None,
         drift: None,
         rounds: BTreeMap::new(),
