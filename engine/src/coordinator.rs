@@ -28,6 +28,9 @@
 //!   ([`CoordinatorMachine::reconnect_server`]).
 //! - **worker ids.** Ids are dense and bounded: a worker may ask for one below `max_workers`
 //!   that no connected worker holds, or is given the lowest never given out.
+//! - **the start barrier** ([`CoordinatorMachine::worker_ready`]): training starts once the
+//!   workers it waits for are ready, or its wait after the first has run out; a worker ready
+//!   later starts at once.
 //! - **hot swaps**, two-phase: every live server prepares the module off the hot path and answers
 //!   with its primaries' clocks; only if all can does every one commit (each switching its
 //!   primaries as the commit arrives; the backups follow by their op streams), else all abort and
@@ -40,7 +43,7 @@
 //! - **the rebuild after a restart** ([`rebuild`]): a coordinator that comes back while its
 //!   servers ran on rebuilds the map, the policy and the leases from what they hold.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 
 use syncopate_policy_sdk::abi::{WorkerClock, WorkerId};
@@ -70,6 +73,9 @@ pub struct CoordinatorConfig {
     /// long after the loss, by when every peer's connection to the old process has ended, so
     /// none sends the new one what was meant for the old.
     pub peer_timeout_ms: u64,
+    /// The start barrier ([`CoordinatorMachine::worker_ready`]): training starts once this many
+    /// workers are ready (0: at the first), or this many milliseconds after the first was.
+    pub start: (u32, u64),
 }
 
 /// The machine's name for a command it sent, returned with its result.
@@ -188,6 +194,14 @@ pub enum CoordOutput {
     },
     /// Every backup the cluster starts with is attached (or failed to): workers may be welcomed.
     Replicated,
+    /// The start barrier opened: training starts, with `ready` of the `want` workers it waits
+    /// for (fewer when its wait ran out).
+    Started {
+        /// Workers ready when it opened.
+        ready: u32,
+        /// Workers it waited for.
+        want: u32,
+    },
     /// Server `server`'s lease lapsed: it is being failed over.
     ServerLost {
         /// The server.
@@ -446,6 +460,8 @@ pub struct CoordinatorMachine {
     checkpoint: Option<checkpoint::CheckpointRound>,
     /// The next checkpoint round's number.
     next_round: u64,
+    /// The start barrier: the workers ready, and when it opens at the latest; `None` once open.
+    start: Option<(BTreeSet<WorkerId>, Option<u64>)>,
     outputs: VecDeque<CoordOutput>,
 }
 
@@ -473,6 +489,7 @@ impl CoordinatorMachine {
             terms: vec![0; cfg.shards as usize],
             checkpoint: None,
             next_round: 1,
+            start: Some((BTreeSet::new(), None)),
             outputs: VecDeque::new(),
         }
     }
@@ -487,14 +504,21 @@ impl CoordinatorMachine {
         self.outputs.pop_front()
     }
 
-    /// When the machine wants [`handle_timeout`](Self::handle_timeout): the next lease to lapse
-    /// (with backups only: without, a lost server has nothing to fail over to).
+    /// When the machine wants [`handle_timeout`](Self::handle_timeout): the start barrier's end
+    /// of wait, or the next lease to lapse (with backups only: without, a lost server has
+    /// nothing to fail over to).
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.watches_leases().then(|| self.leases.next_lapse()).flatten()
+        let lapse = self.watches_leases().then(|| self.leases.next_lapse()).flatten();
+        let start = self.start.as_ref().and_then(|(_, due)| *due);
+        lapse.into_iter().chain(start).min()
     }
 
-    /// Time has passed: servers whose lease lapsed are failed over.
+    /// Time has passed: the start barrier opens if its wait ran out; servers whose lease lapsed
+    /// are failed over.
     pub fn handle_timeout(&mut self, now_ns: u64) {
+        if self.start.as_ref().and_then(|(_, due)| *due).is_some_and(|due| now_ns >= due) {
+            self.open_start();
+        }
         if !self.watches_leases() {
             return;
         }
@@ -505,6 +529,35 @@ impl CoordinatorMachine {
             self.queued.push_back(server);
         }
         self.next_failover();
+    }
+
+    /// Worker `worker` has joined its shards and is ready to train, at `now_ns`: whether the
+    /// start barrier is open (training has started). It opens once the workers it waits for
+    /// ([`CoordinatorConfig::start`]) are ready, each counted once, or, at the latest, that wait
+    /// after the first was ready ([`CoordOutput::Started`]); a worker ready after it opened (a
+    /// late joiner, a restarted one) starts at once. Without workers to wait for, the first
+    /// ready opens it.
+    pub fn worker_ready(&mut self, now_ns: u64, worker: WorkerId) -> bool {
+        let (want, wait_ms) = self.cfg.start;
+        let Some((ready, due)) = self.start.as_mut() else { return true };
+        ready.insert(worker);
+        due.get_or_insert(now_ns.saturating_add(wait_ms.saturating_mul(1_000_000)));
+        if ready.len() as u32 >= want {
+            self.open_start();
+        }
+        self.start.is_none()
+    }
+
+    /// Whether training has started (the start barrier opened, or a rebuild found it under way).
+    pub fn has_started(&self) -> bool {
+        self.start.is_none()
+    }
+
+    fn open_start(&mut self) {
+        if let Some((ready, _)) = self.start.take() {
+            let want = self.cfg.start.0;
+            self.outputs.push_back(CoordOutput::Started { ready: ready.len() as u32, want });
+        }
     }
 
     /// The driver did not run for `stalled_ns`: that time is not counted against the leases
@@ -683,6 +736,10 @@ impl CoordinatorMachine {
         self.answered = n;
         self.replicated = true;
         self.model_len = resolution.model_len(&held);
+        // Training was under way if the servers hold a model: its start barrier had opened.
+        if self.model_len.is_some() {
+            self.start = None;
+        }
         // The newest term each shard is known at (a lost one's too); a promotion adds one.
         for (k, term) in self.terms.iter_mut().enumerate() {
             let claims =

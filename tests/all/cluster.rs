@@ -812,6 +812,80 @@ fn a_missing_server_gives_workers_a_clear_error() {
     }
 }
 
+/// The start barrier waits for `--workers`, but not for ever: with one of two workers ready,
+/// training starts once the start-up timeout has passed since it was (the coordinator
+/// machine's timer), the coordinator says how many it started with, and the worker trains to
+/// its end.
+#[test]
+fn the_start_barrier_starts_without_a_missing_worker_after_the_startup_timeout() {
+    let dir = run_dir("start-barrier");
+    let tls = dir.join("tls");
+    let out = Command::new(syncopate_bin()).arg("certs").arg(&tls).output_within(COMMAND_LIMIT).unwrap();
+    assert!(out.status.success());
+    let ready = dir.join("addr");
+    let log = dir.join("coordinator.log");
+    let tls_dir = tls.to_str().unwrap();
+    let spawn = |args: &[&str], err: Stdio| {
+        Command::new(syncopate_bin())
+            .args(args)
+            .env("SYNCOPATE_TOKEN", "t0ken")
+            .stdout(Stdio::null())
+            .stderr(err)
+            .spawn()
+            .unwrap()
+    };
+    let mut coordinator = spawn(
+        &[
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--servers",
+            "1",
+            "--workers",
+            "2",
+            "--startup-timeout-s",
+            "2",
+            "--tls-dir",
+            tls_dir,
+            "--ready-file",
+            ready.to_str().unwrap(),
+        ],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
+    let addr = wait_file(&ready, Duration::from_secs(30), || "the coordinator did not start".into());
+    let mut server = spawn(&["server", "--coordinator", &addr, "--tls-dir", tls_dir], Stdio::null());
+    let ca = tls.join("cert.pem");
+    let t = std::time::Instant::now();
+    let worker = Command::new(syncopate_bin())
+        .args([
+            "worker",
+            "--coordinator",
+            &addr,
+            "--ca",
+            ca.to_str().unwrap(),
+            "--iterations",
+            "5",
+            "--params",
+            "8",
+        ])
+        .env("SYNCOPATE_TOKEN", "t0ken")
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    assert!(worker.status.success(), "{}", String::from_utf8_lossy(&worker.stderr));
+    assert!(t.elapsed() >= Duration::from_secs(2), "it waited for the other worker: {:?}", t.elapsed());
+    let out = Command::new(syncopate_bin())
+        .args(["shutdown", "--coordinator", &addr, "--ca", ca.to_str().unwrap()])
+        .env("SYNCOPATE_TOKEN", "t0ken")
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for child in [&mut coordinator, &mut server] {
+        wait_exit(child, Duration::from_secs(15), || "a process did not stop after shutdown".into());
+    }
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("only 1 of 2 workers joined within 2s; starting anyway"), "{said}");
+}
+
 /// The processes whose parent is `pid` and that have not exited (zombies count as gone).
 #[cfg(target_os = "linux")]
 fn live_children(pid: u32) -> Vec<u32> {

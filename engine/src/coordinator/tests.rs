@@ -17,6 +17,7 @@ fn machine(servers: u32, shards: u32, replicas: u32) -> CoordinatorMachine {
         replicas,
         max_workers: 4,
         peer_timeout_ms: 10_000,
+        start: (3, 60_000),
     })
 }
 
@@ -620,4 +621,50 @@ fn a_rebuild_finishes_a_swap_that_only_copies_of_a_dead_server_took() {
         .collect();
     assert!(commands.contains(&(1, Command::Commit { swap: 5 })), "{commands:?}");
     assert_eq!(m.levelling(5), raise.as_slice());
+}
+
+/// The start barrier opens once the workers it waits for are ready, each counted once (a
+/// worker that says so twice is one), or its wait after the first ready runs out; a worker
+/// ready after it opened starts at once; a rebuild that finds a model held opens it.
+#[test]
+fn the_start_barrier_opens_when_all_are_ready_or_its_wait_runs_out() {
+    let mut m = started(2, 2);
+    assert!(!m.worker_ready(5 * MS, 0));
+    assert!(!m.worker_ready(6 * MS, 0), "a worker counts once");
+    assert!(!m.worker_ready(7 * MS, 1));
+    assert!(m.poll_timeout().is_some_and(|t| t <= (5 + 60_000) * MS), "the barrier's wait is a timer");
+    assert!(drain(&mut m).is_empty());
+    assert!(m.worker_ready(8 * MS, 2));
+    assert_eq!(drain(&mut m), vec![CoordOutput::Started { ready: 3, want: 3 }]);
+    assert!(m.has_started() && m.worker_ready(9 * MS, 3), "a late joiner starts at once");
+    assert!(drain(&mut m).is_empty(), "it opens once");
+
+    // Two of three, and the wait runs out a minute after the first.
+    let mut m = machine(2, 2, 0);
+    assert!(!m.worker_ready(MS, 0));
+    assert!(!m.worker_ready(2 * MS, 1));
+    assert_eq!(m.poll_timeout(), Some(60_001 * MS), "without backups, the barrier alone");
+    m.handle_timeout(60_000 * MS);
+    assert!(!m.has_started());
+    m.handle_timeout(60_001 * MS);
+    assert!(m.has_started());
+    assert_eq!(drain(&mut m), vec![CoordOutput::Started { ready: 2, want: 3 }]);
+    assert_eq!(m.poll_timeout(), None);
+
+    // Nobody to wait for: the first ready opens it.
+    let mut m = CoordinatorMachine::new(CoordinatorConfig { start: (0, 1_000), ..machine(1, 1, 0).config() });
+    assert!(m.worker_ready(0, 2));
+
+    // A rebuild finds training under way: started, nobody waits.
+    let mut m = machine(2, 2, 1);
+    let held: Vec<Held> = (0..2)
+        .map(|s| Held {
+            server: s,
+            primaries: vec![(s, 0, 10)],
+            backups: vec![(1 - s, 0, 10)],
+            ..Held::default()
+        })
+        .collect();
+    m.rebuild(0, &held, &Record::default(), &BTreeMap::new());
+    assert!(m.has_started() && m.worker_ready(0, 1));
 }

@@ -40,7 +40,8 @@ pub struct CoordinatorArgs {
     #[arg(long, default_value_t = crate::net::proto::DEFAULT_MAX_WORKERS,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::net::proto::MAX_WORKERS_LIMIT)))]
     pub max_workers: u32,
-    /// How long workers wait for all servers to register, in seconds.
+    /// How long workers wait for all servers to register, and training for all `--workers` to
+    /// be ready (counted from the first), in seconds.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout_s: u64,
     /// Write the bound address to this file once listening.

@@ -183,8 +183,9 @@ struct Coordinator {
     registered: watch::Sender<u32>,
     /// Set once a restarted coordinator has rebuilt the cluster from the rejoining servers.
     rebuilt: watch::Sender<bool>,
-    /// Workers that joined their shards, until the start barrier opens.
-    ready: watch::Sender<u32>,
+    /// Whether training has started: the machine's start barrier opened
+    /// ([`CoordinatorMachine::worker_ready`]).
+    started: watch::Sender<bool>,
     /// Every backup is attached (workers are welcomed only then, so a backup sees its shard's
     /// every op from the creation on).
     replicated: watch::Sender<bool>,
@@ -245,6 +246,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
                     replicas: opts.replicas,
                     max_workers: opts.max_workers,
                     peer_timeout_ms: opts.peer_timeout.as_millis() as u64,
+                    start: (opts.workers, opts.startup_timeout.as_millis() as u64),
                 });
                 m.set_model_len(resumed.as_ref().map(|r| r.manifest.model_len));
                 m.set_swaps(resumed.as_ref().map_or(0, |r| r.manifest.swaps));
@@ -266,7 +268,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
-        ready: watch::channel(0).0,
+        started: watch::channel(false).0,
         replicated: watch::channel(false).0,
         swap_lock: tokio::sync::Mutex::new(()),
         shutdown,
@@ -407,7 +409,7 @@ impl Coordinator {
         };
         // Held for the whole round: one round at a time, and none during a swap.
         let _no_swap = self.swap_lock.lock().await;
-        let started = *self.ready.borrow() > 0;
+        let started = *self.started.borrow();
         let round = {
             let st = self.lock();
             if !started && st.restore.is_none() {
@@ -651,6 +653,15 @@ impl Coordinator {
             CoordOutput::Command { .. } => unreachable!("commands are carried out by `drive`"),
             CoordOutput::Moved { shard, server } => {
                 self.notify_workers(WorkerNotice::Moved { shard, server }).await
+            }
+            CoordOutput::Started { ready, want } => {
+                if ready < want {
+                    tracing::warn!(
+                        "only {ready} of {want} workers joined within {:?}; starting anyway",
+                        self.opts.startup_timeout
+                    );
+                }
+                self.started.send_replace(true);
             }
             CoordOutput::Replicated => {
                 tracing::info!(shards = self.opts.shards, "backups attached");
@@ -984,17 +995,33 @@ impl Coordinator {
         }
     }
 
+    /// Worker `id` is ready: answered once the machine's start barrier opens (at once if it
+    /// has). The machine decides when; this waits until its timer or another worker's ready.
     async fn start_barrier(&self, id: WorkerId) -> CoordResponse {
-        let want = self.opts.workers;
-        self.ready.send_modify(|n| *n += 1);
-        let mut rx = self.ready.subscribe();
-        if tokio::time::timeout(self.opts.startup_timeout, rx.wait_for(|n| *n >= want)).await.is_err() {
-            let have = *rx.borrow();
-            tracing::warn!(
-                worker = id,
-                "only {have} of {want} workers joined within {:?}; starting anyway",
-                self.opts.startup_timeout
-            );
+        let mut rx = self.started.subscribe();
+        let open = {
+            let now_ns = self.now_ns();
+            self.lock().machine.worker_ready(now_ns, id)
+        };
+        self.drive().await;
+        if !open {
+            while !*rx.borrow_and_update() {
+                let due = self.lock().machine.poll_timeout();
+                let wait = due.map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns())));
+                match wait {
+                    Some(wait) => {
+                        let _ = tokio::time::timeout(wait, rx.changed()).await;
+                    }
+                    None => {
+                        let _ = rx.changed().await;
+                    }
+                }
+                {
+                    let now_ns = self.now_ns();
+                    self.lock().machine.handle_timeout(now_ns);
+                }
+                self.drive().await;
+            }
         }
         CoordResponse::Ok
     }

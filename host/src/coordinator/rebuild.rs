@@ -347,9 +347,9 @@ impl Coordinator {
     /// The machine carried out a rebuild's commands: the cluster serves again, and the servers
     /// and workers waiting for it are answered.
     pub(super) fn rebuilt_out(&self) {
-        if self.lock().machine.model_len().is_some() {
+        if self.lock().machine.has_started() {
             // Training was under way: its start barrier had opened.
-            self.ready.send_replace(self.opts.workers.max(1));
+            self.started.send_replace(true);
         }
         self.replicated.send_replace(true);
         self.registered.send_replace(self.opts.servers);

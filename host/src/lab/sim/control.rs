@@ -403,6 +403,7 @@ impl Sim {
                     self.checkpoints.abandoned += 1;
                 }
                 CoordOutput::Replicated => {}
+                CoordOutput::Started { .. } => self.release_barrier()?,
             }
         }
         self.arm_coordinator();

@@ -100,7 +100,7 @@ impl Sim {
         wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
         wk.joining = None;
         tracing::debug!(worker = w, start, ?offsets, t_ns = self.now, "the late joiner starts");
-        self.start(w)
+        self.ready(w)
     }
 
     /// With [`SimFaults::duplicate`](super::SimFaults::duplicate)'s chance, the message worker

@@ -102,6 +102,9 @@ use workers::{InFlight, SimWorker};
 /// for a dead one), and how long after a worker's death the servers make it leave.
 pub const PEER_TIMEOUT_NS: u64 = 10_000_000_000;
 const REJOIN_GRACE_NS: u64 = PEER_TIMEOUT_NS;
+/// How long the start barrier waits for the workers there at the start: a cluster's default
+/// (`--startup-timeout-s`).
+const START_WAIT_MS: u64 = 60_000;
 
 /// A run in which nothing happens for this long but lease renewals and observations has
 /// stalled, and ends (10 minutes of virtual time).
@@ -196,6 +199,8 @@ struct Sim {
     joins: Vec<u32>,
     /// Per worker: started.
     started: Vec<bool>,
+    /// Workers ready whom the start barrier holds back.
+    at_barrier: Vec<u32>,
     /// Setting up: workers start once every join has been asked.
     starting: bool,
     /// Per shard: how many times it moved (its promotions).
@@ -311,7 +316,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     sim.starting = false;
     for w in 0..n {
         if sim.joins[w as usize] == shards_n {
-            sim.start(w)?;
+            sim.ready(w)?;
         }
     }
     // Training starts once every worker has joined: what it takes (with backups, the joins'

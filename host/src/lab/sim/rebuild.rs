@@ -50,6 +50,7 @@ impl Sim {
             replicas: sc.replicas,
             max_workers: self.coord.config().max_workers,
             peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
+            start: self.coord.config().start,
         };
         self.coord = CoordinatorMachine::new(cfg);
         // Its rounds go on past those begun before (a cluster's coordinator finds their folders).

@@ -60,7 +60,7 @@ impl Sim {
                             }
                             self.joins[w as usize] += 1;
                             if !self.starting && self.joins[w as usize] == self.nodes.len() as u32 {
-                                self.start(w)?;
+                                self.ready(w)?;
                             }
                         }
                         // The worker left while its pull waited: nobody is left to answer.

@@ -13,6 +13,7 @@ use syncopate_engine::worker::{
 use syncopate_policy_sdk::abi::{Applied, Control, LeaveReason, WorkerId};
 use syncopate_workloads::Workload;
 
+use super::control::Phase;
 use super::events::{Ev, ToShard};
 use super::{sim_shard, Req, Sim, SimError, PEER_TIMEOUT_NS};
 use crate::codec::{self, Codec, Encoded, PushEncoder};
@@ -224,8 +225,29 @@ impl Sim {
         Ok(())
     }
 
-    /// Worker `w` has joined every shard: it starts (once).
-    pub(super) fn start(&mut self, w: u32) -> Result<(), SimError> {
+    /// Worker `w` has joined every shard and tells the coordinator it is ready: it starts once
+    /// the start barrier is open, the coordinator machine's as on a cluster
+    /// ([`CoordinatorMachine::worker_ready`](syncopate_engine::coordinator::CoordinatorMachine::worker_ready)),
+    /// with every worker the barrier held back. (A coordinator that is down or rebuilding would
+    /// answer once it is back, with training under way: at once, here.)
+    pub(super) fn ready(&mut self, w: u32) -> Result<(), SimError> {
+        self.at_barrier.push(w);
+        if self.coord_phase != Phase::Up || self.coord.worker_ready(self.now, w) {
+            self.release_barrier()?;
+        }
+        self.drive_coordinator()
+    }
+
+    /// The start barrier opened: the workers it held start.
+    pub(super) fn release_barrier(&mut self) -> Result<(), SimError> {
+        for w in std::mem::take(&mut self.at_barrier) {
+            self.start(w)?;
+        }
+        Ok(())
+    }
+
+    /// Worker `w` starts (once).
+    fn start(&mut self, w: u32) -> Result<(), SimError> {
         if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
             return Ok(());
         }
