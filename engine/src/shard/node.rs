@@ -490,14 +490,6 @@ impl ShardNode {
         Ok(node)
     }
 
-    /// Creates the shard from `params` now, as the first join would, without an op: for a
-    /// driver that starts a primary and its backup from the same parameters (the simulator).
-    pub fn create(&mut self, params: Vec<f32>, obs: &mut dyn Observer) -> Result<(), PolicyError> {
-        let mut tap = Tap { pending: &mut self.pending, obs };
-        self.shard = Some(Shard::new(self.cfg.shard.clone(), params, &self.module, &self.config, &mut tap)?);
-        Ok(())
-    }
-
     /// The shard, once it exists.
     pub fn shard(&self) -> Option<&Shard> {
         self.shard.as_ref()

@@ -40,7 +40,7 @@ use syncopate_engine::coordinator::{
 use syncopate_policy_sdk::abi::LeaveReason;
 
 use super::events::Ev;
-use super::{server_addr, sim_shard, Cut, Req, Sim, SimError, SimPartition};
+use super::{server_addr, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
@@ -553,15 +553,9 @@ impl Sim {
         };
         let node = &self.nodes[su];
         let backup = if snapshot.is_empty() {
-            // No op yet: the primary holds the parameters the simulator created it with (outside
-            // the op stream), and the backup starts from the same.
-            let primary = sim_shard(node);
-            let config = primary.policy_config().to_vec();
-            let mut backup = ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), config, true);
-            backup
-                .create(primary.values().to_vec(), &mut Quiet)
-                .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?;
-            backup
+            // No op yet: the primary's first op (the shard's creation) creates the backup too,
+            // as on a server (`start_backup` without a snapshot).
+            ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
         } else {
             let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
             ShardNode::restore(

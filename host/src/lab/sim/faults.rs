@@ -30,7 +30,8 @@ impl Sim {
             self.known[w as usize][s as usize] = self.term[s as usize];
             if !self.down(s) {
                 let token = self.token(Req::Join { w, s, again: false });
-                self.nodes[s as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+                let init = std::mem::take(&mut self.inits[s as usize]);
+                self.nodes[s as usize].join(self.now, token, w, init, &mut Quiet);
                 self.drain(s)?;
             }
         }

@@ -199,6 +199,8 @@ struct Sim {
     joins: Vec<u32>,
     /// Per worker: started.
     started: Vec<bool>,
+    /// Per shard: the parameters its first join carries (and creates it with), until then.
+    inits: Vec<Vec<f32>>,
     /// Workers ready whom the start barrier holds back.
     at_barrier: Vec<u32>,
     /// Setting up: workers start once every join has been asked.
@@ -309,7 +311,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
                 continue;
             }
             let token = sim.token(Req::Join { w, s, again: false });
-            sim.nodes[s as usize].join(0, token, w, Vec::new(), &mut Quiet);
+            let init = std::mem::take(&mut sim.inits[s as usize]);
+            sim.nodes[s as usize].join(0, token, w, init, &mut Quiet);
             sim.drain(s)?;
         }
     }
@@ -743,7 +746,7 @@ fn server_addr(x: u32) -> std::net::SocketAddr {
     std::net::SocketAddr::from(([127, 0, 0, 1], 7000 + x as u16))
 }
 
-/// A simulated shard: the simulator creates every one before the run starts.
+/// A simulated shard: every one is created by the first join, before the run starts.
 fn sim_shard(node: &ShardNode) -> &Shard {
-    node.shard().expect("the simulator creates every shard at the start")
+    node.shard().expect("the first join creates every shard before the run starts")
 }

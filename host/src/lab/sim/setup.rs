@@ -1,5 +1,6 @@
 //! A simulated run set up: the options checked, the workloads and the policy modules loaded,
-//! every shard created (primary and backup) from the same parameters, the workers' machines,
+//! every shard's primary and backup made empty (the first join creates them, as on a cluster),
+//! the workers' machines,
 //! the coordinator's machine with every server registered, each server's own state, and the
 //! control plane started.
 
@@ -88,6 +89,7 @@ pub(super) fn build(
     let mut backups = Vec::new();
     let mut shards = Vec::new();
     let mut node_cfgs = Vec::new();
+    let mut inits = Vec::new();
     for (i, backed) in backup_of.iter().enumerate() {
         let (lo, hi) = held(i);
         let cfg = ShardConfig {
@@ -104,22 +106,20 @@ pub(super) fn build(
         let config = opts.run.shard_config(i as u32);
         let node_cfg = NodeConfig { shard: cfg, rejoin_grace_ns: REJOIN_GRACE_NS, quiet: true };
         node_cfgs.push(node_cfg.clone());
-        let start = |backup: bool, quiet: &mut Quiet| {
-            // Each created as its shard is, from the same parameters: the ops keep them equal.
-            let mut node = ShardNode::new(node_cfg.clone(), module.clone(), config.clone(), backup);
-            node.create(model[lo..hi].to_vec(), quiet)
-                .map_err(|e| SimError::Policy(policy.to_string(), e))?;
-            Ok::<_, SimError>(node)
-        };
-        let mut primary = start(false, &mut quiet)?;
+        // Empty, as a server's are: the first worker's join creates the shard (its first op),
+        // with the parameters the worker sends.
+        let start = |backup: bool| ShardNode::new(node_cfg.clone(), module.clone(), config.clone(), backup);
+        let mut primary = start(false);
         if backed.is_some() {
-            backups.push(Some(start(true, &mut quiet)?));
-            // Attached before the first op: the backup starts as the primary did.
+            backups.push(Some(start(true)));
+            // Attached before the first op (as the coordinator does before it welcomes workers):
+            // the backup is created by the primary's first op too.
             primary.attach_backup(0, &mut quiet).map_err(|e| SimError::Options(e.to_string()))?;
         } else {
             backups.push(None);
         }
         shards.push(primary);
+        inits.push(model[lo..hi].to_vec());
     }
     let mut workloads = workloads.into_iter();
     let mut workers = Vec::new();
@@ -216,6 +216,7 @@ pub(super) fn build(
         server_of,
         nodes: shards,
         node_cfgs,
+        inits,
         ranges,
         requests: BTreeMap::new(),
         next_token: 0,
