@@ -99,6 +99,9 @@ struct Route {
     client: Mutex<ClientMachine>,
     /// Bumped on every move.
     moved: watch::Sender<u64>,
+    /// Whether the shards have backups (the machine's, fixed at the welcome: read without the
+    /// lock on every request).
+    replicated: bool,
 }
 
 /// What a request to a shard is, for the client machine to say whether it still waits for it
@@ -243,7 +246,8 @@ impl WorkerClient {
             .map_err(|e| NodeError::Protocol(format!("the coordinator's map of shards: {e}")))?;
         let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
         let stop = watch::Sender::new(false);
-        let route = Arc::new(Route { client: Mutex::new(client), moved: watch::channel(0).0 });
+        let replicated = client.replicated();
+        let route = Arc::new(Route { client: Mutex::new(client), moved: watch::channel(0).0, replicated });
         let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
         let leaving = Arc::new(AtomicBool::new(false));
         let follow =
@@ -289,7 +293,7 @@ impl WorkerClient {
         mut f: impl AsyncFnMut(&quinn::Connection) -> Result<T, NetError>,
     ) -> Result<T, NetError> {
         let shard = i as u32;
-        let replicated = self.route.client().replicated();
+        let replicated = self.route.replicated;
         let mut deadline = tokio::time::Instant::now() + MOVE_WAIT;
         loop {
             let server = self.route.server(i);
