@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use syncopate::worker::WorkerClient;
-use syncopate_suite::ProcessCluster;
+use syncopate_suite::{ClusterSpec, ProcessCluster};
 
 const SIZES: &[(&str, usize)] = &[("1KiB", 1 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)];
 
@@ -42,16 +42,15 @@ fn replication(c: &mut Criterion) {
         for replicas in ["0", "1"] {
             let dir =
                 std::env::temp_dir().join(format!("syncopate-bench-repl-{}-{replicas}", std::process::id()));
-            let _procs = ProcessCluster::start_servers(
-                &syncopate_bin(),
-                &dir,
-                1,
-                2,
-                1,
-                0.000001,
-                &["--replicas", replicas],
-                &["--spin-us", &spin],
-            );
+            let spec = ClusterSpec {
+                workers: 1,
+                servers: 2,
+                shards: 1,
+                lr: 0.000001,
+                coordinator_args: &["--replicas", replicas],
+                server_args: &["--spin-us", &spin],
+            };
+            let _procs = ProcessCluster::start_spec(&syncopate_bin(), &dir, &spec);
             let access = _procs.access.clone();
             let worker = rt.block_on(async {
                 let mut w = WorkerClient::connect(&access, None, floats).await.unwrap();

@@ -172,6 +172,23 @@ impl syncopate::shard::Observer for Recorder {
     }
 }
 
+/// What a [`ProcessCluster`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct ClusterSpec<'a> {
+    /// Workers the coordinator waits for before training starts.
+    pub workers: usize,
+    /// Servers.
+    pub servers: u32,
+    /// Shards (ASP).
+    pub shards: u32,
+    /// The servers' learning rate (plain SGD).
+    pub lr: f32,
+    /// Flags added to the coordinator's.
+    pub coordinator_args: &'a [&'a str],
+    /// Flags added to each server's.
+    pub server_args: &'a [&'a str],
+}
+
 /// A coordinator and one server run as `syncopate` processes on loopback, as in a deployment,
 /// for clients in the calling process: `shards` ASP shards (no request waits on a policy), plain
 /// SGD with learning rate `lr`, waiting for `workers` workers. Both processes are killed on drop.
@@ -197,22 +214,14 @@ impl ProcessCluster {
         lr: f32,
         server_args: &[&str],
     ) -> Self {
-        Self::start_servers(bin, dir, workers, 1, shards, lr, &[], server_args)
+        let spec = ClusterSpec { workers, servers: 1, shards, lr, coordinator_args: &[], server_args };
+        Self::start_spec(bin, dir, &spec)
     }
 
-    /// [`start`](Self::start) with `servers` servers and `coordinator_args` added to the
-    /// coordinator's (`--replicas 1`, say).
-    #[allow(clippy::too_many_arguments)]
-    pub fn start_servers(
-        bin: &std::path::Path,
-        dir: &std::path::Path,
-        workers: usize,
-        servers: u32,
-        shards: u32,
-        lr: f32,
-        coordinator_args: &[&str],
-        server_args: &[&str],
-    ) -> Self {
+    /// [`start`](Self::start) with the whole [`ClusterSpec`]: several servers, and flags added
+    /// to the coordinator's (`--replicas 1`, say).
+    pub fn start_spec(bin: &std::path::Path, dir: &std::path::Path, spec: &ClusterSpec<'_>) -> Self {
+        let ClusterSpec { workers, servers, shards, lr, coordinator_args, server_args } = *spec;
         use std::process::{Command, Stdio};
         use std::time::{Duration, Instant};
         use syncopate::net::tls::{ClusterAccess, TlsFiles, Token};
