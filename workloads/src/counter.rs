@@ -51,18 +51,9 @@ impl Workload for Counter {
 
     /// The tasks of part `part` push part `part`'s value, whoever computes them: a moved task
     /// counts exactly as its owner's would.
-    fn task_gradient(
-        &mut self,
-        part: u32,
-        _iteration: u64,
-        batch: u32,
-        tasks: std::ops::Range<u32>,
-        total: u32,
-        _params: &[f32],
-        grad: &mut [f32],
-    ) -> Option<StepStats> {
-        grad.fill(Self::value(part));
-        Some(StepStats { samples: crate::task_samples(batch, &tasks, total).len() as u32, loss: 0.0 })
+    fn task_gradient(&mut self, t: &crate::Tasks, _params: &[f32], grad: &mut [f32]) -> Option<StepStats> {
+        grad.fill(Self::value(t.part));
+        Some(StepStats { samples: crate::task_samples(t.batch, &t.tasks, t.total).len() as u32, loss: 0.0 })
     }
 }
 

@@ -58,24 +58,30 @@ pub trait Workload: Send {
     ) -> StepStats;
 
     /// Task support, for policies that move work between workers: computes into `grad` the
-    /// mean gradient over tasks `tasks` of the `total` equal tasks that the mini-batch of
-    /// `batch` samples, drawn from data part `part` for `iteration`, splits into. The samples
-    /// must be a function of these numbers only, so that any worker holding the data computes
-    /// exactly the samples the part's owner would have. `None`: the workload cannot split its
-    /// iterations (the default); its workers then keep their iterations whole.
-    #[allow(clippy::too_many_arguments)]
-    fn task_gradient(
-        &mut self,
-        _part: u32,
-        _iteration: u64,
-        _batch: u32,
-        _tasks: std::ops::Range<u32>,
-        _total: u32,
-        _params: &[f32],
-        _grad: &mut [f32],
-    ) -> Option<StepStats> {
+    /// mean gradient over the tasks `tasks` names ([`Tasks`]). The samples must be a function of
+    /// those numbers only, so that any worker holding the data computes exactly the samples the
+    /// part's owner would have. `None`: the workload cannot split its iterations (the default);
+    /// its workers then keep their iterations whole.
+    fn task_gradient(&mut self, _tasks: &Tasks, _params: &[f32], _grad: &mut [f32]) -> Option<StepStats> {
         None
     }
+}
+
+/// Some tasks of an iteration ([`Workload::task_gradient`]): tasks `tasks` of the `total` equal
+/// tasks that the mini-batch of `batch` samples, drawn from data part `part` for `iteration`,
+/// splits into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tasks {
+    /// The data part the batch is drawn from (its owner's).
+    pub part: u32,
+    /// The iteration.
+    pub iteration: u64,
+    /// The whole mini-batch's samples.
+    pub batch: u32,
+    /// Which tasks.
+    pub tasks: std::ops::Range<u32>,
+    /// Of how many.
+    pub total: u32,
 }
 
 /// The samples of tasks `tasks` (of `total`) of a batch of `batch`: their index range.
@@ -324,16 +330,8 @@ impl Workload for Fashion {
 
     /// Tasks draw their batch with replacement from the part's images, from a generator seeded
     /// by (shared seed, part, iteration): any worker draws the same samples.
-    fn task_gradient(
-        &mut self,
-        part: u32,
-        iteration: u64,
-        batch: u32,
-        tasks: std::ops::Range<u32>,
-        total: u32,
-        params: &[f32],
-        grad: &mut [f32],
-    ) -> Option<StepStats> {
+    fn task_gradient(&mut self, t: &Tasks, params: &[f32], grad: &mut [f32]) -> Option<StepStats> {
+        let Tasks { part, iteration, batch, ref tasks, total } = *t;
         let n = self.data.len();
         let parts = self.parts.max(1) as usize;
         if part as usize >= parts || tasks.is_empty() || tasks.end > total {
@@ -342,7 +340,7 @@ impl Workload for Fashion {
         let (lo, hi) = (n * part as usize / parts, n * (part as usize + 1) / parts);
         let key = self.task_seed ^ (u64::from(part) << 48) ^ iteration.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut rng = ChaCha8Rng::seed_from_u64(key);
-        let range = task_samples(batch, &tasks, total);
+        let range = task_samples(batch, tasks, total);
         self.idx.clear();
         for i in 0..range.end {
             let pick = lo + rng.random_range(0..(hi - lo).max(1));

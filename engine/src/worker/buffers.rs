@@ -6,7 +6,7 @@
 
 use syncopate_policy_sdk::abi::WorkerId;
 use syncopate_policy_sdk::optimizer::{Optimizer, OptimizerConfig};
-use syncopate_workloads::{StepStats, Workload};
+use syncopate_workloads::{StepStats, Tasks, Workload};
 
 use super::{ComputeJob, JobKind, PushJob};
 
@@ -75,7 +75,8 @@ impl Buffers {
     pub fn for_workload(workload: Option<&mut dyn Workload>, part: u32) -> (Self, bool) {
         let Some(workload) = workload else { return (Buffers::default(), true) };
         let mut bufs = Buffers::new(workload.param_len(), false);
-        let can_split = workload.task_gradient(part, 0, 2, 0..1, 2, &bufs.params, &mut bufs.task).is_some();
+        let probe = Tasks { part, iteration: 0, batch: 2, tasks: 0..1, total: 2 };
+        let can_split = workload.task_gradient(&probe, &bufs.params, &mut bufs.task).is_some();
         if can_split {
             bufs.model = vec![0.0; bufs.params.len()];
         }
@@ -120,30 +121,14 @@ impl Buffers {
                 if job.first_of_iteration {
                     self.grad.fill(0.0);
                 }
-                let step = workload.task_gradient(
-                    job.part,
-                    job.iteration,
-                    job.batch,
-                    job.tasks.clone(),
-                    job.total,
-                    &self.params,
-                    &mut self.task,
-                )?;
+                let step = workload.task_gradient(&job.tasks_of(), &self.params, &mut self.task)?;
                 let w = step.samples as f32;
                 for (g, x) in self.grad.iter_mut().zip(&self.task) {
                     *g += w * x;
                 }
                 Some(step)
             }
-            JobKind::Help { .. } => workload.task_gradient(
-                job.part,
-                job.iteration,
-                job.batch,
-                job.tasks.clone(),
-                job.total,
-                &self.model,
-                &mut self.help,
-            ),
+            JobKind::Help { .. } => workload.task_gradient(&job.tasks_of(), &self.model, &mut self.help),
         }
     }
 

@@ -132,6 +132,14 @@ pub struct ComputeJob {
     pub local_steps: u32,
 }
 
+impl ComputeJob {
+    /// The tasks it computes, as the workload takes them.
+    pub fn tasks_of(&self) -> syncopate_workloads::Tasks {
+        let (part, iteration, batch, total) = (self.part, self.iteration, self.batch, self.total);
+        syncopate_workloads::Tasks { part, iteration, batch, tasks: self.tasks.clone(), total }
+    }
+}
+
 /// A push to send to every shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PushJob {
