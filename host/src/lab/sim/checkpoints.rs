@@ -28,7 +28,7 @@ impl Sim {
     pub(super) fn checkpoint(&mut self) -> Result<(), SimError> {
         if !self.controlled() || self.coord_phase != Phase::Up {
             tracing::debug!(t_ns = self.now, "checkpoint round not begun: no coordinator");
-            self.checkpoints.refused += 1;
+            self.found.checkpoints.refused += 1;
             return Ok(());
         }
         match self.coord.begin_checkpoint() {
@@ -38,7 +38,8 @@ impl Sim {
                     let primary = sim_shard(&self.nodes[s]);
                     r.policies.push(primary.policy().sha256());
                     let backup = self.backups[s].as_ref().and_then(|b| b.shard());
-                    let backup = backup.filter(|_| self.backup_of[s].is_some_and(|b| !self.dead[b as usize]));
+                    let backup =
+                        backup.filter(|_| self.backup_of[s].is_some_and(|b| !self.servers.dead[b as usize]));
                     r.floors.push(backup.map_or(primary.version(), |b| b.version().min(primary.version())));
                 }
                 tracing::debug!(round, t_ns = self.now, "checkpoint round begins");
@@ -47,7 +48,7 @@ impl Sim {
             }
             Err(e) => {
                 tracing::debug!(t_ns = self.now, "checkpoint round not begun: {e}");
-                self.checkpoints.refused += 1;
+                self.found.checkpoints.refused += 1;
                 Ok(())
             }
         }
@@ -88,7 +89,7 @@ impl Sim {
             }
         }
         tracing::debug!(round, t_ns = self.now, "checkpoint round taken");
-        self.checkpoints.taken += 1;
+        self.found.checkpoints.taken += 1;
         Ok(())
     }
 }

@@ -83,7 +83,7 @@ impl Sim {
         if !self.controlled() {
             return;
         }
-        for x in 0..self.dead.len() as u32 {
+        for x in 0..self.servers.dead.len() as u32 {
             self.at(self.now, Ev::Heartbeat(x));
         }
         self.arm_coordinator();
@@ -91,7 +91,7 @@ impl Sim {
 
     /// Server `x` dies: from now on what reaches it is lost, and it renews its lease no more.
     pub(super) fn kill(&mut self, x: u32) {
-        if !std::mem::replace(&mut self.dead[x as usize], true) {
+        if !std::mem::replace(&mut self.servers.dead[x as usize], true) {
             tracing::debug!(server = x, t_ns = self.now, "server killed");
             // A deposed primary that dies is no shard's zombie any more: restarted under its
             // id, it is a new process that holds nothing (it refuses a push for a shard it
@@ -99,7 +99,9 @@ impl Sim {
             for z in self.zombie_of.iter_mut().filter(|z| **z == Some(x)) {
                 *z = None;
             }
-            if let Some((r, under_way)) = self.restarts.iter_mut().find(|(r, on)| r.server == x && !on) {
+            if let Some((r, under_way)) =
+                self.servers.restarts.iter_mut().find(|(r, on)| r.server == x && !on)
+            {
                 *under_way = true;
                 let at = self.now + r.after_ns;
                 self.at(at, Ev::ServerRestart(x));
@@ -113,7 +115,7 @@ impl Sim {
     /// takes the id back, renews its lease, and gets backups of the shards that have none.
     fn restart_server(&mut self, x: u32) -> Result<(), SimError> {
         let retry = self.now + HEARTBEAT_MS * MS;
-        if !self.dead[x as usize] || !self.controlled() {
+        if !self.servers.dead[x as usize] || !self.controlled() {
             return Ok(());
         }
         if self.coord_phase != Phase::Up {
@@ -134,23 +136,25 @@ impl Sim {
         }
         tracing::debug!(server = x, t_ns = self.now, "restarted server takes its id back");
         let xu = x as usize;
-        self.dead[xu] = false;
-        self.restarted += 1;
-        self.leases[xu] = ServerLease::new(self.now);
-        (self.cut_to[xu], self.cut_from[xu]) = (false, false);
+        self.servers.dead[xu] = false;
+        self.found.restarted += 1;
+        self.servers.leases[xu] = ServerLease::new(self.now);
+        (self.servers.cut_to[xu], self.servers.cut_from[xu]) = (false, false);
         // A new process: it holds nothing, and the live workers connect to it again (a worker
         // redials a server whose connection ended when its next request goes there).
-        self.servers[xu] = ServerState::new(self.nodes.len() as u32);
+        self.servers.state[xu] = ServerState::new(self.nodes.len() as u32);
         for w in (0..self.workers.len() as u32).filter(|&w| !self.workers[w as usize].dead) {
-            self.servers[xu].connected(w, w as usize);
+            self.servers.state[xu].connected(w, w as usize);
         }
-        self.answer_terms[xu].clear();
+        self.servers.answer_terms[xu].clear();
         // It runs the policy the others run (it was welcomed with it).
-        let newest = (0..self.dead.len()).filter(|&y| !self.dead[y]).max_by_key(|&y| self.committed[y].0);
-        self.committed[xu] = newest.map(|y| self.committed[y].clone()).unwrap_or_default();
+        let newest = (0..self.servers.dead.len())
+            .filter(|&y| !self.servers.dead[y])
+            .max_by_key(|&y| self.servers.committed[y].0);
+        self.servers.committed[xu] = newest.map(|y| self.servers.committed[y].clone()).unwrap_or_default();
         self.at(self.now, Ev::Heartbeat(x));
-        if let Some(k) = self.restarts.iter().position(|(r, on)| r.server == x && *on) {
-            if let Some((y, after_ns)) = self.restarts.remove(k).0.then_kill {
+        if let Some(k) = self.servers.restarts.iter().position(|(r, on)| r.server == x && *on) {
+            if let Some((y, after_ns)) = self.servers.restarts.remove(k).0.then_kill {
                 self.at(self.now + after_ns, Ev::ServerKill(y));
             }
         }
@@ -175,17 +179,17 @@ impl Sim {
         let su = s as usize;
         let unheard = self.known[w as usize][su] < self.term[su];
         let x = match (unheard, self.zombie_of[su]) {
-            (true, Some(x)) if !self.dead[x as usize] => x,
+            (true, Some(x)) if !self.servers.dead[x as usize] => x,
             (true, _) => return Arrival::Lost,
             (false, _) if self.down(s) => return Arrival::Lost,
             (false, _) => self.server_of[su],
         };
-        if self.controlled() && !self.leases[x as usize].valid(self.now) {
+        if self.controlled() && !self.servers.leases[x as usize].valid(self.now) {
             return Arrival::Refused;
         }
         if unheard {
-            if push && self.two_primaries.is_none() {
-                self.two_primaries = Some(format!(
+            if push && self.found.two_primaries.is_none() {
+                self.found.two_primaries = Some(format!(
                     "at {} ns, server {x} accepted worker {w}'s push for shard {s}, which server {} had \
                      been promoted to",
                     self.now, self.server_of[su]
@@ -201,8 +205,8 @@ impl Sim {
     /// it, or both, are lost until it heals.
     pub(super) fn cut(&mut self, p: SimPartition) {
         let x = p.server as usize;
-        self.cut_to[x] |= matches!(p.cut, Cut::Both | Cut::ToCoordinator);
-        self.cut_from[x] |= matches!(p.cut, Cut::Both | Cut::FromCoordinator);
+        self.servers.cut_to[x] |= matches!(p.cut, Cut::Both | Cut::ToCoordinator);
+        self.servers.cut_from[x] |= matches!(p.cut, Cut::Both | Cut::FromCoordinator);
         tracing::debug!(server = p.server, cut = ?p.cut, t_ns = self.now, "partition");
         self.at(self.now + p.heal_after_ns, Ev::Heal(p.server));
     }
@@ -210,8 +214,8 @@ impl Sim {
     /// Handles a control-plane event (the events this file schedules).
     pub(super) fn control(&mut self, ev: Ev) -> Result<(), SimError> {
         match ev {
-            Ev::Heartbeat(x) if !self.dead[x as usize] => {
-                if !self.cut_to[x as usize] {
+            Ev::Heartbeat(x) if !self.servers.dead[x as usize] => {
+                if !self.servers.cut_to[x as usize] {
                     self.at(self.now + self.net.latency_ns, Ev::Renew(x, self.now));
                 }
                 self.at(self.now + HEARTBEAT_MS * MS, Ev::Heartbeat(x));
@@ -223,26 +227,26 @@ impl Sim {
                 let answer = match self.coord.renew(self.now, x) {
                     Ok(()) => {
                         // The answer tells every shard's term.
-                        self.answer_terms[x as usize] = self.coord.terms().to_vec();
+                        self.servers.answer_terms[x as usize] = self.coord.terms().to_vec();
                         Ev::Renewed(x, asked)
                     }
                     // Told it was failed over, a server stops (its shards have other primaries).
                     Err(_) => Ev::Stop(x),
                 };
-                if !self.cut_from[x as usize] {
+                if !self.servers.cut_from[x as usize] {
                     self.at(self.now + self.net.latency_ns, answer);
                 }
             }
             // What the partition held up goes on its way (the connection retransmits it).
             Ev::Heal(x) => {
-                (self.cut_to[x as usize], self.cut_from[x as usize]) = (false, false);
-                for ev in std::mem::take(&mut self.held[x as usize]) {
+                (self.servers.cut_to[x as usize], self.servers.cut_from[x as usize]) = (false, false);
+                for ev in std::mem::take(&mut self.servers.held[x as usize]) {
                     self.at(self.now + self.net.latency_ns, ev);
                 }
             }
             Ev::Renewed(x, asked) => {
-                self.leases[x as usize].renewed(asked);
-                self.servers[x as usize].renewed(&self.answer_terms[x as usize]);
+                self.servers.leases[x as usize].renewed(asked);
+                self.servers.state[x as usize].renewed(&self.servers.answer_terms[x as usize]);
             }
             Ev::Stop(x) => self.kill(x),
             Ev::CoordTimer => {
@@ -258,7 +262,7 @@ impl Sim {
             // with it (still in its process's buffers): half are.
             Ev::Command(i, ..) if i != self.incarnation && self.rng.random_bool(0.5) => {}
             Ev::Command(i, id, x, command) => {
-                let ok = !self.dead[x as usize] && self.carry_out(x, command)?;
+                let ok = !self.servers.dead[x as usize] && self.carry_out(x, command)?;
                 if ok && matches!(command, Command::Prepare { .. }) {
                     let mut frontier = Frontier::default();
                     for s in (0..self.nodes.len()).filter(|&s| self.server_of[s] == x) {
@@ -266,8 +270,8 @@ impl Sim {
                     }
                     self.prepared.insert(id, frontier.clocks().collect());
                 }
-                if self.cut_to[x as usize] {
-                    self.held[x as usize].push(Ev::CommandDone(i, id, ok));
+                if self.servers.cut_to[x as usize] {
+                    self.servers.held[x as usize].push(Ev::CommandDone(i, id, ok));
                 } else {
                     self.at(self.now + self.net.latency_ns, Ev::CommandDone(i, id, ok));
                 }
@@ -287,7 +291,7 @@ impl Sim {
             Ev::Rejoin(x) => self.rejoin(x)?,
             Ev::ServerRestart(x) => self.restart_server(x)?,
             Ev::ServerKill(x) => {
-                self.killed_after_restart += u64::from(!self.dead[x as usize]);
+                self.found.killed_after_restart += u64::from(!self.servers.dead[x as usize]);
                 self.kill(x)
             }
             Ev::RebuildDue(i) if i == self.incarnation => self.rebuild()?,
@@ -301,8 +305,8 @@ impl Sim {
     /// coordinator's messages to it, once the partition heals (the connection retransmits it;
     /// simulated partitions are shorter than the peer timeout that would end it).
     fn command_to(&mut self, x: u32, ev: Ev) {
-        if self.cut_from[x as usize] {
-            self.held[x as usize].push(ev);
+        if self.servers.cut_from[x as usize] {
+            self.servers.held[x as usize].push(ev);
         } else {
             self.at(self.now + self.net.latency_ns, ev);
         }
@@ -380,7 +384,7 @@ impl Sim {
                 }
                 CoordOutput::ServerLost { server } => {
                     tracing::debug!(server, t_ns = self.now, "lease lapsed: failing over");
-                    self.lost.push(server);
+                    self.servers.lost.push(server);
                 }
                 CoordOutput::ShardLost { shard, server } => {
                     return Err(SimError::ShardLost { shard, server })
@@ -393,14 +397,14 @@ impl Sim {
                 CoordOutput::SwapDone { swap, outcome } => {
                     tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
                     self.swapping = None;
-                    self.swaps_ended += 1;
+                    self.found.swaps_ended += 1;
                 }
                 CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Taken } => {
                     self.round_taken(round)?
                 }
                 CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Abandoned(failed) } => {
                     tracing::debug!(round, ?failed, t_ns = self.now, "checkpoint round abandoned");
-                    self.checkpoints.abandoned += 1;
+                    self.found.checkpoints.abandoned += 1;
                 }
                 CoordOutput::Replicated => {}
                 CoordOutput::Started { .. } => self.release_barrier()?,
@@ -444,7 +448,7 @@ impl Sim {
                         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
                         if let Err(e) = self.nodes[s as usize].check_swap(self.now, &module, &config) {
                             tracing::debug!(swap, shard = s, t_ns = self.now, "swap refused: {e}");
-                            self.swaps_refused += 1;
+                            self.found.swaps_refused += 1;
                             return Ok(false);
                         }
                     }
@@ -468,9 +472,9 @@ impl Sim {
                 Some((n, module, config)) if n == swap => {
                     let raise = self.coord.levelling(swap).to_vec();
                     if self.coord_phase == Phase::Rebuilding {
-                        self.rebuild.swaps_finished += 1;
+                        self.found.rebuild.swaps_finished += 1;
                     }
-                    self.committed[x as usize] = (swap, raise.clone());
+                    self.servers.committed[x as usize] = (swap, raise.clone());
                     self.commit(x, module, config, raise, swap)?;
                     Ok(true)
                 }
@@ -483,11 +487,11 @@ impl Sim {
     /// swap's), unless it runs that swap or a newer one ([`ShardNode::conform`], as a server
     /// does).
     fn conform(&mut self, s: u32, x: u32) {
-        let (n, raise) = self.committed[x as usize].clone();
+        let (n, raise) = self.servers.committed[x as usize].clone();
         let Some((module, config)) = self.swap_modules.get(&n).cloned() else { return };
         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
         if self.nodes[s as usize].conform(self.now, SwapTo { module, config, raise, swap: n }, &mut Quiet) {
-            self.conformed += 1;
+            self.found.conformed += 1;
         }
     }
 
@@ -501,13 +505,13 @@ impl Sim {
             return None;
         }
         let mut backup = self.backups[su].take()?;
-        backup.promote(&self.servers[b as usize].connected_workers());
+        backup.promote(&self.servers.state[b as usize].connected_workers());
         let old = self.server_of[su];
-        self.zombie_of[su] = (!self.dead[old as usize]).then_some(old);
+        self.zombie_of[su] = (!self.servers.dead[old as usize]).then_some(old);
         // Ops the old primary sent on the stream it had to this node still reach it.
         self.promoted_epoch[su] = Some(self.epoch[su]);
         // The old primary's server still holds it at its term (what it claims if it lives).
-        let state = &mut self.servers[b as usize];
+        let state = &mut self.servers.state[b as usize];
         state.take_backup(s);
         let gone = state.promoted(s, ());
         self.nodes[su] = backup;
@@ -540,7 +544,7 @@ impl Sim {
     /// the ops that follow it on the same link. Returns whether it could.
     fn attach(&mut self, s: u32, primary: u32, b: u32) -> Result<bool, SimError> {
         let su = s as usize;
-        if self.server_of[su] != primary || self.dead[b as usize] {
+        if self.server_of[su] != primary || self.servers.dead[b as usize] {
             return Ok(false);
         }
         let (seq, snapshot) = match self.nodes[su].attach_backup(self.now, &mut Quiet) {
@@ -572,8 +576,8 @@ impl Sim {
         self.backup_of[su] = Some(b);
         // The new backup's server keeps it at its primary's term, which the stream's opening
         // says.
-        self.servers[b as usize].hold_backup(s, ());
-        self.servers[b as usize].stream_opened(s, self.term[su] as u64);
+        self.servers.state[b as usize].hold_backup(s, ());
+        self.servers.state[b as usize].stream_opened(s, self.term[su] as u64);
         self.epoch[su] += 1;
         let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
         let t = self.net.transfer(self.now, from, to, snapshot.len() as u64 + 64);

@@ -173,7 +173,7 @@ impl Sim {
             5 => node.join(now, token, never_joined, ones(len + r as usize), &mut Quiet),
             _ => node.skip(now, token, u32::MAX, iteration + r, &mut Quiet),
         }
-        self.bad_inputs += 1;
+        self.found.bad_inputs += 1;
         self.drain(s)
     }
 }

@@ -19,7 +19,7 @@ impl Sim {
         // A run that ended during a swap's commit: a shard may have taken it already.
         let committing = self.coord.committing().and_then(|n| self.swap_modules.get(&n));
         for (k, node) in self.nodes.iter().enumerate() {
-            if self.dead[self.server_of[k] as usize] {
+            if self.servers.dead[self.server_of[k] as usize] {
                 continue;
             }
             let sha = node.module().sha256();
@@ -48,7 +48,7 @@ impl Sim {
         self.now = end;
         for (k, backup) in self.backups.iter_mut().enumerate() {
             let (Some(backup), Some(b)) = (backup.as_mut(), self.backup_of[k]) else { continue };
-            if self.dead[b as usize] || self.dead[self.server_of[k] as usize] {
+            if self.servers.dead[b as usize] || self.servers.dead[self.server_of[k] as usize] {
                 continue;
             }
             // The whole state, policy included: both snapshots taken at the same time.

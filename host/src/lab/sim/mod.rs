@@ -49,7 +49,10 @@
 //! hears a shard moved); `control.rs` the control plane (leases, the coordinator's machine,
 //! failovers, each server's own state); `rebuild.rs` a coordinator's crash and rebuild;
 //! `checkpoints.rs` checkpoint rounds; `faults.rs` late joins, duplicates and bad requests;
-//! `invariants.rs` what is checked as the run goes.
+//! `invariants.rs` what is checked as the run goes. The run's state is grouped likewise: the
+//! server processes ([`SimServers`]: alive, leases, links to the coordinator, each one's own
+//! state), and what the run found beside its sums ([`Found`]), apart from the shards, the
+//! workers and the coordinator's side.
 
 mod checkpoints;
 mod control;
@@ -141,11 +144,76 @@ impl Req {
     }
 }
 
+/// What a run found and counted beside its sums, as it went: the fault search's record, which
+/// no node of the cluster keeps.
+#[derive(Debug, Default)]
+struct Found {
+    /// Copies that reached a primary or backup.
+    pub(super) duplicates: u64,
+    /// Bad requests shards refused.
+    pub(super) bad_inputs: u64,
+    /// What its rebuilds did.
+    pub(super) rebuild: RebuildCounts,
+    /// What became of the rounds.
+    pub(super) checkpoints: CheckpointCounts,
+    /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
+    pub(super) restarted: u64,
+    /// Servers killed after another's restart ([`SimRestart::then_kill`]).
+    pub(super) killed_after_restart: u64,
+    /// Ops from a deposed primary that reached the backup it had, promoted since.
+    pub(super) stale_ops: u64,
+    /// Swaps a server refused at their preparation (a shard's policy state refused).
+    pub(super) swaps_refused: u64,
+    /// Hot swaps that ended (committed, refused or partly committed) before the run did.
+    pub(super) swaps_ended: u64,
+    /// Promoted primaries that switched to the policy their server records
+    /// ([`ShardNode::conform`]).
+    pub(super) conformed: u64,
+    /// The first time a server accepted a push for a shard another server had been promoted to.
+    pub(super) two_primaries: Option<String>,
+    /// The first time a backup that had applied every op of its primary's differed from it.
+    pub(super) drift: Option<String>,
+}
+
+/// The server processes as the simulator runs them: alive or not, their leases and links to
+/// the coordinator, and each one's own state.
+#[derive(Debug)]
+struct SimServers {
+    /// Per server: killed.
+    pub(super) dead: Vec<bool>,
+    /// Servers failed over, in order.
+    pub(super) lost: Vec<u32>,
+    /// Per server: its own view of its lease.
+    pub(super) leases: Vec<ServerLease>,
+    /// Per server: whether its messages to the coordinator, and the coordinator's to it, are
+    /// lost (a partition).
+    pub(super) cut_to: Vec<bool>,
+    pub(super) cut_from: Vec<bool>,
+    /// Per server: commands and answers a partition holds up until it heals.
+    pub(super) held: Vec<Vec<Ev>>,
+    /// Per server: its own state, as the cluster's servers keep it ([`ServerState`]): the
+    /// shards it holds (a primary promoted away from it too, at the term it had: what it would
+    /// claim to a restarted coordinator) and their terms, the newest terms its lease answers
+    /// told, and the workers whose connection to it ended.
+    pub(super) state: Vec<ServerState<()>>,
+    /// Per server: the swaps it committed, and what the last raised the clocks by.
+    pub(super) committed: Vec<(u64, Vec<ClockRaise>)>,
+    /// Per server: the shards' terms its last lease answer on the way says.
+    pub(super) answer_terms: Vec<Vec<u64>>,
+    /// The restarts to come ([`SimFaults::server_restarts`]), each marked once its server has
+    /// died (under way); one leaves once its server took its id back.
+    pub(super) restarts: Vec<(SimRestart, bool)>,
+}
+
 /// A hot swap under way: its number, module and configuration.
 type Swapping = (u64, PolicyModule, Vec<(String, String)>);
 
 struct Sim {
     opts: SimOptions,
+    /// What the run found and counted beside its sums (the checks' record, not the cluster's).
+    found: Found,
+    /// The server processes.
+    servers: SimServers,
     now: u64,
     queue: Queue,
     /// Per shard: its primary.
@@ -168,10 +236,6 @@ struct Sim {
     /// Duplicates on their way to a shard's primary, with the shard's term when the original
     /// arrived ([`SimFaults::duplicate`]).
     copies: Mailbox<(u32, Copied)>,
-    /// Copies that reached a primary or backup.
-    duplicates: u64,
-    /// Bad requests shards refused.
-    bad_inputs: u64,
     /// Workers whose machine is done.
     done: usize,
     watch: Vec<WatchPoint>,
@@ -184,10 +248,6 @@ struct Sim {
     epoch: Vec<u32>,
     /// Ops on their way to backups: (epoch, op, gradient).
     replication: Mailbox<(u32, Stamped, Vec<f32>)>,
-    /// Per server: killed.
-    dead: Vec<bool>,
-    /// Servers failed over, in order.
-    lost: Vec<u32>,
     /// Requests that reached a dead server before its failover, and since when they wait.
     limbo: Vec<(Ev, u64)>,
     /// Per worker: how long its pulls and pushes waited in limbo (on a shard it could not
@@ -223,62 +283,21 @@ struct Sim {
     rng: rand_chacha::ChaCha8Rng,
     /// When the coordinator's next lease check is scheduled.
     coord_timer_at: Option<u64>,
-    /// Per server: its own view of its lease.
-    leases: Vec<ServerLease>,
-    /// Per server: whether its messages to the coordinator, and the coordinator's to it, are
-    /// lost (a partition).
-    cut_to: Vec<bool>,
-    cut_from: Vec<bool>,
-    /// Per server: commands and answers a partition holds up until it heals.
-    held: Vec<Vec<Ev>>,
     /// Per shard: the server of the primary it was promoted from, while that one lives.
     zombie_of: Vec<Option<u32>>,
-    /// Per server: its own state, as the cluster's servers keep it ([`ServerState`]): the
-    /// shards it holds (a primary promoted away from it too, at the term it had: what it would
-    /// claim to a restarted coordinator) and their terms, the newest terms its lease answers
-    /// told, and the workers whose connection to it ended.
-    servers: Vec<ServerState<()>>,
-    /// Per server: the swaps it committed, and what the last raised the clocks by.
-    committed: Vec<(u64, Vec<ClockRaise>)>,
-    /// Per server: the shards' terms its last lease answer on the way says.
-    answer_terms: Vec<Vec<u64>>,
     /// Whether the coordinator runs, is down, or is rebuilding after a restart.
     coord_phase: control::Phase,
     /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
     /// dropped.
     incarnation: u32,
-    /// What its rebuilds did.
-    rebuild: RebuildCounts,
     /// What the crashed coordinator recorded, terms and servers' addresses
     /// ([`SimFaults::crash_keeps_terms`]).
     recorded: Record,
-    /// The first time a server accepted a push for a shard another server had been promoted to.
-    two_primaries: Option<String>,
-    /// The first time a backup that had applied every op of its primary's differed from it.
-    drift: Option<String>,
     /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
     rounds: BTreeMap<u64, checkpoints::SimRound>,
-    /// What became of the rounds.
-    checkpoints: CheckpointCounts,
-    /// Servers restarted that took their id back ([`SimFaults::server_restarts`]).
-    restarted: u64,
-    /// The restarts to come ([`SimFaults::server_restarts`]), each marked once its server has
-    /// died (under way); one leaves once its server took its id back.
-    restarts: Vec<(SimRestart, bool)>,
-    /// Servers killed after another's restart ([`SimRestart::then_kill`]).
-    killed_after_restart: u64,
     /// Per shard: the epoch of the stream its primary took as a backup, if it was promoted
     /// (what its old primary sent on that stream still reaches it).
     promoted_epoch: Vec<Option<u32>>,
-    /// Ops from a deposed primary that reached the backup it had, promoted since.
-    stale_ops: u64,
-    /// Swaps a server refused at their preparation (a shard's policy state refused).
-    swaps_refused: u64,
-    /// Hot swaps that ended (committed, refused or partly committed) before the run did.
-    swaps_ended: u64,
-    /// Promoted primaries that switched to the policy their server records
-    /// ([`ShardNode::conform`]).
-    conformed: u64,
 }
 
 include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
@@ -410,17 +429,19 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         }
     }
     let model = sim.model();
-    let (policy_differs, swaps_refused, conformed) = (sim.policy_differs(), sim.swaps_refused, sim.conformed);
-    let swaps_ended = sim.swaps_ended;
+    let (policy_differs, swaps_refused, conformed) =
+        (sim.policy_differs(), sim.found.swaps_refused, sim.found.conformed);
+    let swaps_ended = sim.found.swaps_ended;
     let unreachable_ns = sim.unreachable_ns.iter().copied().max().unwrap_or(0);
-    let replicas_differ = match sim.drift.take() {
+    let replicas_differ = match sim.found.drift.take() {
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
     };
-    let (two_primaries, duplicates, bad_inputs) = (sim.two_primaries.take(), sim.duplicates, sim.bad_inputs);
-    let (rebuild, checkpoints, restarts) = (sim.rebuild, sim.checkpoints, sim.restarted);
+    let (two_primaries, duplicates, bad_inputs) =
+        (sim.found.two_primaries.take(), sim.found.duplicates, sim.found.bad_inputs);
+    let (rebuild, checkpoints, restarts) = (sim.found.rebuild, sim.found.checkpoints, sim.found.restarted);
     let (killed_after_restart, stale_ops, trace) =
-        (sim.killed_after_restart, sim.stale_ops, sim.queue.trace());
+        (sim.found.killed_after_restart, sim.found.stale_ops, sim.queue.trace());
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -494,7 +515,7 @@ impl Sim {
 
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
-        self.dead[self.server_of[s as usize] as usize]
+        self.servers.dead[self.server_of[s as usize] as usize]
     }
 
     /// When a worker's message due at `t` arrives: later by a drawn delay, with
@@ -533,7 +554,7 @@ impl Sim {
             }
             ToShard::Goodbye => {
                 let x = self.server_of[s as usize] as usize;
-                self.servers[x].left(w, s, w as usize);
+                self.servers.state[x].left(w, s, w as usize);
                 self.nodes[s as usize].leave(now, None, w, LeaveReason::Finished, &mut Quiet)
             }
             ToShard::Waiting(iteration, waiting) => node.waiting(now, w, iteration, waiting, &mut Quiet),
@@ -646,11 +667,11 @@ impl Sim {
             Ev::Again(w, s, i) => {
                 let (term, copy) = self.copies.deliver(i);
                 let x = self.server_of[s as usize] as usize;
-                let leased = !self.controlled() || self.leases[x].valid(self.now);
+                let leased = !self.controlled() || self.servers.leases[x].valid(self.now);
                 if term != self.term[s as usize] || self.down(s) || !leased {
                     return Ok(());
                 }
-                self.duplicates += 1;
+                self.found.duplicates += 1;
                 let (now, token) = (self.now, self.token(Req::Ignore { s }));
                 let node = &mut self.nodes[s as usize];
                 match copy {
@@ -677,7 +698,7 @@ impl Sim {
             Ev::Replicate(s, i) => self.op_arrives(s, i)?,
             Ev::Confirm(s, epoch, seq) => {
                 // Likewise a confirmation on its way from a backup that died.
-                let backup_dead = self.backup_of[s as usize].is_none_or(|b| self.dead[b as usize]);
+                let backup_dead = self.backup_of[s as usize].is_none_or(|b| self.servers.dead[b as usize]);
                 if epoch != self.epoch[s as usize] || self.down(s) || backup_dead {
                     return Ok(());
                 }

@@ -119,7 +119,7 @@ impl Sim {
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
-        point.lost_servers.clone_from(&self.lost);
+        point.lost_servers.clone_from(&self.servers.lost);
         if self.time_to_target.is_none() && self.stop_rules().reached(&point) {
             self.time_to_target = Some(t_s);
         }

@@ -55,14 +55,14 @@ impl Sim {
         self.coord = CoordinatorMachine::new(cfg);
         // Its rounds go on past those begun before (a cluster's coordinator finds their folders).
         self.coord.set_next_round(self.rounds.keys().max().map_or(1, |r| r + 1));
-        self.coord_phase = Phase::Rejoining(Gathering::new(self.dead.len() as u32));
+        self.coord_phase = Phase::Rejoining(Gathering::new(self.servers.dead.len() as u32));
         tracing::debug!(t_ns = self.now, "coordinator restarted");
-        for x in 0..self.dead.len() as u32 {
-            if self.dead[x as usize] {
+        for x in 0..self.servers.dead.len() as u32 {
+            if self.servers.dead[x as usize] {
                 continue;
             }
-            if self.cut_to[x as usize] || self.cut_from[x as usize] {
-                self.held[x as usize].push(Ev::Rejoin(x));
+            if self.servers.cut_to[x as usize] || self.servers.cut_from[x as usize] {
+                self.servers.held[x as usize].push(Ev::Rejoin(x));
             } else {
                 let retry = self.rng.random_range(0..=HEARTBEAT_MS * MS);
                 self.at(self.now + self.net.latency_ns + retry, Ev::Rejoin(x));
@@ -75,7 +75,7 @@ impl Sim {
     /// will wait for ever, and the shards are lost.
     pub(super) fn nobody_left(&self) -> Result<(), SimError> {
         let waiting = matches!(&self.coord_phase, Phase::Rejoining(g) if g.is_empty());
-        match waiting && self.dead.iter().all(|&d| d) {
+        match waiting && self.servers.dead.iter().all(|&d| d) {
             true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
             false => Ok(()),
         }
@@ -86,7 +86,7 @@ impl Sim {
     /// primaries' terms, and its swaps.
     pub(super) fn holdings(&self, x: u32) -> Held {
         let len = |s: usize| sim_shard(&self.nodes[s]).values().len() as u64;
-        let state = &self.servers[x as usize];
+        let state = &self.servers.state[x as usize];
         // Its primaries at the terms its state keeps: those it holds now, and those promoted
         // away from it while it lived.
         let primaries =
@@ -97,7 +97,7 @@ impl Sim {
                 backups.push((s as u32, state.term(s as u32), len(s)));
             }
         }
-        let (swaps, mut levelled) = self.committed[x as usize].clone();
+        let (swaps, mut levelled) = self.servers.committed[x as usize].clone();
         // The newest swap a copy here runs (a backup takes its primary's swap from its ops).
         let mut copies = 0;
         for s in 0..self.nodes.len() {
@@ -122,7 +122,7 @@ impl Sim {
     /// does ([`Gathering`]): once every server has rejoined, or the wait after the first is over,
     /// it rebuilds. One that comes after the rebuild began is refused, and stops.
     pub(super) fn rejoin(&mut self, x: u32) -> Result<(), SimError> {
-        if self.dead[x as usize] {
+        if self.servers.dead[x as usize] {
             return self.nobody_left();
         }
         let held = self.holdings(x);
@@ -140,7 +140,7 @@ impl Sim {
             Ok(Gathered::Complete) => self.rebuild(),
             Err(e) => {
                 tracing::debug!(server = x, t_ns = self.now, "rejoin refused, it stops: {e}");
-                self.rebuild.refused += 1;
+                self.found.rebuild.refused += 1;
                 self.at(self.now + self.net.latency_ns, Ev::Stop(x));
                 Ok(())
             }
@@ -157,9 +157,9 @@ impl Sim {
         let held: Vec<Held> = rejoined.into_values().collect();
         let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded, &addrs);
         tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
-        self.rebuild.rebuilds += 1;
-        self.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
-        self.rebuild.refused += rebuilt.resolution.stale.len() as u64;
+        self.found.rebuild.rebuilds += 1;
+        self.found.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
+        self.found.rebuild.refused += rebuilt.resolution.stale.len() as u64;
         for &x in rebuilt.resolution.stale.keys() {
             self.at(self.now + self.net.latency_ns, Ev::Stop(x));
         }

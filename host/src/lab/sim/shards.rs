@@ -16,7 +16,7 @@ impl Sim {
                         // The membership is the worker's connection to this server's; one that
                         // ended while the join waited leaves the worker nobody would end.
                         let x = self.server_of[s as usize] as usize;
-                        if self.servers[x].joined(*w, s, *w as usize).is_some() {
+                        if self.servers.state[x].joined(*w, s, *w as usize).is_some() {
                             self.nodes[s as usize].leave(self.now, None, *w, LeaveReason::Failed, &mut Quiet);
                         }
                     }
@@ -120,7 +120,7 @@ impl Sim {
         if answered > 0 || node.replication() != before || sim_shard(node).version() != version {
             return Err(SimError::AcceptedBad(s, "an op from its deposed primary (a stale term)"));
         }
-        self.stale_ops += 1;
+        self.found.stale_ops += 1;
         Ok(())
     }
 
@@ -131,10 +131,10 @@ impl Sim {
         // The worst case for a death: an op still on its way from a primary that died
         // never arrives (it may still be in the dead process's buffers), and a dead
         // backup applies nothing.
-        let on_live = self.backup_of[su].is_some_and(|b| !self.dead[b as usize]) && !self.down(s);
+        let on_live = self.backup_of[su].is_some_and(|b| !self.servers.dead[b as usize]) && !self.down(s);
         // An op from a primary that was deposed while it lived (a stale term) still
         // reaches the backup it streamed to, promoted since, which must ignore it.
-        let deposed_alive = self.zombie_of[su].is_some_and(|x| !self.dead[x as usize]);
+        let deposed_alive = self.zombie_of[su].is_some_and(|x| !self.servers.dead[x as usize]);
         if deposed_alive && self.promoted_epoch[su] == Some(epoch) && !self.down(s) {
             return self.stale_op(s, stamped, grad);
         }
@@ -148,7 +148,7 @@ impl Sim {
             self.at(again, Ev::Replicate(s, i));
         }
         let Some(backup) = self.backups[su].as_mut() else { return Ok(()) };
-        self.duplicates += u64::from(stamped.seq <= backup.replication().0);
+        self.found.duplicates += u64::from(stamped.seq <= backup.replication().0);
         let modules = &self.modules;
         let find = |sha: &[u8; 32]| modules.iter().find(|m| m.sha256() == *sha).cloned();
         backup.replicated(stamped, grad, find, &mut Quiet);
@@ -156,10 +156,10 @@ impl Sim {
         // equal (the end of the run compares their whole snapshots). Cheap, allocating
         // nothing: version, clocks' view and parameters.
         let primary = &self.nodes[su];
-        if self.drift.is_none() && backup.replication().0 == primary.replication().0 {
+        if self.found.drift.is_none() && backup.replication().0 == primary.replication().0 {
             let (p, q) = (sim_shard(primary), sim_shard(backup));
             if p.version() != q.version() || p.view() != q.view() || !bits_equal(p, q) {
-                self.drift = Some(format!(
+                self.found.drift = Some(format!(
                     "shard {s}: at {} ns, after op {}, its backup is at version {} with members {:?}, its \
                      primary at {} with {:?}{}",
                     self.now,

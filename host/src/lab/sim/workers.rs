@@ -201,11 +201,11 @@ impl Sim {
     /// that connection, and every primary there hears it is gone (a promoted shard that still
     /// awaits it lets it go).
     pub(super) fn worker_lost(&mut self, w: u32) -> Result<(), SimError> {
-        for x in 0..self.servers.len() as u32 {
-            if self.dead[x as usize] {
+        for x in 0..self.servers.state.len() as u32 {
+            if self.servers.dead[x as usize] {
                 continue;
             }
-            let ended = self.servers[x as usize].connection_ended(w, w as usize);
+            let ended = self.servers.state[x as usize].connection_ended(w, w as usize);
             // The shards this server is primary of now (its state also keeps those promoted
             // away from it while it lived, whose nodes the simulator does not keep).
             let here = |sim: &Self, s: u32| sim.server_of[s as usize] == x && !sim.down(s);
