@@ -50,8 +50,8 @@
 //! failovers, each server's own state); `rebuild.rs` a coordinator's crash and rebuild;
 //! `checkpoints.rs` checkpoint rounds; `faults.rs` late joins, duplicates and bad requests;
 //! `invariants.rs` what is checked as the run goes. The run's state is grouped likewise: the
-//! server processes ([`SimServers`]: alive, leases, links to the coordinator, each one's own
-//! state), and what the run found beside its sums ([`Found`]), apart from the shards, the
+//! server processes (`SimServers`: alive, leases, links to the coordinator, each one's own
+//! state), and what the run found beside its sums (`Found`), apart from the shards, the
 //! workers and the coordinator's side.
 
 mod checkpoints;
