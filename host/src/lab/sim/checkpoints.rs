@@ -26,12 +26,12 @@ impl Sim {
     /// each shard's primary is told to take its snapshot. One the machine will not begin now
     /// is counted and skipped, as a cluster's periodic round is.
     pub(super) fn checkpoint(&mut self) -> Result<(), SimError> {
-        if !self.controlled() || self.coord_phase != Phase::Up {
+        if !self.controlled() || self.coord.phase != Phase::Up {
             tracing::debug!(t_ns = self.now, "checkpoint round not begun: no coordinator");
             self.found.checkpoints.refused += 1;
             return Ok(());
         }
-        match self.coord.begin_checkpoint() {
+        match self.coord.machine.begin_checkpoint() {
             Ok(round) => {
                 let mut r = SimRound::default();
                 for s in 0..self.nodes.len() {
@@ -43,7 +43,7 @@ impl Sim {
                     r.floors.push(backup.map_or(primary.version(), |b| b.version().min(primary.version())));
                 }
                 tracing::debug!(round, t_ns = self.now, "checkpoint round begins");
-                self.rounds.insert(round, r);
+                self.coord.rounds.insert(round, r);
                 self.drive_coordinator()
             }
             Err(e) => {
@@ -59,7 +59,7 @@ impl Sim {
     /// applied at least what every live copy of it had then.
     pub(super) fn round_taken(&mut self, round: u64) -> Result<(), SimError> {
         let bad = |why: String| Err(SimError::Checkpoint { round, why });
-        let Some(r) = self.rounds.get(&round) else { return bad("it was never begun".into()) };
+        let Some(r) = self.coord.rounds.get(&round) else { return bad("it was never begun".into()) };
         let shards = self.nodes.len() as u32;
         for k in 0..shards {
             let Some(bytes) = r.written.get(&k) else {

@@ -118,11 +118,11 @@ impl Sim {
         if !self.servers.dead[x as usize] || !self.controlled() {
             return Ok(());
         }
-        if self.coord_phase != Phase::Up {
+        if self.coord.phase != Phase::Up {
             self.at(retry, Ev::ServerRestart(x));
             return Ok(());
         }
-        match self.coord.replace_server_at(self.now, server_addr(x)) {
+        match self.coord.machine.replace_server_at(self.now, server_addr(x)) {
             Ok(id) => debug_assert_eq!(id, x, "a restarted server takes the id at its address"),
             Err(Replacement::Refused(Refusal::NotYet { why, .. })) => {
                 tracing::debug!(server = x, t_ns = self.now, "restarted server refused for now: {why}");
@@ -163,9 +163,9 @@ impl Sim {
 
     /// Schedules the coordinator's next lease check, unless one as early is scheduled.
     fn arm_coordinator(&mut self) {
-        if let Some(t) = self.coord.poll_timeout() {
-            if self.coord_timer_at.is_none_or(|at| t < at || at < self.now) {
-                self.coord_timer_at = Some(t);
+        if let Some(t) = self.coord.machine.poll_timeout() {
+            if self.coord.timer_at.is_none_or(|at| t < at || at < self.now) {
+                self.coord.timer_at = Some(t);
                 self.at(t.max(self.now), Ev::CoordTimer);
             }
         }
@@ -222,12 +222,12 @@ impl Sim {
             }
             Ev::Heartbeat(_) => {}
             // A coordinator down or rebuilding answers no renewal.
-            Ev::Renew(..) if self.coord_phase != Phase::Up => {}
+            Ev::Renew(..) if self.coord.phase != Phase::Up => {}
             Ev::Renew(x, asked) => {
-                let answer = match self.coord.renew(self.now, x) {
+                let answer = match self.coord.machine.renew(self.now, x) {
                     Ok(()) => {
                         // The answer tells every shard's term.
-                        self.servers.answer_terms[x as usize] = self.coord.terms().to_vec();
+                        self.servers.answer_terms[x as usize] = self.coord.machine.terms().to_vec();
                         Ev::Renewed(x, asked)
                     }
                     // Told it was failed over, a server stops (its shards have other primaries).
@@ -250,17 +250,17 @@ impl Sim {
             }
             Ev::Stop(x) => self.kill(x),
             Ev::CoordTimer => {
-                if self.coord_timer_at == Some(self.now) {
-                    self.coord_timer_at = None;
+                if self.coord.timer_at == Some(self.now) {
+                    self.coord.timer_at = None;
                 }
-                if self.coord_phase == Phase::Up {
-                    self.coord.handle_timeout(self.now);
+                if self.coord.phase == Phase::Up {
+                    self.coord.machine.handle_timeout(self.now);
                     self.drive_coordinator()?;
                 }
             }
             // A command of a coordinator that crashed before it arrived may have been lost
             // with it (still in its process's buffers): half are.
-            Ev::Command(i, ..) if i != self.incarnation && self.rng.random_bool(0.5) => {}
+            Ev::Command(i, ..) if i != self.coord.incarnation && self.rng.random_bool(0.5) => {}
             Ev::Command(i, id, x, command) => {
                 let ok = !self.servers.dead[x as usize] && self.carry_out(x, command)?;
                 if ok && matches!(command, Command::Prepare { .. }) {
@@ -268,7 +268,7 @@ impl Sim {
                     for s in (0..self.nodes.len()).filter(|&s| self.server_of[s] == x) {
                         frontier.merge(self.nodes[s].shard().map(|sh| sh.workers()).unwrap_or_default());
                     }
-                    self.prepared.insert(id, frontier.clocks().collect());
+                    self.coord.prepared.insert(id, frontier.clocks().collect());
                 }
                 if self.servers.cut_to[x as usize] {
                     self.servers.held[x as usize].push(Ev::CommandDone(i, id, ok));
@@ -277,13 +277,13 @@ impl Sim {
                 }
             }
             // An answer to a coordinator that crashed since is lost with it.
-            Ev::CommandDone(i, id, _) if i != self.incarnation || self.coord_phase == Phase::Down => {
-                self.prepared.remove(&id);
+            Ev::CommandDone(i, id, _) if i != self.coord.incarnation || self.coord.phase == Phase::Down => {
+                self.coord.prepared.remove(&id);
             }
             Ev::CommandDone(_, id, ok) => {
-                let answer = self.prepared.remove(&id).map_or(Answer::Done, Answer::Clocks);
+                let answer = self.coord.prepared.remove(&id).map_or(Answer::Done, Answer::Clocks);
                 let result = if ok { Ok(answer) } else { Err("the server did not carry it out".to_string()) };
-                self.coord.command_done(id, result);
+                self.coord.machine.command_done(id, result);
                 self.drive_coordinator()?;
             }
             Ev::Moved(w, s) => self.moved(w, s)?,
@@ -294,7 +294,7 @@ impl Sim {
                 self.found.killed_after_restart += u64::from(!self.servers.dead[x as usize]);
                 self.kill(x)
             }
-            Ev::RebuildDue(i) if i == self.incarnation => self.rebuild()?,
+            Ev::RebuildDue(i) if i == self.coord.incarnation => self.rebuild()?,
             Ev::RebuildDue(_) | Ev::Tick => {}
             _ => unreachable!("not a control-plane event: {ev:?}"),
         }
@@ -321,15 +321,15 @@ impl Sim {
         module: PolicyModule,
         config: Vec<(String, String)>,
     ) -> Result<(), SimError> {
-        if self.coord_phase != Phase::Up {
+        if self.coord.phase != Phase::Up {
             tracing::debug!(policy = module.label(), t_ns = self.now, "hot swap not begun: no coordinator");
             return Ok(());
         }
-        match self.coord.begin_swap() {
+        match self.coord.machine.begin_swap() {
             Ok(swap) => {
                 tracing::debug!(swap, policy = module.label(), t_ns = self.now, "hot swap begins");
-                self.swap_modules.insert(swap, (module.clone(), config.clone()));
-                self.swapping = Some((swap, module, config));
+                self.coord.swap_modules.insert(swap, (module.clone(), config.clone()));
+                self.coord.swapping = Some((swap, module, config));
                 self.drive_coordinator()
             }
             Err(e) => {
@@ -366,10 +366,10 @@ impl Sim {
 
     /// Carries out what the coordinator machine decided.
     pub(super) fn drive_coordinator(&mut self) -> Result<(), SimError> {
-        while let Some(out) = self.coord.poll_output() {
+        while let Some(out) = self.coord.machine.poll_output() {
             match out {
                 CoordOutput::Command { id, server, command } => {
-                    self.command_to(server, Ev::Command(self.incarnation, id, server, command))
+                    self.command_to(server, Ev::Command(self.coord.incarnation, id, server, command))
                 }
                 CoordOutput::Rebuilt => self.rebuilt(),
                 CoordOutput::Moved { shard, .. } => {
@@ -396,7 +396,7 @@ impl Sim {
                 CoordOutput::FailoverDone { server } => tracing::debug!(server, "failed over"),
                 CoordOutput::SwapDone { swap, outcome } => {
                     tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
-                    self.swapping = None;
+                    self.coord.swapping = None;
                     self.found.swaps_ended += 1;
                 }
                 CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Taken } => {
@@ -442,7 +442,7 @@ impl Sim {
             Command::AttachBackup { shard, backup } => self.attach(shard, x, backup),
             // Every module the run may swap to was compiled before it began; each primary tries
             // the hand-over of its policy's state, as a server does, and one refusal refuses it.
-            Command::Prepare { swap } => match self.swapping.clone() {
+            Command::Prepare { swap } => match self.coord.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
                     for s in (0..self.nodes.len() as u32).filter(|&s| self.server_of[s as usize] == x) {
                         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
@@ -456,22 +456,22 @@ impl Sim {
                 }
                 _ => Ok(false),
             },
-            Command::Abort { swap } => Ok(self.swapping.as_ref().is_some_and(|p| p.0 == swap)),
+            Command::Abort { swap } => Ok(self.coord.swapping.as_ref().is_some_and(|p| p.0 == swap)),
             Command::Snapshot { round, shard } => {
                 let su = shard as usize;
                 if su >= self.nodes.len() || self.server_of[su] != x {
                     return Ok(false);
                 }
                 let Ok(snap) = self.nodes[su].snapshot(self.now) else { return Ok(false) };
-                if let Some(r) = self.rounds.get_mut(&round) {
+                if let Some(r) = self.coord.rounds.get_mut(&round) {
                     r.written.insert(shard, snap.encode());
                 }
                 Ok(true)
             }
-            Command::Commit { swap } => match self.swapping.clone() {
+            Command::Commit { swap } => match self.coord.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
-                    let raise = self.coord.levelling(swap).to_vec();
-                    if self.coord_phase == Phase::Rebuilding {
+                    let raise = self.coord.machine.levelling(swap).to_vec();
+                    if self.coord.phase == Phase::Rebuilding {
                         self.found.rebuild.swaps_finished += 1;
                     }
                     self.servers.committed[x as usize] = (swap, raise.clone());
@@ -488,7 +488,7 @@ impl Sim {
     /// does).
     fn conform(&mut self, s: u32, x: u32) {
         let (n, raise) = self.servers.committed[x as usize].clone();
-        let Some((module, config)) = self.swap_modules.get(&n).cloned() else { return };
+        let Some((module, config)) = self.coord.swap_modules.get(&n).cloned() else { return };
         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
         if self.nodes[s as usize].conform(self.now, SwapTo { module, config, raise, swap: n }, &mut Quiet) {
             self.found.conformed += 1;

@@ -12,12 +12,12 @@ impl Sim {
     /// swap its machine counts last, or of the swap whose commit is under way, for a run that
     /// ended during it), once the coordinator is up.
     pub(super) fn policy_differs(&self) -> Option<String> {
-        if self.coord_phase != control::Phase::Up {
+        if self.coord.phase != control::Phase::Up {
             return None;
         }
-        let (recorded, _) = self.swap_modules.get(&self.coord.swaps())?;
+        let (recorded, _) = self.coord.swap_modules.get(&self.coord.machine.swaps())?;
         // A run that ended during a swap's commit: a shard may have taken it already.
-        let committing = self.coord.committing().and_then(|n| self.swap_modules.get(&n));
+        let committing = self.coord.machine.committing().and_then(|n| self.coord.swap_modules.get(&n));
         for (k, node) in self.nodes.iter().enumerate() {
             if self.servers.dead[self.server_of[k] as usize] {
                 continue;
@@ -28,7 +28,7 @@ impl Sim {
                     "shard {k} runs {}, but the coordinator records {} (swap {})",
                     node.module().display_name(),
                     recorded.display_name(),
-                    self.coord.swaps()
+                    self.coord.machine.swaps()
                 ));
             }
         }

@@ -51,8 +51,9 @@
 //! `checkpoints.rs` checkpoint rounds; `faults.rs` late joins, duplicates and bad requests;
 //! `invariants.rs` what is checked as the run goes. The run's state is grouped likewise: the
 //! server processes (`SimServers`: alive, leases, links to the coordinator, each one's own
-//! state), and what the run found beside its sums (`Found`), apart from the shards, the
-//! workers and the coordinator's side.
+//! state), the coordinator's side (`SimCoordinator`: its machine, whether it runs, its swaps
+//! and rounds under way), and what the run found beside its sums (`Found`), apart from the
+//! shards and the workers.
 
 mod checkpoints;
 mod control;
@@ -205,6 +206,35 @@ struct SimServers {
     pub(super) restarts: Vec<(SimRestart, bool)>,
 }
 
+/// The coordinator's process as the simulator runs it: its machine (the cluster's own), whether
+/// it runs, and what a coordinator's driver keeps beside the machine (the swaps' modules and
+/// preparations, the checkpoint rounds, its record for a successor).
+#[derive(Debug)]
+struct SimCoordinator {
+    /// The coordinator's decisions (`control.rs`).
+    pub(super) machine: CoordinatorMachine,
+    /// The hot swap under way: its number, module and configuration.
+    pub(super) swapping: Option<Swapping>,
+    /// Each swap's module and configuration (by its number; 0: the first policy), as a
+    /// coordinator knows them: the policy it records is the one its machine's swap count names.
+    pub(super) swap_modules: BTreeMap<u64, (PolicyModule, Vec<(String, String)>)>,
+    /// The clocks servers prepared a swap with, by the preparation's command, until the answer
+    /// reaches the coordinator.
+    pub(super) prepared: BTreeMap<u64, Vec<WorkerClock>>,
+    /// When the coordinator's next lease check is scheduled.
+    pub(super) timer_at: Option<u64>,
+    /// Whether the coordinator runs, is down, or is rebuilding after a restart.
+    pub(super) phase: control::Phase,
+    /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
+    /// dropped.
+    pub(super) incarnation: u32,
+    /// What the crashed coordinator recorded, terms and servers' addresses
+    /// ([`SimFaults::crash_keeps_terms`]).
+    pub(super) recorded: Record,
+    /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
+    pub(super) rounds: BTreeMap<u64, checkpoints::SimRound>,
+}
+
 /// A hot swap under way: its number, module and configuration.
 type Swapping = (u64, PolicyModule, Vec<(String, String)>);
 
@@ -214,6 +244,8 @@ struct Sim {
     found: Found,
     /// The server processes.
     servers: SimServers,
+    /// The coordinator's side: its machine, whether it runs, its swaps and rounds under way.
+    coord: SimCoordinator,
     now: u64,
     queue: Queue,
     /// Per shard: its primary.
@@ -253,8 +285,6 @@ struct Sim {
     /// Per worker: how long its pulls and pushes waited in limbo (on a shard it could not
     /// reach), added up.
     unreachable_ns: Vec<u64>,
-    /// The coordinator's decisions (`control.rs`).
-    coord: CoordinatorMachine,
     /// Per worker: the shards that answered its first join; it starts once all have.
     joins: Vec<u32>,
     /// Per worker: started.
@@ -269,32 +299,12 @@ struct Sim {
     term: Vec<u32>,
     /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
     known: Vec<Vec<u32>>,
-    /// The hot swap under way: its number, module and configuration.
-    swapping: Option<Swapping>,
-    /// Each swap's module and configuration (by its number; 0: the first policy), as a
-    /// coordinator knows them: the policy it records is the one its machine's swap count names.
-    swap_modules: BTreeMap<u64, (PolicyModule, Vec<(String, String)>)>,
-    /// The clocks servers prepared a swap with, by the preparation's command, until the answer
-    /// reaches the coordinator.
-    prepared: BTreeMap<u64, Vec<WorkerClock>>,
     /// The policy modules the run may use (the first and those swapped to).
     modules: Vec<PolicyModule>,
     /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
     rng: rand_chacha::ChaCha8Rng,
-    /// When the coordinator's next lease check is scheduled.
-    coord_timer_at: Option<u64>,
     /// Per shard: the server of the primary it was promoted from, while that one lives.
     zombie_of: Vec<Option<u32>>,
-    /// Whether the coordinator runs, is down, or is rebuilding after a restart.
-    coord_phase: control::Phase,
-    /// The coordinator's incarnation: bumped when it crashes, so its old commands' answers are
-    /// dropped.
-    incarnation: u32,
-    /// What the crashed coordinator recorded, terms and servers' addresses
-    /// ([`SimFaults::crash_keeps_terms`]).
-    recorded: Record,
-    /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
-    rounds: BTreeMap<u64, checkpoints::SimRound>,
     /// Per shard: the epoch of the stream its primary took as a backup, if it was promoted
     /// (what its old primary sent on that stream still reaches it).
     promoted_epoch: Vec<Option<u32>>,

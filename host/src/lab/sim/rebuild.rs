@@ -30,12 +30,12 @@ impl Sim {
             return;
         }
         tracing::debug!(t_ns = self.now, down_ns, "coordinator crashed");
-        self.coord_phase = Phase::Down;
+        self.coord.phase = Phase::Down;
         // What it recorded at its last promotion (the machine's terms now), if it keeps them.
-        self.recorded =
-            if self.opts.faults.crash_keeps_terms { self.coord.record() } else { Default::default() };
-        self.incarnation += 1;
-        self.coord_timer_at = None;
+        self.coord.recorded =
+            if self.opts.faults.crash_keeps_terms { self.coord.machine.record() } else { Default::default() };
+        self.coord.incarnation += 1;
+        self.coord.timer_at = None;
         self.at(self.now + down_ns, Ev::CoordRestart);
     }
 
@@ -48,14 +48,14 @@ impl Sim {
             servers: sc.servers,
             shards: self.nodes.len() as u32,
             replicas: sc.replicas,
-            max_workers: self.coord.config().max_workers,
+            max_workers: self.coord.machine.config().max_workers,
             peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
-            start: self.coord.config().start,
+            start: self.coord.machine.config().start,
         };
-        self.coord = CoordinatorMachine::new(cfg);
+        self.coord.machine = CoordinatorMachine::new(cfg);
         // Its rounds go on past those begun before (a cluster's coordinator finds their folders).
-        self.coord.set_next_round(self.rounds.keys().max().map_or(1, |r| r + 1));
-        self.coord_phase = Phase::Rejoining(Gathering::new(self.servers.dead.len() as u32));
+        self.coord.machine.set_next_round(self.coord.rounds.keys().max().map_or(1, |r| r + 1));
+        self.coord.phase = Phase::Rejoining(Gathering::new(self.servers.dead.len() as u32));
         tracing::debug!(t_ns = self.now, "coordinator restarted");
         for x in 0..self.servers.dead.len() as u32 {
             if self.servers.dead[x as usize] {
@@ -74,7 +74,7 @@ impl Sim {
     /// While the restarted coordinator waits for its first server, every server is dead: it
     /// will wait for ever, and the shards are lost.
     pub(super) fn nobody_left(&self) -> Result<(), SimError> {
-        let waiting = matches!(&self.coord_phase, Phase::Rejoining(g) if g.is_empty());
+        let waiting = matches!(&self.coord.phase, Phase::Rejoining(g) if g.is_empty());
         match waiting && self.servers.dead.iter().all(|&d| d) {
             true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
             false => Ok(()),
@@ -126,14 +126,14 @@ impl Sim {
             return self.nobody_left();
         }
         let held = self.holdings(x);
-        let gathered = match &mut self.coord_phase {
+        let gathered = match &mut self.coord.phase {
             Phase::Rejoining(gathering) => gathering.rejoined(self.now, held),
             _ => Err(GatherError::TooLate),
         };
         match gathered {
             Ok(Gathered::Waiting { due_ns, first }) => {
                 if first {
-                    self.at(due_ns, Ev::RebuildDue(self.incarnation));
+                    self.at(due_ns, Ev::RebuildDue(self.coord.incarnation));
                 }
                 Ok(())
             }
@@ -150,12 +150,12 @@ impl Sim {
     /// The restarted coordinator rebuilds the cluster from the holdings it gathered. A shard
     /// nobody holds is lost, as on a cluster.
     pub(super) fn rebuild(&mut self) -> Result<(), SimError> {
-        let Phase::Rejoining(gathering) = &mut self.coord_phase else { return Ok(()) };
+        let Phase::Rejoining(gathering) = &mut self.coord.phase else { return Ok(()) };
         let Some(rejoined) = gathering.begin() else { return Ok(()) };
-        self.coord_phase = Phase::Rebuilding;
+        self.coord.phase = Phase::Rebuilding;
         let addrs = rejoined.keys().map(|&x| (x, super::server_addr(x))).collect();
         let held: Vec<Held> = rejoined.into_values().collect();
-        let rebuilt = self.coord.rebuild(self.now, &held, &self.recorded, &addrs);
+        let rebuilt = self.coord.machine.rebuild(self.now, &held, &self.coord.recorded, &addrs);
         tracing::debug!(t_ns = self.now, ?rebuilt, "coordinator rebuilt the cluster");
         self.found.rebuild.rebuilds += 1;
         self.found.rebuild.promoted += rebuilt.resolution.promote.len() as u64;
@@ -190,7 +190,7 @@ impl Sim {
                 .iter()
                 .flat_map(copies)
                 .chain(heard)
-                .chain(self.recorded.terms.get(k).copied())
+                .chain(self.coord.recorded.terms.get(k).copied())
                 .max()
                 .unwrap_or(0);
             if newest > chosen {
@@ -206,14 +206,14 @@ impl Sim {
     /// The rebuild's commands are done: renewals are answered again, the swap it finished is
     /// over, and every worker gets the map (each rejoins the shards that moved meanwhile).
     pub(super) fn rebuilt(&mut self) {
-        self.coord_phase = Phase::Up;
-        self.swapping = None;
-        let len = self.coord.model_len().unwrap_or(1);
+        self.coord.phase = Phase::Up;
+        self.coord.swapping = None;
+        let len = self.coord.machine.model_len().unwrap_or(1);
         for w in 0..self.workers.len() as u32 {
             if self.workers[w as usize].dead {
                 continue;
             }
-            let _ = self.coord.admit_worker(Some(w), len);
+            let _ = self.coord.machine.admit_worker(Some(w), len);
             for s in 0..self.nodes.len() as u32 {
                 if self.known[w as usize][s as usize] < self.term[s as usize] {
                     self.at(self.now + self.net.latency_ns, Ev::Moved(w, s));

@@ -212,6 +212,17 @@ pub(super) fn build(
     let mut sim = Sim {
         opts: opts.clone(),
         found: Found::default(),
+        coord: SimCoordinator {
+            machine: coord,
+            timer_at: None,
+            swapping: None,
+            swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
+            prepared: BTreeMap::new(),
+            phase: control::Phase::Up,
+            incarnation: 0,
+            recorded: Default::default(),
+            rounds: BTreeMap::new(),
+        },
         servers: SimServers {
             dead: vec![false; sc.servers as usize],
             lost: Vec::new(),
@@ -250,8 +261,6 @@ pub(super) fn build(
         replication: Mailbox::default(),
         limbo: Vec::new(),
         unreachable_ns: vec![0; n_workers],
-        coord,
-        coord_timer_at: None,
         joins: vec![0; n as usize],
         started: vec![false; n as usize],
         at_barrier: Vec::new(),
@@ -259,15 +268,8 @@ pub(super) fn build(
         term: vec![0; shards_n as usize],
         known: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
-        swapping: None,
-        swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
-        prepared: BTreeMap::new(),
         modules,
         zombie_of: vec![None; shards_n as usize],
-        coord_phase: control::Phase::Up,
-        incarnation: 0,
-        recorded: Default::default(),
-        rounds: BTreeMap::new(),
         promoted_epoch: vec![None; shards_n as usize],
     };
     sim.start_control();

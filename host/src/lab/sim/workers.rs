@@ -232,7 +232,7 @@ impl Sim {
     /// answer once it is back, with training under way: at once, here.)
     pub(super) fn ready(&mut self, w: u32) -> Result<(), SimError> {
         self.at_barrier.push(w);
-        if self.coord_phase != Phase::Up || self.coord.worker_ready(self.now, w) {
+        if self.coord.phase != Phase::Up || self.coord.machine.worker_ready(self.now, w) {
             self.release_barrier()?;
         }
         self.drive_coordinator()
