@@ -756,6 +756,20 @@ fn a_worker_asking_for_an_impossible_id_is_refused_and_the_run_goes_on() {
     assert!(!servers.contains("panicked") && !servers.contains("memory allocation"), "{servers}");
 }
 
+/// Shuts the cluster at `coordinator` down (token `t0ken`, CA `ca`) and waits for its
+/// processes to stop.
+fn shut_down(coordinator: &str, ca: &Path, children: [&mut Child; 2]) {
+    let out = Command::new(syncopate_bin())
+        .args(["shutdown", "--coordinator", coordinator, "--ca", ca.to_str().unwrap()])
+        .env("SYNCOPATE_TOKEN", "t0ken")
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for child in children {
+        wait_exit(child, Duration::from_secs(15), || "a process did not stop after shutdown".into());
+    }
+}
+
 /// Start-up never hangs silently: a worker of a cluster whose servers do not all come up is
 /// told so after the start-up timeout, and the half-started cluster still shuts down cleanly.
 #[test]
@@ -801,15 +815,7 @@ fn a_missing_server_gives_workers_a_clear_error() {
     let err = String::from_utf8_lossy(&worker.stderr);
     assert!(!worker.status.success());
     assert!(err.contains("only 1 of 2 servers registered within 1000 ms"), "{err}");
-    let out = Command::new(syncopate_bin())
-        .args(["shutdown", "--coordinator", &by_name, "--ca", ca.to_str().unwrap()])
-        .env("SYNCOPATE_TOKEN", "t0ken")
-        .output_within(COMMAND_LIMIT)
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for child in [&mut coordinator, &mut server] {
-        wait_exit(child, Duration::from_secs(15), || "a process did not stop after shutdown".into());
-    }
+    shut_down(&by_name, &ca, [&mut coordinator, &mut server]);
 }
 
 /// The start barrier waits for `--workers`, but not for ever: with one of two workers ready,
@@ -873,15 +879,7 @@ fn the_start_barrier_starts_without_a_missing_worker_after_the_startup_timeout()
         .unwrap();
     assert!(worker.status.success(), "{}", String::from_utf8_lossy(&worker.stderr));
     assert!(t.elapsed() >= Duration::from_secs(2), "it waited for the other worker: {:?}", t.elapsed());
-    let out = Command::new(syncopate_bin())
-        .args(["shutdown", "--coordinator", &addr, "--ca", ca.to_str().unwrap()])
-        .env("SYNCOPATE_TOKEN", "t0ken")
-        .output_within(COMMAND_LIMIT)
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for child in [&mut coordinator, &mut server] {
-        wait_exit(child, Duration::from_secs(15), || "a process did not stop after shutdown".into());
-    }
+    shut_down(&addr, &ca, [&mut coordinator, &mut server]);
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(said.contains("only 1 of 2 workers joined within 2s; starting anyway"), "{said}");
 }

@@ -291,6 +291,86 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
     assert!(run.log("coordinator").contains("re-replicated: a new backup"));
 }
 
+/// A server of a `local` run, killed: what it takes to start it again as it was (its command
+/// line and token, read from `/proc` before the kill), its id and its address.
+struct DeadServer {
+    args: Vec<String>,
+    token: String,
+    id: u32,
+    addr: std::net::SocketAddr,
+}
+
+impl DeadServer {
+    /// SIGKILLs `local`'s first server, and waits until the coordinator has failed it over.
+    fn kill_first(run: &mut LocalRun) -> DeadServer {
+        let victim = server_pids(&run.dir)[0];
+        let read = |what: &str| std::fs::read(format!("/proc/{victim}/{what}")).unwrap();
+        let args: Vec<String> = read("cmdline")
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let token = read("environ")
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .find_map(|v| v.strip_prefix("SYNCOPATE_TOKEN=").map(str::to_string))
+            .expect("the server has its token");
+        let id_file = &args[args.iter().position(|a| a == "--id-file").unwrap() + 1];
+        let id: u32 = std::fs::read_to_string(id_file).unwrap().trim().parse().unwrap();
+        let addr = run.status().servers.iter().find(|s| s.server == id).map(|s| s.addr).expect("listed");
+        sigkill(victim);
+        let t = Instant::now();
+        while run.status().lost_servers != vec![id] {
+            assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        DeadServer { args, token, id, addr }
+    }
+
+    /// Its command line started again, listening at `listen`.
+    fn command(&self, listen: &str) -> std::process::Command {
+        let mut cmd = std::process::Command::new(crate::cli::syncopate_bin());
+        cmd.args(&self.args[1..]).args(["--listen", listen]).env("SYNCOPATE_TOKEN", &self.token);
+        cmd
+    }
+
+    /// Started again at its address, logging to `server-restarted.log`.
+    fn restart(&self, run: &LocalRun) -> std::process::Child {
+        let log = std::fs::File::create(run.dir.join("logs").join("server-restarted.log")).unwrap();
+        self.command(&self.addr.to_string())
+            .env("SYNCOPATE_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Waits until its restarted process (`restarted`) has taken its id back and holds a backup
+    /// of each of the run's three shards: the map says so once the primaries stream to it; the
+    /// server, once it holds each backup.
+    fn wait_taken_back(&self, run: &mut LocalRun, restarted: &mut std::process::Child) {
+        let (id, t) = (self.id, Instant::now());
+        loop {
+            let st = run.status();
+            let mapped = st.placement.iter().all(|p| p.1 != id && p.2 == Some(id));
+            let held = st.servers.iter().find(|s| s.server == id).is_some_and(|s| s.backups.len() == 3);
+            if st.lost_servers.is_empty() && mapped && held {
+                return;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                let _ = restarted.kill();
+                let _ = restarted.wait();
+                panic!(
+                    "the restarted server did not take its id back with the backups: {st:?}\n{}\n{}",
+                    run.log("server-restarted"),
+                    run.log("coordinator-2")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// Issue 36: a server process restarted in the place of a lost one, at its address, takes its
 /// id back once the old one is failed over and a peer timeout has passed (it asks again until
 /// then), holds nothing, and gets a backup of every shard (with two servers, the failover left
@@ -301,72 +381,23 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
 fn a_restarted_server_takes_its_id_back_and_the_cluster_survives_the_other_servers_death() {
     let mut run = counter_drill("failover-restart", "ssp:s=2", 1500, &["--replicas", "1"]);
     wait_for_clock(&mut run, 60);
-    let pids = server_pids(&run.dir);
-    let victim = pids[0];
-    let read = |what: &str| std::fs::read(format!("/proc/{victim}/{what}")).unwrap();
-    let args: Vec<String> = read("cmdline")
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let token = read("environ")
-        .split(|b| *b == 0)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .find_map(|v| v.strip_prefix("SYNCOPATE_TOKEN=").map(str::to_string))
-        .expect("the server has its token");
-    let id_file = &args[args.iter().position(|a| a == "--id-file").unwrap() + 1];
-    let id: u32 = std::fs::read_to_string(id_file).unwrap().trim().parse().unwrap();
-    let addr = run.status().servers.iter().find(|s| s.server == id).map(|s| s.addr).expect("listed");
-    sigkill(victim);
+    let dead = DeadServer::kill_first(&mut run);
+    let (id, addr) = (dead.id, dead.addr);
     // Once it is failed over, a server at another address is refused: workers reach a server at
     // the address they were given.
-    let t = Instant::now();
-    while run.status().lost_servers != vec![id] {
-        assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let elsewhere = std::process::Command::new(crate::cli::syncopate_bin())
-        .args(&args[1..])
-        .args(["--listen", "127.0.0.1:0"])
-        .env("SYNCOPATE_TOKEN", &token)
-        .output_within(COMMAND_LIMIT)
-        .unwrap();
+    let elsewhere = dead.command("127.0.0.1:0").output_within(COMMAND_LIMIT).unwrap();
     let said = String::from_utf8_lossy(&elsewhere.stderr);
     assert!(!elsewhere.status.success(), "{said}");
     assert!(said.contains(&format!("must listen at its address (server {id} at {addr})")), "{said}");
     // Restarted at its address: it is asked to wait until a peer timeout has passed since the
     // old one was lost, then takes its id back.
-    let log = std::fs::File::create(run.dir.join("logs").join("server-restarted.log")).unwrap();
-    let mut restarted = std::process::Command::new(crate::cli::syncopate_bin())
-        .args(&args[1..])
-        .args(["--listen", &addr.to_string()])
-        .env("SYNCOPATE_TOKEN", &token)
-        .env("SYNCOPATE_LOG", "info")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    loop {
-        let st = run.status();
-        // The map says so once the primaries stream to it; the restarted server says so once it
-        // holds each backup (from its primary's snapshot).
-        let mapped = st.placement.iter().all(|p| p.1 != id && p.2 == Some(id));
-        let held = st.servers.iter().find(|s| s.server == id).is_some_and(|s| s.backups.len() == 3);
-        if st.lost_servers.is_empty() && mapped && held {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "the restarted server did not take its id back with the backups: {st:?}\n{}",
-            run.log("server-restarted")
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut restarted = dead.restart(&run);
+    dead.wait_taken_back(&mut run, &mut restarted);
     let restarted_log = run.log("server-restarted");
     assert!(restarted_log.contains("cannot admit this server yet"), "{restarted_log}");
     assert!(restarted_log.contains("registered in the place of lost server"), "{restarted_log}");
-    let other = server_pids(&run.dir).into_iter().find(|p| *p != victim && *p != restarted.id()).unwrap();
+    // The killed process is gone from the list: the other is the one not restarted.
+    let other = server_pids(&run.dir).into_iter().find(|p| *p != restarted.id()).unwrap();
     sigkill(other);
     let (st, run) = run.finish(Duration::from_secs(180));
     let _ = restarted.kill();
@@ -394,27 +425,7 @@ fn a_server_restarted_after_the_coordinators_restart_takes_its_id_back() {
     let name = "failover-restart-after-coordinator";
     let mut run = counter_drill(name, "ssp:s=2", iterations, &["--replicas", "1"]);
     wait_for_clock(&mut run, 60);
-    let victim = server_pids(&run.dir)[0];
-    let read = |what: &str| std::fs::read(format!("/proc/{victim}/{what}")).unwrap();
-    let args: Vec<String> = read("cmdline")
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let token = read("environ")
-        .split(|b| *b == 0)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .find_map(|v| v.strip_prefix("SYNCOPATE_TOKEN=").map(str::to_string))
-        .expect("the server has its token");
-    let id_file = &args[args.iter().position(|a| a == "--id-file").unwrap() + 1];
-    let id: u32 = std::fs::read_to_string(id_file).unwrap().trim().parse().unwrap();
-    let addr = run.status().servers.iter().find(|s| s.server == id).map(|s| s.addr).expect("listed");
-    sigkill(victim);
-    let t = Instant::now();
-    while run.status().lost_servers != vec![id] {
-        assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let dead = DeadServer::kill_first(&mut run);
     let coordinator = role_pids(&run.dir, "coordinator");
     sigkill(coordinator[0]);
     // The launcher starts it again; it waits for the dead server up to its rejoin wait, then
@@ -424,32 +435,8 @@ fn a_server_restarted_after_the_coordinators_restart_takes_its_id_back() {
         assert!(t.elapsed() < Duration::from_secs(60), "no rebuild:\n{}", run.output());
         std::thread::sleep(Duration::from_millis(200));
     }
-    let log = std::fs::File::create(run.dir.join("logs").join("server-restarted.log")).unwrap();
-    let mut restarted = std::process::Command::new(crate::cli::syncopate_bin())
-        .args(&args[1..])
-        .args(["--listen", &addr.to_string()])
-        .env("SYNCOPATE_TOKEN", &token)
-        .env("SYNCOPATE_LOG", "info")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    loop {
-        let st = run.status();
-        let mapped = st.placement.iter().all(|p| p.1 != id && p.2 == Some(id));
-        let held = st.servers.iter().find(|s| s.server == id).is_some_and(|s| s.backups.len() == 3);
-        if st.lost_servers.is_empty() && mapped && held {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "the restarted server did not take its id back after the coordinator's restart: {st:?}\n{}\n{}",
-            run.log("server-restarted"),
-            run.log("coordinator-2")
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut restarted = dead.restart(&run);
+    dead.wait_taken_back(&mut run, &mut restarted);
     let (st, run) = run.finish(Duration::from_secs(180));
     let _ = restarted.kill();
     let _ = restarted.wait();

@@ -38,6 +38,19 @@ fn settle(m: &mut CoordinatorMachine, ok: impl Fn(u32, Command) -> bool) -> Vec<
     seen
 }
 
+/// Two servers' holdings: each the primary of its own shard (at term 0, 10 values) and the
+/// backup of the other's.
+fn both_held() -> Vec<Held> {
+    (0..2)
+        .map(|s| Held {
+            server: s,
+            primaries: vec![(s, 0, 10)],
+            backups: vec![(1 - s, 0, 10)],
+            ..Held::default()
+        })
+        .collect()
+}
+
 /// Registers every server and attaches the initial backups.
 fn started(servers: u32, shards: u32) -> CoordinatorMachine {
     let mut m = machine(servers, shards, 1);
@@ -485,14 +498,7 @@ fn rounds_swaps_and_failovers_never_overlap_and_a_round_follows_the_moved_map() 
 #[test]
 fn a_rebuild_under_way_holds_off_a_round() {
     let mut m = machine(2, 2, 1);
-    let held: Vec<Held> = (0..2)
-        .map(|s| Held {
-            server: s,
-            primaries: vec![(s, 0, 10)],
-            backups: vec![(1 - s, 0, 10)],
-            ..Held::default()
-        })
-        .collect();
+    let held = both_held();
     m.rebuild(0, &held, &Record::default(), &BTreeMap::new());
     // Nothing to promote, drop or commit: rebuilt at once.
     assert_eq!(drain(&mut m), vec![CoordOutput::Rebuilt]);
@@ -657,14 +663,7 @@ fn the_start_barrier_opens_when_all_are_ready_or_its_wait_runs_out() {
 
     // A rebuild finds training under way: started, nobody waits.
     let mut m = machine(2, 2, 1);
-    let held: Vec<Held> = (0..2)
-        .map(|s| Held {
-            server: s,
-            primaries: vec![(s, 0, 10)],
-            backups: vec![(1 - s, 0, 10)],
-            ..Held::default()
-        })
-        .collect();
+    let held = both_held();
     m.rebuild(0, &held, &Record::default(), &BTreeMap::new());
     assert!(m.has_started() && m.worker_ready(0, 1));
 }
