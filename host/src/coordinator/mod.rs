@@ -1004,22 +1004,23 @@ impl Coordinator {
             self.lock().machine.worker_ready(now_ns, id)
         };
         self.drive().await;
-        if !open {
-            while !*rx.borrow_and_update() {
-                let due = self.lock().machine.poll_timeout();
-                let wait = due.map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns())));
-                match wait {
-                    Some(wait) => {
-                        let _ = tokio::time::timeout(wait, rx.changed()).await;
-                    }
-                    None => {
-                        let _ = rx.changed().await;
-                    }
+        // With backups, the lease monitor drives the machine's timers every 100 ms (crediting a
+        // stalled process first, so no lease lapses for the coordinator's own stall); without,
+        // nothing else does, and the machine's only timer is the barrier's.
+        let drives_timers = self.opts.replicas == 0;
+        while !open && !*rx.borrow_and_update() {
+            let due = drives_timers.then(|| self.lock().machine.poll_timeout()).flatten();
+            match due.map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns()))) {
+                Some(wait) => {
+                    let _ = tokio::time::timeout(wait, rx.changed()).await;
                 }
-                {
-                    let now_ns = self.now_ns();
-                    self.lock().machine.handle_timeout(now_ns);
+                None => {
+                    let _ = rx.changed().await;
                 }
+            }
+            if drives_timers {
+                let now_ns = self.now_ns();
+                self.lock().machine.handle_timeout(now_ns);
                 self.drive().await;
             }
         }
