@@ -100,16 +100,23 @@ impl Buffers {
     ) -> Option<StepStats> {
         let Some(workload) = workload else {
             let samples = if job.whole {
-                job.batch.saturating_mul(job.local_steps.max(1))
+                job.work.batch.saturating_mul(job.local_steps.max(1))
             } else {
-                syncopate_workloads::task_samples(job.batch, &job.tasks, job.total).len() as u32
+                let Tasks { batch, ref tasks, total, .. } = job.work;
+                syncopate_workloads::task_samples(batch, tasks, total).len() as u32
             };
             return Some(StepStats { samples, loss: 0.0 });
         };
         match job.kind {
             JobKind::Own if job.whole && job.local_steps > 0 => Some(self.local_steps(worker, job, workload)),
             JobKind::Own if job.whole => {
-                let step = workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad);
+                let step = workload.gradient(
+                    worker,
+                    job.work.iteration,
+                    job.work.batch,
+                    &self.params,
+                    &mut self.grad,
+                );
                 // Here, while `params` still holds the parameters the gradient was computed at
                 // (a driver may lend them to the next pull before the push goes out).
                 if let Some(o) = self.optimizer.as_mut() {
@@ -121,14 +128,14 @@ impl Buffers {
                 if job.first_of_iteration {
                     self.grad.fill(0.0);
                 }
-                let step = workload.task_gradient(&job.tasks_of(), &self.params, &mut self.task)?;
+                let step = workload.task_gradient(&job.work, &self.params, &mut self.task)?;
                 let w = step.samples as f32;
                 for (g, x) in self.grad.iter_mut().zip(&self.task) {
                     *g += w * x;
                 }
                 Some(step)
             }
-            JobKind::Help { .. } => workload.task_gradient(&job.tasks_of(), &self.model, &mut self.help),
+            JobKind::Help { .. } => workload.task_gradient(&job.work, &self.model, &mut self.help),
         }
     }
 
@@ -141,7 +148,8 @@ impl Buffers {
         self.start.extend_from_slice(&self.params);
         let (mut samples, mut loss) = (0u32, 0.0f32);
         for _ in 0..job.local_steps {
-            let step = workload.gradient(worker, job.iteration, job.batch, &self.params, &mut self.grad);
+            let step =
+                workload.gradient(worker, job.work.iteration, job.work.batch, &self.params, &mut self.grad);
             inner.step(&mut self.params, &self.grad, 1.0);
             samples = samples.saturating_add(step.samples);
             loss += step.samples as f32 * step.loss;

@@ -52,6 +52,7 @@ use std::ops::Range;
 
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
 pub use syncopate_workloads::StepStats;
+use syncopate_workloads::Tasks;
 
 pub use buffers::Buffers;
 pub use device::Device;
@@ -112,16 +113,9 @@ pub enum JobKind {
 pub struct ComputeJob {
     /// Whose work.
     pub kind: JobKind,
-    /// The iteration (numbered as its owner numbers it).
-    pub iteration: u64,
-    /// The data partition the samples come from.
-    pub part: u32,
-    /// The iteration's batch size.
-    pub batch: u32,
-    /// The tasks, of `total`.
-    pub tasks: Range<u32>,
-    /// Tasks in the iteration.
-    pub total: u32,
+    /// The iteration (numbered as its owner numbers it), its data part and batch, and which of
+    /// its tasks (the whole iteration is task `0..1` of 1, or see `whole`).
+    pub work: Tasks,
     /// The whole iteration at once (the workload's `gradient`), not a task range.
     pub whole: bool,
     /// The first task computed of a split iteration: the iteration's gradient starts at zero.
@@ -130,14 +124,6 @@ pub struct ComputeJob {
     /// optimizer, and leave the pseudo-gradient for the push ([`Buffers::compute`]); 0: one
     /// gradient.
     pub local_steps: u32,
-}
-
-impl ComputeJob {
-    /// The tasks it computes, as the workload takes them.
-    pub fn tasks_of(&self) -> syncopate_workloads::Tasks {
-        let (part, iteration, batch, total) = (self.part, self.iteration, self.batch, self.total);
-        syncopate_workloads::Tasks { part, iteration, batch, tasks: self.tasks.clone(), total }
-    }
 }
 
 /// A push to send to every shard.
@@ -777,13 +763,16 @@ impl WorkerMachine {
             if self.busy.is_none() && own_may_compute {
                 if let Some(job) = self.help.pop_front() {
                     self.busy = Some(Busy::Computing(Some(job)));
-                    self.out.push_back(Action::Compute(ComputeJob {
-                        kind: JobKind::Help { owner: job.owner },
-                        iteration: job.iteration,
+                    let work = Tasks {
                         part: job.moved.part,
+                        iteration: job.iteration,
                         batch: job.moved.batch,
                         tasks: job.first..job.first + job.count,
                         total: job.moved.total,
+                    };
+                    self.out.push_back(Action::Compute(ComputeJob {
+                        kind: JobKind::Help { owner: job.owner },
+                        work,
                         whole: false,
                         first_of_iteration: false,
                         local_steps: 0,
@@ -865,13 +854,10 @@ impl WorkerMachine {
     /// Starts the next task of the own iteration, or ends its computation.
     fn next_own_task(&mut self) {
         let c = self.cur;
+        let part = self.cfg.part;
         let job = |tasks: Range<u32>, whole: bool, first: bool| ComputeJob {
             kind: JobKind::Own,
-            iteration: c.iteration,
-            part: self.cfg.part,
-            batch: c.batch,
-            tasks,
-            total: c.total.max(1),
+            work: Tasks { part, iteration: c.iteration, batch: c.batch, tasks, total: c.total.max(1) },
             whole,
             first_of_iteration: first,
             local_steps: if whole { c.local_steps } else { 0 },

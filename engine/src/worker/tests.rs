@@ -80,7 +80,7 @@ fn a_hand_over_yields_exactly_the_tasks_not_started_and_the_push_covers_the_rest
     m.handle(1, Input::Pulled { deferred: false, deferred_ns: 0, local_steps: 0 }).unwrap();
     let a = actions(&mut m, 1);
     assert!(
-        matches!(&a[..], [Action::Compute(j)] if j.tasks == (0..1) && j.first_of_iteration),
+        matches!(&a[..], [Action::Compute(j)] if j.work.tasks == (0..1) && j.first_of_iteration),
         "task 0 starts: {a:?}"
     );
     // While task 0 computes, worker 2 asks for tasks 0..4: only 1..4 are not started.
@@ -114,7 +114,7 @@ fn moved_tasks_are_computed_between_own_work_and_pushed_for_their_owner() {
     let a = actions(&mut m, 1);
     let [Action::Compute(j)] = &a[..] else { panic!("{a:?}") };
     assert_eq!(
-        (j.kind, j.iteration, j.part, j.tasks.clone(), j.total),
+        (j.kind, j.work.iteration, j.work.part, j.work.tasks.clone(), j.work.total),
         (JobKind::Help { owner: 0 }, 3, 0, 6..8, 8)
     );
     m.handle(1, computed(8)).unwrap();
@@ -240,11 +240,7 @@ fn local_steps_leave_the_pseudo_gradient_of_the_inner_optimizer() {
     bufs.set_inner_optimizer(OptimizerConfig::AVERAGING);
     let job = ComputeJob {
         kind: JobKind::Own,
-        iteration: 0,
-        part: 2,
-        batch: 4,
-        tasks: 0..1,
-        total: 1,
+        work: syncopate_workloads::Tasks { part: 2, iteration: 0, batch: 4, tasks: 0..1, total: 1 },
         whole: true,
         first_of_iteration: false,
         local_steps: 5,

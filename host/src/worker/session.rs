@@ -731,7 +731,7 @@ impl Driver {
                     match action {
                         Action::Pull { iteration } => return Ok(Next::Pull(iteration)),
                         Action::Compute(job) => {
-                            let (iteration, batch, local_steps) = (job.iteration, job.batch, job.local_steps);
+                            let (iteration, batch, local_steps) = (job.work.iteration, job.work.batch, job.local_steps);
                             return Ok(Next::Compute(Step { iteration, batch, local_steps }));
                         }
                         Action::Push(job) if job.kind == JobKind::Own && job.tasks.is_none() => {
