@@ -537,6 +537,8 @@ fn a_rebuild_learns_the_rejoined_servers_addresses() {
     let mut m = machine(2, 2, 1);
     m.rebuild(0, &held, &Record::default(), &BTreeMap::from([(0, at(0))]));
     assert_eq!(m.server_addrs(), &[at(0), UNKNOWN_ADDR]);
+    let unknown = Replacement::NotAtLostAddress { lost: vec![(1, UNKNOWN_ADDR)] };
+    assert_eq!(m.replace_server_at(10_000 * MS, at(1)), Err(unknown));
     // With the old coordinator's record, the lost server keeps its address, and a process
     // restarted there takes its id back (once a peer timeout has passed since the rebuild);
     // a rejoined server's own address wins over the record's.
@@ -638,7 +640,6 @@ fn the_start_barrier_opens_when_all_are_ready_or_its_wait_runs_out() {
     assert!(!m.worker_ready(5 * MS, 0));
     assert!(!m.worker_ready(6 * MS, 0), "a worker counts once");
     assert!(!m.worker_ready(7 * MS, 1));
-    assert!(m.poll_timeout().is_some_and(|t| t <= (5 + 60_000) * MS), "the barrier's wait is a timer");
     assert!(drain(&mut m).is_empty());
     assert!(m.worker_ready(8 * MS, 2));
     assert_eq!(drain(&mut m), vec![CoordOutput::Started { ready: 3, want: 3 }]);
