@@ -365,13 +365,15 @@ pub enum Reconnect {
 
 /// What a coordinator records outside itself (its driver keeps it in the checkpoint directory)
 /// for a restarted coordinator's rebuild: what no surviving server may know.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Record {
     /// Each shard's term ([`CoordinatorMachine::terms`]): a promotion's term is recorded before
     /// the workers hear of the move, so a rebuild never takes a copy older than one they used.
     pub terms: Vec<u64>,
     /// Each server's address, by id ([`CoordinatorMachine::server_addrs`]): a server lost
-    /// before the restart can still be replaced at its address after it.
+    /// before the restart can still be replaced at its address after it. (Absent from a record
+    /// written before addresses were recorded: none.)
+    #[serde(default)]
     pub servers: Vec<SocketAddr>,
 }
 
@@ -645,14 +647,10 @@ impl CoordinatorMachine {
         self.answered
     }
 
-    /// A server restarted in the place of lost server `server` (failed over, so it holds
-    /// nothing): it takes the id back, empty, with a lease from `now_ns` as a new server's, and
-    /// every shard without a backup gets one on the next live server after its primary's,
-    /// this one included (at once, or when the failover under way re-replicates). Refused while
-    /// the server still counts as live (its old process's lease has not lapsed: the driver must
-    /// also refuse that process's renewals from now on), while it or the map is changing (its
-    /// failover, a swap, a rebuild, new backups under way), or for an id the cluster does not
-    /// have; nothing changes then.
+    /// Lost server `server`'s id taken back by a new process ([`replace_server_at`]'s rules,
+    /// once the address has named the id).
+    ///
+    /// [`replace_server_at`]: Self::replace_server_at
     fn replace_server(&mut self, now_ns: u64, server: u32) -> Result<(), Refusal> {
         let servers = self.cfg.servers;
         let not_yet = |why| Err(Refusal::NotYet { server, why });

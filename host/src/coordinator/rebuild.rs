@@ -72,11 +72,9 @@ struct RecordedTerms {
     /// SHA-256 of the cluster's admission key (the key itself stays secret): a file left by
     /// another cluster in the same directory is ignored.
     cluster: [u8; 32],
-    /// By shard.
-    terms: Vec<u64>,
-    /// By server id.
-    #[serde(default)]
-    servers: Vec<SocketAddr>,
+    /// The shards' terms and the servers' addresses.
+    #[serde(flatten)]
+    record: Record,
 }
 
 fn cluster_of(key: AdmissionKey) -> [u8; 32] {
@@ -129,11 +127,7 @@ impl Coordinator {
     /// servers' word only).
     pub(super) async fn record(&self, record: Record, key: AdmissionKey) {
         let Some(dir) = self.opts.checkpoint_dir.clone() else { return };
-        let file = RecordedTerms {
-            cluster: cluster_of(key),
-            terms: record.terms.clone(),
-            servers: record.servers.clone(),
-        };
+        let file = RecordedTerms { cluster: cluster_of(key), record };
         let bytes = serde_json::to_vec(&file).expect("terms serialize");
         let written = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -143,7 +137,7 @@ impl Coordinator {
         .map_err(|e| e.to_string())
         .and_then(|r| r);
         match written {
-            Ok(()) => self.lock().recorded = record,
+            Ok(()) => self.lock().recorded = file.record,
             Err(e) => tracing::warn!("cannot record the shards' terms: {e}"),
         }
     }
@@ -156,12 +150,12 @@ impl Coordinator {
         let read = tokio::task::spawn_blocking(move || std::fs::read(&path)).await;
         let Ok(Ok(bytes)) = read else { return Record::default() };
         match serde_json::from_slice::<RecordedTerms>(&bytes) {
-            Ok(r)
-                if r.cluster == cluster_of(key)
-                    && r.terms.len() == self.opts.shards as usize
-                    && r.servers.len() <= self.opts.servers as usize =>
+            Ok(RecordedTerms { cluster, record })
+                if cluster == cluster_of(key)
+                    && record.terms.len() == self.opts.shards as usize
+                    && record.servers.len() <= self.opts.servers as usize =>
             {
-                Record { terms: r.terms, servers: r.servers }
+                record
             }
             Ok(_) => {
                 tracing::warn!("ignoring {TERMS_FILE}: it belongs to another cluster");
@@ -365,17 +359,14 @@ mod tests {
     /// recorded wrote it (read with none): the file's format, pinned.
     #[test]
     fn the_recorded_terms_file_reads_as_written_and_without_addresses_as_before() {
-        let file = RecordedTerms {
-            cluster: [7; 32],
-            terms: vec![0, 2],
-            servers: vec![SocketAddr::from(([127, 0, 0, 1], 7071))],
-        };
+        let servers = vec![SocketAddr::from(([127, 0, 0, 1], 7071))];
+        let file = RecordedTerms { cluster: [7; 32], record: Record { terms: vec![0, 2], servers } };
         let json = serde_json::to_string(&file).expect("serializes");
         let cluster = format!("[{}]", ["7"; 32].join(","));
         assert_eq!(json, format!(r#"{{"cluster":{cluster},"terms":[0,2],"servers":["127.0.0.1:7071"]}}"#));
         assert_eq!(serde_json::from_str::<RecordedTerms>(&json).expect("reads"), file);
         let before = format!(r#"{{"cluster":{cluster},"terms":[0,2]}}"#);
         let read = serde_json::from_str::<RecordedTerms>(&before).expect("reads");
-        assert_eq!((read.terms, read.servers), (vec![0, 2], vec![]));
+        assert_eq!(read.record, Record { terms: vec![0, 2], servers: vec![] });
     }
 }
