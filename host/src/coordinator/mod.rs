@@ -307,7 +307,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             }
         })
     });
-    let monitor = (coord.opts.replicas > 0).then(|| tokio::spawn(coord.clone().monitor()));
+    let monitor = coord.monitors_leases().then(|| tokio::spawn(coord.clone().monitor()));
     let _ = stop.wait_for(|s| *s).await;
     if let Some(p) = periodic {
         p.abort();
@@ -706,6 +706,12 @@ impl Coordinator {
         }
     }
 
+    /// Whether the lease monitor runs (with backups: without, a lost server has nothing to fail
+    /// over to). It drives the machine's timers then.
+    fn monitors_leases(&self) -> bool {
+        self.opts.replicas > 0
+    }
+
     /// Checks the servers' leases every 100 ms: the machine fails over those that lapsed.
     async fn monitor(self: Arc<Self>) {
         let tick = Duration::from_millis(100);
@@ -1007,7 +1013,7 @@ impl Coordinator {
         // With backups, the lease monitor drives the machine's timers every 100 ms (crediting a
         // stalled process first, so no lease lapses for the coordinator's own stall); without,
         // nothing else does, and the machine's only timer is the barrier's.
-        let drives_timers = self.opts.replicas == 0;
+        let drives_timers = !self.monitors_leases();
         while !open && !*rx.borrow_and_update() {
             let due = drives_timers.then(|| self.lock().machine.poll_timeout()).flatten();
             match due.map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns()))) {
