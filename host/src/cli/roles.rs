@@ -42,7 +42,7 @@ pub struct CoordinatorArgs {
     pub max_workers: u32,
     /// How long workers wait for all servers to register, and training for all `--workers` to
     /// be ready (counted from the first), in seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = crate::coordinator::DEFAULT_STARTUP_TIMEOUT_S)]
     pub startup_timeout_s: u64,
     /// Write the bound address to this file once listening.
     #[arg(long)]

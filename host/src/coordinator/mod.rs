@@ -114,7 +114,8 @@ pub struct CoordinatorOptions {
     /// How long every live worker may wait on a shard's policy before that is the rule's
     /// failure (zero: never; see [`crate::shard::SupervisorConfig::no_progress_ns`]).
     pub no_progress: Duration,
-    /// How long workers wait for all servers to register.
+    /// How long workers wait for all servers to register, and the start barrier for all
+    /// `workers` after the first ([`DEFAULT_STARTUP_TIMEOUT_S`] by default).
     pub startup_timeout: Duration,
     /// Worker ids are `0..max_workers` ([`crate::net::proto::DEFAULT_MAX_WORKERS`] by default).
     pub max_workers: u32,
@@ -131,6 +132,9 @@ pub struct CoordinatorOptions {
     /// Backups per shard (0 or 1; 1 needs at least two servers).
     pub replicas: u32,
 }
+
+/// The default of [`CoordinatorOptions::startup_timeout`], in seconds.
+pub const DEFAULT_STARTUP_TIMEOUT_S: u64 = 60;
 
 struct State {
     /// By server id: the connection it registered on (`None` for a server a restarted

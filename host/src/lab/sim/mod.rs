@@ -108,7 +108,7 @@ pub const PEER_TIMEOUT_NS: u64 = 10_000_000_000;
 const REJOIN_GRACE_NS: u64 = PEER_TIMEOUT_NS;
 /// How long the start barrier waits for the workers there at the start: a cluster's default
 /// (`--startup-timeout-s`).
-const START_WAIT_MS: u64 = 60_000;
+const START_WAIT_MS: u64 = crate::coordinator::DEFAULT_STARTUP_TIMEOUT_S * 1000;
 
 /// A run in which nothing happens for this long but lease renewals and observations has
 /// stalled, and ends (10 minutes of virtual time).
