@@ -20,7 +20,6 @@ pub(super) fn build(
         return Err(SimError::Script(script.clone()));
     }
     let n = sc.workers;
-    let late_joiners = (0..n).filter(|w| opts.faults.late_join.iter().any(|l| l.0 == *w)).count() as u32;
     let shards_n = opts.run.shards();
     let module = load(policy, rt)?;
     let mut swaps = Vec::new();
@@ -183,8 +182,8 @@ pub(super) fn build(
         replicas: sc.replicas,
         max_workers: n.max(crate::shard::DEFAULT_MAX_WORKERS),
         peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
-        // The workers there at the start, and a cluster's default wait for them.
-        start: (n - late_joiners, START_WAIT_MS),
+        // The workers there at the start (not the late joiners), and a cluster's default wait.
+        start: (workers.iter().filter(|w| !w.absent).count() as u32, START_WAIT_MS),
     });
     for x in 0..sc.servers {
         coord.register_server(0, super::server_addr(x)).map_err(|e| SimError::Options(e.to_string()))?;
