@@ -53,8 +53,10 @@ use crate::placement::{self, Failover, Place};
 use crate::shard::{ClockRaise, Frontier};
 
 pub mod checkpoint;
+pub mod errors;
 pub mod rebuild;
 pub use checkpoint::{CheckpointError, CheckpointOutcome};
+pub use errors::{listed, CommandError, ServerError, ShardFailure};
 pub use rebuild::{resolve, GatherError, Gathered, Gathering, Held, Rebuilt, Resolution, REJOIN_WAIT_MS};
 
 /// What the cluster is set up as.
@@ -141,15 +143,15 @@ pub enum Answer {
 }
 
 /// How a hot swap ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum SwapOutcome {
     /// Every server switched.
     Committed,
     /// These servers could not prepare the module, with why: no server switched.
-    Refused(Vec<(u32, String)>),
+    Refused(Vec<(u32, CommandError)>),
     /// Every server prepared it, but these could not switch all their shards, with why (a
     /// shard's state refused it, or the server died meanwhile): the others switched.
-    Partial(Vec<(u32, String)>),
+    Partial(Vec<(u32, CommandError)>),
 }
 
 /// A hot swap that cannot begin (on the wire inside the coordinator's refusal: add variants
@@ -173,7 +175,7 @@ pub enum SwapError {
 }
 
 /// What the machine asks its driver to do, or tells it happened.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum CoordOutput {
     /// Send `command` to server `server`, and report its result with
     /// [`CoordinatorMachine::command_done`].
@@ -419,7 +421,7 @@ struct SwapRound {
     /// Preparing, or (once every server prepared) committing.
     committing: bool,
     /// Servers whose preparation or commit failed, with why.
-    failed: Vec<(u32, String)>,
+    failed: Vec<(u32, CommandError)>,
     /// The workers' clocks the servers answered their preparation with.
     frontier: Frontier,
     /// What the commit raises the workers' clocks by (set once every server prepared).
@@ -786,7 +788,7 @@ impl CoordinatorMachine {
     }
 
     /// The result of command `id`.
-    pub fn command_done(&mut self, id: CommandId, result: Result<Answer, String>) {
+    pub fn command_done(&mut self, id: CommandId, result: Result<Answer, CommandError>) {
         let Some(purpose) = self.pending.remove(&id) else { return };
         let ok = result.is_ok();
         match purpose {

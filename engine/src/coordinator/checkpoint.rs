@@ -21,15 +21,15 @@
 //! folder, the module and the manifest) and the simulator (`host/src/lab/sim/control.rs`,
 //! which keeps each round's snapshots and checks them when the round is taken).
 
-use super::{Command, CoordOutput, CoordinatorMachine, Purpose};
+use super::{Command, CommandError, CoordOutput, CoordinatorMachine, Purpose};
 
 /// How a checkpoint round ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum CheckpointOutcome {
     /// Every shard's snapshot was written.
     Taken,
     /// These shards' snapshots were not, with why: the round is not usable.
-    Abandoned(Vec<(u32, String)>),
+    Abandoned(Vec<(u32, CommandError)>),
 }
 
 /// A checkpoint round that cannot begin now (a later one may).
@@ -65,7 +65,7 @@ pub enum CheckpointError {
 pub(super) struct CheckpointRound {
     pub(super) round: u64,
     /// Shards whose snapshot was not written, with why.
-    pub(super) failed: Vec<(u32, String)>,
+    pub(super) failed: Vec<(u32, CommandError)>,
 }
 
 impl CoordinatorMachine {
@@ -115,7 +115,7 @@ impl CoordinatorMachine {
     }
 
     /// A shard's snapshot command is done: once all are, the round ends.
-    pub(super) fn snapshot_done(&mut self, shard: u32, result: Result<(), String>) {
+    pub(super) fn snapshot_done(&mut self, shard: u32, result: Result<(), CommandError>) {
         if let (Some(r), Err(e)) = (self.checkpoint.as_mut(), result) {
             r.failed.push((shard, e));
         }

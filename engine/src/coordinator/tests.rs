@@ -30,7 +30,11 @@ fn settle(m: &mut CoordinatorMachine, ok: impl Fn(u32, Command) -> bool) -> Vec<
     let mut seen = Vec::new();
     while let Some(out) = m.poll_output() {
         if let CoordOutput::Command { id, server, command } = out {
-            let r = if ok(server, command) { Ok(Answer::Done) } else { Err("refused".into()) };
+            let r = if ok(server, command) {
+                Ok(Answer::Done)
+            } else {
+                Err(ServerError::Prepare("refused".into()).into())
+            };
             m.command_done(id, r);
         }
         seen.push(out);
@@ -87,7 +91,7 @@ fn backups_are_attached_before_workers_are_welcomed() {
     m.command_done(0, Ok(Answer::Done));
     assert!(!m.is_replicated());
     // A backup that could not be attached leaves its shard without one; the cluster starts.
-    m.command_done(1, Err("no".into()));
+    m.command_done(1, Err(CommandError::Unanswered(10_000)));
     assert_eq!(drain(&mut m), vec![CoordOutput::Replicated]);
     assert_eq!(m.places()[0].backup, Some(1));
     assert_eq!(m.places()[1].backup, None);
@@ -214,7 +218,7 @@ fn a_swap_commits_only_once_every_live_server_has_prepared_it() {
     assert_eq!(aborts.count(), 3);
     assert!(out.contains(&CoordOutput::SwapDone {
         swap: 1,
-        outcome: SwapOutcome::Refused(vec![(1, "refused".into())])
+        outcome: SwapOutcome::Refused(vec![(1, ServerError::Prepare("refused".into()).into())])
     }));
     assert_eq!(m.swaps(), 0);
     // The next try commits everywhere.
@@ -230,7 +234,10 @@ fn a_swap_commits_only_once_every_live_server_has_prepared_it() {
     let out = settle(&mut m, |server, c| !(server == 2 && matches!(c, Command::Commit { .. })));
     assert_eq!(
         out.last(),
-        Some(&CoordOutput::SwapDone { swap: 2, outcome: SwapOutcome::Partial(vec![(2, "refused".into())]) })
+        Some(&CoordOutput::SwapDone {
+            swap: 2,
+            outcome: SwapOutcome::Partial(vec![(2, ServerError::Prepare("refused".into()).into())])
+        })
     );
     assert_eq!(m.swaps(), 2);
 }
@@ -406,7 +413,7 @@ fn a_rebuild_promotes_the_backups_of_a_primary_that_did_not_rejoin() {
                 assert_eq!(m.terms(), [1, 0]);
             }
             false => {
-                m.command_done(id, Err("gone".into()));
+                m.command_done(id, Err(CommandError::Transport("connection lost".into())));
                 assert_eq!(drain(&mut m), vec![CoordOutput::ShardLost { shard: 0, server: 1 }]);
                 assert_eq!(m.terms(), [0, 0]);
             }
@@ -456,7 +463,7 @@ fn a_round_missing_a_shard_is_abandoned_and_names_it() {
         out.last(),
         Some(&CoordOutput::CheckpointDone {
             round: 1,
-            outcome: CheckpointOutcome::Abandoned(vec![(1, "refused".into())])
+            outcome: CheckpointOutcome::Abandoned(vec![(1, ServerError::Prepare("refused".into()).into())])
         })
     );
     assert_eq!(m.begin_checkpoint(), Ok(2), "an abandoned round does not block the next");

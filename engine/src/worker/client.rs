@@ -4,7 +4,9 @@
 //!
 //! One [`ClientMachine`] per worker, for all its shards. It keeps
 //! - **the route**: which server holds each shard now, changed only by a move the coordinator
-//!   announced, and only to a server the cluster has ([`ClientMachine::moved`]);
+//!   announced, and only to a server the cluster has ([`ClientMachine::moved`]); after every
+//!   move heard, the worker joins the shard's new primary before it asks it anything
+//!   ([`ClientMachine::rejoin_due`]), or that primary drops it after its rejoin grace;
 //! - **the numbering**: per shard, what the shard's numbering of this worker's iterations adds
 //!   to the worker's own (set when a late joiner starts, [`super::join::Joining`]; moved when a
 //!   promoted shard that had dropped the worker takes it back afresh,
@@ -16,23 +18,27 @@
 //!   result ([`Tally::Done`]);
 //! - **what a loss means** ([`ClientMachine::after_loss`]): a server that refuses for want of a
 //!   lease is asked again after a heartbeat; a lost one is waited out until the coordinator
-//!   moves its shards (only with backups: without, it is an error);
+//!   moves its shards (only with backups: without, it is an error); either is given up
+//!   [`MOVE_WAIT_NS`] after the shard's server was first lost, a wait that counts again from the
+//!   coordinator's return while it is away ([`ClientMachine::coordinator_away`]);
 //! - **what to send again after a move** ([`ClientMachine::awaits_pull`],
 //!   [`ClientMachine::awaits_push`]): a pull or push the new primary must see, because its
 //!   shard has not answered it.
 //!
 //! The tokio client (`WorkerClient` in `syncopate worker` and the Python package) and the
 //! simulator both drive this machine, so a failover that the fault search passes is one the
-//! cluster's client takes the same way. The drivers own the bytes (encoding, QUIC streams) and
-//! the waiting.
+//! cluster's client takes the same way. The drivers own the bytes (encoding, QUIC streams),
+//! the connections (a driver dials a server whose connection ended again before it asks it) and
+//! the waiting; the machine says how long each wait may last, from the time the driver gives it.
 
 use super::join::JoinAnswer;
 use crate::shard::RequestError;
 
 /// How long a worker waits for a lost shard to move (or its server to serve again) before it
-/// gives up; drivers extend it while the coordinator is away. A coordinator that dies stops the
-/// servers' leases at once, but the worker notices only after the peer timeout (10 s by
-/// default), so this is longer than that.
+/// gives up, from the first loss; while the coordinator is away it waits on, and the wait
+/// counts again from its return. A coordinator that dies stops the servers' leases at once,
+/// but the worker notices only after the peer timeout (10 s by default), so this is longer than
+/// that.
 pub const MOVE_WAIT_NS: u64 = 20_000_000_000;
 
 /// How many pulls, and how many pushes of each kind, a client keeps count of at once. A
@@ -162,6 +168,14 @@ struct Link {
     offset: i64,
     /// The version of the parameters last pulled from it.
     based_on: Option<u64>,
+    /// When a request to its server was first lost since the server last answered or the shard
+    /// last moved, in the driver's nanoseconds: the move wait counts from then.
+    lost_since: Option<u64>,
+    /// The moves heard of so far.
+    moves: u64,
+    /// The moves heard of when the worker last joined the shard's primary: while fewer than
+    /// `moves`, it must join the new primary before it asks it anything.
+    joined_after: u64,
 }
 
 /// A pull across shards: its iteration, which shards answered, and what they said.
@@ -196,6 +210,9 @@ pub struct ClientMachine {
     pulls: Vec<PullRound>,
     /// Pushes being counted, oldest first.
     pushes: Vec<PushRound>,
+    /// Whether the worker's link to the coordinator ended and no new one began: no move can
+    /// come meanwhile, so no wait for one is given up.
+    coordinator_away: bool,
 }
 
 impl ClientMachine {
@@ -205,8 +222,25 @@ impl ClientMachine {
         if let Some(&server) = routes.iter().find(|s| **s >= servers) {
             return Err(RouteError::NoSuchServer { server, servers });
         }
-        let links = routes.iter().map(|&server| Link { server, offset: 0, based_on: None }).collect();
-        Ok(ClientMachine { replicated, servers, links, pulls: Vec::new(), pushes: Vec::new() })
+        let links = routes
+            .iter()
+            .map(|&server| Link {
+                server,
+                offset: 0,
+                based_on: None,
+                lost_since: None,
+                moves: 0,
+                joined_after: 0,
+            })
+            .collect();
+        Ok(ClientMachine {
+            replicated,
+            servers,
+            links,
+            pulls: Vec::new(),
+            pushes: Vec::new(),
+            coordinator_away: false,
+        })
     }
 
     /// Whether shards have backups.
@@ -223,15 +257,32 @@ impl ClientMachine {
         self.links[i].server
     }
 
-    /// The coordinator says shard `shard` is on server `server` now. Returns whether that is a
-    /// move (not where the client already had it).
+    /// The coordinator says shard `shard` is on server `server` now (a notice of a move, or its
+    /// map when the worker rejoins it). Returns whether the server is another than the one the
+    /// client had. Either way the shard's primary may be a new one (promoted on the same server,
+    /// or by a rebuild), which takes the worker back only if it joins again within its rejoin
+    /// grace: the worker must join it before it asks it anything ([`rejoin_due`](Self::rejoin_due)).
     pub fn moved(&mut self, shard: u32, server: u32) -> Result<bool, RouteError> {
         let shards = self.links.len();
         let link = self.links.get_mut(shard as usize).ok_or(RouteError::NoSuchShard { shard, shards })?;
         if server >= self.servers {
             return Err(RouteError::NoSuchServer { server, servers: self.servers });
         }
-        Ok(std::mem::replace(&mut link.server, server) != server)
+        link.moves += 1;
+        let moved = std::mem::replace(&mut link.server, server) != server;
+        if moved {
+            link.lost_since = None;
+        }
+        Ok(moved)
+    }
+
+    /// Whether the worker must join shard `i`'s primary again before it asks it anything (a
+    /// move was heard since it last did), and if so the ticket its join's answer is given back
+    /// with ([`rejoined`](Self::rejoined)). A driver joins before its next request there, or at
+    /// once.
+    pub fn rejoin_due(&self, i: usize) -> Option<u64> {
+        let link = &self.links[i];
+        (link.joined_after < link.moves).then_some(link.moves)
     }
 
     /// The worker starts with shard `i` numbering its iterations `offsets[i]` on from its own
@@ -270,21 +321,66 @@ impl ClientMachine {
     /// from the clock it joined at, and those before were all applied there, so a push asked
     /// again is applied once or acknowledged as the duplicate it is. Returns by how much the
     /// numbering moved (`None`: the shard still counted the worker, nothing changes).
-    pub fn rejoined(&mut self, i: usize, answer: JoinAnswer) -> Option<i64> {
+    ///
+    /// `ticket` is what [`rejoin_due`](Self::rejoin_due) said when the join was sent: a move
+    /// heard since then makes the worker join again.
+    pub fn rejoined(&mut self, i: usize, ticket: u64, answer: JoinAnswer) -> Option<i64> {
+        let link = &mut self.links[i];
+        link.joined_after = link.joined_after.max(ticket);
         if answer.member {
             return None;
         }
         let by = answer.clock as i64 - answer.next as i64;
-        self.links[i].offset += by;
+        link.offset += by;
         Some(by)
     }
 
-    /// What the driver does after a request to shard `i`'s server was lost this way.
-    pub fn after_loss(&self, loss: Loss) -> Retry {
-        match (self.replicated, loss) {
-            (false, _) => Retry::Fail,
-            (true, Loss::Unleased) => Retry::AskAgain { after_ns: crate::lease::HEARTBEAT_MS * 1_000_000 },
-            (true, Loss::Lost) => Retry::AwaitMove { within_ns: MOVE_WAIT_NS },
+    /// What the driver does after a request to shard `i`'s server was lost this way, at
+    /// `now_ns` (the driver's clock). Without backups the request fails at once. With them,
+    /// the worker waits for the server to serve again or for the shard to move, until
+    /// [`MOVE_WAIT_NS`] after the shard's server was first lost (since it last answered,
+    /// [`reached`](Self::reached), or the shard last moved); while the coordinator is away
+    /// there is no end.
+    ///
+    /// # Panics
+    /// If `i` is not a shard's index.
+    pub fn after_loss(&mut self, now_ns: u64, i: usize, loss: Loss) -> Retry {
+        if !self.replicated {
+            return Retry::Fail;
+        }
+        let since = *self.links[i].lost_since.get_or_insert(now_ns);
+        let left = match self.coordinator_away {
+            true => MOVE_WAIT_NS,
+            false => (since.saturating_add(MOVE_WAIT_NS)).saturating_sub(now_ns),
+        };
+        match loss {
+            _ if left == 0 => Retry::Fail,
+            Loss::Unleased => Retry::AskAgain { after_ns: crate::lease::HEARTBEAT_MS * 1_000_000 },
+            Loss::Lost => Retry::AwaitMove { within_ns: left },
+        }
+    }
+
+    /// Shard `i`'s server answered a request (whatever it said): a later loss is waited out
+    /// from then.
+    pub fn reached(&mut self, i: usize) {
+        self.links[i].lost_since = None;
+    }
+
+    /// The worker's link to the coordinator ended (it may be restarting): no move can come
+    /// until it is back, so waits for one are not given up meanwhile.
+    pub fn coordinator_away(&mut self) {
+        self.coordinator_away = true;
+    }
+
+    /// The worker is linked to the coordinator again, at `now_ns` (and has its map): the wait
+    /// for a lost server counts from now (a server renews its lease with the new coordinator
+    /// only after the workers may have rejoined it).
+    pub fn coordinator_back(&mut self, now_ns: u64) {
+        self.coordinator_away = false;
+        for link in &mut self.links {
+            if link.lost_since.is_some() {
+                link.lost_since = Some(now_ns);
+            }
         }
     }
 
@@ -308,6 +404,7 @@ impl ClientMachine {
             return Tally::Stale;
         }
         self.links[i].based_on = Some(answer.version);
+        self.links[i].lost_since = None;
         round.stats.add(answer);
         round.left -= 1;
         if round.left > 0 {
@@ -366,6 +463,7 @@ impl ClientMachine {
         if std::mem::replace(&mut round.acked[i], true) {
             return Tally::Stale;
         }
+        self.links[i].lost_since = None;
         match answer {
             Ok(dropped) => round.dropped += u32::from(dropped),
             Err(e) => {
@@ -452,19 +550,88 @@ mod tests {
         c.start(&[0, -2]);
         assert_eq!((c.numbered(0, 10), c.numbered(1, 10)), (10, 8));
         assert!(!c.numbering_shared());
-        assert_eq!(c.rejoined(0, JoinAnswer { next: 12, clock: 15, member: true }), None);
-        assert_eq!(c.rejoined(0, JoinAnswer { next: 12, clock: 15, member: false }), Some(3));
+        assert_eq!(c.rejoined(0, 0, JoinAnswer { next: 12, clock: 15, member: true }), None);
+        assert_eq!(c.rejoined(0, 0, JoinAnswer { next: 12, clock: 15, member: false }), Some(3));
         assert_eq!((c.numbered(0, 10), c.numbered(1, 10)), (13, 8));
     }
 
     #[test]
+    fn every_move_heard_makes_the_worker_join_the_new_primary_before_it_asks_it_anything() {
+        let mut c = client();
+        assert_eq!((c.rejoin_due(0), c.rejoin_due(1)), (None, None));
+        // A move to another server, or a new primary on the same one (a rebuild, or a
+        // promotion back to a server restarted since): a join is due either way.
+        assert_eq!(c.moved(0, 2), Ok(true));
+        assert_eq!(c.moved(1, 1), Ok(false));
+        let (t0, t1) = (c.rejoin_due(0).unwrap(), c.rejoin_due(1).unwrap());
+        c.rejoined(1, t1, JoinAnswer { next: 3, clock: 3, member: true });
+        assert_eq!(c.rejoin_due(1), None);
+        // A move heard while the join was on its way: the worker joins again.
+        assert_eq!(c.moved(0, 1), Ok(true));
+        c.rejoined(0, t0, JoinAnswer { next: 3, clock: 3, member: true });
+        let again = c.rejoin_due(0).expect("the later move's join is still due");
+        // An older ticket's answer, late, changes nothing.
+        c.rejoined(0, t0, JoinAnswer { next: 3, clock: 3, member: true });
+        assert_eq!(c.rejoin_due(0), Some(again));
+        c.rejoined(0, again, JoinAnswer { next: 3, clock: 3, member: true });
+        assert_eq!(c.rejoin_due(0), None);
+    }
+
+    #[test]
     fn a_loss_is_waited_out_only_with_backups() {
-        let c = client();
-        assert_eq!(c.after_loss(Loss::Unleased), Retry::AskAgain { after_ns: 200_000_000 });
-        assert_eq!(c.after_loss(Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
-        let alone = ClientMachine::new(&[0], 1, false).unwrap();
-        assert_eq!(alone.after_loss(Loss::Lost), Retry::Fail);
-        assert_eq!(alone.after_loss(Loss::Unleased), Retry::Fail);
+        let mut c = client();
+        assert_eq!(c.after_loss(0, 0, Loss::Unleased), Retry::AskAgain { after_ns: 200_000_000 });
+        assert_eq!(c.after_loss(0, 1, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        let mut alone = ClientMachine::new(&[0], 1, false).unwrap();
+        assert_eq!(alone.after_loss(0, 0, Loss::Lost), Retry::Fail);
+        assert_eq!(alone.after_loss(0, 0, Loss::Unleased), Retry::Fail);
+    }
+
+    #[test]
+    fn a_lost_server_is_waited_for_from_its_first_loss_until_an_answer_or_a_move() {
+        let mut c = client();
+        let s = 1_000_000_000;
+        // The wait counts from the first loss, whatever the losses in between.
+        assert_eq!(c.after_loss(s, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        assert_eq!(c.after_loss(5 * s, 0, Loss::Unleased), Retry::AskAgain { after_ns: 200_000_000 });
+        assert_eq!(
+            c.after_loss(15 * s, 0, Loss::Lost),
+            Retry::AwaitMove { within_ns: MOVE_WAIT_NS - 14 * s }
+        );
+        assert_eq!(c.after_loss(s + MOVE_WAIT_NS, 0, Loss::Lost), Retry::Fail);
+        assert_eq!(c.after_loss(s + MOVE_WAIT_NS, 0, Loss::Unleased), Retry::Fail);
+        // The other shard's server was not lost.
+        assert_eq!(
+            c.after_loss(s + MOVE_WAIT_NS, 1, Loss::Lost),
+            Retry::AwaitMove { within_ns: MOVE_WAIT_NS }
+        );
+        // An answer from the server, or a move, starts the next wait afresh.
+        c.reached(0);
+        assert_eq!(c.after_loss(30 * s, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        assert_eq!(c.moved(0, 2), Ok(true));
+        assert_eq!(c.after_loss(60 * s, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        // A counted answer is an answer.
+        c.pull_begun(7);
+        c.pulled(0, 7, ShardPulled::default());
+        assert_eq!(c.after_loss(90 * s, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+    }
+
+    #[test]
+    fn while_the_coordinator_is_away_no_wait_is_given_up_and_it_counts_again_from_its_return() {
+        let mut c = client();
+        let s = 1_000_000_000;
+        assert_eq!(c.after_loss(0, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        c.coordinator_away();
+        assert_eq!(c.after_loss(100 * s, 0, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
+        assert_eq!(c.after_loss(100 * s, 0, Loss::Unleased), Retry::AskAgain { after_ns: 200_000_000 });
+        c.coordinator_back(120 * s);
+        assert_eq!(
+            c.after_loss(130 * s, 0, Loss::Lost),
+            Retry::AwaitMove { within_ns: MOVE_WAIT_NS - 10 * s }
+        );
+        assert_eq!(c.after_loss(120 * s + MOVE_WAIT_NS, 0, Loss::Lost), Retry::Fail);
+        // A shard whose server was not lost keeps no wait from the return.
+        assert_eq!(c.after_loss(200 * s, 1, Loss::Lost), Retry::AwaitMove { within_ns: MOVE_WAIT_NS });
     }
 
     #[test]

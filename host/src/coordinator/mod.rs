@@ -37,8 +37,8 @@ use crate::runtime::PolicyRuntime;
 use crate::shard::{OptimizerConfig, Partition, PushWeight};
 use crate::NodeError;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, CoordinatorConfig, CoordinatorMachine, Record, Refusal,
-    Replacement, SwapOutcome,
+    Answer, CheckpointOutcome, Command, CommandError, CoordOutput, CoordinatorConfig, CoordinatorMachine,
+    Record, Refusal, Replacement, SwapOutcome,
 };
 
 mod rebuild;
@@ -393,10 +393,10 @@ async fn command_server(
     i: u32,
     cmd: &ServerCommand,
     payload: &[u8],
-) -> Result<Answer, String> {
+) -> Result<Answer, CommandError> {
     match servers.get(i as usize) {
         Some((_, Some(c))) => command(c, cmd, payload).await,
-        _ => Err(format!("server {i} is not connected")),
+        _ => Err(CommandError::NotConnected(i)),
     }
 }
 
@@ -588,7 +588,7 @@ impl Coordinator {
     }
 
     /// Sends server `server` a command of the machine's, and logs what came of it.
-    async fn carry_out(&self, server: u32, what: Command) -> Result<Answer, String> {
+    async fn carry_out(&self, server: u32, what: Command) -> Result<Answer, CommandError> {
         let (servers, preparing, raise, incarnation) = {
             let st = self.lock();
             let incarnation = match what {
@@ -610,11 +610,11 @@ impl Coordinator {
                 Some((addr, _)) => {
                     (ServerCommand::AttachBackup { shard, addr: *addr, incarnation }, Vec::new())
                 }
-                None => return Err(format!("server {backup} is not registered")),
+                None => return Err(CommandError::NotRegistered(backup)),
             },
             Command::Prepare { swap } => match preparing {
                 Some(p) if p.swap == swap => (ServerCommand::Prepare { swap, policy: p.blob }, p.wasm),
-                _ => return Err(format!("swap {swap}'s module is not here")),
+                _ => return Err(CommandError::NoModule(swap)),
             },
             Command::Commit { swap } => (ServerCommand::Commit { swap, raise }, Vec::new()),
             Command::Abort { swap } => (ServerCommand::Abort { swap }, Vec::new()),
@@ -623,7 +623,7 @@ impl Coordinator {
                     let dir = crate::checkpoint::round_dir(dir, round).display().to_string();
                     (ServerCommand::Checkpoint { dir, shard }, Vec::new())
                 }
-                None => return Err("no checkpoint directory is set".into()),
+                None => return Err(CommandError::NoCheckpointDirectory),
             },
         };
         let result = command_server(&servers, server, &cmd, &payload).await;
@@ -1144,14 +1144,14 @@ impl Coordinator {
         };
         self.drive().await;
         let outcome = done.await.map_err(|_| CoordError::Abandoned(swap))?;
-        let named = |failed: Vec<(u32, String)>| {
+        let named = |failed: Vec<(u32, CommandError)>| {
             let addrs = self.lock().machine.server_addrs().to_vec();
             failed
                 .into_iter()
                 .map(|(server, reason)| ServerFailure {
                     server,
                     addr: addrs.get(server as usize).copied(),
-                    reason,
+                    reason: reason.to_string(),
                 })
                 .collect::<Vec<_>>()
         };
@@ -1230,32 +1230,38 @@ impl Coordinator {
                 0 => asked.await,
                 _ => tokio::time::timeout(Duration::from_millis(crate::net::proto::LEASE_MS), asked)
                     .await
-                    .unwrap_or_else(|_| Err("no answer within the lease".into())),
+                    .unwrap_or(Err(CommandError::Unanswered(crate::net::proto::LEASE_MS))),
             };
             match answer {
                 Ok(s) => status.servers.push(s),
                 Err(e) if self.opts.replicas > 0 => tracing::warn!(server = i, %addr, "no status: {e}"),
-                Err(reason) => return Err(CoordError::NoStatus { server: i as u32, addr: *addr, reason }),
+                Err(e) => {
+                    return Err(CoordError::NoStatus { server: i as u32, addr: *addr, reason: e.to_string() })
+                }
             }
         }
         Ok(status)
     }
 }
 
-async fn command(conn: &quinn::Connection, cmd: &ServerCommand, payload: &[u8]) -> Result<Answer, String> {
+async fn command(
+    conn: &quinn::Connection,
+    cmd: &ServerCommand,
+    payload: &[u8],
+) -> Result<Answer, CommandError> {
     match command_reply(conn, cmd, payload).await?.0 {
         ServerReply::Ok => Ok(Answer::Done),
         ServerReply::Clocks(clocks) => Ok(Answer::Clocks(clocks)),
-        ServerReply::Error(e) => Err(e.to_string()),
-        other => Err(format!("unexpected answer {other:?}")),
+        ServerReply::Error(e) => Err(CommandError::Refused(e)),
+        other => Err(CommandError::Unexpected(format!("{other:?}"))),
     }
 }
 
-async fn command_status(conn: &quinn::Connection) -> Result<crate::net::proto::ServerStatus, String> {
+async fn command_status(conn: &quinn::Connection) -> Result<crate::net::proto::ServerStatus, CommandError> {
     match command_reply(conn, &ServerCommand::Status, &[]).await?.0 {
         ServerReply::Status(s) => Ok(s),
-        ServerReply::Error(e) => Err(e.to_string()),
-        other => Err(format!("unexpected answer {other:?}")),
+        ServerReply::Error(e) => Err(CommandError::Refused(e)),
+        other => Err(CommandError::Unexpected(format!("{other:?}"))),
     }
 }
 
@@ -1263,11 +1269,11 @@ async fn command_reply(
     conn: &quinn::Connection,
     cmd: &ServerCommand,
     payload: &[u8],
-) -> Result<(ServerReply, Vec<u8>), String> {
+) -> Result<(ServerReply, Vec<u8>), CommandError> {
     let req = net::request::<_, ServerReply>(conn, cmd, payload.into(), &CONTROL_LIMITS);
     match tokio::time::timeout(COMMAND_TIMEOUT, req).await {
         Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {COMMAND_TIMEOUT:?}")),
+        Ok(Err(e)) => Err(CommandError::Transport(e.to_string())),
+        Err(_) => Err(CommandError::Unanswered(COMMAND_TIMEOUT.as_millis() as u64)),
     }
 }

@@ -115,7 +115,10 @@ fn same_cluster(
 
 /// Asks a server what it holds; its policy module comes as the payload.
 async fn ask_holdings(conn: &quinn::Connection) -> Result<(Holdings, Vec<u8>), RejoinRefused> {
-    match command_reply(conn, &ServerCommand::Holdings, &[]).await.map_err(RejoinRefused::NoHoldings)? {
+    match command_reply(conn, &ServerCommand::Holdings, &[])
+        .await
+        .map_err(|e| RejoinRefused::NoHoldings(e.to_string()))?
+    {
         (ServerReply::Holdings(h), wasm) => Ok((*h, wasm)),
         (other, _) => Err(RejoinRefused::NoHoldings(format!("it answered {other:?}"))),
     }

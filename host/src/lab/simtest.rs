@@ -11,9 +11,9 @@
 //! while, the coordinator's notices of moves reaching the workers late, a worker killed, the
 //! workers' messages to shards delayed so that they overtake each other, a hot swap (perhaps to
 //! a module that traps, spins or panics, one that refuses the running policy's state, or a rule
-//! that parks every pull or holds every push after a while: [`HOSTILE`]), a worker that hears of moves 10-30 s
-//! later still, as one stalled in a long iteration, messages and ops delivered twice, bad
-//! requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
+//! that parks every pull or holds every push after a while: [`HOSTILE`]), a worker that hears
+//! of moves 10-15 s later still, as one stalled in a long iteration, messages and ops delivered
+//! twice, bad requests from a buggy or hostile peer, one or two late joiners, and the coordinator crashed
 //! and restarted (rebuilding the cluster from its servers as a cluster's does; some crashes
 //! between two servers' commits of a swap), and a link cut for a while (a worker's to a
 //! server, or between two servers) (each in some of the seeds). It runs the seed on the counter workload (worker `w` pushes `w + 1`; lr 1, no
@@ -92,7 +92,9 @@ pub struct Case {
     /// length (only between policies whose sums are exact).
     pub swap: Option<PolicySpec>,
     /// A worker that hears of moves this many milliseconds later still, in the disturbed run
-    /// (10-30 s: longer than the grace promoted shards used to give).
+    /// (10-15 s: longer than the grace promoted shards used to give, shorter than the client's move
+    /// wait, after which a worker that still addresses a lost server gives up, as a cluster's
+    /// does).
     pub late_worker: Option<(u32, u64)>,
     /// The chance that a message a shard took (from a worker, or a backup from its primary)
     /// reaches it again (in both runs).
@@ -289,7 +291,7 @@ pub enum Fault {
     Reorder,
     /// The hot swap (to a hostile module or not).
     Swap,
-    /// The worker that hears of moves 10-30 s later still.
+    /// The worker that hears of moves 10-15 s later still.
     LateWorker,
     /// Messages and ops delivered twice.
     Duplicates,
@@ -479,7 +481,7 @@ impl Case {
         });
         // Drawn last, so that the draws above are what they were before it.
         let late_worker =
-            rng.random_bool(0.2).then(|| (rng.random_range(0..workers), rng.random_range(10_000..=30_000)));
+            rng.random_bool(0.2).then(|| (rng.random_range(0..workers), rng.random_range(10_000..=15_000)));
         let duplicate = if rng.random_bool(0.3) { rng.random_range(0.01..0.25) } else { 0.0 };
         // In some seeds the swap is to a module that traps, spins or panics on every pull or
         // every push after a while: the shards restart it, then quarantine it and go on under

@@ -635,10 +635,7 @@ impl std::fmt::Display for ServerFailure {
     }
 }
 
-/// Items joined by "; ": how an error or a report that lists several reads.
-pub fn listed<T: std::fmt::Display>(items: &[T]) -> String {
-    items.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
-}
+pub use syncopate_engine::coordinator::listed;
 
 /// Why the coordinator refuses a request ([`CoordResponse::Error`]). The variant is the code a
 /// program acts on; where the account of a failure comes from outside this protocol (a module
@@ -687,62 +684,7 @@ pub enum CoordError {
     NoneSwitched(Vec<ServerFailure>),
 }
 
-/// Why a server refuses a command of the coordinator ([`ServerReply::Error`]). The variant is
-/// the code; text is the account of what lies outside this protocol (a module, the disk, a
-/// peer). The wire carries the variant's index (pinned by a test): add variants only at the
-/// end.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, thiserror::Error)]
-pub enum ServerError {
-    /// The module could not be prepared here: it does not compile, or a shard's policy refused
-    /// the state handed over.
-    #[error("{0}")]
-    Prepare(String),
-    /// A commit of a swap this server did not prepare.
-    #[error("swap {0} was not prepared here")]
-    Unprepared(u64),
-    /// The commit reached these shards, which refused it.
-    #[error("{}", listed(.0))]
-    Commit(Vec<ShardFailure>),
-    /// A new backup could not be attached.
-    #[error("shard {shard}'s backup at {addr}: {reason}")]
-    Attach {
-        /// The shard.
-        shard: u32,
-        /// The backup's server.
-        addr: SocketAddr,
-        /// Why.
-        reason: String,
-    },
-    /// A promotion of a backup this server does not keep.
-    #[error("server {server} keeps no backup of shard {shard}")]
-    NoBackup {
-        /// The shard.
-        shard: u32,
-        /// This server.
-        server: u32,
-    },
-    /// The backup refused its promotion.
-    #[error("{0}")]
-    Promote(crate::shard::RequestError),
-    /// A checkpoint could not be written.
-    #[error("{0}")]
-    Checkpoint(String),
-}
-
-/// A shard's refusal of a command ([`ServerError::Commit`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ShardFailure {
-    /// The shard.
-    pub shard: u32,
-    /// Why.
-    pub error: crate::shard::RequestError,
-}
-
-impl std::fmt::Display for ShardFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "shard {}: {}", self.shard, self.error)
-    }
-}
+pub use syncopate_engine::coordinator::{ServerError, ShardFailure};
 
 /// Why the coordinator ended a server's lease ([`CoordResponse::LeaseEnded`]). The wire carries
 /// the variant's index (pinned by a test): add variants only at the end.

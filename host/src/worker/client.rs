@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use syncopate_engine::tasks::Handover;
-use syncopate_engine::worker::client::{ClientMachine, Loss, PushSlot, Retry, Tally, MOVE_WAIT_NS};
+use syncopate_engine::worker::client::{ClientMachine, Loss, PushSlot, Retry, Tally};
 pub use syncopate_engine::worker::client::{PullStats, ShardPulled};
 use syncopate_engine::worker::join::{JoinAnswer, JoinStep, Joining};
 use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
@@ -102,6 +102,8 @@ struct Route {
     /// Whether the shards have backups (the machine's, fixed at the welcome: read without the
     /// lock on every request).
     replicated: bool,
+    /// The machine's clock starts here.
+    epoch: tokio::time::Instant,
 }
 
 /// What a request to a shard is, for the client machine to say whether it still waits for it
@@ -145,6 +147,11 @@ impl Route {
         self.client().server(i)
     }
 
+    /// The machine's time now, in nanoseconds.
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
     /// The coordinator says `shard` is on `server` now (a notice, or a new welcome's map).
     fn moved(&self, shard: u32, server: u32) {
         match self.client().moved(shard, server) {
@@ -155,10 +162,6 @@ impl Route {
         self.moved.send_modify(|n| *n += 1);
     }
 }
-
-/// How long a worker waits for a lost shard to move (or its server to serve again) before it
-/// gives up, from the request's start; longer while the coordinator is away.
-const MOVE_WAIT: Duration = Duration::from_nanos(MOVE_WAIT_NS);
 
 /// Whether an error means the shard's server is gone or no longer its primary.
 fn server_lost(e: &NetError) -> bool {
@@ -247,7 +250,12 @@ impl WorkerClient {
         let conns = ServerLinks::new(conns, servers, hello(Some(worker), Some(ticket)), name.clone(), tx);
         let stop = watch::Sender::new(false);
         let replicated = client.replicated();
-        let route = Arc::new(Route { client: Mutex::new(client), moved: watch::channel(0).0, replicated });
+        let route = Arc::new(Route {
+            client: Mutex::new(client),
+            moved: watch::channel(0).0,
+            replicated,
+            epoch: tokio::time::Instant::now(),
+        });
         let (link, linked) = watch::channel(CoordinatorLink::Up(coordinator.clone()));
         let leaving = Arc::new(AtomicBool::new(false));
         let follow =
@@ -275,13 +283,17 @@ impl WorkerClient {
         })
     }
 
-    /// Runs `f` against the server holding shard `i` now. When that server is lost (the
-    /// coordinator moves the shard, or the server says it no longer holds it), the client
-    /// machine decides: without backups the request fails; with them the worker waits for the
-    /// move, rejoins the shard on its new primary and, if the machine still waits for what `f`
-    /// asks (`asked`), runs `f` again there: a push is then acknowledged once (as a duplicate
-    /// if the new primary had it), a parked pull is answered by the one the new primary has
-    /// parked. `f` numbers iterations as the shard does each time it runs
+    /// Runs `f` against the server holding shard `i` now. After a move was heard (a notice, or
+    /// the coordinator's map when the worker rejoins it) the worker first joins the shard's
+    /// new primary, which takes it back only if it does so within its rejoin grace
+    /// ([`ClientMachine::rejoin_due`]). When the server is lost (the coordinator moves the
+    /// shard, or the server says it no longer holds it), the client machine decides: without
+    /// backups the request fails; with them the worker waits for the server to serve again or
+    /// for the move, as long as the machine says ([`ClientMachine::after_loss`]), joins the
+    /// shard's new primary and, if the machine still waits for what `f` asks (`asked`), runs
+    /// `f` again there: a push is then acknowledged once (as a duplicate if the new primary had
+    /// it), a parked pull is answered by the one the new primary has parked. `f` numbers
+    /// iterations as the shard does each time it runs
     /// ([`shard_iteration`](Self::shard_iteration)): a new primary that had dropped this worker
     /// (it stayed away past the promoted shard's backstop) takes it as a new member, and says
     /// where its old numbering stopped; the machine numbers its iterations from the clock it
@@ -294,25 +306,49 @@ impl WorkerClient {
     ) -> Result<T, NetError> {
         let shard = i as u32;
         let replicated = self.route.replicated;
-        let mut deadline = tokio::time::Instant::now() + MOVE_WAIT;
+        // The loss that made this request be asked again, if one did.
+        let mut lost_before: Option<NetError> = None;
         loop {
             let server = self.route.server(i);
-            let lost = if replicated {
-                let conn = &self.servers.live(&self.endpoint, server).await;
+            let conn = match replicated {
+                true => self.servers.live(&self.endpoint, server).await,
+                false => self.servers.get(server),
+            };
+            let attempt = async {
+                if self.route.client().rejoin_due(i).is_some() {
+                    self.rejoin(&conn, i).await?;
+                    if lost_before.is_some() && !self.awaited(i, asked) {
+                        // The lost request's answer was counted already: nothing to ask the
+                        // new primary.
+                        return Ok(None);
+                    }
+                }
+                f(&conn).await.map(Some)
+            };
+            let result = if replicated {
                 let mut moved = self.route.moved.subscribe();
                 let gone = moved.wait_for(|_| self.route.server(i) != server);
                 tokio::select! {
-                    r = f(conn) => match r {
-                        Err(e) if server_lost(&e) => e,
-                        r => return r,
-                    },
-                    _ = gone => NetError::Moved { addr: conn.remote_address(), shard },
+                    r = attempt => r,
+                    _ = gone => Err(NetError::Moved { addr: conn.remote_address(), shard }),
                 }
             } else {
                 // No backup to move to: the request needs no watch.
-                match f(&self.servers.get(server)).await {
-                    Err(e) if server_lost(&e) => e,
-                    r => return r,
+                attempt.await
+            };
+            let lost = match result {
+                Ok(Some(answer)) => {
+                    self.route.client().reached(i);
+                    return Ok(answer);
+                }
+                Ok(None) => {
+                    return Err(lost_before.expect("only a request asked again finds itself answered"))
+                }
+                Err(e) if server_lost(&e) => e,
+                Err(e) => {
+                    // The server answered, with a refusal.
+                    self.route.client().reached(i);
+                    return Err(e);
                 }
             };
             let loss = match lost {
@@ -320,70 +356,68 @@ impl WorkerClient {
                 _ => Loss::Lost,
             };
             // A server that missed a lease renewal refuses for a moment, then serves again if
-            // the coordinator did not fail it over: ask it again after a pause, until the
-            // deadline.
-            let pause = match self.route.client().after_loss(loss) {
+            // the coordinator did not fail it over: it is asked again after a pause. A lost
+            // one is waited out until the shard moves. The machine says for how long.
+            let now = self.route.now();
+            let pause = match self.route.client().after_loss(now, i, loss) {
                 Retry::Fail => return Err(lost),
                 Retry::AskAgain { after_ns } => Duration::from_nanos(after_ns),
                 Retry::AwaitMove { within_ns } => Duration::from_nanos(within_ns),
             };
             let mut moved = self.route.moved.subscribe();
             let wait = moved.wait_for(|_| self.route.server(i) != server);
-            let until = deadline.min(tokio::time::Instant::now() + pause);
-            if tokio::time::timeout_at(until, wait).await.is_err() {
-                // While the coordinator is away (restarting), servers refuse for want of a
-                // lease: that lasts until it is back or gone, and the wait for the server
-                // counts from its return (a server renews its lease with the new coordinator
-                // after the workers may have rejoined it: on a busy machine, a wait counted
-                // from the request's start had run out by then).
-                if matches!(*self.coordinator.borrow(), CoordinatorLink::Away) {
-                    deadline = tokio::time::Instant::now() + MOVE_WAIT;
-                } else if tokio::time::Instant::now() >= deadline {
-                    return Err(lost);
-                }
-                continue;
-            }
-            let to = self.route.server(i);
-            tracing::warn!(
-                worker = self.id,
-                shard,
-                from = server,
-                to,
-                "shard moved ({lost}); retrying there"
-            );
-            let conn = &self.servers.live(&self.endpoint, to).await;
-            let _alone = self.rejoining[i].lock().await;
-            let request = DataRequest::Join { shard };
-            let answer =
-                match net::request::<_, DataResponse>(conn, &request, Payload::EMPTY, &self.limits).await? {
-                    (DataResponse::Rejoined { next, clock }, _) => JoinAnswer { next, clock, member: true },
-                    // Taken afresh: `next` is where its old numbering stopped.
-                    (DataResponse::Joined { clock, next }, _) => JoinAnswer { next, clock, member: false },
-                    (other, _) => return Err(refused(conn, other)),
-                };
-            if let Some(by) = self.route.client().rejoined(i, answer) {
+            // No move within the pause: the server is asked again (the machine gives up once
+            // the wait is over).
+            if tokio::time::timeout(pause, wait).await.is_ok() {
                 tracing::warn!(
                     worker = self.id,
                     shard,
-                    next = answer.next,
-                    clock = answer.clock,
-                    by,
-                    "the shard's new primary had dropped this worker: it numbers our iterations from {} on \
-                     from {} now",
-                    answer.next,
-                    answer.clock
+                    from = server,
+                    to = self.route.server(i),
+                    "shard moved ({lost}); retrying there"
                 );
             }
-            let awaited = match asked {
-                Asked::Pull(iteration) => self.route.client().awaits_pull(i, iteration),
-                Asked::Push(slot, iteration) => self.route.client().awaits_push(slot, i, iteration),
-                Asked::Note => true,
+            lost_before = Some(lost);
+        }
+    }
+
+    /// Joins shard `i`'s primary over `conn` after a move, one join at a time, and tells the
+    /// machine how it answered.
+    async fn rejoin(&self, conn: &quinn::Connection, i: usize) -> Result<(), NetError> {
+        let _alone = self.rejoining[i].lock().await;
+        // Another request may have joined meanwhile.
+        let Some(ticket) = self.route.client().rejoin_due(i) else { return Ok(()) };
+        let shard = i as u32;
+        let request = DataRequest::Join { shard };
+        let answer =
+            match net::request::<_, DataResponse>(conn, &request, Payload::EMPTY, &self.limits).await? {
+                (DataResponse::Rejoined { next, clock }, _) => JoinAnswer { next, clock, member: true },
+                // Taken afresh: `next` is where its old numbering stopped.
+                (DataResponse::Joined { clock, next }, _) => JoinAnswer { next, clock, member: false },
+                (other, _) => return Err(refused(conn, other)),
             };
-            if !awaited {
-                // Its answer was counted already: nothing to ask the new primary, and nothing to
-                // return but the loss.
-                return Err(lost);
-            }
+        if let Some(by) = self.route.client().rejoined(i, ticket, answer) {
+            tracing::warn!(
+                worker = self.id,
+                shard,
+                next = answer.next,
+                clock = answer.clock,
+                by,
+                "the shard's new primary had dropped this worker: it numbers our iterations from {} on \
+                 from {} now",
+                answer.next,
+                answer.clock
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether the machine still waits for shard `i`'s answer to what was asked.
+    fn awaited(&self, i: usize, asked: Asked) -> bool {
+        match asked {
+            Asked::Pull(iteration) => self.route.client().awaits_pull(i, iteration),
+            Asked::Push(slot, iteration) => self.route.client().awaits_push(slot, i, iteration),
+            Asked::Note => true,
         }
     }
 
@@ -1258,6 +1292,7 @@ async fn follow_coordinator(mut conn: quinn::Connection, link: watch::Sender<Coo
             return;
         }
         link.send_replace(CoordinatorLink::Away);
+        route.client().coordinator_away();
         tracing::warn!(
             worker = id,
             "lost the coordinator ({}); waiting for it to come back",
@@ -1268,6 +1303,7 @@ async fn follow_coordinator(mut conn: quinn::Connection, link: watch::Sender<Coo
                 for p in places {
                     route.moved(p.shard, p.server);
                 }
+                route.client().coordinator_back(route.now());
                 // Wakes every request waiting on a lost server to look again.
                 route.moved.send_modify(|n| *n += 1);
                 link.send_replace(CoordinatorLink::Up(c.clone()));

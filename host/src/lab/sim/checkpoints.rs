@@ -34,12 +34,12 @@ impl Sim {
         match self.coord.machine.begin_checkpoint() {
             Ok(round) => {
                 let mut r = SimRound::default();
-                for s in 0..self.nodes.len() {
-                    let primary = sim_shard(&self.nodes[s]);
+                for s in 0..self.shards.nodes.len() {
+                    let primary = sim_shard(&self.shards.nodes[s]);
                     r.policies.push(primary.policy().sha256());
-                    let backup = self.backups[s].as_ref().and_then(|b| b.shard());
-                    let backup =
-                        backup.filter(|_| self.backup_of[s].is_some_and(|b| !self.servers.dead[b as usize]));
+                    let backup = self.shards.backups[s].as_ref().and_then(|b| b.shard());
+                    let backup = backup
+                        .filter(|_| self.shards.backup_of[s].is_some_and(|b| !self.servers.dead[b as usize]));
                     r.floors.push(backup.map_or(primary.version(), |b| b.version().min(primary.version())));
                 }
                 tracing::debug!(round, t_ns = self.now, "checkpoint round begins");
@@ -60,7 +60,7 @@ impl Sim {
     pub(super) fn round_taken(&mut self, round: u64) -> Result<(), SimError> {
         let bad = |why: String| Err(SimError::Checkpoint { round, why });
         let Some(r) = self.coord.rounds.get(&round) else { return bad("it was never begun".into()) };
-        let shards = self.nodes.len() as u32;
+        let shards = self.shards.nodes.len() as u32;
         for k in 0..shards {
             let Some(bytes) = r.written.get(&k) else {
                 return bad(format!("shard {k}'s snapshot was never written"));

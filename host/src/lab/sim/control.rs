@@ -35,7 +35,8 @@
 
 use rand::Rng;
 use syncopate_engine::coordinator::{
-    Answer, CheckpointOutcome, Command, CoordOutput, Gathering, Refusal, Replacement,
+    Answer, CheckpointOutcome, Command, CommandError, CoordOutput, Gathering, Refusal, Replacement,
+    ServerError,
 };
 use syncopate_policy_sdk::abi::LeaveReason;
 
@@ -53,9 +54,10 @@ pub(super) const MS: u64 = 1_000_000;
 pub(super) enum Arrival {
     /// The shard's primary handles it.
     Primary,
-    /// It went to a dead server: lost, until the worker hears where the shard moved.
+    /// It went to a dead server: lost ([`Loss::Lost`]).
     Lost,
-    /// The server it went to has no lease: refused, and asked again after a pause.
+    /// The server it went to has no lease or no longer holds the primary: refused
+    /// ([`Loss::Unleased`]).
     Refused,
 }
 
@@ -96,7 +98,7 @@ impl Sim {
             // A deposed primary that dies is no shard's zombie any more: restarted under its
             // id, it is a new process that holds nothing (it refuses a push for a shard it
             // does not have), not the old primary come back.
-            for z in self.zombie_of.iter_mut().filter(|z| **z == Some(x)) {
+            for z in self.shards.zombie_of.iter_mut().filter(|z| **z == Some(x)) {
                 *z = None;
             }
             if let Some((r, under_way)) =
@@ -142,7 +144,7 @@ impl Sim {
         (self.servers.cut_to[xu], self.servers.cut_from[xu]) = (false, false);
         // A new process: it holds nothing, and the live workers connect to it again (a worker
         // redials a server whose connection ended when its next request goes there).
-        self.servers.state[xu] = ServerState::new(self.nodes.len() as u32);
+        self.servers.state[xu] = ServerState::new(self.shards.nodes.len() as u32);
         for w in (0..self.workers.len() as u32).filter(|&w| !self.workers[w as usize].dead) {
             self.servers.state[xu].connected(w, w as usize);
         }
@@ -171,28 +173,27 @@ impl Sim {
         }
     }
 
-    /// Where worker `w`'s message to shard `s` (a push if `push`) lands. The workers address a
-    /// shard's old primary until they hear it moved: if that server still runs (cut off from
-    /// the coordinator), its lease has lapsed and it refuses; were it to accept a push, the
-    /// shard would have two primaries, which is recorded.
+    /// Where worker `w`'s message to shard `s` (a push if `push`) lands: at the server its
+    /// client machine routes the shard to, which is the shard's primary until the worker hears
+    /// that it moved. A dead server loses it. A live server that no longer holds the primary (a
+    /// deposed one, or a process restarted under a lost one's id) refuses it, as one without a
+    /// lease does; were a deposed primary with a lease to accept a push, the shard would have
+    /// two primaries, which is recorded.
     pub(super) fn arrival(&mut self, w: u32, s: u32, push: bool) -> Arrival {
         let su = s as usize;
-        let unheard = self.known[w as usize][su] < self.term[su];
-        let x = match (unheard, self.zombie_of[su]) {
-            (true, Some(x)) if !self.servers.dead[x as usize] => x,
-            (true, _) => return Arrival::Lost,
-            (false, _) if self.down(s) => return Arrival::Lost,
-            (false, _) => self.server_of[su],
-        };
+        let x = self.workers[w as usize].client.server(su);
+        if self.servers.dead[x as usize] {
+            return Arrival::Lost;
+        }
         if self.controlled() && !self.servers.leases[x as usize].valid(self.now) {
             return Arrival::Refused;
         }
-        if unheard {
-            if push && self.found.two_primaries.is_none() {
+        if x != self.shards.server_of[su] {
+            if push && self.shards.zombie_of[su] == Some(x) && self.found.two_primaries.is_none() {
                 self.found.two_primaries = Some(format!(
                     "at {} ns, server {x} accepted worker {w}'s push for shard {s}, which server {} had \
                      been promoted to",
-                    self.now, self.server_of[su]
+                    self.now, self.shards.server_of[su]
                 ));
             }
             // What the old primary does with it is lost to the run: the worker asks again.
@@ -262,14 +263,25 @@ impl Sim {
             // with it (still in its process's buffers): half are.
             Ev::Command(i, ..) if i != self.coord.incarnation && self.rng.random_bool(0.5) => {}
             Ev::Command(i, id, x, command) => {
-                let ok = !self.servers.dead[x as usize] && self.carry_out(x, command)?;
-                if ok && matches!(command, Command::Prepare { .. }) {
-                    let mut frontier = Frontier::default();
-                    for s in (0..self.nodes.len()).filter(|&s| self.server_of[s] == x) {
-                        frontier.merge(self.nodes[s].shard().map(|sh| sh.workers()).unwrap_or_default());
+                let result = match self.servers.dead[x as usize] {
+                    // What the coordinator's driver says of a connection that ended.
+                    true => Err(CommandError::Transport("connection lost".into())),
+                    false => self.carry_out(x, command)?.map_err(CommandError::Refused),
+                };
+                let answer = match (result, command) {
+                    (Ok(()), Command::Prepare { .. }) => {
+                        let mut frontier = Frontier::default();
+                        for s in (0..self.shards.nodes.len()).filter(|&s| self.shards.server_of[s] == x) {
+                            frontier.merge(
+                                self.shards.nodes[s].shard().map(|sh| sh.workers()).unwrap_or_default(),
+                            );
+                        }
+                        Ok(Answer::Clocks(frontier.clocks().collect()))
                     }
-                    self.coord.prepared.insert(id, frontier.clocks().collect());
-                }
+                    (result, _) => result.map(|()| Answer::Done),
+                };
+                let ok = answer.is_ok();
+                self.coord.answers.insert((i, id), answer);
                 if self.servers.cut_to[x as usize] {
                     self.servers.held[x as usize].push(Ev::CommandDone(i, id, ok));
                 } else {
@@ -278,11 +290,11 @@ impl Sim {
             }
             // An answer to a coordinator that crashed since is lost with it.
             Ev::CommandDone(i, id, _) if i != self.coord.incarnation || self.coord.phase == Phase::Down => {
-                self.coord.prepared.remove(&id);
+                self.coord.answers.remove(&(i, id));
             }
-            Ev::CommandDone(_, id, ok) => {
-                let answer = self.coord.prepared.remove(&id).map_or(Answer::Done, Answer::Clocks);
-                let result = if ok { Ok(answer) } else { Err("the server did not carry it out".to_string()) };
+            Ev::CommandDone(i, id, _) => {
+                let result =
+                    self.coord.answers.remove(&(i, id)).expect("every command delivered is answered");
                 self.coord.machine.command_done(id, result);
                 self.drive_coordinator()?;
             }
@@ -350,15 +362,15 @@ impl Sim {
         raise: Vec<ClockRaise>,
         swap: u64,
     ) -> Result<(), SimError> {
-        for s in 0..self.nodes.len() as u32 {
-            if self.server_of[s as usize] != x {
+        for s in 0..self.shards.nodes.len() as u32 {
+            if self.shards.server_of[s as usize] != x {
                 continue;
             }
             let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
             self.next_token += 1;
             self.requests.insert(self.next_token, Req::Ignore { s });
             let to = SwapTo { module: module.clone(), config, raise: raise.clone(), swap };
-            self.nodes[s as usize].swap(self.now, self.next_token, to, &mut Quiet);
+            self.shards.nodes[s as usize].swap(self.now, self.next_token, to, &mut Quiet);
             self.drain(s)?;
         }
         Ok(())
@@ -415,58 +427,73 @@ impl Sim {
     }
 
     /// Server `x` carries out a coordinator's command; returns whether it could.
-    fn carry_out(&mut self, x: u32, command: Command) -> Result<bool, SimError> {
+    fn carry_out(&mut self, x: u32, command: Command) -> Result<Result<(), ServerError>, SimError> {
         match command {
             Command::Promote { shard } => {
-                let Some(gone) = self.promote(shard, x) else { return Ok(false) };
+                let Some(gone) = self.promote(shard, x) else {
+                    return Ok(Err(ServerError::NoBackup { shard, server: x }));
+                };
                 self.conform(shard, x);
                 // A member whose connection to this server timed out already leaves at once, as
                 // the server's state tells its promoted shards.
                 for w in gone {
-                    self.nodes[shard as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
+                    self.shards.nodes[shard as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
                 }
                 self.drain(shard)?;
-                Ok(true)
+                Ok(Ok(()))
             }
+            // A server answers it whether or not it holds the shard's primary.
             Command::DropBackup { shard } => {
                 let su = shard as usize;
-                if self.server_of[su] != x {
-                    return Ok(false);
+                if self.shards.server_of[su] == x {
+                    (self.shards.backups[su], self.shards.backup_of[su]) = (None, None);
+                    self.shards.epoch[su] += 1;
+                    self.shards.nodes[su].drop_backup();
+                    self.drain(shard)?;
                 }
-                (self.backups[su], self.backup_of[su]) = (None, None);
-                self.epoch[su] += 1;
-                self.nodes[su].drop_backup();
-                self.drain(shard)?;
-                Ok(true)
+                Ok(Ok(()))
             }
-            Command::AttachBackup { shard, backup } => self.attach(shard, x, backup),
+            Command::AttachBackup { shard, backup } => Ok(match self.attach(shard, x, backup)? {
+                true => Ok(()),
+                false => Err(ServerError::Attach {
+                    shard,
+                    addr: server_addr(backup),
+                    reason: "the shard is not primary here, or its backup's server is dead".into(),
+                }),
+            }),
             // Every module the run may swap to was compiled before it began; each primary tries
             // the hand-over of its policy's state, as a server does, and one refusal refuses it.
             Command::Prepare { swap } => match self.coord.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
-                    for s in (0..self.nodes.len() as u32).filter(|&s| self.server_of[s as usize] == x) {
+                    for s in (0..self.shards.nodes.len() as u32)
+                        .filter(|&s| self.shards.server_of[s as usize] == x)
+                    {
                         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
-                        if let Err(e) = self.nodes[s as usize].check_swap(self.now, &module, &config) {
+                        if let Err(e) = self.shards.nodes[s as usize].check_swap(self.now, &module, &config) {
                             tracing::debug!(swap, shard = s, t_ns = self.now, "swap refused: {e}");
                             self.found.swaps_refused += 1;
-                            return Ok(false);
+                            return Ok(Err(ServerError::Prepare(format!("shard {s}: {e}"))));
                         }
                     }
-                    Ok(true)
+                    Ok(Ok(()))
                 }
-                _ => Ok(false),
+                _ => Ok(Err(ServerError::Prepare(format!("swap {swap} is not under way")))),
             },
-            Command::Abort { swap } => Ok(self.coord.swapping.as_ref().is_some_and(|p| p.0 == swap)),
+            // A server answers it whether or not it prepared the swap.
+            Command::Abort { .. } => Ok(Ok(())),
             Command::Snapshot { round, shard } => {
                 let su = shard as usize;
-                if su >= self.nodes.len() || self.server_of[su] != x {
-                    return Ok(false);
+                if su >= self.shards.nodes.len() || self.shards.server_of[su] != x {
+                    return Ok(Err(ServerError::Checkpoint(format!("shard {shard} is not primary here"))));
                 }
-                let Ok(snap) = self.nodes[su].snapshot(self.now) else { return Ok(false) };
+                let snap = match self.shards.nodes[su].snapshot(self.now) {
+                    Ok(snap) => snap,
+                    Err(e) => return Ok(Err(ServerError::Checkpoint(e.to_string()))),
+                };
                 if let Some(r) = self.coord.rounds.get_mut(&round) {
                     r.written.insert(shard, snap.encode());
                 }
-                Ok(true)
+                Ok(Ok(()))
             }
             Command::Commit { swap } => match self.coord.swapping.clone() {
                 Some((n, module, config)) if n == swap => {
@@ -476,9 +503,9 @@ impl Sim {
                     }
                     self.servers.committed[x as usize] = (swap, raise.clone());
                     self.commit(x, module, config, raise, swap)?;
-                    Ok(true)
+                    Ok(Ok(()))
                 }
-                _ => Ok(false),
+                _ => Ok(Err(ServerError::Unprepared(swap))),
             },
         }
     }
@@ -490,7 +517,11 @@ impl Sim {
         let (n, raise) = self.servers.committed[x as usize].clone();
         let Some((module, config)) = self.coord.swap_modules.get(&n).cloned() else { return };
         let config = crate::builtin::shard_config(&config, &self.opts.run.overrides, s);
-        if self.nodes[s as usize].conform(self.now, SwapTo { module, config, raise, swap: n }, &mut Quiet) {
+        if self.shards.nodes[s as usize].conform(
+            self.now,
+            SwapTo { module, config, raise, swap: n },
+            &mut Quiet,
+        ) {
             self.found.conformed += 1;
         }
     }
@@ -501,20 +532,20 @@ impl Sim {
     /// `b` ended, which the promoted shard must hear of (`None`: no backup to promote).
     fn promote(&mut self, s: u32, b: u32) -> Option<Vec<u32>> {
         let su = s as usize;
-        if self.backup_of[su] != Some(b) {
+        if self.shards.backup_of[su] != Some(b) {
             return None;
         }
-        let mut backup = self.backups[su].take()?;
+        let mut backup = self.shards.backups[su].take()?;
         backup.promote(&self.servers.state[b as usize].connected_workers());
-        let old = self.server_of[su];
-        self.zombie_of[su] = (!self.servers.dead[old as usize]).then_some(old);
+        let old = self.shards.server_of[su];
+        self.shards.zombie_of[su] = (!self.servers.dead[old as usize]).then_some(old);
         // Ops the old primary sent on the stream it had to this node still reach it.
-        self.promoted_epoch[su] = Some(self.epoch[su]);
+        self.shards.promoted_epoch[su] = Some(self.shards.epoch[su]);
         // The old primary's server still holds it at its term (what it claims if it lives).
         let state = &mut self.servers.state[b as usize];
         state.take_backup(s);
         let gone = state.promoted(s, ());
-        self.nodes[su] = backup;
+        self.shards.nodes[su] = backup;
         // The requests the old primary had not answered are lost with it: the workers ask
         // again when they hear of the move.
         let mut lost = Vec::new();
@@ -530,11 +561,11 @@ impl Sim {
             _ => r.shard() != s,
         });
         let now = self.now;
-        self.limbo.extend(lost.into_iter().map(|ev| (ev, now)));
-        (self.server_of[su], self.backup_of[su]) = (b, None);
-        self.epoch[su] += 1;
-        self.timer_at[su] = None;
-        self.term[su] += 1;
+        self.mail.limbo.extend(lost.into_iter().map(|ev| (ev, now)));
+        (self.shards.server_of[su], self.shards.backup_of[su]) = (b, None);
+        self.shards.epoch[su] += 1;
+        self.shards.timer_at[su] = None;
+        self.shards.term[su] += 1;
         self.arm_timer(s);
         Some(gone)
     }
@@ -544,10 +575,10 @@ impl Sim {
     /// the ops that follow it on the same link. Returns whether it could.
     fn attach(&mut self, s: u32, primary: u32, b: u32) -> Result<bool, SimError> {
         let su = s as usize;
-        if self.server_of[su] != primary || self.servers.dead[b as usize] {
+        if self.shards.server_of[su] != primary || self.servers.dead[b as usize] {
             return Ok(false);
         }
-        let (seq, snapshot) = match self.nodes[su].attach_backup(self.now, &mut Quiet) {
+        let (seq, snapshot) = match self.shards.nodes[su].attach_backup(self.now, &mut Quiet) {
             Ok(Some(started)) => started,
             Ok(None) => (0, Vec::new()),
             Err(e) => {
@@ -555,15 +586,15 @@ impl Sim {
                 return Ok(false);
             }
         };
-        let node = &self.nodes[su];
+        let node = &self.shards.nodes[su];
         let backup = if snapshot.is_empty() {
             // No op yet: the primary's first op (the shard's creation) creates the backup too,
             // as on a server (`start_backup` without a snapshot).
-            ShardNode::new(self.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
+            ShardNode::new(self.shards.node_cfgs[su].clone(), node.module().clone(), Vec::new(), true)
         } else {
             let snap = ShardSnapshot::decode(&snapshot).map_err(|e| SimError::Options(e.to_string()))?;
             ShardNode::restore(
-                self.node_cfgs[su].clone(),
+                self.shards.node_cfgs[su].clone(),
                 node.module().clone(),
                 Vec::new(),
                 true,
@@ -572,16 +603,16 @@ impl Sim {
             )
             .map_err(|e| SimError::Options(format!("shard {s}: a new backup cannot start: {e}")))?
         };
-        self.backups[su] = Some(backup);
-        self.backup_of[su] = Some(b);
+        self.shards.backups[su] = Some(backup);
+        self.shards.backup_of[su] = Some(b);
         // The new backup's server keeps it at its primary's term, which the stream's opening
         // says.
         self.servers.state[b as usize].hold_backup(s, ());
-        self.servers.state[b as usize].stream_opened(s, self.term[su] as u64);
-        self.epoch[su] += 1;
+        self.servers.state[b as usize].stream_opened(s, self.shards.term[su] as u64);
+        self.shards.epoch[su] += 1;
         let (from, to) = (self.workers.len() + primary as usize, self.workers.len() + b as usize);
         let t = self.net.transfer(self.now, from, to, snapshot.len() as u64 + 64);
-        let epoch = self.epoch[su];
+        let epoch = self.shards.epoch[su];
         self.at(t + self.net.latency_ns, Ev::Confirm(s, epoch, seq));
         self.drain(s)?;
         Ok(true)

@@ -87,6 +87,10 @@ pub(super) enum Ev {
     Tick,
     /// Worker `w` hears that shard `s` moved.
     Moved(u32, u32),
+    /// The wait worker `w`'s client machine allowed for shard `s` to move is over.
+    WaitOver(u32, u32),
+    /// The workers notice that the coordinator crashed.
+    CoordinatorAway,
 }
 
 impl Ev {

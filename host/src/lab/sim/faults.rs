@@ -17,7 +17,7 @@ impl Sim {
     /// Worker `w`, a late joiner, joins every shard whose primary it can reach (those on a
     /// dead server it joins once it hears where they moved).
     pub(super) fn late_join(&mut self, w: u32) -> Result<(), SimError> {
-        let shards = self.nodes.len();
+        let shards = self.shards.nodes.len();
         let wk = &mut self.workers[w as usize];
         if wk.dead {
             return Ok(());
@@ -27,11 +27,15 @@ impl Sim {
         tracing::debug!(worker = w, t_ns = self.now, "a late joiner joins");
         for s in 0..shards as u32 {
             // It asks the coordinator where the shards are: it knows every move so far.
-            self.known[w as usize][s as usize] = self.term[s as usize];
+            let to = self.shards.server_of[s as usize];
+            self.workers[w as usize]
+                .client
+                .moved(s, to)
+                .expect("the simulator moves shards to its own servers");
             if !self.down(s) {
-                let token = self.token(Req::Join { w, s, again: false });
-                let init = std::mem::take(&mut self.inits[s as usize]);
-                self.nodes[s as usize].join(self.now, token, w, init, &mut Quiet);
+                let token = self.token(Req::Join { w, s, again: None });
+                let init = std::mem::take(&mut self.shards.inits[s as usize]);
+                self.shards.nodes[s as usize].join(self.now, token, w, init, &mut Quiet);
                 self.drain(s)?;
             }
         }
@@ -68,10 +72,10 @@ impl Sim {
             None => Ok(()),
             Some(JoinStep::Start { at, offsets }) => self.begin(w, at, &offsets),
             Some(JoinStep::Check) => {
-                for x in 0..self.nodes.len() as u32 {
+                for x in 0..self.shards.nodes.len() as u32 {
                     if !self.down(x) {
-                        let token = self.token(Req::Join { w, s: x, again: false });
-                        self.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
+                        let token = self.token(Req::Join { w, s: x, again: None });
+                        self.shards.nodes[x as usize].join(self.now, token, w, Vec::new(), &mut Quiet);
                         self.drain(x)?;
                     }
                 }
@@ -82,7 +86,7 @@ impl Sim {
                     let x = x as u32;
                     if !self.down(x) {
                         let token = self.token(Req::LateSkip { w, s: x });
-                        self.nodes[x as usize].skip(self.now, token, w, to, &mut Quiet);
+                        self.shards.nodes[x as usize].skip(self.now, token, w, to, &mut Quiet);
                         self.drain(x)?;
                     }
                 }
@@ -112,7 +116,7 @@ impl Sim {
             return;
         }
         let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
-        let i = self.copies.post((self.term[s as usize], copy()), 1);
+        let i = self.mail.copies.post((self.shards.term[s as usize], copy()), 1);
         self.at(again, Ev::Again(w, s, i));
     }
 
@@ -124,8 +128,8 @@ impl Sim {
         if p <= 0.0 || !self.rng.random_bool(p) {
             return Ok(());
         }
-        let max = self.node_cfgs[s as usize].shard.max_workers;
-        let len = self.ranges[s as usize].1 - self.ranges[s as usize].0;
+        let max = self.shards.node_cfgs[s as usize].shard.max_workers;
+        let len = self.shards.ranges[s as usize].1 - self.shards.ranges[s as usize].0;
         let len = if self.opts.gradients { len } else { 1 };
         let never_joined =
             self.workers.len() as u32 + self.rng.random_range(0..max - self.workers.len() as u32);
@@ -141,7 +145,7 @@ impl Sim {
             _ => "a skip from an impossible id",
         };
         let token = self.token(Req::Bad { s, what });
-        let node = &mut self.nodes[s as usize];
+        let node = &mut self.shards.nodes[s as usize];
         let ones = |n: usize| vec![1.0f32; n];
         match kind {
             0 => node.push(

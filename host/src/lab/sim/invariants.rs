@@ -18,8 +18,8 @@ impl Sim {
         let (recorded, _) = self.coord.swap_modules.get(&self.coord.machine.swaps())?;
         // A run that ended during a swap's commit: a shard may have taken it already.
         let committing = self.coord.machine.committing().and_then(|n| self.coord.swap_modules.get(&n));
-        for (k, node) in self.nodes.iter().enumerate() {
-            if self.servers.dead[self.server_of[k] as usize] {
+        for (k, node) in self.shards.nodes.iter().enumerate() {
+            if self.servers.dead[self.shards.server_of[k] as usize] {
                 continue;
             }
             let sha = node.module().sha256();
@@ -46,15 +46,15 @@ impl Sim {
             }
         }
         self.now = end;
-        for (k, backup) in self.backups.iter_mut().enumerate() {
-            let (Some(backup), Some(b)) = (backup.as_mut(), self.backup_of[k]) else { continue };
-            if self.servers.dead[b as usize] || self.servers.dead[self.server_of[k] as usize] {
+        for (k, backup) in self.shards.backups.iter_mut().enumerate() {
+            let (Some(backup), Some(b)) = (backup.as_mut(), self.shards.backup_of[k]) else { continue };
+            if self.servers.dead[b as usize] || self.servers.dead[self.shards.server_of[k] as usize] {
                 continue;
             }
             // The whole state, policy included: both snapshots taken at the same time.
             let snap = |n: &mut ShardNode| n.snapshot(end).map(|s| s.encode()).map_err(|e| e.to_string());
-            let (ps, qs) = (snap(&mut self.nodes[k]), snap(backup));
-            let (p, q) = (sim_shard(&self.nodes[k]), sim_shard(backup));
+            let (ps, qs) = (snap(&mut self.shards.nodes[k]), snap(backup));
+            let (p, q) = (sim_shard(&self.shards.nodes[k]), sim_shard(backup));
             if ps != qs && bits_equal(p, q) && p.version() == q.version() && p.workers() == q.workers() {
                 return Ok(Some(format!(
                     "shard {k}: its backup on server {b} has the primary's parameters, version and members, \

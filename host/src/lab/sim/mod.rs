@@ -45,15 +45,17 @@
 //! sets one up; `options.rs` says what a run is asked to do, `outcome.rs` what it reports;
 //! `events.rs` is the event queue and the messages in flight; `network.rs` the links;
 //! `shards.rs` the shards' drivers (each node's outputs, ops to backups); `workers.rs` the
-//! workers' drivers (each worker's machine and client machine, and what a worker does when it
-//! hears a shard moved); `control.rs` the control plane (leases, the coordinator's machine,
+//! workers' drivers (each worker's machine and client machine, and what a worker does when a
+//! request is lost or it hears a shard moved); `control.rs` the control plane (leases, the coordinator's machine,
 //! failovers, each server's own state); `rebuild.rs` a coordinator's crash and rebuild;
 //! `checkpoints.rs` checkpoint rounds; `faults.rs` late joins, duplicates and bad requests;
 //! `invariants.rs` what is checked as the run goes. The run's state is grouped likewise: the
-//! server processes (`SimServers`: alive, leases, links to the coordinator, each one's own
-//! state), the coordinator's side (`SimCoordinator`: its machine, whether it runs, its swaps
-//! and rounds under way), and what the run found beside its sums (`Found`), apart from the
-//! shards and the workers.
+//! shards (`SimShards`: each one's primary and backup nodes, servers, terms), the workers
+//! (`SimWorker`, one each: its machines, buffers, what it has in flight), the server processes
+//! (`SimServers`: alive, leases, links to the coordinator, each one's own state), the
+//! coordinator's side (`SimCoordinator`: its machine, whether it runs, its swaps and rounds
+//! under way), the messages on their way (`SimMail`), the model's score (`SimScore`), and what
+//! the run found beside its sums (`Found`).
 
 mod checkpoints;
 mod control;
@@ -77,11 +79,11 @@ pub use outcome::{CheckpointCounts, RebuildCounts, Simulated};
 use std::collections::BTreeMap;
 
 use rand::Rng as _;
-use syncopate_engine::worker::client::ClientMachine;
+use syncopate_engine::worker::client::{ClientMachine, Loss};
 use syncopate_engine::worker::join::JoinAnswer;
 use syncopate_engine::worker::{Buffers, Device, Input, WorkerConfig, WorkerMachine};
 
-use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId};
 use syncopate_workloads::{Evaluator, Workload};
 
 use crate::codec::{self, Codec, PushEncoder};
@@ -97,7 +99,9 @@ use control::Arrival;
 use events::{Copied, Ev, Mailbox, Queue, ToShard};
 use invariants::bits_equal;
 use network::Network;
-use syncopate_engine::coordinator::{Answer, CoordOutput, CoordinatorConfig, CoordinatorMachine, Record};
+use syncopate_engine::coordinator::{
+    Answer, CommandError, CoordOutput, CoordinatorConfig, CoordinatorMachine, Record,
+};
 use syncopate_engine::server::ServerState;
 use workers::{InFlight, SimWorker};
 
@@ -121,9 +125,9 @@ enum Req {
     Pull { w: WorkerId, s: u32, iteration: u64 },
     /// A worker's push (`help`: of tasks moved to it; `whole`: its own whole iteration).
     Push { w: WorkerId, s: u32, help: bool, iteration: u64, whole: bool },
-    /// Worker `w`'s join: it starts once every shard has answered its first.
-    /// A worker's join (`again`: after it heard the shard moved).
-    Join { w: WorkerId, s: u32, again: bool },
+    /// Worker `w`'s join: it starts once every shard has answered its first. `again`: after it
+    /// heard the shard moved, with its client machine's ticket.
+    Join { w: WorkerId, s: u32, again: Option<u64> },
     /// A reply nobody acts on (a skip).
     Ignore { s: u32 },
     /// A bad request ([`SimFaults::bad_inputs`]), which must be refused.
@@ -218,9 +222,10 @@ struct SimCoordinator {
     /// Each swap's module and configuration (by its number; 0: the first policy), as a
     /// coordinator knows them: the policy it records is the one its machine's swap count names.
     pub(super) swap_modules: BTreeMap<u64, (PolicyModule, Vec<(String, String)>)>,
-    /// The clocks servers prepared a swap with, by the preparation's command, until the answer
-    /// reaches the coordinator.
-    pub(super) prepared: BTreeMap<u64, Vec<WorkerClock>>,
+    /// What each command came to at its server (a preparation's answer carries the clocks it
+    /// prepared with), by the coordinator's incarnation and command, until the answer reaches
+    /// the coordinator.
+    pub(super) answers: BTreeMap<(u32, u64), Result<Answer, CommandError>>,
     /// When the coordinator's next lease check is scheduled.
     pub(super) timer_at: Option<u64>,
     /// Whether the coordinator runs, is down, or is rebuilding after a restart.
@@ -235,6 +240,62 @@ struct SimCoordinator {
     pub(super) rounds: BTreeMap<u64, checkpoints::SimRound>,
 }
 
+/// The shards, each a primary node and perhaps a backup node, by shard.
+struct SimShards {
+    /// Its primary.
+    nodes: Vec<ShardNode>,
+    /// How its nodes run (for new backups).
+    node_cfgs: Vec<NodeConfig>,
+    /// The model's parameters it holds.
+    ranges: Vec<(usize, usize)>,
+    /// The server of its primary.
+    server_of: Vec<u32>,
+    /// When its node's timer is due.
+    timer_at: Vec<Option<u64>>,
+    /// Its backup (with `replicas` 1).
+    backups: Vec<Option<ShardNode>>,
+    /// The backup's server.
+    backup_of: Vec<Option<u32>>,
+    /// Bumped when its primary or backup changes, so a stream from before is dropped.
+    epoch: Vec<u32>,
+    /// The parameters its first join carries (and creates it with), until then.
+    inits: Vec<Vec<f32>>,
+    /// How many times it moved (its promotions).
+    term: Vec<u32>,
+    /// The server of the primary it was promoted from, while that one lives.
+    zombie_of: Vec<Option<u32>>,
+    /// The epoch of the stream its primary took as a backup, if it was promoted (what its old
+    /// primary sent on that stream still reaches it).
+    promoted_epoch: Vec<Option<u32>>,
+}
+
+/// Messages on their way (their bodies, by the index their delivery event names), and those a
+/// dead server lost, waiting for the worker to send them again.
+#[derive(Default)]
+struct SimMail {
+    /// To workers.
+    controls: Mailbox<ControlMessage>,
+    /// From workers to shards, beside pulls and pushes.
+    to_shard: Mailbox<ToShard>,
+    /// Duplicates on their way to a shard's primary, with the shard's term when the original
+    /// arrived ([`SimFaults::duplicate`]).
+    copies: Mailbox<(u32, Copied)>,
+    /// Ops on their way to backups: (epoch, op, gradient).
+    replication: Mailbox<(u32, Stamped, Vec<f32>)>,
+    /// Requests that reached a dead server before its failover, and since when they wait.
+    limbo: Vec<(Ev, u64)>,
+}
+
+/// The model's score as the run goes.
+struct SimScore {
+    /// Scores the model (`None`: the workload has no test set).
+    evaluator: Option<Evaluator>,
+    /// Each look at the model.
+    watch: Vec<WatchPoint>,
+    /// When the model first reached the scenario's target, in seconds.
+    time_to_target: Option<f64>,
+}
+
 /// A hot swap under way: its number, module and configuration.
 type Swapping = (u64, PolicyModule, Vec<(String, String)>);
 
@@ -246,68 +307,32 @@ struct Sim {
     servers: SimServers,
     /// The coordinator's side: its machine, whether it runs, its swaps and rounds under way.
     coord: SimCoordinator,
+    /// The shards: their nodes, where they are, how they moved.
+    shards: SimShards,
     now: u64,
     queue: Queue,
-    /// Per shard: its primary.
-    nodes: Vec<ShardNode>,
-    /// Per shard: how its nodes run (for new backups).
-    node_cfgs: Vec<NodeConfig>,
-    ranges: Vec<(usize, usize)>,
-    server_of: Vec<u32>,
     /// Requests waiting for a shard's reply, by token, in order: those lost with a dead primary
     /// are sent again in token order, the same in every process.
     requests: BTreeMap<Token, Req>,
     next_token: Token,
     workers: Vec<SimWorker>,
-    evaluator: Option<Evaluator>,
     /// The links between the workers and the servers.
     net: Network,
-    timer_at: Vec<Option<u64>>,
-    controls: Mailbox<ControlMessage>,
-    to_shard: Mailbox<ToShard>,
-    /// Duplicates on their way to a shard's primary, with the shard's term when the original
-    /// arrived ([`SimFaults::duplicate`]).
-    copies: Mailbox<(u32, Copied)>,
+    /// Messages on their way, and those lost on the way to a dead server.
+    mail: SimMail,
+    /// How the model scores as the run goes.
+    score: SimScore,
     /// Workers whose machine is done.
     done: usize,
-    watch: Vec<WatchPoint>,
     stopping: bool,
-    time_to_target: Option<f64>,
-    /// Per shard: its backup and the backup's server (with `replicas` 1).
-    backups: Vec<Option<ShardNode>>,
-    backup_of: Vec<Option<u32>>,
-    /// Per shard: bumped when its primary or backup changes, so a stream from before is dropped.
-    epoch: Vec<u32>,
-    /// Ops on their way to backups: (epoch, op, gradient).
-    replication: Mailbox<(u32, Stamped, Vec<f32>)>,
-    /// Requests that reached a dead server before its failover, and since when they wait.
-    limbo: Vec<(Ev, u64)>,
-    /// Per worker: how long its pulls and pushes waited in limbo (on a shard it could not
-    /// reach), added up.
-    unreachable_ns: Vec<u64>,
-    /// Per worker: the shards that answered its first join; it starts once all have.
-    joins: Vec<u32>,
-    /// Per worker: started.
-    started: Vec<bool>,
-    /// Per shard: the parameters its first join carries (and creates it with), until then.
-    inits: Vec<Vec<f32>>,
     /// Workers ready whom the start barrier holds back.
     at_barrier: Vec<u32>,
     /// Setting up: workers start once every join has been asked.
     starting: bool,
-    /// Per shard: how many times it moved (its promotions).
-    term: Vec<u32>,
-    /// Per worker, per shard: the moves it has heard of (it addresses the primary of that term).
-    known: Vec<Vec<u32>>,
     /// The policy modules the run may use (the first and those swapped to).
     modules: Vec<PolicyModule>,
     /// Draws the delays of the coordinator's notices ([`SimFaults::notice_delay_ns`]).
     rng: rand_chacha::ChaCha8Rng,
-    /// Per shard: the server of the primary it was promoted from, while that one lives.
-    zombie_of: Vec<Option<u32>>,
-    /// Per shard: the epoch of the stream its primary took as a backup, if it was promoted
-    /// (what its old primary sent on that stream still reaches it).
-    promoted_epoch: Vec<Option<u32>>,
 }
 
 include!(concat!(env!("OUT_DIR"), "/hostile_policy.rs"));
@@ -339,22 +364,22 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             if sim.workers[w as usize].absent {
                 continue;
             }
-            let token = sim.token(Req::Join { w, s, again: false });
-            let init = std::mem::take(&mut sim.inits[s as usize]);
-            sim.nodes[s as usize].join(0, token, w, init, &mut Quiet);
+            let token = sim.token(Req::Join { w, s, again: None });
+            let init = std::mem::take(&mut sim.shards.inits[s as usize]);
+            sim.shards.nodes[s as usize].join(0, token, w, init, &mut Quiet);
             sim.drain(s)?;
         }
     }
     sim.starting = false;
     for w in 0..n {
-        if sim.joins[w as usize] == shards_n {
+        if sim.workers[w as usize].joins == shards_n {
             sim.ready(w)?;
         }
     }
     // Training starts once every worker has joined: what it takes (with backups, the joins'
     // way to the backups and back) comes before the first event a failure can name, as a
     // cluster's workers start only once they are in (a death while they join fails their join).
-    while sim.started.iter().zip(&sim.workers).any(|(s, w)| !s && !w.absent) {
+    while sim.workers.iter().any(|w| !w.started && !w.absent) {
         let Some((t, ev)) = sim.queue.pop() else { break };
         sim.now = t;
         sim.handle(ev)?;
@@ -425,7 +450,8 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
             break;
         }
         sim.handle(ev)?;
-        if sim.done == sim.workers.len() && sim.nodes.iter().all(|s| sim_shard(s).view().workers == 0) {
+        if sim.done == sim.workers.len() && sim.shards.nodes.iter().all(|s| sim_shard(s).view().workers == 0)
+        {
             break;
         }
         // A policy that never answers a worker would keep the run going: after the budget, give
@@ -442,7 +468,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let (policy_differs, swaps_refused, conformed) =
         (sim.policy_differs(), sim.found.swaps_refused, sim.found.conformed);
     let swaps_ended = sim.found.swaps_ended;
-    let unreachable_ns = sim.unreachable_ns.iter().copied().max().unwrap_or(0);
+    let unreachable_ns = sim.workers.iter().map(|w| w.unreachable_ns).max().unwrap_or(0);
     let replicas_differ = match sim.found.drift.take() {
         Some(drift) => Some(drift),
         None => sim.replicas_differ()?,
@@ -488,7 +514,7 @@ impl Sim {
     }
 
     fn server_node(&self, shard: u32) -> usize {
-        self.workers.len() + self.server_of[shard as usize] as usize
+        self.workers.len() + self.shards.server_of[shard as usize] as usize
     }
 
     fn shard_bytes(&self, shard: u32) -> u64 {
@@ -498,12 +524,12 @@ impl Sim {
     /// What shard `shard`'s tensor costs on the wire in `codec`, a message's 64 bytes of
     /// headers included (a modelled model's bytes scaled as the codec scales the workload's).
     fn coded_bytes(&self, shard: u32, codec: Codec) -> u64 {
-        let (lo, hi) = self.ranges[shard as usize];
+        let (lo, hi) = self.shards.ranges[shard as usize];
         let n = hi - lo;
         match &self.opts.run.scenario.modelled {
             // The modelled model's bytes, split over the shards as the workload's are.
             Some(m) => {
-                let total = self.ranges.last().map_or(1, |r| r.1).max(1) as u64;
+                let total = self.shards.ranges.last().map_or(1, |r| r.1).max(1) as u64;
                 let ratio = codec::wire_len(codec, n) as f64 / (4 * n.max(1)) as f64;
                 (m.bytes as f64 * n as f64 / total as f64 * ratio) as u64 + 64
             }
@@ -525,7 +551,7 @@ impl Sim {
 
     /// Whether shard `s`'s primary is on a dead server (not yet failed over).
     fn down(&self, s: u32) -> bool {
-        self.servers.dead[self.server_of[s as usize] as usize]
+        self.servers.dead[self.shards.server_of[s as usize] as usize]
     }
 
     /// When a worker's message due at `t` arrives: later by a drawn delay, with
@@ -540,7 +566,7 @@ impl Sim {
 
     /// A message without tensors from worker `w` to each of `shards`: the latency alone.
     fn send(&mut self, w: u32, shards: std::ops::Range<u32>, msg: ToShard) {
-        let i = self.to_shard.post(msg, shards.len() as u32);
+        let i = self.mail.to_shard.post(msg, shards.len() as u32);
         for s in shards {
             let t = self.net.after_latency(self.now, w as usize, self.server_node(s));
             let t = self.reorder(t);
@@ -552,7 +578,7 @@ impl Sim {
     /// shard numbers the worker's iterations. A worker that has left cannot be heard from: the
     /// shard says so, and that is what the cluster's servers do too.
     fn note(&mut self, w: u32, s: u32, msg: ToShard) -> Result<(), SimError> {
-        let (now, node) = (self.now, &mut self.nodes[s as usize]);
+        let (now, node) = (self.now, &mut self.shards.nodes[s as usize]);
         match msg {
             ToShard::Handover(handover) => node.yielded(now, handover, &mut Quiet),
             ToShard::Applied(applied) => node.applied(now, applied, &mut Quiet),
@@ -563,9 +589,9 @@ impl Sim {
                 node.skip(now, self.next_token, w, to, &mut Quiet)
             }
             ToShard::Goodbye => {
-                let x = self.server_of[s as usize] as usize;
+                let x = self.shards.server_of[s as usize] as usize;
                 self.servers.state[x].left(w, s, w as usize);
-                self.nodes[s as usize].leave(now, None, w, LeaveReason::Finished, &mut Quiet)
+                self.shards.nodes[s as usize].leave(now, None, w, LeaveReason::Finished, &mut Quiet)
             }
             ToShard::Waiting(iteration, waiting) => node.waiting(now, w, iteration, waiting, &mut Quiet),
         }
@@ -573,30 +599,33 @@ impl Sim {
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), SimError> {
-        if let Ev::Wake(w) | Ev::PullDone(w) | Ev::AckArrive(w, _) | Ev::Control(w, _) | Ev::Moved(w, _) = ev
+        if let Ev::Wake(w)
+        | Ev::PullDone(w)
+        | Ev::AckArrive(w, _)
+        | Ev::Control(w, _)
+        | Ev::Moved(w, _)
+        | Ev::WaitOver(w, _) = ev
         {
             if self.workers[w as usize].dead {
                 if let Ev::Control(_, i) = ev {
-                    self.controls.deliver(i);
+                    self.mail.controls.deliver(i);
                 }
                 return Ok(());
             }
         }
         if let Ev::PullArrive(w, s, _) | Ev::PushArrive(w, s, _) | Ev::ToShard(w, s, _) = ev {
-            match self.arrival(w, s, matches!(ev, Ev::PushArrive(..))) {
-                Arrival::Primary => {}
-                Arrival::Lost => {
-                    self.limbo.push((ev, self.now));
-                    return Ok(());
+            let loss = match self.arrival(w, s, matches!(ev, Ev::PushArrive(..))) {
+                Arrival::Primary => {
+                    self.workers[w as usize].client.reached(s as usize);
+                    None
                 }
-                // Refused for want of a lease: the worker asks again after a pause (a dead one
-                // asks nothing again).
-                Arrival::Refused if self.workers[w as usize].dead => return Ok(()),
-                Arrival::Refused => {
-                    let pause = crate::lease::HEARTBEAT_MS * 1_000_000;
-                    self.at(self.now + 2 * self.net.latency_ns + pause, ev);
-                    return Ok(());
-                }
+                // A dead worker asks nothing again.
+                _ if self.workers[w as usize].dead => return Ok(()),
+                Arrival::Lost => Some(Loss::Lost),
+                Arrival::Refused => Some(Loss::Unleased),
+            };
+            if let Some(loss) = loss {
+                return self.lost(w, s, ev, loss);
             }
         }
         match ev {
@@ -609,7 +638,7 @@ impl Sim {
                 let numbered = self.numbered(w, s, iteration);
                 self.duplicate(w, s, || Copied::Pull { iteration: numbered });
                 self.stranger(w, s, numbered)?;
-                self.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
+                self.shards.nodes[s as usize].pull(self.now, token, w, numbered, &mut Quiet);
                 self.drain(s)?;
             }
             Ev::PullDone(w) => {
@@ -625,7 +654,7 @@ impl Sim {
                 else {
                     return Ok(());
                 };
-                let (lo, hi) = self.ranges[s as usize];
+                let (lo, hi) = self.shards.ranges[s as usize];
                 let grad = match (self.opts.gradients, help) {
                     (false, _) => vec![0.0],
                     (true, false) => match &wk.encoded[s as usize] {
@@ -646,7 +675,7 @@ impl Sim {
                 let push =
                     PushHeader { worker: w, iteration: numbered, samples, based_on, tasks, local_steps };
                 self.duplicate(w, s, || Copied::Push { push, grad: grad.clone() });
-                self.nodes[s as usize].push(self.now, token, push, grad, &mut Quiet);
+                self.shards.nodes[s as usize].push(self.now, token, push, grad, &mut Quiet);
                 self.drain(s)?;
             }
             Ev::AckArrive(w, help) => {
@@ -658,7 +687,7 @@ impl Sim {
             }
             Ev::ToShard(w, s, i) => {
                 // The shard numbers the worker's iterations its own way (after a renumbering).
-                let msg = self.to_shard.deliver(i);
+                let msg = self.mail.to_shard.deliver(i);
                 let numbered = |it| self.numbered(w, s, it);
                 let msg = match msg {
                     ToShard::Applied(a) => {
@@ -675,15 +704,15 @@ impl Sim {
                 self.note(w, s, msg)?;
             }
             Ev::Again(w, s, i) => {
-                let (term, copy) = self.copies.deliver(i);
-                let x = self.server_of[s as usize] as usize;
+                let (term, copy) = self.mail.copies.deliver(i);
+                let x = self.shards.server_of[s as usize] as usize;
                 let leased = !self.controlled() || self.servers.leases[x].valid(self.now);
-                if term != self.term[s as usize] || self.down(s) || !leased {
+                if term != self.shards.term[s as usize] || self.down(s) || !leased {
                     return Ok(());
                 }
                 self.found.duplicates += 1;
                 let (now, token) = (self.now, self.token(Req::Ignore { s }));
-                let node = &mut self.nodes[s as usize];
+                let node = &mut self.shards.nodes[s as usize];
                 match copy {
                     Copied::Pull { iteration } => node.pull(now, token, w, iteration, &mut Quiet),
                     Copied::Push { push, grad } => node.push(now, token, push, grad, &mut Quiet),
@@ -693,26 +722,27 @@ impl Sim {
             }
             Ev::WorkerLost(w) => self.worker_lost(w)?,
             Ev::Control(w, i) => {
-                let msg = self.controls.deliver(i);
+                let msg = self.mail.controls.deliver(i);
                 if !self.workers[w as usize].machine.is_done() {
                     self.feed(w, Input::Control(msg))?;
                 }
             }
             Ev::Timer(s) => {
-                self.timer_at[s as usize] = None;
+                self.shards.timer_at[s as usize] = None;
                 if !self.down(s) {
-                    self.nodes[s as usize].handle_timeout(self.now, &mut Quiet);
+                    self.shards.nodes[s as usize].handle_timeout(self.now, &mut Quiet);
                     self.drain(s)?;
                 }
             }
             Ev::Replicate(s, i) => self.op_arrives(s, i)?,
             Ev::Confirm(s, epoch, seq) => {
                 // Likewise a confirmation on its way from a backup that died.
-                let backup_dead = self.backup_of[s as usize].is_none_or(|b| self.servers.dead[b as usize]);
-                if epoch != self.epoch[s as usize] || self.down(s) || backup_dead {
+                let backup_dead =
+                    self.shards.backup_of[s as usize].is_none_or(|b| self.servers.dead[b as usize]);
+                if epoch != self.shards.epoch[s as usize] || self.down(s) || backup_dead {
                     return Ok(());
                 }
-                self.nodes[s as usize].confirmed(seq);
+                self.shards.nodes[s as usize].confirmed(seq);
                 self.drain(s)?;
             }
             Ev::Heartbeat(_)
@@ -730,11 +760,13 @@ impl Sim {
             | Ev::RebuildDue(_)
             | Ev::Tick
             | Ev::Moved(..) => self.control(ev)?,
+            Ev::WaitOver(w, s) => self.wait_over(w, s),
+            Ev::CoordinatorAway => self.coordinator_away(),
             Ev::Watch => {
                 self.observe();
                 let every = self.opts.run.scenario.eval_every_ms;
                 let stop =
-                    self.stop_rules().should_stop(self.now as f64 / 1e9, self.time_to_target.is_some());
+                    self.stop_rules().should_stop(self.now as f64 / 1e9, self.score.time_to_target.is_some());
                 if stop && !self.stopping {
                     self.stopping = true;
                     for w in 0..self.workers.len() as u32 {

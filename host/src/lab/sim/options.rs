@@ -227,6 +227,15 @@ pub enum SimError {
     /// A simulated worker could not go on.
     #[error("worker {0}: {1}")]
     Worker(WorkerId, WorkerError),
+    /// A worker's client machine gave up on a shard whose server was lost: it did not move,
+    /// nor did its server serve again, within the move wait (with the coordinator there).
+    #[error("worker {worker} gave up on shard {shard}: its server was lost and it did not move within the move wait")]
+    GaveUp {
+        /// The worker.
+        worker: WorkerId,
+        /// The shard.
+        shard: u32,
+    },
     /// The options do not go together.
     #[error("{0}")]
     Options(String),

@@ -107,36 +107,49 @@ impl Sim {
     }
 
     pub(super) fn model(&self) -> Vec<f32> {
-        self.nodes.iter().flat_map(|s| sim_shard(s).values().iter().copied()).collect()
+        self.shards.nodes.iter().flat_map(|s| sim_shard(s).values().iter().copied()).collect()
     }
 
     pub(super) fn observe(&mut self) {
         let t_s = self.now as f64 / 1e9;
         let score =
-            self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
-        let status: Vec<ShardStatus> =
-            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
+            self.score.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
+        let status: Vec<ShardStatus> = self
+            .shards
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s)))
+            .collect();
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
         point.lost_servers.clone_from(&self.servers.lost);
-        if self.time_to_target.is_none() && self.stop_rules().reached(&point) {
-            self.time_to_target = Some(t_s);
+        if self.score.time_to_target.is_none() && self.stop_rules().reached(&point) {
+            self.score.time_to_target = Some(t_s);
         }
-        self.watch.push(point);
+        self.score.watch.push(point);
     }
 
     pub(super) fn report(mut self) -> RunReport {
         self.observe();
         let n = self.workers.len();
-        let shards: Vec<ShardStatus> =
-            self.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect();
+        let shards: Vec<ShardStatus> = self
+            .shards
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s)))
+            .collect();
         let staleness = RunReport::staleness_of(shards.iter());
         let servers = (0..self.opts.run.scenario.servers)
             .map(|id| {
                 let node = n + id as usize;
-                let mine =
-                    shards.iter().filter(|s| self.server_of[s.shard as usize] == id).cloned().collect();
+                let mine = shards
+                    .iter()
+                    .filter(|s| self.shards.server_of[s.shard as usize] == id)
+                    .cloned()
+                    .collect();
                 ServerRecord {
                     server: id,
                     shards: mine,
@@ -146,8 +159,10 @@ impl Sim {
             })
             .collect();
         let model = self.model();
-        let final_score = self.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&model));
+        let final_score =
+            self.score.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&model));
         let best = self
+            .score
             .watch
             .iter()
             .filter_map(|p| p.accuracy)
@@ -176,8 +191,8 @@ impl Sim {
                 r
             })
             .collect();
-        let phases = crate::lab::report::phases(&self.watch);
-        let failovers = crate::lab::report::failovers(&self.watch);
+        let phases = crate::lab::report::phases(&self.score.watch);
+        let failovers = crate::lab::report::failovers(&self.score.watch);
         RunReport {
             simulated: true,
             modelled: self.opts.run.scenario.modelled.as_ref().map(|m| m.name.clone()),
@@ -191,13 +206,13 @@ impl Sim {
             servers,
             members,
             model_len: model.len(),
-            model_version: self.nodes.iter().map(|s| sim_shard(s).version()).min().unwrap_or(0),
+            model_version: self.shards.nodes.iter().map(|s| sim_shard(s).version()).min().unwrap_or(0),
             model_file: None,
             started_unix_s: 0.0,
-            watch: self.watch,
+            watch: self.score.watch,
             final_accuracy: final_score.map(|s| s.accuracy),
             best_accuracy: best,
-            time_to_target_s: self.time_to_target,
+            time_to_target_s: self.score.time_to_target,
             staleness,
             plots: Vec::new(),
             phases,

@@ -37,6 +37,17 @@ impl Sim {
         self.coord.incarnation += 1;
         self.coord.timer_at = None;
         self.at(self.now + down_ns, Ev::CoordRestart);
+        // The workers notice at the peer timeout, or sooner if it is back by then (its new
+        // process resets their old connections).
+        self.at(self.now + down_ns.min(PEER_TIMEOUT_NS), Ev::CoordinatorAway);
+    }
+
+    /// The workers notice the coordinator is away: their client machines wait for lost
+    /// servers without end until it is back ([`Sim::rebuilt`]).
+    pub(super) fn coordinator_away(&mut self) {
+        for wk in self.workers.iter_mut().filter(|wk| !wk.dead) {
+            wk.client.coordinator_away();
+        }
     }
 
     /// The coordinator restarts with a machine of its own: the live servers rejoin it, each a
@@ -46,7 +57,7 @@ impl Sim {
         let sc = &self.opts.run.scenario;
         let cfg = CoordinatorConfig {
             servers: sc.servers,
-            shards: self.nodes.len() as u32,
+            shards: self.shards.nodes.len() as u32,
             replicas: sc.replicas,
             max_workers: self.coord.machine.config().max_workers,
             peer_timeout_ms: PEER_TIMEOUT_NS / 1_000_000,
@@ -76,7 +87,7 @@ impl Sim {
     pub(super) fn nobody_left(&self) -> Result<(), SimError> {
         let waiting = matches!(&self.coord.phase, Phase::Rejoining(g) if g.is_empty());
         match waiting && self.servers.dead.iter().all(|&d| d) {
-            true => Err(SimError::ShardLost { shard: 0, server: self.server_of[0] }),
+            true => Err(SimError::ShardLost { shard: 0, server: self.shards.server_of[0] }),
             false => Ok(()),
         }
     }
@@ -85,25 +96,25 @@ impl Sim {
     /// terms (and those promoted away from it, at the term it knew), its backups at their
     /// primaries' terms, and its swaps.
     pub(super) fn holdings(&self, x: u32) -> Held {
-        let len = |s: usize| sim_shard(&self.nodes[s]).values().len() as u64;
+        let len = |s: usize| sim_shard(&self.shards.nodes[s]).values().len() as u64;
         let state = &self.servers.state[x as usize];
         // Its primaries at the terms its state keeps: those it holds now, and those promoted
         // away from it while it lived.
         let primaries =
             state.primaries().into_iter().map(|(s, ())| (s, state.term(s), len(s as usize))).collect();
         let mut backups = Vec::new();
-        for s in 0..self.nodes.len() {
-            if self.backup_of[s] == Some(x) && self.backups[s].is_some() {
+        for s in 0..self.shards.nodes.len() {
+            if self.shards.backup_of[s] == Some(x) && self.shards.backups[s].is_some() {
                 backups.push((s as u32, state.term(s as u32), len(s)));
             }
         }
         let (swaps, mut levelled) = self.servers.committed[x as usize].clone();
         // The newest swap a copy here runs (a backup takes its primary's swap from its ops).
         let mut copies = 0;
-        for s in 0..self.nodes.len() {
-            let copy = match (self.server_of[s] == x, self.backup_of[s] == Some(x)) {
-                (true, _) => self.nodes[s].shard(),
-                (false, true) => self.backups[s].as_ref().and_then(ShardNode::shard),
+        for s in 0..self.shards.nodes.len() {
+            let copy = match (self.shards.server_of[s] == x, self.shards.backup_of[s] == Some(x)) {
+                (true, _) => self.shards.nodes[s].shard(),
+                (false, true) => self.shards.backups[s].as_ref().and_then(ShardNode::shard),
                 _ => None,
             };
             if let Some((swap, raise)) = copy.map(|c| c.swap()) {
@@ -167,7 +178,7 @@ impl Sim {
             return Err(SimError::Outdated { shard, newest, held });
         }
         if let Some(shard) = rebuilt.resolution.places.iter().position(Option::is_none) {
-            return Err(SimError::ShardLost { shard: shard as u32, server: self.server_of[shard] });
+            return Err(SimError::ShardLost { shard: shard as u32, server: self.shards.server_of[shard] });
         }
         // A shard whose newest copies all died before the restart resolves to an older one (a
         // server failed over while cut off, which claims it at the term it knew): the
@@ -196,7 +207,7 @@ impl Sim {
             if newest > chosen {
                 return Err(SimError::OlderCopy { shard: k as u32, chosen, newest });
             }
-            if chosen != self.term[k] as u64 {
+            if chosen != self.shards.term[k] as u64 {
                 return Err(SimError::StaleCopy { shard: k as u32, server: place.primary });
             }
         }
@@ -204,7 +215,7 @@ impl Sim {
     }
 
     /// The rebuild's commands are done: renewals are answered again, the swap it finished is
-    /// over, and every worker gets the map (each rejoins the shards that moved meanwhile).
+    /// over, and every worker gets the map (and joins each shard's primary again).
     pub(super) fn rebuilt(&mut self) {
         self.coord.phase = Phase::Up;
         self.coord.swapping = None;
@@ -214,10 +225,12 @@ impl Sim {
                 continue;
             }
             let _ = self.coord.machine.admit_worker(Some(w), len);
-            for s in 0..self.nodes.len() as u32 {
-                if self.known[w as usize][s as usize] < self.term[s as usize] {
-                    self.at(self.now + self.net.latency_ns, Ev::Moved(w, s));
-                }
+            // It is linked to the coordinator again: a wait for a lost server counts from now,
+            // and the map it is sent places every shard, as `WorkerClient` takes it (each a
+            // move: a rebuild may have promoted a backup on the server the worker addresses).
+            self.workers[w as usize].client.coordinator_back(self.now);
+            for s in 0..self.shards.nodes.len() as u32 {
+                self.at(self.now + self.net.latency_ns, Ev::Moved(w, s));
             }
         }
     }

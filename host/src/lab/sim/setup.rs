@@ -172,6 +172,9 @@ pub(super) fn build(
             wake_at: None,
             done: false,
             dead: false,
+            started: false,
+            joins: 0,
+            unreachable_ns: 0,
         });
     }
     // The coordinator: every server registers and is answered, and the backups made above are
@@ -206,7 +209,6 @@ pub(super) fn build(
     }
     let nodes = (n + sc.servers) as usize;
     let mbit = sc.bandwidth_mbit.unwrap_or(10_000.0);
-    let n_workers = workers.len();
     let servers = (0..sc.servers).map(|x| server_state(x, &server_of, &backup_of, n)).collect();
     let mut sim = Sim {
         opts: opts.clone(),
@@ -216,7 +218,7 @@ pub(super) fn build(
             timer_at: None,
             swapping: None,
             swap_modules: BTreeMap::from([(0, (module.clone(), policy.config.clone()))]),
-            prepared: BTreeMap::new(),
+            answers: BTreeMap::new(),
             phase: control::Phase::Up,
             incarnation: 0,
             recorded: Default::default(),
@@ -234,42 +236,34 @@ pub(super) fn build(
             answer_terms: vec![Vec::new(); sc.servers as usize],
             restarts: opts.faults.server_restarts.iter().map(|&r| (r, false)).collect(),
         },
+        shards: SimShards {
+            nodes: shards,
+            node_cfgs,
+            ranges,
+            server_of,
+            timer_at: vec![None; shards_n as usize],
+            backups,
+            backup_of,
+            epoch: vec![0; shards_n as usize],
+            inits,
+            term: vec![0; shards_n as usize],
+            zombie_of: vec![None; shards_n as usize],
+            promoted_epoch: vec![None; shards_n as usize],
+        },
         now: 0,
         queue: Queue::default(),
-        server_of,
-        nodes: shards,
-        node_cfgs,
-        inits,
-        ranges,
         requests: BTreeMap::new(),
         next_token: 0,
         workers,
-        evaluator,
         net: Network::new(nodes, mbit, sc.latency_us * 1000),
-        timer_at: vec![None; shards_n as usize],
-        controls: Mailbox::default(),
-        to_shard: Mailbox::default(),
-        copies: Mailbox::default(),
         done: 0,
-        watch: Vec::new(),
         stopping: false,
-        time_to_target: None,
-        epoch: vec![0; shards_n as usize],
-        backups,
-        backup_of,
-        replication: Mailbox::default(),
-        limbo: Vec::new(),
-        unreachable_ns: vec![0; n_workers],
-        joins: vec![0; n as usize],
-        started: vec![false; n as usize],
+        mail: SimMail::default(),
+        score: SimScore { evaluator, watch: Vec::new(), time_to_target: None },
         at_barrier: Vec::new(),
         starting: true,
-        term: vec![0; shards_n as usize],
-        known: vec![vec![0; shards_n as usize]; n as usize],
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         modules,
-        zombie_of: vec![None; shards_n as usize],
-        promoted_epoch: vec![None; shards_n as usize],
     };
     sim.start_control();
     Ok((sim, failures, swaps))

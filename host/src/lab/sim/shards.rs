@@ -8,16 +8,22 @@ use super::*;
 impl Sim {
     /// Carries out what shard `s`'s primary said.
     pub(super) fn drain(&mut self, s: u32) -> Result<(), SimError> {
-        while let Some(out) = self.nodes[s as usize].poll_output() {
+        while let Some(out) = self.shards.nodes[s as usize].poll_output() {
             match out {
                 NodeOutput::Reply { token, reply } => {
                     let Some(req) = self.requests.remove(&token) else { continue };
                     if let (Req::Join { w, .. }, Reply::Joined(Ok(_))) = (&req, &reply) {
                         // The membership is the worker's connection to this server's; one that
                         // ended while the join waited leaves the worker nobody would end.
-                        let x = self.server_of[s as usize] as usize;
+                        let x = self.shards.server_of[s as usize] as usize;
                         if self.servers.state[x].joined(*w, s, *w as usize).is_some() {
-                            self.nodes[s as usize].leave(self.now, None, *w, LeaveReason::Failed, &mut Quiet);
+                            self.shards.nodes[s as usize].leave(
+                                self.now,
+                                None,
+                                *w,
+                                LeaveReason::Failed,
+                                &mut Quiet,
+                            );
                         }
                     }
                     match (req, reply) {
@@ -52,14 +58,26 @@ impl Sim {
                         }
                         (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => self.skipped_late(w, s)?,
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
-                            if let (true, Joined::Fresh { clock, next }) = (again, joined) {
-                                // A new primary that had dropped it: its numbering there moves.
-                                let answer = JoinAnswer { next, clock, member: false };
-                                self.workers[w as usize].client.rejoined(s as usize, answer);
-                                tracing::debug!(worker = w, shard = s, next, clock, "taken back afresh");
+                            if let Some(ticket) = again {
+                                // A new primary that had dropped it took it afresh: its
+                                // numbering there moves.
+                                let answer = match joined {
+                                    Joined::Fresh { clock, next } => {
+                                        JoinAnswer { next, clock, member: false }
+                                    }
+                                    Joined::Rejoined { next, clock } => {
+                                        JoinAnswer { next, clock, member: true }
+                                    }
+                                };
+                                let client = &mut self.workers[w as usize].client;
+                                if client.rejoined(s as usize, ticket, answer).is_some() {
+                                    tracing::debug!(worker = w, shard = s, ?answer, "taken back afresh");
+                                }
                             }
-                            self.joins[w as usize] += 1;
-                            if !self.starting && self.joins[w as usize] == self.nodes.len() as u32 {
+                            self.workers[w as usize].joins += 1;
+                            if !self.starting
+                                && self.workers[w as usize].joins == self.shards.nodes.len() as u32
+                            {
                                 self.ready(w)?;
                             }
                         }
@@ -76,7 +94,7 @@ impl Sim {
                 }
                 NodeOutput::Replicate { stamped, payload } => self.replicate(s, stamped, payload),
                 NodeOutput::Control { worker, msg } => {
-                    let i = self.controls.post(msg, 1);
+                    let i = self.mail.controls.post(msg, 1);
                     let t = self.net.after_latency(self.now, self.server_node(s), worker as usize);
                     self.at(t, Ev::Control(worker, i));
                 }
@@ -89,9 +107,9 @@ impl Sim {
 
     /// Schedules shard `s`'s next timer, unless an earlier one is scheduled.
     pub(super) fn arm_timer(&mut self, s: u32) {
-        if let Some(t) = self.nodes[s as usize].poll_timeout() {
-            if self.timer_at[s as usize].is_none_or(|at| t < at) {
-                self.timer_at[s as usize] = Some(t);
+        if let Some(t) = self.shards.nodes[s as usize].poll_timeout() {
+            if self.shards.timer_at[s as usize].is_none_or(|at| t < at) {
+                self.shards.timer_at[s as usize] = Some(t);
                 self.at(t.max(self.now), Ev::Timer(s));
             }
         }
@@ -100,11 +118,11 @@ impl Sim {
     /// Shard `s`'s primary hands its backup an op: it crosses the servers' link.
     pub(super) fn replicate(&mut self, s: u32, stamped: Stamped, payload: Vec<f32>) {
         let su = s as usize;
-        let Some(b) = self.backup_of[su] else { return };
+        let Some(b) = self.shards.backup_of[su] else { return };
         let bytes = if matches!(stamped.op, Op::Push(_)) { self.shard_bytes(s) } else { 64 };
         let (from, to) = (self.server_node(s), self.workers.len() + b as usize);
         let t = self.net.transfer(self.now, from, to, bytes);
-        let i = self.replication.post((self.epoch[su], stamped, payload), 1);
+        let i = self.mail.replication.post((self.shards.epoch[su], stamped, payload), 1);
         self.at(t, Ev::Replicate(s, i));
     }
 
@@ -113,7 +131,7 @@ impl Sim {
     pub(super) fn stale_op(&mut self, s: u32, stamped: Stamped, grad: Vec<f32>) -> Result<(), SimError> {
         // (Nothing is pending: every call is drained; this makes sure of it.)
         self.drain(s)?;
-        let node = &mut self.nodes[s as usize];
+        let node = &mut self.shards.nodes[s as usize];
         let (before, version) = (node.replication(), sim_shard(node).version());
         node.replicated(stamped, grad, |_| None, &mut Quiet);
         let answered = std::iter::from_fn(|| node.poll_output()).count();
@@ -126,28 +144,29 @@ impl Sim {
 
     /// Op `i` of the replication mailbox reaches shard `s`'s backup.
     pub(super) fn op_arrives(&mut self, s: u32, i: usize) -> Result<(), SimError> {
-        let (epoch, stamped, grad) = self.replication.deliver(i);
+        let (epoch, stamped, grad) = self.mail.replication.deliver(i);
         let su = s as usize;
         // The worst case for a death: an op still on its way from a primary that died
         // never arrives (it may still be in the dead process's buffers), and a dead
         // backup applies nothing.
-        let on_live = self.backup_of[su].is_some_and(|b| !self.servers.dead[b as usize]) && !self.down(s);
+        let on_live =
+            self.shards.backup_of[su].is_some_and(|b| !self.servers.dead[b as usize]) && !self.down(s);
         // An op from a primary that was deposed while it lived (a stale term) still
         // reaches the backup it streamed to, promoted since, which must ignore it.
-        let deposed_alive = self.zombie_of[su].is_some_and(|x| !self.servers.dead[x as usize]);
-        if deposed_alive && self.promoted_epoch[su] == Some(epoch) && !self.down(s) {
+        let deposed_alive = self.shards.zombie_of[su].is_some_and(|x| !self.servers.dead[x as usize]);
+        if deposed_alive && self.shards.promoted_epoch[su] == Some(epoch) && !self.down(s) {
             return self.stale_op(s, stamped, grad);
         }
-        if self.backups[su].is_none() || !on_live || epoch != self.epoch[su] {
+        if self.shards.backups[su].is_none() || !on_live || epoch != self.shards.epoch[su] {
             return Ok(());
         }
         let p = self.opts.faults.duplicate;
         if p > 0.0 && self.rng.random_bool(p) {
             let again = self.now + self.rng.random_range(0..=DUPLICATE_WITHIN_NS);
-            let i = self.replication.post((epoch, stamped.clone(), grad.clone()), 1);
+            let i = self.mail.replication.post((epoch, stamped.clone(), grad.clone()), 1);
             self.at(again, Ev::Replicate(s, i));
         }
-        let Some(backup) = self.backups[su].as_mut() else { return Ok(()) };
+        let Some(backup) = self.shards.backups[su].as_mut() else { return Ok(()) };
         self.found.duplicates += u64::from(stamped.seq <= backup.replication().0);
         let modules = &self.modules;
         let find = |sha: &[u8; 32]| modules.iter().find(|m| m.sha256() == *sha).cloned();
@@ -155,7 +174,7 @@ impl Sim {
         // Every time the backup has applied every op its primary has, the two must be
         // equal (the end of the run compares their whole snapshots). Cheap, allocating
         // nothing: version, clocks' view and parameters.
-        let primary = &self.nodes[su];
+        let primary = &self.shards.nodes[su];
         if self.found.drift.is_none() && backup.replication().0 == primary.replication().0 {
             let (p, q) = (sim_shard(primary), sim_shard(backup));
             if p.version() != q.version() || p.view() != q.view() || !bits_equal(p, q) {
@@ -179,7 +198,7 @@ impl Sim {
             }
         }
         if let Some(seq) = confirmed {
-            let (b, primary) = (self.backup_of[s as usize], self.server_node(s));
+            let (b, primary) = (self.shards.backup_of[s as usize], self.server_node(s));
             let t = match b {
                 Some(b) => self.net.after_latency(self.now, self.node_index(Node::Server(b)), primary),
                 None => self.now + self.net.latency_ns,

@@ -2,10 +2,11 @@
 //! [`ClientMachine`], buffers, the push and pull in flight) and what it does with the machines'
 //! actions and the shards' answers, as `syncopate worker` drives the same machines over QUIC.
 //! What the client decides (how shards number the worker's iterations, what a push is based on,
-//! when a pull or push is answered everywhere, what to send again after a move) is the
-//! [`ClientMachine`]'s, as in `WorkerClient`; the simulator keeps only time and bytes.
+//! when a pull or push is answered everywhere, where each shard is, how long a lost server is
+//! waited for, what to send again after a move) is the [`ClientMachine`]'s, as in
+//! `WorkerClient`; the simulator keeps only time and bytes.
 
-use syncopate_engine::worker::client::{ClientMachine, PullStats, PushSlot, ShardPulled, Tally};
+use syncopate_engine::worker::client::{ClientMachine, Loss, PullStats, PushSlot, Retry, ShardPulled, Tally};
 use syncopate_engine::worker::join::Joining;
 use syncopate_engine::worker::{
     Action, Buffers, Input, JobKind, PushFailed, PushJob, WorkerConfig, WorkerMachine,
@@ -65,13 +66,19 @@ pub(super) struct SimWorker {
     pub(super) done: bool,
     /// Its process died.
     pub(super) dead: bool,
+    /// Started (its first joins answered, the start barrier open).
+    pub(super) started: bool,
+    /// The shards that answered its first join; it starts once all have.
+    pub(super) joins: u32,
+    /// How long its pulls and pushes waited in limbo (on a shard it could not reach), added up.
+    pub(super) unreachable_ns: u64,
 }
 
 impl Sim {
     /// Encodes worker `w`'s own push `job` for shard `s` as its client would (with error
     /// feedback), keeps what the shard will decode, and returns the bytes on the wire.
     pub(super) fn encode_push(&mut self, w: u32, s: u32, job: &PushJob) -> u64 {
-        let (lo, hi) = self.ranges[s as usize];
+        let (lo, hi) = self.shards.ranges[s as usize];
         let wk = &mut self.workers[w as usize];
         wk.encoded[s as usize] = None;
         if !self.opts.gradients {
@@ -109,7 +116,7 @@ impl Sim {
             return;
         }
         if self.opts.gradients {
-            let (lo, hi) = self.ranges[s as usize];
+            let (lo, hi) = self.shards.ranges[s as usize];
             let params = &mut wk.bufs.params[lo..hi];
             if served.codec == Codec::None {
                 params.copy_from_slice(&served.values);
@@ -181,6 +188,49 @@ impl Sim {
         }
     }
 
+    /// Worker `w`'s message `ev` to shard `s` got no answer (`loss`), and its client machine
+    /// decides what comes of it, as `WorkerClient` does: a refused one is asked again after the
+    /// pause; a lost one waits for the shard to move (sent again by [`moved`](Self::moved)), and
+    /// once the wait the machine allows is over it is sent again
+    /// ([`wait_over`](Self::wait_over)). A worker whose machine gives up fails the run: its
+    /// shard neither moved nor served again within the move wait.
+    pub(super) fn lost(&mut self, w: u32, s: u32, ev: Ev, loss: Loss) -> Result<(), SimError> {
+        match self.workers[w as usize].client.after_loss(self.now, s as usize, loss) {
+            Retry::AskAgain { after_ns } => self.at(self.now + 2 * self.net.latency_ns + after_ns, ev),
+            Retry::AwaitMove { within_ns } => {
+                self.mail.limbo.push((ev, self.now));
+                self.at(self.now + within_ns, Ev::WaitOver(w, s));
+            }
+            Retry::Fail => return Err(SimError::GaveUp { worker: w, shard: s }),
+        }
+        Ok(())
+    }
+
+    /// The wait worker `w`'s client machine allowed for shard `s` to move is over: what it
+    /// sent there that is still lost is sent again (and is lost again, or answered, if the
+    /// shard's server serves again).
+    pub(super) fn wait_over(&mut self, w: u32, s: u32) {
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.mail.limbo).into_iter().partition(|(ev, _)| Self::limbo_of(ev, w, s));
+        self.mail.limbo = rest;
+        for (ev, since) in mine {
+            self.unreachable(w, &ev, since);
+            self.at(self.now, ev);
+        }
+    }
+
+    /// Whether `ev`, in limbo, is worker `w`'s message to shard `s`.
+    fn limbo_of(ev: &Ev, w: u32, s: u32) -> bool {
+        matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
+    }
+
+    /// Counts the time worker `w`'s pull or push `ev` spent in limbo since `since`.
+    fn unreachable(&mut self, w: u32, ev: &Ev, since: u64) {
+        if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
+            self.workers[w as usize].unreachable_ns += self.now.saturating_sub(since);
+        }
+    }
+
     /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
     /// it; a peer timeout later, the servers make it leave their shards.
     pub(super) fn kill_worker(&mut self, w: u32) {
@@ -208,16 +258,16 @@ impl Sim {
             let ended = self.servers.state[x as usize].connection_ended(w, w as usize);
             // The shards this server is primary of now (its state also keeps those promoted
             // away from it while it lived, whose nodes the simulator does not keep).
-            let here = |sim: &Self, s: u32| sim.server_of[s as usize] == x && !sim.down(s);
+            let here = |sim: &Self, s: u32| sim.shards.server_of[s as usize] == x && !sim.down(s);
             for (s, ()) in ended.leave {
-                if here(self, s) && sim_shard(&self.nodes[s as usize]).is_member(w) {
-                    self.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                if here(self, s) && sim_shard(&self.shards.nodes[s as usize]).is_member(w) {
+                    self.shards.nodes[s as usize].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
                     self.drain(s)?;
                 }
             }
             for (s, ()) in ended.lost {
                 if here(self, s) {
-                    self.nodes[s as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
+                    self.shards.nodes[s as usize].lost(self.now, w, LeaveReason::TimedOut, &mut Quiet);
                     self.drain(s)?;
                 }
             }
@@ -248,7 +298,7 @@ impl Sim {
 
     /// Worker `w` starts (once).
     fn start(&mut self, w: u32) -> Result<(), SimError> {
-        if std::mem::replace(&mut self.started[w as usize], true) || self.workers[w as usize].dead {
+        if std::mem::replace(&mut self.workers[w as usize].started, true) || self.workers[w as usize].dead {
             return Ok(());
         }
         self.drive(w)
@@ -262,7 +312,7 @@ impl Sim {
 
     /// Carries out every action worker `w`'s machine has, and sets its timer.
     pub(super) fn drive(&mut self, w: u32) -> Result<(), SimError> {
-        let shards = self.nodes.len() as u32;
+        let shards = self.shards.nodes.len() as u32;
         while let Some(action) = self.workers[w as usize].machine.poll_action(self.now) {
             match action {
                 Action::Pull { iteration } => {
@@ -337,7 +387,8 @@ impl Sim {
     /// applied twice is a duplicate; a parked pull answers the retried one).
     pub(super) fn moved(&mut self, w: u32, s: u32) -> Result<(), SimError> {
         let (su, wu) = (s as usize, w as usize);
-        self.known[wu][su] = self.term[su];
+        let to = self.shards.server_of[su];
+        self.workers[wu].client.moved(s, to).expect("the simulator moves shards to its own servers");
         if self.workers[wu].absent {
             // A late joiner before its time: it asks where the shards are when it joins.
             return Ok(());
@@ -345,28 +396,27 @@ impl Sim {
         let node = self.server_node(s);
         // What it sent that was lost on the way to the old primary, or with it.
         let (mine, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.limbo).into_iter().partition(|(ev, _)| {
-                matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
-            });
-        self.limbo = rest;
+            std::mem::take(&mut self.mail.limbo).into_iter().partition(|(ev, _)| Self::limbo_of(ev, w, s));
+        self.mail.limbo = rest;
         for (ev, since) in &mine {
-            if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
-                self.unreachable_ns[wu] += self.now.saturating_sub(*since);
-            }
+            self.unreachable(w, ev, *since);
         }
         let mine = mine.into_iter().map(|(ev, _)| ev);
-        let member = sim_shard(&self.nodes[su]).is_member(w);
+        let member = sim_shard(&self.shards.nodes[su]).is_member(w);
         if self.workers[wu].machine.is_done() {
             // Its goodbye went to the dead primary. A cluster makes it leave when it closes its
             // connection to the new primary's server, after its goodbye; the simulator, now.
             if member {
-                self.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
+                self.shards.nodes[su].leave(self.now, None, w, LeaveReason::TimedOut, &mut Quiet);
                 self.drain(s)?;
             }
             return Ok(());
         }
-        let token = self.token(Req::Join { w, s, again: true });
-        self.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
+        // Its client machine says it must join the shard's new primary (it does at once; a
+        // cluster's worker, before its next request there).
+        let Some(ticket) = self.workers[wu].client.rejoin_due(su) else { return Ok(()) };
+        let token = self.token(Req::Join { w, s, again: Some(ticket) });
+        self.shards.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
         self.drain(s)?;
         // Each lost pull and push is asked again, once, if the worker's client still waits for
         // it there.
