@@ -309,13 +309,16 @@ impl WorkerClient {
         // The loss that made this request be asked again, if one did.
         let mut lost_before: Option<NetError> = None;
         loop {
-            let server = self.route.server(i);
+            let (server, rejoin) = {
+                let client = self.route.client();
+                (client.server(i), client.rejoin_due(i).is_some())
+            };
             let conn = match replicated {
                 true => self.servers.live(&self.endpoint, server).await,
                 false => self.servers.get(server),
             };
             let attempt = async {
-                if self.route.client().rejoin_due(i).is_some() {
+                if rejoin {
                     self.rejoin(&conn, i).await?;
                     if lost_before.is_some() && !self.awaited(i, asked) {
                         // The lost request's answer was counted already: nothing to ask the

@@ -110,17 +110,16 @@ impl Sim {
         self.shards.nodes.iter().flat_map(|s| sim_shard(s).values().iter().copied()).collect()
     }
 
+    /// Every shard's status, as its primary reports it.
+    fn statuses(&self) -> Vec<ShardStatus> {
+        self.shards.nodes.iter().enumerate().map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s))).collect()
+    }
+
     pub(super) fn observe(&mut self) {
         let t_s = self.now as f64 / 1e9;
         let score =
             self.score.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&self.model()));
-        let status: Vec<ShardStatus> = self
-            .shards
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s)))
-            .collect();
+        let status = self.statuses();
         let mut point = WatchPoint::of_shards(t_s, &status.iter().collect::<Vec<_>>());
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
@@ -134,13 +133,7 @@ impl Sim {
     pub(super) fn report(mut self) -> RunReport {
         self.observe();
         let n = self.workers.len();
-        let shards: Vec<ShardStatus> = self
-            .shards
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| ShardStatus::of(i as u32, sim_shard(s)))
-            .collect();
+        let shards = self.statuses();
         let staleness = RunReport::staleness_of(shards.iter());
         let servers = (0..self.opts.run.scenario.servers)
             .map(|id| {
