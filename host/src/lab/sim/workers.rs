@@ -412,12 +412,13 @@ impl Sim {
             }
             return Ok(());
         }
-        // Its client machine says it must join the shard's new primary (it does at once; a
-        // cluster's worker, before its next request there).
-        let Some(ticket) = self.workers[wu].client.rejoin_due(su) else { return Ok(()) };
-        let token = self.token(Req::Join { w, s, again: Some(ticket) });
-        self.shards.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
-        self.drain(s)?;
+        // Its client machine says whether it must join the shard's new primary (it does at
+        // once; a cluster's worker, before its next request there).
+        if let Some(ticket) = self.workers[wu].client.rejoin_due(su) {
+            let token = self.token(Req::Join { w, s, again: Some(ticket) });
+            self.shards.nodes[su].join(self.now, token, w, Vec::new(), &mut Quiet);
+            self.drain(s)?;
+        }
         // Each lost pull and push is asked again, once, if the worker's client still waits for
         // it there.
         let mut asked = std::collections::BTreeSet::new();
