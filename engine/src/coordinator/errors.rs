@@ -1,6 +1,6 @@
-//! What a command of the coordinator's machine can come to, beside its [`Answer`]: a server's
-//! refusal ([`ServerError`], which crosses the wire as it is) or no answer at all
-//! ([`CommandError`], what a driver gives [`CoordinatorMachine::command_done`]).
+//! What a command of the coordinator's machine can come to, beside its [`Answer`]: a
+//! [`CommandError`], what a driver gives [`CoordinatorMachine::command_done`]: the server's
+//! refusal ([`ServerError`], which crosses the wire as it is), or no answer at all.
 //!
 //! [`Answer`]: super::Answer
 //! [`CoordinatorMachine::command_done`]: super::CoordinatorMachine::command_done
@@ -16,10 +16,10 @@ pub fn listed<T: std::fmt::Display>(items: &[T]) -> String {
     items.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
-/// Why a server refuses a command of the coordinator (the server's `ServerReply::Error` on the wire). The variant is
-/// the code; text is the account of what lies outside this protocol (a module, the disk, a
-/// peer). The wire carries the variant's index (pinned by a test): add variants only at the
-/// end.
+/// Why a server refuses a command of the coordinator (the server's `ServerReply::Error` on the
+/// wire). The variant is the code; text is the account of what lies outside this protocol (a
+/// module, the disk, a peer). The wire carries the variant's index (pinned by a test): add
+/// variants only at the end.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, thiserror::Error)]
 pub enum ServerError {
     /// The module could not be prepared here: it does not compile, or a shard's policy refused

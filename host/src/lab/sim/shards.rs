@@ -59,8 +59,9 @@ impl Sim {
                         (Req::LateSkip { w, s }, Reply::Done(Ok(()))) => self.skipped_late(w, s)?,
                         (Req::Join { w, again, .. }, Reply::Joined(Ok(joined))) => {
                             if let Some(ticket) = again {
-                                // A new primary that had dropped it took it afresh: its
-                                // numbering there moves.
+                                // A join after a move: the machine hears how the new primary
+                                // took it (afresh, if it had dropped the worker: its numbering
+                                // there moves).
                                 let answer = match joined {
                                     Joined::Fresh { clock, next } => {
                                         JoinAnswer { next, clock, member: false }

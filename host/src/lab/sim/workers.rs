@@ -210,25 +210,26 @@ impl Sim {
     /// sent there that is still lost is sent again (and is lost again, or answered, if the
     /// shard's server serves again).
     pub(super) fn wait_over(&mut self, w: u32, s: u32) {
-        let (mine, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.mail.limbo).into_iter().partition(|(ev, _)| Self::limbo_of(ev, w, s));
-        self.mail.limbo = rest;
-        for (ev, since) in mine {
-            self.unreachable(w, &ev, since);
+        for ev in self.take_limbo(w, s) {
             self.at(self.now, ev);
         }
     }
 
-    /// Whether `ev`, in limbo, is worker `w`'s message to shard `s`.
-    fn limbo_of(ev: &Ev, w: u32, s: u32) -> bool {
-        matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w)
-    }
-
-    /// Counts the time worker `w`'s pull or push `ev` spent in limbo since `since`.
-    fn unreachable(&mut self, w: u32, ev: &Ev, since: u64) {
-        if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
-            self.workers[w as usize].unreachable_ns += self.now.saturating_sub(since);
+    /// Takes worker `w`'s messages to shard `s` out of limbo, in the order they were lost, and
+    /// counts the time its pulls and pushes spent there.
+    fn take_limbo(&mut self, w: u32, s: u32) -> Vec<Ev> {
+        let mine = |ev: &Ev| matches!(ev, Ev::PullArrive(v, x, _) | Ev::PushArrive(v, x, _) | Ev::ToShard(v, x, _) if *x == s && *v == w);
+        let (taken, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.mail.limbo).into_iter().partition(|(ev, _)| mine(ev));
+        self.mail.limbo = rest;
+        let mut lost = Vec::with_capacity(taken.len());
+        for (ev, since) in taken {
+            if let Ev::PullArrive(..) | Ev::PushArrive(..) = ev {
+                self.workers[w as usize].unreachable_ns += self.now.saturating_sub(since);
+            }
+            lost.push(ev);
         }
+        lost
     }
 
     /// Worker `w`'s process dies: nothing reaches it any more, and the run no longer waits for
@@ -395,13 +396,7 @@ impl Sim {
         }
         let node = self.server_node(s);
         // What it sent that was lost on the way to the old primary, or with it.
-        let (mine, rest): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.mail.limbo).into_iter().partition(|(ev, _)| Self::limbo_of(ev, w, s));
-        self.mail.limbo = rest;
-        for (ev, since) in &mine {
-            self.unreachable(w, ev, *since);
-        }
-        let mine = mine.into_iter().map(|(ev, _)| ev);
+        let mine = self.take_limbo(w, s);
         let member = sim_shard(&self.shards.nodes[su]).is_member(w);
         if self.workers[wu].machine.is_done() {
             // Its goodbye went to the dead primary. A cluster makes it leave when it closes its
