@@ -280,19 +280,18 @@ impl Sim {
                     }
                     (result, _) => result.map(|()| Answer::Done),
                 };
-                let ok = answer.is_ok();
                 self.coord.answers.insert((i, id), answer);
                 if self.servers.cut_to[x as usize] {
-                    self.servers.held[x as usize].push(Ev::CommandDone(i, id, ok));
+                    self.servers.held[x as usize].push(Ev::CommandDone(i, id));
                 } else {
-                    self.at(self.now + self.net.latency_ns, Ev::CommandDone(i, id, ok));
+                    self.at(self.now + self.net.latency_ns, Ev::CommandDone(i, id));
                 }
             }
             // An answer to a coordinator that crashed since is lost with it.
-            Ev::CommandDone(i, id, _) if i != self.coord.incarnation || self.coord.phase == Phase::Down => {
+            Ev::CommandDone(i, id) if i != self.coord.incarnation || self.coord.phase == Phase::Down => {
                 self.coord.answers.remove(&(i, id));
             }
-            Ev::CommandDone(i, id, _) => {
+            Ev::CommandDone(i, id) => {
                 let result =
                     self.coord.answers.remove(&(i, id)).expect("every command delivered is answered");
                 self.coord.machine.command_done(id, result);

@@ -70,8 +70,8 @@ pub(super) enum Ev {
     /// Command `id` of the coordinator's incarnation `i` reaches server `x`.
     Command(u32, u64, u32, Command),
     /// The result of command `id` of the coordinator's incarnation `i` reaches the coordinator
-    /// (dropped if it restarted since).
-    CommandDone(u32, u64, bool),
+    /// (dropped if it restarted since); what it is waits in `SimCoordinator::answers`.
+    CommandDone(u32, u64),
     /// The crashed coordinator starts again ([`SimFaults::coordinator_crash`](super::SimFaults::coordinator_crash)).
     CoordRestart,
     /// Server `x` rejoins the restarted coordinator, which asks it what it holds.
