@@ -900,3 +900,48 @@ fn syncswitch_switches_to_asp_at_once_for_a_straggler_and_counts_every_push_once
     assert!(off >= 60, "BSP throughout: the fast workers wait at (nearly) every barrier ({off})");
     assert!(on <= 10, "switched within the first iterations: {on} pulls deferred");
 }
+
+/// A scenario built from a real run's trace (`scenarios/trace-mixed-4.toml`, shipped with the
+/// run it came from) reproduces that run's per-worker iteration rates within 10%, and the same
+/// four devices stand for 40 workers, each at its device's rate.
+#[test]
+fn a_real_runs_trace_reproduces_its_workers_iteration_rates() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let traced = RunReport::load_trace(&dir.join("traces/mixed-4-asp.json")).expect("the shipped trace");
+    assert_eq!(traced.len(), 4);
+    let real: RunReport =
+        serde_json::from_slice(&std::fs::read(dir.join("traces/mixed-4-asp.json")).unwrap()).unwrap();
+    let rate = |w: &syncopate::worker::WorkerReport| w.iterations as f64 / (w.elapsed_ns as f64 / 1e9);
+    let mut s = Scenario::load(&dir.join("trace-mixed-4.toml")).expect("the shipped scenario");
+    let simulated = sim(&s, "asp", false);
+    for (r, m) in real.workers.iter().zip(&simulated.workers) {
+        let ratio = rate(m) / rate(r);
+        assert!(
+            (0.9..1.1).contains(&ratio),
+            "worker {}: real {:.2} it/s, simulated {:.2}",
+            r.worker,
+            rate(r),
+            rate(m)
+        );
+    }
+    // Ten simulated workers per real device: worker w replays device w mod 4's compute times
+    // (150 iterations, as many as the trace holds: each time once).
+    s.workers = 40;
+    let many = sim(&s, "asp", false);
+    for w in [0, 3, 4, 39] {
+        let want: u64 = traced[w % 4].iter().sum();
+        let got = many.workers[w].compute_ns;
+        assert!(got.abs_diff(want) <= 1_000, "worker {w}: computed {got} ns, its device's trace {want} ns");
+    }
+    // A missing trace is a clear error, not a run without one.
+    s.trace = Some(dir.join("traces/none.json"));
+    let opts = SimOptions {
+        run: RunSpec::new(s, "asp".parse::<PolicySpec>().unwrap()),
+        gradients: false,
+        data: None,
+        failures: Vec::new(),
+        faults: SimFaults::default(),
+    };
+    let err = simulate(&opts, syncopate_suite::runtime()).expect_err("no trace, no run").to_string();
+    assert!(err.contains("traces/none.json"), "{err}");
+}

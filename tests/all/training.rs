@@ -138,3 +138,40 @@ fn every_paradigm_converges_with_a_slow_worker() {
         }
     }
 }
+
+/// The transformer language model on Debian's fortunes trains on a real cluster, scored by its
+/// held-out loss, and stops at a loss target (lower is better): the report carries the
+/// falling validation loss, its lowest value, and the time the target was reached.
+#[test]
+fn the_language_model_trains_to_a_validation_loss_target() {
+    let args = ["--workload", "fortunes-lm", "--policy", "asp", "--workers", "2", "--servers", "1"];
+    let extra = ["--iterations", "150", "--batch", "8", "--target-loss", "3.6", "--eval-every-ms", "500"];
+    let run = LocalRun::start_plain("lm-loss-target", &[&args[..], &extra[..]].concat());
+    let (status, run) = run.finish(Duration::from_secs(600));
+    assert!(status.success(), "{}", run.output());
+    let report = run.report();
+    let losses: Vec<f32> = report.watch.iter().filter_map(|p| p.loss).collect();
+    // A fresh model is near uniform over the 256 byte values: ln 256 = 5.55 nats.
+    assert!(losses.first().is_some_and(|&l| l > 4.0), "{losses:?}");
+    assert!(report.time_to_target_s.is_some(), "loss 3.6 not reached: {losses:?}");
+    assert!(report.best_loss.is_some_and(|l| l <= 3.6), "{:?}", report.best_loss);
+    assert!(report.workers.iter().all(|w| w.stopped_early && w.iterations < 150), "{:?}", report.workers);
+    assert!(run.output().contains("perplexity"), "{}", run.output());
+}
+
+/// The CNN trains on a real cluster: two workers, a few dozen steps, the test accuracy far
+/// above chance.
+#[test]
+fn the_cnn_trains_on_a_real_cluster() {
+    let args = ["--workload", "fashion-cnn", "--policy", "bsp", "--workers", "2", "--servers", "1"];
+    let run = LocalRun::start_plain(
+        "cnn",
+        &[&args[..], &["--iterations", "40", "--eval-every-ms", "1000"]].concat(),
+    );
+    let (status, run) = run.finish(Duration::from_secs(600));
+    assert!(status.success(), "{}", run.output());
+    let report = run.report();
+    assert_eq!(report.model_len, 281_034);
+    let acc = report.final_accuracy.expect("scored");
+    assert!(acc > 0.5, "after 40 BSP steps of 2 x 32 images: {acc}");
+}

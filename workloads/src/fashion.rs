@@ -11,13 +11,20 @@ pub const DEFAULT_DIR: &str = "/usr/share/datasets/fashion-mnist";
 pub const PIXELS: usize = 28 * 28;
 /// Classes.
 pub const CLASSES: usize = 10;
+/// Images in the training set.
+pub const TRAIN_IMAGES: usize = 60_000;
 
 /// A dataset file that is missing or damaged.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    /// Neither `NAME` nor `NAME.gz` exists.
-    #[error("{0}: missing (neither it nor its .gz exists; install Debian's dataset-fashion-mnist or give --data DIR)")]
-    Missing(PathBuf),
+    /// The file is missing (for Fashion-MNIST: neither `NAME` nor `NAME.gz` exists).
+    #[error("{path}: missing (install Debian's {package}, as scripts/setup.sh does, or give --data DIR)")]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The Debian package that installs it.
+        package: &'static str,
+    },
     /// The file could not be read.
     #[error("{path}: {source}")]
     Io {
@@ -27,7 +34,7 @@ pub enum DataError {
         source: std::io::Error,
     },
     /// The file is not the IDX data expected.
-    #[error("{path}: corrupt or not Fashion-MNIST: {what}")]
+    #[error("{path}: corrupt or not the data expected: {what}")]
     Corrupt {
         /// The file.
         path: PathBuf,
@@ -90,7 +97,7 @@ fn read_file(dir: &Path, name: &str) -> Result<(PathBuf, Vec<u8>), DataError> {
             .map_err(|e| DataError::Corrupt { path: gz.clone(), what: format!("cannot decompress: {e}") })?;
         return Ok((gz, bytes));
     }
-    Err(DataError::Missing(plain))
+    Err(DataError::Missing { path: plain, package: "dataset-fashion-mnist" })
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {

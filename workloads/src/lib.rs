@@ -7,13 +7,26 @@
 //!
 //! - [`counter::Counter`]: pushes known values, so a test can check that every update was applied
 //!   exactly once (the final parameters equal minus the sum of everything pushed).
-//! - `fashion-softmax` and `fashion-mlp` ([`Fashion`]): softmax regression and an MLP on
-//!   Fashion-MNIST ([`fashion`]), each worker training on its own partition of the 60,000 images;
-//!   [`Evaluator`] scores a model on the 10,000 test images.
+//! - `fashion-softmax`, `fashion-mlp` and `fashion-cnn` ([`Fashion`]): softmax regression, an
+//!   MLP ([`model`]) and a LeNet-style convolutional network ([`cnn`]) on Fashion-MNIST
+//!   ([`fashion`]), each worker training on its own partition of the 60,000 images.
+//! - `fortunes-lm` ([`Fortunes`]): a byte-level transformer language model ([`lm`]) on the
+//!   English text of Debian's `fortunes` package ([`text`]), each worker training on its own
+//!   part of the training text.
+//!
+//! [`Evaluator`] scores a model on the held-out data: the 10,000 test images, or the held-out
+//! fortunes (loss in nats per byte, whose exponential is the perplexity, and next-byte
+//! accuracy). The CNN and the language model run forward and backward with candle
+//! (`docs/workloads.md` says why, measured).
 
+pub mod cnn;
+mod conv;
 pub mod counter;
 pub mod fashion;
+pub mod lm;
 pub mod model;
+mod net;
+pub mod text;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,7 +36,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub use fashion::DataError;
-pub use model::{Model, Score};
+pub use model::{Classifier, Model, Score};
 
 /// What one gradient computation reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -110,8 +123,9 @@ pub enum WorkloadError {
 pub struct WorkloadOptions {
     /// Parameters of the synthetic workloads.
     pub params: usize,
-    /// Where the Fashion-MNIST files are.
-    pub data_dir: PathBuf,
+    /// Where the workload's data is (`None`: where its Debian package installs it,
+    /// [`default_data_dir`]).
+    pub data_dir: Option<PathBuf>,
     /// Which part of the training set this worker trains on: `(index, parts)`.
     pub part: (u32, u32),
     /// Hidden units of the MLP.
@@ -122,52 +136,79 @@ pub struct WorkloadOptions {
 
 impl Default for WorkloadOptions {
     fn default() -> Self {
-        WorkloadOptions {
-            params: 1024,
-            data_dir: PathBuf::from(fashion::DEFAULT_DIR),
-            part: (0, 1),
-            hidden: 128,
-            seed: 1,
-        }
+        WorkloadOptions { params: 1024, data_dir: None, part: (0, 1), hidden: 128, seed: 1 }
     }
 }
 
 /// The names of the built-in workloads.
-pub const NAMES: &[&str] = &["counter", "fashion-softmax", "fashion-mlp"];
+pub const NAMES: &[&str] = &["counter", "fashion-softmax", "fashion-mlp", "fashion-cnn", "fortunes-lm"];
 
-fn model_for(name: &str, opts: &WorkloadOptions) -> Option<Model> {
+/// The language model's name.
+const LM: &str = "fortunes-lm";
+
+/// Where workload `name`'s data is unless told: where its Debian package installs it.
+pub fn default_data_dir(name: &str) -> &'static str {
+    if name == LM {
+        text::DEFAULT_DIR
+    } else {
+        fashion::DEFAULT_DIR
+    }
+}
+
+impl WorkloadOptions {
+    fn data_dir(&self, name: &str) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| default_data_dir(name).into())
+    }
+}
+
+fn classifier_for(name: &str, opts: &WorkloadOptions) -> Option<Classifier> {
     match name {
-        "fashion-softmax" => Some(Model::softmax()),
-        "fashion-mlp" => Some(Model::mlp(opts.hidden)),
+        "fashion-softmax" => Some(Classifier::Dense(Model::softmax())),
+        "fashion-mlp" => Some(Classifier::Dense(Model::mlp(opts.hidden))),
+        "fashion-cnn" => Some(Classifier::Conv(cnn::Cnn::lenet())),
         _ => None,
     }
 }
 
+fn check_parts(parts: u32) -> Result<(), WorkloadError> {
+    match parts {
+        0 => Err(WorkloadError::Option("no data parts".into())),
+        _ => Ok(()),
+    }
+}
+
+/// The contiguous range of `n` items that part `index` of `parts` holds.
+fn part_range(n: usize, index: u32, parts: u32) -> std::ops::Range<usize> {
+    n * index as usize / parts as usize..n * (index as usize + 1) / parts as usize
+}
+
 /// A built-in workload by name.
 pub fn by_name(name: &str, opts: &WorkloadOptions) -> Result<Box<dyn Workload>, WorkloadError> {
-    if name == "counter" {
-        return Ok(Box::new(counter::Counter::new(opts.params)));
-    }
-    let model = model_for(name, opts).ok_or_else(|| WorkloadError::Unknown(name.to_string()))?;
     let (index, parts) = opts.part;
-    if parts == 0 || index >= parts {
+    if name != "counter" && (parts == 0 || index >= parts) {
         return Err(WorkloadError::Option(format!("data part {index}/{parts} does not exist")));
     }
-    let data = fashion::load(&opts.data_dir)?;
-    let n = data.train.len();
-    let (lo, hi) = (n * index as usize / parts as usize, n * (index as usize + 1) / parts as usize);
-    let mut w =
-        Fashion::new(name, model, Arc::new(data.train), (lo..hi).collect(), opts.seed ^ u64::from(index));
-    w.parts = parts;
-    w.task_seed = opts.seed;
-    Ok(Box::new(w))
+    let mut all = for_some_parts(name, opts, parts, index..index + 1)?;
+    Ok(all.pop().expect("one part asked for"))
 }
 
 /// How many parameters workload `name` has, without loading any data.
 pub fn param_len(name: &str, opts: &WorkloadOptions) -> Option<usize> {
     match name {
         "counter" => Some(opts.params),
-        _ => model_for(name, opts).map(|m| m.len()),
+        LM => Some(lm::Lm::new(lm::LmShape::default()).len()),
+        _ => classifier_for(name, opts).map(|m| m.len()),
+    }
+}
+
+/// How many samples one pass over the whole training set holds (images, or the language
+/// model's windows of context), or `None` for workloads without a training set.
+pub fn epoch_len(name: &str, opts: &WorkloadOptions) -> Result<Option<usize>, WorkloadError> {
+    match name {
+        LM => Ok(Some(text::load(&opts.data_dir(name))?.train.len() / lm::LmShape::default().ctx)),
+        _ if classifier_for(name, opts).is_some() => Ok(Some(fashion::TRAIN_IMAGES)),
+        _ if NAMES.contains(&name) => Ok(None),
+        _ => Err(WorkloadError::Unknown(name.to_string())),
     }
 }
 
@@ -178,25 +219,46 @@ pub fn for_parts(
     opts: &WorkloadOptions,
     parts: u32,
 ) -> Result<Vec<Box<dyn Workload>>, WorkloadError> {
+    for_some_parts(name, opts, parts, 0..parts)
+}
+
+/// Workload `name` for parts `which` of `parts`, sharing one copy of the data.
+fn for_some_parts(
+    name: &str,
+    opts: &WorkloadOptions,
+    parts: u32,
+    which: std::ops::Range<u32>,
+) -> Result<Vec<Box<dyn Workload>>, WorkloadError> {
     if name == "counter" {
-        return Ok((0..parts)
+        return Ok(which
             .map(|_| Box::new(counter::Counter::new(opts.params)) as Box<dyn Workload>)
             .collect());
     }
-    let model = model_for(name, opts).ok_or_else(|| WorkloadError::Unknown(name.to_string()))?;
-    if parts == 0 {
-        return Err(WorkloadError::Option("no data parts".into()));
+    if name == LM {
+        check_parts(parts)?;
+        let train = Arc::new(text::load(&opts.data_dir(name))?.train);
+        let model = Arc::new(lm::Lm::new(lm::LmShape::default()));
+        return Ok(which
+            .map(|index| {
+                let range = part_range(train.len(), index, parts);
+                let mut w = Fortunes::new(model.clone(), train.clone(), range, opts.seed ^ u64::from(index));
+                w.parts = parts;
+                w.task_seed = opts.seed;
+                Box::new(w) as Box<dyn Workload>
+            })
+            .collect());
     }
-    let train = Arc::new(fashion::load(&opts.data_dir)?.train);
+    let model = classifier_for(name, opts).ok_or_else(|| WorkloadError::Unknown(name.to_string()))?;
+    check_parts(parts)?;
+    let train = Arc::new(fashion::load(&opts.data_dir(name))?.train);
     let n = train.len();
-    Ok((0..parts)
+    Ok(which
         .map(|index| {
-            let (lo, hi) = (n * index as usize / parts as usize, n * (index as usize + 1) / parts as usize);
             let mut w = Fashion::new(
                 name,
                 model.clone(),
                 train.clone(),
-                (lo..hi).collect(),
+                part_range(n, index, parts).collect(),
                 opts.seed ^ u64::from(index),
             );
             w.parts = parts;
@@ -206,18 +268,49 @@ pub fn for_parts(
         .collect())
 }
 
-/// Scores models on the test set.
+/// Scores models on the held-out data.
 #[derive(Debug)]
-pub struct Evaluator {
-    model: Model,
-    test: fashion::Dataset,
+pub enum Evaluator {
+    /// A classifier on the 10,000 test images.
+    Images {
+        /// The model.
+        model: Classifier,
+        /// The test set.
+        test: fashion::Dataset,
+    },
+    /// The language model on windows of the held-out text.
+    Text {
+        /// The model.
+        model: lm::Lm,
+        /// The held-out windows, each `ctx + 1` bytes.
+        windows: Vec<Vec<u8>>,
+    },
 }
 
+/// Windows of held-out text the language model is scored on: 8,192 bytes predicted.
+const VALID_WINDOWS: usize = 128;
+
 impl Evaluator {
-    /// The evaluator for workload `name`, or `None` for workloads without a test set.
+    /// The evaluator for workload `name`, or `None` for workloads without held-out data.
     pub fn for_workload(name: &str, opts: &WorkloadOptions) -> Result<Option<Self>, WorkloadError> {
-        match model_for(name, opts) {
-            Some(model) => Ok(Some(Evaluator { model, test: fashion::load(&opts.data_dir)?.test })),
+        if name == LM {
+            let model = lm::Lm::new(lm::LmShape::default());
+            let valid = text::load(&opts.data_dir(name))?.valid;
+            let len = model.shape.ctx + 1;
+            // Evenly spaced windows over the whole held-out text.
+            let count = VALID_WINDOWS.min(valid.len() / len);
+            let windows = (0..count)
+                .map(|i| {
+                    let at = i * (valid.len() - len) / count.max(1);
+                    valid[at..at + len].to_vec()
+                })
+                .collect();
+            return Ok(Some(Evaluator::Text { model, windows }));
+        }
+        match classifier_for(name, opts) {
+            Some(model) => {
+                Ok(Some(Evaluator::Images { model, test: fashion::load(&opts.data_dir(name))?.test }))
+            }
             None if NAMES.contains(&name) => Ok(None),
             None => Err(WorkloadError::Unknown(name.to_string())),
         }
@@ -225,16 +318,26 @@ impl Evaluator {
 
     /// Parameters the model has.
     pub fn param_len(&self) -> usize {
-        self.model.len()
+        match self {
+            Evaluator::Images { model, .. } => model.len(),
+            Evaluator::Text { model, .. } => model.len(),
+        }
     }
 
-    /// Loss and accuracy of `params` on the 10,000 test images.
+    /// Loss and accuracy of `params` on the held-out data: for images, mean cross-entropy and
+    /// the share classified right; for text, nats per byte and next-byte accuracy.
     ///
     /// # Panics
     /// If `params` is not [`param_len`](Self::param_len) long.
     pub fn evaluate(&self, params: &[f32]) -> Score {
-        assert_eq!(params.len(), self.model.len(), "parameters of another model");
-        self.model.evaluate(params, &self.test.images, &self.test.labels)
+        assert_eq!(params.len(), self.param_len(), "parameters of another model");
+        match self {
+            Evaluator::Images { model, test } => model.evaluate(params, &test.images, &test.labels),
+            Evaluator::Text { model, windows } => {
+                let ws: Vec<&[u8]> = windows.iter().map(Vec::as_slice).collect();
+                model.evaluate(params, &ws)
+            }
+        }
     }
 }
 
@@ -243,7 +346,7 @@ impl Evaluator {
 #[derive(Debug)]
 pub struct Fashion {
     name: String,
-    model: Model,
+    model: Classifier,
     data: Arc<fashion::Dataset>,
     part: Vec<usize>,
     cursor: usize,
@@ -259,7 +362,13 @@ pub struct Fashion {
 
 impl Fashion {
     /// `model` over the images `part` of `data`.
-    pub fn new(name: &str, model: Model, data: Arc<fashion::Dataset>, part: Vec<usize>, seed: u64) -> Self {
+    pub fn new(
+        name: &str,
+        model: Classifier,
+        data: Arc<fashion::Dataset>,
+        part: Vec<usize>,
+        seed: u64,
+    ) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut part = part;
         part.shuffle(&mut rng);
@@ -283,8 +392,7 @@ impl Fashion {
         model::gather(&self.data.images, fashion::PIXELS, &self.idx, &mut self.batch_x);
         self.batch_y.clear();
         self.batch_y.extend(self.idx.iter().map(|&i| self.data.labels[i]));
-        let x = ndarray::ArrayView2::from_shape((batch, fashion::PIXELS), &self.batch_x).expect("shape");
-        let score = self.model.gradient(params, x, &self.batch_y, grad);
+        let score = self.model.gradient(params, &self.batch_x, &self.batch_y, grad);
         StepStats { samples: batch as u32, loss: score.loss }
     }
 
@@ -352,5 +460,160 @@ impl Workload for Fashion {
             return None;
         }
         Some(self.gradient_on_idx(params, grad))
+    }
+}
+
+/// The language model trained on one part of the training text: each iteration draws its
+/// batch's windows (context and the byte after it) uniformly at random from the part.
+#[derive(Debug)]
+pub struct Fortunes {
+    model: Arc<lm::Lm>,
+    text: Arc<Vec<u8>>,
+    part: std::ops::Range<usize>,
+    rng: ChaCha8Rng,
+    starts: Vec<usize>,
+    /// How many parts the training text is split into (for tasks of other parts).
+    parts: u32,
+    /// The seed shared by every worker, from which tasks' windows are drawn.
+    task_seed: u64,
+}
+
+impl Fortunes {
+    /// `model` over bytes `part` of `text`, its windows drawn from `seed`.
+    pub fn new(model: Arc<lm::Lm>, text: Arc<Vec<u8>>, part: std::ops::Range<usize>, seed: u64) -> Self {
+        Fortunes {
+            model,
+            text,
+            part,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            starts: Vec::new(),
+            parts: 1,
+            task_seed: seed,
+        }
+    }
+
+    /// A window start drawn from `range`: it and the window after it lie inside.
+    fn draw(rng: &mut ChaCha8Rng, range: &std::ops::Range<usize>, len: usize) -> usize {
+        range.start + rng.random_range(0..(range.len().saturating_sub(len) + 1).max(1))
+    }
+
+    fn gradient_on_starts(&self, params: &[f32], grad: &mut [f32]) -> StepStats {
+        let len = self.model.shape.ctx + 1;
+        let windows: Vec<&[u8]> = self.starts.iter().map(|&s| &self.text[s..s + len]).collect();
+        let score = self.model.gradient(params, &windows, grad);
+        StepStats { samples: windows.len() as u32, loss: score.loss }
+    }
+}
+
+impl Workload for Fortunes {
+    fn name(&self) -> &str {
+        LM
+    }
+
+    fn param_len(&self) -> usize {
+        self.model.len()
+    }
+
+    fn init_params(&self, seed: u64) -> Vec<f32> {
+        self.model.init(seed)
+    }
+
+    fn gradient(
+        &mut self,
+        _worker: u32,
+        _iteration: u64,
+        batch: u32,
+        params: &[f32],
+        grad: &mut [f32],
+    ) -> StepStats {
+        let len = self.model.shape.ctx + 1;
+        self.starts.clear();
+        for _ in 0..batch.max(1) {
+            let s = Self::draw(&mut self.rng, &self.part, len);
+            self.starts.push(s.min(self.text.len() - len));
+        }
+        self.gradient_on_starts(params, grad)
+    }
+
+    /// Tasks draw their windows from a generator seeded by (shared seed, part, iteration): any
+    /// worker draws the same ones.
+    fn task_gradient(&mut self, t: &Tasks, params: &[f32], grad: &mut [f32]) -> Option<StepStats> {
+        let Tasks { part, iteration, batch, ref tasks, total } = *t;
+        if part >= self.parts.max(1) || tasks.is_empty() || tasks.end > total {
+            return None;
+        }
+        let len = self.model.shape.ctx + 1;
+        let range = part_range(self.text.len(), part, self.parts.max(1));
+        let key = self.task_seed ^ (u64::from(part) << 48) ^ iteration.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut rng = ChaCha8Rng::seed_from_u64(key);
+        let samples = task_samples(batch, tasks, total);
+        self.starts.clear();
+        for i in 0..samples.end {
+            let s = Self::draw(&mut rng, &range, len).min(self.text.len() - len);
+            if i >= samples.start {
+                self.starts.push(s);
+            }
+        }
+        if self.starts.is_empty() {
+            return None;
+        }
+        Some(self.gradient_on_starts(params, grad))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// `steps` of plain SGD on worker 0's part of `name`'s real data: the batch losses.
+    fn loss_curve(name: &str, seed: u64, steps: u64, batch: u32, lr: f32) -> Vec<f32> {
+        let opts = WorkloadOptions { seed, part: (0, 4), ..WorkloadOptions::default() };
+        let mut w = by_name(name, &opts).expect("the data (scripts/setup.sh installs it)");
+        let mut params = w.init_params(seed);
+        let mut grad = vec![0.0; params.len()];
+        (0..steps)
+            .map(|i| {
+                let stats = w.gradient(0, i, batch, &params, &mut grad);
+                params.iter_mut().zip(&grad).for_each(|(p, g)| *p -= lr * g);
+                stats.loss
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_real_fortunes_load_with_a_tenth_held_out() {
+        let c = text::load(Path::new(text::DEFAULT_DIR))
+            .expect("Debian's fortunes (scripts/setup.sh installs it)");
+        assert!(c.files >= 30 && c.train.len() > 2_000_000, "{} files, {} bytes", c.files, c.train.len());
+        let share = c.valid.len() as f64 / (c.train.len() + c.valid.len()) as f64;
+        assert!((0.08..0.12).contains(&share), "held out {share}");
+    }
+
+    /// Each new workload learns on its real data, and a seed gives the same loss curve twice;
+    /// another seed another one.
+    #[test]
+    fn a_seed_gives_the_same_falling_loss_curve_twice() {
+        for (name, steps, lr) in [("fashion-cnn", 12, 0.1), ("fortunes-lm", 12, 0.2)] {
+            let a = loss_curve(name, 7, steps, 8, lr);
+            assert_eq!(a, loss_curve(name, 7, steps, 8, lr), "{name}");
+            assert_ne!(a, loss_curve(name, 8, steps, 8, lr), "{name}");
+            let (first, last) = (a[..3].iter().sum::<f32>(), a[a.len() - 3..].iter().sum::<f32>());
+            assert!(last < first * 0.9, "{name} does not learn: {a:?}");
+        }
+    }
+
+    /// The evaluator scores the language model on held-out text: a fresh model is near
+    /// uniform over the 256 bytes, a perplexity near 256.
+    #[test]
+    fn a_fresh_language_model_scores_near_uniform_on_held_out_text() {
+        let opts = WorkloadOptions::default();
+        let e = Evaluator::for_workload("fortunes-lm", &opts).unwrap().unwrap();
+        let s = e.evaluate(&by_name("fortunes-lm", &opts).unwrap().init_params(1));
+        let perplexity = s.loss.exp();
+        assert!((200.0..320.0).contains(&perplexity), "perplexity {perplexity}");
+        assert_eq!(param_len("fortunes-lm", &opts), Some(e.param_len()));
+        assert_eq!(param_len("fashion-cnn", &opts), Some(281_034));
     }
 }

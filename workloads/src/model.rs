@@ -1,5 +1,6 @@
-//! The models: softmax regression and a one-hidden-layer MLP with ReLU, forward and backward
-//! with ndarray (matrixmultiply underneath). Parameters are one flat `f32` vector: each weight
+//! The image classifiers ([`Classifier`]), and the dense ones: softmax regression and a
+//! one-hidden-layer MLP with ReLU, forward and backward with ndarray (matrixmultiply
+//! underneath). Parameters are one flat `f32` vector: each weight
 //! matrix row-major (`inputs x outputs`), then its bias.
 
 use ndarray::linalg::general_mat_mul;
@@ -7,7 +8,62 @@ use ndarray::{Array2, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// A classifier over flat parameters.
+use crate::cnn::Cnn;
+
+/// An image classifier over flat parameters: dense ([`Model`], with ndarray) or convolutional
+/// ([`Cnn`], with candle).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Classifier {
+    /// Softmax regression or an MLP.
+    Dense(Model),
+    /// The convolutional network.
+    Conv(Cnn),
+}
+
+impl Classifier {
+    /// Parameters in all.
+    pub fn len(&self) -> usize {
+        match self {
+            Classifier::Dense(m) => m.len(),
+            Classifier::Conv(m) => m.len(),
+        }
+    }
+
+    /// Whether the model has no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The initial parameters, from `seed`.
+    pub fn init(&self, seed: u64) -> Vec<f32> {
+        match self {
+            Classifier::Dense(m) => m.init(seed),
+            Classifier::Conv(m) => m.init(seed),
+        }
+    }
+
+    /// The mean cross-entropy gradient over images `x` (`labels.len() * 784` pixels) into
+    /// `grad`; returns the batch's score before the update.
+    pub fn gradient(&self, params: &[f32], x: &[f32], labels: &[u8], grad: &mut [f32]) -> Score {
+        match self {
+            Classifier::Dense(m) => {
+                let x = ArrayView2::from_shape((labels.len(), m.layers[0]), x).expect("one image per label");
+                m.gradient(params, x, labels, grad)
+            }
+            Classifier::Conv(m) => m.gradient(params, x, labels, grad),
+        }
+    }
+
+    /// Loss and accuracy of `params` on a whole set.
+    pub fn evaluate(&self, params: &[f32], images: &[f32], labels: &[u8]) -> Score {
+        match self {
+            Classifier::Dense(m) => m.evaluate(params, images, labels),
+            Classifier::Conv(m) => m.evaluate(params, images, labels),
+        }
+    }
+}
+
+/// A dense classifier over flat parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Model {
     /// Layer sizes, input first: `[784, 10]` is softmax regression, `[784, 128, 10]` an MLP.

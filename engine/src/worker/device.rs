@@ -1,17 +1,25 @@
 //! The device model: how long a worker's computation takes beyond the real arithmetic, so one
-//! machine can stand for a heterogeneous cluster (slow devices, jitter, stalls, emulated compute).
+//! machine can stand for a heterogeneous cluster (slow devices, jitter, stalls, emulated compute,
+//! or compute times measured on a real cluster, replayed).
+
+use std::sync::Arc;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::Distribution;
 
 /// How a worker's device behaves. The default is a device exactly as fast as the arithmetic.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Device {
     /// Emulated compute time per iteration of the starting batch size, in nanoseconds
     /// (proportional to the samples actually computed). In the simulator, where arithmetic
     /// takes no virtual time, this is the whole compute time.
     pub compute_ns: u64,
+    /// Compute times measured on a real device, in nanoseconds per computation of the starting
+    /// batch size, replayed in order and from the start again when they run out (a trace of a
+    /// real run: `docs/workloads.md`). When set, they replace `compute_ns`, and the real
+    /// arithmetic counts towards them.
+    pub trace_ns: Option<Arc<[u64]>>,
     /// This device takes `slow_factor` times as long, emulated time included (1: normal).
     pub slow_factor: f32,
     /// A random delay after each iteration, normal with this mean and standard deviation in
@@ -31,6 +39,7 @@ impl Default for Device {
     fn default() -> Self {
         Device {
             compute_ns: 0,
+            trace_ns: None,
             slow_factor: 1.0,
             jitter_ms: None,
             stall_ns: None,
@@ -48,6 +57,8 @@ pub(crate) struct DeviceState {
     rng: ChaCha8Rng,
     /// Emulated time owed (negative: overslept), in nanoseconds.
     pub debt_ns: i64,
+    /// Computations timed so far (where a trace is replayed from).
+    computed: usize,
 }
 
 impl DeviceState {
@@ -67,15 +78,27 @@ impl DeviceState {
         if !(device.slow_factor.is_finite() && device.slow_factor > 0.0) {
             return Err(format!("slow factor {} is not a positive number", device.slow_factor));
         }
-        Ok(DeviceState { device, jitter, rng: ChaCha8Rng::seed_from_u64(device.seed), debt_ns: 0 })
+        if device.trace_ns.as_ref().is_some_and(|t| t.is_empty()) {
+            return Err("an empty trace of compute times".into());
+        }
+        let rng = ChaCha8Rng::seed_from_u64(device.seed);
+        Ok(DeviceState { device, jitter, rng, debt_ns: 0, computed: 0 })
     }
 
     /// The time to add to `compute_ns` (real arithmetic on `samples` samples, of a batch of
     /// `batch`) so that it takes as long as this device would: the emulated compute's share is
-    /// `samples / batch`; all of it is stretched by the slow factor.
-    pub fn extra_ns(&self, compute_ns: u64, samples: u32, batch: u32) -> u64 {
+    /// `samples / batch`; all of it is stretched by the slow factor. With a trace, the next
+    /// measured time's share is the whole time, the arithmetic included.
+    pub fn extra_ns(&mut self, compute_ns: u64, samples: u32, batch: u32) -> u64 {
         let fraction = f64::from(samples) / f64::from(batch.max(1));
-        let paced = compute_ns as f64 + self.device.compute_ns as f64 * fraction;
+        let paced = match &self.device.trace_ns {
+            Some(trace) => {
+                let measured = trace[self.computed % trace.len()] as f64 * fraction;
+                self.computed += 1;
+                measured.max(compute_ns as f64)
+            }
+            None => compute_ns as f64 + self.device.compute_ns as f64 * fraction,
+        };
         let stretch = if self.device.slow_factor > 1.0 {
             paced * f64::from(self.device.slow_factor - 1.0)
         } else {
@@ -108,13 +131,28 @@ mod tests {
 
     #[test]
     fn a_slow_device_stretches_compute_and_emulated_time() {
-        let d = DeviceState::new(Device { compute_ns: 10_000_000, slow_factor: 3.0, ..Device::default() })
-            .unwrap();
+        let mut d =
+            DeviceState::new(Device { compute_ns: 10_000_000, slow_factor: 3.0, ..Device::default() })
+                .unwrap();
         // Half a batch: 5 ms emulated + 2 ms real, all of it 3x: 21 ms, of which 19 ms extra.
         assert_eq!(d.extra_ns(2_000_000, 16, 32), 19_000_000);
-        let plain = DeviceState::new(Device::default()).unwrap();
+        let mut plain = DeviceState::new(Device::default()).unwrap();
         assert_eq!(plain.extra_ns(2_000_000, 32, 32), 0);
         assert!(DeviceState::new(Device { jitter_ms: Some((1.0, -1.0)), ..Device::default() }).is_err());
+    }
+
+    /// A trace's times are replayed in order, cycled, each scaled to the samples computed; the
+    /// real arithmetic counts towards them.
+    #[test]
+    fn a_trace_is_replayed_in_order_and_cycled() {
+        let trace: Arc<[u64]> = Arc::from(vec![10, 20, 30]);
+        let mut d =
+            DeviceState::new(Device { trace_ns: Some(trace), compute_ns: 999, ..Device::default() }).unwrap();
+        let got: Vec<u64> = (0..5).map(|_| d.extra_ns(0, 32, 32)).collect();
+        assert_eq!(got, [10, 20, 30, 10, 20]);
+        assert_eq!(d.extra_ns(4, 16, 32), 11, "half of 30 is 15, 4 of them real arithmetic");
+        assert_eq!(d.extra_ns(50, 32, 32), 0, "arithmetic slower than the trace is not undone");
+        assert!(DeviceState::new(Device { trace_ns: Some(Arc::from(vec![])), ..Device::default() }).is_err());
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub const STOP_GRACE_NS: u64 = 5_000_000_000;
 pub const WAIT_NOTICE_NS: u64 = 1_000_000_000;
 
 /// How a worker is set up.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct WorkerConfig {
     /// Its id.
     pub id: WorkerId,
@@ -383,7 +383,7 @@ pub struct WorkerMachine {
 impl WorkerMachine {
     /// A worker starting at `now_ns` on the driver's clock.
     pub fn new(cfg: WorkerConfig, now_ns: u64) -> Result<Self, WorkerError> {
-        let device = DeviceState::new(cfg.device).map_err(WorkerError::Device)?;
+        let device = DeviceState::new(cfg.device.clone()).map_err(WorkerError::Device)?;
         Ok(WorkerMachine {
             report: WorkerReport { worker: cfg.id, start: cfg.start, ..WorkerReport::default() },
             device,

@@ -27,9 +27,10 @@ pub struct LocalArgs {
     /// The workload: fashion-mlp, fashion-softmax, or counter (known values, for checking).
     #[arg(long, default_value = "fashion-mlp")]
     pub workload: String,
-    /// Directory with the Fashion-MNIST IDX files.
-    #[arg(long, default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
-    pub data: PathBuf,
+    /// The workload's data directory (default: where its Debian package installs it:
+    /// /usr/share/datasets/fashion-mnist, or /usr/share/games/fortunes for fortunes-lm).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
     /// Record every shard's policy events into DIR (one file per shard), for
     /// `syncopate policy replay`.
     #[arg(long, value_name = "DIR")]
@@ -50,8 +51,14 @@ pub struct LocalArgs {
     #[arg(long, default_value_t = 32)]
     pub batch: u32,
     /// Stop once test accuracy reaches this (0-1).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["target_loss", "target_perplexity"])]
     pub target_accuracy: Option<f32>,
+    /// Stop once the held-out loss is at most this (nats; for fortunes-lm, per byte).
+    #[arg(long, conflicts_with = "target_perplexity")]
+    pub target_loss: Option<f32>,
+    /// Stop once the held-out perplexity (the exponential of the loss) is at most this.
+    #[arg(long)]
+    pub target_perplexity: Option<f32>,
     /// Stop after this many seconds of training.
     #[arg(long)]
     pub time_limit_s: Option<f64>,
@@ -148,11 +155,21 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
     let iterations = match a.iterations {
         Some(i) => i,
         None if !a.script.is_empty() => u64::MAX / 4,
-        None if a.workload.starts_with("fashion") => {
-            let part = 60_000.0 / f64::from(a.workers.max(1));
-            (a.epochs * part / f64::from(a.batch.max(1))).ceil() as u64
+        None => {
+            let wopts = syncopate_workloads::WorkloadOptions {
+                data_dir: a.data.clone(),
+                hidden: a.hidden,
+                params: a.params,
+                ..Default::default()
+            };
+            match syncopate_workloads::epoch_len(&a.workload, &wopts)? {
+                Some(samples) => {
+                    let part = samples as f64 / f64::from(a.workers.max(1));
+                    (a.epochs * part / f64::from(a.batch.max(1))).ceil() as u64
+                }
+                None => 100,
+            }
         }
-        None => 100,
     };
     let scenario = Scenario {
         name: "local".into(),
@@ -166,12 +183,15 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         batch: a.batch,
         compute_ms: a.delay_ms,
         target_accuracy: a.target_accuracy,
+        target_loss: a.target_loss,
+        target_perplexity: a.target_perplexity,
         time_limit_s: a.time_limit_s,
         iterations: Some(iterations),
         eval_every_ms: a.eval_every_ms,
         seed: a.train.seed,
         latency_us: crate::lab::scenario::DEFAULT_LATENCY_US,
         bandwidth_mbit: None,
+        trace: None,
         lr: Some(a.train.lr),
         momentum: Some(a.train.momentum),
         weight_decay: Some(a.train.weight_decay),
@@ -298,6 +318,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
     }
     let opts = options(&a, exe)?;
     let run_dir = opts.run_dir.clone();
+    let target = opts.run.scenario.target();
     eprintln!("run directory: {}", run_dir.display());
     // What this run was started with, for a later `--resume` (`--run-dir` and `--resume` are
     // the new run's own).
@@ -358,22 +379,32 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         if let Some(acc) = report.best_accuracy {
             println!("best:       {:.2}% reported while training", acc * 100.0);
         }
+    } else if a.workload == "fortunes-lm" {
+        if let (Some(loss), Some(acc)) = (report.final_loss, report.final_accuracy) {
+            println!(
+                "loss:       {loss:.3} nats per byte (perplexity {:.2}), next byte right {:.1}%, on the held-out fortunes (final model)",
+                loss.exp(),
+                acc * 100.0
+            );
+        }
+        if let Some(loss) = report.best_loss {
+            println!("best:       {loss:.3} (perplexity {:.2}) seen while training", loss.exp());
+        }
     } else {
         if let Some(acc) = report.final_accuracy {
             println!("accuracy:   {:.2}% on the 10,000 test images (final model)", acc * 100.0);
         }
         if let Some(acc) = report.best_accuracy {
-            println!(
-                "best:       {:.2}% seen while training; that model is {}",
-                acc * 100.0,
-                run_dir.join("model-best.bin").display()
-            );
+            println!("best:       {:.2}% seen while training", acc * 100.0);
         }
     }
-    if let Some(target) = a.target_accuracy {
+    if report.best_accuracy.is_some() && a.script.is_empty() {
+        println!("best model: {}", run_dir.join("model-best.bin").display());
+    }
+    if let Some(target) = target {
         match report.time_to_target_s {
-            Some(t) => println!("target:     {:.1}% reached after {t:.1} s", target * 100.0),
-            None => println!("target:     {:.1}% not reached", target * 100.0),
+            Some(t) => println!("target:     {} reached after {t:.1} s", target.describe()),
+            None => println!("target:     {} not reached", target.describe()),
         }
     }
     for p in &report.plots {

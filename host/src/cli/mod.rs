@@ -250,7 +250,7 @@ pub struct AbArgs {
     /// Where the runs and the comparison go (default: `runs/ab-<scenario>-<time>`).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
-    /// Directory with the Fashion-MNIST IDX files.
+    /// The workload's data directory (default: where its Debian package installs it).
     #[arg(long)]
     pub data: Option<std::path::PathBuf>,
     /// Run in the deterministic simulator (virtual time, the real shard engine and policies)
@@ -284,6 +284,13 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
              run it with --simulate (which models link bandwidth), or by hand with the \
              network-namespace recipe in docs/bandwidth.md",
             scenario.name
+        );
+    }
+    if let (Some(trace), false) = (&scenario.trace, a.simulate) {
+        anyhow::bail!(
+            "scenario `{}` replays the compute times of {}, a device model only the simulator runs; run it with --simulate",
+            scenario.name,
+            trace.display()
         );
     }
     if let (Some(m), false) = (&scenario.modelled, a.simulate) {

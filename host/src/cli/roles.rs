@@ -116,9 +116,10 @@ pub struct WorkerArgs {
     /// Parameters of synthetic workloads (`counter`).
     #[arg(long, env = "SYNCOPATE_PARAMS", default_value_t = 1024)]
     pub params: usize,
-    /// Directory with the Fashion-MNIST IDX files.
-    #[arg(long, env = "SYNCOPATE_DATA", default_value = syncopate_workloads::fashion::DEFAULT_DIR)]
-    pub data: PathBuf,
+    /// The workload's data directory (default: where its Debian package installs it:
+    /// /usr/share/datasets/fashion-mnist, or /usr/share/games/fortunes for fortunes-lm).
+    #[arg(long, env = "SYNCOPATE_DATA")]
+    pub data: Option<PathBuf>,
     /// This worker's part of the training set, `I/N` (default: all of it).
     #[arg(long, env = "SYNCOPATE_PART", value_parser = parse_part, default_value = "0/1")]
     pub part: (u32, u32),

@@ -82,6 +82,7 @@ fn list(policies: &[PolicySpec]) -> String {
 const VERDICT_FIGURES: &[&str] = &[
     "time_to_target_s",
     "best_accuracy",
+    "best_loss",
     "iterations_per_s",
     "steps_per_s",
     "wait_share",
@@ -215,7 +216,7 @@ fn real(
     let spec = run.policy.clone();
     let mut local = LocalOptions::new(opts.exe.clone(), dir.to_path_buf(), run);
     if let Some(data) = &opts.data {
-        local.data = data.clone();
+        local.data = Some(data.clone());
     }
     let report = rt.block_on(crate::lab::local::run(local)).map_err(|e| {
         NodeError::Protocol(format!(
@@ -244,7 +245,7 @@ fn summarize(
     let samples = |i: usize, f: &Figure| -> Option<Vec<f64>> {
         runs.iter().filter(|(p, _, _)| *p == i).map(|(_, row, _)| (f.get)(row)).collect()
     };
-    let has = |f: &Figure| f.key != "time_to_target_s" || opts.scenario.target_accuracy.is_some();
+    let has = |f: &Figure| f.key != "time_to_target_s" || opts.scenario.target().is_some();
     let mut summaries = Vec::new();
     let labels = labels(&opts.policies);
     for (i, label) in labels.iter().enumerate() {
@@ -320,10 +321,11 @@ fn simulated(
     std::fs::write(&path, serde_json::to_vec_pretty(&report).expect("serializes"))
         .map_err(|source| NodeError::Io { what: format!("cannot write {}", path.display()), source })?;
     println!(
-        "simulated {:.1} s of training in {:.1} s: final accuracy {}",
+        "simulated {:.1} s of training in {:.1} s: final accuracy {}, loss {}",
         report.elapsed_s,
         t.elapsed().as_secs_f64(),
-        report.final_accuracy.map_or("-".into(), |a| format!("{:.1}%", a * 100.0))
+        report.final_accuracy.map_or("-".into(), |a| format!("{:.1}%", a * 100.0)),
+        report.final_loss.map_or("-".into(), |l| format!("{l:.3}"))
     );
     Ok(report)
 }
@@ -344,7 +346,7 @@ pub fn markdown(c: &Comparison) -> String {
             m.name, m.bytes, scenario.compute_ms, scenario.workload
         ));
     }
-    let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
+    let target = scenario.target().map_or("target".into(), |t| t.label());
     let label = |f: &Figure| match f.key {
         "time_to_target_s" => format!("time to {target}"),
         _ => f.label.to_string(),
@@ -418,26 +420,29 @@ pub fn markdown(c: &Comparison) -> String {
 
 /// The runs' rows as a Markdown table (with a seed column when `seeds`).
 pub fn table(scenario: &Scenario, rows: &[AbRow], seeds: bool) -> String {
-    let target = scenario.target_accuracy.map_or("target".into(), |a| format!("{:.0}%", a * 100.0));
+    let target = scenario.target().map_or("target".into(), |t| t.label());
     let mut t = format!(
-        "| policy |{} time to {target} | final acc | best acc | it/s (steps/s) per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | KB per step (pushed) | mean staleness | tasks moved |\n",
+        "| policy |{} time to {target} | final acc | best acc | final loss | best loss | it/s (steps/s) per worker | wait: pulls + acks (share) | deferred pulls (per 100 it) | MB moved | KB per step (pushed) | mean staleness | tasks moved |\n",
         if seeds { " seed |" } else { "" }
     );
     t.push_str(if seeds { "|---|---|" } else { "|---|" });
-    t.push_str("---|---|---|---|---|---|---|---|---|---|\n");
+    t.push_str("---|---|---|---|---|---|---|---|---|---|---|---|\n");
     let pct = |a: Option<f32>| a.map_or("-".into(), |a| format!("{:.1}%", a * 100.0));
+    let loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.3}"));
     for r in rows {
         t.push_str(&format!(
-            "| {} |{} {} | {} | {} | {:.1} ({:.1}) | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.1} ({:.1}) | {:.2} | {} |\n",
+            "| {} |{} {} | {} | {} | {} | {} | {:.1} ({:.1}) | {:.2} + {:.2} s ({:.0}%) | {} ({:.0}) | {:.0} | {:.1} ({:.1}) | {:.2} | {} |\n",
             r.policy,
             if seeds { format!(" {} |", r.seed) } else { String::new() },
-            match (scenario.target_accuracy, r.time_to_target_s) {
+            match (scenario.target(), r.time_to_target_s) {
                 (None, _) => "-".into(),
                 (Some(_), None) => "not reached".into(),
                 (Some(_), Some(s)) => format!("{s:.1} s"),
             },
             pct(r.final_accuracy),
             pct(r.best_accuracy),
+            loss(r.final_loss),
+            loss(r.best_loss),
             r.iterations_per_s,
             r.steps_per_s,
             r.wait_s - r.push_wait_s,

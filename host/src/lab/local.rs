@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 
 use syncopate_workloads::Evaluator;
 
-use crate::lab::report::{RunReport, StopRules, WatchPoint};
+use crate::lab::report::{RunReport, StopRules, Target, WatchPoint};
 use crate::lab::scenario::RunSpec;
 use crate::net::proto::ShardStatus;
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
@@ -35,8 +35,8 @@ pub struct LocalOptions {
     pub run_dir: PathBuf,
     /// The run: scenario and policy.
     pub run: RunSpec,
-    /// The Fashion-MNIST directory.
-    pub data: PathBuf,
+    /// The workload's data directory (`None`: its default).
+    pub data: Option<PathBuf>,
     /// Microseconds an idle server or worker polls its sockets before it sleeps.
     pub spin_us: u64,
     /// The coordinator and servers drop a peer silent this long, in milliseconds.
@@ -67,7 +67,7 @@ impl LocalOptions {
             exe,
             run_dir,
             run,
-            data: syncopate_workloads::fashion::DEFAULT_DIR.into(),
+            data: None,
             spin_us: crate::net::spin::DEFAULT_SPIN.as_micros() as u64,
             peer_timeout_ms: 10_000,
             record: None,
@@ -138,7 +138,6 @@ impl LocalOptions {
         let pairs = [
             ("--workload", sc.workload.clone()),
             ("--params", sc.params.to_string()),
-            ("--data", self.data.display().to_string()),
             ("--hidden", sc.hidden.to_string()),
             ("--iterations", sc.iterations_or_unbounded().to_string()),
             ("--batch", sc.batch.to_string()),
@@ -148,6 +147,9 @@ impl LocalOptions {
             ("--part", format!("{w}/{}", sc.workers)),
         ];
         let mut a: Vec<String> = pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]).collect();
+        if let Some(data) = &self.data {
+            a.extend(["--data".into(), data.display().to_string()]);
+        }
         if let Some(s) = sc.slow.iter().find(|s| s.worker == w) {
             a.extend(["--slow-factor".into(), s.factor.to_string()]);
         }
@@ -166,8 +168,7 @@ impl LocalOptions {
 
     /// What the launcher scores, how often, and when it stops the run.
     fn stop_rules(&self) -> StopRules {
-        let sc = &self.run.scenario;
-        StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
+        self.run.scenario.stop_rules()
     }
 }
 
@@ -398,7 +399,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     let evaluator = if !sc.script.is_empty() {
         None
     } else {
-        let (w, o) = (sc.workload.clone(), sc.workload_options(&opts.data));
+        let (w, o) = (sc.workload.clone(), sc.workload_options(opts.data.as_deref()));
         let e = tokio::task::spawn_blocking(move || Evaluator::for_workload(&w, &o));
         e.await
             .map_err(|e| NodeError::Protocol(e.to_string()))?
@@ -561,9 +562,15 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                     kill_armed = true;
                     kill_at.as_mut().reset((Instant::now() + Duration::from_secs_f64(k.at_s)).into());
                 }
-                if let Some(acc) = point.accuracy {
-                    if best.as_ref().is_none_or(|(b, _)| acc > *b) {
-                        best = Some((acc, scored));
+                // The best model by the target's measure: the lowest loss for a loss target, the
+                // highest accuracy otherwise.
+                let measure = match stop.target {
+                    Some(Target::Loss(_)) => point.loss.map(|l| -l),
+                    _ => point.accuracy,
+                };
+                if let Some(m) = measure {
+                    if best.as_ref().is_none_or(|(b, _)| m > *b) {
+                        best = Some((m, scored));
                     }
                 }
                 progress.set_length(sc.iterations_or_unbounded().saturating_mul(worker_names.len() as u64));
@@ -576,8 +583,8 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 }
                 if time_to_target.is_none() && stop.reached(&point) {
                     time_to_target = Some(point.t_s);
-                    let target = stop.target_accuracy.unwrap_or_default();
-                    let msg = format!("target accuracy {:.1}% reached after {:.1} s", target * 100.0, point.t_s);
+                    let target = stop.target.map(|t| t.describe()).unwrap_or_default();
+                    let msg = format!("target {target} reached after {:.1} s", point.t_s);
                     if interactive {
                         progress.println(msg);
                     } else {
@@ -642,13 +649,13 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
 
     let (model, model_version) = operator.read_model().await?;
     let status = operator.status().await?;
-    let final_accuracy = match &evaluator {
+    let final_score = match &evaluator {
         Some(e) if e.param_len() == model.len() => {
             let (e, m) = (e.clone(), model.clone());
-            tokio::task::spawn_blocking(move || e.evaluate(&m).accuracy).await.ok()
+            tokio::task::spawn_blocking(move || e.evaluate(&m)).await.ok().map(|s| (s.accuracy, Some(s.loss)))
         }
         // A script's last score is the final model's, as near as the launcher can know.
-        _ => status.score.map(|r| r.score.accuracy),
+        _ => status.score.map(|r| (r.score.accuracy, r.score.loss)),
     };
     let model_file = dir.join("model.bin");
     crate::checkpoint::write_file(&model_file, crate::net::wire::f32_bytes(&model))
@@ -688,8 +695,10 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         model_file: Some(model_file),
         started_unix_s: started.as_secs_f64(),
         watch: points.clone(),
-        final_accuracy,
-        best_accuracy: best.as_ref().map(|(a, _)| *a),
+        final_accuracy: final_score.map(|s| s.0),
+        best_accuracy: points.iter().filter_map(|p| p.accuracy).reduce(f32::max),
+        final_loss: final_score.and_then(|s| s.1),
+        best_loss: points.iter().filter_map(|p| p.loss).reduce(f32::min),
         time_to_target_s: time_to_target,
         staleness,
         plots: Vec::new(),

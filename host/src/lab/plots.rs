@@ -395,7 +395,7 @@ pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResu
                 .label(p.to_string())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         }
-        if let Some(t) = c.scenario.target_accuracy {
+        if let Some(crate::lab::report::Target::Accuracy(t)) = c.scenario.target() {
             let y = f64::from(t) * 100.0;
             chart
                 .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
@@ -417,13 +417,14 @@ pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResu
     let title = format!("Time workers spent waiting for pulls — scenario `{}`", c.scenario.name);
     dots(c, &path, &title, "share of the run spent waiting, mean over workers (%)", "wait_share", 100.0)?;
     files.push(path);
-    if c.scenario.target_accuracy.is_some() {
+    if let Some(target) = c.scenario.target() {
         let path = dir.join("time-to-target.svg");
         let missed = c.rows.iter().filter(|r| r.time_to_target_s.is_none()).count();
         let title = match missed {
-            0 => format!("Time to the target accuracy — scenario `{}`", c.scenario.name),
+            0 => format!("Time to {} — scenario `{}`", target.describe(), c.scenario.name),
             n => format!(
-                "Time to the target accuracy ({n} runs did not reach it) — scenario `{}`",
+                "Time to {} ({n} runs did not reach it) — scenario `{}`",
+                target.describe(),
                 c.scenario.name
             ),
         };
@@ -431,7 +432,7 @@ pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResu
             c,
             &path,
             &title,
-            "seconds until test accuracy first reached the target",
+            "seconds until the model first scored at the target",
             "time_to_target_s",
             1.0,
         )?;

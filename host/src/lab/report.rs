@@ -214,9 +214,16 @@ pub struct RunReport {
     pub watch: Vec<WatchPoint>,
     /// Test accuracy of the final model.
     pub final_accuracy: Option<f32>,
-    /// The best test accuracy the watcher saw; that model is saved as `model-best.bin`.
+    /// The best test accuracy the watcher saw; that model is saved as `model-best.bin` (unless
+    /// the target is a loss: then the model of the lowest loss is).
     pub best_accuracy: Option<f32>,
-    /// Seconds until test accuracy first reached the target.
+    /// Held-out loss of the final model.
+    #[serde(default)]
+    pub final_loss: Option<f32>,
+    /// The lowest held-out loss the watcher saw.
+    #[serde(default)]
+    pub best_loss: Option<f32>,
+    /// Seconds until the model first scored at the target.
     pub time_to_target_s: Option<f64>,
     /// Admitted pushes by staleness (optimizer steps between the pull a gradient was computed
     /// from and its admission), summed over shards; the last bucket holds 15 or more.
@@ -270,20 +277,56 @@ impl From<ServerStatus> for ServerRecord {
     }
 }
 
-/// When a run stops: once test accuracy reaches the target, or the time limit has passed. The
+/// What a run aims at: a test accuracy to reach (higher is better) or a validation loss to get
+/// down to (lower is better; a perplexity target is the loss `ln(perplexity)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Target {
+    /// Test accuracy (0-1) at least this.
+    Accuracy(f32),
+    /// Held-out loss (nats per sample or per byte) at most this.
+    Loss(f32),
+}
+
+impl Target {
+    /// Whether `point` scores at the target or better.
+    pub fn reached(&self, point: &WatchPoint) -> bool {
+        match *self {
+            Target::Accuracy(t) => point.accuracy.is_some_and(|a| a >= t),
+            Target::Loss(t) => point.loss.is_some_and(|l| l <= t),
+        }
+    }
+
+    /// A short label for tables and plots: `80%` or `loss 1.50`.
+    pub fn label(&self) -> String {
+        match *self {
+            Target::Accuracy(a) => format!("{:.0}%", a * 100.0),
+            Target::Loss(l) => format!("loss {l:.2}"),
+        }
+    }
+
+    /// In words: `test accuracy 80.0%`, `validation loss 1.500 (perplexity 4.48)`.
+    pub fn describe(&self) -> String {
+        match *self {
+            Target::Accuracy(a) => format!("test accuracy {:.1}%", a * 100.0),
+            Target::Loss(l) => format!("validation loss {l:.3} (perplexity {:.2})", l.exp()),
+        }
+    }
+}
+
+/// When a run stops: once the model scores at the target, or the time limit has passed. The
 /// watcher of a real run and the simulator apply the same rules.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StopRules {
-    /// Stop once test accuracy reaches this.
-    pub target_accuracy: Option<f32>,
+    /// Stop once the model scores at this.
+    pub target: Option<Target>,
     /// Stop after this many seconds.
     pub time_limit_s: Option<f64>,
 }
 
 impl StopRules {
-    /// Whether `point` reaches the target accuracy.
+    /// Whether `point` reaches the target.
     pub fn reached(&self, point: &WatchPoint) -> bool {
-        matches!((self.target_accuracy, point.accuracy), (Some(t), Some(a)) if a >= t)
+        self.target.is_some_and(|t| t.reached(point))
     }
 
     /// Whether a run at `t_s` seconds, with the target reached or not, should stop.
@@ -308,6 +351,12 @@ pub struct AbRow {
     pub final_accuracy: Option<f32>,
     /// The best test accuracy the watcher saw.
     pub best_accuracy: Option<f32>,
+    /// Held-out loss of the final model.
+    #[serde(default)]
+    pub final_loss: Option<f32>,
+    /// The lowest held-out loss the watcher saw.
+    #[serde(default)]
+    pub best_loss: Option<f32>,
     /// Iterations per second, mean over workers.
     pub iterations_per_s: f64,
     /// Gradients computed per second (an iteration of `H` local steps counts `H`), mean over
@@ -421,6 +470,59 @@ pub enum Outcome {
     Same,
 }
 
+/// A trace that cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file cannot be read.
+    #[error("trace {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What happened.
+        source: std::io::Error,
+    },
+    /// It is not a run's report.
+    #[error("trace {path}: not a run's report.json: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl RunReport {
+    /// Each worker's measured compute time per iteration, in nanoseconds, in worker order:
+    /// of each iteration's busy time (compute, injected delays, the push), all but the time
+    /// its push waited for acknowledgements. A device model for the simulator
+    /// ([`Scenario::trace`](crate::lab::scenario::Scenario::trace)).
+    pub fn compute_trace(&self) -> Vec<Vec<u64>> {
+        let mut workers: Vec<&WorkerReport> = self.workers.iter().collect();
+        workers.sort_by_key(|w| w.worker);
+        workers
+            .iter()
+            .map(|w| {
+                let acks = |i: usize| f64::from(w.timeline_acks.get(i).copied().unwrap_or(0.0));
+                let busy = w.timeline.iter().enumerate().map(|(i, &(_, _, busy))| f64::from(busy) - acks(i));
+                busy.map(|s| (s.max(0.0) * 1e9).round() as u64).collect()
+            })
+            .filter(|t: &Vec<u64>| !t.is_empty())
+            .collect()
+    }
+
+    /// The compute traces of the report at `path` ([`compute_trace`](Self::compute_trace)).
+    pub fn load_trace(path: &std::path::Path) -> Result<Vec<Vec<u64>>, TraceError> {
+        let text = std::fs::read(path).map_err(|source| TraceError::Read { path: path.into(), source })?;
+        let invalid = |reason: String| TraceError::Invalid { path: path.into(), reason };
+        let report: RunReport = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
+        let trace = report.compute_trace();
+        if trace.is_empty() {
+            return Err(invalid("no worker has a timeline of iterations".into()));
+        }
+        Ok(trace)
+    }
+}
+
 impl AbRow {
     /// The row summarizing run report `r`, whose files are in `run_dir`.
     pub fn from_report(policy: String, r: &RunReport, run_dir: PathBuf) -> Self {
@@ -435,6 +537,8 @@ impl AbRow {
             time_to_target_s: r.time_to_target_s,
             final_accuracy: r.final_accuracy,
             best_accuracy: r.best_accuracy,
+            final_loss: r.final_loss,
+            best_loss: r.best_loss,
             iterations_per_s: mean(&|w| w.iterations as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
             steps_per_s: mean(&|w| w.steps as f64 / (w.elapsed_ns.max(1) as f64 / 1e9)),
             wait_s: mean(&|w| (w.wait_ns + w.push_wait_ns) as f64 / 1e9),
@@ -505,6 +609,22 @@ pub const FIGURES: &[Figure] = &[
         words: ("less accurate", "more accurate"),
         get: |r| r.final_accuracy.map(f64::from),
         unit: Unit::Percent,
+    },
+    Figure {
+        key: "best_loss",
+        label: "best loss",
+        lower_is_better: Some(true),
+        words: ("lower loss", "higher loss"),
+        get: |r| r.best_loss.map(f64::from),
+        unit: Unit::Plain(3),
+    },
+    Figure {
+        key: "final_loss",
+        label: "final loss",
+        lower_is_better: Some(true),
+        words: ("lower loss", "higher loss"),
+        get: |r| r.final_loss.map(f64::from),
+        unit: Unit::Plain(3),
     },
     Figure {
         key: "iterations_per_s",

@@ -1,5 +1,6 @@
 //! Scenarios as data: a TOML file naming the workload, the cluster's size, each worker's speed
-//! (slowdowns, jitter, stalls), the emulated compute time, the target accuracy and the budget.
+//! (slowdowns, jitter, stalls, or a real run's measured compute times), the emulated compute
+//! time, the target (accuracy, loss or perplexity) and the budget.
 //! `syncopate ab` runs one scenario under several policies; `scenarios/` ships the papers'
 //! conditions. A scenario and a policy make a [`RunSpec`], the one typed description of a run
 //! that the local launcher ([`crate::lab::local`]) and the simulator ([`crate::lab::sim`]) both
@@ -13,7 +14,7 @@
 //! servers = 2
 //! hidden = 128             # the MLP's hidden units (`params` sizes the counter workload)
 //! compute_ms = 20          # emulated compute per iteration at the starting batch size
-//! target_accuracy = 0.80
+//! target_accuracy = 0.80  # or target_loss = 3.0, or target_perplexity = 20.0 (lower is better)
 //! time_limit_s = 40
 //! lr = 0.05                # the optimizer (these five keys are optional: local's defaults)
 //! momentum = 0.9
@@ -28,6 +29,7 @@
 //! push_codec = "none"      # none, fp16, bf16, int8, int8-BLOCK, topk-FRACTION (policies may
 //! pull_codec = "none"      # set others); pulls are never top-k
 //! no_progress_s = 30       # every live worker waiting this long on a policy is its failure
+//! trace = "traces/run.json"  # simulator only: replay a real run's compute times (its report.json)
 //!
 //! [[slow]]
 //! worker = 0
@@ -60,6 +62,7 @@ use serde::{Deserialize, Serialize};
 use syncopate_workloads::WorkloadOptions;
 
 use crate::builtin::PolicySpec;
+use crate::lab::report::{StopRules, Target};
 use crate::shard::{Codec, LocalSgdConfig, OptimizerConfig, PushWeight};
 
 /// A scenario file.
@@ -96,6 +99,10 @@ pub struct Scenario {
     pub compute_ms: u64,
     /// Stop once test accuracy reaches this (0-1).
     pub target_accuracy: Option<f32>,
+    /// Stop once the held-out loss is at most this (nats; lower is better).
+    pub target_loss: Option<f32>,
+    /// Stop once the held-out perplexity (the exponential of the loss) is at most this.
+    pub target_perplexity: Option<f32>,
     /// Stop after this many seconds of training.
     pub time_limit_s: Option<f64>,
     /// Iterations per worker (default: unbounded; `time_limit_s` ends the run).
@@ -143,6 +150,12 @@ pub struct Scenario {
     /// this model's bytes. Set `compute_ms` to its compute time on the device you model. Every
     /// report of such a run says so.
     pub modelled: Option<Modelled>,
+    /// A real run's `report.json` (of `syncopate local` or `ab`) whose workers' measured compute
+    /// times the simulator replays, one per iteration in order: worker `w` replays the run's
+    /// worker `w mod n`, so a cluster of 4 can stand for one of 400 with the same mix of
+    /// devices. Replaces `compute_ms`; slowdowns, jitter and stalls still apply on top. A path
+    /// relative to the scenario file. Simulator only.
+    pub trace: Option<PathBuf>,
     /// Workers that compute slower.
     #[serde(default)]
     pub slow: Vec<Slow>,
@@ -299,8 +312,11 @@ impl Scenario {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ScenarioError::Read { path: path.into(), source })?;
         let invalid = |reason: String| ScenarioError::Invalid { path: path.into(), reason };
-        let s: Scenario = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let mut s: Scenario = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
         s.check().map_err(invalid)?;
+        if let Some(trace) = s.trace.as_mut().filter(|t| t.is_relative()) {
+            *trace = path.parent().unwrap_or(Path::new(".")).join(&trace);
+        }
         Ok(s)
     }
 
@@ -323,6 +339,16 @@ impl Scenario {
         }
         if let Some(j) = self.jitter.iter().find(|j| !(j.mean_ms >= 0.0 && j.sd_ms >= 0.0)) {
             return Err(format!("worker {}'s jitter needs a non-negative mean and sd", j.worker));
+        }
+        let targets = [self.target_accuracy, self.target_loss, self.target_perplexity];
+        if targets.iter().flatten().count() > 1 {
+            return Err("give one of target_accuracy, target_loss and target_perplexity".into());
+        }
+        if let Some(l) = self.target_loss.filter(|l| !(l.is_finite() && *l > 0.0)) {
+            return Err(format!("target_loss {l} is not a positive number"));
+        }
+        if let Some(p) = self.target_perplexity.filter(|p| !(p.is_finite() && *p > 1.0)) {
+            return Err(format!("target_perplexity {p} is not above 1"));
         }
         if let Some(a) = self.target_accuracy.filter(|a| !(0.0..=1.0).contains(a)) {
             return Err(format!("target_accuracy {a} is not between 0 and 1"));
@@ -431,12 +457,25 @@ impl Scenario {
         }
     }
 
-    /// The workload's options: its shape and seed from the scenario, the data from `data_dir`.
-    /// Every worker's own options are these with its part of the training set.
-    pub fn workload_options(&self, data_dir: &Path) -> WorkloadOptions {
+    /// What the run aims at, if anything.
+    pub fn target(&self) -> Option<Target> {
+        (self.target_accuracy.map(Target::Accuracy))
+            .or(self.target_loss.map(Target::Loss))
+            .or(self.target_perplexity.map(|p| Target::Loss(p.ln())))
+    }
+
+    /// When a run of this scenario stops.
+    pub fn stop_rules(&self) -> StopRules {
+        StopRules { target: self.target(), time_limit_s: self.time_limit_s }
+    }
+
+    /// The workload's options: its shape and seed from the scenario, the data from `data_dir`
+    /// (`None`: the workload's default). Every worker's own options are these with its part of
+    /// the training set.
+    pub fn workload_options(&self, data_dir: Option<&Path>) -> WorkloadOptions {
         WorkloadOptions {
             params: self.params,
-            data_dir: data_dir.to_path_buf(),
+            data_dir: data_dir.map(Path::to_path_buf),
             part: (0, 1),
             hidden: self.hidden,
             seed: self.seed,
@@ -508,6 +547,26 @@ mod tests {
         Ok(s)
     }
 
+    /// A target is an accuracy to reach or a loss (or perplexity) to get down to, one at a time.
+    #[test]
+    fn a_target_is_an_accuracy_or_a_loss_or_a_perplexity() {
+        use crate::lab::report::{Target, WatchPoint};
+        let sc = |extra: &str| parse(&format!("name = \"x\"\nworkers = 2\niterations = 9\n{extra}"));
+        assert_eq!(sc("target_accuracy = 0.8").unwrap().target(), Some(Target::Accuracy(0.8)));
+        assert_eq!(sc("target_loss = 1.5").unwrap().target(), Some(Target::Loss(1.5)));
+        let Some(Target::Loss(l)) = sc("target_perplexity = 20.0").unwrap().target() else { panic!() };
+        assert!((l - 20f32.ln()).abs() < 1e-6);
+        assert!(sc("target_loss = 1.5\ntarget_accuracy = 0.8").unwrap_err().contains("one of"));
+        assert!(sc("target_perplexity = 0.5").unwrap_err().contains("above 1"));
+        assert!(sc("target_loss = -1.0").unwrap_err().contains("positive"));
+        // Lower is better for a loss, higher for an accuracy.
+        let mut point = WatchPoint::of_shards(1.0, &[]);
+        (point.accuracy, point.loss) = (Some(0.7), Some(1.4));
+        assert!(Target::Loss(1.5).reached(&point) && !Target::Loss(1.3).reached(&point));
+        assert!(Target::Accuracy(0.6).reached(&point) && !Target::Accuracy(0.8).reached(&point));
+        assert_eq!(sc("").unwrap().stop_rules(), crate::lab::report::StopRules::default());
+    }
+
     #[test]
     fn a_full_scenario_parses_and_unset_keys_take_locals_defaults() {
         let s = parse(
@@ -521,8 +580,9 @@ mod tests {
         let o = s.optimizer();
         assert_eq!((o.lr, o.momentum, o.weight_decay), (OptimizerConfig::default().lr, 0.5, 0.0));
         assert_eq!(s.iterations_or_unbounded(), u64::MAX / 4, "the time limit ends the run");
-        let w = s.workload_options(Path::new("/data"));
+        let w = s.workload_options(Some(Path::new("/data")));
         assert_eq!((w.hidden, w.params, w.seed), (128, 1024, 1));
+        assert_eq!(w.data_dir.as_deref(), Some(Path::new("/data")));
         let mut run = RunSpec::new(s, "ssp:s=3".parse().unwrap());
         run.overrides.push((1, "s".into(), "5".into()));
         assert_eq!(run.shards(), 2);
@@ -536,7 +596,13 @@ mod tests {
         let mut n = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "toml") {
+                continue; // traces/: the runs the trace scenarios replay
+            }
             let s = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            if let Some(trace) = &s.trace {
+                assert!(trace.is_file(), "{}: its trace {} is shipped", path.display(), trace.display());
+            }
             assert_eq!(
                 path.file_stem().unwrap().to_str(),
                 Some(s.name.as_str()),

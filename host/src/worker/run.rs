@@ -92,6 +92,7 @@ impl WorkerOptions {
     fn device(&self, id: WorkerId) -> Device {
         Device {
             compute_ns: self.extra_delay.as_nanos() as u64,
+            trace_ns: None,
             slow_factor: self.slow_factor,
             jitter_ms: self.jitter_ms,
             stall_ns: self.stall.map(|(at, length)| (at.as_nanos() as u64, length.as_nanos() as u64)),

@@ -101,7 +101,7 @@ impl Sim {
         let wk = &mut self.workers[w as usize];
         wk.client.start(offsets);
         let shared = wk.client.numbering_shared();
-        let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg };
+        let cfg = WorkerConfig { start, numbering_shared: shared, ..wk.cfg.clone() };
         wk.machine = WorkerMachine::new(cfg, self.now).map_err(|e| SimError::Worker(w, e))?;
         wk.joining = None;
         tracing::debug!(worker = w, start, ?offsets, t_ns = self.now, "the late joiner starts");

@@ -221,6 +221,9 @@ pub enum SimError {
     /// The workload cannot be built.
     #[error(transparent)]
     Workload(#[from] syncopate_workloads::WorkloadError),
+    /// The scenario's trace cannot be read.
+    #[error(transparent)]
+    Trace(#[from] crate::lab::report::TraceError),
     /// A shard refused a request the simulated worker made (a simulator bug).
     #[error("shard {0} refused a request: {1}")]
     Refused(u32, String),

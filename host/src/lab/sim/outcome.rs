@@ -102,8 +102,7 @@ impl std::ops::AddAssign for RebuildCounts {
 
 impl Sim {
     pub(super) fn stop_rules(&self) -> StopRules {
-        let sc = &self.opts.run.scenario;
-        StopRules { target_accuracy: sc.target_accuracy, time_limit_s: sc.time_limit_s }
+        self.opts.run.scenario.stop_rules()
     }
 
     pub(super) fn model(&self) -> Vec<f32> {
@@ -154,12 +153,8 @@ impl Sim {
         let model = self.model();
         let final_score =
             self.score.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&model));
-        let best = self
-            .score
-            .watch
-            .iter()
-            .filter_map(|p| p.accuracy)
-            .fold(None, |b: Option<f32>, a| Some(b.map_or(a, |b| b.max(a))));
+        let best = self.score.watch.iter().filter_map(|p| p.accuracy).reduce(f32::max);
+        let best_loss = self.score.watch.iter().filter_map(|p| p.loss).reduce(f32::min);
         let members = self
             .workers
             .iter()
@@ -205,6 +200,8 @@ impl Sim {
             watch: self.score.watch,
             final_accuracy: final_score.map(|s| s.accuracy),
             best_accuracy: best,
+            final_loss: final_score.map(|s| s.loss),
+            best_loss,
             time_to_target_s: self.score.time_to_target,
             staleness,
             plots: Vec::new(),

@@ -28,8 +28,7 @@ pub(super) fn build(
     }
     let modules: Vec<PolicyModule> =
         std::iter::once(module.clone()).chain(swaps.iter().map(|s| s.1.clone())).collect();
-    let data = opts.data.clone().unwrap_or_else(|| syncopate_workloads::fashion::DEFAULT_DIR.into());
-    let wopts = sc.workload_options(&data);
+    let wopts = sc.workload_options(opts.data.as_deref());
     let (workloads, evaluator) = if opts.gradients {
         let w = syncopate_workloads::for_parts(&sc.workload, &wopts, n)?;
         (w, Evaluator::for_workload(&sc.workload, &wopts)?)
@@ -120,6 +119,12 @@ pub(super) fn build(
         shards.push(primary);
         inits.push(model[lo..hi].to_vec());
     }
+    let traces: Option<Vec<std::sync::Arc<[u64]>>> = match &sc.trace {
+        Some(path) => {
+            Some(crate::lab::report::RunReport::load_trace(path)?.into_iter().map(Into::into).collect())
+        }
+        None => None,
+    };
     let mut workloads = workloads.into_iter();
     let mut workers = Vec::new();
     for w in 0..n {
@@ -132,6 +137,7 @@ pub(super) fn build(
         bufs.set_inner_optimizer(sc.optimizer());
         let device = Device {
             compute_ns: sc.compute_ms.max(1) * 1_000_000,
+            trace_ns: traces.as_ref().map(|t| t[w as usize % t.len()].clone()),
             slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
             jitter_ms: sc.jitter.iter().find(|j| j.worker == w).map(|j| (j.mean_ms, j.sd_ms)),
             stall_ns: sc
@@ -152,7 +158,7 @@ pub(super) fn build(
             numbering_shared: true,
             device,
         };
-        let machine = WorkerMachine::new(cfg, 0).map_err(|e| SimError::Worker(w, e))?;
+        let machine = WorkerMachine::new(cfg.clone(), 0).map_err(|e| SimError::Worker(w, e))?;
         let client = ClientMachine::new(&server_of, sc.servers, sc.replicas > 0)
             .map_err(|e| SimError::Options(e.to_string()))?;
         workers.push(SimWorker {
