@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and running Syncopate needs, and nothing that is already there:
-# the wasm32 target (policy modules are built from source to wasm32-unknown-unknown) and the
-# Fashion-MNIST dataset.
+# the wasm32 target (policy modules are built from source to wasm32-unknown-unknown), the
+# Fashion-MNIST dataset and the English text of Debian's fortunes (the language model's data).
 set -euo pipefail
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -15,17 +15,27 @@ if [ ! -d "$sysroot/lib/rustlib/wasm32-unknown-unknown" ]; then
   rustup target add wasm32-unknown-unknown
 fi
 
-# Fashion-MNIST, the real dataset the workloads train on (60,000 + 10,000 images, MIT licence),
-# from Debian's package, which installs it offline into /usr/share/datasets/fashion-mnist/.
-data=/usr/share/datasets/fashion-mnist
-if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
-  echo "setup: installing Debian's dataset-fashion-mnist (the training data)"
-  sudo=""
-  if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
-  apt() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@"; }
-  if ! { apt install dataset-fashion-mnist || { apt update && apt install dataset-fashion-mnist; }; }; then
-    echo "error: could not install dataset-fashion-mnist; put the four Fashion-MNIST IDX files in a" >&2
-    echo "       directory and pass it with --data DIR" >&2
+sudo=""
+if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+apt() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@"; }
+# install PACKAGE WHAT: Debian's PACKAGE, updating the package lists once if it is not found.
+install() {
+  echo "setup: installing Debian's $1 ($2)"
+  if ! { apt install "$1" || { apt update && apt install "$1"; }; }; then
+    echo "error: could not install $1; put its files in a directory and pass it with --data DIR" >&2
     exit 1
   fi
+}
+
+# Fashion-MNIST, the real dataset the image workloads train on (60,000 + 10,000 images, MIT
+# licence), from Debian's package, which installs it offline into /usr/share/datasets/fashion-mnist/.
+data=/usr/share/datasets/fashion-mnist
+if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
+  install dataset-fashion-mnist "the training images"
+fi
+
+# The fortune-cookie files (about 2.5 MB of English quotations, jokes and poems), the text the
+# fortunes-lm language model trains on, into /usr/share/games/fortunes/.
+if [ ! -e /usr/share/games/fortunes/cookie ]; then
+  install fortunes "the language model's text"
 fi
