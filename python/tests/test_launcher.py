@@ -50,7 +50,7 @@ def test_a_script_reports_its_accuracy_and_the_launcher_stops_at_the_target(tmp_
     # No iteration budget: only the target, which the script's own scores reach, ends the run.
     p = run_syncopate(*args, timeout=120)
     assert p.returncode == 0, p.stdout
-    assert "target accuracy 90.0% reached" in p.stdout, p.stdout
+    assert "target test accuracy 90.0% reached" in p.stdout, p.stdout
     report = json.loads((run / "report.json").read_text())
     assert report["time_to_target_s"] is not None
     assert report["final_accuracy"] >= 0.9 and report["best_accuracy"] >= 0.9

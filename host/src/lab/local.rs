@@ -575,7 +575,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 }
                 progress.set_length(sc.iterations_or_unbounded().saturating_mul(worker_names.len() as u64));
                 progress.set_position(point.min_clock * worker_names.len() as u64);
-                let msg = describe_point(&point);
+                let msg = describe_point(&point, matches!(evaluator.as_deref(), Some(Evaluator::Text { .. })));
                 if interactive {
                     progress.set_message(msg);
                 } else {
@@ -716,8 +716,13 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     Ok(report)
 }
 
-fn describe_point(p: &WatchPoint) -> String {
+/// The live line's account of a look; `text`: the model is the language model, scored on
+/// held-out text (loss per byte, perplexity, next-byte accuracy).
+fn describe_point(p: &WatchPoint, text: bool) -> String {
     let acc = match (p.accuracy, p.loss) {
+        (Some(a), Some(l)) if text => {
+            format!("validation loss {l:.3}  perplexity {:.1}  next byte {:.1}%  ", l.exp(), a * 100.0)
+        }
         (Some(a), Some(l)) => format!("test accuracy {:.1}%  loss {l:.3}  ", a * 100.0),
         _ => String::new(),
     };
