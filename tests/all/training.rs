@@ -156,7 +156,9 @@ fn the_language_model_trains_to_a_validation_loss_target() {
     assert!(report.time_to_target_s.is_some(), "loss 3.6 not reached: {losses:?}");
     assert!(report.best_loss.is_some_and(|l| l <= 3.6), "{:?}", report.best_loss);
     assert!(report.workers.iter().all(|w| w.stopped_early && w.iterations < 150), "{:?}", report.workers);
-    assert!(run.output().contains("perplexity"), "{}", run.output());
+    assert!(run.output().contains("validation loss"), "the live line shows it: {}", run.output());
+    let plot = report.plots.iter().find(|p| p.ends_with("loss.svg")).expect("a loss plot");
+    assert!(std::fs::read_to_string(plot).unwrap().contains("held-out loss"));
 }
 
 /// The CNN trains on a real cluster: two workers, a few dozen steps, the test accuracy far

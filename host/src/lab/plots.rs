@@ -38,6 +38,11 @@ pub fn write_all(report: &RunReport, dir: &Path) -> PlotResult<Vec<PathBuf>> {
         accuracy(report, &path)?;
         files.push(path);
     }
+    if report.watch.iter().any(|p| p.loss.is_some()) {
+        let path = dir.join("loss.svg");
+        loss(report, &path)?;
+        files.push(path);
+    }
     if report.workers.iter().any(|w| !w.timeline.is_empty()) {
         let path = dir.join("timeline.svg");
         timeline(report, &path)?;
@@ -186,6 +191,13 @@ fn metrics(report: &RunReport, path: &Path) -> PlotResult<()> {
 fn accuracy(report: &RunReport, path: &Path) -> PlotResult<()> {
     let pts = report.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect();
     time_line(report, path, "Test accuracy", "test accuracy (%)", pts, 100.0, BLUE)
+}
+
+fn loss(report: &RunReport, path: &Path) -> PlotResult<()> {
+    let pts: Vec<(f64, f64)> =
+        report.watch.iter().filter_map(|p| Some((p.t_s, Measure::Loss.of(p)?))).collect();
+    let y_max = pts.iter().map(|p| p.1).fold(0.1, f64::max) * 1.05;
+    time_line(report, path, Measure::Loss.title(), Measure::Loss.axis(), pts, y_max, GREEN)
 }
 
 fn deferred(report: &RunReport, path: &Path) -> PlotResult<()> {
@@ -351,8 +363,9 @@ const PALETTE: [RGBColor; 8] = [
 ];
 
 /// The pictures of a `syncopate ab` comparison (`reports` in the order of `c.rows`):
-/// - `accuracy.svg`: each policy's test accuracy against time; with repeated runs the median
-///   over its runs as a line and the band from the lowest to the highest run;
+/// - `accuracy.svg` and `loss.svg`: each policy's test accuracy, and held-out loss, against
+///   time; with repeated runs the median over its runs as a line and the band from the lowest
+///   to the highest run;
 /// - `waits.svg`: the share of time workers spent waiting for pulls;
 /// - `time-to-target.svg` (scenarios with a target): each run's time to the target.
 ///
@@ -360,58 +373,12 @@ const PALETTE: [RGBColor; 8] = [
 /// median's confidence interval as a whisker.
 pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResult<Vec<PathBuf>> {
     let mut files = Vec::new();
-    let policies: Vec<&str> = c.summaries.iter().map(|s| s.policy.as_str()).collect();
-    let runs_of = |p: &str| -> Vec<usize> { (0..c.rows.len()).filter(|i| c.rows[*i].policy == p).collect() };
-    if reports.iter().any(|r| r.watch.iter().any(|p| p.accuracy.is_some())) {
-        let path = dir.join("accuracy.svg");
-        let t_max = reports.iter().flat_map(|r| r.watch.iter().map(|p| p.t_s)).fold(1.0, f64::max);
-        let root = SVGBackend::new(&path, (1000, 560)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let caption = match c.repeat {
-            1 => format!("Test accuracy — scenario `{}`", c.scenario.name),
-            n => {
-                format!("Test accuracy, median of {n} runs and their range — scenario `{}`", c.scenario.name)
-            }
-        };
-        let mut chart = ChartBuilder::on(&root)
-            .caption(caption, ("sans-serif", 22))
-            .margin(15)
-            .x_label_area_size(45)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..t_max * 1.02, 0.0..100.0)?;
-        chart.configure_mesh().x_desc(TIME_AXIS).y_desc("test accuracy (%)").draw()?;
-        let step = (c.scenario.eval_every_ms as f64 / 1000.0).max(0.05);
-        for (k, p) in policies.iter().enumerate() {
-            let color = PALETTE[k % PALETTE.len()];
-            let runs: Vec<&RunReport> = runs_of(p).into_iter().map(|i| &reports[i]).collect();
-            let (line, band) = accuracy_band(&runs, step);
-            if runs.len() > 1 && band.len() > 1 {
-                let mut poly: Vec<(f64, f64)> = band.iter().map(|(t, lo, _)| (*t, *lo)).collect();
-                poly.extend(band.iter().rev().map(|(t, _, hi)| (*t, *hi)));
-                chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.18).filled())))?;
-            }
-            chart
-                .draw_series(LineSeries::new(line, color.stroke_width(2)))?
-                .label(p.to_string())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    for measure in [Measure::Accuracy, Measure::Loss] {
+        if reports.iter().any(|r| r.watch.iter().any(|p| measure.of(p).is_some())) {
+            let path = dir.join(measure.file());
+            score_plot(c, reports, &path, measure)?;
+            files.push(path);
         }
-        if let Some(crate::lab::report::Target::Accuracy(t)) = c.scenario.target() {
-            let y = f64::from(t) * 100.0;
-            chart
-                .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
-                .label("target")
-                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.4)));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.9))
-            .draw()?;
-        root.present()?;
-        drop(chart);
-        drop(root);
-        files.push(path);
     }
     let path = dir.join("waits.svg");
     let title = format!("Time workers spent waiting for pulls — scenario `{}`", c.scenario.name);
@@ -441,16 +408,127 @@ pub fn comparison(c: &Comparison, reports: &[RunReport], dir: &Path) -> PlotResu
     Ok(files)
 }
 
+/// What a score plot shows: test accuracy (percent, higher is better) or held-out loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Measure {
+    Accuracy,
+    Loss,
+}
+
+impl Measure {
+    /// Its value at a look, as plotted.
+    fn of(self, p: &crate::lab::report::WatchPoint) -> Option<f64> {
+        match self {
+            Measure::Accuracy => p.accuracy.map(|a| f64::from(a) * 100.0),
+            Measure::Loss => p.loss.map(f64::from),
+        }
+    }
+
+    fn file(self) -> &'static str {
+        match self {
+            Measure::Accuracy => "accuracy.svg",
+            Measure::Loss => "loss.svg",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Measure::Accuracy => "Test accuracy",
+            Measure::Loss => "Held-out loss",
+        }
+    }
+
+    fn axis(self) -> &'static str {
+        match self {
+            Measure::Accuracy => "test accuracy (%)",
+            Measure::Loss => "held-out loss (nats per sample or byte; lower is better)",
+        }
+    }
+
+    /// The target's line on this plot, if the target is in this measure.
+    fn target(self, target: Option<crate::lab::report::Target>) -> Option<f64> {
+        use crate::lab::report::Target;
+        match (self, target?) {
+            (Measure::Accuracy, Target::Accuracy(a)) => Some(f64::from(a) * 100.0),
+            (Measure::Loss, Target::Loss(l)) => Some(f64::from(l)),
+            _ => None,
+        }
+    }
+}
+
+/// Each policy's `measure` against time; with repeated runs the median over its runs as a
+/// line and the band from the lowest to the highest run; the target, if in this measure.
+fn score_plot(c: &Comparison, reports: &[RunReport], path: &Path, measure: Measure) -> PlotResult<()> {
+    let policies: Vec<&str> = c.summaries.iter().map(|s| s.policy.as_str()).collect();
+    let runs_of = |p: &str| -> Vec<usize> { (0..c.rows.len()).filter(|i| c.rows[*i].policy == p).collect() };
+    let t_max = reports.iter().flat_map(|r| r.watch.iter().map(|p| p.t_s)).fold(1.0, f64::max);
+    let y_max = match measure {
+        Measure::Accuracy => 100.0,
+        Measure::Loss => {
+            reports.iter().flat_map(|r| r.watch.iter().filter_map(|p| measure.of(p))).fold(0.1, f64::max)
+                * 1.05
+        }
+    };
+    let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let caption = match c.repeat {
+        1 => format!("{} — scenario `{}`", measure.title(), c.scenario.name),
+        n => format!(
+            "{}, median of {n} runs and their range — scenario `{}`",
+            measure.title(),
+            c.scenario.name
+        ),
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..t_max * 1.02, 0.0..y_max)?;
+    chart.configure_mesh().x_desc(TIME_AXIS).y_desc(measure.axis()).draw()?;
+    let step = (c.scenario.eval_every_ms as f64 / 1000.0).max(0.05);
+    for (k, p) in policies.iter().enumerate() {
+        let color = PALETTE[k % PALETTE.len()];
+        let runs: Vec<&RunReport> = runs_of(p).into_iter().map(|i| &reports[i]).collect();
+        let (line, band) = score_band(&runs, step, measure);
+        if runs.len() > 1 && band.len() > 1 {
+            let mut poly: Vec<(f64, f64)> = band.iter().map(|(t, lo, _)| (*t, *lo)).collect();
+            poly.extend(band.iter().rev().map(|(t, _, hi)| (*t, *hi)));
+            chart.draw_series(std::iter::once(Polygon::new(poly, color.mix(0.18).filled())))?;
+        }
+        chart
+            .draw_series(LineSeries::new(line, color.stroke_width(2)))?
+            .label(p.to_string())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    if let Some(y) = measure.target(c.scenario.target()) {
+        chart
+            .draw_series(LineSeries::new([(0.0, y), (t_max * 1.02, y)], BLACK.mix(0.4)))?
+            .label("target")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.4)));
+    }
+    let corner = match measure {
+        Measure::Accuracy => SeriesLabelPosition::LowerRight,
+        Measure::Loss => SeriesLabelPosition::UpperRight,
+    };
+    chart
+        .configure_series_labels()
+        .position(corner)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.9))
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
 /// `(t, lowest, highest)` of a band around a line.
 type Band = (f64, f64, f64);
 
-/// The median accuracy of `runs` on a grid of `step` seconds, and the `(t, lowest, highest)`
+/// The median `measure` of `runs` on a grid of `step` seconds, and the `(t, lowest, highest)`
 /// band; each run holds its last reading after it ended.
-fn accuracy_band(runs: &[&RunReport], step: f64) -> (Vec<(f64, f64)>, Vec<Band>) {
-    let readings: Vec<Vec<(f64, f64)>> = runs
-        .iter()
-        .map(|r| r.watch.iter().filter_map(|p| p.accuracy.map(|a| (p.t_s, f64::from(a) * 100.0))).collect())
-        .collect();
+fn score_band(runs: &[&RunReport], step: f64, measure: Measure) -> (Vec<(f64, f64)>, Vec<Band>) {
+    let readings: Vec<Vec<(f64, f64)>> =
+        runs.iter().map(|r| r.watch.iter().filter_map(|p| Some((p.t_s, measure.of(p)?))).collect()).collect();
     if runs.len() == 1 {
         return (readings.into_iter().next().unwrap_or_default(), Vec::new());
     }
