@@ -18,8 +18,8 @@ fi
 sudo=""
 if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
 apt() { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@"; }
-# install PACKAGE WHAT: Debian's PACKAGE, updating the package lists once if it is not found.
-install() {
+# install_package PACKAGE WHAT: Debian's PACKAGE, updating the package lists once if it is not found.
+install_package() {
   echo "setup: installing Debian's $1 ($2)"
   if ! { apt install "$1" || { apt update && apt install "$1"; }; }; then
     echo "error: could not install $1; put its files in a directory and pass it with --data DIR" >&2
@@ -31,11 +31,11 @@ install() {
 # licence), from Debian's package, which installs it offline into /usr/share/datasets/fashion-mnist/.
 data=/usr/share/datasets/fashion-mnist
 if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
-  install dataset-fashion-mnist "the training images"
+  install_package dataset-fashion-mnist "the training images"
 fi
 
 # The fortune-cookie files (about 2.5 MB of English quotations, jokes and poems), the text the
 # fortunes-lm language model trains on, into /usr/share/games/fortunes/.
 if [ ! -e /usr/share/games/fortunes/cookie ]; then
-  install fortunes "the language model's text"
+  install_package fortunes "the language model's text"
 fi
