@@ -146,6 +146,12 @@ pub const NAMES: &[&str] = &["counter", "fashion-softmax", "fashion-mlp", "fashi
 /// The language model's name.
 const LM: &str = "fortunes-lm";
 
+/// Whether workload `name` is the language model (scored in nats per byte, perplexity and
+/// next-byte accuracy on held-out text, not on test images).
+pub fn is_language_model(name: &str) -> bool {
+    name == LM
+}
+
 /// Where workload `name`'s data is unless told: where its Debian package installs it.
 pub fn default_data_dir(name: &str) -> &'static str {
     if name == LM {
@@ -492,9 +498,11 @@ impl Fortunes {
         }
     }
 
-    /// A window start drawn from `range`: it and the window after it lie inside.
-    fn draw(rng: &mut ChaCha8Rng, range: &std::ops::Range<usize>, len: usize) -> usize {
-        range.start + rng.random_range(0..(range.len().saturating_sub(len) + 1).max(1))
+    /// A window start drawn from `range` of a text `text_len` long: the window of `len` bytes
+    /// lies inside the range (and inside the text, should the range be shorter than a window).
+    fn draw(rng: &mut ChaCha8Rng, range: &std::ops::Range<usize>, len: usize, text_len: usize) -> usize {
+        let start = range.start + rng.random_range(0..(range.len().saturating_sub(len) + 1).max(1));
+        start.min(text_len - len)
     }
 
     fn gradient_on_starts(&self, params: &[f32], grad: &mut [f32]) -> StepStats {
@@ -529,8 +537,8 @@ impl Workload for Fortunes {
         let len = self.model.shape.ctx + 1;
         self.starts.clear();
         for _ in 0..batch.max(1) {
-            let s = Self::draw(&mut self.rng, &self.part, len);
-            self.starts.push(s.min(self.text.len() - len));
+            let s = Self::draw(&mut self.rng, &self.part, len, self.text.len());
+            self.starts.push(s);
         }
         self.gradient_on_starts(params, grad)
     }
@@ -549,7 +557,7 @@ impl Workload for Fortunes {
         let samples = task_samples(batch, tasks, total);
         self.starts.clear();
         for i in 0..samples.end {
-            let s = Self::draw(&mut rng, &range, len).min(self.text.len() - len);
+            let s = Self::draw(&mut rng, &range, len, self.text.len());
             if i >= samples.start {
                 self.starts.push(s);
             }

@@ -88,14 +88,12 @@ impl Layout {
                 let (this, tail) = rest.split_at(p.len());
                 rest = tail;
                 let shape = p.shape.as_slice();
-                if track {
-                    Var::from_slice(this, shape, &Device::Cpu)
-                        .expect("a slice of its shape")
-                        .as_tensor()
-                        .clone()
+                let made = if track {
+                    Var::from_slice(this, shape, &Device::Cpu).map(|v| v.as_tensor().clone())
                 } else {
-                    Tensor::from_slice(this, shape, &Device::Cpu).expect("a slice of its shape")
-                }
+                    Tensor::from_slice(this, shape, &Device::Cpu)
+                };
+                made.unwrap_or_else(|e| panic!("parameter {}: {e}", p.name))
             })
             .collect()
     }

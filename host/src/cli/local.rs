@@ -379,7 +379,7 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         if let Some(acc) = report.best_accuracy {
             println!("best:       {:.2}% reported while training", acc * 100.0);
         }
-    } else if a.workload == "fortunes-lm" {
+    } else if syncopate_workloads::is_language_model(&a.workload) {
         if let (Some(loss), Some(acc)) = (report.final_loss, report.final_accuracy) {
             println!(
                 "loss:       {loss:.3} nats per byte (perplexity {:.2}), next byte right {:.1}%, on the held-out fortunes (final model)",

@@ -151,8 +151,9 @@ impl Sim {
             })
             .collect();
         let model = self.model();
-        let final_score =
-            self.score.evaluator.as_ref().filter(|_| self.opts.gradients).map(|e| e.evaluate(&model));
+        // The look `observe` took above scored this same final model.
+        let last = self.score.watch.last();
+        let (final_accuracy, final_loss) = (last.and_then(|p| p.accuracy), last.and_then(|p| p.loss));
         let best = self.score.watch.iter().filter_map(|p| p.accuracy).reduce(f32::max);
         let best_loss = self.score.watch.iter().filter_map(|p| p.loss).reduce(f32::min);
         let members = self
@@ -198,9 +199,9 @@ impl Sim {
             model_file: None,
             started_unix_s: 0.0,
             watch: self.score.watch,
-            final_accuracy: final_score.map(|s| s.accuracy),
+            final_accuracy,
             best_accuracy: best,
-            final_loss: final_score.map(|s| s.loss),
+            final_loss,
             best_loss,
             time_to_target_s: self.score.time_to_target,
             staleness,
