@@ -32,7 +32,24 @@ case "$workload" in
   fortunes-lm) defaults=(--iterations 300 --batch 16 --target-loss 3.4) ;;
   *) defaults=() ;;
 esac
+defaults=(--policy ssp:s=3 --workers 4 --servers 2 --slow 0:3 "${defaults[@]}")
+# A flag given on the command line replaces the default one (clap refuses a flag given twice),
+# and the flags that exclude each other go together: a budget, or a target.
+given=" "
+for arg in "${args[@]}"; do
+  case "$arg" in
+    --epochs|--iterations) given+="--epochs --iterations " ;;
+    --target-accuracy|--target-loss|--target-perplexity) given+="--target-accuracy --target-loss --target-perplexity " ;;
+    --*) given+="${arg%%=*} " ;;
+  esac
+done
+kept=()
+i=0
+while [ $i -lt ${#defaults[@]} ]; do
+  flag="${defaults[$i]}"
+  if [[ "$given" != *" $flag "* ]]; then kept+=("$flag" "${defaults[$((i + 1))]}"); fi
+  i=$((i + 2))
+done
 scripts/setup.sh
 cargo build --release --bins
-exec target/release/syncopate local --policy ssp:s=3 --workers 4 --servers 2 --workload "$workload" \
-    --slow 0:3 "${defaults[@]}" "${args[@]}"
+exec target/release/syncopate local --workload "$workload" "${kept[@]}" "${args[@]}"
