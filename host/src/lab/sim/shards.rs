@@ -84,6 +84,10 @@ impl Sim {
                         }
                         // The worker left while its pull waited: nobody is left to answer.
                         (Req::Pull { .. }, Reply::Pulled(Err(RequestError::Left(..)))) => {}
+                        // A pull it gave up at a stop, overtaken by its goodbye (messages
+                        // arrive out of order): refused as a stranger's, and nobody waits for
+                        // the answer (on a cluster, it goes to a dropped future).
+                        (Req::Pull { w, .. }, Reply::Pulled(Err(e))) if self.left_already(w, &e) => {}
                         (Req::Push { w, help, iteration, whole, .. }, Reply::Pushed(r)) => {
                             self.pushed(s, w, help, iteration, whole, r)?
                         }

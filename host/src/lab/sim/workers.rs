@@ -18,7 +18,7 @@ use super::control::Phase;
 use super::events::{Ev, ToShard};
 use super::{sim_shard, Req, Sim, SimError, PEER_TIMEOUT_NS};
 use crate::codec::{self, Codec, Encoded, PushEncoder};
-use crate::shard::{PushOutcome, Quiet, RequestError, Served};
+use crate::shard::{PushOutcome, Quiet, RequestError, Served, ShardError};
 
 /// A push on its way: the job, when the latest acknowledgement sent so far arrives, and, once
 /// every shard has answered, its result.
@@ -161,10 +161,23 @@ impl Sim {
                 tracing::debug!("moved tasks refused: {e}");
                 Err(e)
             }
+            // A push it gave up at a stop, overtaken by its goodbye: nobody waits for the
+            // answer, and the shard applied nothing.
+            Err(e) if self.left_already(w, &e) => {
+                tracing::debug!(worker = w, shard = s, "a push after its goodbye refused: {e}");
+                return Ok(());
+            }
             Err(e) => return Err(SimError::Refused(s, e.to_string())),
         };
         self.ack(w, s, help, iteration, answer);
         Ok(())
+    }
+
+    /// Whether `e`, a shard's refusal of worker `w`'s request, is only the late answer to a
+    /// request the worker gave up when it stopped: it has left, and the shard no longer knows it.
+    pub(super) fn left_already(&self, w: WorkerId, e: &RequestError) -> bool {
+        matches!(e, RequestError::Shard(ShardError::UnknownWorker(..)))
+            && self.workers[w as usize].machine.is_done()
     }
 
     /// Shard `s`'s answer to worker `w`'s push of `iteration` (`help`: of tasks moved to it)
