@@ -21,7 +21,7 @@ use crate::builtin::PolicySpec;
 use crate::lab::local::LocalOptions;
 use crate::lab::report::{AbRow, Comparison, Figure, Outcome, PolicySummary, RunReport, Verdict, FIGURES};
 use crate::lab::scenario::{RunSpec, Scenario};
-use crate::lab::stats::{median_ci, rank_sum_test, ALPHA};
+use crate::lab::stats::{median_ci, rank_sum_test, ratio_interval, ALPHA};
 use crate::NodeError;
 
 /// How to run a comparison.
@@ -78,9 +78,16 @@ fn list(policies: &[PolicySpec]) -> String {
     policies.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
 
+/// The figures that exist only where the scenario has a target, infinite for a run that never
+/// reached it. A run stops at the watcher's look that first saw the target: steps and bytes
+/// count until then, plus the iterations in flight (at most one per worker).
+const TARGET_FIGURES: &[&str] = &["time_to_target_s", "steps_to_target", "mb_to_target"];
+
 /// The figures a verdict table shows, when the runs have them.
 const VERDICT_FIGURES: &[&str] = &[
     "time_to_target_s",
+    "steps_to_target",
+    "mb_to_target",
     "best_accuracy",
     "best_loss",
     "iterations_per_s",
@@ -245,7 +252,7 @@ fn summarize(
     let samples = |i: usize, f: &Figure| -> Option<Vec<f64>> {
         runs.iter().filter(|(p, _, _)| *p == i).map(|(_, row, _)| (f.get)(row)).collect()
     };
-    let has = |f: &Figure| f.key != "time_to_target_s" || opts.scenario.target().is_some();
+    let has = |f: &Figure| !TARGET_FIGURES.contains(&f.key) || opts.scenario.target().is_some();
     let mut summaries = Vec::new();
     let labels = labels(&opts.policies);
     for (i, label) in labels.iter().enumerate() {
@@ -290,7 +297,8 @@ pub fn verdict(policy: String, baseline: String, f: &Figure, a: &[f64], b: &[f64
         (false, true) => format!("too few runs to tell (p ≥ {:.3} at best)", test.min_p),
         (false, false) => format!("no detectable difference (p = {:.2})", test.p),
     };
-    Verdict { policy, baseline, figure: f.key.to_string(), ratio, test, outcome, text }
+    let ratio_interval = ratio_interval(a, b);
+    Verdict { policy, baseline, figure: f.key.to_string(), ratio, ratio_interval, test, outcome, text }
 }
 
 /// One policy in the simulator; writes its report and plots into `dir` as a real run would.
@@ -349,6 +357,8 @@ pub fn markdown(c: &Comparison) -> String {
     let target = scenario.target().map_or("target".into(), |t| t.label());
     let label = |f: &Figure| match f.key {
         "time_to_target_s" => format!("time to {target}"),
+        "steps_to_target" => format!("steps to {target}"),
+        "mb_to_target" => format!("MB to {target}"),
         _ => f.label.to_string(),
     };
     if c.repeat <= 1 {
@@ -390,7 +400,10 @@ pub fn markdown(c: &Comparison) -> String {
     }
     let judged: Vec<&Figure> = shown.iter().copied().filter(|f| VERDICT_FIGURES.contains(&f.key)).collect();
     if let Some(base) = &c.baseline {
-        t.push_str(&format!("\n## Against `{base}`\n\nRatio of medians, then the verdict.\n\n| policy |"));
+        t.push_str(&format!(
+            "\n## Against `{base}`\n\nRatio of medians with Bauer's distribution-free interval for the factor \
+             between the two policies' runs (where every run is finite), then the verdict.\n\n| policy |"
+        ));
         for f in &judged {
             t.push_str(&format!(" {} |", label(f)));
         }
@@ -402,7 +415,11 @@ pub fn markdown(c: &Comparison) -> String {
             for f in &judged {
                 let v = c.verdicts.iter().find(|v| v.policy == s.policy && v.figure == f.key);
                 let cell = v.map_or("-".into(), |v| {
-                    let ratio = v.ratio.map_or("-".into(), |r| format!("{r:.2}x"));
+                    let ratio = match (v.ratio, v.ratio_interval) {
+                        (Some(r), Some(i)) => format!("{r:.2}x [{:.2}, {:.2}]", i.lo, i.hi),
+                        (Some(r), None) => format!("{r:.2}x"),
+                        (None, _) => "-".into(),
+                    };
                     match v.outcome {
                         Outcome::Same => format!("{ratio}, {}", v.text),
                         _ => format!("{ratio}, **{}**", v.text),
@@ -497,6 +514,8 @@ mod tests {
         assert_eq!(v.outcome, Outcome::Better);
         assert!(v.text.starts_with("sooner (p = 0.008"), "{}", v.text);
         assert!((v.ratio.unwrap() - 0.5).abs() < 1e-12);
+        let i = v.ratio_interval.unwrap();
+        assert!(i.lo < 0.5 && 0.5 < i.hi && i.hi < 0.8, "{i:?}");
         let acc = FIGURES.iter().find(|f| f.key == "best_accuracy").unwrap();
         let v = verdict(
             "asp".into(),
@@ -513,7 +532,12 @@ mod tests {
         assert!(v.text.contains("too few runs"), "2 against 2 can never be significant: {}", v.text);
         // A policy that never reaches the target is later than one that does.
         let v = verdict("a".into(), "b".into(), time, &[f64::INFINITY; 5], &[3.0, 4.0, 5.0, 6.0, 7.0]);
-        assert_eq!((v.outcome, v.ratio), (Outcome::Worse, None));
+        assert_eq!((v.outcome, v.ratio, v.ratio_interval), (Outcome::Worse, None, None));
+        // A comparison written before verdicts had intervals still reads.
+        let mut old = serde_json::to_value(&v).unwrap();
+        old.as_object_mut().unwrap().remove("ratio_interval");
+        let back: Verdict = serde_json::from_value(old).unwrap();
+        assert_eq!(back, v);
         // Ten runs a side apart: a p-value three decimals cannot show.
         let fast: Vec<f64> = (0..10).map(|i| 4.0 + f64::from(i) / 10.0).collect();
         let slow: Vec<f64> = (0..10).map(|i| 8.0 + f64::from(i) / 10.0).collect();

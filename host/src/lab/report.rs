@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::lab::scenario::Scenario;
-use crate::lab::stats::{Estimate, RankTest};
+use crate::lab::stats::{Estimate, RankTest, RatioInterval};
 use crate::net::proto::{ServerStatus, ShardStatus, WorkerStatus};
 use crate::shard::STALENESS_BUCKETS;
 use crate::worker::WorkerReport;
@@ -450,6 +450,11 @@ pub struct Verdict {
     pub figure: String,
     /// The policy's median over the baseline's (`None` where either is infinite or zero).
     pub ratio: Option<f64>,
+    /// The distribution-free interval for the factor between the policy's runs and the
+    /// baseline's ([`crate::lab::stats::ratio_interval`]); `None` where a run is infinite or
+    /// zero. Absent in comparisons written before 2026-11-28.
+    #[serde(default)]
+    pub ratio_interval: Option<RatioInterval>,
     /// The rank test of the policy's runs against the baseline's.
     pub test: RankTest,
     /// `better`, `worse` or `same` (no detectable difference at [`crate::lab::stats::ALPHA`]).
@@ -593,6 +598,22 @@ pub const FIGURES: &[Figure] = &[
         words: ("sooner", "later"),
         get: |r| Some(r.time_to_target_s.unwrap_or(f64::INFINITY)),
         unit: Unit::Seconds,
+    },
+    Figure {
+        key: "steps_to_target",
+        label: "steps to target",
+        lower_is_better: Some(true),
+        words: ("fewer steps to target", "more steps to target"),
+        get: |r| Some(if r.time_to_target_s.is_some() { r.steps as f64 } else { f64::INFINITY }),
+        unit: Unit::Plain(0),
+    },
+    Figure {
+        key: "mb_to_target",
+        label: "MB to target",
+        lower_is_better: Some(true),
+        words: ("fewer bytes to target", "more bytes to target"),
+        get: |r| Some(if r.time_to_target_s.is_some() { r.bytes_moved as f64 / 1e6 } else { f64::INFINITY }),
+        unit: Unit::Plain(0),
     },
     Figure {
         key: "best_accuracy",
