@@ -105,10 +105,17 @@ def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:
     assert (out_dir / "comparison.md").exists() and (out_dir / "accuracy.svg").exists()
 
     # The ASP run's report is a trace: the simulator, replaying each PyTorch worker's measured
-    # compute times, reproduces how much slower worker 1 iterated than worker 0.
-    traced = out_dir / "asp" / "seed-1" / "report.json"
+    # compute times, reproduces each worker's iteration rate. Its link is calibrated from the
+    # run itself, as scenarios/trace-mixed-4.toml's is (docs/workloads.md): the rate at which the
+    # workers moved their bytes over the time they spent in pulls and acknowledgements, and the
+    # example's own push size on the wire.
+    # One run per policy: its folder is the policy's (``--repeat`` adds ``seed-N/`` below it).
+    traced = out_dir / "asp" / "report.json"
     assert traced.is_file(), sorted(str(p) for p in out_dir.rglob("report.json"))
     real = json.loads(traced.read_text())["workers"]
+    moved = sum(w["bytes_sent"] + w["bytes_received"] for w in real)
+    waited_s = sum(w["wait_ns"] + w["push_wait_ns"] for w in real) / 1e9
+    push_bytes = max(w["bytes_sent"] // w["iterations"] for w in real)
     replay = tmp_path / "torch-trace.toml"
     replay.write_text(
         "\n".join(
@@ -118,7 +125,11 @@ def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:
                 "workers = 2",
                 "servers = 1",
                 "iterations = 120",
+                f"bandwidth_mbit = {moved * 8 / waited_s / 1e6:.1f}",
                 f"trace = {json.dumps(str(traced))}",
+                "[modelled]",
+                'name = "the example\'s MLP"',
+                f"bytes = {push_bytes}",
             ]
         )
         + "\n"
@@ -127,17 +138,18 @@ def test_ab_compares_policies_on_the_example(tmp_path: Path) -> None:
     args = ["ab", "--simulate", "--no-gradients", "--scenario", str(replay), "--policies", "asp"]
     p = run_syncopate(*args, "--out", str(sim_dir), timeout=120)
     assert p.returncode == 0, p.stdout
-    simulated = json.loads((sim_dir / "asp" / "seed-1" / "report.json").read_text())["workers"]
+    simulated = json.loads((sim_dir / "asp" / "report.json").read_text())["workers"]
 
     def rates(workers: list[dict]) -> list[float]:
         by_id = sorted(workers, key=lambda w: w["worker"])
         return [w["iterations"] / (w["elapsed_ns"] / 1e9) for w in by_id]
 
     real_rates, sim_rates = rates(real), rates(simulated)
-    real_ratio, sim_ratio = real_rates[0] / real_rates[1], sim_rates[0] / sim_rates[1]
-    # Worker 1 computed 3x slower on top of the same torch step: clearly slower, and the
-    # replay says by how much. The scenario models no link (its pulls cost 250 µs, where the
-    # loopback's cost the real workers a little more; trace-mixed-4.toml shows how to calibrate
-    # one), so the fast worker's share of transfer time is the error allowed: 20%.
-    assert real_ratio > 1.5, real_rates
-    assert abs(sim_ratio / real_ratio - 1) < 0.2, (real_rates, sim_rates)
+    # Worker 1 computed 3x slower on top of the same torch step: clearly slower. The replay
+    # gives each worker's rate within 15% and the ratio of the two within 10% (2026-11-28 on
+    # this 2-core machine: real 45.2 and 19.0 it/s, replayed 43.3 and 19.3).
+    assert real_rates[0] / real_rates[1] > 1.5, real_rates
+    for r, m in zip(real_rates, sim_rates, strict=True):
+        assert abs(m / r - 1) < 0.15, (real_rates, sim_rates)
+    ratio = (sim_rates[0] / sim_rates[1]) / (real_rates[0] / real_rates[1])
+    assert abs(ratio - 1) < 0.1, (real_rates, sim_rates)
