@@ -64,15 +64,22 @@ fn sim_model(scenario: &Scenario, policy: &str) -> (Vec<u32>, Option<f32>) {
 fn a_pull_given_up_at_a_stop_and_overtaken_by_its_goodbye_is_not_an_error() {
     let base = "name = \"overtaken\"\nworkload = \"fashion-mlp\"\nhidden = 2048\nworkers = 4\nservers = 2\n\
                 compute_ms = 100\neval_every_ms = 10\n";
-    let mut gave_up = 0;
+    let mut late = 0;
     for limit in ["1.14", "1.16", "1.18", "1.28"] {
         let s = scenario(&format!("{base}time_limit_s = {limit}\n"));
-        let report = sim(&s, "bsp", false);
-        assert!(report.workers.iter().all(|w| w.stopped_early), "{limit}: stopped by the limit");
-        gave_up +=
-            report.workers.iter().flat_map(|w| &w.abandoned).filter(|a| a.contains("its pull")).count();
+        let opts = SimOptions {
+            run: RunSpec::new(s, "bsp".parse::<PolicySpec>().unwrap()),
+            gradients: false,
+            data: None,
+            failures: Vec::new(),
+            faults: SimFaults::default(),
+        };
+        let out = simulate(&opts, syncopate_suite::runtime()).expect("a stop is not an error");
+        assert!(out.report.workers.iter().all(|w| w.stopped_early), "{limit}: stopped by the limit");
+        late += out.late_refusals;
     }
-    assert!(gave_up > 0, "some stop found a pull to give up");
+    // The case itself happened (the timings above put it there), not only stops without it.
+    assert!(late > 0, "no goodbye overtook a request given up");
 }
 
 fn deferred(r: &RunReport) -> u64 {

@@ -167,6 +167,8 @@ struct Found {
     pub(super) killed_after_restart: u64,
     /// Ops from a deposed primary that reached the backup it had, promoted since.
     pub(super) stale_ops: u64,
+    /// Requests a worker gave up at its stop that its goodbye overtook, refused as a stranger's.
+    pub(super) late_refusals: u64,
     /// Swaps a server refused at their preparation (a shard's policy state refused).
     pub(super) swaps_refused: u64,
     /// Hot swaps that ended (committed, refused or partly committed) before the run did.
@@ -478,6 +480,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
     let (rebuild, checkpoints, restarts) = (sim.found.rebuild, sim.found.checkpoints, sim.found.restarted);
     let (killed_after_restart, stale_ops, trace) =
         (sim.found.killed_after_restart, sim.found.stale_ops, sim.queue.trace());
+    let late_refusals = sim.found.late_refusals;
     Ok(Simulated {
         report: sim.report(),
         model,
@@ -492,6 +495,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         restarts,
         killed_after_restart,
         stale_ops,
+        late_refusals,
         policy_differs,
         swaps_refused,
         swaps_ended,

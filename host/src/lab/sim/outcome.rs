@@ -42,6 +42,9 @@ pub struct Simulated {
     /// Ops from a deposed primary (a stale term) that reached its old backup after that backup
     /// was promoted, each ignored.
     pub stale_ops: u64,
+    /// Requests a worker gave up when it stopped that its goodbye overtook: the shard refused
+    /// them as a stranger's, and nobody waited for the answer.
+    pub late_refusals: u64,
     /// Where, at the end, a live primary ran another policy than the one its coordinator records
     /// (the module of its last committed swap); `None` when every one ran the recorded policy.
     pub policy_differs: Option<String>,

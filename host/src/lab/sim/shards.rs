@@ -87,7 +87,9 @@ impl Sim {
                         // A pull it gave up at a stop, overtaken by its goodbye (messages
                         // arrive out of order): refused as a stranger's, and nobody waits for
                         // the answer (on a cluster, it goes to a dropped future).
-                        (Req::Pull { w, .. }, Reply::Pulled(Err(e))) if self.left_already(w, &e) => {}
+                        (Req::Pull { w, .. }, Reply::Pulled(Err(e))) if self.left_already(w, &e) => {
+                            self.found.late_refusals += 1;
+                        }
                         (Req::Push { w, help, iteration, whole, .. }, Reply::Pushed(r)) => {
                             self.pushed(s, w, help, iteration, whole, r)?
                         }

@@ -165,6 +165,7 @@ impl Sim {
             // answer, and the shard applied nothing.
             Err(e) if self.left_already(w, &e) => {
                 tracing::debug!(worker = w, shard = s, "a push after its goodbye refused: {e}");
+                self.found.late_refusals += 1;
                 return Ok(());
             }
             Err(e) => return Err(SimError::Refused(s, e.to_string())),
