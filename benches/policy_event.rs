@@ -205,6 +205,7 @@ fn shard_push(c: &mut Criterion) {
                     based_on: None,
                     tasks: None,
                     local_steps: 0,
+                    signals: Default::default(),
                 };
                 shard.push(req, iteration, &mut sink).expect("admitted");
                 iteration += 1;

@@ -19,6 +19,8 @@ const BUILTIN: &[&str] = &[
     "adaptive-deadline",
     "async-localsgd",
     "syncswitch",
+    "adacomm",
+    "robust",
 ];
 
 fn main() {

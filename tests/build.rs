@@ -1,6 +1,6 @@
 //! Builds the test suite's hostile policy module from `tests/hostile-policy`, and the example
-//! user policies from `policies/example-deadline`, `policies/example-backup` and
-//! `policies/example-firstk`, to wasm32
+//! user policies from `policies/example-deadline`, `policies/example-backup`,
+//! `policies/example-firstk` and `policies/example-clip`, to wasm32
 //! (none is built into the host).
 
 use std::path::Path;
@@ -14,12 +14,14 @@ fn main() {
             "syncopate-policy-example-deadline",
             "syncopate-policy-example-backup",
             "syncopate-policy-example-firstk",
+            "syncopate-policy-example-clip",
         ],
         &[
             "tests/hostile-policy",
             "policies/example-deadline",
             "policies/example-backup",
             "policies/example-firstk",
+            "policies/example-clip",
             "policy-sdk",
         ],
     );
@@ -29,6 +31,7 @@ fn main() {
             println!("cargo:rustc-env=SYNCOPATE_EXAMPLE_WASM={}", paths[1].display());
             println!("cargo:rustc-env=SYNCOPATE_BACKUP_WASM={}", paths[2].display());
             println!("cargo:rustc-env=SYNCOPATE_FIRSTK_WASM={}", paths[3].display());
+            println!("cargo:rustc-env=SYNCOPATE_CLIP_WASM={}", paths[4].display());
         }
         Err(e) => {
             eprintln!("error: {e}");

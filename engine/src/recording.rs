@@ -17,9 +17,13 @@ use syncopate_policy_sdk::abi::{Envelope, WorkerClock, ENVELOPE_LEN};
 
 use crate::runtime::PolicyModule;
 
-/// The first bytes of every recording (format version 2: ABI v2's 88-byte envelopes, and the
-/// workers handed over at each swap).
-pub const MAGIC: &[u8; 8] = b"SYNCREC2";
+/// The first bytes of every recording (format version 3: ABI v3's 128-byte envelopes, and the
+/// workers handed over at each swap). [`read`] also reads format 2 (`SYNCREC2`: ABI v2's
+/// 88-byte envelopes, whose pushes carry no signals), whose entries are otherwise the same.
+pub const MAGIC: &[u8; 8] = b"SYNCREC3";
+
+/// The first bytes of a format-2 recording, which [`read`] still reads.
+pub const MAGIC_V2: &[u8; 8] = b"SYNCREC2";
 
 /// Why a policy instance started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,7 +185,8 @@ pub fn read(bytes: &[u8]) -> Result<Vec<Entry<'_>>, RecordingError> {
     }
     let mut rest = bytes
         .strip_prefix(MAGIC.as_slice())
-        .ok_or_else(|| RecordingError("it does not start with SYNCREC2".into()))?;
+        .or_else(|| bytes.strip_prefix(MAGIC_V2.as_slice()))
+        .ok_or_else(|| RecordingError("it does not start with SYNCREC3 (or SYNCREC2)".into()))?;
     let mut entries = Vec::new();
     while rest.len() >= 4 {
         let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
@@ -230,5 +235,29 @@ mod tests {
         assert!(matches!(entries[2], Entry::Called { answer: Err("it panicked"), .. }));
         assert_eq!(read(&bytes[..bytes.len() - 3]).unwrap().len(), 2);
         assert!(read(b"not a recording").is_err());
+    }
+
+    /// A recording made before ABI v3 (format 2: 88-byte envelopes) still reads, its pushes
+    /// without signals.
+    #[test]
+    fn a_format_2_recording_still_reads() {
+        let push = syncopate_policy_sdk::abi::Push {
+            id: 3,
+            worker: 1,
+            iteration: 2,
+            clock: 2,
+            samples: 8,
+            staleness: 0,
+            version: 5,
+            signals: Default::default(),
+        };
+        let env = Envelope { now_ns: 5, random: 9, view: ShardView::default(), event: Event::Push(push) };
+        let v2 = &env.to_bytes()[..syncopate_policy_sdk::abi::ENVELOPE_LEN_V2];
+        let mut bytes = MAGIC_V2.to_vec();
+        let body = postcard::to_allocvec(&Entry::Called { envelope: v2, answer: Ok(&[1]) }).unwrap();
+        bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        let entries = read(&bytes).unwrap();
+        assert_eq!(entries[0].envelope(), Some(env));
     }
 }

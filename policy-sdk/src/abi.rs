@@ -1,4 +1,4 @@
-//! Policy ABI v1: every type that crosses the boundary between the host and a policy module.
+//! Policy ABI v3: every type that crosses the boundary between the host and a policy module.
 //!
 //! This module is the single definition of the wire contract. The host encodes [`Envelope`]s and
 //! decodes [`Decision`]s with these types; the guest glue does the reverse. Everything is encoded
@@ -19,7 +19,7 @@
 //! | `sp_info` | `() -> i64` | - | [`PolicyInfo`] |
 //! | `sp_init` | `(len: i32) -> i64` | [`InitArgs`] | `Result<(), String>` then the start-up [`Decision`]s |
 //! | `sp_import_state` | `(len: i32) -> i64` | [`InitArgs`] + [`Handoff`] | `Result<(), String>` then [`Decision`]s |
-//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] (fixed 88-byte record, not postcard) | a run of [`Decision`]s |
+//! | `sp_event` | `(len: i32) -> i64` | [`Envelope`] (fixed 128-byte record, not postcard; 88 bytes for a v2 module) | a run of [`Decision`]s |
 //! | `sp_export_state` | `() -> i64` | - | opaque state bytes |
 //! | `sp_last_panic` | `() -> i64` | - | UTF-8 panic message, empty if none |
 //!
@@ -30,6 +30,7 @@
 //! workers named in decisions are live. A module that breaks these rules is treated like one that
 //! traps: the host reports it and falls back (see the host's `shard` module).
 
+use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
@@ -37,12 +38,18 @@ use serde::{Deserialize, Serialize};
 pub use crate::codec::Codec;
 
 /// The ABI version this crate speaks.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
-/// Name of the exported marker function that declares ABI v2 (v2 added staleness and versions to
-/// pushes and pulls). Modules built for another version export `syncopate_abi_v<N>` instead; the
-/// host names the version it found in its error.
-pub const ABI_MARKER: &str = "syncopate_abi_v2";
+/// Name of the exported marker function that declares ABI v3 (v3 added training signals to
+/// pushes, [`Signals`], and the host's measures, [`Decision::Measure`]). Modules built for
+/// another version export `syncopate_abi_v<N>` instead; the host loads v2 modules as they were
+/// (see [`ABI_MARKER_V2`]) and names any other version it found in its error.
+pub const ABI_MARKER: &str = "syncopate_abi_v3";
+
+/// The marker of ABI v2 modules (v2 added staleness and versions to pushes and pulls). The host
+/// still loads them: it sends them the first [`ENVELOPE_LEN_V2`] bytes of each envelope, the
+/// record they were built for, and they never send a decision v3 added.
+pub const ABI_MARKER_V2: &str = "syncopate_abi_v2";
 
 /// Prefix shared by the ABI marker exports of every version.
 pub const ABI_MARKER_PREFIX: &str = "syncopate_abi_v";
@@ -222,8 +229,11 @@ pub struct ShardView {
 /// f: version}; `4` IterationFinished {b: worker,
 /// c: samples, d: iteration, e: compute_ns}; `5` Timer {a: timer}; `6` ControlApplied {b: worker,
 /// d: iteration, sub: control kind (0 Pause {e: for_ns}, 1 Resume, 2 SetBatchSize {c: samples},
-/// 3 SetTaskShare {c: tasks}, 4 MoveTasks {a: from, c: first, e: count; its iteration is d})}.
-/// Unused fields are zero.
+/// 3 SetTaskShare {c: tasks}, 4 MoveTasks {a: from, c: first, e: count; its iteration is d})};
+/// `7` Measured {a: query, d: the value's f64 bits} (ABI v3). ABI v3 appends 40 bytes: `88` loss
+/// f32 (NaN: none), `92` norm f32 (NaN: none), `96` tokens u64, `104` step_ns u64 (the push's
+/// [`Signals`]; zero for other events), `112` 16 reserved zero bytes. A v2 module receives the
+/// first [`ENVELOPE_LEN_V2`] bytes. Unused fields are zero.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Envelope {
     /// Host time in nanoseconds since the shard started (virtual time in the simulator).
@@ -266,6 +276,15 @@ pub enum Event {
     },
     /// A worker acknowledged a control message this shard's policy sent: it took effect.
     ControlApplied(Applied),
+    /// The answer to a [`Decision::Measure`] (ABI v3): the host sends it right after the event
+    /// whose decisions asked, before any other event, one per measure in the order asked.
+    Measured {
+        /// The policy's number for the question.
+        query: u64,
+        /// The figure; NaN when a tensor named is not there (a push already decided, a group or
+        /// round with nothing in it) or a cosine involves a zero tensor.
+        value: f64,
+    },
 }
 
 /// A worker's acknowledgement of a control message.
@@ -295,7 +314,7 @@ pub enum LeaveReason {
 }
 
 /// A push: a gradient for one iteration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Push {
     /// The request.
     pub id: RequestId,
@@ -313,6 +332,81 @@ pub struct Push {
     pub staleness: u64,
     /// The shard's version: the optimizer steps applied to it so far.
     pub version: u64,
+    /// What the worker reported of the iteration and what the host measured of the push
+    /// (ABI v3; a v2 module never sees them). Not part of the push's serialized form, which
+    /// snapshots keep as it was: they carry the signals beside it.
+    #[serde(skip)]
+    pub signals: Signals,
+}
+
+/// What a push's worker reported of its iteration, and what the host measured of the push
+/// (ABI v3). Everything a worker reports was validated by the host: a loss is finite, a step
+/// time and a token count are bounded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Signals {
+    /// The worker's training loss on the iteration's batch (for local steps: the mean over
+    /// them), if it reported one.
+    pub loss: Option<f32>,
+    /// The L2 norm of what the push brings to this shard (its gradient or pseudo-gradient,
+    /// decoded to float32), measured by the host when the push arrived. `None` only for a push
+    /// that waited in a snapshot taken before ABI v3.
+    pub norm: Option<f32>,
+    /// Tokens the iteration trained on (a language model's; 0: not reported).
+    pub tokens: u64,
+    /// The worker's compute time for the iteration in nanoseconds, waits excluded (0: not
+    /// reported).
+    pub step_ns: u64,
+}
+
+impl Signals {
+    /// The longest step time a worker may report: a day.
+    pub const MAX_STEP_NS: u64 = 86_400 * 1_000_000_000;
+    /// The most tokens a worker may report for one iteration (2^40).
+    pub const MAX_TOKENS: u64 = 1 << 40;
+
+    /// Whether what a worker reported is within bounds: a finite loss, a step time of at most
+    /// [`Self::MAX_STEP_NS`], at most [`Self::MAX_TOKENS`] tokens. The host refuses a push that
+    /// reports otherwise; the error says what is wrong. (The norm is the host's, not checked.)
+    pub fn check_reported(&self) -> Result<(), String> {
+        if let Some(loss) = self.loss.filter(|l| !l.is_finite()) {
+            return Err(format!("a loss of {loss}"));
+        }
+        if self.step_ns > Self::MAX_STEP_NS {
+            return Err(format!("a step of {} ns (at most a day)", self.step_ns));
+        }
+        if self.tokens > Self::MAX_TOKENS {
+            return Err(format!("{} tokens (at most 2^40)", self.tokens));
+        }
+        Ok(())
+    }
+}
+
+/// A tensor of this shard that a policy can measure, named by handle: the host computes, and no
+/// tensor is copied into the module (ABI v3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Tensor {
+    /// The gradient (or pseudo-gradient) of a push that is still undecided: this event's own
+    /// push, or a held one.
+    Push(RequestId),
+    /// The shard's current parameters.
+    Params,
+    /// The weighted mean of an open group ([`Decision::AdmitToGroup`]) so far.
+    Group(u64),
+    /// The weighted mean of an open aggregate round ([`UpdateMode::Aggregate`]) so far.
+    Round(u64),
+}
+
+/// A figure the host computes on this shard's tensors for a policy (ABI v3), answered with
+/// [`Event::Measured`]. Sums run in f64, in a fixed order: the same tensors give the same bits on
+/// every host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Measure {
+    /// The L2 norm of a tensor.
+    Norm(Tensor),
+    /// The dot product of two tensors.
+    Dot(Tensor, Tensor),
+    /// The cosine of the angle between two tensors (NaN when either is zero).
+    Cosine(Tensor, Tensor),
 }
 
 /// A pull: a request for the current parameters before computing an iteration.
@@ -574,6 +668,18 @@ pub enum Decision<'a> {
         /// Outer steps per momentum step (1 to [`MAX_OUTER_DELAY`](crate::rules::MAX_OUTER_DELAY)).
         period: u32,
     },
+    /// Ask the host for a figure of this shard's tensors (ABI v3): a norm, a dot product or a
+    /// cosine of pushes, the parameters and open groups. The answer arrives as
+    /// [`Event::Measured`] with `query`, right after this event. To weigh a push by it, hold the
+    /// push ([`Decision::HoldPush`]) and admit, clip or drop it when the answer comes. The host
+    /// charges the call that receives the answer fuel by the size of the tensors; at most
+    /// [`MAX_MEASURES`](crate::rules::MAX_MEASURES) per event.
+    Measure {
+        /// The policy's number for the question, echoed in the answer.
+        query: u64,
+        /// What to compute.
+        measure: Measure,
+    },
 }
 
 /// Splits the `i64` a data-returning export gives back into `(ptr, len)`.
@@ -587,8 +693,11 @@ pub fn pack_ptr_len(ptr: u32, len: u32) -> i64 {
     (((ptr as u64) << 32) | len as u64) as i64
 }
 
-/// Size of an encoded [`Envelope`].
-pub const ENVELOPE_LEN: usize = 88;
+/// Size of an encoded [`Envelope`] (ABI v3).
+pub const ENVELOPE_LEN: usize = 128;
+
+/// Size of an ABI v2 envelope: the first bytes of a v3 one, all a v2 module is sent.
+pub const ENVELOPE_LEN_V2: usize = 88;
 
 /// Bytes that are not a valid [`Envelope`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -662,6 +771,7 @@ impl Envelope {
             Event::Pull(p) => (3, 0, p.id, p.worker, 0, p.iteration, p.clock),
             Event::IterationFinished(r) => (4, 0, 0, r.worker, r.samples, r.iteration, r.compute_ns),
             Event::Timer { timer } => (5, 0, timer, 0, 0, 0, 0),
+            Event::Measured { query, value } => (7, 0, query, 0, 0, value.to_bits(), 0),
             Event::ControlApplied(Applied { worker, control, iteration }) => match control {
                 Control::Pause { for_ns } => (6, 0, 0, worker, 0, iteration, for_ns),
                 Control::Resume => (6, 1, 0, worker, 0, iteration, 0),
@@ -684,14 +794,28 @@ impl Envelope {
         put32(&mut b, 52, c);
         put64(&mut b, 56, d);
         put64(&mut b, 64, e);
+        if let Event::Push(Push { signals, .. }) = self.event {
+            let none = f32::NAN.to_bits();
+            put32(&mut b, 88, signals.loss.map_or(none, f32::to_bits));
+            put32(&mut b, 92, signals.norm.map_or(none, f32::to_bits));
+            put64(&mut b, 96, signals.tokens);
+            put64(&mut b, 104, signals.step_ns);
+        }
         b
     }
 
-    /// Decodes the fixed-layout encoding.
+    /// Decodes the fixed-layout encoding: a v3 record, or a v2 one (from a recording made
+    /// before v3), whose pushes have no [`Signals`].
     pub fn from_bytes(b: &[u8]) -> Result<Self, EnvelopeError> {
-        if b.len() != ENVELOPE_LEN {
-            return Err(EnvelopeError("an envelope is exactly 88 bytes"));
+        if b.len() != ENVELOPE_LEN && b.len() != ENVELOPE_LEN_V2 {
+            return Err(EnvelopeError("an envelope is exactly 128 bytes (88 before ABI v3)"));
         }
+        let signals = if b.len() == ENVELOPE_LEN {
+            let f = |at| Some(f32::from_bits(get32(b, at))).filter(|x| !x.is_nan());
+            Signals { loss: f(88), norm: f(92), tokens: get64(b, 96), step_ns: get64(b, 104) }
+        } else {
+            Signals::default()
+        };
         let (a, worker, c, d, e) = (get64(b, 40), get32(b, 48), get32(b, 52), get64(b, 56), get64(b, 64));
         let (f, g) = (get64(b, 72), get64(b, 80));
         let event = match b[36] {
@@ -708,12 +832,14 @@ impl Envelope {
                 samples: c,
                 staleness: f,
                 version: g,
+                signals,
             }),
             3 => Event::Pull(Pull { id: a, worker, iteration: d, clock: e, version: f }),
             4 => {
                 Event::IterationFinished(IterationReport { worker, iteration: d, compute_ns: e, samples: c })
             }
             5 => Event::Timer { timer: a },
+            7 => Event::Measured { query: a, value: f64::from_bits(d) },
             6 => {
                 let control = match b[37] {
                     0 => Control::Pause { for_ns: e },
@@ -763,7 +889,20 @@ mod tests {
                 samples: 5,
                 staleness: 6,
                 version: 7,
+                signals: Signals::default(),
             }),
+            Event::Push(Push {
+                id: 8,
+                worker: 9,
+                iteration: 10,
+                clock: 11,
+                samples: 12,
+                staleness: 13,
+                version: 14,
+                signals: Signals { loss: Some(2.5), norm: Some(0.125), tokens: 4096, step_ns: 18_000_000 },
+            }),
+            Event::Measured { query: 3, value: -0.25 },
+            Event::Measured { query: u64::MAX, value: f64::NAN },
             Event::Pull(Pull { id: u64::MAX, worker: 2, iteration: 3, clock: 4, version: u64::MAX - 2 }),
             Event::IterationFinished(IterationReport { worker: 2, iteration: 3, compute_ns: 4, samples: 5 }),
             Event::Timer { timer: 77 },
@@ -796,8 +935,38 @@ mod tests {
         ];
         for event in events {
             let env = Envelope { now_ns: 123, random: u64::MAX - 1, view, event };
-            assert_eq!(Envelope::from_bytes(&env.to_bytes()), Ok(env));
+            let back = Envelope::from_bytes(&env.to_bytes()).expect("decodes");
+            match (back.event, event) {
+                // NaN is not equal to itself: compare its bits.
+                (Event::Measured { query: q, value: v }, Event::Measured { query, value }) => {
+                    assert_eq!((q, v.to_bits()), (query, value.to_bits()))
+                }
+                _ => assert_eq!(back, env),
+            }
         }
+    }
+
+    /// A v2 module is sent the first 88 bytes of a v3 envelope: they are the v2 record, field for
+    /// field, and they decode (as a recording made before v3 does) with no signals.
+    #[test]
+    fn a_v2_envelope_is_the_first_88_bytes_of_a_v3_one() {
+        let push = Push {
+            id: 1,
+            worker: 2,
+            iteration: 3,
+            clock: 4,
+            samples: 5,
+            staleness: 6,
+            version: 7,
+            signals: Signals { loss: Some(1.0), norm: Some(2.0), tokens: 3, step_ns: 4 },
+        };
+        let env = Envelope { now_ns: 9, random: 10, view: ShardView::default(), event: Event::Push(push) };
+        let bytes = env.to_bytes();
+        // The v2 layout, pinned: kind 2 at 36, id at 40, worker at 48, samples at 52.
+        assert_eq!((bytes[36], bytes[40], bytes[48], bytes[52]), (2, 1, 2, 5));
+        assert_eq!(&bytes[112..], &[0; 16]);
+        let v2 = Envelope::from_bytes(&bytes[..ENVELOPE_LEN_V2]).expect("a v2 record decodes");
+        assert_eq!(v2.event, Event::Push(Push { signals: Signals::default(), ..push }));
     }
 
     #[test]
@@ -806,7 +975,7 @@ mod tests {
             Envelope { now_ns: 0, random: 0, view: ShardView::default(), event: Event::Timer { timer: 1 } }
                 .to_bytes();
         assert!(Envelope::from_bytes(&b[..ENVELOPE_LEN - 1]).is_err());
-        b[36] = 7;
+        b[36] = 8;
         assert_eq!(Envelope::from_bytes(&b), Err(EnvelopeError("unknown event kind")));
         b[36] = 1;
         b[37] = 9;

@@ -146,6 +146,16 @@ impl<'a> Ctx<'a> {
         self.emit(&Decision::CancelTimer { timer });
     }
 
+    /// Ask the host for a norm, dot product or cosine of this shard's tensors (a push, the
+    /// parameters, an open group or round), by handle: the host computes it in place and
+    /// answers with [`Policy::on_measured`](crate::Policy::on_measured) and the same `query`,
+    /// right after this event. To weigh a push by its measure, hold it
+    /// ([`PushVerdict::Hold`](crate::PushVerdict::Hold)) and admit it when the answer comes.
+    /// At most [`MAX_MEASURES`](crate::rules::MAX_MEASURES) per event (ABI v3).
+    pub fn measure(&mut self, query: u64, measure: crate::abi::Measure) {
+        self.emit(&Decision::Measure { query, measure });
+    }
+
     /// Record a metric sample; the host aggregates samples by name.
     pub fn metric(&mut self, name: &str, value: f64) {
         self.emit(&Decision::Metric { name, value });

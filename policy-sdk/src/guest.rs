@@ -151,6 +151,7 @@ pub fn handle<P: Policy>(policy: &mut P, env: &Envelope, out: &mut Encoder) {
         Event::IterationFinished(report) => policy.on_iteration_finished(&mut ctx, report),
         Event::Timer { timer } => policy.on_timer(&mut ctx, *timer),
         Event::ControlApplied(applied) => policy.on_control_applied(&mut ctx, applied),
+        Event::Measured { query, value } => policy.on_measured(&mut ctx, *query, *value),
     }
 }
 

@@ -66,6 +66,7 @@ pub mod config;
 mod ctx;
 #[doc(hidden)]
 pub mod guest;
+pub mod measure;
 pub mod optimizer;
 pub mod rounds;
 pub mod rules;
@@ -77,8 +78,9 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 pub use abi::{
-    Applied, Control, Handoff, IterationReport, LeaveReason, ModuleInfo, ParamInfo, ParamKind, ParamSpec,
-    PolicyInfo, Pull, Push, Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+    Applied, Control, Handoff, IterationReport, LeaveReason, Measure, ModuleInfo, ParamInfo, ParamKind,
+    ParamSpec, PolicyInfo, Pull, Push, Release, RequestId, ShardView, Signals, Tensor, TimerId, UpdateMode,
+    WorkerClock, WorkerId,
 };
 pub use config::{Config, ConfigError};
 pub use ctx::Ctx;
@@ -87,8 +89,9 @@ pub use testing::Driver;
 /// Everything a policy author usually needs, in one import.
 pub mod prelude {
     pub use crate::abi::{
-        Applied, Control, Handoff, IterationReport, LeaveReason, ParamKind, ParamSpec, PolicyInfo, Pull,
-        Push, Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+        Applied, Control, Handoff, IterationReport, LeaveReason, Measure, ParamKind, ParamSpec, PolicyInfo,
+        Pull, Push, Release, RequestId, ShardView, Signals, Tensor, TimerId, UpdateMode, WorkerClock,
+        WorkerId,
     };
     pub use crate::testing::Driver;
     pub use crate::{Ctx, Init, Policy, PullVerdict, PushVerdict};
@@ -193,6 +196,11 @@ pub trait Policy: Sized + 'static {
     /// actually moved).
     fn on_control_applied(&mut self, _ctx: &mut Ctx<'_>, _applied: &Applied) {}
 
+    /// The host's answer to [`Ctx::measure`] number `query` (ABI v3): it arrives right after
+    /// the event that asked, before any other. `value` is NaN when a tensor named was not there
+    /// (a push already decided, an empty group) or a cosine involved a zero tensor.
+    fn on_measured(&mut self, _ctx: &mut Ctx<'_>, _query: u64, _value: f64) {}
+
     /// The instance's state, for checkpoints and hot swaps. Stateless policies keep the default.
     ///
     /// Do not include parked pulls or held pushes: after a swap or a recovery the host hands
@@ -263,7 +271,7 @@ macro_rules! export_policy {
                     const { ::core::cell::RefCell::new(Guest::new()) };
             }
             #[unsafe(no_mangle)]
-            pub extern "C" fn syncopate_abi_v2() -> u32 {
+            pub extern "C" fn syncopate_abi_v3() -> u32 {
                 $crate::abi::ABI_VERSION
             }
             #[unsafe(no_mangle)]

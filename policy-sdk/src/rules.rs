@@ -19,7 +19,10 @@
 //! - local steps are at most [`MAX_LOCAL_STEPS`], set for every worker or a live one; an outer
 //!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1), its delay 1 to
 //!   [`MAX_OUTER_DELAY`] steps;
-//! - codecs are within their bounds ([`Codec::check`]), and pulls are never top-k.
+//! - codecs are within their bounds ([`Codec::check`]), and pulls are never top-k;
+//! - an event asks at most [`MAX_MEASURES`] measures ([`Decision::Measure`]); a policy's
+//!   start-up and the answer to a measure ask none (answers are events, and an answer that
+//!   asked again could keep the host answering for ever).
 //!
 //! A policy that breaks a rule is treated like one that crashed.
 
@@ -72,6 +75,10 @@ pub fn check_outer_optimizer(lr: f32, momentum: f32) -> Result<(), String> {
     Ok(())
 }
 
+/// The most measures ([`Decision::Measure`]) one event's decisions may ask for: each costs the
+/// host a pass or two over the shard's tensors.
+pub const MAX_MEASURES: u32 = 16;
+
 /// How far beyond a pull's clock a deferral may wait for the minimum clock (2^32 iterations:
 /// a deferral beyond that can never be released).
 pub const MAX_DEFERRAL: u64 = 1 << 32;
@@ -103,6 +110,8 @@ enum Request {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EventRules {
     request: Request,
+    /// Measures asked so far; `None` where none may be (a start-up).
+    measures: Option<u32>,
 }
 
 impl EventRules {
@@ -113,12 +122,15 @@ impl EventRules {
             Event::Push(p) => Request::Push { id: p.id, decided: false },
             _ => Request::None,
         };
-        EventRules { request }
+        // An answer to a measure may not ask for more: a policy could otherwise keep the host
+        // answering for ever.
+        let measures = if matches!(event, Event::Measured { .. }) { None } else { Some(0) };
+        EventRules { request, measures }
     }
 
     /// The rules for decisions that answer no event (a policy's start-up, a swap).
     pub fn without_event() -> Self {
-        EventRules { request: Request::None }
+        EventRules { request: Request::None, measures: None }
     }
 
     /// Whether `decision` is this event's verdict on its own request (`true`: the first
@@ -259,6 +271,17 @@ impl EventRules {
                     return Err("set top-k as the pull codec: pulls carry parameters, not updates".into());
                 }
             }
+            Decision::Measure { .. } => match self.measures.as_mut() {
+                None => {
+                    return Err("asked for a measure at start-up or while hearing one \
+                                (ask every measure an event needs at once)"
+                        .into())
+                }
+                Some(n) if *n >= MAX_MEASURES => {
+                    return Err(format!("asked for more than {MAX_MEASURES} measures in one event"))
+                }
+                Some(n) => *n += 1,
+            },
             Decision::SetUpdateMode(_)
             | Decision::CancelTimer { .. }
             | Decision::Metric { .. }
@@ -347,6 +370,7 @@ mod tests {
             samples: 1,
             staleness: 0,
             version: 0,
+            signals: Default::default(),
         }));
         assert!(r.check(&Decision::AdmitPush { push: 2, weight: Some(f32::NAN) }, &s).is_err());
         assert_eq!(r.check(&Decision::HoldPush { push: 2 }, &s), Ok(true));
@@ -369,6 +393,7 @@ mod tests {
             samples: 1,
             staleness: 0,
             version: 0,
+            signals: Default::default(),
         });
         let (hold, admit) = (Decision::HoldPush { push: 2 }, Decision::AdmitPush { push: 2, weight: None });
         let mut s = State::default();
@@ -413,6 +438,21 @@ mod tests {
 
     /// Local steps, the outer optimizer and codecs stay within their bounds, and pulls are
     /// never top-k.
+    #[test]
+    fn measures_are_bounded_per_event_and_refused_at_start_up() {
+        let s = State::default();
+        let m =
+            Decision::Measure { query: 1, measure: crate::abi::Measure::Norm(crate::abi::Tensor::Params) };
+        let mut r = EventRules::new(&Event::Timer { timer: 1 });
+        for _ in 0..MAX_MEASURES {
+            assert_eq!(r.check(&m, &s), Ok(false));
+        }
+        assert!(r.check(&m, &s).unwrap_err().contains("more than 16 measures"));
+        assert!(EventRules::without_event().check(&m, &s).unwrap_err().contains("start-up"));
+        let answer = Event::Measured { query: 1, value: 0.5 };
+        assert!(EventRules::new(&answer).check(&m, &s).unwrap_err().contains("while hearing one"));
+    }
+
     #[test]
     fn local_steps_outer_optimizers_and_codecs_are_bounded() {
         let s = State { live: vec![0], ..State::default() };

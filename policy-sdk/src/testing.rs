@@ -7,10 +7,11 @@ use alloc::vec::Vec;
 
 use crate::abi::{
     Applied, Control, Decision, Envelope, Event, Handoff, InitArgs, IterationReport, LeaveReason, Pull, Push,
-    Release, RequestId, ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+    Release, RequestId, ShardView, Signals, Tensor, TimerId, UpdateMode, WorkerClock, WorkerId,
 };
 use crate::clocks::Clocks;
 use crate::guest::{encode, Guest};
+use crate::measure::Scaled;
 use crate::optimizer::{Optimizer, OptimizerConfig};
 use crate::rules::{DecisionState, EventRules};
 use crate::{Policy, PullVerdict, PushVerdict};
@@ -52,6 +53,9 @@ pub enum Recorded {
     PullCodec(crate::abi::Codec),
     /// The outer momentum's delay was set.
     OuterDelay(u32),
+    /// A measure was asked for, and what the driver answered (as the host would: see
+    /// [`crate::measure`]).
+    Measured(u64, crate::abi::Measure, f64),
 }
 
 /// Drives one policy instance natively, playing the host's part in miniature: it keeps the
@@ -92,6 +96,10 @@ pub struct Driver<P> {
     served_at: BTreeMap<WorkerId, u64>,
     /// Local steps for every worker, and per worker where set since.
     local_steps: (u32, BTreeMap<WorkerId, u32>),
+    /// The signals of held pushes, for their redelivery.
+    held_signals: BTreeMap<RequestId, Signals>,
+    /// Answers to measures, to be sent once the event that asked is decided.
+    answers: VecDeque<(u64, f64)>,
 }
 
 /// The host's optimizer over a parameter vector, as [`Driver::with_optimizer`] sets it up.
@@ -139,8 +147,10 @@ impl<P: Policy> Driver<P> {
             }),
             leaving: None,
             incoming: Vec::new(),
+            held_signals: BTreeMap::new(),
+            answers: VecDeque::new(),
         };
-        d.apply(rest, None)?;
+        d.apply(rest, None, None)?;
         Ok(d)
     }
 
@@ -199,9 +209,11 @@ impl<P: Policy> Driver<P> {
             model: self.model,
             leaving: None,
             incoming: Vec::new(),
+            held_signals: self.held_signals,
+            answers: VecDeque::new(),
         };
         d.complete_rounds();
-        d.apply(&start, None)?;
+        d.apply(&start, None, None)?;
         d.redeliver(self.parked, self.held)?;
         Ok(d)
     }
@@ -252,7 +264,8 @@ impl<P: Policy> Driver<P> {
         for (id, worker, grad) in held {
             let clock = self.clocks.get(worker).unwrap_or(0);
             let (staleness, version) = (self.staleness(worker), self.steps());
-            let push = Push { id, worker, iteration: clock, clock, samples: 1, staleness, version };
+            let signals = self.held_signals.remove(&id).unwrap_or_default();
+            let push = Push { id, worker, iteration: clock, clock, samples: 1, staleness, version, signals };
             self.incoming = grad;
             self.send(self.clocks.view(), Event::Push(push), Some(id))?;
         }
@@ -350,6 +363,19 @@ impl<P: Policy> Driver<P> {
         iteration: u64,
         grad: &[f32],
     ) -> Result<PushVerdict, String> {
+        self.push_signals(worker, iteration, grad, Signals::default())
+    }
+
+    /// `worker` pushes `grad` for `iteration` with what it reports of the iteration (ABI v3:
+    /// `reported`'s loss, tokens and step time; the norm is measured here, as the host
+    /// measures it, whatever `reported` says). Returns the verdict.
+    pub fn push_signals(
+        &mut self,
+        worker: WorkerId,
+        iteration: u64,
+        grad: &[f32],
+        reported: Signals,
+    ) -> Result<PushVerdict, String> {
         let clock = self.clocks.get(worker).ok_or("push from a worker that is not live")?;
         if grad.len() != self.params().len() {
             return Err(alloc::format!(
@@ -363,7 +389,9 @@ impl<P: Policy> Driver<P> {
         let id = self.id();
         let view = self.clocks.view();
         let (staleness, version) = (self.staleness(worker), self.steps());
-        let push = Push { id, worker, iteration, clock, samples: 1, staleness, version };
+        let norm = Some(crate::measure::dot(grad, grad).sqrt() as f32);
+        let signals = Signals { norm, ..reported };
+        let push = Push { id, worker, iteration, clock, samples: 1, staleness, version, signals };
         let verdict = self.send(view, Event::Push(push), Some(id))?;
         verdict.push.ok_or_else(|| alloc::format!("push {id} got no verdict"))
     }
@@ -440,19 +468,26 @@ impl<P: Policy> Driver<P> {
         let bytes = env.to_bytes();
         write(&mut self.guest, &bytes);
         let out = self.guest.event(bytes.len()).to_vec();
-        let verdicts = self.apply(&out, request.map(|id| (id, event)))?;
+        let verdicts = self.apply(&out, request.map(|id| (id, event)), Some(&event))?;
         self.release_ready();
+        // As the host does: the answers to the event's measures, in order, before anything else.
+        while let Some((query, value)) = self.answers.pop_front() {
+            self.send(self.clocks.view(), Event::Measured { query, value }, None)?;
+        }
         Ok(verdicts)
     }
 
     /// Applies the decisions answering `request` (or none), each checked first by the decision
     /// rules the host's shards use ([`crate::rules`]).
-    fn apply(&mut self, mut bytes: &[u8], request: Option<(RequestId, Event)>) -> Result<Verdicts, String> {
+    fn apply(
+        &mut self,
+        mut bytes: &[u8],
+        request: Option<(RequestId, Event)>,
+        event: Option<&Event>,
+    ) -> Result<Verdicts, String> {
         let mut v = Verdicts::default();
-        let mut rules = match &request {
-            Some((_, event)) => EventRules::new(event),
-            None => EventRules::without_event(),
-        };
+        // `None`: a start-up's decisions.
+        let mut rules = event.map_or_else(EventRules::without_event, EventRules::new);
         while !bytes.is_empty() {
             let (d, rest) = postcard::take_from_bytes::<Decision<'_>>(bytes)
                 .map_err(|e| alloc::format!("undecodable decision: {e}"))?;
@@ -553,6 +588,7 @@ impl<P: Policy> Driver<P> {
                     v.push = Some(PushVerdict::Hold);
                     if let Some((_, Event::Push(p))) = request {
                         self.held.push((push, p.worker, core::mem::take(&mut self.incoming)));
+                        self.held_signals.insert(push, p.signals);
                     }
                     self.log.push(Recorded::Held(push));
                 }
@@ -595,6 +631,23 @@ impl<P: Policy> Driver<P> {
                 }
                 Decision::SetPullCodec { codec } => self.log.push(Recorded::PullCodec(codec)),
                 Decision::SetOuterDelay { period } => self.log.push(Recorded::OuterDelay(period)),
+                Decision::Measure { query, measure } => {
+                    let own = match request {
+                        Some((_, Event::Push(p))) if v.push.is_none() => Some(p.id),
+                        _ => None,
+                    };
+                    let m = self.model.as_ref();
+                    let (held, incoming) = (&self.held, &self.incoming);
+                    let answer = crate::measure::evaluate(measure, |t| match t {
+                        Tensor::Push(id) if own == Some(id) => Some(Scaled::plain(incoming)),
+                        Tensor::Push(id) => held.iter().find(|h| h.0 == id).map(|h| Scaled::plain(&h.2)),
+                        Tensor::Params => m.map(|m| Scaled::plain(&m.params)),
+                        Tensor::Group(g) => m.and_then(|m| m.groups.get(&g)).map(|(sum, w)| mean(sum, *w)),
+                        Tensor::Round(r) => m.and_then(|m| m.rounds.get(&r)).map(|(sum, w, _)| mean(sum, *w)),
+                    });
+                    self.answers.push_back((query, answer.value));
+                    self.log.push(Recorded::Measured(query, measure, answer.value));
+                }
             }
         }
         rules.finish()?;
@@ -707,6 +760,11 @@ fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) {
     // SAFETY: `buffer` returned a pointer to at least `bytes.len()` initialised bytes owned by
     // `guest`, which nothing else borrows here.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+}
+
+/// A group's or round's weighted sum read as its mean (an empty one is not there).
+fn mean(sum: &[f32], weight: f32) -> Scaled<'_> {
+    Scaled { values: sum, scale: if weight > 0.0 { 1.0 / f64::from(weight) } else { f64::NAN } }
 }
 
 #[cfg(test)]

@@ -613,9 +613,11 @@ impl NativeSession {
         Ok(Staged { values: Mutex::new(Some(values)) })
     }
 
-    /// Pushes a staged gradient (a pseudo-gradient of `local_steps` steps if above 0); returns
-    /// how many shards dropped it, or None if it was not pushed.
-    #[pyo3(signature = (grad, samples, loss, local_steps=0, wake=None))]
+    /// Pushes a staged gradient (a pseudo-gradient of `local_steps` steps if above 0) with the
+    /// loss and tokens its iteration reports to the policies; returns how many shards dropped
+    /// it, or None if it was not pushed.
+    #[pyo3(signature = (grad, samples, loss, local_steps=0, wake=None, tokens=0))]
+    #[allow(clippy::too_many_arguments)]
     fn push(
         &self,
         py: Python<'_>,
@@ -624,12 +626,14 @@ impl NativeSession {
         loss: f32,
         local_steps: u32,
         wake: Option<RawFd>,
+        tokens: u64,
     ) -> PyResult<Option<u32>> {
         let cancel = self.cancel.subscribe();
         let values = grad.values.lock().ok().and_then(|mut v| v.take());
         let values = values.ok_or_else(|| UsageError::new_err("this staged gradient was pushed already"))?;
         self.with(py, |s| {
             detached(py, wake, Some(cancel), move |stop| {
+                s.report_tokens(tokens)?;
                 s.push_buffer(values, StepStats { samples, loss }, local_steps, stop)
             })
         })

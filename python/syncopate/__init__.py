@@ -284,17 +284,20 @@ class Worker:
         samples: int | None = None,
         loss: float = 0.0,
         local_steps: int = 0,
+        tokens: int = 0,
     ) -> int | None:
         """Pushes the gradient computed on what the last :meth:`pull` returned (the model's
         tensors' gradients, in order), computed on ``samples`` samples (default: the step's
-        batch) with mean loss ``loss`` (it goes into the run's report). With ``local_steps``
+        batch) with mean loss ``loss`` (it goes into the run's report, and the shards'
+        policies see it with the push) on ``tokens`` tokens (a language model's; 0: not
+        reported). With ``local_steps``
         above 0, ``grads`` is the pseudo-gradient of that many local steps (the model pulled
         minus the model they reached), which the servers step with their outer optimizer.
         Returns how many shards' policies dropped it (0: applied everywhere), or ``None`` if a
         policy's skip abandoned the iteration and it was not sent.
         """
         staged = self._stage(grads)
-        return self._push_staged(staged, iteration, samples, loss, local_steps)
+        return self._push_staged(staged, iteration, samples, loss, local_steps, tokens)
 
     def _stage(self, grads: Sequence[Any]) -> Any:
         """Checks a push's tensors and copies its gradient out of them."""
@@ -308,6 +311,7 @@ class Worker:
         samples: int | None,
         loss: float,
         local_steps: int,
+        tokens: int = 0,
     ) -> int | None:
         if self._last is None:
             raise UsageError("push called without a pull first")
@@ -315,11 +319,13 @@ class Worker:
             raise UsageError(
                 f"push for iteration {iteration}, but the last pull was for {self._last.iteration}"
             )
+        if not 0 <= int(tokens) <= 2**40:
+            raise UsageError(f"push of {tokens} tokens: a count from 0 to 2^40")
         n = self._last.batch if samples is None else int(samples)
         self._last = None
         session = self._session()
         with _interruptible() as wake:
-            dropped = session.push(staged, n, float(loss), int(local_steps), wake)
+            dropped = session.push(staged, n, float(loss), int(local_steps), wake, int(tokens))
         self._done = session.done
         return dropped
 

@@ -117,7 +117,9 @@ def test_bad_tensors_raise_tensor_error(cluster: ClusterFactory) -> None:
         w.pull(good)
     with pytest.raises(syncopate.UsageError, match="last pull was for 0"):
         w.push(good, 3)
-    w.push(good)
+    with pytest.raises(syncopate.UsageError, match="2\\^40"):
+        w.push(good, tokens=2**41)
+    w.push(good, loss=0.5, tokens=64)
     w.leave()
     with pytest.raises(syncopate.UsageError, match="left"):
         w.pull(good)

@@ -29,7 +29,7 @@ fn policy_check_describes_a_good_module() {
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     for needle in [
         "name:        ssp",
-        "abi:         v2",
+        "abi:         v3",
         "version:     0.1.0",
         "s          uint   default 3",
         "sha256:",
@@ -71,15 +71,31 @@ fn policy_check_rejects_bad_modules_with_one_line_and_status_1() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the file"));
 }
 
+/// A module built by the SDK of ABI v2 is checked as it is, and says so.
+#[test]
+fn policy_check_passes_a_module_built_for_abi_v2() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/abi-v2/diloco.wasm");
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check"])
+        .arg(&path)
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("abi:         v2 (built by an earlier SDK: loaded as it was)"), "{stdout}");
+    assert!(stdout.contains("exercised:   68 generated cases"), "{stdout}");
+}
+
 #[test]
 fn policy_check_runs_events_through_the_module() {
-    // Every built-in and both examples get through the short run: joins, pulls, pushes, reports,
+    // Every built-in and three examples get through the short run: joins, pulls, pushes, reports,
     // timers, a hand-over to themselves and leaves.
     let mut modules: Vec<(String, std::path::PathBuf)> = syncopate::builtin::names()
         .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
         .collect();
-    assert_eq!(modules.len(), 12, "every built-in");
+    assert_eq!(modules.len(), 14, "every built-in");
     modules.push(("backup".into(), env!("SYNCOPATE_BACKUP_WASM").into()));
+    modules.push(("clip".into(), env!("SYNCOPATE_CLIP_WASM").into()));
     modules.push(("deadline".into(), env!("SYNCOPATE_EXAMPLE_WASM").into()));
     for (name, path) in &modules {
         let out = Command::new(syncopate_bin())
@@ -168,6 +184,8 @@ fn policy_list_shows_the_builtins() {
         "adaptive-deadline",
         "async-localsgd",
         "syncswitch",
+        "adacomm",
+        "robust",
     ];
     for name in builtins {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");

@@ -16,6 +16,7 @@ mod progress;
 mod restart;
 mod rules;
 mod sandbox;
+mod signals;
 mod sim;
 mod swap;
 mod tasks;

@@ -105,6 +105,7 @@ fn bad_peers_are_refused_and_the_cluster_keeps_training() {
                 based_on: None,
                 local_steps: 0,
                 codec: syncopate::codec::Codec::None,
+                signals: Default::default(),
             },
             &[1, 2, 3],
         );
@@ -260,6 +261,7 @@ fn a_shards_refusals_reach_the_worker_typed() {
             based_on: None,
             local_steps: 0,
             codec: syncopate::codec::Codec::None,
+            signals: Default::default(),
         };
         assert_eq!(ask(push).await, DataResponse::Error(DataError::ReadOnly));
         assert_eq!(
@@ -295,7 +297,13 @@ proptest! {
         values in proptest::collection::vec(any::<f32>(), 0..64),
         cut in any::<prop::sample::Index>(), flip in any::<prop::sample::Index>(),
     ) {
-        let req = DataRequest::Push { shard, iteration, samples, based_on: Some(iteration ^ 7), local_steps: 0, codec: syncopate::codec::Codec::None };
+        let signals = syncopate_policy_sdk::abi::Signals {
+            loss: Some(iteration as f32 / 3.0),
+            norm: None,
+            tokens: u64::from(samples) * 64,
+            step_ns: iteration,
+        };
+        let req = DataRequest::Push { shard, iteration, samples, based_on: Some(iteration ^ 7), local_steps: 0, codec: syncopate::codec::Codec::None, signals };
         let frame = wire::encode_frame(&req, wire::f32_bytes(&values));
         let (back, payload) = wire::decode_frame::<DataRequest>(&frame, &Limits::default()).unwrap();
         prop_assert_eq!(back, req);

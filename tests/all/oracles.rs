@@ -415,3 +415,47 @@ proptest! {
         prop_assert!(asp.pull_log.iter().all(|(_, d)| !d));
     }
 }
+
+/// AdaComm over random interleavings: rounds keep local SGD's barrier and each push counts
+/// once; the workers' falling loss (`4 / (1 + iteration)`, reported with their pushes) shrinks
+/// the period from τ_0 = 8 as `ceil(sqrt(F / F_0) · 8)`, never below 1, and every worker's
+/// steps are the local steps its pulls asked for.
+#[test]
+fn adacomm_shrinks_the_period_with_the_reported_loss_and_keeps_the_barrier() {
+    for seed in 0..4 {
+        let cfg = [("tau", "8"), ("interval_ms", "1")];
+        let mut c = Cluster::new(&builtin_module("adacomm"), &cfg, N, 12, seed);
+        c.run_to_end();
+        assert!(c.rec.served.iter().all(|p| p.min_applied >= p.clock), "seed {seed}: the barrier");
+        assert_eq!(c.rec.acked.len() as u64, c.pushes, "seed {seed}");
+        assert_eq!(c.shard.stats().local_pushes, c.pushes, "seed {seed}");
+        let periods: Vec<u32> = c.rec.served.iter().map(|p| p.local_steps).collect();
+        assert_eq!(periods.first(), Some(&8), "seed {seed}");
+        assert!(periods.windows(2).all(|w| w[1] <= w[0] || w[0] < 8), "seed {seed}: {periods:?}");
+        let last = *periods.last().expect("pulls");
+        assert!((1..8).contains(&last), "seed {seed}: the period fell with the loss: {periods:?}");
+        let taus: Vec<f64> =
+            c.rec.metrics.iter().filter(|(n, _)| n == "adacomm.tau").map(|(_, v)| *v).collect();
+        assert!(taus.iter().all(|t| (1.0..=8.0).contains(t)), "seed {seed}: {taus:?}");
+        let asked: u64 = c.rec.served.iter().map(|p| u64::from(p.local_steps)).sum();
+        let taken: u64 = c.reports().iter().map(|r| r.steps).sum();
+        assert_eq!(taken, asked, "seed {seed}: each iteration took what its pull said");
+    }
+}
+
+/// The robust merge over random interleavings: with every gradient alike (no spread, so no
+/// outlier), it is BSP: every pull sees every round before its own, the model holds whole rounds
+/// of exactly -1, and every push is acknowledged once.
+#[test]
+fn robust_merge_without_outliers_is_bsp() {
+    for seed in 0..4 {
+        let mut c = Cluster::new(&builtin_module("robust"), &[], N, 15, seed);
+        c.run_to_end();
+        for s in &c.rec.served {
+            assert!(s.min_applied >= s.clock);
+            assert_eq!(s.first_value, -(s.min_applied as f32));
+        }
+        assert_eq!(c.shard.stats().pushes_dropped, 0);
+        assert_every_push_counted_once(&c);
+    }
+}

@@ -64,6 +64,7 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
                 based_on: None,
                 tasks: None,
                 local_steps: 0,
+                signals: Default::default(),
             };
             shard.push(req, step, &mut rec).unwrap();
             next[w as usize] += 1;
@@ -96,6 +97,7 @@ fn the_test_driver_and_a_shard_agree_on_a_policy_that_holds_and_admits_in_one_ev
                     based_on: None,
                     tasks: None,
                     local_steps: 0,
+                    signals: Default::default(),
                 };
                 shard.push(req, 150, &mut rec).unwrap();
                 next[w as usize] += 1;
@@ -205,6 +207,7 @@ fn an_open_group_survives_a_snapshot_and_is_replicated_to_the_backup() {
         based_on: None,
         tasks: None,
         local_steps: 0,
+        signals: Default::default(),
     };
     // Straight through: nine pushes, three groups.
     let mut rec = Recorder::default();

@@ -148,7 +148,7 @@ fn wrong_abi_version_is_rejected() {
     // A module built with the SDK before pushes and pulls carried staleness and versions.
     let e = compile_wat(r#"(module (memory (export "memory") 1) (func (export "syncopate_abi_v1") (result i32) i32.const 1))"#)
         .unwrap_err();
-    assert_eq!(e.to_string(), "test.wasm: built for policy ABI v1, but this host speaks v2");
+    assert_eq!(e.to_string(), "test.wasm: built for policy ABI v1, but this host speaks v3 (and loads v2)");
 }
 
 #[test]
@@ -277,6 +277,7 @@ fn quarantine_during_redelivery_keeps_every_queued_pull() {
         based_on: None,
         tasks: None,
         local_steps: 0,
+        signals: Default::default(),
     };
     shard.push(push(0), 1, &mut rec).expect("push");
     shard.push(push(1), 2, &mut rec).expect("push");
@@ -378,6 +379,7 @@ fn a_worker_acknowledged_here_and_waiting_on_other_shards_counts_as_waiting() {
         based_on: None,
         tasks: None,
         local_steps: 0,
+        signals: Default::default(),
     };
     for w in 0..2 {
         shard.join(w, 0, &mut rec).expect("joins");

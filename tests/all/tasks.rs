@@ -19,7 +19,16 @@ fn shard(workers: u32) -> (Shard, Recorder) {
 }
 
 fn part(worker: u32, iteration: u64, samples: u32, value: f32, tasks: Option<TaskPart>) -> PushRequest {
-    PushRequest { worker, iteration, samples, grad: vec![value; 2], based_on: None, tasks, local_steps: 0 }
+    PushRequest {
+        worker,
+        iteration,
+        samples,
+        grad: vec![value; 2],
+        based_on: None,
+        tasks,
+        local_steps: 0,
+        signals: Default::default(),
+    }
 }
 
 #[test]

@@ -177,3 +177,29 @@ fn the_cnn_trains_on_a_real_cluster() {
     let acc = report.final_accuracy.expect("scored");
     assert!(acc > 0.5, "after 40 BSP steps of 2 x 32 images: {acc}");
 }
+
+/// ABI v3 end to end: the workers (processes, over QUIC) report each iteration's training loss
+/// with its push, and AdaComm, on the servers, shrinks local SGD's period as that loss falls
+/// (`ceil(sqrt(F / F_0) · τ_0)`): the report's policy metrics show the first loss it heard and a
+/// period below `τ_0`.
+#[test]
+fn adacomm_on_a_real_cluster_follows_the_loss_the_workers_report() {
+    let common = ["--workload", "fashion-mlp", "--workers", "2", "--servers", "1"];
+    let args = ["--policy", "adacomm:tau=8,interval_ms=300", "--iterations", "30", "--eval-every-ms", "500"];
+    let run = LocalRun::start_plain("adacomm", &[&common[..], &args[..]].concat());
+    let (status, run) = run.finish(Duration::from_secs(600));
+    assert!(status.success(), "{}", run.output());
+    let report = run.report();
+    let metric = |name: &str| -> Vec<f64> {
+        report
+            .watch
+            .iter()
+            .flat_map(|p| p.metrics.iter().filter(|(n, _)| n == name).map(|(_, v)| *v))
+            .collect()
+    };
+    let (f0, taus) = (metric("adacomm.f0"), metric("adacomm.tau"));
+    // The MLP starts near ln 10 = 2.3 and its loss falls within 30 rounds of 8 local steps.
+    assert!(f0.iter().any(|f| (1.0..3.5).contains(f)), "the first round's reported loss: {f0:?}");
+    assert!(taus.iter().any(|t| *t < 8.0), "the period fell with the loss: {taus:?}");
+    assert!(taus.iter().all(|t| (1.0..=8.0).contains(t)), "{taus:?}");
+}

@@ -28,6 +28,7 @@ fn push(worker: u32, iteration: u64, grad: &[f32]) -> PushRequest {
         based_on: Some(0),
         tasks: None,
         local_steps: 0,
+        signals: Default::default(),
     }
 }
 

@@ -51,6 +51,18 @@ pub fn hostile_module() -> PolicyModule {
         .clone()
 }
 
+/// The example `clip` policy module (`policies/example-clip`, built by `tests/build.rs`; it asks
+/// the host for measures), compiled once per test process.
+pub fn clip_module() -> PolicyModule {
+    static MODULE: OnceLock<PolicyModule> = OnceLock::new();
+    MODULE
+        .get_or_init(|| {
+            let wasm = std::fs::read(env!("SYNCOPATE_CLIP_WASM")).expect("the clip example was built");
+            runtime().compile("clip", &wasm).expect("the clip example compiles")
+        })
+        .clone()
+}
+
 /// The example `backup` policy module (`policies/example-backup`, built by `tests/build.rs`),
 /// compiled once per test process.
 pub fn backup_module() -> PolicyModule {
@@ -110,6 +122,8 @@ pub struct Recorder {
     pub restarts: Vec<u64>,
     /// Quarantines, by policy.
     pub quarantined: Vec<String>,
+    /// Every event the policy was called with, as it received it.
+    pub called: Vec<syncopate_policy_sdk::abi::Envelope>,
 }
 
 impl Recorder {
@@ -156,6 +170,14 @@ impl ShardSink for Recorder {
 }
 
 impl syncopate::shard::Observer for Recorder {
+    fn policy_called(
+        &mut self,
+        env: &syncopate_policy_sdk::abi::Envelope,
+        _answer: Result<&[u8], &PolicyError>,
+    ) {
+        self.called.push(*env);
+    }
+
     fn metric(&mut self, name: &str, value: f64) {
         self.metrics.push((name.to_owned(), value));
     }

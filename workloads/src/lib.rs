@@ -55,6 +55,12 @@ pub trait Workload: Send {
     /// How many parameters the model has.
     fn param_len(&self) -> usize;
 
+    /// Tokens in one sample (a language model's sequence length), for the tokens a push
+    /// reports to policies; 0 (the default) for a workload without tokens.
+    fn tokens_per_sample(&self) -> u64 {
+        0
+    }
+
     /// The initial parameters. Every worker computes the same ones from the same `seed`; the
     /// first to reach a shard creates it, later ones are ignored.
     fn init_params(&self, seed: u64) -> Vec<f32>;
@@ -520,6 +526,11 @@ impl Workload for Fortunes {
 
     fn param_len(&self) -> usize {
         self.model.len()
+    }
+
+    /// A sample is a window of `ctx + 1` bytes: `ctx` next-byte predictions.
+    fn tokens_per_sample(&self) -> u64 {
+        self.model.shape.ctx as u64
     }
 
     fn init_params(&self, seed: u64) -> Vec<f32> {

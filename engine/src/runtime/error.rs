@@ -24,7 +24,7 @@ pub enum PolicyError {
     },
     /// The module targets another ABI version.
     #[error(
-        "{label}: built for policy ABI v{found}, but this host speaks v{}",
+        "{label}: built for policy ABI v{found}, but this host speaks v{} (and loads v2)",
         syncopate_policy_sdk::abi::ABI_VERSION
     )]
     WrongAbi {

@@ -1,7 +1,7 @@
 //! One sandboxed policy instance: the per-event call path and its failure classification.
 
 use std::ops::Range;
-use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ENVELOPE_LEN};
+use syncopate_policy_sdk::abi::{self, exports, Envelope, Handoff, InitArgs, ENVELOPE_LEN, ENVELOPE_LEN_V2};
 use syncopate_policy_sdk::guest::Encoder;
 
 use wasmtime::{Memory, Store, Trap, TypedFunc, WasmParams, WasmResults};
@@ -24,6 +24,10 @@ pub struct PolicyInstance {
     buf_cap: u32,
     enc: Encoder,
     fuel: u64,
+    /// Fuel the next event's call is charged in advance: the host's measures it answers.
+    debt: u64,
+    /// The envelope's size for this module's ABI (v2 modules get the first 88 bytes).
+    envelope_len: usize,
 }
 
 impl std::fmt::Debug for PolicyInstance {
@@ -87,6 +91,8 @@ impl PolicyInstance {
             buf_cap: 0,
             enc: Encoder::new(),
             fuel: module.inner.runtime.limits().call_fuel,
+            debt: 0,
+            envelope_len: if module.inner.abi >= 3 { ENVELOPE_LEN } else { ENVELOPE_LEN_V2 },
         })
     }
 
@@ -113,16 +119,25 @@ impl PolicyInstance {
     ///
     /// This is the per-event hot path: no allocation once the buffers have grown to size.
     pub fn on_event(&mut self, env: &Envelope) -> Result<&[u8], PolicyError> {
-        self.write_envelope(&env.to_bytes())?;
+        let len = self.envelope_len;
+        self.write_envelope(&env.to_bytes()[..len])?;
         // Called in place rather than through `call`: cloning the `TypedFunc` to satisfy the
         // borrow checker costs two reference-count round trips per event.
-        self.refuel(self.fuel);
-        let packed = match self.event.call(&mut self.store, ENVELOPE_LEN as u32) {
+        let debt = std::mem::take(&mut self.debt);
+        self.refuel(self.fuel.saturating_sub(debt));
+        let packed = match self.event.call(&mut self.store, len as u32) {
             Ok(packed) => packed,
             Err(e) => return Err(self.classify(&e, describe(env))),
         };
         let range = self.output_range(packed, || describe(env))?;
         Ok(self.output(range))
+    }
+
+    /// Charges the next event's call `fuel` in advance: the cost of the host's measures that
+    /// call answers ([`MEASURE_VALUES_PER_FUEL`] values read per unit). A call charged all its
+    /// fuel runs out of fuel, as a module that computed as much itself would.
+    pub fn charge(&mut self, fuel: u64) {
+        self.debt = self.debt.saturating_add(fuel);
     }
 
     /// The policy's exported state.
@@ -142,8 +157,8 @@ impl PolicyInstance {
         self.module.display_name().to_owned()
     }
 
-    fn write_envelope(&mut self, bytes: &[u8; ENVELOPE_LEN]) -> Result<(), PolicyError> {
-        let ptr = self.ensure_buffer(ENVELOPE_LEN)?;
+    fn write_envelope(&mut self, bytes: &[u8]) -> Result<(), PolicyError> {
+        let ptr = self.ensure_buffer(bytes.len())?;
         copy_in(&self.memory, &mut self.store, &self.module, ptr, bytes)
     }
 
@@ -254,6 +269,11 @@ fn copy_in(
     }
 }
 
+/// How many tensor values the host's measures read per unit of fuel charged: a unit of fuel is
+/// about one wasm instruction, and the host reads (and multiplies and adds) about eight values
+/// in the time one instruction takes.
+pub const MEASURE_VALUES_PER_FUEL: u64 = 8;
+
 /// Fuel for reading a panic message: a copy of a short string, with room to spare.
 const PANIC_MESSAGE_FUEL: u64 = 1_000_000;
 
@@ -283,5 +303,6 @@ pub(crate) fn describe(env: &Envelope) -> String {
         Event::ControlApplied(a) => {
             format!("worker {} applied {:?} at iteration {}", a.worker, a.control, a.iteration)
         }
+        Event::Measured { query, .. } => format!("the answer to measure {query}"),
     }
 }

@@ -25,6 +25,8 @@ pub(crate) struct Inner {
     pub(crate) sha256: [u8; 32],
     pub(crate) label: String,
     pub(crate) display: String,
+    /// The ABI version the module was built for (2 or 3).
+    pub(crate) abi: u32,
 }
 
 impl fmt::Debug for PolicyModule {
@@ -40,9 +42,12 @@ impl fmt::Debug for PolicyModule {
 const I32: ValType = ValType::I32;
 const I64: ValType = ValType::I64;
 
-/// Every function export of ABI v1: name, parameter types, result types, and how to say it.
+/// The ABI versions this host loads, newest first, by their marker exports.
+const MARKERS: &[(&str, u32)] = &[(abi::ABI_MARKER, abi::ABI_VERSION), (abi::ABI_MARKER_V2, 2)];
+
+/// Every other function export (the same in ABI v2 and v3): name, parameter types, result
+/// types, and how to say it.
 const REQUIRED: &[(&str, &[ValType], &[ValType], &str)] = &[
-    (abi::ABI_MARKER, &[], &[I32], "a function () -> i32"),
     (exports::BUFFER, &[I32], &[I32], "a function (i32) -> i32"),
     (exports::INFO, &[], &[I64], "a function () -> i64"),
     (exports::INIT, &[I32], &[I64], "a function (i32) -> i64"),
@@ -100,7 +105,7 @@ impl PolicyModule {
         module: Module,
         sha256: [u8; 32],
     ) -> Result<Self, PolicyError> {
-        validate(label, &module)?;
+        let abi = validate(label, &module)?;
         let linker = wasmtime::Linker::new(rt.engine());
         let pre = linker
             .instantiate_pre(&module)
@@ -122,8 +127,15 @@ impl PolicyModule {
                 sha256,
                 label: label.into(),
                 display,
+                abi,
             }),
         })
+    }
+
+    /// The ABI version the module was built for: 3, or 2 for a module built by an earlier SDK
+    /// (it is sent ABI v2's envelopes and cannot ask for measures).
+    pub fn abi(&self) -> u32 {
+        self.inner.abi
     }
 
     /// Name, version, description and parameters, as the module declares them.
@@ -152,7 +164,8 @@ impl PolicyModule {
     }
 }
 
-fn validate(label: &str, module: &Module) -> Result<(), PolicyError> {
+/// Checks the module contract; returns the ABI version the module declares.
+fn validate(label: &str, module: &Module) -> Result<u32, PolicyError> {
     if let Some(import) = module.imports().next() {
         return Err(PolicyError::ForbiddenImport {
             label: label.into(),
@@ -160,12 +173,19 @@ fn validate(label: &str, module: &Module) -> Result<(), PolicyError> {
             name: import.name().into(),
         });
     }
-    if module.get_export(abi::ABI_MARKER).is_none() {
+    let Some(&(marker, version)) = MARKERS.iter().find(|(m, _)| module.get_export(m).is_some()) else {
         let other =
             module.exports().find_map(|e| e.name().strip_prefix(abi::ABI_MARKER_PREFIX).map(str::to_owned));
         return Err(match other {
             Some(found) => PolicyError::WrongAbi { label: label.into(), found },
             None => PolicyError::NotAPolicy { label: label.into() },
+        });
+    };
+    if !matches!(module.get_export(marker), Some(ExternType::Func(f)) if signature_is(&f, &[], &[I32])) {
+        return Err(PolicyError::BadExport {
+            label: label.into(),
+            name: marker,
+            expected: "a function () -> i32",
         });
     }
     match module.get_export(exports::MEMORY) {
@@ -187,7 +207,7 @@ fn validate(label: &str, module: &Module) -> Result<(), PolicyError> {
             return Err(PolicyError::BadExport { label: label.into(), name, expected });
         }
     }
-    Ok(())
+    Ok(version)
 }
 
 fn signature_is(f: &FuncType, params: &[ValType], results: &[ValType]) -> bool {

@@ -181,6 +181,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps,
+            signals: Default::default(),
         }
     }
 

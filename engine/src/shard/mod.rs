@@ -68,9 +68,10 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use syncopate_policy_sdk::abi::{
     Control, Decision, Envelope, Event, IterationReport, LeaveReason, Pull, Push, Release, RequestId,
-    ShardView, TimerId, UpdateMode, WorkerClock, WorkerId,
+    ShardView, Signals, Tensor, TimerId, UpdateMode, WorkerClock, WorkerId,
 };
 use syncopate_policy_sdk::clocks::Clocks;
+use syncopate_policy_sdk::measure::{self, Scaled};
 use syncopate_policy_sdk::rules::{DecisionState, EventRules};
 
 use crate::recording::{PolicyStart, StartKind};
@@ -154,6 +155,9 @@ pub struct PushRequest {
     /// The local steps it covers: 0, a gradient (applied by the shard's optimizer); more, a
     /// pseudo-gradient (applied by the outer optimizer, see [`LocalSgd`]).
     pub local_steps: u32,
+    /// What the worker reports of the iteration (loss, tokens, step time; ABI v3), checked by
+    /// [`Signals::check_reported`]. Its norm is ignored: the shard measures the push's itself.
+    pub signals: Signals,
 }
 
 /// How far ahead of its oldest incomplete iteration a worker's parts may run.
@@ -328,6 +332,18 @@ pub enum ShardError {
         /// Where it asked to go.
         to: u64,
     },
+    /// The push's report of its iteration is out of bounds (a loss that is not finite, a step
+    /// time or token count no iteration has). Protocol 18; last, as refusals cross the wire by
+    /// variant index.
+    #[error("worker {worker}'s push for iteration {iteration} reports {reason}")]
+    BadSignals {
+        /// The worker.
+        worker: WorkerId,
+        /// The iteration.
+        iteration: u64,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// Counters a shard keeps.
@@ -447,6 +463,15 @@ enum Pending {
     Push(Held),
 }
 
+/// The answers to one event's measures, waiting to be sent right after it.
+#[derive(Debug, Default)]
+struct Answers {
+    /// Query and value, in the order asked.
+    queue: VecDeque<(u64, f64)>,
+    /// Values read to compute them, charged to the call that hears the first.
+    read: u64,
+}
+
 /// One shard: parameters, optimizer, clocks, pending requests and the supervised policy.
 #[derive(Debug)]
 pub struct Shard {
@@ -486,6 +511,8 @@ pub struct Shard {
     partials: Vec<Partial>,
     ledger: TaskLedger,
     incoming: Option<Held>,
+    /// Measures answered, not yet sent.
+    answers: Answers,
     undecided_pull: Option<Parked>,
     timers: Vec<(TimerId, u64)>,
     supervisor: Supervisor,
@@ -587,6 +614,7 @@ impl Shard {
             partials: Vec::new(),
             ledger: TaskLedger::default(),
             incoming: None,
+            answers: Answers::default(),
             undecided_pull: None,
             timers: Vec::new(),
             supervisor,
@@ -982,6 +1010,9 @@ impl Shard {
         if !all_finite(&req.grad) {
             return Err(ShardError::NonFinite(worker, iteration));
         }
+        if let Err(reason) = req.signals.check_reported() {
+            return Err(ShardError::BadSignals { worker, iteration, reason });
+        }
         let expected = self.next_push[worker as usize];
         if iteration < expected {
             return Err(ShardError::Duplicate { worker, iteration, expected });
@@ -1014,11 +1045,14 @@ impl Shard {
     /// Hands the policy a worker's next iteration, complete (`req`'s tasks are not looked at:
     /// they are all there).
     fn offer(&mut self, id: RequestId, req: PushRequest, now_ns: u64, sink: &mut dyn ShardSink) {
-        let PushRequest { worker, iteration, samples, grad, based_on, local_steps, .. } = req;
+        let PushRequest { worker, iteration, samples, grad, based_on, local_steps, signals, .. } = req;
         let clock = self.clocks.get(worker).unwrap_or(0);
         self.next_push[worker as usize] = iteration + 1;
         let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
-        let push = Push { id, worker, iteration, clock, samples, staleness, version };
+        // Only a module that can see it pays for the pass over the gradient.
+        let norm = (self.supervisor.module().abi() >= 3).then(|| measure::dot(&grad, &grad).sqrt() as f32);
+        let signals = Signals { norm, ..signals };
+        let push = Push { id, worker, iteration, clock, samples, staleness, version, signals };
         self.incoming = Some(Held { push, grad, based_on, local_steps });
         let view = self.clocks.view();
         self.run(Event::Push(push), view, now_ns, sink);
@@ -1108,6 +1142,7 @@ impl Shard {
                 based_on,
                 tasks: None,
                 local_steps: 0,
+                signals: Signals::default(),
             };
             self.offer(p.id, req, now_ns, sink);
         }
@@ -1557,12 +1592,49 @@ impl Shard {
                 // A success clears only its own kind's failure count: a module that fails on
                 // every push must not be kept alive by the pulls, reports and timers in between.
                 match result.and_then(|()| self.supervisor.succeeded(kind, fresh, &self.clocks)) {
-                    Ok(()) => {}
-                    Err(e) => self.fail(e, kind, now_ns, sink),
+                    Ok(()) => self.answer_measures(fresh, now_ns, sink),
+                    Err(e) => {
+                        // The instance that asked is gone: its questions go unanswered.
+                        self.answers = Answers::default();
+                        self.fail(e, kind, now_ns, sink)
+                    }
                 }
             }
         }
         self.release_ready(now_ns, sink);
+    }
+
+    /// Sends the answers to the measures the event just decided asked for, in order, before any
+    /// other event; the first answer's call is charged the fuel they cost. (Answers ask for no
+    /// more measures: the decision rules refuse it.)
+    fn answer_measures(&mut self, fresh: bool, now_ns: u64, sink: &mut dyn ShardSink) {
+        if self.answers.queue.is_empty() {
+            return;
+        }
+        let read = std::mem::take(&mut self.answers.read);
+        self.supervisor.charge(read.div_ceil(crate::runtime::MEASURE_VALUES_PER_FUEL));
+        while let Some((query, value)) = self.answers.queue.pop_front() {
+            let view = self.clocks.view();
+            self.dispatch(Event::Measured { query, value }, view, fresh, now_ns, sink);
+        }
+    }
+
+    /// Computes a measure of this shard's tensors for the policy (see [`measure`]).
+    fn measure(&self, m: syncopate_policy_sdk::abi::Measure) -> measure::Measured {
+        fn mean(a: &Aggregate) -> Option<Scaled<'_>> {
+            let (sum, weight) =
+                if a.weight > 0.0 { (&a.sum, a.weight) } else { (&a.outer_sum, a.outer_weight) };
+            (weight > 0.0).then(|| Scaled { values: sum, scale: 1.0 / f64::from(weight) })
+        }
+        measure::evaluate(m, |t| match t {
+            Tensor::Push(id) => match &self.incoming {
+                Some(h) if h.push.id == id => Some(Scaled::plain(&h.grad)),
+                _ => self.held.iter().find(|h| h.push.id == id).map(|h| Scaled::plain(&h.grad)),
+            },
+            Tensor::Params => Some(Scaled::plain(&self.params)),
+            Tensor::Group(g) => self.groups.get(&g).and_then(mean),
+            Tensor::Round(r) => self.aggregates.get(&r).and_then(mean),
+        })
     }
 
     /// Applies one event's decisions. Each decision is checked against the decision rules
@@ -1680,6 +1752,11 @@ impl Shard {
             Decision::Metric { name, value } => {
                 self.record_metric(name, value);
                 sink.metric(name, value);
+            }
+            Decision::Measure { query, measure } => {
+                let answer = self.measure(measure);
+                self.answers.queue.push_back((query, answer.value));
+                self.answers.read += answer.read as u64;
             }
         }
     }
@@ -2126,6 +2203,7 @@ mod tests {
             based_on: Some(based_on),
             tasks: None,
             local_steps: 0,
+            signals: Signals::default(),
         };
         shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
         for i in 0..3 {
@@ -2172,6 +2250,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps: 0,
+            signals: Signals::default(),
         };
         shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
         shard.push(push(0), 1, &mut sink).unwrap();
@@ -2213,6 +2292,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps: 0,
+            signals: Signals::default(),
         };
         shard.push(push(vec![1.0; 2]), 1, &mut sink).unwrap();
         match shard.push(push(vec![f32::NAN, 1.0]), 2, &mut sink) {
@@ -2260,6 +2340,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps: 0,
+            signals: Signals::default(),
         };
         shard.pull(PullRequest { worker: 0, iteration: 0 }, 0, &mut sink).unwrap();
         assert!(Arc::ptr_eq(&sink.pulls[0], shard.shared_values()), "served without a copy");
@@ -2296,6 +2377,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps: 0,
+            signals: Signals::default(),
         };
         shard.push(push, 1, &mut sink).unwrap();
         assert_eq!(shard.values(), [0.0; 2], "the round waits for worker 1");

@@ -8,14 +8,14 @@
 //! parameters, status and snapshots change nothing and are not ops.
 
 use serde::{Deserialize, Serialize};
-use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, IterationReport, LeaveReason, Signals, WorkerId};
 
 use super::{ClockRaise, Handover, PullRequest, PushRequest, Shard, ShardError, ShardSink, TaskPart};
 use crate::runtime::PolicyModule;
 
 /// What a push says besides its gradient: one shape from the server's data plane through the
 /// node ([`super::ShardNode::push`]) to the op a backup applies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PushHeader {
     /// The worker pushing.
     pub worker: WorkerId,
@@ -29,12 +29,23 @@ pub struct PushHeader {
     pub tasks: Option<(WorkerId, TaskPart)>,
     /// The local steps it covers (0: a gradient; [`PushRequest::local_steps`]).
     pub local_steps: u32,
+    /// What the worker reports of the iteration ([`PushRequest::signals`]; protocol 18, added
+    /// last: the fields before it are encoded as they were).
+    pub signals: Signals,
 }
 
 impl PushHeader {
     /// A worker's gradient of its whole iteration, of no stated version.
     pub fn gradient(worker: WorkerId, iteration: u64, samples: u32) -> Self {
-        PushHeader { worker, iteration, samples, based_on: None, tasks: None, local_steps: 0 }
+        PushHeader {
+            worker,
+            iteration,
+            samples,
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+            signals: Signals::default(),
+        }
     }
 }
 
@@ -164,7 +175,7 @@ impl Shard {
         match op {
             Op::Create | Op::Advance => Outcome::Done(Ok(())),
             Op::Join { worker } => Outcome::Joined(self.join(worker, now, sink)),
-            Op::Push(PushHeader { worker, iteration, samples, based_on, tasks, local_steps }) => {
+            Op::Push(PushHeader { worker, iteration, samples, based_on, tasks, local_steps, signals }) => {
                 let r = match tasks {
                     Some((owner, part)) => {
                         let req = PushRequest {
@@ -175,6 +186,7 @@ impl Shard {
                             based_on,
                             tasks: Some(part),
                             local_steps,
+                            signals,
                         };
                         self.push_by(worker, req, now, sink)
                     }
@@ -187,6 +199,7 @@ impl Shard {
                             based_on,
                             tasks: None,
                             local_steps,
+                            signals,
                         };
                         self.push(req, now, sink)
                     }
@@ -240,12 +253,14 @@ mod wire {
             based_on: Some(4),
             tasks: Some((5, TaskPart { mask: 6, total: 7 })),
             local_steps: 8,
+            signals: Signals { loss: Some(0.5), norm: None, tokens: 9, step_ns: 10 },
         });
         let bytes = postcard::to_allocvec(&op).expect("encodes");
-        assert_eq!(bytes, [2, 1, 2, 3, 1, 4, 1, 5, 6, 7, 8]);
+        // Protocol 18 appended the signals: Some(0.5f32), None, 9, 10.
+        assert_eq!(bytes, [2, 1, 2, 3, 1, 4, 1, 5, 6, 7, 8, 1, 0, 0, 0, 0x3f, 0, 9, 10]);
         assert_eq!(postcard::from_bytes::<Op>(&bytes).expect("decodes"), op);
         let plain = postcard::to_allocvec(&Op::Push(PushHeader::gradient(1, 2, 3))).expect("encodes");
-        assert_eq!(plain, [2, 1, 2, 3, 0, 0, 0]);
+        assert_eq!(plain, [2, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0]);
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use syncopate_policy_sdk::abi::{RequestId, TimerId, UpdateMode, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{RequestId, Signals, TimerId, UpdateMode, WorkerClock, WorkerId};
 use syncopate_policy_sdk::clocks::Clocks;
 
 use super::elsewhere::Elsewhere;
@@ -34,11 +34,12 @@ use super::{
 use crate::runtime::{PolicyError, PolicyModule};
 
 /// The snapshot format [`ShardSnapshot::encode`] writes. [`ShardSnapshot::decode`] reads it,
-/// format 5 (which had no record of which workers wait on other shards: a format-5 snapshot
+/// format 6 (which had no signals of held pushes: ABI v3's [`Signals`]; a format-6 snapshot's
+/// held pushes restore with none), format 5 (which had no record of which workers wait on other shards: a format-5 snapshot
 /// restores with none, and the shard learns them again from the workers' next requests) and
 /// format 4 (which had no record of the policy's failures either: [`Health`]; a format-4
 /// snapshot restores with a clean one).
-pub const SNAPSHOT_FORMAT: u32 = 6;
+pub const SNAPSHOT_FORMAT: u32 = 7;
 
 /// The oldest format [`ShardSnapshot::decode`] reads.
 pub const OLDEST_SNAPSHOT_FORMAT: u32 = 4;
@@ -153,6 +154,9 @@ pub struct ShardSnapshot {
     /// Which workers wait on other shards (format 6): a backup started from a snapshot, or a
     /// restored shard, finds a rule stalled as the shard it copies would.
     elsewhere: Elsewhere,
+    /// The signals of the held pushes, in `held`'s order (format 7: a push's serialized form
+    /// leaves them out, as it was before ABI v3).
+    held_signals: Vec<Signals>,
 }
 
 impl ShardSnapshot {
@@ -237,19 +241,32 @@ impl ShardSnapshot {
         }
         let undecodable = |e: postcard::Error| SnapshotError::Body(e.to_string());
         if found < SNAPSHOT_FORMAT {
-            // Formats 5 and 6 only added fields at the end (postcard is positional): a format-4
-            // body followed by a clean record and swap 0 is a format-5 body, and a format-5
-            // body followed by no worker waiting elsewhere is a format-6 body.
+            // Formats 5 to 7 only added fields at the end (postcard is positional): a format-4
+            // body followed by a clean record and swap 0 is a format-5 body, a format-5 body
+            // followed by no worker waiting elsewhere is a format-6 body, and a format-6 body
+            // followed by no signals is a format-7 body.
             let mut body = body.to_vec();
             if found == 4 {
                 body.extend(postcard::to_allocvec(&Health::default()).expect("a record serializes"));
                 let swap: (u64, Vec<super::ClockRaise>) = (0, Vec::new());
                 body.extend(postcard::to_allocvec(&swap).expect("a swap serializes"));
             }
-            body.extend(postcard::to_allocvec(&Elsewhere::default()).expect("marks serialize"));
-            return postcard::from_bytes(&body).map_err(undecodable);
+            if found <= 5 {
+                body.extend(postcard::to_allocvec(&Elsewhere::default()).expect("marks serialize"));
+            }
+            let none: Vec<Signals> = Vec::new();
+            body.extend(postcard::to_allocvec(&none).expect("no signals serialize"));
+            return postcard::from_bytes(&body).map_err(undecodable).map(Self::with_signals);
         }
-        postcard::from_bytes(body).map_err(undecodable)
+        postcard::from_bytes(body).map_err(undecodable).map(Self::with_signals)
+    }
+
+    /// Puts the held pushes' signals, kept beside them, back in them.
+    fn with_signals(mut self) -> Self {
+        for (h, signals) in self.held.iter_mut().zip(&self.held_signals) {
+            h.push.signals = *signals;
+        }
+        self
     }
 }
 
@@ -290,6 +307,7 @@ impl Shard {
             pull_codec: self.pull_codec,
             parked: self.parked.as_slice().to_vec(),
             held: self.held.clone(),
+            held_signals: self.held.iter().map(|h| h.push.signals).collect(),
             partials: self.partials.clone(),
             ledger: self.ledger.clone(),
             timers: self.timers.clone(),
@@ -378,6 +396,7 @@ impl Shard {
             partials: snap.partials,
             ledger: snap.ledger,
             incoming: None,
+            answers: Default::default(),
             undecided_pull: None,
             timers: snap.timers,
             supervisor,
@@ -565,6 +584,7 @@ mod tests {
                     based_on: None,
                     tasks: None,
                     local_steps: 0,
+                    signals: Default::default(),
                 };
                 shard.push(req, now, log).unwrap();
                 let report = syncopate_policy_sdk::abi::IterationReport {
@@ -585,7 +605,10 @@ mod tests {
         /// Steps until every worker has pushed every iteration, then says goodbye for all.
         fn finish(&mut self, shard: &mut Shard, log: &mut Log) {
             while !self.done() {
-                assert!(self.step < 10_000, "the run is stuck at {:?}", self.at);
+                if self.step >= 10_000 {
+                    let tail: Vec<&String> = log.0.iter().rev().take(12).collect();
+                    panic!("the run is stuck at {:?}: {tail:#?}", self.at);
+                }
                 self.step(shard, log);
             }
             let now = self.step * 1_000_000;
@@ -654,8 +677,9 @@ mod tests {
                 // EPSP weighs each round's aggregate itself (the mean of the contributions present
                 // when it completes the round early), and it exports no state: restarted, it
                 // times its rounds afresh, so its weights, unlike the pushes applied, may differ.
-                // The adaptive deadline drops late pushes: its model is not the sum of all.
-                if name == "adaptive-deadline" {
+                // The adaptive deadline drops late pushes, and the robust merge outliers: their
+                // models are not the sum of all.
+                if name == "adaptive-deadline" || name == "robust" {
                     assert_eq!(restored.values(), original.values(), "{name} restored at step {at}");
                 } else if name != "epsp" {
                     assert_eq!(original.values(), [expected; 5], "{name}: the uninterrupted run");
@@ -725,6 +749,7 @@ mod tests {
             based_on: None,
             tasks: None,
             local_steps: 0,
+            signals: Default::default(),
         };
         shard.push(push, 1_000, &mut log).unwrap();
         shard.pull_waiting(1, 0, true, 2_000).unwrap();
@@ -732,6 +757,65 @@ mod tests {
         assert_eq!((snap.elsewhere.since(0), snap.elsewhere.since(1)), (Some(1_000), Some(2_000)));
         let back = Shard::restore(ShardConfig::default(), snap, &module, &mut log).unwrap();
         assert_eq!((back.elsewhere.since(0), back.elsewhere.since(1)), (Some(1_000), Some(2_000)));
+    }
+
+    /// A held push keeps its signals through a snapshot (format 7); a format-6 snapshot (the
+    /// same body without them) restores its held pushes with none.
+    #[test]
+    fn held_pushes_keep_their_signals_and_a_format_6_snapshot_restores_them_without() {
+        let rt = crate::runtime::PolicyRuntime::new().unwrap();
+        let module = rt.compile("robust", crate::builtin::wasm("robust").unwrap()).unwrap();
+        let mut log = Log::default();
+        let mut shard = Shard::new(ShardConfig::default(), vec![0.0; 4], &module, &[], &mut log).unwrap();
+        for w in 0..2 {
+            shard.join(w, 0, &mut log).unwrap();
+        }
+        let reported = Signals { loss: Some(1.5), norm: None, tokens: 7, step_ns: 3 };
+        let push = PushRequest {
+            worker: 0,
+            iteration: 0,
+            samples: 1,
+            grad: vec![1.0; 4],
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+            signals: reported,
+        };
+        shard.push(push, 1_000, &mut log).unwrap();
+        let mut snap = shard.snapshot(2_000).unwrap();
+        assert_eq!(snap.held.len(), 1, "robust holds the round's pushes");
+        let kept = Signals { norm: Some(2.0), ..reported };
+        let back = ShardSnapshot::decode(&snap.encode()).unwrap();
+        assert_eq!(back.held[0].push.signals, kept);
+        let restored = Shard::restore(ShardConfig::default(), back, &module, &mut log).unwrap();
+        assert_eq!(restored.held[0].push.signals, kept);
+
+        // Format 6: the body as it was, without the signals (an empty list is one zero byte).
+        snap.held_signals.clear();
+        let seven = snap.encode();
+        let body = &seven[HEADER_LEN..seven.len() - 1];
+        let mut six = Vec::from(&MAGIC[..]);
+        six.extend_from_slice(&6u32.to_le_bytes());
+        six.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        six.extend_from_slice(&Sha256::digest(body));
+        six.extend_from_slice(body);
+        let old = ShardSnapshot::decode(&six).expect("format 6 is still read");
+        assert_eq!(old.held.len(), 1);
+        let mut restored = Shard::restore(ShardConfig::default(), old, &module, &mut log).unwrap();
+        assert_eq!(restored.held[0].push.signals, Signals::default());
+        // The round goes on: worker 1's push completes it.
+        let push = PushRequest {
+            worker: 1,
+            iteration: 0,
+            samples: 1,
+            grad: vec![1.0; 4],
+            based_on: None,
+            tasks: None,
+            local_steps: 0,
+            signals: Signals::default(),
+        };
+        restored.push(push, 3_000, &mut log).unwrap();
+        assert_eq!(restored.version(), 1);
     }
 
     #[test]

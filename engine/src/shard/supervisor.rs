@@ -175,10 +175,12 @@ pub(crate) enum EventKind {
     Start,
     /// No decision for the no-progress time (not a call: [`SupervisorConfig::no_progress_ns`]).
     Stall,
+    /// The answer to a measure (ABI v3; last, as the record's counts are by position).
+    Measured,
 }
 
 impl EventKind {
-    const COUNT: usize = 9;
+    const COUNT: usize = 10;
 
     pub(crate) fn of(event: &syncopate_policy_sdk::abi::Event) -> Self {
         use syncopate_policy_sdk::abi::Event;
@@ -190,6 +192,7 @@ impl EventKind {
             Event::IterationFinished(_) => EventKind::Finished,
             Event::Timer { .. } => EventKind::Timer,
             Event::ControlApplied(_) => EventKind::ControlApplied,
+            Event::Measured { .. } => EventKind::Measured,
         }
     }
 }
@@ -309,6 +312,13 @@ impl Supervisor {
 
     pub(crate) fn module(&self) -> &PolicyModule {
         &self.module
+    }
+
+    /// Charges the running instance's next event `fuel` (the host's measures it answers).
+    pub(crate) fn charge(&mut self, fuel: u64) {
+        if let Some(instance) = self.instance.as_mut() {
+            instance.charge(fuel);
+        }
     }
 
     pub(crate) fn shards(&self) -> u32 {

@@ -50,7 +50,7 @@ mod report;
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
+use syncopate_policy_sdk::abi::{Control, IterationReport, Signals, WorkerId};
 pub use syncopate_workloads::StepStats;
 use syncopate_workloads::Tasks;
 
@@ -94,6 +94,9 @@ pub struct WorkerConfig {
     pub numbering_shared: bool,
     /// How its device behaves.
     pub device: Device,
+    /// Tokens in one sample (a language model's sequence length; 0: the workload has no
+    /// tokens), for the tokens its pushes report.
+    pub tokens_per_sample: u64,
 }
 
 /// Whose work a computation or a push is.
@@ -127,7 +130,7 @@ pub struct ComputeJob {
 }
 
 /// A push to send to every shard.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PushJob {
     /// Whose work.
     pub kind: JobKind,
@@ -144,6 +147,10 @@ pub struct PushJob {
     pub mean_over: Option<u32>,
     /// The local steps the push covers (0: a gradient; more: a pseudo-gradient).
     pub local_steps: u32,
+    /// What the push reports of its iteration (ABI v3): the mean training loss over its
+    /// samples, its tokens, and its compute time (emulated device time included). A helper's
+    /// push of moved tasks reports none: it is part of another worker's iteration.
+    pub signals: Signals,
 }
 
 /// What the driver must do.
@@ -325,6 +332,9 @@ struct Current {
     local_steps: u32,
     /// Whether the shards were told that its pull waits ([`Action::Waiting`]).
     told_waiting: bool,
+    /// Tokens the caller says it trained on ([`WorkerMachine::took_tokens`]; 0: counted from
+    /// the samples).
+    tokens: u64,
 }
 
 /// Tasks moved to this worker.
@@ -587,6 +597,15 @@ impl WorkerMachine {
         }
     }
 
+    /// The caller of a session says how many tokens the iteration it computes trained on
+    /// (reported to policies with its push, in place of samples times
+    /// [`WorkerConfig::tokens_per_sample`]). Only while computing, as for local steps.
+    pub fn took_tokens(&mut self, tokens: u64) {
+        if self.own == Own::Computing {
+            self.cur.tokens = tokens;
+        }
+    }
+
     fn expect(&self, ok: bool, input: &'static str) -> Result<(), WorkerError> {
         if ok {
             Ok(())
@@ -727,6 +746,7 @@ impl WorkerMachine {
                 samples,
                 mean_over: None,
                 local_steps: 0,
+                signals: Signals::default(),
             };
             self.out.push_back(Action::Push(push));
             self.busy = Some(Busy::HelpPushing(job));
@@ -906,6 +926,16 @@ impl WorkerMachine {
             samples: c.samples,
             mean_over: c.folded.then_some(c.samples),
             local_steps: c.local_steps,
+            signals: Signals {
+                loss: (c.samples > 0 && c.loss.is_finite()).then(|| c.loss / c.samples as f32),
+                norm: None,
+                tokens: match c.tokens {
+                    0 => u64::from(c.samples).saturating_mul(self.cfg.tokens_per_sample),
+                    told => told,
+                }
+                .min(Signals::MAX_TOKENS),
+                step_ns: c.busy_ns.min(Signals::MAX_STEP_NS),
+            },
         };
         self.own = Own::Pushing;
         self.cur.pushed_at = self.now;

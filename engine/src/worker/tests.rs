@@ -17,6 +17,7 @@ fn machine(iterations: u64, device: Device) -> WorkerMachine {
         can_split: true,
         numbering_shared: true,
         device,
+        tokens_per_sample: 0,
     };
     WorkerMachine::new(cfg, 0).unwrap()
 }

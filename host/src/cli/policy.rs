@@ -192,7 +192,7 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
             for name in builtin::names() {
                 let spec: PolicySpec = name.parse()?;
                 let module = spec.load(&rt)?;
-                print_info(module.info(), "");
+                print_info(module.info(), module.abi(), "");
                 println!();
             }
         }
@@ -331,7 +331,7 @@ fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) ->
     let (module, explored) = explore(rt, &spec, cases)?;
     println!("ok: {}", spec.source);
     println!("  sha256:      {}", module.sha256_hex());
-    print_info(module.info(), "  ");
+    print_info(module.info(), module.abi(), "  ");
     println!(
         "  exercised:   {} generated cases ({} long), {} events: {} pulls deferred, {} pushes held, {} dropped, {} state hand-overs",
         explored.cases,
@@ -568,10 +568,12 @@ fn watched(before: &ClusterStatus, after: &ClusterStatus, sha: &str) -> Watched 
     Watched { events, failure }
 }
 
-fn print_info(info: &ModuleInfo, indent: &str) {
+/// Prints what a module declares; `abi` is the ABI version it was built for.
+fn print_info(info: &ModuleInfo, abi: u32, indent: &str) {
     println!("{indent}name:        {}", info.name);
     println!("{indent}version:     {}", info.version);
-    println!("{indent}abi:         v{ABI_VERSION}");
+    let note = if abi < ABI_VERSION { " (built by an earlier SDK: loaded as it was)" } else { "" };
+    println!("{indent}abi:         v{abi}{note}");
     println!("{indent}description: {}", info.description);
     if info.params.is_empty() {
         println!("{indent}parameters:  none");

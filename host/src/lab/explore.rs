@@ -24,7 +24,7 @@
 //! leaving early, one half on a single instance throughout, the other handing its state to a
 //! fresh instance of itself every 20 to 100 events.
 
-use syncopate_policy_sdk::abi::{IterationReport, LeaveReason, RequestId, WorkerId};
+use syncopate_policy_sdk::abi::{IterationReport, LeaveReason, RequestId, Signals, WorkerId};
 
 use crate::runtime::{PolicyError, PolicyModule};
 use crate::shard::{PullReply, PullRequest, PushRequest, Shard, ShardConfig, ShardSink};
@@ -435,7 +435,13 @@ impl Case<'_> {
                     step[w] = Step::Pulling(pull);
                 }
                 Step::Push => {
-                    let grad = vec![0.01; 4];
+                    // Gradients of varied size (now and then an outlier) and a falling loss,
+                    // sometimes unreported, for rules that read the training signals.
+                    let scale = if roll >= 95 { 10.0 } else { 0.01 * (1 + roll % 10) as f32 };
+                    let grad = vec![scale; 4];
+                    let loss = (!roll.is_multiple_of(5)).then(|| 4.0 / (1 + next[w]) as f32 + roll as f32 / 100.0);
+                    let signals =
+                        Signals { loss, norm: None, tokens: 32 * 64, step_ns: 1_000_000 * (1 + roll) };
                     let req = PushRequest {
                         worker: id,
                         iteration: next[w],
@@ -444,6 +450,7 @@ impl Case<'_> {
                         based_on: None,
                         tasks: None,
                         local_steps: 0,
+                        signals,
                     };
                     let push = shard.push(req, now, &mut sink).map_err(|e| e.to_string())?;
                     log.push(format!("worker {w} pushes iteration {} (request #{push})", next[w]));

@@ -9,13 +9,13 @@
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
-use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::{Control, IterationReport, Signals, WorkerClock, WorkerId};
 
 use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeight, ShardStats};
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 17;
+pub const PROTOCOL_VERSION: u32 = 18;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -815,6 +815,9 @@ pub enum DataRequest {
         local_steps: u32,
         /// The codec of the payload ([`crate::codec`]; protocol 8).
         codec: Codec,
+        /// What the worker reports of the iteration to the shard's policy: loss, tokens, step
+        /// time (protocol 18; the norm is the server's to measure and is ignored).
+        signals: Signals,
     },
     /// Pull the parameters before computing `iteration`.
     Pull {
@@ -1213,14 +1216,27 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_17_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 17);
+    fn requests_encode_as_protocol_18_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 18);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };
         assert_eq!(bytes(&notice), [10, 2, 0xac, 0x02, 1], "variant 10, varints, a bool");
         let back: DataRequest = postcard::from_bytes(&[10, 0, 7, 0]).expect("decodes");
         assert_eq!(back, DataRequest::Waiting { shard: 0, iteration: 7, waiting: false });
+        // Protocol 18 appended a push's signals: loss Some(1.0f32), norm None, tokens 3, step 4.
+        let push = DataRequest::Push {
+            shard: 1,
+            iteration: 2,
+            samples: 8,
+            based_on: None,
+            local_steps: 0,
+            codec: crate::codec::Codec::None,
+            signals: Signals { loss: Some(1.0), norm: None, tokens: 3, step_ns: 4 },
+        };
+        let encoded = bytes(&push);
+        assert_eq!(encoded[encoded.len() - 8..], [1, 0, 0, 0x80, 0x3f, 0, 3, 4]);
+        assert_eq!(postcard::from_bytes::<DataRequest>(&encoded).expect("decodes"), push);
     }
 
     /// A shard's refusals cross the wire as engine enums (`RequestError`, `ShardError`) by
@@ -1249,6 +1265,10 @@ mod tests {
             ),
             (R::Shard(S::OutOfOrder { worker: 1, iteration: 2, expected: 3 }), vec![10, 5, 7, 1, 2, 3]),
             (R::Shard(S::SkipTooFar { worker: 1, from: 2, to: 3 }), vec![10, 5, 8, 1, 2, 3]),
+            (
+                R::Shard(S::BadSignals { worker: 1, iteration: 2, reason: why() }),
+                vec![10, 5, 9, 1, 2, 1, b'x'],
+            ),
             (R::Swap(why()), vec![10, 6, 1, b'x']),
             (R::Backup(1), vec![10, 7, 1]),
             (R::Left(1, 2), vec![10, 8, 1, 2]),

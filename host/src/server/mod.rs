@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use syncopate_policy_sdk::abi::{Applied, InitArgs, LeaveReason, WorkerId};
+use syncopate_policy_sdk::abi::{Applied, InitArgs, LeaveReason, Signals, WorkerId};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::lease::ServerLease;
@@ -1258,12 +1258,12 @@ async fn handle_request(
         }
         DataRequest::Push { iteration, samples, based_on, .. }
         | DataRequest::PushTasks { iteration, samples, based_on, .. } => {
-            let (tasks, local_steps, codec) = match req {
+            let (tasks, local_steps, codec, signals) = match req {
                 DataRequest::PushTasks { owner, mask, total, .. } => {
-                    (Some((owner, TaskPart { mask, total })), 0, Codec::None)
+                    (Some((owner, TaskPart { mask, total })), 0, Codec::None, Signals::default())
                 }
-                DataRequest::Push { local_steps, codec, .. } => (None, local_steps, codec),
-                _ => (None, 0, Codec::None),
+                DataRequest::Push { local_steps, codec, signals, .. } => (None, local_steps, codec, signals),
+                _ => (None, 0, Codec::None, Signals::default()),
             };
             // Decoded here, on the connection's task, before the shard or its backup sees it.
             let grad = if codec == Codec::None {
@@ -1278,7 +1278,7 @@ async fn handle_request(
                 }
                 grad
             };
-            let push = PushHeader { worker, iteration, samples, based_on, tasks, local_steps };
+            let push = PushHeader { worker, iteration, samples, based_on, tasks, local_steps, signals };
             let push = |reply| ShardCmd::Push { push, grad, reply };
             match ask(shard, tx, push).await {
                 Ok(PushOutcome::Applied) => (DataResponse::PushAcked, None),

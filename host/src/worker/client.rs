@@ -25,7 +25,7 @@ use syncopate_engine::tasks::Handover;
 use syncopate_engine::worker::client::{ClientMachine, Loss, PushSlot, Retry, Tally};
 pub use syncopate_engine::worker::client::{PullStats, ShardPulled};
 use syncopate_engine::worker::join::{JoinAnswer, JoinStep, Joining};
-use syncopate_policy_sdk::abi::{Control, IterationReport, WorkerId};
+use syncopate_policy_sdk::abi::{Control, IterationReport, Signals, WorkerId};
 use tokio::sync::{mpsc, watch};
 
 use crate::codec::{Codec, Encoded, PushEncoder};
@@ -673,6 +673,7 @@ impl WorkerClient {
         grad: &[&[f32]],
         samples: u32,
         local_steps: u32,
+        signals: Signals,
     ) -> Result<u32, NodeError> {
         let total: usize = grad.iter().map(|s| s.len()).sum();
         assert_eq!(total, self.model_len, "grad must be the whole model");
@@ -682,7 +683,7 @@ impl WorkerClient {
             buf[at..at + piece.len()].copy_from_slice(piece);
             at += piece.len();
         }
-        self.push_local(iteration, buf, samples, local_steps).await
+        self.push_local(iteration, buf, samples, local_steps, signals).await
     }
 
     /// Pushes the gradient of `iteration` (the whole model), computed on `samples` samples.
@@ -692,7 +693,8 @@ impl WorkerClient {
     /// QUIC copies `grad` into its send buffer; [`push_buffer`](Self::push_buffer) saves that
     /// copy, which matters for large models.
     pub async fn push(&self, iteration: u64, grad: &[f32], samples: u32) -> Result<u32, NodeError> {
-        self.push_whole(iteration, Payload::Borrowed(wire::f32_bytes(grad)), samples, 0).await
+        self.push_whole(iteration, Payload::Borrowed(wire::f32_bytes(grad)), samples, 0, Signals::default())
+            .await
     }
 
     /// A buffer for a gradient to push with [`push_buffer`](Self::push_buffer): as long as the
@@ -712,22 +714,24 @@ impl WorkerClient {
     /// server has acknowledged them. In the transport benchmark, 16 MiB pushes ran 1.35-1.47x
     /// as fast this way as borrowed ones.
     pub async fn push_buffer(&self, iteration: u64, grad: Vec<f32>, samples: u32) -> Result<u32, NodeError> {
-        self.push_local(iteration, grad, samples, 0).await
+        self.push_local(iteration, grad, samples, 0, Signals::default()).await
     }
 
     /// Pushes the pseudo-gradient of an iteration of `local_steps` local steps (the parameters
     /// pulled minus those reached), taken by value as [`push_buffer`](Self::push_buffer) takes
     /// a gradient: every shard applies it with its outer optimizer. `local_steps` 0 is
-    /// [`push_buffer`](Self::push_buffer).
+    /// [`push_buffer`](Self::push_buffer). `signals`: what the iteration reports to the
+    /// shards' policies (loss, tokens, step time).
     pub async fn push_local(
         &self,
         iteration: u64,
         delta: Vec<f32>,
         samples: u32,
         local_steps: u32,
+        signals: Signals,
     ) -> Result<u32, NodeError> {
         let bytes = self.pool.send_shared(Arc::new(delta));
-        self.push_whole(iteration, Payload::Shared(bytes), samples, local_steps).await
+        self.push_whole(iteration, Payload::Shared(bytes), samples, local_steps, signals).await
     }
 
     /// Pushes a whole iteration's gradient (or pseudo-gradient): each shard's part in the codec
@@ -739,6 +743,7 @@ impl WorkerClient {
         grad: Payload<'_>,
         samples: u32,
         local_steps: u32,
+        signals: Signals,
     ) -> Result<u32, NodeError> {
         let parts = {
             let values: std::borrow::Cow<'_, [f32]> = match bytemuck::try_cast_slice(grad.as_slice()) {
@@ -762,7 +767,7 @@ impl WorkerClient {
             parts
         };
         let asked = Asked::Push(PushSlot::Own, iteration);
-        self.push_parts(parts, asked, self.push_request(iteration, samples, local_steps)).await
+        self.push_parts(parts, asked, self.push_request(iteration, samples, local_steps, signals)).await
     }
 
     /// Shard `i`'s part of a push in the codec its policy set, error feedback added; `None`
@@ -782,6 +787,7 @@ impl WorkerClient {
         iteration: u64,
         samples: u32,
         local_steps: u32,
+        signals: Signals,
     ) -> impl Fn(usize, u32, Option<u64>, Codec) -> DataRequest + '_ {
         move |i, shard, based_on, codec| DataRequest::Push {
             shard,
@@ -790,6 +796,7 @@ impl WorkerClient {
             based_on,
             local_steps,
             codec,
+            signals,
         }
     }
 
@@ -818,6 +825,7 @@ impl WorkerClient {
         values: Vec<f32>,
         samples: u32,
         local_steps: u32,
+        signals: Signals,
     ) -> Result<u32, NodeError> {
         let p = &self.shards[i];
         assert_eq!(values.len(), (p.end - p.start) as usize, "a shard's part is its key range");
@@ -828,7 +836,7 @@ impl WorkerClient {
             }
             None => (Codec::None, Payload::Shared(self.pool.send_shared(Arc::new(values)))),
         };
-        let make = self.push_request(iteration, samples, local_steps);
+        let make = self.push_request(iteration, samples, local_steps, signals);
         self.route.client().push_begun(PushSlot::Own, iteration);
         // The first layers' parts (the first shards' keys) go first when several share the
         // link, as ByteScheduler orders them: backward feeds them last, and the next forward

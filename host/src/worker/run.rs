@@ -85,6 +85,7 @@ impl WorkerOptions {
             can_split,
             numbering_shared,
             device: self.device(id),
+            tokens_per_sample: 0,
         }
     }
 
@@ -121,7 +122,10 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
     // momentum and decay placed here if they run here.
     let server = client.server_optimizer();
     bufs.set_inner_optimizer(opts.optimizer.map_or(server, |o| OptimizerConfig { lr: server.lr, ..o }));
-    let cfg = opts.config(id, start, can_split, client.numbering_shared());
+    let cfg = WorkerConfig {
+        tokens_per_sample: workload.tokens_per_sample(),
+        ..opts.config(id, start, can_split, client.numbering_shared())
+    };
     let clock = Clock::new();
     let mut m = WorkerMachine::new(cfg, clock.now())?;
     let client_ref = &client;
@@ -165,8 +169,9 @@ pub async fn run(opts: WorkerOptions, workload: Box<dyn Workload>) -> Result<Wor
                         let (iteration, samples) = (job.iteration, job.samples);
                         match job.tasks {
                             None => {
-                                let r =
-                                    client_ref.push_local(iteration, grad, samples, job.local_steps).await;
+                                let r = client_ref
+                                    .push_local(iteration, grad, samples, job.local_steps, job.signals)
+                                    .await;
                                 Done::Pushed(job, r, None)
                             }
                             Some(t) => {

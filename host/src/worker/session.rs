@@ -34,6 +34,7 @@ use futures::future::LocalBoxFuture;
 use futures::FutureExt;
 use syncopate_engine::tasks::ControlMessage;
 use syncopate_engine::worker::{Action, Input, JobKind, StepStats, WorkerMachine, WorkerReport};
+use syncopate_policy_sdk::abi::Signals;
 use tokio::sync::mpsc;
 
 use super::client::{ShardPulled, WorkerClient};
@@ -145,14 +146,14 @@ pub struct Step {
 }
 
 /// What the machine wants next from the caller.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Next {
     /// A pull of this iteration, made when the caller asks for the model.
     Pull(u64),
     /// A gradient for this iteration.
     Compute(Step),
     /// The gradient computed for this iteration, pushed now.
-    Push { iteration: u64, samples: u32, local_steps: u32 },
+    Push { iteration: u64, samples: u32, local_steps: u32, signals: Signals },
     /// Training is over.
     Leave,
 }
@@ -419,7 +420,7 @@ impl Session {
             .handle(now, Input::Computed { step: Some(stats), compute_ns: now.saturating_sub(since) })?;
         let client = self.client.as_ref().expect("a session has its client until it leaves");
         let next = self.driver.drive(&self.rt, client, None, interrupt)?;
-        let Next::Push { iteration, samples, local_steps } = next else {
+        let Next::Push { iteration, samples, local_steps, signals } = next else {
             // A skip abandoned the iteration: nothing is pushed, and the pull is a plain one.
             landing.planned(None);
             self.phase = self.phase_after(next)?;
@@ -453,7 +454,7 @@ impl Session {
             if arrived.get() == last {
                 fed_at_r.set(Some(std::time::Instant::now()));
             }
-            let d = client.push_shard(i, iteration, values, samples, local_steps).await?;
+            let d = client.push_shard(i, iteration, values, samples, local_steps, signals).await?;
             dropped.set(dropped.get() + d);
             // The report is part of the push here: told before the machine goes on, so that
             // no shard lacks it whatever the machine does next (early pulls may be dropped).
@@ -583,6 +584,17 @@ impl Session {
         self.driver.machine.record_loss(loss);
     }
 
+    /// How many tokens the iteration being computed trained on, reported to the shards'
+    /// policies with its push (ABI v3's signals); call before the push. Without it a push
+    /// reports no tokens.
+    pub fn report_tokens(&mut self, tokens: u64) -> Result<(), SessionError> {
+        if tokens > Signals::MAX_TOKENS {
+            return Err(SessionError::Usage(format!("{tokens} tokens in one iteration (at most 2^40)")));
+        }
+        self.driver.machine.took_tokens(tokens);
+        Ok(())
+    }
+
     /// Buffers of the model's length, reused once pushes are sent (see
     /// [`push_buffer`](Self::push_buffer)); shared, so a caller may fill one while a call of
     /// this session is in flight.
@@ -611,14 +623,16 @@ impl Session {
         let mut dropped = None;
         let client = self.client.as_ref().expect("a session has its client until it leaves");
         let mut next = self.driver.drive(&self.rt, client, None, interrupt)?;
-        if let Next::Push { iteration, samples, local_steps } = next {
+        if let Next::Push { iteration, samples, local_steps, signals } = next {
             let d = &mut dropped;
             let op = async move {
                 let r = match grad {
                     Grad::Pieces(pieces) => {
-                        client.push_segments(iteration, pieces, samples, local_steps).await?
+                        client.push_segments(iteration, pieces, samples, local_steps, signals).await?
                     }
-                    Grad::Owned(whole) => client.push_local(iteration, whole, samples, local_steps).await?,
+                    Grad::Owned(whole) => {
+                        client.push_local(iteration, whole, samples, local_steps, signals).await?
+                    }
                 };
                 *d = Some(r);
                 Ok(Input::Pushed { kind: JobKind::Own, result: Ok(r) })
@@ -736,7 +750,7 @@ impl Driver {
                         }
                         Action::Push(job) if job.kind == JobKind::Own && job.tasks.is_none() => {
                             let (iteration, samples, local_steps) = (job.iteration, job.samples, job.local_steps);
-                            return Ok(Next::Push { iteration, samples, local_steps });
+                            return Ok(Next::Push { iteration, samples, local_steps, signals: job.signals });
                         }
                         Action::Push(job) => {
                             return Err(SessionError::Usage(format!(

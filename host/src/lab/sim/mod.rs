@@ -676,8 +676,16 @@ impl Sim {
                 // Another worker's tasks are numbered as their owner numbers them.
                 let numbered = if job.owner == w { self.numbered(w, s, iteration) } else { iteration };
                 self.stranger(w, s, numbered)?;
-                let push =
-                    PushHeader { worker: w, iteration: numbered, samples, based_on, tasks, local_steps };
+                let signals = job.signals;
+                let push = PushHeader {
+                    worker: w,
+                    iteration: numbered,
+                    samples,
+                    based_on,
+                    tasks,
+                    local_steps,
+                    signals,
+                };
                 self.duplicate(w, s, || Copied::Push { push, grad: grad.clone() });
                 self.shards.nodes[s as usize].push(self.now, token, push, grad, &mut Quiet);
                 self.drain(s)?;

@@ -157,6 +157,7 @@ pub(super) fn build(
             can_split,
             numbering_shared: true,
             device,
+            tokens_per_sample: workload.as_deref().map_or(0, |w| w.tokens_per_sample()),
         };
         let machine = WorkerMachine::new(cfg.clone(), 0).map_err(|e| SimError::Worker(w, e))?;
         let client = ClientMachine::new(&server_of, sc.servers, sc.replicas > 0)
