@@ -973,3 +973,35 @@ fn a_real_runs_trace_reproduces_its_workers_iteration_rates() {
     let err = simulate(&opts, syncopate_suite::runtime()).expect_err("no trace, no run").to_string();
     assert!(err.contains("traces/none.json"), "{err}");
 }
+
+/// Conditions that change: a worker 4x slower only from 2 s until 4 s (and one jittered only
+/// after 4 s) computes at its own pace before and after, and 4x slower inside the window, in the
+/// simulator as the device model says; the same device model paces real workers.
+#[test]
+fn a_slowdown_with_a_window_slows_its_worker_only_inside_it() {
+    let s = scenario(
+        "name = \"window\"\nworkers = 2\nservers = 1\nworkload = \"counter\"\ncompute_ms = 20\n\
+         time_limit_s = 6\n[[slow]]\nworker = 0\nfactor = 4.0\nfrom_s = 2.0\nuntil_s = 4.0\n\
+         [[jitter]]\nworker = 1\nmean_ms = 30.0\nsd_ms = 0.0\nfrom_s = 4.0\n",
+    );
+    let r = sim(&s, "asp", false);
+    let w0 = r.workers.iter().find(|w| w.worker == 0).expect("worker 0");
+    let t0 = w0.timeline.first().expect("iterations").0;
+    let busy = |lo: f64, hi: f64| -> Vec<f32> {
+        w0.timeline.iter().filter(|(t, ..)| (lo..hi).contains(&(t - t0))).map(|(_, _, b)| *b).collect()
+    };
+    let (before, inside, after) = (busy(0.2, 1.8), busy(2.2, 3.8), busy(4.2, 5.8));
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len().max(1) as f32;
+    assert!(!before.is_empty() && !inside.is_empty() && !after.is_empty());
+    let ratio = mean(&inside) / mean(&before);
+    assert!((3.5..4.5).contains(&ratio), "4x inside the window: {ratio} ({before:?} / {inside:?})");
+    assert!((mean(&after) / mean(&before) - 1.0).abs() < 0.1, "{after:?} vs {before:?}");
+    // Worker 1's jitter starts at 4 s: its iterations take 30 ms longer from then on.
+    let w1 = r.workers.iter().find(|w| w.worker == 1).expect("worker 1");
+    let span = |lo: f64, hi: f64| {
+        let v: Vec<f32> =
+            w1.timeline.iter().filter(|(t, ..)| (lo..hi).contains(&(t - t0))).map(|(_, _, b)| *b).collect();
+        v.iter().sum::<f32>() / v.len().max(1) as f32
+    };
+    assert!(span(4.2, 5.8) - span(0.2, 3.8) > 0.025, "{} vs {}", span(4.2, 5.8), span(0.2, 3.8));
+}

@@ -507,7 +507,8 @@ impl WorkerMachine {
                 match help {
                     None => {
                         let step = step.unwrap_or_default();
-                        let extra = self.device.extra_ns(compute_ns, step.samples, self.cfg.batch);
+                        let extra =
+                            self.device.extra_ns(compute_ns, step.samples, self.cfg.batch, now - self.began);
                         self.cur.busy_ns += compute_ns + extra;
                         self.cur.samples += step.samples;
                         self.cur.loss += step.samples as f32 * step.loss;
@@ -517,7 +518,8 @@ impl WorkerMachine {
                         let Some(step) = step else {
                             return Err(WorkerError::CannotSplit { owner: job.owner });
                         };
-                        let extra = self.device.extra_ns(compute_ns, step.samples, self.cfg.batch);
+                        let extra =
+                            self.device.extra_ns(compute_ns, step.samples, self.cfg.batch, now - self.began);
                         self.pace(extra, After::Help(job, step.samples));
                     }
                 }

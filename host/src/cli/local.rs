@@ -68,12 +68,14 @@ pub struct LocalArgs {
     /// Extra compute milliseconds per iteration on every worker (pacing; --slow stretches it).
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u64,
-    /// Make worker W compute F times slower: `W:F` (e.g. `0:3`; repeatable).
+    /// Make worker W compute F times slower: `W:F` (e.g. `0:3`), or only from FROM_S until
+    /// UNTIL_S seconds after it started: `W:F:FROM_S:UNTIL_S` (repeatable).
     #[arg(long, value_parser = parse_slow)]
-    pub slow: Vec<(u32, f32)>,
-    /// Random delay after each of worker W's iterations, normal: `W:MEAN_MS:SD_MS` (repeatable).
-    #[arg(long, value_parser = parse_triple)]
-    pub jitter: Vec<(u32, f64, f64)>,
+    pub slow: Vec<Slow>,
+    /// Random delay after each of worker W's iterations, normal: `W:MEAN_MS:SD_MS`, or only
+    /// for a while: `W:MEAN_MS:SD_MS:FROM_S:UNTIL_S` (repeatable).
+    #[arg(long, value_parser = parse_jitter)]
+    pub jitter: Vec<Jitter>,
     /// Worker W stalls once: `W:AT_S:FOR_S` (repeatable).
     #[arg(long, value_parser = parse_triple)]
     pub stall: Vec<(u32, f64, f64)>,
@@ -111,13 +113,42 @@ pub struct LocalArgs {
     pub script: Vec<String>,
 }
 
-fn parse_slow(s: &str) -> Result<(u32, f32), String> {
-    let (w, f) = s.split_once(':').ok_or("expected WORKER:FACTOR")?;
-    let f: f32 = f.trim_end_matches('x').parse().map_err(|_| format!("`{f}` is not a factor"))?;
-    if f < 1.0 {
+/// An optional `:FROM_S:UNTIL_S` window after a device's fields.
+fn parse_window(rest: &[&str]) -> Result<(Option<f64>, Option<f64>), String> {
+    let num = |x: &str| x.parse::<f64>().map_err(|_| format!("`{x}` is not a number of seconds"));
+    match rest {
+        [] => Ok((None, None)),
+        [from, until] => {
+            let (from, until) = (Some(num(from)?), Some(num(until)?));
+            crate::lab::scenario::window_ns(from, until)?;
+            Ok((from, until))
+        }
+        _ => Err("a window is FROM_S:UNTIL_S".into()),
+    }
+}
+
+fn parse_slow(s: &str) -> Result<Slow, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [w, f, rest @ ..] = parts.as_slice() else {
+        return Err("expected WORKER:FACTOR[:FROM_S:UNTIL_S]".into());
+    };
+    let factor: f32 = f.trim_end_matches('x').parse().map_err(|_| format!("`{f}` is not a factor"))?;
+    if factor < 1.0 {
         return Err("a slowdown factor is at least 1".into());
     }
-    Ok((w.parse().map_err(|_| "bad worker")?, f))
+    let (from_s, until_s) = parse_window(rest)?;
+    Ok(Slow { worker: w.parse().map_err(|_| "bad worker")?, factor, from_s, until_s })
+}
+
+fn parse_jitter(s: &str) -> Result<Jitter, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [w, mean, sd, rest @ ..] = parts.as_slice() else {
+        return Err("expected WORKER:MEAN_MS:SD_MS[:FROM_S:UNTIL_S]".into());
+    };
+    let num = |x: &str| x.parse::<f64>().map_err(|_| format!("`{x}` is not a number"));
+    let (from_s, until_s) = parse_window(rest)?;
+    let worker = w.parse().map_err(|_| "bad worker")?;
+    Ok(Jitter { worker, mean_ms: num(mean)?, sd_ms: num(sd)?, from_s, until_s })
 }
 
 fn parse_kill(s: &str) -> Result<(u32, f64), String> {
@@ -204,8 +235,8 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         push_codec: Some(a.train.push_codec),
         pull_codec: Some(a.train.pull_codec),
         modelled: None,
-        slow: a.slow.iter().map(|&(worker, factor)| Slow { worker, factor }).collect(),
-        jitter: a.jitter.iter().map(|&(worker, mean_ms, sd_ms)| Jitter { worker, mean_ms, sd_ms }).collect(),
+        slow: a.slow.clone(),
+        jitter: a.jitter.clone(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
         script: a.script.clone(),
         replicas: a.faults.replicas(a.servers),
@@ -476,6 +507,8 @@ mod tests {
             "4",
             "--slow",
             "1:2.5",
+            "--slow",
+            "0:3:10:20.5",
             "--jitter",
             "2:10:5",
             "--stall",
@@ -496,7 +529,13 @@ mod tests {
             (3, 2, 3, Some(9), 4)
         );
         assert_eq!(o.run.shard_config(1), [("s".to_string(), "5".to_string())]);
-        assert_eq!(sc.slow, [Slow { worker: 1, factor: 2.5 }]);
+        assert_eq!(
+            sc.slow,
+            [
+                Slow { worker: 1, factor: 2.5, from_s: None, until_s: None },
+                Slow { worker: 0, factor: 3.0, from_s: Some(10.0), until_s: Some(20.5) }
+            ]
+        );
 
         let mut coord = vec!["coordinator", "--token", "t"];
         let args = o.coordinator_args();
@@ -518,7 +557,8 @@ mod tests {
         let (w0, w1, w2) = (worker(0), worker(1), worker(2));
         assert_eq!((w1.workload.as_str(), w1.params, w1.iterations, w1.seed), ("counter", 77, Some(9), 7));
         assert_eq!((w1.part, w1.delay_ms, w1.slow_factor, w1.spin.spin_us), ((1, 3), 4, 2.5, 0));
-        assert_eq!((w0.slow_factor, w0.stall, w0.jitter_ms), (1.0, Some((1.5, 2.0)), None));
+        assert_eq!((w0.slow_factor, w0.stall, w0.jitter_ms), (3.0, Some((1.5, 2.0)), None));
+        assert_eq!((w0.slow_during, w1.slow_during), (Some((10.0, 20.5)), None));
         assert_eq!((w2.jitter_ms, w2.stall), (Some((10.0, 5.0)), None));
         assert_eq!((w2.momentum, w2.weight_decay), (0.5, 0.0));
 
@@ -526,5 +566,11 @@ mod tests {
         let Command::Local(bad) = parse(&["local", "--workers", "2", "--slow", "2:3"]) else { panic!() };
         let e = options(&bad, "syncopate".into()).unwrap_err().to_string();
         assert!(e.contains("worker 2 does not exist"), "{e}");
+        for (flag, bad) in [("--slow", "0:3:20:10"), ("--slow", "0:3:5"), ("--jitter", "0:1:1:-1:2")] {
+            let Err(e) = Cli::try_parse_from(["syncopate", "local", flag, bad]) else {
+                panic!("{flag} {bad} was accepted")
+            };
+            assert!(e.to_string().contains("window"), "{bad}: {e}");
+        }
     }
 }

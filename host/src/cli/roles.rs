@@ -142,9 +142,16 @@ pub struct WorkerArgs {
     /// Make this worker F times slower to compute (it sleeps F-1 times its compute time).
     #[arg(long, env = "SYNCOPATE_SLOW_FACTOR", default_value_t = 1.0)]
     pub slow_factor: f32,
+    /// The slowdown only from FROM_S until UNTIL_S seconds after the worker started:
+    /// `FROM_S:UNTIL_S` (`inf`: to the end).
+    #[arg(long, env = "SYNCOPATE_SLOW_DURING", value_parser = parse_pair_f64)]
+    pub slow_during: Option<(f64, f64)>,
     /// A random delay after each iteration, normal: `MEAN_MS:SD_MS`.
     #[arg(long, env = "SYNCOPATE_JITTER_MS", value_parser = parse_pair_f64)]
     pub jitter_ms: Option<(f64, f64)>,
+    /// The jitter only from FROM_S until UNTIL_S seconds after the worker started.
+    #[arg(long, env = "SYNCOPATE_JITTER_DURING", value_parser = parse_pair_f64)]
+    pub jitter_during: Option<(f64, f64)>,
     /// Stall once: `AT_S:FOR_S` seconds after the start, for that many seconds.
     #[arg(long, env = "SYNCOPATE_STALL", value_parser = parse_pair_f64)]
     pub stall: Option<(f64, f64)>,
@@ -214,7 +221,9 @@ impl WorkerArgs {
             seed: self.seed,
             extra_delay: Duration::from_millis(self.delay_ms),
             slow_factor: self.slow_factor,
+            slow_during: window(self.slow_during)?,
             jitter_ms: self.jitter_ms,
+            jitter_during: window(self.jitter_during)?,
             stall: self
                 .stall
                 .map(|(at, length)| (Duration::from_secs_f64(at), Duration::from_secs_f64(length))),
@@ -359,6 +368,12 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         tokio_threads(threads, a.spin)?.block_on(crate::worker::run(opts, workload)).context("worker")?;
     tracing::info!(worker = report.worker, iterations = report.iterations, "worker done");
     Ok(())
+}
+
+/// A device's window from the command line, in nanoseconds after the worker's start.
+fn window(w: Option<(f64, f64)>) -> anyhow::Result<Option<(u64, u64)>> {
+    let (from, until) = (w.map(|w| w.0), w.map(|w| w.1));
+    crate::lab::scenario::window_ns(from, until).map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]

@@ -439,7 +439,8 @@ impl Case<'_> {
                     // sometimes unreported, for rules that read the training signals.
                     let scale = if roll >= 95 { 10.0 } else { 0.01 * (1 + roll % 10) as f32 };
                     let grad = vec![scale; 4];
-                    let loss = (!roll.is_multiple_of(5)).then(|| 4.0 / (1 + next[w]) as f32 + roll as f32 / 100.0);
+                    let loss =
+                        (!roll.is_multiple_of(5)).then(|| 4.0 / (1 + next[w]) as f32 + roll as f32 / 100.0);
                     let signals =
                         Signals { loss, norm: None, tokens: 32 * 64, step_ns: 1_000_000 * (1 + roll) };
                     let req = PushRequest {

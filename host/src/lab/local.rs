@@ -150,11 +150,20 @@ impl LocalOptions {
         if let Some(data) = &self.data {
             a.extend(["--data".into(), data.display().to_string()]);
         }
+        let window = |from: Option<f64>, until: Option<f64>| {
+            format!("{}:{}", from.unwrap_or(0.0), until.map_or("inf".to_string(), |u| u.to_string()))
+        };
         if let Some(s) = sc.slow.iter().find(|s| s.worker == w) {
             a.extend(["--slow-factor".into(), s.factor.to_string()]);
+            if s.from_s.is_some() || s.until_s.is_some() {
+                a.extend(["--slow-during".into(), window(s.from_s, s.until_s)]);
+            }
         }
         if let Some(j) = sc.jitter.iter().find(|j| j.worker == w) {
             a.extend(["--jitter-ms".into(), format!("{}:{}", j.mean_ms, j.sd_ms)]);
+            if j.from_s.is_some() || j.until_s.is_some() {
+                a.extend(["--jitter-during".into(), window(j.from_s, j.until_s)]);
+            }
         }
         if let Some(s) = sc.stall.iter().find(|s| s.worker == w) {
             a.extend(["--stall".into(), format!("{}:{}", s.at_s, s.for_s)]);

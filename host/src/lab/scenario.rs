@@ -34,11 +34,13 @@
 //! [[slow]]
 //! worker = 0
 //! factor = 3.0
+//! from_s = 20.0            # optional: only from 20 s until 40 s after the worker started
+//! until_s = 40.0           # (either alone: from then on, or until then)
 //!
 //! [[jitter]]               # FluentPS's injection: sleep N(mean, sd) ms after every iteration
 //! worker = 1
 //! mean_ms = 30.0
-//! sd_ms = 10.0
+//! sd_ms = 10.0             # (from_s and until_s as for [[slow]])
 //!
 //! [modelled]               # simulator only: charge a larger model's bytes on the wire
 //! name = "ResNet-110 (6.9 MB)"
@@ -212,7 +214,7 @@ pub struct Modelled {
     pub bytes: u64,
 }
 
-/// A worker `factor` times slower.
+/// A worker `factor` times slower, always or for a while.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Slow {
@@ -220,6 +222,28 @@ pub struct Slow {
     pub worker: u32,
     /// How many times slower (at least 1).
     pub factor: f32,
+    /// From this many seconds after the worker started (default: from the start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_s: Option<f64>,
+    /// Until this many seconds after the worker started (default: to the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_s: Option<f64>,
+}
+
+/// A window `from_s..until_s` in nanoseconds after a worker's start, for its device (`None`:
+/// always); `Err` for one that ends before it starts or lies before 0.
+pub fn window_ns(from_s: Option<f64>, until_s: Option<f64>) -> Result<Option<(u64, u64)>, String> {
+    if from_s.is_none() && until_s.is_none() {
+        return Ok(None);
+    }
+    let (from, until) = (from_s.unwrap_or(0.0), until_s.unwrap_or(f64::INFINITY));
+    if !(from >= 0.0 && until > from && !until.is_nan()) {
+        return Err(format!(
+            "a window from {from} s until {until} s must start at 0 or later and end after it starts"
+        ));
+    }
+    let ns = |s: f64| if s.is_finite() { (s * 1e9).min(u64::MAX as f64) as u64 } else { u64::MAX };
+    Ok(Some((ns(from), ns(until))))
 }
 
 /// A worker that sleeps `N(mean_ms, sd_ms)` ms after every iteration.
@@ -232,6 +256,12 @@ pub struct Jitter {
     pub mean_ms: f64,
     /// Standard deviation, ms.
     pub sd_ms: f64,
+    /// From this many seconds after the worker started (default: from the start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_s: Option<f64>,
+    /// Until this many seconds after the worker started (default: to the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_s: Option<f64>,
 }
 
 /// A worker that stalls once, `at_s` seconds in, for `for_s` seconds.
@@ -339,6 +369,12 @@ impl Scenario {
         }
         if let Some(j) = self.jitter.iter().find(|j| !(j.mean_ms >= 0.0 && j.sd_ms >= 0.0)) {
             return Err(format!("worker {}'s jitter needs a non-negative mean and sd", j.worker));
+        }
+        for s in &self.slow {
+            window_ns(s.from_s, s.until_s).map_err(|e| format!("worker {}'s slowdown: {e}", s.worker))?;
+        }
+        for j in &self.jitter {
+            window_ns(j.from_s, j.until_s).map_err(|e| format!("worker {}'s jitter: {e}", j.worker))?;
         }
         let targets = [self.target_accuracy, self.target_loss, self.target_perplexity];
         if targets.iter().flatten().count() > 1 {
@@ -575,8 +611,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!((s.workers, s.servers, s.batch, s.compute_ms), (4, 2, 32, 20));
-        assert_eq!(s.slow, [Slow { worker: 0, factor: 3.0 }]);
-        assert_eq!(s.jitter, [Jitter { worker: 1, mean_ms: 30.0, sd_ms: 10.0 }]);
+        assert_eq!(s.slow, [Slow { worker: 0, factor: 3.0, from_s: None, until_s: None }]);
+        assert_eq!(s.jitter, [Jitter { worker: 1, mean_ms: 30.0, sd_ms: 10.0, from_s: None, until_s: None }]);
         let o = s.optimizer();
         assert_eq!((o.lr, o.momentum, o.weight_decay), (OptimizerConfig::default().lr, 0.5, 0.0));
         assert_eq!(s.iterations_or_unbounded(), u64::MAX / 4, "the time limit ends the run");

@@ -48,9 +48,13 @@ pub struct WorkerOptions {
     /// Heterogeneity: this worker takes `slow_factor` times as long to compute, pacing included
     /// (1: normal).
     pub slow_factor: f32,
+    /// When the slowdown applies (nanoseconds after the worker started; `None`: always).
+    pub slow_during: Option<(u64, u64)>,
     /// Heterogeneity: a random delay after each iteration, normal with this mean and standard
     /// deviation in milliseconds (FluentPS's injection), drawn from a seeded source.
     pub jitter_ms: Option<(f64, f64)>,
+    /// When the jitter applies (as `slow_during`).
+    pub jitter_during: Option<(u64, u64)>,
     /// Heterogeneity: stall once, `at` after the start, `for` this long.
     pub stall: Option<(Duration, Duration)>,
     /// Where to write the report (JSON) when done.
@@ -95,7 +99,9 @@ impl WorkerOptions {
             compute_ns: self.extra_delay.as_nanos() as u64,
             trace_ns: None,
             slow_factor: self.slow_factor,
+            slow_during: self.slow_during,
             jitter_ms: self.jitter_ms,
+            jitter_during: self.jitter_during,
             stall_ns: self.stall.map(|(at, length)| (at.as_nanos() as u64, length.as_nanos() as u64)),
             seed: self.seed ^ (u64::from(id) << 40) ^ 0x5eed,
             // Timers have about a millisecond's resolution: shorter waits are owed and paid

@@ -139,7 +139,15 @@ pub(super) fn build(
             compute_ns: sc.compute_ms.max(1) * 1_000_000,
             trace_ns: traces.as_ref().map(|t| t[w as usize % t.len()].clone()),
             slow_factor: sc.slow.iter().find(|s| s.worker == w).map_or(1.0, |s| s.factor),
+            slow_during: match sc.slow.iter().find(|s| s.worker == w) {
+                Some(s) => crate::lab::scenario::window_ns(s.from_s, s.until_s).map_err(SimError::Options)?,
+                None => None,
+            },
             jitter_ms: sc.jitter.iter().find(|j| j.worker == w).map(|j| (j.mean_ms, j.sd_ms)),
+            jitter_during: match sc.jitter.iter().find(|j| j.worker == w) {
+                Some(j) => crate::lab::scenario::window_ns(j.from_s, j.until_s).map_err(SimError::Options)?,
+                None => None,
+            },
             stall_ns: sc
                 .stall
                 .iter()
