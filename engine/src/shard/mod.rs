@@ -1006,8 +1006,13 @@ impl Shard {
         }
         // A gradient that is not finite is refused even for an iteration the shard has: a
         // duplicate of a held push takes the place of the push's acknowledgement, which a bad
-        // request must not take.
-        if !all_finite(&req.grad) {
+        // request must not take. For a whole push to a module that sees norms, the sum of squares
+        // is the check (finite exactly when every value is: an f32 squared never overflows an
+        // f64), so the norm costs no second pass over the gradient; parts are summed first.
+        let partial =
+            tasks.is_some_and(|t| !t.is_whole()) || self.partials.iter().any(|p| p.worker == worker);
+        let sumsq = if partial { None } else { self.sum_of_squares(&req.grad) };
+        if !sumsq.map_or_else(|| all_finite(&req.grad), f64::is_finite) {
             return Err(ShardError::NonFinite(worker, iteration));
         }
         if let Err(reason) = req.signals.check_reported() {
@@ -1017,8 +1022,6 @@ impl Shard {
         if iteration < expected {
             return Err(ShardError::Duplicate { worker, iteration, expected });
         }
-        let partial =
-            tasks.is_some_and(|t| !t.is_whole()) || self.partials.iter().any(|p| p.worker == worker);
         if iteration > expected && (!partial || iteration - expected >= MAX_OPEN_ITERATIONS) {
             return Err(ShardError::OutOfOrder { worker, iteration, expected });
         }
@@ -1032,7 +1035,7 @@ impl Shard {
             self.push_part(req, part, now_ns, sink)?
         } else {
             let id = self.id();
-            self.offer(id, req, now_ns, sink);
+            self.offer(id, req, sumsq, now_ns, sink);
             id
         };
         // Its pull of this iteration has ended (whoever computed these tasks). Only a push the
@@ -1044,14 +1047,27 @@ impl Shard {
 
     /// Hands the policy a worker's next iteration, complete (`req`'s tasks are not looked at:
     /// they are all there).
-    fn offer(&mut self, id: RequestId, req: PushRequest, now_ns: u64, sink: &mut dyn ShardSink) {
+    /// The sum of the squares of `values` in f64 (their squared L2 norm), when the running module
+    /// sees norms (ABI v3); `None` for a v2 module, which would not, so that nothing is computed
+    /// for it.
+    fn sum_of_squares(&self, values: &[f32]) -> Option<f64> {
+        (self.supervisor.module().abi() >= 3).then(|| measure::dot(values, values))
+    }
+
+    /// `sumsq`: the gradient's [`sum_of_squares`](Self::sum_of_squares), its norm's square.
+    fn offer(
+        &mut self,
+        id: RequestId,
+        req: PushRequest,
+        sumsq: Option<f64>,
+        now_ns: u64,
+        sink: &mut dyn ShardSink,
+    ) {
         let PushRequest { worker, iteration, samples, grad, based_on, local_steps, signals, .. } = req;
         let clock = self.clocks.get(worker).unwrap_or(0);
         self.next_push[worker as usize] = iteration + 1;
         let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
-        // Only a module that can see it pays for the pass over the gradient.
-        let norm = (self.supervisor.module().abi() >= 3).then(|| measure::dot(&grad, &grad).sqrt() as f32);
-        let signals = Signals { norm, ..signals };
+        let signals = Signals { norm: sumsq.map(|s| s.sqrt() as f32), ..signals };
         let push = Push { id, worker, iteration, clock, samples, staleness, version, signals };
         self.incoming = Some(Held { push, grad, based_on, local_steps });
         let view = self.clocks.view();
@@ -1144,7 +1160,8 @@ impl Shard {
                 local_steps: 0,
                 signals: Signals::default(),
             };
-            self.offer(p.id, req, now_ns, sink);
+            let sumsq = self.sum_of_squares(&req.grad);
+            self.offer(p.id, req, sumsq, now_ns, sink);
         }
     }
 
@@ -1621,10 +1638,9 @@ impl Shard {
 
     /// Computes a measure of this shard's tensors for the policy (see [`measure`]).
     fn measure(&self, m: syncopate_policy_sdk::abi::Measure) -> measure::Measured {
+        // A group of gradients, or else of pseudo-gradients.
         fn mean(a: &Aggregate) -> Option<Scaled<'_>> {
-            let (sum, weight) =
-                if a.weight > 0.0 { (&a.sum, a.weight) } else { (&a.outer_sum, a.outer_weight) };
-            (weight > 0.0).then(|| Scaled { values: sum, scale: 1.0 / f64::from(weight) })
+            Scaled::mean(&a.sum, a.weight).or_else(|| Scaled::mean(&a.outer_sum, a.outer_weight))
         }
         measure::evaluate(m, |t| match t {
             Tensor::Push(id) => match &self.incoming {
@@ -2303,6 +2319,14 @@ mod tests {
             Err(ShardError::Duplicate { worker: 0, iteration: 0, expected: 1 }) => {}
             other => panic!("a retry of an iteration the shard has: {other:?}"),
         }
+        // A v3 module's check is the sum of squares: infinity is refused, the largest finite
+        // values are not (their squares fit an f64), and the norm is theirs.
+        let next = |grad: Vec<f32>| PushRequest { iteration: 1, ..push(grad) };
+        match shard.push(next(vec![f32::INFINITY, 1.0]), 4, &mut sink) {
+            Err(ShardError::NonFinite(0, 1)) => {}
+            other => panic!("an infinite push: {other:?}"),
+        }
+        assert!(shard.push(next(vec![f32::MAX, -f32::MAX]), 5, &mut sink).is_ok());
     }
 
     #[test]
