@@ -24,6 +24,12 @@ impl<'a> Scaled<'a> {
     pub fn plain(values: &'a [f32]) -> Self {
         Scaled { values, scale: 1.0 }
     }
+
+    /// The mean of a weighted sum (`sum` of `w·g` over a total weight of `weight`), read in
+    /// place; `None` for one with no weight in it yet (an empty group or round is not there).
+    pub fn mean(sum: &'a [f32], weight: f32) -> Option<Self> {
+        (weight > 0.0).then(|| Scaled { values: sum, scale: 1.0 / f64::from(weight) })
+    }
 }
 
 const LANES: usize = 8;

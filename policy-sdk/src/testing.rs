@@ -78,7 +78,8 @@ pub struct Driver<P> {
     rng: u64,
     next_id: RequestId,
     parked: Vec<(RequestId, WorkerId, Release)>,
-    held: Vec<(RequestId, WorkerId, Vec<f32>)>,
+    /// Held pushes: id, worker, gradient and signals (for their redelivery).
+    held: Vec<(RequestId, WorkerId, Vec<f32>, Signals)>,
     timers: Vec<TimerId>,
     /// Every decision the policy made, in order.
     pub log: Vec<Recorded>,
@@ -96,8 +97,6 @@ pub struct Driver<P> {
     served_at: BTreeMap<WorkerId, u64>,
     /// Local steps for every worker, and per worker where set since.
     local_steps: (u32, BTreeMap<WorkerId, u32>),
-    /// The signals of held pushes, for their redelivery.
-    held_signals: BTreeMap<RequestId, Signals>,
     /// Answers to measures, to be sent once the event that asked is decided.
     answers: VecDeque<(u64, f64)>,
 }
@@ -147,7 +146,6 @@ impl<P: Policy> Driver<P> {
             }),
             leaving: None,
             incoming: Vec::new(),
-            held_signals: BTreeMap::new(),
             answers: VecDeque::new(),
         };
         d.apply(rest, None, None)?;
@@ -209,7 +207,6 @@ impl<P: Policy> Driver<P> {
             model: self.model,
             leaving: None,
             incoming: Vec::new(),
-            held_signals: self.held_signals,
             answers: VecDeque::new(),
         };
         d.complete_rounds();
@@ -254,17 +251,16 @@ impl<P: Policy> Driver<P> {
     fn redeliver(
         &mut self,
         parked: Vec<(RequestId, WorkerId, Release)>,
-        held: Vec<(RequestId, WorkerId, Vec<f32>)>,
+        held: Vec<(RequestId, WorkerId, Vec<f32>, Signals)>,
     ) -> Result<(), String> {
         for (id, worker, _) in parked {
             let clock = self.clocks.get(worker).unwrap_or(0);
             let pull = Pull { id, worker, iteration: clock, clock, version: self.steps() };
             self.send(self.clocks.view(), Event::Pull(pull), Some(id))?;
         }
-        for (id, worker, grad) in held {
+        for (id, worker, grad, signals) in held {
             let clock = self.clocks.get(worker).unwrap_or(0);
             let (staleness, version) = (self.staleness(worker), self.steps());
-            let signals = self.held_signals.remove(&id).unwrap_or_default();
             let push = Push { id, worker, iteration: clock, clock, samples: 1, staleness, version, signals };
             self.incoming = grad;
             self.send(self.clocks.view(), Event::Push(push), Some(id))?;
@@ -332,7 +328,7 @@ impl<P: Policy> Driver<P> {
         let heard = self.send(view, Event::WorkerLeft { worker, reason }, None);
         self.leaving = None;
         while let Some(pos) = self.held.iter().position(|h| h.1 == worker) {
-            let (_, _, grad) = self.held.remove(pos);
+            let (_, _, grad, _) = self.held.remove(pos);
             self.admitted(worker, None, grad);
         }
         self.parked.retain(|p| p.1 != worker);
@@ -521,7 +517,7 @@ impl<P: Policy> Driver<P> {
                             self.admitted(p.worker, weight, grad);
                         }
                     } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
-                        let (_, worker, grad) = self.held.remove(pos);
+                        let (_, worker, grad, _) = self.held.remove(pos);
                         self.admitted(worker, weight, grad);
                     }
                     self.log.push(Recorded::Admitted(push, weight));
@@ -533,7 +529,7 @@ impl<P: Policy> Driver<P> {
                             self.clocks.tick(p.worker);
                         }
                     } else if let Some(pos) = self.held.iter().position(|h| h.0 == push) {
-                        let (_, worker, _) = self.held.remove(pos);
+                        let (_, worker, ..) = self.held.remove(pos);
                         self.clocks.tick(worker);
                     }
                     self.complete_rounds();
@@ -546,7 +542,7 @@ impl<P: Policy> Driver<P> {
                             Some((p.worker, core::mem::take(&mut self.incoming)))
                         }
                         _ => self.held.iter().position(|h| h.0 == push).map(|pos| {
-                            let (_, worker, grad) = self.held.remove(pos);
+                            let (_, worker, grad, _) = self.held.remove(pos);
                             (worker, grad)
                         }),
                     };
@@ -587,8 +583,7 @@ impl<P: Policy> Driver<P> {
                 Decision::HoldPush { push } => {
                     v.push = Some(PushVerdict::Hold);
                     if let Some((_, Event::Push(p))) = request {
-                        self.held.push((push, p.worker, core::mem::take(&mut self.incoming)));
-                        self.held_signals.insert(push, p.signals);
+                        self.held.push((push, p.worker, core::mem::take(&mut self.incoming), p.signals));
                     }
                     self.log.push(Recorded::Held(push));
                 }
@@ -642,8 +637,12 @@ impl<P: Policy> Driver<P> {
                         Tensor::Push(id) if own == Some(id) => Some(Scaled::plain(incoming)),
                         Tensor::Push(id) => held.iter().find(|h| h.0 == id).map(|h| Scaled::plain(&h.2)),
                         Tensor::Params => m.map(|m| Scaled::plain(&m.params)),
-                        Tensor::Group(g) => m.and_then(|m| m.groups.get(&g)).map(|(sum, w)| mean(sum, *w)),
-                        Tensor::Round(r) => m.and_then(|m| m.rounds.get(&r)).map(|(sum, w, _)| mean(sum, *w)),
+                        Tensor::Group(g) => {
+                            m.and_then(|m| m.groups.get(&g)).and_then(|(sum, w)| Scaled::mean(sum, *w))
+                        }
+                        Tensor::Round(r) => {
+                            m.and_then(|m| m.rounds.get(&r)).and_then(|(sum, w, _)| Scaled::mean(sum, *w))
+                        }
                     });
                     self.answers.push_back((query, answer.value));
                     self.log.push(Recorded::Measured(query, measure, answer.value));
@@ -760,11 +759,6 @@ fn write<P: Policy>(guest: &mut Guest<P>, bytes: &[u8]) {
     // SAFETY: `buffer` returned a pointer to at least `bytes.len()` initialised bytes owned by
     // `guest`, which nothing else borrows here.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
-}
-
-/// A group's or round's weighted sum read as its mean (an empty one is not there).
-fn mean(sum: &[f32], weight: f32) -> Scaled<'_> {
-    Scaled { values: sum, scale: if weight > 0.0 { 1.0 / f64::from(weight) } else { f64::NAN } }
 }
 
 #[cfg(test)]
