@@ -54,7 +54,11 @@ pub struct Robust {
     k: f64,
     action: Action,
     held: Vec<Held>,
-    /// Scratch for the median's sorts (reused: no allocation per round once grown).
+    /// The round being decided, and its norms (buffers reused: no allocation per round once
+    /// grown).
+    round: Vec<Held>,
+    norms: Vec<f64>,
+    /// Scratch for the median's sorts.
     scratch: Vec<f64>,
 }
 
@@ -97,44 +101,46 @@ impl Robust {
         if in_round < ctx.view().workers.saturating_sub(leaving) {
             return false;
         }
-        let norms: Vec<f64> =
-            self.held.iter().filter(|h| h.round == round).map(|h| f64::from(h.norm)).collect();
-        let threshold = Self::threshold(&norms, self.k, &mut self.scratch);
-        let is_outlier = |h: &Held| threshold.is_some_and(|t| f64::from(h.norm) > t);
-        let n = in_round as f32;
-        let (round_pushes, rest): (Vec<Held>, Vec<Held>) = self.held.iter().partition(|h| h.round == round);
-        self.held = rest;
-        let rejected = round_pushes.iter().filter(|h| is_outlier(h)).count() as u32;
-        match (self.action, threshold) {
-            // Nothing to reject: the host's default weights, and the round completes as BSP's;
-            // completed by a departure, it steps on the mean of the pushes in it (the host's
-            // weights still count the worker leaving).
-            (_, None) | (_, Some(_)) if rejected == 0 => {
-                for h in &round_pushes {
-                    ctx.admit_push(h.id);
-                }
-                if leaving > 0 {
-                    ctx.complete_aggregate(round);
-                }
+        // The round's pushes, out of the held ones, into buffers kept across rounds.
+        let (held, pushes, norms) = (&mut self.held, &mut self.round, &mut self.norms);
+        pushes.clear();
+        held.retain(|h| {
+            h.round != round || {
+                pushes.push(*h);
+                false
             }
+        });
+        norms.clear();
+        norms.extend(pushes.iter().map(|h| f64::from(h.norm)));
+        let threshold = Self::threshold(norms, self.k, &mut self.scratch);
+        let is_outlier = |h: &Held| threshold.is_some_and(|t| f64::from(h.norm) > t);
+        let rejected = pushes.iter().filter(|h| is_outlier(h)).count() as u32;
+        if rejected == 0 {
+            // The host's default weights: the round completes as BSP's; completed by a
+            // departure, it steps on the mean of the pushes in it (the host's weights still
+            // count the worker leaving).
+            for h in pushes.iter() {
+                ctx.admit_push(h.id);
+            }
+            if leaving > 0 {
+                ctx.complete_aggregate(round);
+            }
+        } else if self.action == Action::Drop {
             // The inliers, then the round applied at once on their weighted mean, then the
             // outliers dropped (dropping them first would complete the round as a sum).
-            (Action::Drop, _) => {
-                for h in round_pushes.iter().filter(|h| !is_outlier(h)) {
-                    ctx.admit_push(h.id);
-                }
-                ctx.complete_aggregate(round);
-                for h in round_pushes.iter().filter(|h| is_outlier(h)) {
-                    ctx.drop_push(h.id);
-                }
+            for h in pushes.iter().filter(|h| !is_outlier(h)) {
+                ctx.admit_push(h.id);
             }
+            ctx.complete_aggregate(round);
+            for h in pushes.iter().filter(|h| is_outlier(h)) {
+                ctx.drop_push(h.id);
+            }
+        } else {
             // Every push at the mean's weight, an outlier's scaled down to the threshold.
-            (Action::Clip, threshold) => {
-                let t = threshold.unwrap_or(f64::INFINITY);
-                for h in &round_pushes {
-                    let scale = if is_outlier(h) { t / f64::from(h.norm) } else { 1.0 };
-                    ctx.admit_push_weighted(h.id, (scale / f64::from(n)) as f32);
-                }
+            let (t, n) = (threshold.unwrap_or(f64::INFINITY), pushes.len() as f64);
+            for h in pushes.iter() {
+                let scale = if is_outlier(h) { t / f64::from(h.norm) } else { 1.0 };
+                ctx.admit_push_weighted(h.id, (scale / n) as f32);
             }
         }
         ctx.metric("robust.rejected", f64::from(rejected));
@@ -166,7 +172,7 @@ impl Policy for Robust {
             Some("clip") => Action::Clip,
             other => return Err(format!("action: `{}` (drop or clip)", other.unwrap_or(""))),
         };
-        Ok(Robust { k, action, held: Vec::new(), scratch: Vec::new() })
+        Ok(Robust { k, action, held: Vec::new(), round: Vec::new(), norms: Vec::new(), scratch: Vec::new() })
     }
 
     fn on_start(&mut self, ctx: &mut Ctx<'_>) {
