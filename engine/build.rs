@@ -23,10 +23,14 @@ const BUILTIN: &[&str] = &[
     "robust",
 ];
 
+/// The built-in cluster policies (run by the coordinator).
+const CLUSTER: &[&str] = &["autopilot"];
+
 fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
     let workspace = Path::new(&manifest).parent().expect("engine/ sits in the workspace");
-    let packages: Vec<String> = BUILTIN.iter().map(|p| format!("syncopate-policy-{p}")).collect();
+    let all: Vec<&str> = BUILTIN.iter().chain(CLUSTER).copied().collect();
+    let packages: Vec<String> = all.iter().map(|p| format!("syncopate-policy-{p}")).collect();
     let packages: Vec<&str> = packages.iter().map(String::as_str).collect();
     let built = match syncopate_policy_build::build(workspace, &packages, &["policies", "policy-sdk"]) {
         Ok(built) => built,
@@ -40,6 +44,11 @@ fn main() {
         "/// The built-in policy modules: (name, wasm bytes).\npub const MODULES: &[(&str, &[u8])] = &[\n",
     );
     for (name, path) in BUILTIN.iter().zip(&built) {
+        table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", path.display().to_string()));
+    }
+    table.push_str("];\n");
+    table.push_str("/// The built-in cluster policy modules: (name, wasm bytes).\npub const CLUSTER_MODULES: &[(&str, &[u8])] = &[\n");
+    for (name, path) in CLUSTER.iter().zip(&built[BUILTIN.len()..]) {
         table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", path.display().to_string()));
     }
     table.push_str("];\n");

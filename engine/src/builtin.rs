@@ -15,6 +15,17 @@ pub fn names() -> impl Iterator<Item = &'static str> {
     MODULES.iter().map(|(n, _)| *n)
 }
 
+/// The wasm bytes of built-in cluster policy `name` (run by the coordinator, see
+/// [`crate::pilot`]).
+pub fn cluster_wasm(name: &str) -> Option<&'static [u8]> {
+    CLUSTER_MODULES.iter().find(|(n, _)| *n == name).map(|(_, w)| *w)
+}
+
+/// Names of the built-in cluster policies.
+pub fn cluster_names() -> impl Iterator<Item = &'static str> {
+    CLUSTER_MODULES.iter().map(|(n, _)| *n)
+}
+
 /// The configuration shard `shard` runs with: `config`, with the overrides `(shard, key, value)`
 /// naming this shard applied over it (a key the configuration lacks is added).
 pub fn shard_config(

@@ -16,6 +16,8 @@
 //!   gone, connections by worker), with one owner;
 //! - [`coordinator`]: the coordinator as a state machine (server ids and leases, failover and
 //!   re-replication, worker admission, two-phase hot swaps);
+//! - [`pilot`]: the cluster policy, run by the coordinator on the cluster's figures (the
+//!   autopilot is one);
 //! - [`tasks`]: split iterations and the exactly-once ledger of tasks moved between workers;
 //! - [`worker`]: the worker as a state machine (pull, compute, push, control messages, task
 //!   hand-over, the emulated device), its client (route, numbering, what each request waits
@@ -27,6 +29,7 @@ pub mod builtin;
 pub mod codec;
 pub mod coordinator;
 pub mod lease;
+pub mod pilot;
 pub mod placement;
 pub mod recording;
 pub mod replay;

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use crate::runtime::{PolicyError, PolicyModule, PolicyRuntime};
-pub use syncopate_engine::builtin::{names, shard_config, wasm};
+pub use syncopate_engine::builtin::{cluster_names, cluster_wasm, names, shard_config, wasm};
 
 /// A policy and its configuration, as written on a command line: `NAME[:k=v,k=v]` for a
 /// built-in, or `PATH.wasm[:k=v,...]` for a module file.
@@ -84,9 +84,15 @@ impl PolicySpec {
         short.to_string()
     }
 
-    /// Whether it names a built-in policy (not a module file).
+    /// Whether it names a built-in policy (not a module file): a shard policy or a cluster
+    /// policy.
     pub fn is_builtin(&self) -> bool {
-        wasm(&self.source).is_some()
+        wasm(&self.source).is_some() || cluster_wasm(&self.source).is_some()
+    }
+
+    /// Whether it names a built-in cluster policy (`autopilot`).
+    pub fn is_cluster_builtin(&self) -> bool {
+        cluster_wasm(&self.source).is_some()
     }
 
     /// Compiles the module this spec names: a built-in, or a file.
@@ -97,7 +103,7 @@ impl PolicySpec {
 
     /// The label and wasm bytes of the module this spec names (to send to a cluster).
     pub fn bytes(&self) -> Result<(String, Vec<u8>), PolicyError> {
-        if let Some(bytes) = wasm(&self.source) {
+        if let Some(bytes) = wasm(&self.source).or_else(|| cluster_wasm(&self.source)) {
             return Ok((format!("builtin:{}", self.source), bytes.to_vec()));
         }
         let path = Path::new(&self.source);
@@ -111,8 +117,9 @@ impl PolicySpec {
         Err(PolicyError::Invalid {
             label: self.source.clone(),
             reason: format!(
-                "no built-in policy of that name (built-ins: {}) and no such file",
-                names().collect::<Vec<_>>().join(", ")
+                "no built-in policy of that name (built-ins: {}; cluster policies: {}) and no such file",
+                names().collect::<Vec<_>>().join(", "),
+                cluster_names().collect::<Vec<_>>().join(", ")
             ),
         })
     }

@@ -61,6 +61,7 @@ extern crate alloc;
 
 pub mod abi;
 pub mod clocks;
+pub mod cluster;
 pub mod codec;
 pub mod config;
 mod ctx;

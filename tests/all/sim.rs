@@ -1005,3 +1005,34 @@ fn a_slowdown_with_a_window_slows_its_worker_only_inside_it() {
     };
     assert!(span(4.2, 5.8) - span(0.2, 3.8) > 0.025, "{} vs {}", span(4.2, 5.8), span(0.2, 3.8));
 }
+
+/// Issue 53: the autopilot, a cluster policy run by the simulated coordinator, moves the
+/// cluster off BSP when a straggler appears and back when it is gone, by the same two-phase
+/// swap an operator makes; the report shows its log and the phases under each rule.
+#[test]
+fn the_autopilot_swaps_away_from_bsp_while_a_straggler_lasts_and_back_after() {
+    let s = scenario(
+        "name = \"autopilot\"\nworkers = 4\nservers = 2\nworkload = \"counter\"\ncompute_ms = 20\n\
+         time_limit_s = 12\n[[slow]]\nworker = 0\nfactor = 4.0\nfrom_s = 3.0\nuntil_s = 7.0\n",
+    );
+    let r = sim(&s, "autopilot:cadence_ms=500,dwell_ms=1000", false);
+    let pilot = r.pilot.as_ref().expect("the report has the cluster policy");
+    let swaps: Vec<(f64, &str)> = pilot
+        .log
+        .iter()
+        .filter(|e| e.what.ends_with(" done"))
+        .map(|e| (e.at_ns as f64 / 1e9, e.what.as_str()))
+        .collect();
+    assert_eq!(pilot.swaps, 2, "{:?}", pilot.log);
+    assert!(!pilot.quarantined);
+    let (t_off, off) = swaps[0];
+    assert_eq!(off, "swap to adaptive-deadline done", "one slow worker of four: the deadline");
+    assert!((3.0..5.0).contains(&t_off), "soon after the straggler appeared: {t_off}");
+    let (t_back, back) = swaps[1];
+    assert_eq!(back, "swap to bsp done");
+    assert!((7.0..9.5).contains(&t_back), "soon after it recovered: {t_back}");
+    assert_eq!(r.swaps, 2);
+    let policies: Vec<&str> = r.phases.iter().map(|p| p.policy.as_str()).collect();
+    assert!(policies.iter().any(|p| p.starts_with("adaptive-deadline")), "{policies:?}");
+    assert_eq!(r.policy.split(' ').next(), Some("bsp"), "back on BSP at the end");
+}

@@ -124,4 +124,15 @@ pub enum PolicyError {
         /// What was stuck, and for how long (which workers' pulls and pushes).
         stuck: String,
     },
+    /// A module of the wrong kind: a cluster policy given to a shard, or a shard policy given
+    /// to the coordinator as its cluster policy.
+    #[error("{policy} is {is}, but {wanted} was expected here")]
+    WrongKind {
+        /// The module.
+        policy: String,
+        /// What it is.
+        is: super::ModuleKind,
+        /// What was wanted.
+        wanted: super::ModuleKind,
+    },
 }

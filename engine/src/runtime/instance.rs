@@ -7,7 +7,7 @@ use syncopate_policy_sdk::guest::Encoder;
 use wasmtime::{Memory, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
 use super::sandbox::{new_store, root_cause, typed, Sandbox};
-use super::{PolicyError, PolicyModule};
+use super::{ModuleKind, PolicyError, PolicyModule};
 
 /// A running policy instance. One per shard; not shared between threads while in use.
 pub struct PolicyInstance {
@@ -40,7 +40,7 @@ impl PolicyInstance {
     /// Instantiates `module` and creates the policy from `init`. Returns the instance and the
     /// decisions the policy made at start-up (its update mode, timers).
     pub fn new(module: &PolicyModule, init: &InitArgs<'_>) -> Result<(Self, Vec<u8>), PolicyError> {
-        let mut inst = Self::instantiate(module)?;
+        let mut inst = Self::instantiate(module, ModuleKind::Shard)?;
         inst.enc.clear();
         inst.enc.push(init);
         let start = inst.create(exports::INIT, "its configuration")?;
@@ -54,7 +54,47 @@ impl PolicyInstance {
         init: &InitArgs<'_>,
         handoff: &Handoff<'_>,
     ) -> Result<(Self, Vec<u8>), PolicyError> {
-        let mut inst = Self::instantiate(module)?;
+        Self::import_kind(module, init, handoff, ModuleKind::Shard)
+    }
+
+    /// Instantiates a cluster policy `module` and creates it from `init` (its `shard`
+    /// unused). Returns the instance and its start-up decisions, encoded
+    /// ([`syncopate_policy_sdk::cluster::decode_decisions`]).
+    pub fn new_cluster(module: &PolicyModule, init: &InitArgs<'_>) -> Result<(Self, Vec<u8>), PolicyError> {
+        let mut inst = Self::instantiate(module, ModuleKind::Cluster)?;
+        inst.enc.clear();
+        inst.enc.push(init);
+        let start = inst.create(exports::INIT, "its configuration")?;
+        Ok((inst, start))
+    }
+
+    /// A cluster policy created from the state an earlier instance exported (a restart).
+    pub fn import_cluster(
+        module: &PolicyModule,
+        init: &InitArgs<'_>,
+        handoff: &Handoff<'_>,
+    ) -> Result<(Self, Vec<u8>), PolicyError> {
+        Self::import_kind(module, init, handoff, ModuleKind::Cluster)
+    }
+
+    /// Hands a cluster policy one encoded [`ClusterEnvelope`](syncopate_policy_sdk::cluster::ClusterEnvelope);
+    /// returns its encoded decisions. `what` names the event in errors.
+    pub fn on_cluster_event(&mut self, bytes: &[u8], what: &str) -> Result<Vec<u8>, PolicyError> {
+        self.enc.set(bytes);
+        self.write_input()?;
+        let f = self.event.clone();
+        let packed = self.call(&f, bytes.len() as u32, || what.to_owned())?;
+        let range = self.output_range(packed, || what.to_owned())?;
+        Ok(self.output(range).to_vec())
+    }
+
+    fn import_kind(
+        module: &PolicyModule,
+        init: &InitArgs<'_>,
+        handoff: &Handoff<'_>,
+        kind: ModuleKind,
+    ) -> Result<(Self, Vec<u8>), PolicyError> {
+        let mut inst = Self::instantiate(module, kind)?;
         inst.enc.clear();
         inst.enc.push(init);
         inst.enc.push(handoff);
@@ -62,7 +102,14 @@ impl PolicyInstance {
         Ok((inst, start))
     }
 
-    fn instantiate(module: &PolicyModule) -> Result<Self, PolicyError> {
+    fn instantiate(module: &PolicyModule, wanted: ModuleKind) -> Result<Self, PolicyError> {
+        if module.kind() != wanted {
+            return Err(PolicyError::WrongKind {
+                policy: module.display_name().to_owned(),
+                is: module.kind(),
+                wanted,
+            });
+        }
         let rt = &module.inner.runtime;
         let mut store = new_store(rt);
         let instance =

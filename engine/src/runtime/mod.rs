@@ -20,7 +20,7 @@ mod sandbox;
 pub use error::PolicyError;
 pub(crate) use instance::describe as describe_event;
 pub use instance::{PolicyInstance, MEASURE_VALUES_PER_FUEL};
-pub use module::PolicyModule;
+pub use module::{ModuleKind, PolicyModule};
 pub use syncopate_policy_sdk::abi::ModuleInfo;
 
 use std::sync::Arc;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use syncopate_policy_sdk::abi::{self, exports, ModuleInfo};
+use syncopate_policy_sdk::cluster;
 use wasmtime::{ExternType, FuncType, Module, TypedFunc, ValType};
 
 use super::sandbox::{new_store, root_cause, typed, Sandbox};
@@ -25,8 +26,30 @@ pub(crate) struct Inner {
     pub(crate) sha256: [u8; 32],
     pub(crate) label: String,
     pub(crate) display: String,
-    /// The ABI version the module was built for (2 or 3).
+    /// The ABI version the module was built for (2 or 3; 1 for a cluster policy's ABI).
     pub(crate) abi: u32,
+    /// A shard policy or a cluster policy.
+    pub(crate) kind: ModuleKind,
+}
+
+/// What a module is: a shard policy (run by each shard on its pushes and pulls) or a cluster
+/// policy (run by the coordinator on the cluster's figures; see
+/// [`syncopate_policy_sdk::cluster`]). Each runs only where it belongs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleKind {
+    /// Built with `export_policy!`.
+    Shard,
+    /// Built with `export_cluster_policy!`.
+    Cluster,
+}
+
+impl fmt::Display for ModuleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ModuleKind::Shard => "a shard policy",
+            ModuleKind::Cluster => "a cluster policy",
+        })
+    }
 }
 
 impl fmt::Debug for PolicyModule {
@@ -43,7 +66,11 @@ const I32: ValType = ValType::I32;
 const I64: ValType = ValType::I64;
 
 /// The ABI versions this host loads, newest first, by their marker exports.
-const MARKERS: &[(&str, u32)] = &[(abi::ABI_MARKER, abi::ABI_VERSION), (abi::ABI_MARKER_V2, 2)];
+const MARKERS: &[(&str, u32, ModuleKind)] = &[
+    (abi::ABI_MARKER, abi::ABI_VERSION, ModuleKind::Shard),
+    (abi::ABI_MARKER_V2, 2, ModuleKind::Shard),
+    (cluster::CLUSTER_ABI_MARKER, cluster::CLUSTER_ABI_VERSION, ModuleKind::Cluster),
+];
 
 /// Every other function export (the same in ABI v2 and v3): name, parameter types, result
 /// types, and how to say it.
@@ -105,7 +132,7 @@ impl PolicyModule {
         module: Module,
         sha256: [u8; 32],
     ) -> Result<Self, PolicyError> {
-        let abi = validate(label, &module)?;
+        let (abi, kind) = validate(label, &module)?;
         let linker = wasmtime::Linker::new(rt.engine());
         let pre = linker
             .instantiate_pre(&module)
@@ -117,7 +144,8 @@ impl PolicyModule {
                 reason: "the policy's name is empty".into(),
             });
         }
-        let display = format!("policy `{}` {} ({})", info.name, info.version, &hex(&sha256)[..12]);
+        let what = if kind == ModuleKind::Cluster { "cluster policy" } else { "policy" };
+        let display = format!("{what} `{}` {} ({})", info.name, info.version, &hex(&sha256)[..12]);
         Ok(PolicyModule {
             inner: Arc::new(Inner {
                 runtime: rt.clone(),
@@ -128,6 +156,7 @@ impl PolicyModule {
                 label: label.into(),
                 display,
                 abi,
+                kind,
             }),
         })
     }
@@ -136,6 +165,11 @@ impl PolicyModule {
     /// (it is sent ABI v2's envelopes and cannot ask for measures).
     pub fn abi(&self) -> u32 {
         self.inner.abi
+    }
+
+    /// A shard policy or a cluster policy.
+    pub fn kind(&self) -> ModuleKind {
+        self.inner.kind
     }
 
     /// Name, version, description and parameters, as the module declares them.
@@ -164,8 +198,8 @@ impl PolicyModule {
     }
 }
 
-/// Checks the module contract; returns the ABI version the module declares.
-fn validate(label: &str, module: &Module) -> Result<u32, PolicyError> {
+/// Checks the module contract; returns the ABI version the module declares and its kind.
+fn validate(label: &str, module: &Module) -> Result<(u32, ModuleKind), PolicyError> {
     if let Some(import) = module.imports().next() {
         return Err(PolicyError::ForbiddenImport {
             label: label.into(),
@@ -173,7 +207,7 @@ fn validate(label: &str, module: &Module) -> Result<u32, PolicyError> {
             name: import.name().into(),
         });
     }
-    let Some(&(marker, version)) = MARKERS.iter().find(|(m, _)| module.get_export(m).is_some()) else {
+    let Some(&(marker, version, kind)) = MARKERS.iter().find(|(m, ..)| module.get_export(m).is_some()) else {
         let other =
             module.exports().find_map(|e| e.name().strip_prefix(abi::ABI_MARKER_PREFIX).map(str::to_owned));
         return Err(match other {
@@ -207,7 +241,7 @@ fn validate(label: &str, module: &Module) -> Result<u32, PolicyError> {
             return Err(PolicyError::BadExport { label: label.into(), name, expected });
         }
     }
-    Ok(version)
+    Ok((version, kind))
 }
 
 fn signature_is(f: &FuncType, params: &[ValType], results: &[ValType]) -> bool {

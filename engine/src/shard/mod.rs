@@ -492,6 +492,9 @@ pub struct Shard {
     applied_min: Option<(u64, usize)>,
     /// Per worker: nanoseconds its pulls spent deferred.
     waited: Vec<u64>,
+    /// Per worker (by id): the compute time its pushes reported, summed, how many did, and
+    /// the last loss one reported (for the cluster policy's figures; not in snapshots).
+    worked: Vec<(u64, u64, Option<f32>)>,
     version: u64,
     mode: UpdateMode,
     aggregates: BTreeMap<u64, Aggregate>,
@@ -601,6 +604,7 @@ impl Shard {
             applied: Vec::new(),
             applied_min: None,
             waited: Vec::new(),
+            worked: Vec::new(),
             version: 0,
             mode: UpdateMode::OnArrival,
             aggregates: BTreeMap::new(),
@@ -672,6 +676,19 @@ impl Shard {
         self.clocks
             .workers()
             .map(|w| (w.worker, self.waited.get(w.worker as usize).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Per live worker: its work here, as its pushes reported it, and its waits.
+    pub fn worker_work(&self) -> Vec<crate::pilot::WorkerWork> {
+        self.clocks
+            .workers()
+            .map(|w| {
+                let i = w.worker as usize;
+                let (step_ns, pushes, loss) = self.worked.get(i).copied().unwrap_or_default();
+                let waited_ns = self.waited.get(i).copied().unwrap_or(0);
+                crate::pilot::WorkerWork { worker: w.worker, step_ns, pushes, loss, waited_ns }
+            })
             .collect()
     }
 
@@ -797,6 +814,7 @@ impl Shard {
             self.next_push.resize(i + 1, 0);
             self.applied.resize(i + 1, 0);
             self.waited.resize(i + 1, 0);
+            self.worked.resize(i + 1, (0, 0, None));
         }
         self.next_push[i] = clock;
         self.applied[i] = clock;
@@ -1068,6 +1086,13 @@ impl Shard {
         self.next_push[worker as usize] = iteration + 1;
         let (version, staleness) = (self.version, based_on.map_or(0, |b| self.version.saturating_sub(b)));
         let signals = Signals { norm: sumsq.map(|s| s.sqrt() as f32), ..signals };
+        if let Some(w) = self.worked.get_mut(worker as usize) {
+            if signals.step_ns > 0 {
+                w.0 = w.0.saturating_add(signals.step_ns);
+                w.1 += 1;
+            }
+            w.2 = signals.loss.or(w.2);
+        }
         let push = Push { id, worker, iteration, clock, samples, staleness, version, signals };
         self.incoming = Some(Held { push, grad, based_on, local_steps });
         let view = self.clocks.view();

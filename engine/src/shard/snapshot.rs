@@ -382,6 +382,7 @@ impl Shard {
             next_push: snap.next_push,
             applied: snap.applied,
             applied_min: None,
+            worked: vec![(0, 0, None); snap.waited.len()],
             waited: snap.waited,
             version: snap.version,
             mode: snap.mode,

@@ -280,6 +280,12 @@ pub struct PolicyArgs {
     /// A per-shard configuration override, `SHARD:KEY=VALUE` (repeatable).
     #[arg(long = "shard-config", value_parser = parse_override)]
     pub overrides: Vec<(u32, String, String)>,
+    /// A cluster policy for the coordinator to run beside the shard policy: `autopilot`
+    /// (picks BSP, SSP, the adaptive deadline or ASP as stragglers come and go), with its
+    /// configuration (`autopilot:cadence_ms=1000`), or a .wasm file built with
+    /// `export_cluster_policy!`.
+    #[arg(long)]
+    pub pilot: Option<PolicySpec>,
 }
 
 /// Parses `SHARD:k=v` per-shard overrides.

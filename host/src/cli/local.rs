@@ -244,7 +244,12 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         no_progress_s: Some(a.train.no_progress_s),
     };
     scenario.check().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let run = RunSpec { scenario, policy: a.policy.policy.clone(), overrides: a.policy.overrides.clone() };
+    let run = RunSpec::with_pilot(
+        scenario,
+        a.policy.policy.clone(),
+        a.policy.overrides.clone(),
+        a.policy.pilot.clone(),
+    );
     Ok(LocalOptions {
         data: a.data.clone(),
         spin_us: a.spin.spin_us,

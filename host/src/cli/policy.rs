@@ -601,6 +601,17 @@ fn print_status(s: &ClusterStatus) {
         let cfg: Vec<String> = s.config.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("config: {}", cfg.join(","));
     }
+    if let Some(p) = &s.pilot {
+        let state = if p.quarantined { "QUARANTINED (the cluster keeps its policy)" } else { "running" };
+        println!("cluster policy: {}, every {} ms, {} swaps asked, {state}", p.policy, p.cadence_ms, p.swaps);
+        if !p.metrics.is_empty() {
+            let m: Vec<String> = p.metrics.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            println!("cluster policy metrics: {}", m.join(", "));
+        }
+        for e in p.log.iter().rev().take(5).rev() {
+            println!("cluster policy at {:.1} s: {}", e.at_ns as f64 / 1e9, e.what);
+        }
+    }
     println!(
         "{:<6} {:<7} {:<22} {:<12} {:>8} {:>9} {:>8} {:>11} {:>9} {:>8} {:>12} {:>7} {:>11} {:<11}",
         "server",

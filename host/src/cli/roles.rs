@@ -329,6 +329,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         checkpoint_dir: a.faults.checkpoint_dir,
         resume: a.faults.resume,
         replicas,
+        pilot: a.policy.pilot.as_ref().map(|p| policy_source(p, Vec::new())).transpose()?,
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }

@@ -131,6 +131,9 @@ pub struct CoordinatorOptions {
     pub resume: Option<PathBuf>,
     /// Backups per shard (0 or 1; 1 needs at least two servers).
     pub replicas: u32,
+    /// A cluster policy to run (the autopilot, say): its label, module bytes and
+    /// configuration.
+    pub pilot: Option<PolicySource>,
 }
 
 /// The default of [`CoordinatorOptions::startup_timeout`], in seconds.
@@ -169,6 +172,8 @@ struct State {
     recorded: Record,
     /// Why the last checkpoint round was not taken, until one is.
     checkpoint_error: Option<String>,
+    /// The cluster policy, if one runs.
+    pilot: Option<syncopate_engine::pilot::Pilot>,
 }
 
 /// A hot swap's module, while the swap is under way.
@@ -223,7 +228,23 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     };
     let runtime = PolicyRuntime::new()?;
     // Refuse to start with a module the servers would refuse.
-    crate::node::compile(&runtime, opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
+    let module = crate::node::compile(&runtime, opts.policy.label.clone(), opts.policy.wasm.clone()).await?;
+    if module.kind() != syncopate_engine::runtime::ModuleKind::Shard {
+        return Err(NodeError::Protocol(format!(
+            "{} is {}: run it with --pilot, and give --policy a shard policy",
+            module.display_name(),
+            module.kind()
+        )));
+    }
+    let pilot = match &opts.pilot {
+        Some(p) => {
+            let module = crate::node::compile(&runtime, p.label.clone(), p.wasm.clone()).await?;
+            let pilot = syncopate_engine::pilot::Pilot::start(&module, &p.config, opts.shards, 0)?;
+            tracing::info!(pilot = module.display_name(), "cluster policy running");
+            Some(pilot)
+        }
+        None => None,
+    };
     let endpoint = net::tls::listen(
         opts.listen,
         opts.tls.server_config(opts.peer_timeout, net::window::receive_budget())?,
@@ -269,6 +290,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             admission_key: AdmissionKey(rand::random()),
             recorded: Record::default(),
             checkpoint_error: None,
+            pilot,
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
@@ -312,7 +334,11 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         })
     });
     let monitor = coord.monitors_leases().then(|| tokio::spawn(coord.clone().monitor()));
+    let piloting = coord.lock().pilot.is_some().then(|| tokio::spawn(coord.clone().fly()));
     let _ = stop.wait_for(|s| *s).await;
+    if let Some(p) = piloting {
+        p.abort();
+    }
     if let Some(p) = periodic {
         p.abort();
     }
@@ -747,6 +773,71 @@ impl Coordinator {
     }
 
     /// Sends every connected worker a notice.
+    /// Runs the cluster policy: at its cadence, gathers every primary shard's sample (with the
+    /// status), hands them to it, and carries out the swap it asks for as an operator's swap
+    /// would be, telling it how that went. Ends when it is quarantined.
+    async fn fly(self: Arc<Self>) {
+        use syncopate_engine::pilot::PilotAction;
+        loop {
+            let due = match self.lock().pilot.as_ref().map(|p| (p.due(), p.status().quarantined)) {
+                Some((_, true)) | None => return,
+                Some((due, false)) => due,
+            };
+            let Some(due) = due else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            tokio::time::sleep(Duration::from_nanos(due.saturating_sub(self.now_ns()))).await;
+            if !*self.started.borrow() {
+                // Nothing to look at before training starts: the first figures come after it.
+                let now = self.now_ns();
+                if let Some(p) = self.lock().pilot.as_mut() {
+                    p.observe(now, Vec::new());
+                }
+                continue;
+            }
+            let samples = match self.status().await {
+                Ok(s) => s.servers.into_iter().flat_map(|sv| sv.shards).map(|sh| sh.sample).collect(),
+                Err(e) => {
+                    tracing::warn!("the cluster policy's figures could not be gathered: {e}");
+                    continue;
+                }
+            };
+            let now = self.now_ns();
+            let actions = match self.lock().pilot.as_mut() {
+                Some(p) => p.observe(now, samples),
+                None => return,
+            };
+            for action in actions {
+                let PilotAction::Swap { policy, config, reason } = action;
+                tracing::warn!(policy, %reason, "the cluster policy swaps the shard policy");
+                let outcome = match syncopate_engine::builtin::wasm(&policy) {
+                    Some(wasm) => {
+                        let source = PolicySource {
+                            label: format!("builtin:{policy}"),
+                            wasm: wasm.to_vec(),
+                            config,
+                            overrides: Vec::new(),
+                        };
+                        match self.swap(source.blob(), source.wasm).await {
+                            CoordResponse::Swapped { .. } => Ok(()),
+                            CoordResponse::SwappedPartly { failed, .. } => {
+                                Err(format!("not everywhere: {}", crate::net::proto::listed(&failed)))
+                            }
+                            CoordResponse::Error(e) => Err(e.to_string()),
+                            other => Err(format!("unexpected answer {other:?}")),
+                        }
+                    }
+                    None => Err(format!("no built-in policy `{policy}`")),
+                };
+                let now = self.now_ns();
+                if let Some(p) = self.lock().pilot.as_mut() {
+                    p.swapped(now, &policy, outcome);
+                }
+            }
+        }
+    }
+
     async fn notify_workers(&self, notice: WorkerNotice) {
         let conns: Vec<_> = self.lock().worker_conns.values().cloned().collect();
         let notices = conns.iter().map(|c| {
@@ -1215,6 +1306,7 @@ impl Coordinator {
                     .map(|(i, _)| i as u32)
                     .collect(),
                 checkpoint_error: st.checkpoint_error.clone(),
+                pilot: st.pilot.as_ref().map(|p| p.status()),
             };
             (st.servers(), status)
         };

@@ -87,6 +87,9 @@ impl LocalOptions {
         for (shard, k, v) in &run.overrides {
             a.extend(["--shard-config".into(), format!("{shard}:{k}={v}")]);
         }
+        if let Some(pilot) = &run.pilot {
+            a.extend(["--pilot".into(), pilot.to_string()]);
+        }
         let (o, local) = (sc.server_optimizer(), sc.local_sgd());
         let weight = match sc.push_weight.unwrap_or_default() {
             PushWeight::Mean => "mean",
@@ -693,6 +696,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         elapsed_s,
         workers: reports,
         failed_workers: failed,
+        pilot: status.pilot,
         policy: status.policy,
         sha256: status.sha256,
         config: status.config,

@@ -239,6 +239,9 @@ pub struct RunReport {
     /// When the coordinator died and was started again (seconds from the start; `local` only).
     #[serde(default)]
     pub coordinator_restarts: Vec<f64>,
+    /// The cluster policy at the end (the autopilot), with its log of swaps, if one ran.
+    #[serde(default)]
+    pub pilot: Option<syncopate_engine::pilot::PilotStatus>,
 }
 
 /// One server at the end of a run.

@@ -536,12 +536,30 @@ pub struct RunSpec {
     pub policy: PolicySpec,
     /// Per-shard overrides of single configuration keys, `(shard, key, value)`.
     pub overrides: Vec<(u32, String, String)>,
+    /// A cluster policy the coordinator runs beside it (the autopilot), if any.
+    pub pilot: Option<PolicySpec>,
 }
 
 impl RunSpec {
-    /// The scenario under `policy`, every shard configured alike.
+    /// The scenario under `policy`, every shard configured alike. A cluster policy
+    /// (`autopilot`) given as the policy runs as the pilot of a cluster that starts on BSP, so
+    /// that `ab --policies bsp,asp,autopilot` compares it with the fixed rules.
     pub fn new(scenario: Scenario, policy: PolicySpec) -> Self {
-        RunSpec { scenario, policy, overrides: Vec::new() }
+        Self::with_pilot(scenario, policy, Vec::new(), None)
+    }
+
+    /// The scenario under `policy` with per-shard `overrides` and a cluster policy `pilot`.
+    pub fn with_pilot(
+        scenario: Scenario,
+        policy: PolicySpec,
+        overrides: Vec<(u32, String, String)>,
+        pilot: Option<PolicySpec>,
+    ) -> Self {
+        if policy.is_cluster_builtin() && pilot.is_none() {
+            let bsp = PolicySpec { source: "bsp".into(), config: Vec::new() };
+            return RunSpec { scenario, policy: bsp, overrides, pilot: Some(policy) };
+        }
+        RunSpec { scenario, policy, overrides, pilot }
     }
 
     /// The shards this run has (one per server unless the scenario says).

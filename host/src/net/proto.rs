@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 18;
+pub const PROTOCOL_VERSION: u32 = 19;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -1087,6 +1087,9 @@ pub struct ShardStatus {
     /// milliseconds, then it restarts (protocol 13).
     #[serde(default)]
     pub backoff_ms: Option<u64>,
+    /// What the cluster policy's figures are made of (protocol 19).
+    #[serde(default)]
+    pub sample: syncopate_engine::pilot::ShardSample,
 }
 
 /// A pull a policy parks, and for how long so far.
@@ -1147,6 +1150,7 @@ impl ShardStatus {
             parked_longest: None,
             policy_failures_now: shard.module_failures(),
             backoff_ms: None,
+            sample: syncopate_engine::pilot::ShardSample::of(id, shard),
         }
     }
 }
@@ -1207,6 +1211,9 @@ pub struct ClusterStatus {
     /// 13).
     #[serde(default)]
     pub checkpoint_error: Option<String>,
+    /// The cluster policy, if one runs (protocol 19).
+    #[serde(default)]
+    pub pilot: Option<syncopate_engine::pilot::PilotStatus>,
 }
 
 #[cfg(test)]
@@ -1216,8 +1223,8 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_18_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 18);
+    fn requests_encode_as_protocol_19_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 19);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };

@@ -36,7 +36,7 @@
 use rand::Rng;
 use syncopate_engine::coordinator::{
     Answer, CheckpointOutcome, Command, CommandError, CoordOutput, Gathering, Refusal, Replacement,
-    ServerError,
+    ServerError, SwapOutcome,
 };
 use syncopate_policy_sdk::abi::LeaveReason;
 
@@ -45,6 +45,7 @@ use super::{server_addr, Cut, Req, Sim, SimError, SimPartition};
 use crate::lease::{ServerLease, HEARTBEAT_MS};
 use crate::runtime::PolicyModule;
 use crate::shard::{ClockRaise, Frontier, Quiet, ShardNode, ShardSnapshot, SwapTo};
+use syncopate_engine::pilot::{PilotAction, ShardSample};
 use syncopate_engine::server::ServerState;
 
 pub(super) const MS: u64 = 1_000_000;
@@ -323,6 +324,74 @@ impl Sim {
         }
     }
 
+    /// The cluster policy looks at the cluster: every live primary's sample goes to it, and a
+    /// swap it asks for begins as an operator's would (its outcome goes back to it when the
+    /// swap ends, [`Sim::pilot_swapped`]).
+    pub(super) fn pilot(&mut self) -> Result<(), SimError> {
+        let now = self.now;
+        let samples: Vec<_> = (0..self.shards.nodes.len() as u32)
+            .filter(|&s| !self.down(s))
+            .filter_map(|s| self.shards.nodes[s as usize].shard().map(|sh| ShardSample::of(s, sh)))
+            .collect();
+        let Some((pilot, rt)) = self.coord.pilot.as_mut() else { return Ok(()) };
+        if pilot.due().is_none_or(|due| due > now) {
+            return Ok(());
+        }
+        let rt = rt.clone();
+        for action in pilot.observe(now, samples) {
+            let PilotAction::Swap { policy, config, .. } = action;
+            let module = match crate::builtin::wasm(&policy) {
+                Some(wasm) => rt.compile(&format!("builtin:{policy}"), wasm).map_err(|e| e.to_string()),
+                None => Err(format!("no built-in policy `{policy}`")),
+            };
+            let begun = match module {
+                Ok(module) => {
+                    if !self.modules.iter().any(|m| m.sha256() == module.sha256()) {
+                        self.modules.push(module.clone());
+                    }
+                    let before = self.coord.swapping.as_ref().map(|s| s.0);
+                    self.swap(module, config)?;
+                    let now_swapping = self.coord.swapping.as_ref().map(|s| s.0);
+                    if now_swapping.is_some() && now_swapping != before {
+                        Ok(())
+                    } else {
+                        Err("the coordinator could not begin it (another swap, or no coordinator)"
+                            .to_string())
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            if let (Err(e), Some((pilot, _))) = (begun, self.coord.pilot.as_mut()) {
+                pilot.swapped(now, &policy, Err(e));
+            }
+        }
+        self.pilot_next();
+        Ok(())
+    }
+
+    /// Schedules the cluster policy's next look, if it has one due.
+    pub(super) fn pilot_next(&mut self) {
+        if let Some(due) = self.coord.pilot.as_ref().and_then(|p| p.0.due()) {
+            self.at(due.max(self.now), Ev::Pilot);
+        }
+    }
+
+    /// Swap `swap` ended: the cluster policy hears how, if it asked for one.
+    fn pilot_swapped(&mut self, swap: u64, outcome: &SwapOutcome) {
+        let name = self.coord.swap_modules.get(&swap).map(|m| m.0.info().name.clone()).unwrap_or_default();
+        let now = self.now;
+        let Some((pilot, _)) = self.coord.pilot.as_mut() else { return };
+        if pilot.swapping().is_none() {
+            return; // not one it asked for
+        }
+        let result = match outcome {
+            SwapOutcome::Committed => Ok(()),
+            other => Err(format!("{other:?}")),
+        };
+        pilot.swapped(now, &name, result);
+        self.pilot_next();
+    }
+
     /// A hot swap, begun by the coordinator's machine, two-phase: every server it has not
     /// failed over is asked to prepare the module (a dead one cannot), and only if all can,
     /// each switches its primaries when its commit arrives ([`Sim::commit`]). While another
@@ -409,6 +478,7 @@ impl Sim {
                     tracing::debug!(swap, ?outcome, t_ns = self.now, "hot swap done");
                     self.coord.swapping = None;
                     self.found.swaps_ended += 1;
+                    self.pilot_swapped(swap, &outcome);
                 }
                 CoordOutput::CheckpointDone { round, outcome: CheckpointOutcome::Taken } => {
                     self.round_taken(round)?

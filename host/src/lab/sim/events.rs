@@ -91,6 +91,8 @@ pub(super) enum Ev {
     WaitOver(u32, u32),
     /// The workers notice that the coordinator crashed.
     CoordinatorAway,
+    /// The cluster policy looks at the cluster.
+    Pilot,
 }
 
 impl Ev {
@@ -99,7 +101,13 @@ impl Ev {
     pub(super) fn is_clockwork(&self) -> bool {
         matches!(
             self,
-            Ev::Heartbeat(_) | Ev::Renew(..) | Ev::Renewed(..) | Ev::CoordTimer | Ev::Watch | Ev::Tick
+            Ev::Heartbeat(_)
+                | Ev::Renew(..)
+                | Ev::Renewed(..)
+                | Ev::CoordTimer
+                | Ev::Watch
+                | Ev::Tick
+                | Ev::Pilot
         )
     }
 }

@@ -240,6 +240,8 @@ struct SimCoordinator {
     pub(super) recorded: Record,
     /// Checkpoint rounds begun, by number ([`SimFaults::checkpoints`]).
     pub(super) rounds: BTreeMap<u64, checkpoints::SimRound>,
+    /// The cluster policy, if the run has one, and the runtime its swaps' modules compile in.
+    pub(super) pilot: Option<(syncopate_engine::pilot::Pilot, PolicyRuntime)>,
 }
 
 /// The shards, each a primary node and perhaps a backup node, by shard.
@@ -387,6 +389,7 @@ pub fn simulate(opts: &SimOptions, rt: &PolicyRuntime) -> Result<Simulated, SimE
         sim.handle(ev)?;
     }
     sim.at(sc.eval_every_ms * 1_000_000, Ev::Watch);
+    sim.pilot_next();
     let mut stopped_at = None;
     let mut handled = 0u64;
     let mut failures = failures;
@@ -774,6 +777,7 @@ impl Sim {
             | Ev::Moved(..) => self.control(ev)?,
             Ev::WaitOver(w, s) => self.wait_over(w, s),
             Ev::CoordinatorAway => self.coordinator_away(),
+            Ev::Pilot => self.pilot()?,
             Ev::Watch => {
                 self.observe();
                 let every = self.opts.run.scenario.eval_every_ms;

@@ -184,6 +184,15 @@ impl Sim {
             })
             .collect();
         let phases = crate::lab::report::phases(&self.score.watch);
+        // The policy at the end: the one the last committed swap switched to (hot swaps by the
+        // run's faults or its cluster policy), as a spec.
+        let swaps = self.coord.machine.swaps();
+        let policy = match self.coord.swap_modules.get(&swaps) {
+            Some((m, config)) if swaps > 0 => {
+                crate::builtin::PolicySpec { source: m.info().name.clone(), config: config.clone() }
+            }
+            _ => self.opts.run.policy.clone(),
+        };
         let failovers = crate::lab::report::failovers(&self.score.watch);
         RunReport {
             simulated: true,
@@ -191,10 +200,10 @@ impl Sim {
             elapsed_s: self.now as f64 / 1e9,
             workers,
             failed_workers: Vec::new(),
-            policy: self.opts.run.policy.to_string(),
+            policy: policy.to_string(),
             sha256: shards.first().map(|s| s.sha256.clone()).unwrap_or_default(),
-            config: self.opts.run.policy.config.clone(),
-            swaps: 0,
+            config: policy.config,
+            swaps,
             servers,
             members,
             model_len: model.len(),
@@ -212,6 +221,7 @@ impl Sim {
             phases,
             failovers,
             coordinator_restarts: Vec::new(),
+            pilot: self.coord.pilot.as_ref().map(|p| p.0.status()),
         }
     }
 }

@@ -26,6 +26,15 @@ pub(super) fn build(
     for (at, spec) in &opts.faults.swaps {
         swaps.push((*at, load(spec, rt)?, spec.config.clone()));
     }
+    let pilot = match &opts.run.pilot {
+        Some(spec) => {
+            let m = load(spec, rt)?;
+            let p = syncopate_engine::pilot::Pilot::start(&m, &spec.config, shards_n, 0)
+                .map_err(|e| SimError::Policy(spec.to_string(), e))?;
+            Some((p, rt.clone()))
+        }
+        None => None,
+    };
     let modules: Vec<PolicyModule> =
         std::iter::once(module.clone()).chain(swaps.iter().map(|s| s.1.clone())).collect();
     let wopts = sc.workload_options(opts.data.as_deref());
@@ -238,6 +247,7 @@ pub(super) fn build(
             incarnation: 0,
             recorded: Default::default(),
             rounds: BTreeMap::new(),
+            pilot,
         },
         servers: SimServers {
             dead: vec![false; sc.servers as usize],
