@@ -1,6 +1,7 @@
 //! Builds the test suite's hostile policy module from `tests/hostile-policy`, and the example
 //! user policies from `policies/example-deadline`, `policies/example-backup`,
-//! `policies/example-firstk` and `policies/example-clip`, to wasm32
+//! `policies/example-firstk`, `policies/example-clip` and `policies/example-pilot` (a cluster
+//! policy), to wasm32
 //! (none is built into the host).
 
 use std::path::Path;
@@ -15,6 +16,7 @@ fn main() {
             "syncopate-policy-example-backup",
             "syncopate-policy-example-firstk",
             "syncopate-policy-example-clip",
+            "syncopate-policy-example-pilot",
         ],
         &[
             "tests/hostile-policy",
@@ -22,6 +24,7 @@ fn main() {
             "policies/example-backup",
             "policies/example-firstk",
             "policies/example-clip",
+            "policies/example-pilot",
             "policy-sdk",
         ],
     );
@@ -32,6 +35,7 @@ fn main() {
             println!("cargo:rustc-env=SYNCOPATE_BACKUP_WASM={}", paths[2].display());
             println!("cargo:rustc-env=SYNCOPATE_FIRSTK_WASM={}", paths[3].display());
             println!("cargo:rustc-env=SYNCOPATE_CLIP_WASM={}", paths[4].display());
+            println!("cargo:rustc-env=SYNCOPATE_PILOT_WASM={}", paths[5].display());
         }
         Err(e) => {
             eprintln!("error: {e}");

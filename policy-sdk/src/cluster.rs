@@ -358,6 +358,7 @@ impl<P: ClusterPolicy> ClusterGuest<P> {
 
     /// Creates the instance from [`InitArgs`] (its `shard` unused).
     pub fn init(&mut self, len: usize) -> &[u8] {
+        crate::guest::install_panic_hook();
         self.output.clear();
         let created = postcard::from_bytes::<InitArgs<'_>>(&self.input[..len])
             .map_err(|e| alloc::format!("malformed init arguments: {e}"))
@@ -370,6 +371,7 @@ impl<P: ClusterPolicy> ClusterGuest<P> {
 
     /// Creates the instance from [`InitArgs`] and a [`Handoff`].
     pub fn import(&mut self, len: usize) -> &[u8] {
+        crate::guest::install_panic_hook();
         self.output.clear();
         let created = postcard::take_from_bytes::<InitArgs<'_>>(&self.input[..len])
             .map_err(|e| alloc::format!("malformed init arguments: {e}"))

@@ -231,7 +231,7 @@ std::thread_local! {
     static LAST_PANIC: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
-fn install_panic_hook() {
+pub(crate) fn install_panic_hook() {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     if cfg!(target_arch = "wasm32") {
         INSTALLED.call_once(|| {

@@ -166,6 +166,53 @@ fn policy_check_reports_a_request_never_answered_with_the_shrunk_sequence() {
     );
 }
 
+/// Issue 53: `policy check` runs a cluster policy through generated clusters (workers join and
+/// leave, stragglers come and go, swaps fail) on the coordinator's own machine, and finds the
+/// bug planted in the example: a worker looked up by its id as an index, which panics once a
+/// worker with a lower id has left.
+#[test]
+fn policy_check_explores_a_cluster_policy_and_finds_a_planted_bug() {
+    let wasm = env!("SYNCOPATE_PILOT_WASM");
+    let out =
+        Command::new(syncopate_bin()).args(["policy", "check", wasm]).output_within(COMMAND_LIMIT).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("abi:         cluster v1"), "{stdout}");
+    assert!(stdout.contains("exercised:   64 generated clusters"), "{stdout}");
+    let buggy = format!("{wasm}:planted_bug=true");
+    let out =
+        Command::new(syncopate_bin()).args(["policy", "check", &buggy]).output_within(COMMAND_LIMIT).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("breaks a rule in a generated cluster"), "{stderr}");
+    assert!(stderr.contains("panicked") && stderr.contains("index out of bounds"), "{stderr}");
+    // The built-in autopilot passes, and a shard policy is not taken for one (nor the reverse).
+    let out = Command::new(syncopate_bin())
+        .args(["policy", "check", "autopilot"])
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tls = crate::cluster::run_dir("pilot-as-policy").join("tls");
+    let out = Command::new(syncopate_bin()).arg("certs").arg(&tls).output_within(COMMAND_LIMIT).unwrap();
+    assert!(out.status.success());
+    let out = Command::new(syncopate_bin())
+        .args([
+            "coordinator",
+            "--policy",
+            "autopilot",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "t",
+            "--tls-dir",
+        ])
+        .arg(&tls)
+        .output_within(COMMAND_LIMIT)
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("is a cluster policy: run it with --pilot"), "{stderr}");
+}
+
 #[test]
 fn policy_list_shows_the_builtins() {
     let out = Command::new(syncopate_bin()).args(["policy", "list"]).output_within(COMMAND_LIMIT).unwrap();
@@ -186,10 +233,12 @@ fn policy_list_shows_the_builtins() {
         "syncswitch",
         "adacomm",
         "robust",
+        "autopilot",
     ];
     for name in builtins {
         assert!(stdout.contains(&format!("name:        {name}")), "{stdout}");
     }
+    assert!(stdout.contains("abi:         cluster v1 (a cluster policy: --pilot autopilot)"), "{stdout}");
     // Each with a one-line description and its parameters, defaults and meaning.
     assert!(stdout.contains("s_hi       uint   default 15"), "{stdout}");
     assert!(stdout.contains("text   default enforced"), "{stdout}");

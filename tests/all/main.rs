@@ -12,6 +12,7 @@ mod local_sgd;
 mod net;
 mod oracles;
 mod partition;
+mod pilot;
 mod progress;
 mod restart;
 mod rules;

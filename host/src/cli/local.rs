@@ -352,6 +352,11 @@ pub fn run(a: LocalArgs) -> anyhow::Result<()> {
         super::policy::quick_check(&rt, &a.policy.policy)
             .context("the policy was not started (--no-check starts it unchecked)")?;
     }
+    if let Some(pilot) = a.policy.pilot.as_ref().filter(|p| !p.is_builtin() && !a.no_check) {
+        let rt = crate::runtime::PolicyRuntime::new()?;
+        super::policy::quick_check(&rt, pilot)
+            .context("the cluster policy was not started (--no-check starts it unchecked)")?;
+    }
     let opts = options(&a, exe)?;
     let run_dir = opts.run_dir.clone();
     let target = opts.run.scenario.target();

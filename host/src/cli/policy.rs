@@ -11,7 +11,7 @@ use super::args::{tokio, AccessArgs};
 use crate::builtin::{self, PolicySpec};
 use crate::net::proto::ClusterStatus;
 use crate::operator::Operator;
-use crate::runtime::{PolicyInstance, PolicyRuntime};
+use crate::runtime::{ModuleKind, PolicyInstance, PolicyRuntime};
 
 /// How many generated event sequences `policy check` drives a module through.
 #[derive(Clone, Copy, Debug, clap::Args)]
@@ -192,7 +192,14 @@ pub fn run(cmd: PolicyCommand) -> anyhow::Result<()> {
             for name in builtin::names() {
                 let spec: PolicySpec = name.parse()?;
                 let module = spec.load(&rt)?;
-                print_info(module.info(), module.abi(), "");
+                print_info(module.info(), Some(module.abi()), "");
+                println!();
+            }
+            for name in builtin::cluster_names() {
+                let spec: PolicySpec = name.parse()?;
+                let module = spec.load(&rt)?;
+                print_info(module.info(), None, "");
+                println!("abi:         cluster v{} (a cluster policy: --pilot {name})", module.abi());
                 println!();
             }
         }
@@ -328,10 +335,23 @@ fn print_replay(r: &crate::replay::Report) {
 /// name, perhaps with a configuration (`FILE:k=v,...`), which `config` adds to.
 fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) -> anyhow::Result<()> {
     let spec = with_config(file, config)?;
+    let (label, wasm) = spec.bytes()?;
+    if rt.compile(&label, &wasm)?.kind() == ModuleKind::Cluster {
+        let (module, explored) = explore_cluster(rt, &spec, cases)?;
+        println!("ok: {}", spec.source);
+        println!("  sha256:      {}", module.sha256_hex());
+        print_info(module.info(), None, "  ");
+        println!("  abi:         cluster v{} (run by the coordinator: --pilot)", module.abi());
+        println!(
+            "  exercised:   {} generated clusters, {} windows, {} swaps asked",
+            explored.cases, explored.windows, explored.swaps
+        );
+        return Ok(());
+    }
     let (module, explored) = explore(rt, &spec, cases)?;
     println!("ok: {}", spec.source);
     println!("  sha256:      {}", module.sha256_hex());
-    print_info(module.info(), module.abi(), "  ");
+    print_info(module.info(), Some(module.abi()), "  ");
     println!(
         "  exercised:   {} generated cases ({} long), {} events: {} pulls deferred, {} pushes held, {} dropped, {} state hand-overs",
         explored.cases,
@@ -391,10 +411,32 @@ fn explore(
     Ok((module, explored))
 }
 
+/// Validates `spec`'s cluster policy module, starts it, and runs it through `cases.cases`
+/// generated clusters ([`crate::lab::explore_cluster`]): the first that breaks a rule is the
+/// error.
+fn explore_cluster(
+    rt: &PolicyRuntime,
+    spec: &PolicySpec,
+    cases: CasesArgs,
+) -> anyhow::Result<(crate::runtime::PolicyModule, crate::lab::explore_cluster::ClusterExplored)> {
+    let (label, wasm) = spec.bytes()?;
+    let module = rt.compile(&label, &wasm)?;
+    syncopate_engine::pilot::Pilot::start(&module, &spec.config, 1, 0)
+        .context("the module loads but does not start")?;
+    let explored =
+        crate::lab::explore_cluster::explore_cluster(&module, &spec.config, cases.seed, cases.cases)
+            .map_err(|b| anyhow::anyhow!("the cluster policy breaks a rule in a generated cluster: {b}"))?;
+    Ok((module, explored))
+}
+
 /// The check a module gets where it enters a cluster (`local`, `policy swap`): `policy check`
 /// in brief (a quarter of its cases, one long case). Built-ins are checked by the test suite.
 pub(super) fn quick_check(rt: &PolicyRuntime, spec: &PolicySpec) -> anyhow::Result<()> {
     let cases = CasesArgs { cases: crate::lab::explore::DEFAULT_CASES / 4, long_cases: 1, seed: 0 };
+    let (label, wasm) = spec.bytes()?;
+    if rt.compile(&label, &wasm)?.kind() == ModuleKind::Cluster {
+        return explore_cluster(rt, spec, cases).map(|_| ());
+    }
     explore(rt, spec, cases).map(|_| ())
 }
 
@@ -569,11 +611,15 @@ fn watched(before: &ClusterStatus, after: &ClusterStatus, sha: &str) -> Watched 
 }
 
 /// Prints what a module declares; `abi` is the ABI version it was built for.
-fn print_info(info: &ModuleInfo, abi: u32, indent: &str) {
+/// `abi`: the shard policy ABI the module was built for (`None`: a cluster policy, whose ABI
+/// the caller prints).
+fn print_info(info: &ModuleInfo, abi: Option<u32>, indent: &str) {
     println!("{indent}name:        {}", info.name);
     println!("{indent}version:     {}", info.version);
-    let note = if abi < ABI_VERSION { " (built by an earlier SDK: loaded as it was)" } else { "" };
-    println!("{indent}abi:         v{abi}{note}");
+    if let Some(abi) = abi {
+        let note = if abi < ABI_VERSION { " (built by an earlier SDK: loaded as it was)" } else { "" };
+        println!("{indent}abi:         v{abi}{note}");
+    }
     println!("{indent}description: {}", info.description);
     if info.params.is_empty() {
         println!("{indent}parameters:  none");

@@ -13,14 +13,17 @@
 //! - [`simtest`]: a seeded search for lost or doubled updates under server failures, in the
 //!   simulator (`syncopate simtest`);
 //! - [`explore`]: generated event sequences for one policy module on one shard, the rules a
-//!   policy must keep, and the shrunk sequence that broke one (`syncopate policy check`).
+//!   policy must keep, and the shrunk sequence that broke one (`syncopate policy check`);
+//! - [`explore_cluster`]: generated clusters for a cluster policy (stragglers coming and going,
+//!   workers joining and leaving, swaps that fail), run through the coordinator's pilot.
 //!
 //! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on
 //! `report` and `stats`; `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of
-//! them but `simtest`; `simtest` on `scenario` and `sim`; `explore` on none.
+//! them but `simtest`; `simtest` on `scenario` and `sim`; `explore` on none; `explore_cluster` on `explore`.
 
 pub mod ab;
 pub mod explore;
+pub mod explore_cluster;
 pub mod local;
 pub mod plots;
 pub mod report;
