@@ -9,10 +9,10 @@ use crate::cluster::LocalRun;
 /// Four worker processes at 20 ms per iteration; worker 0 turns 4x slower from 3 s to 8 s.
 /// The autopilot (every 500 ms, two windows to agree) moves the cluster from BSP to the
 /// adaptive deadline (one straggler of four) while it lasts, and back to BSP after; the report
-/// has its log, the swaps and the phases.
+/// has its log, the swaps and the phases, and `policy status` shows them while it runs.
 #[test]
 fn the_autopilot_swaps_by_itself_when_a_worker_straggles_and_back_when_it_recovers() {
-    let run = LocalRun::start_plain(
+    let mut run = LocalRun::start_plain(
         "autopilot",
         &[
             "--workload",
@@ -37,6 +37,21 @@ fn the_autopilot_swaps_by_itself_when_a_worker_straggles_and_back_when_it_recove
             "autopilot:cadence_ms=500,dwell_ms=1000",
         ],
     );
+    // While it runs, `policy status` shows the cluster policy and the swap it made.
+    let cluster = run.cluster_file();
+    let t = std::time::Instant::now();
+    loop {
+        let st = crate::cluster::status(&cluster);
+        if st.pilot.as_ref().is_some_and(|p| p.swaps > 0) {
+            let out = crate::cluster::syncopate(&["policy", "status"], &cluster);
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("cluster policy: cluster policy `autopilot`"), "{text}");
+            assert!(text.contains("swap to adaptive-deadline"), "{text}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "no swap by the cluster policy: {:?}", st.pilot);
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let (status, run) = run.finish(Duration::from_secs(300));
     assert!(status.success(), "{}", run.output());
     let report = run.report();

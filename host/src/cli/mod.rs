@@ -310,6 +310,17 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
             now_ns: 0,
             config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
         };
+        // A cluster policy runs as the pilot of a cluster that starts on BSP (`RunSpec::new`).
+        if module.kind() == crate::runtime::ModuleKind::Cluster {
+            anyhow::ensure!(
+                spec.is_cluster_builtin(),
+                "`{spec}` is a cluster policy from a file: `ab` compares the built-in ones (autopilot); \
+                 run a file with `syncopate local --pilot FILE`"
+            );
+            syncopate_engine::pilot::Pilot::start(&module, &spec.config, 1, 0)
+                .with_context(|| format!("cluster policy `{spec}` does not start"))?;
+            continue;
+        }
         crate::runtime::PolicyInstance::new(&module, &args)
             .with_context(|| format!("policy `{spec}` does not start"))?;
     }
