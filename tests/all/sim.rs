@@ -1036,3 +1036,37 @@ fn the_autopilot_swaps_away_from_bsp_while_a_straggler_lasts_and_back_after() {
     assert!(policies.iter().any(|p| p.starts_with("adaptive-deadline")), "{policies:?}");
     assert_eq!(r.policy.split(' ').next(), Some("bsp"), "back on BSP at the end");
 }
+
+/// Issue 53: a link that slows for a while (`[[link]]`): worker 0's link runs at 20 Mbit/s
+/// from 2 s to 4 s; its 400 KB pulls and pushes then take about 0.16 s each way, so it finishes
+/// far fewer iterations inside the window than before or after it, and the other worker's pace
+/// (ASP: nobody waits) does not change.
+#[test]
+fn a_link_that_slows_for_a_while_slows_only_its_transfers_only_then() {
+    let s = scenario(
+        "name = \"link\"\nworkers = 2\nservers = 1\nworkload = \"counter\"\nparams = 100000\ncompute_ms = 20\n\
+         bandwidth_mbit = 1000.0\ntime_limit_s = 6\n[[link]]\nworker = 0\nmbit = 20.0\nfrom_s = 2.0\nuntil_s = 4.0\n",
+    );
+    let r = sim(&s, "asp", false);
+    let count = |w: u32, lo: f64, hi: f64| {
+        let rep = r.workers.iter().find(|x| x.worker == w).expect("worker finished");
+        rep.timeline.iter().filter(|(t, ..)| (lo..hi).contains(t)).count()
+    };
+    let (before, inside, after) = (count(0, 0.5, 1.5), count(0, 2.5, 3.5), count(0, 4.5, 5.5));
+    assert!(
+        inside * 4 < before && inside * 4 < after,
+        "worker 0: {before} / {inside} / {after} iterations a second"
+    );
+    let (b1, i1) = (count(1, 0.5, 1.5), count(1, 2.5, 3.5));
+    assert!(i1 * 10 >= b1 * 9, "worker 1 unaffected: {b1} / {i1}");
+    // A link of a node the scenario lacks, or of no bandwidth, is refused with the reason.
+    let check = |extra: &str| {
+        let s: Scenario =
+            toml::from_str(&format!("name = \"x\"\nworkers = 2\niterations = 3\n[[link]]\n{extra}"))
+                .expect("parses");
+        s.check().unwrap_err()
+    };
+    assert!(check("worker = 5\nmbit = 1.0\n").contains("does not have"));
+    assert!(check("worker = 0\nmbit = 0.0\n").contains("not a positive bandwidth"));
+    assert!(check("worker = 0\nserver = 0\nmbit = 1.0\n").contains("one worker or one server"));
+}

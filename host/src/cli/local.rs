@@ -238,6 +238,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         slow: a.slow.clone(),
         jitter: a.jitter.clone(),
         stall: a.stall.iter().map(|&(worker, at_s, for_s)| Stall { worker, at_s, for_s }).collect(),
+        link: Vec::new(),
         script: a.script.clone(),
         replicas: a.faults.replicas(a.servers),
         kill_server: a.kill_server.map(|(server, at_s)| KillServer { server, at_s }),

@@ -286,6 +286,12 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
             scenario.name
         );
     }
+    if let (false, false) = (scenario.link.is_empty(), a.simulate) {
+        anyhow::bail!(
+            "scenario `{}` slows links for a while ([[link]]), which only the simulator's network models; run it with --simulate",
+            scenario.name
+        );
+    }
     if let (Some(trace), false) = (&scenario.trace, a.simulate) {
         anyhow::bail!(
             "scenario `{}` replays the compute times of {}, a device model only the simulator runs; run it with --simulate",

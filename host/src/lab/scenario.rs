@@ -167,6 +167,9 @@ pub struct Scenario {
     /// Workers that stall once.
     #[serde(default)]
     pub stall: Vec<Stall>,
+    /// Links that slow down for a while (the simulator's network only).
+    #[serde(default)]
+    pub link: Vec<LinkSlow>,
     /// Backups per shard, as `--replicas` (0 or 1; 1 needs two servers or more).
     #[serde(default)]
     pub replicas: u32,
@@ -226,6 +229,28 @@ pub struct Slow {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_s: Option<f64>,
     /// Until this many seconds after the worker started (default: to the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_s: Option<f64>,
+}
+
+/// A node's link (both directions) at `mbit` Mbit/s for a while: a worker's (`worker`) or a
+/// server's (`server`), from `from_s` until `until_s` seconds after the run's start. The
+/// simulator's network only: a loopback cluster cannot enforce bandwidth
+/// (`docs/bandwidth.md` has a recipe that can, for a whole run).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkSlow {
+    /// The worker whose link it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<u32>,
+    /// The server whose link it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<u32>,
+    /// Its bandwidth meanwhile, Mbit/s.
+    pub mbit: f64,
+    /// From (default: the start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_s: Option<f64>,
+    /// Until (default: the end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until_s: Option<f64>,
 }
@@ -375,6 +400,20 @@ impl Scenario {
         }
         for j in &self.jitter {
             window_ns(j.from_s, j.until_s).map_err(|e| format!("worker {}'s jitter: {e}", j.worker))?;
+        }
+        for l in &self.link {
+            let node = match (l.worker, l.server) {
+                (Some(w), None) if w < self.workers => format!("worker {w}'s link"),
+                (None, Some(x)) if x < self.servers => format!("server {x}'s link"),
+                (Some(_), None) | (None, Some(_)) => {
+                    return Err("a [[link]] names a node the scenario does not have".into())
+                }
+                _ => return Err("a [[link]] names one worker or one server".into()),
+            };
+            if !(l.mbit.is_finite() && l.mbit > 0.0) {
+                return Err(format!("{node}: {} Mbit/s is not a positive bandwidth", l.mbit));
+            }
+            window_ns(l.from_s, l.until_s).map_err(|e| format!("{node}: {e}"))?;
         }
         let targets = [self.target_accuracy, self.target_loss, self.target_perplexity];
         if targets.iter().flatten().count() > 1 {

@@ -2,7 +2,9 @@
 //! of the scenario's bandwidth, and every message takes the scenario's latency. A transfer holds
 //! the sender's uplink and the receiver's downlink for `bytes / bandwidth`, so concurrent
 //! transfers through one link queue behind each other; messages without tensors take the latency
-//! alone. A cut link ([`SimLinkCut`](super::SimLinkCut)) holds what is sent on it until it heals,
+//! alone. A node's link may run slower for a while (the scenario's `[[link]]`): a transfer
+//! that starts inside the window goes at the slower of its two ends' rates, and holds the
+//! faster end only for its bytes at that end's rate. A cut link ([`SimLinkCut`](super::SimLinkCut)) holds what is sent on it until it heals,
 //! in order, and holds up no other link.
 
 use std::collections::BTreeMap;
@@ -27,6 +29,8 @@ pub(super) struct Network {
     /// Per direction of a link that was cut: when what was sent on it last leaves, so that
     /// what waited for the heal goes in order.
     pipes: BTreeMap<(usize, usize), u64>,
+    /// Slower links for a while: (node, from, until, bytes per ns meanwhile).
+    slow: Vec<(usize, u64, u64, f64)>,
 }
 
 impl Network {
@@ -39,7 +43,22 @@ impl Network {
             latency_ns,
             cut_links: BTreeMap::new(),
             pipes: BTreeMap::new(),
+            slow: Vec::new(),
         }
+    }
+
+    /// Node `node`'s link runs at `mbit` Mbit/s from `from` until `until` (virtual ns).
+    pub(super) fn slow_link(&mut self, node: usize, from: u64, until: u64, mbit: f64) {
+        self.slow.push((node, from, until, mbit * 1e6 / 8.0 / 1e9));
+    }
+
+    /// Node `node`'s link rate at `at`, in bytes per ns.
+    fn rate(&self, at: u64, node: usize) -> f64 {
+        self.slow
+            .iter()
+            .filter(|s| s.0 == node && (s.1..s.2).contains(&at))
+            .map(|s| s.3)
+            .fold(self.bytes_per_ns, f64::min)
     }
 
     /// Cuts the link between nodes `a` and `b` until `until` (or longer, if it is cut longer).
@@ -52,10 +71,20 @@ impl Network {
     /// arrival (held until a cut link heals).
     pub(super) fn transfer(&mut self, now: u64, from: usize, to: usize, bytes: u64) -> u64 {
         let start = now.max(self.up[from].free_ns).max(self.down[to].free_ns);
-        let takes = (bytes as f64 / self.bytes_per_ns) as u64;
+        let (up, down) = (self.rate(start, from), self.rate(start, to));
+        let takes = (bytes as f64 / up.min(down)) as u64;
         let end = start + takes;
-        self.up[from].free_ns = end;
-        self.down[to].free_ns = end;
+        // Each end is held for what the transfer takes of it: the slower end all the way, the
+        // faster only for the bytes at its own rate (the rest of it is free for others), so a
+        // slow link slows its own transfers, not the others' through the node at its far end.
+        // At equal rates (every link but a slowed one) both are held until `end`.
+        let (up_end, down_end) = if up == down {
+            (end, end)
+        } else {
+            (start + (bytes as f64 / up) as u64, start + (bytes as f64 / down) as u64)
+        };
+        self.up[from].free_ns = up_end;
+        self.down[to].free_ns = down_end;
         self.up[from].bytes += bytes;
         self.down[to].bytes += bytes;
         self.through_cut(from, to, end, takes) + self.latency_ns

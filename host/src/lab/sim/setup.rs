@@ -290,6 +290,16 @@ pub(super) fn build(
         rng: rand::SeedableRng::seed_from_u64(sc.seed ^ 0x0071_ce00_0036),
         modules,
     };
+    for l in &sc.link {
+        let node = match (l.worker, l.server) {
+            (Some(w), _) => w as usize,
+            (None, Some(x)) => (n + x) as usize,
+            (None, None) => continue,
+        };
+        let window = crate::lab::scenario::window_ns(l.from_s, l.until_s).map_err(SimError::Options)?;
+        let (from, until) = window.unwrap_or((0, u64::MAX));
+        sim.net.slow_link(node, from, until, l.mbit);
+    }
     sim.start_control();
     Ok((sim, failures, swaps))
 }
