@@ -33,7 +33,7 @@ fn tensor() -> Vec<f32> {
         .collect()
 }
 
-const CODECS: &[&str] = &["fp16", "bf16", "int8", "topk-0.01"];
+const CODECS: &[&str] = &["fp16", "bf16", "int8", "topk-0.01", "sparseloco-0.02"];
 
 fn codecs(c: &mut Criterion) {
     let values = tensor();

@@ -11,6 +11,15 @@
 //!   then its values as i8 (`value = q × scale`);
 //! - `topk` (fraction `f`): `k = max(1, round(n × f))` (u32), then `k` strictly increasing
 //!   indices (u32) and their `k` values (f32); every other value is 0.
+//! - `sparseloco` (fraction `f`): per chunk of [`SPARSELOCO_CHUNK`] values (the last may be
+//!   shorter, `L` values), `k = max(1, round(L × f))` (not sent: both ends compute it), then
+//!   the chunk's lookup of four f32 values, its `k` strictly increasing indices within the
+//!   chunk (u16), and their `k` 2-bit codes, four to a byte, the first in the low bits; a kept
+//!   value decodes to `lookup[code]`, every other to 0. Code 0: negative and below the chunk's
+//!   median kept magnitude, 1: negative and at or above it, 2 and 3 likewise for the rest; a
+//!   code's lookup value is the mean of the kept values with that code (0 for none), so each
+//!   code's values keep their sum (our reading of SparseLoCo's 2-bit quantizer, whose exact
+//!   form its paper leaves to its code).
 //!
 //! padded with zeros to a multiple of 4 bytes (so a transport of f32 words carries it).
 //! [`Codec::None`] is the raw f32 values, with no header: the zero-copy path. [`decode`]
@@ -22,13 +31,15 @@
 //! codec left out to the new values, encodes the sum, and keeps what this encoding leaves out
 //! for the next push. Nothing is lost, only delayed: the shard's sum of decoded pushes is the
 //! sum of the gradients minus the last residual. The residual stays through codec changes (a
-//! change to `none` pushes it whole) and policy swaps.
+//! change to `none` pushes it whole) and policy swaps. SparseLoCo's alone decays the residual
+//! by its `beta` before adding a push to it, as its authors' error feedback does (which then
+//! stands in for DiLoCo's outer momentum): what the decay takes is dropped on purpose.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use syncopate_policy_sdk::abi::WorkerId;
 
-pub use syncopate_policy_sdk::codec::Codec;
+pub use syncopate_policy_sdk::codec::{Codec, SPARSELOCO_CHUNK};
 
 /// A tensor that does not decode (on the wire inside a server's refusal of a push: add variants
 /// only at the end).
@@ -95,6 +106,14 @@ pub fn wire_len(codec: Codec, n: usize) -> usize {
         Codec::Fp16 | Codec::Bf16 => words(4 + 2 * n),
         Codec::Int8 { block } => words(4 + 4 * n.div_ceil(block.max(1) as usize) + n),
         Codec::TopK { ppm } => 8 + 8 * kept(ppm, n),
+        Codec::SparseLoCo { ppm, .. } => {
+            let chunk = |len: usize| {
+                let k = kept(ppm, len);
+                16 + 2 * k + k.div_ceil(4)
+            };
+            let (full, rest) = (n / SPARSELOCO_CHUNK, n % SPARSELOCO_CHUNK);
+            words(4 + full * chunk(SPARSELOCO_CHUNK) + if rest > 0 { chunk(rest) } else { 0 })
+        }
     }
 }
 
@@ -105,6 +124,7 @@ pub struct Scratch {
     order: Vec<u32>,
     sample: Vec<u32>,
     sum: Vec<f32>,
+    codes: Vec<u8>,
 }
 
 /// Encodes `values` in `codec` into `out` (cleared first), and writes what the encoding leaves
@@ -168,8 +188,61 @@ pub fn encode(
                 }
             }
         }
+        Codec::SparseLoCo { ppm, .. } => {
+            for (c, chunk) in values.chunks(SPARSELOCO_CHUNK).enumerate() {
+                let left = left.as_deref_mut().map(|l| &mut l[c * SPARSELOCO_CHUNK..][..chunk.len()]);
+                sparseloco_chunk(chunk, kept(ppm, chunk.len()), scratch, left, out);
+            }
+        }
     }
     out.resize(words(out.len()), 0);
+}
+
+/// One SparseLoCo chunk (see the module docs): its lookup, indices and codes into `out`; what
+/// it leaves out (the values not kept, and each kept value's quantization error) into `left`.
+fn sparseloco_chunk(
+    chunk: &[f32],
+    k: usize,
+    scratch: &mut Scratch,
+    left: Option<&mut [f32]>,
+    out: &mut Vec<u8>,
+) {
+    top_k(chunk, k, &mut scratch.order, &mut scratch.sample);
+    // The median kept magnitude splits each sign's values in two.
+    scratch.sample.clear();
+    scratch.sample.extend(scratch.order.iter().map(|&i| magnitude(chunk[i as usize])));
+    let mid = scratch.sample.len() / 2;
+    let threshold = match scratch.sample.is_empty() {
+        true => 0,
+        false => *scratch.sample.select_nth_unstable(mid).1,
+    };
+    let code = |v: f32| u8::from(v.is_sign_positive()) * 2 + u8::from(magnitude(v) >= threshold);
+    let (mut sums, mut counts) = ([0f64; 4], [0u32; 4]);
+    scratch.codes.clear();
+    for &i in &scratch.order {
+        let v = chunk[i as usize];
+        let q = code(v);
+        sums[q as usize] += f64::from(v);
+        counts[q as usize] += 1;
+        scratch.codes.push(q);
+    }
+    let lookup: [f32; 4] =
+        std::array::from_fn(|q| if counts[q] > 0 { (sums[q] / f64::from(counts[q])) as f32 } else { 0.0 });
+    for v in lookup {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    for &i in &scratch.order {
+        out.extend_from_slice(&(i as u16).to_le_bytes());
+    }
+    for four in scratch.codes.chunks(4) {
+        out.push(four.iter().enumerate().fold(0u8, |b, (j, &q)| b | (q << (2 * j))));
+    }
+    if let Some(l) = left {
+        l.copy_from_slice(chunk);
+        for (&i, &q) in scratch.order.iter().zip(&scratch.codes) {
+            l[i as usize] -= lookup[q as usize];
+        }
+    }
 }
 
 /// The largest magnitude in `values` (0 for none). Eight independent running maxima, so that
@@ -383,6 +456,29 @@ pub fn decode(codec: Codec, bytes: &[u8], max: usize, out: &mut Vec<f32>) -> Res
                 at += len;
             }
         }
+        Codec::SparseLoCo { ppm, .. } => {
+            let mut at = 4;
+            for (c, dst) in out.chunks_mut(SPARSELOCO_CHUNK).enumerate() {
+                let (len, k) = (dst.len(), kept(ppm, dst.len()));
+                let lookup: [f32; 4] = std::array::from_fn(|q| {
+                    f32::from_le_bytes(bytes[at + 4 * q..at + 4 * q + 4].try_into().expect("4 bytes"))
+                });
+                let idx = &bytes[at + 16..at + 16 + 2 * k];
+                let codes = &bytes[at + 16 + 2 * k..at + 16 + 2 * k + k.div_ceil(4)];
+                let mut last: Option<u16> = None;
+                for (j, i) in idx.chunks_exact(2).enumerate() {
+                    let i = u16::from_le_bytes([i[0], i[1]]);
+                    if usize::from(i) >= len || last.is_some_and(|l| i <= l) {
+                        let index = (c * SPARSELOCO_CHUNK) as u32 + u32::from(i);
+                        return Err(CodecError::Index { index, at: c * SPARSELOCO_CHUNK + j, n });
+                    }
+                    last = Some(i);
+                    let q = (codes[j / 4] >> (2 * (j % 4))) & 3;
+                    dst[usize::from(i)] = lookup[usize::from(q)];
+                }
+                at += 16 + 2 * k + k.div_ceil(4);
+            }
+        }
         Codec::TopK { .. } => {
             let k = u32_at(bytes, 4) as usize;
             let (idx, vals) = bytes[8..].split_at(4 * k);
@@ -477,7 +573,13 @@ impl PushEncoder {
             s.owed = false;
         }
         scratch.sum.clear();
-        scratch.sum.extend(values.iter().zip(&s.residual).map(|(v, r)| v + r));
+        match codec {
+            Codec::SparseLoCo { beta_milli, .. } => {
+                let beta = beta_milli as f32 / 1000.0;
+                scratch.sum.extend(values.iter().zip(&s.residual).map(|(v, r)| v + beta * r));
+            }
+            _ => scratch.sum.extend(values.iter().zip(&s.residual).map(|(v, r)| v + r)),
+        }
         let sum = std::mem::take(&mut scratch.sum);
         encode(codec, &sum, Some(&mut s.residual), scratch, out);
         scratch.sum = sum;
@@ -541,7 +643,7 @@ mod tests {
     #[test]
     fn each_codec_decodes_to_what_it_encoded_less_what_it_says_it_left_out() {
         let values: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-        for codec in ["fp16", "bf16", "int8", "int8-16", "topk-0.01", "topk-1"] {
+        for codec in ["fp16", "bf16", "int8", "int8-16", "topk-0.01", "topk-1", "sparseloco-0.02"] {
             let codec: Codec = codec.parse().unwrap();
             let (back, left, bytes) = roundtrip(codec, &values);
             for ((v, b), l) in values.iter().zip(&back).zip(&left) {
@@ -560,9 +662,91 @@ mod tests {
                     assert!(left.iter().all(|l| l.abs() <= least_kept));
                 }
                 Codec::TopK { ppm: 1_000_000 } => assert_eq!(back, values),
+                Codec::SparseLoCo { .. } => {
+                    // 2% of one (short) chunk: 20 values, in 16 + 40 + 5 bytes after the length.
+                    assert_eq!(back.iter().filter(|b| **b != 0.0).count(), 20);
+                    assert_eq!(bytes, 4 + 16 + 40 + 8);
+                }
                 _ => {}
             }
         }
+    }
+
+    /// SparseLoCo keeps the top values of each chunk of 4,096 (not of the whole tensor), sends
+    /// each in 2 bits that decode to its code's mean, so every code's kept values keep their
+    /// sum, and takes about 2.3 bytes a value kept.
+    #[test]
+    fn sparseloco_keeps_each_chunks_top_values_in_two_bits_that_keep_their_sums() {
+        let n = 3 * SPARSELOCO_CHUNK + 1000;
+        let mut x = 11u64;
+        let values: Vec<f32> = (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Chunk 1 is 100x larger: a global top-k would keep nothing else.
+                let scale = if i / SPARSELOCO_CHUNK == 1 { 100.0 } else { 1.0 };
+                ((x % 2001) as f32 - 1000.0) / 1000.0 * scale
+            })
+            .collect();
+        let codec: Codec = "sparseloco-0.02".parse().unwrap();
+        let (back, left, bytes) = roundtrip(codec, &values);
+        let k = kept(20_000, SPARSELOCO_CHUNK);
+        assert_eq!(k, 82);
+        assert_eq!(bytes, words(4 + 3 * (16 + 2 * 82 + 21) + (16 + 2 * 20 + 5)));
+        assert!(bytes * 40 < 4 * n, "about 1.2% of float32's bytes: {bytes} of {}", 4 * n);
+        let (mut order, mut sample) = (Vec::new(), Vec::new());
+        for (c, (chunk, got)) in
+            values.chunks(SPARSELOCO_CHUNK).zip(back.chunks(SPARSELOCO_CHUNK)).enumerate()
+        {
+            top_k(chunk, kept(20_000, chunk.len()), &mut order, &mut sample);
+            let kept_here: Vec<u32> = (0..chunk.len() as u32).filter(|&i| got[i as usize] != 0.0).collect();
+            assert_eq!(kept_here, order, "chunk {c}: exactly its own top values");
+            let distinct: std::collections::BTreeSet<u32> = got.iter().map(|v| v.to_bits()).collect();
+            assert!(distinct.len() <= 5, "chunk {c}: four levels and zero");
+            let (sent, orig): (f64, f64) = order
+                .iter()
+                .map(|&i| (f64::from(got[i as usize]), f64::from(chunk[i as usize])))
+                .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            assert!((sent - orig).abs() < 1e-3 * orig.abs().max(1.0), "chunk {c}: {sent} vs {orig}");
+        }
+        for ((v, b), l) in values.iter().zip(&back).zip(&left) {
+            assert!((v - b - l).abs() <= 1e-6 * v.abs().max(1.0), "left out is the difference");
+        }
+        // A kept index past its chunk, or out of order, is refused.
+        let mut out = Vec::new();
+        encode(codec, &values[..100], None, &mut Scratch::default(), &mut out);
+        let mut bad = out.clone();
+        bad[4 + 16..4 + 18].copy_from_slice(&100u16.to_le_bytes());
+        let mut scratch_back = Vec::new();
+        assert!(matches!(
+            decode(codec, &bad, 100, &mut scratch_back),
+            Err(CodecError::Index { index: 100, .. })
+        ));
+        let mut bad = out.clone();
+        let first = [bad[4 + 16], bad[4 + 17]];
+        bad[4 + 18..4 + 20].copy_from_slice(&first);
+        assert!(matches!(decode(codec, &bad, 100, &mut scratch_back), Err(CodecError::Index { .. })));
+        assert!(matches!(
+            decode(codec, &out[..out.len() - 4], 100, &mut scratch_back),
+            Err(CodecError::Length { .. })
+        ));
+    }
+
+    /// SparseLoCo's error feedback decays: what was left out is added back times beta, so a
+    /// value never kept fades instead of piling up (beta 0: plain top-k of each push alone).
+    #[test]
+    fn sparseloco_decays_what_it_left_out() {
+        let codec = Codec::SparseLoCo { ppm: 1, beta_milli: 500 };
+        let mut enc = PushEncoder::new(0, 1, codec);
+        let mut out = Vec::new();
+        // Value 1 is never the largest: each push leaves it out and the residual converges to
+        // 1 / (1 - 0.5) = 2, not to a growing sum.
+        for it in 0..30 {
+            let g = [10.0f32, 1.0];
+            assert!(matches!(enc.encode(0, it, &g, &mut out), Encoded::Bytes(_)));
+        }
+        assert!((enc.owed() - 2.0).abs() < 1e-3, "owed {}", enc.owed());
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!
 //! Text forms, as policy parameters and the command line take them: `none`, `fp16`, `bf16`,
 //! `int8` (blocks of 256 values) or `int8-B` (blocks of `B`), `topk-F` (the fraction `F` of the
-//! values with the largest magnitudes, e.g. `topk-0.01`).
+//! values with the largest magnitudes, e.g. `topk-0.01`), `sparseloco-F` or `sparseloco-F-B`
+//! (SparseLoCo's: the fraction `F` of each chunk of 4,096 values, in 2 bits each, with error
+//! feedback decayed by `B`, 0.95 by default; e.g. `sparseloco-0.02`).
 
 use alloc::collections::BTreeSet;
 use alloc::format;
@@ -43,7 +45,27 @@ pub enum Codec {
         /// Parts per million of the values kept (1 to 1,000,000), at least one value.
         ppm: u32,
     },
+    /// SparseLoCo's compression (Sarfi et al. 2025, arXiv 2508.15706): in each chunk of
+    /// [`SPARSELOCO_CHUNK`] values, the `ppm` millionths with the largest magnitudes, each as a
+    /// 16-bit index and a 2-bit code (sign, and above or below the chunk's median kept
+    /// magnitude) that decodes to the mean of the chunk's kept values with that code: about
+    /// 2.3 bytes a value kept. Pushes only; the worker keeps what it did not send, **decayed**
+    /// by `beta_milli / 1000` before it adds the next push to it (the paper's error feedback,
+    /// which stands in for DiLoCo's outer momentum). The 2-bit quantizer is **our reading**.
+    SparseLoCo {
+        /// Parts per million of each chunk's values kept (1 to 1,000,000), at least one.
+        ppm: u32,
+        /// The residual's decay per push, in thousandths (0 to 1,000).
+        beta_milli: u32,
+    },
 }
+
+/// The chunk of values SparseLoCo picks its top values in (the 64 × 64 tiles of its authors'
+/// chunking, flattened).
+pub const SPARSELOCO_CHUNK: usize = 4096;
+
+/// SparseLoCo's error-feedback decay without one: 0.95, in thousandths.
+pub const DEFAULT_SPARSELOCO_BETA_MILLI: u32 = 950;
 
 /// The block size of `int8` without one.
 pub const DEFAULT_INT8_BLOCK: u32 = 256;
@@ -58,8 +80,20 @@ impl Codec {
             Codec::TopK { ppm } if !(1..=1_000_000).contains(&ppm) => {
                 Err(format!("top-k of {ppm} parts per million (1 to 1000000)"))
             }
+            Codec::SparseLoCo { ppm, .. } if !(1..=1_000_000).contains(&ppm) => {
+                Err(format!("sparseloco keeping {ppm} parts per million (1 to 1000000)"))
+            }
+            Codec::SparseLoCo { beta_milli, .. } if beta_milli > 1000 => {
+                Err(format!("sparseloco's decay {} (0 to 1)", f64::from(beta_milli) / 1000.0))
+            }
             _ => Ok(()),
         }
+    }
+
+    /// Whether it sends a sparse update (top-k, SparseLoCo): for pushes only, since a pull
+    /// carries parameters, not an update that error feedback could make up for.
+    pub fn is_sparse(self) -> bool {
+        matches!(self, Codec::TopK { .. } | Codec::SparseLoCo { .. })
     }
 
     /// Its number and parameter in the fixed-layout [`Envelope`](crate::abi::Envelope).
@@ -70,11 +104,16 @@ impl Codec {
             Codec::Bf16 => (2, 0),
             Codec::Int8 { block } => (3, u64::from(block)),
             Codec::TopK { ppm } => (4, u64::from(ppm)),
+            Codec::SparseLoCo { ppm, beta_milli } => (5, u64::from(ppm) | (u64::from(beta_milli) << 32)),
         }
     }
 
     /// The codec [`code`](Self::code) gave.
     pub(crate) fn from_code(code: u32, param: u64) -> Option<Codec> {
+        if code == 5 {
+            let (ppm, beta_milli) = (param as u32, u32::try_from(param >> 32).ok()?);
+            return Some(Codec::SparseLoCo { ppm, beta_milli });
+        }
         let param = u32::try_from(param).ok()?;
         Some(match code {
             0 => Codec::None,
@@ -96,6 +135,12 @@ impl fmt::Display for Codec {
             Codec::Int8 { block: DEFAULT_INT8_BLOCK } => f.write_str("int8"),
             Codec::Int8 { block } => write!(f, "int8-{block}"),
             Codec::TopK { ppm } => write!(f, "topk-{}", ppm as f64 / 1e6),
+            Codec::SparseLoCo { ppm, beta_milli: DEFAULT_SPARSELOCO_BETA_MILLI } => {
+                write!(f, "sparseloco-{}", ppm as f64 / 1e6)
+            }
+            Codec::SparseLoCo { ppm, beta_milli } => {
+                write!(f, "sparseloco-{}-{}", ppm as f64 / 1e6, f64::from(beta_milli) / 1000.0)
+            }
         }
     }
 }
@@ -119,9 +164,23 @@ impl FromStr for Codec {
                         return Err(format!("top-k keeps a fraction in (0, 1], not {fr}"));
                     }
                     Codec::TopK { ppm: ((f * 1e6).round() as u32).max(1) }
+                } else if let Some(rest) = other.strip_prefix("sparseloco-") {
+                    let (fr, beta) = rest.split_once('-').unwrap_or((rest, "0.95"));
+                    let f: f64 = fr.parse().map_err(|_| format!("`{fr}` is not a fraction"))?;
+                    if !(f > 0.0 && f <= 1.0) {
+                        return Err(format!("sparseloco keeps a fraction in (0, 1], not {fr}"));
+                    }
+                    let b: f64 = beta.parse().map_err(|_| format!("`{beta}` is not a decay"))?;
+                    if !(0.0..=1.0).contains(&b) {
+                        return Err(format!("sparseloco's decay lies in [0, 1], not {beta}"));
+                    }
+                    Codec::SparseLoCo {
+                        ppm: ((f * 1e6).round() as u32).max(1),
+                        beta_milli: (b * 1000.0).round() as u32,
+                    }
                 } else {
                     return Err(format!(
-                        "unknown codec `{other}` (none, fp16, bf16, int8, int8-BLOCK, topk-FRACTION)"
+                        "unknown codec `{other}` (none, fp16, bf16, int8, int8-BLOCK, topk-FRACTION, sparseloco-FRACTION[-DECAY])"
                     ));
                 }
             }
@@ -158,7 +217,7 @@ impl CodecChoice {
         "push_codec",
         ParamKind::Text,
         "cluster",
-        "codec of pushes: none, fp16, bf16, int8[-B], topk-F, or the cluster's",
+        "codec of pushes: none, fp16, bf16, int8[-B], topk-F, sparseloco-F[-B], or the cluster's",
     );
     /// The `pull_codec` parameter.
     pub const PULL_PARAM: ParamSpec = ParamSpec::new(
@@ -177,8 +236,8 @@ impl CodecChoice {
             }
         };
         let (push, pull) = (read("push_codec")?, read("pull_codec")?);
-        if matches!(pull, Some(Codec::TopK { .. })) {
-            return Err("pull_codec: pulls carry parameters; top-k is for pushes".into());
+        if let Some(codec) = pull.filter(|c| c.is_sparse()) {
+            return Err(format!("pull_codec: pulls carry parameters; {codec} is for pushes"));
         }
         Ok(CodecChoice { push, pull, told: BTreeSet::new() })
     }
@@ -219,11 +278,27 @@ mod tests {
             ("int8", Codec::Int8 { block: 256 }),
             ("int8-1024", Codec::Int8 { block: 1024 }),
             ("topk-0.01", Codec::TopK { ppm: 10_000 }),
+            ("sparseloco-0.02", Codec::SparseLoCo { ppm: 20_000, beta_milli: 950 }),
+            ("sparseloco-0.01-0.9", Codec::SparseLoCo { ppm: 10_000, beta_milli: 900 }),
         ] {
             assert_eq!(text.parse::<Codec>().unwrap(), codec);
             assert_eq!(codec.to_string(), text);
+            // And through the envelope's fixed-layout code.
+            let (code, param) = codec.code();
+            assert_eq!(Codec::from_code(code, param), Some(codec));
         }
-        for bad in ["zip", "int8-4", "int8-x", "topk-0", "topk-2", "topk-x"] {
+        assert!(Codec::SparseLoCo { ppm: 1, beta_milli: 0 }.is_sparse() && !Codec::Fp16.is_sparse());
+        for bad in [
+            "zip",
+            "int8-4",
+            "int8-x",
+            "topk-0",
+            "topk-2",
+            "topk-x",
+            "sparseloco-0",
+            "sparseloco-0.1-1.5",
+            "sparseloco-x",
+        ] {
             assert!(bad.parse::<Codec>().is_err(), "{bad}");
         }
     }

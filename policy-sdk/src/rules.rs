@@ -29,7 +29,7 @@
 use alloc::format;
 use alloc::string::String;
 
-use crate::abi::{Codec, Control, Decision, Event, Release, RequestId, TimerId, WorkerId};
+use crate::abi::{Control, Decision, Event, Release, RequestId, TimerId, WorkerId};
 
 /// The most tasks an iteration can be split into (task sets are bit masks of a `u64`).
 pub const MAX_TASKS: u32 = 64;
@@ -267,8 +267,10 @@ impl EventRules {
             }
             Decision::SetPullCodec { codec } => {
                 codec.check().map_err(|e| format!("set a pull codec of {e}"))?;
-                if matches!(codec, Codec::TopK { .. }) {
-                    return Err("set top-k as the pull codec: pulls carry parameters, not updates".into());
+                if codec.is_sparse() {
+                    return Err(format!(
+                        "set {codec} as the pull codec: pulls carry parameters, not updates"
+                    ));
                 }
             }
             Decision::Measure { .. } => match self.measures.as_mut() {
@@ -321,6 +323,7 @@ mod tests {
     use alloc::vec::Vec;
 
     use super::*;
+    use crate::abi::Codec;
     use crate::abi::{Pull, Push};
 
     #[derive(Default)]
@@ -481,7 +484,12 @@ mod tests {
             Decision::SetOuterDelay { period: 0 },
             Decision::SetOuterDelay { period: MAX_OUTER_DELAY + 1 },
             Decision::SetPullCodec { codec: Codec::TopK { ppm: 10_000 } },
+            Decision::SetPullCodec { codec: Codec::SparseLoCo { ppm: 10_000, beta_milli: 950 } },
             Decision::SetPullCodec { codec: Codec::Int8 { block: 1 } },
+            Decision::Control {
+                worker: 0,
+                control: Control::SetPushCodec { codec: Codec::SparseLoCo { ppm: 10_000, beta_milli: 1001 } },
+            },
             Decision::Control { worker: 0, control: Control::SetPushCodec { codec: Codec::TopK { ppm: 0 } } },
         ];
         for d in bad {

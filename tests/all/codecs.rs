@@ -1,5 +1,6 @@
 //! Compression chosen by the policy (issue 38): pushes and pulls in fp16, int8 and top-k on
-//! real clusters and in the simulator, counted with the `counter` workload.
+//! real clusters and in the simulator, counted with the `counter` workload; SparseLoCo's codec
+//! (issue 53) in the simulator.
 //!
 //! The counter's values are small integers, which fp16 carries exactly: a cluster pushing and
 //! pulling in fp16 ends at the exact sums. Top-k is lossy per push, but its error feedback loses
@@ -68,6 +69,18 @@ fn the_simulator_charges_each_codecs_bytes_and_error_feedback_loses_nothing() {
         push_ratio < 0.05 && pull_ratio < 0.3,
         "top-k, int8: {push_ratio:.3} pushed, {pull_ratio:.3} pulled"
     );
+
+    // SparseLoCo (issue 53): 2% of each chunk in 2 bits a value; without decay (beta 1) its
+    // error feedback loses nothing either (up to the rounding of its codes' means to f32: the
+    // residual no longer holds small integers alone), and its pushes are a third of top-k's at 1%.
+    let sloco = sim(COUNTER, "bsp:push_codec=sparseloco-0.02-1");
+    let sum: f64 = sloco.model.iter().map(|v| f64::from(*v)).sum();
+    let owed: f64 = sloco.report.workers.iter().map(|w| w.codec_owed).sum();
+    let want = sloco.model.len() as f64 * exact(&sloco.report) + owed;
+    assert!(owed != 0.0 && (sum - want).abs() < 1e-7 * want.abs(), "sparseloco: {sum} against {want}");
+    let push_ratio = sent(&sloco) / sent(&plain);
+    assert!(push_ratio < 0.025, "sparseloco: {push_ratio:.4} of float32's push bytes");
+    assert!(sent(&sloco) < sent(&topk), "fewer bytes than top-k at 1%");
 }
 
 /// A real cluster pushes and pulls in fp16 from the start (`--push-codec`, `--pull-codec`),

@@ -246,8 +246,8 @@ impl TrainArgs {
 
     /// The push and pull codecs (a pull is never top-k).
     pub fn codecs(&self) -> anyhow::Result<(Codec, Codec)> {
-        if matches!(self.pull_codec, Codec::TopK { .. }) {
-            anyhow::bail!("--pull-codec {}: pulls carry parameters; top-k is for pushes", self.pull_codec);
+        if self.pull_codec.is_sparse() {
+            anyhow::bail!("--pull-codec {}: pulls carry parameters; it is for pushes", self.pull_codec);
         }
         Ok((self.push_codec, self.pull_codec))
     }

@@ -439,8 +439,8 @@ impl Scenario {
         let (push, pull) = self.codecs();
         push.check().map_err(|e| format!("push_codec: {e}"))?;
         pull.check().map_err(|e| format!("pull_codec: {e}"))?;
-        if matches!(pull, Codec::TopK { .. }) {
-            return Err("pull_codec: pulls carry parameters; top-k is for pushes".into());
+        if pull.is_sparse() {
+            return Err(format!("pull_codec: pulls carry parameters; {pull} is for pushes"));
         }
         let l = self.local_sgd();
         syncopate_policy_sdk::rules::check_local_steps(l.local_steps)
