@@ -21,6 +21,7 @@ const BUILTIN: &[&str] = &[
     "syncswitch",
     "adacomm",
     "robust",
+    "decoupled-diloco",
 ];
 
 /// The built-in cluster policies (run by the coordinator).

@@ -93,7 +93,7 @@ fn policy_check_runs_events_through_the_module() {
     let mut modules: Vec<(String, std::path::PathBuf)> = syncopate::builtin::names()
         .map(|n| (n.to_string(), write_temp(&format!("{n}.wasm"), syncopate::builtin::wasm(n).unwrap())))
         .collect();
-    assert_eq!(modules.len(), 14, "every built-in");
+    assert_eq!(modules.len(), 15, "every built-in");
     modules.push(("backup".into(), env!("SYNCOPATE_BACKUP_WASM").into()));
     modules.push(("clip".into(), env!("SYNCOPATE_CLIP_WASM").into()));
     modules.push(("deadline".into(), env!("SYNCOPATE_EXAMPLE_WASM").into()));
@@ -233,6 +233,7 @@ fn policy_list_shows_the_builtins() {
         "syncswitch",
         "adacomm",
         "robust",
+        "decoupled-diloco",
         "autopilot",
     ];
     for name in builtins {

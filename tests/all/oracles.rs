@@ -364,6 +364,34 @@ fn async_local_sgd_never_waits_applies_each_push_once_and_scales_steps_by_speed(
     }
 }
 
+/// Decoupled DiLoCo (issue 53) over random interleavings with one worker 4x slower: no pull
+/// waits; every pseudo-gradient is acknowledged once and lands in exactly one outer step; with
+/// every learner's `h` equal (a push of `h` steps of ones), each outer step (lr 1, no momentum)
+/// moves the model by exactly `h` whatever the weights, so the model is `-h` times the outer
+/// steps applied; and steps close on a quorum, not on every push nor only when all are in.
+/// Workers leave after their last iteration, as real ones do, and the last steps close without
+/// them.
+#[test]
+fn decoupled_diloco_never_waits_and_puts_every_push_in_one_outer_step() {
+    for seed in 0..4 {
+        let cfg = [("h", "8"), ("k", "2"), ("outer_lr", "1"), ("outer_momentum", "0"), ("min_grace_ms", "1")];
+        let module = builtin_module("decoupled-diloco");
+        let mut c = Cluster::leaving(&module, &cfg, N, 20, seed, PushWeight::Mean).with_speeds(&[4, 4, 4, 1]);
+        c.run_to_end();
+        assert!(c.rec.served.iter().all(|p| p.waited_ns == 0), "seed {seed}: a pull waited");
+        assert_eq!(c.rec.acked.len() as u64, c.pushes, "seed {seed}");
+        assert_eq!(c.shard.stats().local_pushes, c.pushes, "seed {seed}");
+        let steps = c.shard.version();
+        assert_eq!(c.shard.values()[0], -8.0 * steps as f32, "seed {seed}: {steps} outer steps");
+        assert!(
+            steps > c.pushes / N as u64 && steps < c.pushes,
+            "seed {seed}: {steps} steps of {} pushes",
+            c.pushes
+        );
+        assert_eq!(c.shard.stats().policy_failures, 0, "seed {seed}");
+    }
+}
+
 /// Sync-Switch: BSP's barrier until every worker has reached `switch_at`, ASP after it (no
 /// pull waits), every push applied once (a BSP round is the mean of `N` ones, an ASP push
 /// `1 / N`); online, with a worker picked a quarter as often, every push still counts once,

@@ -168,7 +168,7 @@ pub struct Scenario {
     #[serde(default)]
     pub stall: Vec<Stall>,
     /// Links that slow down for a while (the simulator's network only).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub link: Vec<LinkSlow>,
     /// Backups per shard, as `--replicas` (0 or 1; 1 needs two servers or more).
     #[serde(default)]
