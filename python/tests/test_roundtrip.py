@@ -156,6 +156,29 @@ def test_reading_a_worker_while_its_async_pull_is_deferred_does_not_deadlock(
     w1.leave()
 
 
+def test_the_tokens_and_loss_a_python_worker_reports_reach_the_policies(
+    cluster: ClusterFactory,
+) -> None:
+    # Issue 53: `push(..., loss=, tokens=)` travel with the push to every shard's policy.
+    # decoupled-diloco weighs each pseudo-gradient by its tokens and records those of each outer
+    # step (one learner: every push closes one); adacomm records the first loss it heard.
+    init = model()
+    for policy, metric, want in [
+        ("decoupled-diloco:h=1", "decoupled.tokens", 64.0),
+        ("adacomm:tau=2,interval_ms=1", "adacomm.f0", 1.5),
+    ]:
+        c = cluster(workers=1, servers=1, shards=2, lr=1.0, policy=policy)
+        with syncopate.Worker(init, **c.settings, iterations=2) as w:
+            out = [np.zeros_like(t) for t in init]
+            assert w.pull(out) is not None
+            w.push([np.ones_like(t) for t in init], loss=1.5, tokens=64)
+            assert w.pull(out) is not None
+            shards = syncopate.status(c.cluster_file)["servers"][0]["shards"]
+            seen = [m["last"] for s in shards for m in s["metrics"] if m["name"] == metric]
+            assert seen == [want, want], (policy, shards)
+            w.push([np.ones_like(t) for t in init], loss=1.5, tokens=64)
+
+
 def test_pushes_and_pulls_cross_in_the_policys_codecs_and_stay_exact_on_integers(
     cluster: ClusterFactory,
 ) -> None:

@@ -14,7 +14,8 @@
 //!   **grace window** of `grace` times the median of the live learners' last reported outer-step
 //!   compute times (at least `min_grace_ms`), for more to arrive; then, or as soon as every
 //!   live learner is in, it applies the group as one outer step (SGD with Nesterov momentum,
-//!   `outer_lr`, `outer_momentum`: DiLoCo's outer optimizer) on the weighted mean.
+//!   `outer_lr`, `outer_momentum`: DiLoCo's outer optimizer) on the weighted mean. Its metrics:
+//!   `decoupled.learners` and `decoupled.tokens` of the last outer step, `decoupled.outer_steps`.
 //! - An outer step never stays open for ever: from its first pseudo-gradient, it closes at the
 //!   latest `patience` median outer-step times later, quorum or not (learners that stopped
 //!   pushing but did not leave would otherwise keep what the others pushed from the model).
@@ -58,6 +59,8 @@ pub struct DecoupledDiloco {
     patience: f64,
     /// Scratch for the median (kept, so a push allocates nothing once grown).
     times: Vec<u64>,
+    /// Tokens (else samples) the open step's pseudo-gradients cover.
+    tokens: u64,
 }
 
 impl DecoupledDiloco {
@@ -103,6 +106,8 @@ impl DecoupledDiloco {
         }
         ctx.complete_group(self.group);
         ctx.metric("decoupled.learners", self.members.len() as f64);
+        ctx.metric("decoupled.tokens", self.tokens as f64);
+        self.tokens = 0;
         self.members.clear();
         self.group += 1;
         ctx.metric("decoupled.outer_steps", self.group as f64);
@@ -173,6 +178,7 @@ impl Policy for DecoupledDiloco {
             armed: None,
             patience,
             times: Vec::new(),
+            tokens: 0,
         })
     }
 
@@ -213,6 +219,7 @@ impl Policy for DecoupledDiloco {
         let tokens =
             if push.signals.tokens > 0 { push.signals.tokens } else { u64::from(push.samples.max(1)) };
         let weight = tokens as f64 / (1.0 + push.staleness as f64);
+        self.tokens = self.tokens.saturating_add(tokens);
         ctx.admit_to_group_weighted(push.id, self.group, weight as f32);
         if !self.members.contains(&push.worker) {
             self.members.push(push.worker);
