@@ -5,6 +5,8 @@
 //! - `shard-K.snap`: shard `K`'s [`ShardSnapshot`], framed with its length and SHA-256, written
 //!   by the server that holds the shard;
 //! - `policy.wasm`: the module every shard ran when the round was taken (after any hot swap);
+//! - `pilot.json`: the cluster policy's state, if the coordinator runs one ([`write_pilot`]),
+//!   with its module's SHA-256: a coordinator that resumes with the same module restores it;
 //! - `manifest.json`: written by the coordinator last, once every server has confirmed its
 //!   shards; a round without it is incomplete and never read.
 //!
@@ -88,6 +90,44 @@ pub struct Round {
     pub manifest: Manifest,
     /// The policy module's bytes.
     pub wasm: Vec<u8>,
+}
+
+/// The cluster policy's state in a round (`pilot.json`).
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct PilotFile {
+    /// SHA-256 of its module, hex: the state is only for the same module.
+    module_sha256: String,
+    /// What the module exported.
+    state: Vec<u8>,
+}
+
+/// Writes the cluster policy's `state` (its module's SHA-256 `sha256`) into round folder
+/// `folder`, crash-safely.
+pub fn write_pilot(folder: &Path, sha256: &str, state: &[u8]) -> Result<(), CheckpointError> {
+    let file = PilotFile { module_sha256: sha256.to_owned(), state: state.to_vec() };
+    let json = serde_json::to_vec(&file).map_err(|e| CheckpointError::Io {
+        what: "encoding the cluster policy's state".into(),
+        source: std::io::Error::other(e),
+    })?;
+    write_atomic(&folder.join("pilot.json"), &json)
+}
+
+/// The cluster policy's state that round folder `folder` keeps for the module of SHA-256
+/// `sha256`, if it keeps one (for another module, or unreadable: none, with a warning).
+pub fn read_pilot(folder: &Path, sha256: &str) -> Option<Vec<u8>> {
+    let path = folder.join("pilot.json");
+    let bytes = std::fs::read(&path).ok()?;
+    match serde_json::from_slice::<PilotFile>(&bytes) {
+        Ok(f) if f.module_sha256 == sha256 => Some(f.state),
+        Ok(_) => {
+            tracing::warn!(file = %path.display(), "the cluster policy kept there is another module: it starts afresh");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(file = %path.display(), "the cluster policy's state does not read ({e}): it starts afresh");
+            None
+        }
+    }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CheckpointError {
@@ -228,6 +268,22 @@ pub fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cluster policy's state comes back for its own module only; a torn or foreign file
+    /// is none (the policy then starts afresh), not an error that stops a resume.
+    #[test]
+    fn a_rounds_cluster_policy_state_is_read_back_for_its_module_only() {
+        let dir = std::env::temp_dir().join(format!("syncopate-pilot-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(read_pilot(&dir, "ab"), None, "no file");
+        write_pilot(&dir, "ab", &[1, 2, 3]).unwrap();
+        assert_eq!(read_pilot(&dir, "ab"), Some(vec![1, 2, 3]));
+        assert_eq!(read_pilot(&dir, "cd"), None, "another module's");
+        std::fs::write(dir.join("pilot.json"), b"{torn").unwrap();
+        assert_eq!(read_pilot(&dir, "ab"), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// A write that fails after its `.tmp` file was written (here the rename, over a directory;
     /// a full disk fails the same way, earlier) leaves no `.tmp` file and the target as it was.

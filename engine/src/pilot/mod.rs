@@ -14,9 +14,12 @@
 //! module: it is called no more, and the cluster keeps the shard policy it runs, as if no
 //! cluster policy were loaded. [`Pilot::status`] says so.
 //!
-//! Not done yet (issue 53): the machine is not checkpointed nor replicated with the
-//! coordinator's state (a restarted coordinator starts its cluster policy afresh), its calls
-//! are not recorded for replay, `policy check` does not explore cluster policies, and the only
+//! **State.** The policy's own state ([`Pilot::export_state`]) goes into every checkpoint round
+//! the coordinator takes, and a coordinator that resumes from one restores it
+//! ([`Pilot::restore`]); a coordinator restarted without a checkpoint starts it afresh.
+//!
+//! Not done yet (issue 53): the machine is not replicated (the coordinator has no standby), its
+//! calls are not recorded for replay, `policy check` does not explore cluster policies, and the only
 //! decisions are the cadence, a swap to a built-in and metrics (no parameter changes, quorums
 //! or batch sizes yet).
 
@@ -117,13 +120,53 @@ impl Pilot {
         shards: u32,
         now_ns: u64,
     ) -> Result<Self, PolicyError> {
+        Self::start_from(module, config, shards, now_ns, None)
+    }
+
+    /// As [`start`](Self::start), the policy created from the state an earlier instance of the
+    /// same module exported ([`export_state`](Self::export_state), kept in a checkpoint): a
+    /// coordinator that resumes goes on where its cluster policy was.
+    pub fn restore(
+        module: &PolicyModule,
+        config: &[(String, String)],
+        shards: u32,
+        now_ns: u64,
+        state: &[u8],
+    ) -> Result<Self, PolicyError> {
+        Self::start_from(module, config, shards, now_ns, Some(state))
+    }
+
+    /// The policy's state ([`ClusterPolicy::export_state`](syncopate_policy_sdk::cluster::ClusterPolicy::export_state)).
+    pub fn export_state(&mut self) -> Result<Vec<u8>, PolicyError> {
+        self.instance.export_state()
+    }
+
+    fn start_from(
+        module: &PolicyModule,
+        config: &[(String, String)],
+        shards: u32,
+        now_ns: u64,
+        state: Option<&[u8]>,
+    ) -> Result<Self, PolicyError> {
         let args = InitArgs {
             shard: 0,
             shards,
             now_ns,
             config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
         };
-        let (instance, start) = PolicyInstance::new_cluster(module, &args)?;
+        let (instance, start) = match state {
+            None => PolicyInstance::new_cluster(module, &args)?,
+            Some(state) => {
+                let info = module.info();
+                let handoff = syncopate_policy_sdk::abi::Handoff {
+                    from_name: &info.name,
+                    from_version: &info.version,
+                    state,
+                    workers: Vec::new(),
+                };
+                PolicyInstance::import_cluster(module, &args, &handoff)?
+            }
+        };
         let mut pilot = Pilot {
             module: module.clone(),
             config: config.to_vec(),
@@ -148,7 +191,8 @@ impl Pilot {
             });
         }
         pilot.next_ns = now_ns + pilot.cadence_ns();
-        pilot.note(now_ns, format!("started, every {} ms", pilot.cadence_ms));
+        let how = if state.is_some() { "resumed from its checkpointed state" } else { "started" };
+        pilot.note(now_ns, format!("{how}, every {} ms", pilot.cadence_ms));
         Ok(pilot)
     }
 

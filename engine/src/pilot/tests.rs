@@ -130,3 +130,21 @@ fn a_cluster_policy_that_keeps_failing_is_quarantined_and_decides_nothing() {
     assert!(!p.status().quarantined);
     assert_eq!(p.status().metrics, vec![("m".to_string(), 1.0)]);
 }
+
+#[test]
+fn a_restored_autopilot_goes_on_where_its_state_was() {
+    let rt = PolicyRuntime::new().unwrap();
+    let m = autopilot(&rt);
+    let slow = [100, 100, 100, 1000];
+    let mut p = Pilot::start(&m, &[], 1, 0).unwrap();
+    assert!(p.observe(2 * S, vec![sample("bsp", 10, &slow)]).is_empty(), "one window of two");
+    let state = p.export_state().unwrap();
+    // Restored (a coordinator resumed from a checkpoint), the streak goes on: the next window
+    // that agrees is the second, and it swaps; started afresh, it would need two more.
+    let mut again = Pilot::restore(&m, &[], 1, 10 * S, &state).unwrap();
+    assert!(again.status().log[0].what.starts_with("resumed"), "{:?}", again.status().log);
+    let actions = again.observe(12 * S, vec![sample("bsp", 20, &slow)]);
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    let mut fresh = Pilot::start(&m, &[], 1, 10 * S).unwrap();
+    assert!(fresh.observe(12 * S, vec![sample("bsp", 20, &slow)]).is_empty());
+}

@@ -239,7 +239,14 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     let pilot = match &opts.pilot {
         Some(p) => {
             let module = crate::node::compile(&runtime, p.label.clone(), p.wasm.clone()).await?;
-            let pilot = syncopate_engine::pilot::Pilot::start(&module, &p.config, opts.shards, 0)?;
+            let kept =
+                resumed.as_ref().and_then(|r| crate::checkpoint::read_pilot(&r.dir, &module.sha256_hex()));
+            let pilot = match kept {
+                Some(state) => {
+                    syncopate_engine::pilot::Pilot::restore(&module, &p.config, opts.shards, 0, &state)?
+                }
+                None => syncopate_engine::pilot::Pilot::start(&module, &p.config, opts.shards, 0)?,
+            };
             tracing::info!(pilot = module.display_name(), "cluster policy running");
             Some(pilot)
         }
@@ -450,12 +457,28 @@ impl Coordinator {
         let t = std::time::Instant::now();
         let folder = crate::checkpoint::round_dir(&dir, round);
         let wasm = self.lock().policy.wasm.clone();
+        // The cluster policy's state, as it is now (a failure to export it is its failure, and
+        // the round goes on without it: a resumed coordinator then starts it afresh).
+        let pilot = self.lock().pilot.as_mut().and_then(|p| match p.export_state() {
+            Ok(state) => Some((p.module().sha256_hex(), state)),
+            Err(e) => {
+                tracing::warn!("the cluster policy's state is not in round {round}: {e}");
+                None
+            }
+        });
         let prepare = {
             let folder = folder.clone();
             tokio::task::spawn_blocking(move || {
                 std::fs::create_dir_all(&folder)
                     .map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
-                crate::checkpoint::write_atomic(&folder.join("policy.wasm"), &wasm).map_err(|e| e.to_string())
+                crate::checkpoint::write_atomic(&folder.join("policy.wasm"), &wasm)
+                    .map_err(|e| e.to_string())?;
+                match pilot {
+                    Some((sha, state)) => {
+                        crate::checkpoint::write_pilot(&folder, &sha, &state).map_err(|e| e.to_string())
+                    }
+                    None => Ok(()),
+                }
             })
         };
         prepare.await.map_err(|e| e.to_string())??;
