@@ -289,11 +289,7 @@ impl<'a> ClusterCtx<'a> {
 
     /// The next value from the host-seeded random source (SplitMix64, as [`crate::Ctx`]'s).
     pub fn random_u64(&mut self) -> u64 {
-        self.random = self.random.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.random;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        crate::ctx::splitmix(&mut self.random)
     }
 
     /// Hand the figures every `ms` milliseconds from now on (clamped to [`MIN_CADENCE_MS`] ..=
@@ -343,10 +339,7 @@ impl<P: ClusterPolicy> ClusterGuest<P> {
 
     /// A buffer of at least `len` bytes for the host's next input.
     pub fn buffer(&mut self, len: usize) -> *mut u8 {
-        if self.input.len() < len {
-            self.input.resize(len.next_power_of_two(), 0);
-        }
-        self.input.as_mut_ptr()
+        crate::guest::grow(&mut self.input, len)
     }
 
     /// The policy's info.
@@ -360,12 +353,8 @@ impl<P: ClusterPolicy> ClusterGuest<P> {
     pub fn init(&mut self, len: usize) -> &[u8] {
         crate::guest::install_panic_hook();
         self.output.clear();
-        let created = postcard::from_bytes::<InitArgs<'_>>(&self.input[..len])
-            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
-            .and_then(|args| {
-                let init = make_init::<P>(&args)?;
-                P::new(&init).map(|p| (p, args.now_ns))
-            });
+        let created =
+            crate::guest::create(&self.input[..len], false, |args, _| P::new(&make_init::<P>(args)?));
         self.start(created)
     }
 
@@ -373,14 +362,9 @@ impl<P: ClusterPolicy> ClusterGuest<P> {
     pub fn import(&mut self, len: usize) -> &[u8] {
         crate::guest::install_panic_hook();
         self.output.clear();
-        let created = postcard::take_from_bytes::<InitArgs<'_>>(&self.input[..len])
-            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
-            .and_then(|(args, rest)| {
-                let handoff = postcard::from_bytes::<Handoff<'_>>(rest)
-                    .map_err(|e| alloc::format!("malformed handoff: {e}"))?;
-                let init = make_init::<P>(&args)?;
-                P::import_state(&init, &handoff).map(|p| (p, args.now_ns))
-            });
+        let created = crate::guest::create(&self.input[..len], true, |args, handoff| {
+            P::import_state(&make_init::<P>(args)?, handoff.expect("decoded"))
+        });
         self.start(created)
     }
 

@@ -16,6 +16,16 @@ pub struct Ctx<'a> {
     out: &'a mut Encoder,
 }
 
+/// SplitMix64: expands the host's per-event value into as many draws as a handler needs (shard
+/// and cluster policies alike).
+pub(crate) fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 impl<'a> Ctx<'a> {
     pub(crate) fn new(now_ns: u64, random: u64, view: ShardView, out: &'a mut Encoder) -> Self {
         Ctx { now_ns, random, view, out }
@@ -34,12 +44,7 @@ impl<'a> Ctx<'a> {
     /// The next value from the host-seeded random source. Deterministic given the event stream:
     /// replaying the same events gives the same values.
     pub fn random_u64(&mut self) -> u64 {
-        // SplitMix64: expands the host's per-event value into as many draws as the handler needs.
-        self.random = self.random.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.random;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix(&mut self.random)
     }
 
     /// A uniform draw from `[0, 1)`.

@@ -33,10 +33,7 @@ impl<P: Policy> Guest<P> {
 
     /// A buffer of at least `len` bytes for the host's next input. It only moves when it grows.
     pub fn buffer(&mut self, len: usize) -> *mut u8 {
-        if self.input.len() < len {
-            self.input.resize(len.next_power_of_two(), 0);
-        }
-        self.input.as_mut_ptr()
+        grow(&mut self.input, len)
     }
 
     /// The policy's info.
@@ -51,12 +48,7 @@ impl<P: Policy> Guest<P> {
     pub fn init(&mut self, len: usize) -> &[u8] {
         install_panic_hook();
         self.output.clear();
-        let created = postcard::from_bytes::<InitArgs<'_>>(&self.input[..len])
-            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
-            .and_then(|args| {
-                let init = make_init::<P>(&args)?;
-                P::new(&init).map(|p| (p, args.now_ns))
-            });
+        let created = create(&self.input[..len], false, |args, _| P::new(&make_init::<P>(args)?));
         self.start(created)
     }
 
@@ -64,14 +56,9 @@ impl<P: Policy> Guest<P> {
     pub fn import(&mut self, len: usize) -> &[u8] {
         install_panic_hook();
         self.output.clear();
-        let created = postcard::take_from_bytes::<InitArgs<'_>>(&self.input[..len])
-            .map_err(|e| alloc::format!("malformed init arguments: {e}"))
-            .and_then(|(args, rest)| {
-                let handoff = postcard::from_bytes::<Handoff<'_>>(rest)
-                    .map_err(|e| alloc::format!("malformed handoff: {e}"))?;
-                let init = make_init::<P>(&args)?;
-                P::import_state(&init, &handoff).map(|p| (p, args.now_ns))
-            });
+        let created = create(&self.input[..len], true, |args, handoff| {
+            P::import_state(&make_init::<P>(args)?, handoff.expect("decoded"))
+        });
         self.start(created)
     }
 
@@ -116,6 +103,35 @@ impl<P: Policy> Guest<P> {
         }
         self.output.as_slice()
     }
+}
+
+/// Grows a guest input buffer to at least `len` bytes (it only moves when it grows); its
+/// address, for the host to write into.
+pub fn grow(input: &mut Vec<u8>, len: usize) -> *mut u8 {
+    if input.len() < len {
+        input.resize(len.next_power_of_two(), 0);
+    }
+    input.as_mut_ptr()
+}
+
+/// Decodes a creation's input (the [`InitArgs`], then a [`Handoff`] when `handoff`) and makes
+/// the instance with `make`; with the host time it was created at. Shard and cluster policies
+/// alike.
+pub fn create<T>(
+    bytes: &[u8],
+    handoff: bool,
+    make: impl FnOnce(&InitArgs<'_>, Option<&Handoff<'_>>) -> Result<T, String>,
+) -> Result<(T, u64), String> {
+    let (args, rest) = postcard::take_from_bytes::<InitArgs<'_>>(bytes)
+        .map_err(|e| alloc::format!("malformed init arguments: {e}"))?;
+    let handed = match handoff {
+        true => Some(
+            postcard::from_bytes::<Handoff<'_>>(rest)
+                .map_err(|e| alloc::format!("malformed handoff: {e}"))?,
+        ),
+        false => None,
+    };
+    make(&args, handed.as_ref()).map(|t| (t, args.now_ns))
 }
 
 fn make_init<P: Policy>(args: &InitArgs<'_>) -> Result<Init, String> {
