@@ -679,10 +679,13 @@ mod tests {
                 // when it completes the round early), and it exports no state: restarted, it
                 // times its rounds afresh, so its weights, unlike the pushes applied, may differ.
                 // The adaptive deadline drops late pushes, and the robust merge outliers: their
-                // models are not the sum of all.
+                // models are not the sum of all. Decoupled DiLoCo steps on weighted means of
+                // whichever learners are in, and restarted it no longer knows who is in the open
+                // step (the shard keeps the step, the policy its number): its steps, unlike the
+                // pushes applied, may close at other times.
                 if name == "adaptive-deadline" || name == "robust" {
                     assert_eq!(restored.values(), original.values(), "{name} restored at step {at}");
-                } else if name != "epsp" {
+                } else if name != "epsp" && name != "decoupled-diloco" {
                     assert_eq!(original.values(), [expected; 5], "{name}: the uninterrupted run");
                     assert_eq!(restored.values(), original.values(), "{name} restored at step {at}");
                 }
