@@ -45,7 +45,7 @@ fn the_autopilot_swaps_by_itself_when_a_worker_straggles_and_back_when_it_recove
         if st.pilot.as_ref().is_some_and(|p| p.swaps > 0) {
             let out = crate::cluster::syncopate(&["policy", "status"], &cluster);
             let text = String::from_utf8_lossy(&out.stdout);
-            assert!(text.contains("cluster policy: cluster policy `autopilot`"), "{text}");
+            assert!(text.contains("cluster policy `autopilot` 0.1.0"), "{text}");
             assert!(text.contains("swap to adaptive-deadline"), "{text}");
             break;
         }

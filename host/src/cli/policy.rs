@@ -649,7 +649,7 @@ fn print_status(s: &ClusterStatus) {
     }
     if let Some(p) = &s.pilot {
         let state = if p.quarantined { "QUARANTINED (the cluster keeps its policy)" } else { "running" };
-        println!("cluster policy: {}, every {} ms, {} swaps asked, {state}", p.policy, p.cadence_ms, p.swaps);
+        println!("{}: every {} ms, {} swaps asked, {state}", p.policy, p.cadence_ms, p.swaps);
         if !p.metrics.is_empty() {
             let m: Vec<String> = p.metrics.iter().map(|(k, v)| format!("{k} = {v}")).collect();
             println!("cluster policy metrics: {}", m.join(", "));
