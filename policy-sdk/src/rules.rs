@@ -19,7 +19,7 @@
 //! - local steps are at most [`MAX_LOCAL_STEPS`], set for every worker or a live one; an outer
 //!   optimizer's learning rate is in (0, 16] and its momentum in [0, 1), its delay 1 to
 //!   [`MAX_OUTER_DELAY`] steps;
-//! - codecs are within their bounds ([`Codec::check`]), and pulls are never top-k;
+//! - codecs are within their bounds ([`Codec::check`](crate::abi::Codec::check)), and pulls are never sparse (top-k, SparseLoCo);
 //! - an event asks at most [`MAX_MEASURES`] measures ([`Decision::Measure`]); a policy's
 //!   start-up and the answer to a measure ask none (answers are events, and an answer that
 //!   asked again could keep the host answering for ever).

@@ -3,7 +3,7 @@
 //!
 //! Pure, like the shard and the coordinator's machine: the driver asks [`Pilot::due`] when to
 //! look next, gathers a [`ShardSample`] from every shard then, and hands them to
-//! [`Pilot::observe`]; the machine turns them into [`Figures`] ([`Sampler`]), calls the module,
+//! [`Pilot::observe`]; the machine turns them into [`Figures`](syncopate_policy_sdk::cluster::Figures) ([`Sampler`]), calls the module,
 //! checks its decisions and returns [`PilotAction`]s (a swap of the shard policy, to a
 //! built-in). The driver carries a swap out as an operator's would be (two-phase, every shard)
 //! and reports its end with [`Pilot::swapped`]. Time comes from the driver only.
