@@ -303,7 +303,9 @@ fn top_k(values: &[f32], k: usize, order: &mut Vec<u32>, sample: &mut Vec<u32>) 
         order.extend(0..n as u32);
         return;
     }
-    let stride = (n / 4096).max(1);
+    // About 4,096 sampled values for a large tensor; 512 at least for a SparseLoCo chunk of
+    // 4,096 (a sample as large as the chunk cost as much as the selection it saves).
+    let stride = (n / 4096).max(n.min(4096) / 512).max(1);
     sample.clear();
     sample.extend(values.iter().step_by(stride).map(|v| magnitude(*v)));
     let m = sample.len();
@@ -793,7 +795,7 @@ mod tests {
             x
         };
         let (mut order, mut sample) = (Vec::new(), Vec::new());
-        for n in [1usize, 2, 5, 1000, 10_000, 50_000] {
+        for n in [1usize, 2, 5, 1000, 4096, 10_000, 50_000] {
             for spread in 0..3 {
                 let values: Vec<f32> = (0..n)
                     .map(|i| match spread {
