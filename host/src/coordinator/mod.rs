@@ -822,7 +822,11 @@ impl Coordinator {
             let samples = match self.status().await {
                 Ok(s) => s.servers.into_iter().flat_map(|sv| sv.shards).map(|sh| sh.sample).collect(),
                 Err(e) => {
+                    // A server that does not answer now: try again a cadence later, not at once
+                    // (the machine's next look is still the one due).
                     tracing::warn!("the cluster policy's figures could not be gathered: {e}");
+                    let cadence = self.lock().pilot.as_ref().map_or(1000, |p| p.status().cadence_ms);
+                    tokio::time::sleep(Duration::from_millis(u64::from(cadence))).await;
                     continue;
                 }
             };
