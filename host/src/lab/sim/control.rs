@@ -349,10 +349,10 @@ impl Sim {
                     if !self.modules.iter().any(|m| m.sha256() == module.sha256()) {
                         self.modules.push(module.clone());
                     }
-                    let before = self.coord.swapping.as_ref().map(|s| s.0);
+                    // Begun if the coordinator numbered it (it may even have ended already).
+                    let before = self.coord.swap_modules.len();
                     self.swap(module, config)?;
-                    let now_swapping = self.coord.swapping.as_ref().map(|s| s.0);
-                    if now_swapping.is_some() && now_swapping != before {
+                    if self.coord.swap_modules.len() > before {
                         Ok(())
                     } else {
                         Err("the coordinator could not begin it (another swap, or no coordinator)"
