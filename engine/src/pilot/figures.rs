@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use syncopate_policy_sdk::abi::{WorkerClock, WorkerId};
+use syncopate_policy_sdk::abi::WorkerId;
 use syncopate_policy_sdk::cluster::{Figures, ShardFigures, WorkerFigures};
 
 use crate::shard::Shard;
@@ -20,6 +20,8 @@ use crate::shard::Shard;
 pub struct WorkerWork {
     /// The worker.
     pub worker: WorkerId,
+    /// Its clock here.
+    pub clock: u64,
     /// The compute time its pushes here reported, summed ([`Signals::step_ns`]).
     ///
     /// [`Signals::step_ns`]: syncopate_policy_sdk::abi::Signals
@@ -41,9 +43,7 @@ pub struct ShardSample {
     pub policy: String,
     /// Its policy's configuration.
     pub config: Vec<(String, String)>,
-    /// Live workers and their clocks.
-    pub clocks: Vec<WorkerClock>,
-    /// Live workers' work here.
+    /// Live workers' clocks and work here, by id.
     pub work: Vec<WorkerWork>,
     /// Pulls parked now.
     pub parked: u32,
@@ -66,7 +66,6 @@ impl ShardSample {
             shard: id,
             policy: shard.policy().info().name.clone(),
             config: shard.policy_config().to_vec(),
-            clocks: shard.workers(),
             work: shard.worker_work(),
             parked: shard.parked_pulls() as u32,
             held: shard.held_pushes() as u32,
@@ -92,7 +91,7 @@ impl Sampler {
 
     /// The figures at `now_ns` from `samples` (one per shard that answered), against the
     /// previous call's. The first call's window is the run so far.
-    pub fn figures(&mut self, now_ns: u64, samples: Vec<ShardSample>) -> Figures {
+    pub fn figures(&mut self, now_ns: u64, mut samples: Vec<ShardSample>) -> Figures {
         let empty = BTreeMap::new();
         let (window_ns, before) = match &self.last {
             Some((t, before)) => (now_ns.saturating_sub(*t), before),
@@ -119,26 +118,28 @@ impl Sampler {
         // Per worker: compute time and pushes summed over the shards in the window.
         let mut steps: BTreeMap<WorkerId, (u64, u64)> = BTreeMap::new();
         let mut shards = Vec::with_capacity(samples.len());
+        for s in &mut samples {
+            // By id, so the previous window's entry is a binary search away (a server sends
+            // them in that order; one that did not would only cost the sort).
+            s.work.sort_unstable_by_key(|k| k.worker);
+        }
         for s in &samples {
             let prev = before.get(&s.shard);
-            for c in &s.clocks {
-                let earlier =
-                    prev.and_then(|p| p.clocks.iter().find(|x| x.worker == c.worker)).map(|x| x.clock);
-                let iterations = c.clock.saturating_sub(earlier.unwrap_or(0));
-                let w = workers.entry(c.worker).or_insert(WorkerFigures {
-                    worker: c.worker,
-                    clock: c.clock,
+            for k in &s.work {
+                let earlier = prev.and_then(|p| {
+                    p.work.binary_search_by_key(&k.worker, |x| x.worker).ok().map(|i| &p.work[i])
+                });
+                let iterations = k.clock.saturating_sub(earlier.map_or(0, |e| e.clock));
+                let w = workers.entry(k.worker).or_insert(WorkerFigures {
+                    worker: k.worker,
+                    clock: k.clock,
                     iterations,
                     step_ns: 0,
                     waited_ns: 0,
                     loss: None,
                 });
-                w.clock = w.clock.min(c.clock);
+                w.clock = w.clock.min(k.clock);
                 w.iterations = w.iterations.min(iterations);
-            }
-            for k in &s.work {
-                let Some(w) = workers.get_mut(&k.worker) else { continue };
-                let earlier = prev.and_then(|p| p.work.iter().find(|x| x.worker == k.worker));
                 let (ns, n, waited) = match earlier {
                     Some(e)
                         if e.pushes <= k.pushes && e.step_ns <= k.step_ns && e.waited_ns <= k.waited_ns =>
@@ -159,8 +160,8 @@ impl Sampler {
                 Some(p) if p.pushes <= s.pushes => s.pushes - p.pushes,
                 _ => s.pushes,
             };
-            let lo = s.clocks.iter().map(|c| c.clock).min().unwrap_or(0);
-            let hi = s.clocks.iter().map(|c| c.clock).max().unwrap_or(0);
+            let lo = s.work.iter().map(|k| k.clock).min().unwrap_or(0);
+            let hi = s.work.iter().map(|k| k.clock).max().unwrap_or(0);
             shards.push(ShardFigures {
                 shard: s.shard,
                 policy: s.policy.clone(),
@@ -191,14 +192,11 @@ mod tests {
         ShardSample {
             shard,
             policy: policy.into(),
-            clocks: work
-                .iter()
-                .map(|&(worker, _, pushes, _)| WorkerClock { worker, clock: pushes })
-                .collect(),
             work: work
                 .iter()
                 .map(|&(worker, step_ns, pushes, waited_ns)| WorkerWork {
                     worker,
+                    clock: pushes,
                     step_ns,
                     pushes,
                     loss: None,

@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 
 use syncopate_policy_sdk::abi::InitArgs;
 use syncopate_policy_sdk::cluster::{
-    self, ClusterDecision, ClusterEnvelope, ClusterEvent, DEFAULT_CADENCE_MS, MAX_CADENCE_MS,
+    ClusterDecision, ClusterEnvelope, ClusterEvent, DEFAULT_CADENCE_MS, MAX_CADENCE_MS,
     MAX_CLUSTER_DECISIONS, MIN_CADENCE_MS,
 };
 
@@ -245,6 +245,16 @@ impl Pilot {
         }
     }
 
+    /// Whether it is quarantined (called no more).
+    pub fn is_quarantined(&self) -> bool {
+        self.quarantined
+    }
+
+    /// How often it looks at the cluster, in milliseconds.
+    pub fn cadence_ms(&self) -> u32 {
+        self.cadence_ms
+    }
+
     /// The shard policy of the swap it asked for, while that swap is under way.
     pub fn swapping(&self) -> Option<&str> {
         self.swapping.as_deref()
@@ -295,13 +305,18 @@ impl Pilot {
             event: what.to_owned(),
             detail,
         };
-        let decisions =
-            cluster::decode_decisions(reply).map_err(|e| bad(format!("undecodable decisions: {e}")))?;
-        if decisions.len() > MAX_CLUSTER_DECISIONS {
-            return Err(bad(format!(
-                "{} decisions in one call (at most {MAX_CLUSTER_DECISIONS})",
-                decisions.len()
-            )));
+        // Decoded one at a time, so a module that answers with a flood is refused at the first
+        // decision past the bound, not after all of them were decoded.
+        let mut decisions = Vec::new();
+        let mut rest = reply;
+        while !rest.is_empty() {
+            if decisions.len() == MAX_CLUSTER_DECISIONS {
+                return Err(bad(format!("more than {MAX_CLUSTER_DECISIONS} decisions in one call")));
+            }
+            let (d, tail) = postcard::take_from_bytes::<ClusterDecision>(rest)
+                .map_err(|e| bad(format!("undecodable decisions: {e}")))?;
+            decisions.push(d);
+            rest = tail;
         }
         let mut cadence = None;
         let mut swap = None;

@@ -3,7 +3,6 @@
 
 use super::*;
 use crate::runtime::{ModuleKind, PolicyRuntime};
-use syncopate_policy_sdk::abi::WorkerClock;
 
 fn autopilot(rt: &PolicyRuntime) -> PolicyModule {
     rt.compile("builtin:autopilot", crate::builtin::cluster_wasm("autopilot").unwrap()).unwrap()
@@ -14,12 +13,12 @@ fn sample(policy: &str, clock: u64, steps_ms: &[u64]) -> ShardSample {
     ShardSample {
         shard: 0,
         policy: policy.into(),
-        clocks: (0..steps_ms.len() as u32).map(|worker| WorkerClock { worker, clock }).collect(),
         work: steps_ms
             .iter()
             .enumerate()
             .map(|(w, &ms)| WorkerWork {
                 worker: w as u32,
+                clock,
                 step_ns: ms * 1_000_000 * clock,
                 pushes: clock,
                 loss: Some(1.0),

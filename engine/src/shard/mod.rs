@@ -679,7 +679,7 @@ impl Shard {
             .collect()
     }
 
-    /// Per live worker: its work here, as its pushes reported it, and its waits.
+    /// Per live worker, by id: its clock, its work here as its pushes reported it, and its waits.
     pub fn worker_work(&self) -> Vec<crate::pilot::WorkerWork> {
         self.clocks
             .workers()
@@ -687,7 +687,14 @@ impl Shard {
                 let i = w.worker as usize;
                 let (step_ns, pushes, loss) = self.worked.get(i).copied().unwrap_or_default();
                 let waited_ns = self.waited.get(i).copied().unwrap_or(0);
-                crate::pilot::WorkerWork { worker: w.worker, step_ns, pushes, loss, waited_ns }
+                crate::pilot::WorkerWork {
+                    worker: w.worker,
+                    clock: w.clock,
+                    step_ns,
+                    pushes,
+                    loss,
+                    waited_ns,
+                }
             })
             .collect()
     }

@@ -802,7 +802,7 @@ impl Coordinator {
     async fn fly(self: Arc<Self>) {
         use syncopate_engine::pilot::PilotAction;
         loop {
-            let due = match self.lock().pilot.as_ref().map(|p| (p.due(), p.status().quarantined)) {
+            let due = match self.lock().pilot.as_ref().map(|p| (p.due(), p.is_quarantined())) {
                 Some((_, true)) | None => return,
                 Some((due, false)) => due,
             };
@@ -825,7 +825,7 @@ impl Coordinator {
                     // A server that does not answer now: try again a cadence later, not at once
                     // (the machine's next look is still the one due).
                     tracing::warn!("the cluster policy's figures could not be gathered: {e}");
-                    let cadence = self.lock().pilot.as_ref().map_or(1000, |p| p.status().cadence_ms);
+                    let cadence = self.lock().pilot.as_ref().map_or(1000, |p| p.cadence_ms());
                     tokio::time::sleep(Duration::from_millis(u64::from(cadence))).await;
                     continue;
                 }

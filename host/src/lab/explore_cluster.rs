@@ -10,7 +10,6 @@
 //! quarantined. The first case that breaks it is the error, with its seed.
 
 use syncopate_engine::pilot::{Pilot, PilotAction, ShardSample, WorkerWork};
-use syncopate_policy_sdk::abi::WorkerClock;
 
 use super::explore::Rng;
 use crate::runtime::PolicyModule;
@@ -143,16 +142,12 @@ fn run_case(
                 shard,
                 policy: running.clone(),
                 config: Vec::new(),
-                clocks: members
-                    .iter()
-                    .filter(|m| m.present)
-                    .map(|m| WorkerClock { worker: m.worker, clock: m.clock })
-                    .collect(),
                 work: members
                     .iter()
                     .filter(|m| m.present)
                     .map(|m| WorkerWork {
                         worker: m.worker,
+                        clock: m.clock,
                         step_ns: m.worked_ns,
                         pushes: m.pushes,
                         loss: Some(2.0 / (1.0 + m.clock as f32)),

@@ -329,14 +329,15 @@ impl Sim {
     /// swap ends, [`Sim::pilot_swapped`]).
     pub(super) fn pilot(&mut self) -> Result<(), SimError> {
         let now = self.now;
+        let due = self.coord.pilot.as_ref().and_then(|p| p.0.due());
+        if due.is_none_or(|due| due > now) {
+            return Ok(());
+        }
         let samples: Vec<_> = (0..self.shards.nodes.len() as u32)
             .filter(|&s| !self.down(s))
             .filter_map(|s| self.shards.nodes[s as usize].shard().map(|sh| ShardSample::of(s, sh)))
             .collect();
         let Some((pilot, rt)) = self.coord.pilot.as_mut() else { return Ok(()) };
-        if pilot.due().is_none_or(|due| due > now) {
-            return Ok(());
-        }
         let rt = rt.clone();
         for action in pilot.observe(now, samples) {
             let PilotAction::Swap { policy, config, .. } = action;
