@@ -49,10 +49,13 @@ pub struct DecoupledDiloco {
     codecs: CodecChoice,
     /// The open outer step.
     group: u64,
-    /// Learners whose pseudo-gradient is in it.
-    members: Vec<WorkerId>,
-    /// Live learners, with their last reported outer-step compute time (ns; 0: none yet).
-    live: Vec<(WorkerId, u64)>,
+    /// How many live learners have a pseudo-gradient in it.
+    members: usize,
+    /// By worker id: a live learner's last reported outer-step compute time (ns; 0: none yet)
+    /// and whether it is in the open step (ids are bounded by the host's worker limit).
+    learners: Vec<Option<(u64, bool)>>,
+    /// Live learners.
+    live: usize,
     /// When the open step's timer fires (host ns), if armed: at its patience, or at its grace
     /// window once the quorum is in, whichever is sooner.
     armed: Option<u64>,
@@ -65,7 +68,7 @@ pub struct DecoupledDiloco {
 
 impl DecoupledDiloco {
     fn quorum(&self) -> usize {
-        let n = self.live.len();
+        let n = self.live;
         let k = if self.k == 0 { n.div_ceil(2) } else { self.k as usize };
         k.clamp(1, n.max(1))
     }
@@ -73,7 +76,7 @@ impl DecoupledDiloco {
     /// `times` medians of the learners' last outer-step times (at least `min_grace_ms`).
     fn medians_ns(&mut self, times: f64) -> u64 {
         self.times.clear();
-        self.times.extend(self.live.iter().map(|l| l.1).filter(|&t| t > 0));
+        self.times.extend(self.learners.iter().flatten().map(|l| l.0).filter(|&t| t > 0));
         if self.times.is_empty() {
             return self.min_grace_ns;
         }
@@ -99,16 +102,31 @@ impl DecoupledDiloco {
         }
     }
 
+    /// A live learner, not in the open step yet.
+    fn join(&mut self, worker: WorkerId) {
+        let i = worker as usize;
+        if self.learners.len() <= i {
+            self.learners.resize(i + 1, None);
+        }
+        if self.learners[i].is_none() {
+            self.learners[i] = Some((0, false));
+            self.live += 1;
+        }
+    }
+
     /// Applies the open outer step and opens the next.
     fn step(&mut self, ctx: &mut Ctx<'_>) {
         if self.armed.take().is_some() {
             ctx.cancel_timer(self.group);
         }
         ctx.complete_group(self.group);
-        ctx.metric("decoupled.learners", self.members.len() as f64);
+        ctx.metric("decoupled.learners", self.members as f64);
         ctx.metric("decoupled.tokens", self.tokens as f64);
         self.tokens = 0;
-        self.members.clear();
+        self.members = 0;
+        for l in self.learners.iter_mut().flatten() {
+            l.1 = false;
+        }
         self.group += 1;
         ctx.metric("decoupled.outer_steps", self.group as f64);
     }
@@ -116,16 +134,16 @@ impl DecoupledDiloco {
     /// Closes the open step if every live learner is in, or arms its grace window once the
     /// quorum is.
     fn check(&mut self, ctx: &mut Ctx<'_>) {
-        if self.members.is_empty() {
+        if self.members == 0 {
             return;
         }
-        if self.live.iter().all(|l| self.members.contains(&l.0)) {
+        if self.members >= self.live {
             self.step(ctx);
             return;
         }
         let after = self.medians_ns(self.patience);
         self.arm(ctx, after);
-        if self.members.len() >= self.quorum() {
+        if self.members >= self.quorum() {
             let after = self.medians_ns(self.grace);
             self.arm(ctx, after);
         }
@@ -173,8 +191,9 @@ impl Policy for DecoupledDiloco {
             outer_momentum,
             codecs: CodecChoice::from_config(c)?,
             group: 0,
-            members: Vec::new(),
-            live: Vec::new(),
+            members: 0,
+            learners: Vec::new(),
+            live: 0,
             armed: None,
             patience,
             times: Vec::new(),
@@ -190,13 +209,14 @@ impl Policy for DecoupledDiloco {
     }
 
     fn on_worker_joined(&mut self, _ctx: &mut Ctx<'_>, worker: WorkerId, _clock: u64) {
-        if !self.live.iter().any(|l| l.0 == worker) {
-            self.live.push((worker, 0));
-        }
+        self.join(worker);
     }
 
     fn on_worker_left(&mut self, ctx: &mut Ctx<'_>, worker: WorkerId, _reason: LeaveReason) {
-        self.live.retain(|l| l.0 != worker);
+        if let Some(l) = self.learners.get_mut(worker as usize).and_then(Option::take) {
+            self.live -= 1;
+            self.members -= usize::from(l.1);
+        }
         self.codecs.forget(worker);
         self.check(ctx);
     }
@@ -207,9 +227,9 @@ impl Policy for DecoupledDiloco {
     }
 
     fn on_push(&mut self, _ctx: &mut Ctx<'_>, push: &Push) -> PushVerdict {
-        if let Some(l) = self.live.iter_mut().find(|l| l.0 == push.worker) {
+        if let Some(Some(l)) = self.learners.get_mut(push.worker as usize) {
             if push.signals.step_ns > 0 {
-                l.1 = push.signals.step_ns;
+                l.0 = push.signals.step_ns;
             }
         }
         PushVerdict::Hold
@@ -221,8 +241,11 @@ impl Policy for DecoupledDiloco {
         let weight = tokens as f64 / (1.0 + push.staleness as f64);
         self.tokens = self.tokens.saturating_add(tokens);
         ctx.admit_to_group_weighted(push.id, self.group, weight as f32);
-        if !self.members.contains(&push.worker) {
-            self.members.push(push.worker);
+        if let Some(Some(l)) = self.learners.get_mut(push.worker as usize) {
+            if !l.1 {
+                l.1 = true;
+                self.members += 1;
+            }
         }
         self.check(ctx);
     }
@@ -244,7 +267,9 @@ impl Policy for DecoupledDiloco {
             // filling it; its members are unknown, so it closes by quorum and grace as usual.
             d.group = saved.group;
         }
-        d.live = handoff.workers.iter().map(|w| (w.worker, 0)).collect();
+        for w in &handoff.workers {
+            d.join(w.worker);
+        }
         Ok(d)
     }
 }
