@@ -276,7 +276,15 @@ fn re_replication_lets_a_cluster_survive_a_second_server_death() {
             assert!(st.placement.iter().all(|p| !st.lost_servers.contains(&p.1)), "{:?}", st.placement);
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(30), "no re-replication: {:?}", st.placement);
+        // About 1.3 s after the kill; a minute leaves room for a starved machine (the
+        // coordinator credits the time it did not run to the servers' leases).
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no re-replication: {:?}, lost {:?}\n{}",
+            st.placement,
+            st.lost_servers,
+            run.log("coordinator")
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     wait_for_clock(&mut run, 150);
@@ -321,7 +329,8 @@ impl DeadServer {
         sigkill(victim);
         let t = Instant::now();
         while run.status().lost_servers != vec![id] {
-            assert!(t.elapsed() < Duration::from_secs(30), "server {id} was not failed over");
+            let waited = t.elapsed() < Duration::from_secs(60);
+            assert!(waited, "server {id} was not failed over:\n{}", run.log("coordinator"));
             std::thread::sleep(Duration::from_millis(100));
         }
         DeadServer { args, token, id, addr }
@@ -478,10 +487,11 @@ fn a_worker_and_a_server_killed_at_once_do_not_hang_the_promoted_shards() {
     assert!(!st.success(), "{}", run.output());
     let report = run.report();
     let failed: Vec<u32> = report.failed_workers.iter().map(|(w, _)| *w).collect();
-    assert_eq!(failed, vec![2], "{:?}", report.failed_workers);
-    assert_eq!(report.failovers.len(), 1, "{:?}", report.failovers);
+    let coordinator = run.log("coordinator");
+    assert_eq!(failed, vec![2], "{:?}\n{coordinator}", report.failed_workers);
+    assert_eq!(report.failovers.len(), 1, "{:?}\n{coordinator}", report.failovers);
     for w in &report.workers {
-        assert_eq!(w.iterations, ITERATIONS, "worker {} ran every iteration", w.worker);
+        assert_eq!(w.iterations, ITERATIONS, "worker {} ran every iteration\n{coordinator}", w.worker);
     }
     // Every parameter: -(1 + 2) per survivor iteration, and -3 per pushed iteration of worker
     // 2's; the same count on every shard, and whole.

@@ -783,10 +783,13 @@ impl Coordinator {
                 let now_ns = self.now_ns();
                 let mut st = self.lock();
                 if !stalled.is_zero() {
-                    tracing::debug!(
-                        ms = stalled.as_millis() as u64,
-                        "monitor stalled; lease clocks credited"
-                    );
+                    // A starved or paused process delays every failover by as long: a second
+                    // or more is worth a line in the log.
+                    let ms = stalled.as_millis() as u64;
+                    match ms >= 1000 {
+                        true => tracing::warn!(ms, "the lease monitor did not run; lease clocks credited"),
+                        false => tracing::debug!(ms, "monitor stalled; lease clocks credited"),
+                    }
                     st.machine.credit_stall(now_ns, stalled.as_nanos() as u64);
                 }
                 st.machine.handle_timeout(now_ns);
