@@ -6,6 +6,7 @@
 //!   consults a policy on every event;
 //! - [`net`]: the QUIC transport, its messages and its TLS set-up;
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
+//! - [`metrics`]: Prometheus `/metrics` on the coordinator and every server;
 //! - [`checkpoint`]: rounds of shard snapshots on disk, written crash-safely, for `--resume`;
 //! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time,
@@ -19,6 +20,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod coordinator;
 pub mod lab;
+pub mod metrics;
 pub mod net;
 mod node;
 pub mod operator;

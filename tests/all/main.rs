@@ -9,6 +9,7 @@ mod codecs;
 mod failover;
 mod harness;
 mod local_sgd;
+mod metrics;
 mod net;
 mod oracles;
 mod partition;

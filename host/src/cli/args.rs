@@ -142,6 +142,26 @@ impl From<PlacementArg> for Placement {
     }
 }
 
+/// Where a coordinator or server serves Prometheus metrics (docs/metrics.md).
+#[derive(Debug, Clone, Args)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks a free one). Off unless
+    /// given: the endpoint has no authentication, so keep it on loopback or a private network.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Write the metrics address bound into FILE (launchers use it with port 0).
+    #[arg(long, value_name = "FILE", requires = "metrics_listen")]
+    pub metrics_file: Option<PathBuf>,
+}
+
+impl MetricsArgs {
+    /// The node's metrics options, if it serves metrics.
+    pub fn options(&self) -> Option<crate::metrics::MetricsOptions> {
+        let listen = self.metrics_listen?;
+        Some(crate::metrics::MetricsOptions { listen, addr_file: self.metrics_file.clone() })
+    }
+}
+
 /// How long an idle node polls its sockets before it sleeps (servers and workers).
 #[derive(Debug, Clone, Copy, Args)]
 pub struct SpinArgs {

@@ -8,7 +8,9 @@ use anyhow::Context;
 use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
-use super::args::{tokio, tokio_threads, FaultArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs};
+use super::args::{
+    tokio, tokio_threads, FaultArgs, MetricsArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs,
+};
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
 use crate::net::tls::{ClusterAccess, ClusterFile, Token};
@@ -51,6 +53,8 @@ pub struct CoordinatorArgs {
     #[arg(long, env = "SYNCOPATE_OPERATOR_TOKEN", hide_env_values = true)]
     pub operator_token: Option<String>,
     #[command(flatten)]
+    pub metrics: MetricsArgs,
+    #[command(flatten)]
     pub faults: FaultArgs,
     #[command(flatten)]
     pub token: TokenArgs,
@@ -86,6 +90,8 @@ pub struct ServerArgs {
     /// it to tell their server processes apart).
     #[arg(long, value_name = "FILE")]
     pub id_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     #[command(flatten)]
     pub spin: SpinArgs,
     #[command(flatten)]
@@ -330,6 +336,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         resume: a.faults.resume,
         replicas,
         pilot: a.policy.pilot.as_ref().map(|p| policy_source(p, Vec::new())).transpose()?,
+        metrics: a.metrics.options(),
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }
@@ -345,6 +352,7 @@ pub fn server(a: ServerArgs) -> anyhow::Result<()> {
         limits: Limits { max_header: 1 << 16, max_payload: a.max_tensor_mib << 20 },
         record: a.record,
         id_file: a.id_file,
+        metrics: a.metrics.options(),
     };
     tokio_threads(a.threads, a.spin)?.block_on(crate::server::run(opts)).context("server")
 }

@@ -134,6 +134,8 @@ pub struct CoordinatorOptions {
     /// A cluster policy to run (the autopilot, say): its label, module bytes and
     /// configuration.
     pub pilot: Option<PolicySource>,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<crate::metrics::MetricsOptions>,
 }
 
 /// The default of [`CoordinatorOptions::startup_timeout`], in seconds.
@@ -174,6 +176,8 @@ struct State {
     checkpoint_error: Option<String>,
     /// The cluster policy, if one runs.
     pilot: Option<syncopate_engine::pilot::Pilot>,
+    /// Servers failed over since this process started.
+    failovers: u64,
 }
 
 /// A hot swap's module, while the swap is under way.
@@ -252,6 +256,10 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         }
         None => None,
     };
+    let metrics = match &opts.metrics {
+        Some(m) => Some(crate::metrics::MetricsListener::bind(m.listen, m.addr_file.as_deref()).await?),
+        None => None,
+    };
     let endpoint = net::tls::listen(
         opts.listen,
         opts.tls.server_config(opts.peer_timeout, net::window::receive_budget())?,
@@ -298,6 +306,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             recorded: Record::default(),
             checkpoint_error: None,
             pilot,
+            failovers: 0,
         }),
         registered: watch::channel(0).0,
         rebuilt: watch::channel(false).0,
@@ -342,7 +351,18 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     });
     let monitor = coord.monitors_leases().then(|| tokio::spawn(coord.clone().monitor()));
     let piloting = coord.lock().pilot.is_some().then(|| tokio::spawn(coord.clone().fly()));
+    let metrics = metrics.map(|m| {
+        let coord = coord.clone();
+        m.serve(Arc::new(move || {
+            let (status, failovers) = (coord.own_status(), coord.lock().failovers);
+            let figures = crate::metrics::exposition::CoordinatorFigures { failovers };
+            Box::pin(std::future::ready(crate::metrics::exposition::coordinator(&status, figures)))
+        }))
+    });
     let _ = stop.wait_for(|s| *s).await;
+    if let Some(m) = metrics {
+        m.abort();
+    }
     if let Some(p) = piloting {
         p.abort();
     }
@@ -722,7 +742,11 @@ impl Coordinator {
             }
             CoordOutput::Rebuilt => self.rebuilt_out(),
             CoordOutput::ServerLost { server } => {
-                let addr = self.lock().machine.server_addrs().get(server as usize).copied();
+                let addr = {
+                    let mut st = self.lock();
+                    st.failovers += 1;
+                    st.machine.server_addrs().get(server as usize).copied()
+                };
                 tracing::error!(server, addr = ?addr, "server lost (its lease lapsed); failing over");
             }
             CoordOutput::ShardLost { shard, server } => {
@@ -1303,43 +1327,47 @@ impl Coordinator {
         }
     }
 
+    /// The cluster's status as this process knows it, without asking the servers (their part
+    /// is left empty).
+    fn own_status(&self) -> ClusterStatus {
+        let st = self.lock();
+        let blob = st.policy.blob();
+        ClusterStatus {
+            policy: blob.label,
+            sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
+            config: blob.config,
+            swaps: st.machine.swaps(),
+            servers: Vec::new(),
+            workers: st
+                .machine
+                .workers()
+                .iter()
+                .map(|(&worker, w)| WorkerStatus { worker, connected: w.connected, finished: w.finished })
+                .collect(),
+            score: st.score,
+            placement: st
+                .machine
+                .places()
+                .iter()
+                .enumerate()
+                .map(|(k, p)| (k as u32, p.primary, p.backup))
+                .collect(),
+            lost_servers: st
+                .machine
+                .live()
+                .iter()
+                .enumerate()
+                .filter(|(_, live)| !**live)
+                .map(|(i, _)| i as u32)
+                .collect(),
+            checkpoint_error: st.checkpoint_error.clone(),
+            pilot: st.pilot.as_ref().map(|p| p.status()),
+        }
+    }
+
     async fn status(&self) -> Result<ClusterStatus, CoordError> {
-        let (servers, mut status) = {
-            let st = self.lock();
-            let blob = st.policy.blob();
-            let status = ClusterStatus {
-                policy: blob.label,
-                sha256: blob.sha256.iter().map(|b| format!("{b:02x}")).collect(),
-                config: blob.config,
-                swaps: st.machine.swaps(),
-                servers: Vec::new(),
-                workers: st
-                    .machine
-                    .workers()
-                    .iter()
-                    .map(|(&worker, w)| WorkerStatus { worker, connected: w.connected, finished: w.finished })
-                    .collect(),
-                score: st.score,
-                placement: st
-                    .machine
-                    .places()
-                    .iter()
-                    .enumerate()
-                    .map(|(k, p)| (k as u32, p.primary, p.backup))
-                    .collect(),
-                lost_servers: st
-                    .machine
-                    .live()
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, live)| !**live)
-                    .map(|(i, _)| i as u32)
-                    .collect(),
-                checkpoint_error: st.checkpoint_error.clone(),
-                pilot: st.pilot.as_ref().map(|p| p.status()),
-            };
-            (st.servers(), status)
-        };
+        let mut status = self.own_status();
+        let servers = self.lock().servers();
         let lost: Vec<bool> = self.lock().machine.live().iter().map(|l| !l).collect();
         for (i, (addr, conn)) in servers.iter().enumerate() {
             let Some(conn) = conn.as_ref().filter(|_| !lost.get(i).copied().unwrap_or(false)) else {

@@ -4,9 +4,12 @@
 //! Everything the run produces goes in its run directory: the generated TLS certificate,
 //! `cluster.json` (address, CA, token and process ids, for `syncopate policy swap|status`),
 //! one log per process under `logs/`, each worker's report under `workers/`, the final model
-//! (`model.bin`, little-endian `f32`) and `report.json`. Children are killed if this process
-//! stops early, so a run never leaves processes behind.
+//! (`model.bin`, little-endian `f32`) and `report.json`, and the processes' last Prometheus
+//! scrape under `metrics/` (each serves `/metrics` on loopback while it runs; `cluster.json`
+//! names the addresses). Children are killed if this process stops early, so a run never
+//! leaves processes behind.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -302,6 +305,58 @@ pub fn flags_as_env(args: &[String]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The flags that make process `name` serve Prometheus metrics on loopback, on a free port it
+/// writes to `logs/NAME.metrics`.
+fn metrics_args(dir: &Path, name: &str) -> [String; 4] {
+    let file = dir.join("logs").join(format!("{name}.metrics"));
+    ["--metrics-listen".into(), "127.0.0.1:0".into(), "--metrics-file".into(), file.display().to_string()]
+}
+
+/// Where the processes `names` serve their metrics, as they wrote it (each binds before it
+/// does anything else; one that has not within 30 s is left out, with a warning).
+async fn metrics_addrs<'a>(dir: &Path, names: impl Iterator<Item = &'a str>) -> Vec<(String, SocketAddr)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    for name in names {
+        let file = dir.join("logs").join(format!("{name}.metrics"));
+        loop {
+            if let Some(addr) = crate::metrics::read_addr(&file) {
+                out.push((name.to_string(), addr));
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!("{name} has not said where it serves metrics; cluster.json leaves it out");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    out
+}
+
+/// Scrapes every process's metrics once and writes each exposition to `metrics/NAME.prom`:
+/// the cluster's last figures, beside the report (a process that does not answer is left out,
+/// with a warning).
+async fn save_metrics(dir: &Path, addrs: &[(String, SocketAddr)]) {
+    let folder = dir.join("metrics");
+    if let Err(e) = std::fs::create_dir_all(&folder) {
+        tracing::warn!("metrics not saved: cannot create {}: {e}", folder.display());
+        return;
+    }
+    for (name, addr) in addrs {
+        match tokio::time::timeout(Duration::from_secs(10), crate::metrics::scrape(*addr)).await {
+            Ok(Ok(text)) => {
+                let path = folder.join(format!("{name}.prom"));
+                if let Err(e) = crate::checkpoint::write_file(&path, text.as_bytes()) {
+                    tracing::warn!("{} not written: {e}", path.display());
+                }
+            }
+            Ok(Err(e)) => tracing::warn!("{name}'s metrics at {addr} not scraped: {e}"),
+            Err(_) => tracing::warn!("{name}'s metrics at {addr} not scraped within 10 s"),
+        }
+    }
+}
+
 /// The last lines of a process's log, for error messages.
 pub fn log_tail(run_dir: &Path, name: &str, lines: usize) -> String {
     let text = std::fs::read_to_string(run_dir.join("logs").join(format!("{name}.log"))).unwrap_or_default();
@@ -337,6 +392,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     args.extend([sc.servers.to_string(), "--workers".into(), sc.workers.to_string()]);
     args.extend(["--ready-file".into(), ready.display().to_string()]);
     args.extend(["--tls-dir".into(), tls_dir.clone()]);
+    args.extend(metrics_args(dir, "coordinator"));
     args.extend(opts.coordinator_args());
     let mut coordinator = Proc::spawn(&opts.exe, dir, "coordinator", &args, &token)?;
     let coordinator_args = args;
@@ -363,6 +419,7 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
         args.extend(opts.server_args());
         let id_file = dir.join("logs").join(format!("server-{s}.id"));
         args.extend(["--id-file".into(), id_file.display().to_string()]);
+        args.extend(metrics_args(dir, &format!("server-{s}")));
         servers.push(Proc::spawn(&opts.exe, dir, &format!("server-{s}"), &args, &token)?);
     }
     let mut workers = Vec::new();
@@ -392,6 +449,8 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
             .chain(&workers)
             .map(|p| (p.name.clone(), p.pid()))
             .collect(),
+        metrics: metrics_addrs(dir, std::iter::once(&coordinator).chain(&servers).map(|p| p.name.as_str()))
+            .await,
     };
     let cluster_path = dir.join("cluster.json");
     write_private_json(&cluster_path, &cluster)?;
@@ -660,6 +719,9 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     }
 
     let (model, model_version) = operator.read_model().await?;
+    // The last scrape, then the status the report is made of: the counters stand still once
+    // the workers are gone, so the two agree (but for the status request's own bytes).
+    save_metrics(dir, &cluster.metrics).await;
     let status = operator.status().await?;
     let final_score = match &evaluator {
         Some(e) if e.param_len() == model.len() => {

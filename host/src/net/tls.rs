@@ -355,6 +355,10 @@ pub struct ClusterFile {
     pub server_name: String,
     /// Process ids by role and index (`coordinator`, `server-0`, `worker-2`...).
     pub pids: Vec<(String, u32)>,
+    /// Where each process serves Prometheus metrics (`http://ADDR/metrics`), by the same names;
+    /// absent from files written before metrics existed.
+    #[serde(default)]
+    pub metrics: Vec<(String, SocketAddr)>,
 }
 
 impl ClusterFile {

@@ -67,6 +67,8 @@ pub struct ServerOptions {
     pub record: Option<std::path::PathBuf>,
     /// Where to write the id the coordinator gave this server, once registered.
     pub id_file: Option<std::path::PathBuf>,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<crate::metrics::MetricsOptions>,
 }
 
 struct Shared {
@@ -156,6 +158,11 @@ impl Shared {
 /// Runs a server until the coordinator tells it to stop (or is lost).
 pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let bootstrap = Duration::from_secs(30);
+    // Bound first, so its address is known at once; served once the shards exist.
+    let metrics = match &opts.metrics {
+        Some(m) => Some(crate::metrics::MetricsListener::bind(m.listen, m.addr_file.as_deref()).await?),
+        None => None,
+    };
     // Listen before registering, so the advertised address is the one bound; the transport is
     // re-configured once the coordinator has said what the peer timeout is.
     let endpoint = crate::net::tls::listen(
@@ -264,6 +271,13 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         pool,
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
+    let metrics = metrics.map(|m| {
+        let shared = shared.clone();
+        m.serve(Arc::new(move || {
+            let shared = shared.clone();
+            Box::pin(async move { crate::metrics::exposition::server(&status(&shared).await) })
+        }))
+    });
     let mut coord = coord;
     let mut commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
     let result = loop {
@@ -297,6 +311,9 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         }
     };
     accept.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     endpoint.close(close::SHUTDOWN.into(), b"server shutting down");
     coord.close(close::DONE.into(), b"bye");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
@@ -307,6 +324,14 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
 /// Nanoseconds since `epoch`: the server's clock for its lease.
 fn ns_since(epoch: Instant) -> u64 {
     epoch.elapsed().as_nanos() as u64
+}
+
+/// This server's status: its shards', its backups', its traffic.
+async fn status(shared: &Shared) -> ServerStatus {
+    let shards = statuses(shared.primaries()).await;
+    let backups = statuses(shared.backups()).await;
+    let (bytes_sent, bytes_received) = shared.bytes();
+    ServerStatus { server: shared.id, addr: shared.addr, shards, backups, bytes_sent, bytes_received }
 }
 
 /// The status of each shard task that has a shard.
@@ -913,19 +938,7 @@ async fn handle_command(shared: &Arc<Shared>, cmd: ServerCommand, payload: Vec<u
             shared.prepared.lock().expect("not poisoned").remove(&swap);
             ServerReply::Ok
         }
-        ServerCommand::Status => {
-            let shards = statuses(shared.primaries()).await;
-            let backups = statuses(shared.backups()).await;
-            let (bytes_sent, bytes_received) = shared.bytes();
-            ServerReply::Status(ServerStatus {
-                server: shared.id,
-                addr: shared.addr,
-                shards,
-                backups,
-                bytes_sent,
-                bytes_received,
-            })
-        }
+        ServerCommand::Status => ServerReply::Status(status(shared).await),
         ServerCommand::AttachBackup { shard, addr, incarnation } => {
             match attach_backup(shared, shard, addr, incarnation).await {
                 Ok(()) => ServerReply::Ok,
