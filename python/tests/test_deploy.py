@@ -1,10 +1,12 @@
-"""The Kubernetes manifests in ``deploy/kubernetes``: every resource passes the Kubernetes
+"""The Kubernetes manifests in ``deploy/kubernetes`` (and the Grafana dashboard beside them): every
+resource passes the Kubernetes
 schema (``kubernetes-validate``, offline, strict: unknown fields are errors), the pieces refer
 to each other correctly, and every flag they give the ``syncopate`` binary is one it takes."""
 
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 from typing import Any
@@ -115,3 +117,39 @@ def test_every_address_and_flag_is_one_the_binary_takes() -> None:
                 assert re.search(rf"^\s+{re.escape(key)}\b", help_of[role], re.M), (name, key)
                 if key == "--coordinator":
                     assert flag == f"--coordinator={address}", name
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_cluster_exposes() -> None:
+    """Every ``syncopate_*`` series a panel of ``deploy/grafana/syncopate.json`` queries is a
+    family ``docs/metrics.md`` lists (with the suffix its type gives it on the wire); the Rust
+    suite checks that list against what the coordinator and servers expose."""
+
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "syncopate.json").read_text())
+    documented: dict[str, str] = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        m = re.match(r"\| `(syncopate_\w+)` \| (\w+) \|", line)
+        if m:
+            documented[m.group(1)] = m.group(2)
+    suffixes = {
+        "counter": ["_total"],
+        "gauge": [""],
+        "info": ["_info"],
+        "histogram": ["_bucket", "_sum", "_count"],
+    }
+    series = {name + s for name, kind in documented.items() for s in suffixes[kind]}
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"syncopate_\w+", target["expr"]))
+    assert queried, "the dashboard queries nothing"
+    assert queried <= series, sorted(queried - series)
+    # Panels do not overlap on the grid.
+    cells = set()
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        assert not (cells & mine), panel["title"]
+        cells |= mine

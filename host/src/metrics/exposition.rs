@@ -346,19 +346,46 @@ mod tests {
         }
     }
 
-    /// The names, types and labels are an interface (docs/metrics.md): this pins them, and the
-    /// values the status carries.
-    #[test]
-    fn a_servers_exposition_names_every_figure_of_its_shards() {
-        let status = ServerStatus {
+    fn a_server() -> ServerStatus {
+        ServerStatus {
             server: 3,
             addr: "127.0.0.1:9".parse().unwrap(),
             shards: vec![shard(1, "ssp 0.1.0")],
             backups: vec![shard(0, "ssp 0.1.0")],
             bytes_sent: 1000,
             bytes_received: 2000,
-        };
-        let text = server(&status);
+        }
+    }
+
+    fn a_cluster() -> ClusterStatus {
+        ClusterStatus {
+            policy: "builtin:ssp".into(),
+            sha256: "cd".repeat(32),
+            config: Vec::new(),
+            swaps: 2,
+            servers: Vec::new(),
+            workers: Vec::new(),
+            score: None,
+            placement: Vec::new(),
+            lost_servers: vec![1],
+            checkpoint_error: None,
+            pilot: Some(syncopate_engine::pilot::PilotStatus {
+                policy: "cluster policy `autopilot` 0.1.0 (0123456789ab)".into(),
+                config: Vec::new(),
+                cadence_ms: 1000,
+                quarantined: false,
+                swaps: 1,
+                metrics: vec![("autopilot.ratio".into(), 2.5)],
+                log: Vec::new(),
+            }),
+        }
+    }
+
+    /// The names, types and labels are an interface (docs/metrics.md): this pins them, and the
+    /// values the status carries.
+    #[test]
+    fn a_servers_exposition_names_every_figure_of_its_shards() {
+        let text = server(&a_server());
         let p = r#"server="3",shard="1",role="primary""#;
         for line in [
             "# TYPE syncopate_pushes_admitted counter".to_string(),
@@ -394,27 +421,7 @@ mod tests {
 
     #[test]
     fn the_coordinators_exposition_has_the_policy_swaps_failovers_and_the_pilot() {
-        let status = ClusterStatus {
-            policy: "builtin:ssp".into(),
-            sha256: "cd".repeat(32),
-            config: Vec::new(),
-            swaps: 2,
-            servers: Vec::new(),
-            workers: Vec::new(),
-            score: None,
-            placement: Vec::new(),
-            lost_servers: vec![1],
-            checkpoint_error: None,
-            pilot: Some(syncopate_engine::pilot::PilotStatus {
-                policy: "cluster policy `autopilot` 0.1.0 (0123456789ab)".into(),
-                config: Vec::new(),
-                cadence_ms: 1000,
-                quarantined: false,
-                swaps: 1,
-                metrics: vec![("autopilot.ratio".into(), 2.5)],
-                log: Vec::new(),
-            }),
-        };
+        let status = a_cluster();
         let text = coordinator(&status, CoordinatorFigures { failovers: 1 });
         for line in [
             format!(r#"syncopate_cluster_policy_info{{label="builtin:ssp",sha256="{}"}} 1"#, "cd".repeat(32)),
@@ -427,5 +434,30 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "no line `{line}` in:\n{text}");
         }
+    }
+
+    /// docs/metrics.md lists every family exposed, and nothing else.
+    #[test]
+    fn the_docs_list_every_family_and_only_those() {
+        let docs = include_str!("../../../docs/metrics.md");
+        let texts = [server(&a_server()), coordinator(&a_cluster(), CoordinatorFigures { failovers: 1 })];
+        let exposed: std::collections::BTreeSet<(String, String)> = texts
+            .iter()
+            .flat_map(|t| t.lines())
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').unwrap();
+                (name.to_string(), kind.to_string())
+            })
+            .collect();
+        let documented: std::collections::BTreeSet<(String, String)> = docs
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `syncopate_"))
+            .map(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                (format!("syncopate_{}", cells[0].trim_end_matches('`')), cells[1].to_string())
+            })
+            .collect();
+        assert_eq!(exposed, documented);
     }
 }
