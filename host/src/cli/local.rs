@@ -88,6 +88,10 @@ pub struct LocalArgs {
     /// servers and workers rejoin it.
     #[arg(long, value_name = "AT_S")]
     pub kill_coordinator: Option<f64>,
+    /// Write TensorBoard event files of the run's figures (accuracy, loss, iterations per
+    /// second, waiting share, deferred pulls, the policy's metrics) into DIR as it runs.
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
@@ -262,6 +266,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         checkpoint_every_s: a.faults.checkpoint_every_s,
         resume: a.faults.resume.as_deref().map(resume_dir).transpose()?,
         kill_coordinator_s: a.kill_coordinator,
+        tensorboard: a.tensorboard.clone(),
         ..LocalOptions::new(exe, run_dir, run)
     })
 }

@@ -272,6 +272,10 @@ pub struct AbArgs {
     /// replicate a comparison without reusing its seeds.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Write each run's TensorBoard event file into DIR/<policy>[/seed-N], so TensorBoard
+    /// overlays the policies and seeds.
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<std::path::PathBuf>,
 }
 
 fn ab(a: AbArgs) -> anyhow::Result<()> {
@@ -338,6 +342,7 @@ fn ab(a: AbArgs) -> anyhow::Result<()> {
         gradients: !a.no_gradients,
         repeat: a.repeat,
         baseline: a.baseline,
+        tensorboard: a.tensorboard,
         ..crate::lab::ab::AbOptions::new(exe, scenario, a.policies, out.clone())
     };
     opts.baseline_index().map_err(anyhow::Error::msg)?;

@@ -45,6 +45,9 @@ pub struct AbOptions {
     pub repeat: u32,
     /// The policy the others are judged against (default: the first).
     pub baseline: Option<PolicySpec>,
+    /// Write each run's TensorBoard event file under this directory, by policy (and seed), so
+    /// TensorBoard overlays them.
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl AbOptions {
@@ -60,6 +63,7 @@ impl AbOptions {
             gradients: true,
             repeat: 1,
             baseline: None,
+            tensorboard: None,
         }
     }
 
@@ -183,6 +187,12 @@ pub fn run(opts: &AbOptions) -> Result<Comparison, NodeError> {
             true => simulated(opts, run, &dir, sim_rt.as_ref().expect("built for simulated runs"))?,
             false => real(opts, run, &dir, rt.as_ref().expect("built for real runs"))?,
         };
+        if let Some(tb) = &opts.tensorboard {
+            let at = tb.join(dir.strip_prefix(&opts.out).unwrap_or(&dir));
+            if let Err(e) = crate::lab::tensorboard::write_run(&at, &report) {
+                tracing::warn!("no TensorBoard file in {}: {e}", at.display());
+            }
+        }
         let row = AbRow { seed, ..AbRow::from_report(labels[i].clone(), &report, dir) };
         runs.push((i, row, report));
     }

@@ -57,6 +57,8 @@ pub struct LocalOptions {
     /// starts it again at the same address, as it does a coordinator that dies on its own (up
     /// to [`COORDINATOR_RESTARTS`] times), and the servers and workers rejoin it.
     pub kill_coordinator_s: Option<f64>,
+    /// Write TensorBoard event files of every look at the cluster into this directory.
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// How many times `local` starts a coordinator again that died during a run.
@@ -78,6 +80,7 @@ impl LocalOptions {
             checkpoint_every_s: 0,
             resume: None,
             kill_coordinator_s: None,
+            tensorboard: None,
         }
     }
 
@@ -497,6 +500,20 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     );
     let interactive = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut points: Vec<WatchPoint> = Vec::new();
+    // A writer that fails (a full disk) stops writing, with a warning; the run goes on.
+    let mut tensorboard = match &opts.tensorboard {
+        Some(tb) => match crate::lab::tensorboard::EventWriter::create(tb, started.as_secs_f64()) {
+            Ok(w) => {
+                eprintln!("tensorboard: {}", w.path().display());
+                Some(w)
+            }
+            Err(e) => {
+                tracing::warn!("no TensorBoard file in {}: {e}", tb.display());
+                None
+            }
+        },
+        None => None,
+    };
     let mut time_to_target = None;
     let mut stop_sent = false;
     let mut best: Option<(f32, Option<Vec<f32>>)> = None;
@@ -672,6 +689,12 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                         Ok(Ok(())) => stop_sent = true,
                         Ok(Err(e)) => tracing::warn!("could not ask the workers to stop: {e}"),
                         Err(_) => tracing::warn!("could not ask the workers to stop: no answer within {WATCH_LIMIT:?}"),
+                    }
+                }
+                if let Some(w) = tensorboard.as_mut() {
+                    if let Err(e) = w.point(&point).and_then(|()| w.flush()) {
+                        tracing::warn!("TensorBoard file not written further: {e}");
+                        tensorboard = None;
                     }
                 }
                 points.push(point);

@@ -9,6 +9,7 @@
 //!   rules, shared by both;
 //! - [`ab`]: one scenario under several policies, compared;
 //! - [`plots`]: the SVG plots of a run and of a comparison;
+//! - [`tensorboard`]: TensorBoard event files of a run's looks (`--tensorboard`);
 //! - [`stats`]: medians, confidence intervals and rank tests for repeated comparisons;
 //! - [`simtest`]: a seeded search for lost or doubled updates under server failures, in the
 //!   simulator (`syncopate simtest`);
@@ -18,7 +19,7 @@
 //!   workers joining and leaving, swaps that fail), run through the coordinator's pilot.
 //!
 //! Dependencies run one way: `report` and `stats` depend on no other lab module; `plots` on
-//! `report` and `stats`; `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of
+//! `report` and `stats`; `tensorboard` on `report`; `local` and `sim` on `report`, `plots` and `scenario`; `ab` on all of
 //! them but `simtest`; `simtest` on `scenario` and `sim`; `explore` on none; `explore_cluster` on `explore`.
 
 pub mod ab;
@@ -31,3 +32,4 @@ pub mod scenario;
 pub mod sim;
 pub mod simtest;
 pub mod stats;
+pub mod tensorboard;
