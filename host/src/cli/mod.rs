@@ -272,7 +272,7 @@ pub struct AbArgs {
     /// replicate a comparison without reusing its seeds.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Write each run's TensorBoard event file into DIR/<policy>[/seed-N], so TensorBoard
+    /// Write each run's TensorBoard event file into `DIR/<policy>[/seed-N]`, so TensorBoard
     /// overlays the policies and seeds.
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<std::path::PathBuf>,
