@@ -149,6 +149,11 @@ fn the_policy_and_swap_count_survive_a_coordinator_restart() {
     assert!(report.policy.contains("ssp"), "{}", report.policy);
     let shards: Vec<_> = report.servers.iter().flat_map(|s| &s.shards).collect();
     assert!(shards.len() == 3 && shards.iter().all(|s| s.policy == "ssp 0.1.0"), "{shards:?}");
+    // The restarted coordinator serves its metrics where the first did (`cluster.json`'s
+    // address, which the launcher's last scrape used), with the swap it read back.
+    let scraped =
+        std::fs::read_to_string(run.dir.join("metrics").join("coordinator.prom")).unwrap_or_default();
+    assert!(scraped.lines().any(|l| l == "syncopate_swaps_total 1"), "{scraped}\n{}", run.output());
 }
 
 /// A coordinator started again with other settings than the servers were welcomed with is not

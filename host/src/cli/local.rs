@@ -312,6 +312,7 @@ const CHANGEABLE: &[&str] = &[
     "--target-accuracy",
     "--eval-every-ms",
     "--record",
+    "--tensorboard",
     "--checkpoint-every-s",
     "--checkpoint-dir",
     "--kill-server",

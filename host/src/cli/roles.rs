@@ -269,11 +269,13 @@ pub fn policy_source(
     Ok(PolicySource { label, wasm, config: spec.config.clone(), overrides })
 }
 
-/// Flags a resumed coordinator may set anew: where it listens and with which certificates and
-/// tokens, where it checkpoints, how long it waits; not what the cluster is.
+/// Flags a resumed coordinator may set anew: where it listens (for metrics too) and with which
+/// certificates and tokens, where it checkpoints, how long it waits; not what the cluster is.
 const COORDINATOR_CHANGEABLE: &[&str] = &[
     "--listen",
     "--ready-file",
+    "--metrics-listen",
+    "--metrics-file",
     "--startup-timeout-s",
     "--token",
     "--operator-token",

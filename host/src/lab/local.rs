@@ -570,7 +570,9 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 coordinator_restarts.push(t);
                 let name = format!("coordinator-{}", coordinator_restarts.len() + 1);
                 eprintln!("[{t:>6.1} s] the coordinator {how}; starting it again at {addr} (log: logs/{name}.log)");
-                coordinator = Proc::spawn(&opts.exe, dir, &name, &restart_args(&coordinator_args, &addr), &token)?;
+                let metrics = cluster.metrics.iter().find(|m| m.0 == "coordinator").map(|m| m.1);
+                let args = restart_args(&coordinator_args, &addr, metrics);
+                coordinator = Proc::spawn(&opts.exe, dir, &name, &args, &token)?;
                 operator.reconnect();
                 answered = Instant::now();
             }
@@ -852,9 +854,10 @@ pub const STOP_BACKSTOP: Duration = Duration::from_secs(30);
 pub const COORDINATOR_SILENT: Duration = Duration::from_secs(15);
 
 /// The arguments a coordinator that died is started again with: the first one's, listening on
-/// the address it had (`addr`), so that servers and workers find it, and never resuming from a
-/// checkpoint, since the servers that ran on hold newer state.
-fn restart_args(first: &[String], addr: &str) -> Vec<String> {
+/// the address it had (`addr`), so that servers and workers find it, and serving metrics where
+/// it did (`metrics`, so `cluster.json` stays true), and never resuming from a checkpoint, since
+/// the servers that ran on hold newer state.
+fn restart_args(first: &[String], addr: &str, metrics: Option<SocketAddr>) -> Vec<String> {
     let mut out = Vec::with_capacity(first.len());
     let mut it = first.iter();
     while let Some(a) = it.next() {
@@ -862,6 +865,13 @@ fn restart_args(first: &[String], addr: &str) -> Vec<String> {
             "--listen" => {
                 it.next();
                 out.extend(["--listen".to_string(), addr.to_string()]);
+            }
+            "--metrics-listen" if metrics.is_some() => {
+                it.next();
+                out.extend([
+                    "--metrics-listen".to_string(),
+                    metrics.map(|m| m.to_string()).unwrap_or_default(),
+                ]);
             }
             "--resume" => {
                 it.next();
