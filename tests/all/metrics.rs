@@ -74,6 +74,11 @@ fn a_local_cluster_serves_prometheus_metrics_that_move_follow_a_swap_and_agree_w
             !info.is_empty() && info.iter().all(|(l, v)| l.contains(r#"policy="bsp""#) && *v == 1.0),
             "{text}"
         );
+        // Each worker's clock and compute time on each shard the server holds.
+        let clocks = samples(text, "syncopate_worker_clock");
+        assert_eq!(clocks.len(), 2 * info.len(), "two workers on each shard:\n{text}");
+        let computed = samples(text, "syncopate_worker_reported_pushes_total");
+        assert!(computed.iter().any(|(_, v)| *v > 0.0), "the workers report their compute time:\n{text}");
     }
 
     // A hot swap: the info metrics name the new policy, on the shards and the coordinator.

@@ -222,6 +222,47 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
     for (name, help, v) in gauges {
         x.add(name, help, labels(), Value::Gauge(v));
     }
+    // Per live worker: one series per worker and shard (a worker that leaves, its series
+    // ends), from what the shard keeps of each (the cluster policy's sample of it).
+    for w in &s.sample.work {
+        let worker = || {
+            let mut l = labels();
+            l.push(("worker", w.worker.to_string()));
+            l
+        };
+        x.add(
+            "syncopate_worker_clock",
+            "A live worker's clock on the shard: the iterations it has pushed there.",
+            worker(),
+            Value::Gauge(w.clock as f64),
+        );
+        x.add(
+            "syncopate_worker_pull_deferred_seconds",
+            "Time a live worker's pulls spent deferred by the shard's policy.",
+            worker(),
+            Value::CounterF(w.waited_ns as f64 / 1e9),
+        );
+        x.add(
+            "syncopate_worker_compute_seconds",
+            "The compute time a live worker's pushes to the shard reported, summed.",
+            worker(),
+            Value::CounterF(w.step_ns as f64 / 1e9),
+        );
+        x.add(
+            "syncopate_worker_reported_pushes",
+            "A live worker's pushes to the shard that reported their compute time.",
+            worker(),
+            Value::Counter(w.pushes),
+        );
+        if let Some(loss) = w.loss {
+            x.add(
+                "syncopate_worker_loss",
+                "The training loss a live worker last reported with a push.",
+                worker(),
+                Value::Gauge(f64::from(loss)),
+            );
+        }
+    }
     for m in &s.metrics {
         let mut l = labels();
         l.extend([("policy", policy.clone()), ("name", m.name.clone())]);
@@ -310,6 +351,7 @@ pub fn coordinator(status: &ClusterStatus, figures: CoordinatorFigures) -> Strin
 mod tests {
     use super::*;
     use crate::shard::{Metric, ShardStats};
+    use syncopate_engine::pilot::WorkerWork;
     use syncopate_policy_sdk::abi::WorkerClock;
 
     fn shard(shard: u32, policy: &str) -> ShardStatus {
@@ -342,7 +384,20 @@ mod tests {
             parked_longest: None,
             policy_failures_now: 0,
             backoff_ms: None,
-            sample: Default::default(),
+            sample: syncopate_engine::pilot::ShardSample {
+                work: vec![
+                    WorkerWork {
+                        worker: 0,
+                        clock: 7,
+                        step_ns: 700_000_000,
+                        pushes: 7,
+                        loss: Some(0.5),
+                        waited_ns: 250_000_000,
+                    },
+                    WorkerWork { worker: 1, clock: 6, step_ns: 0, pushes: 0, loss: None, waited_ns: 0 },
+                ],
+                ..Default::default()
+            },
         }
     }
 
@@ -403,6 +458,12 @@ mod tests {
             format!("syncopate_pulls_parked{{{p}}} 1.0"),
             format!("syncopate_shard_workers{{{p}}} 2.0"),
             format!(r#"syncopate_policy_metric{{{p},policy="ssp",name="ssp.s"}} 3.0"#),
+            format!(r#"syncopate_worker_clock{{{p},worker="0"}} 7.0"#),
+            format!(r#"syncopate_worker_clock{{{p},worker="1"}} 6.0"#),
+            format!(r#"syncopate_worker_pull_deferred_seconds_total{{{p},worker="0"}} 0.25"#),
+            format!(r#"syncopate_worker_compute_seconds_total{{{p},worker="0"}} 0.7"#),
+            format!(r#"syncopate_worker_reported_pushes_total{{{p},worker="0"}} 7"#),
+            format!(r#"syncopate_worker_loss{{{p},worker="0"}} 0.5"#),
             "# TYPE syncopate_push_staleness histogram".into(),
             format!(r#"syncopate_push_staleness_bucket{{le="0.0",{p}}} 5"#),
             format!(r#"syncopate_push_staleness_bucket{{le="1.0",{p}}} 5"#),
