@@ -422,14 +422,40 @@ fn make_init<P: ClusterPolicy>(args: &InitArgs<'_>) -> Result<ClusterInit, Strin
 }
 
 /// Decodes a run of decisions a cluster policy answered.
-pub fn decode_decisions(mut bytes: &[u8]) -> Result<Vec<ClusterDecision>, postcard::Error> {
-    let mut out = Vec::new();
-    while !bytes.is_empty() {
-        let (d, rest) = postcard::take_from_bytes::<ClusterDecision>(bytes)?;
-        out.push(d);
-        bytes = rest;
+pub fn decode_decisions(bytes: &[u8]) -> Result<Vec<ClusterDecision>, postcard::Error> {
+    decisions(bytes).collect()
+}
+
+/// The decisions a cluster policy answered, decoded one at a time (a host that bounds their
+/// number stops at the bound without decoding the rest).
+pub fn decisions(bytes: &[u8]) -> Decisions<'_> {
+    Decisions { rest: bytes }
+}
+
+/// The iterator [`decisions`] returns; it ends after the first error.
+#[derive(Debug)]
+pub struct Decisions<'a> {
+    rest: &'a [u8],
+}
+
+impl Iterator for Decisions<'_> {
+    type Item = Result<ClusterDecision, postcard::Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        match postcard::take_from_bytes::<ClusterDecision>(self.rest) {
+            Ok((d, rest)) => {
+                self.rest = rest;
+                Some(Ok(d))
+            }
+            Err(e) => {
+                self.rest = &[];
+                Some(Err(e))
+            }
+        }
     }
-    Ok(out)
 }
 
 /// Runs a [`ClusterPolicy`] natively, through the same encoding the wasm module uses: for

@@ -3,9 +3,9 @@
 //!
 //! Pure, like the shard and the coordinator's machine: the driver asks [`Pilot::due`] when to
 //! look next, gathers a [`ShardSample`] from every shard then, and hands them to
-//! [`Pilot::observe`]; the machine turns them into [`Figures`](syncopate_policy_sdk::cluster::Figures) ([`Sampler`]), calls the module,
-//! checks its decisions and returns [`PilotAction`]s (a swap of the shard policy, to a
-//! built-in). The driver carries a swap out as an operator's would be (two-phase, every shard)
+//! [`Pilot::observe`]; the machine turns them into
+//! [`Figures`](syncopate_policy_sdk::cluster::Figures) ([`Sampler`]), calls the module, checks
+//! its decisions and returns [`PilotAction`]s (a swap of the shard policy, to a built-in). The driver carries a swap out as an operator's would be (two-phase, every shard)
 //! and reports its end with [`Pilot::swapped`]. Time comes from the driver only.
 //!
 //! **Misbehaviour.** A call that traps, runs out of fuel, panics or decides something invalid
@@ -19,9 +19,9 @@
 //! ([`Pilot::restore`]); a coordinator restarted without a checkpoint starts it afresh.
 //!
 //! Not done yet (issue 53): the machine is not replicated (the coordinator has no standby), its
-//! calls are not recorded for replay, `policy check` does not explore cluster policies, and the only
-//! decisions are the cadence, a swap to a built-in and metrics (no parameter changes, quorums
-//! or batch sizes yet).
+//! calls are not recorded for replay, and the only decisions are the cadence, a swap to a
+//! built-in and metrics (no parameter changes, quorums or batch sizes yet). `policy check`
+//! explores cluster policies (`host/src/lab/explore_cluster.rs`).
 
 mod figures;
 
@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 
 use syncopate_policy_sdk::abi::InitArgs;
 use syncopate_policy_sdk::cluster::{
-    ClusterDecision, ClusterEnvelope, ClusterEvent, DEFAULT_CADENCE_MS, MAX_CADENCE_MS,
+    self, ClusterDecision, ClusterEnvelope, ClusterEvent, DEFAULT_CADENCE_MS, MAX_CADENCE_MS,
     MAX_CLUSTER_DECISIONS, MIN_CADENCE_MS,
 };
 
@@ -308,15 +308,11 @@ impl Pilot {
         // Decoded one at a time, so a module that answers with a flood is refused at the first
         // decision past the bound, not after all of them were decoded.
         let mut decisions = Vec::new();
-        let mut rest = reply;
-        while !rest.is_empty() {
+        for d in cluster::decisions(reply) {
             if decisions.len() == MAX_CLUSTER_DECISIONS {
                 return Err(bad(format!("more than {MAX_CLUSTER_DECISIONS} decisions in one call")));
             }
-            let (d, tail) = postcard::take_from_bytes::<ClusterDecision>(rest)
-                .map_err(|e| bad(format!("undecodable decisions: {e}")))?;
-            decisions.push(d);
-            rest = tail;
+            decisions.push(d.map_err(|e| bad(format!("undecodable decisions: {e}")))?);
         }
         let mut cadence = None;
         let mut swap = None;

@@ -147,3 +147,20 @@ fn a_restored_autopilot_goes_on_where_its_state_was() {
     let mut fresh = Pilot::start(&m, &[], 1, 10 * S).unwrap();
     assert!(fresh.observe(12 * S, vec![sample("bsp", 20, &slow)]).is_empty());
 }
+
+/// A reply of more decisions than a call may make is refused whole; the bound itself is taken.
+#[test]
+fn a_flood_of_decisions_is_refused_at_the_bound() {
+    let rt = PolicyRuntime::new().unwrap();
+    let mut p = Pilot::start(&autopilot(&rt), &[], 1, 0).unwrap();
+    let reply = |n: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| postcard::to_allocvec(&ClusterDecision::SetCadence { ms: 1000 }).unwrap())
+            .collect()
+    };
+    assert!(p.decided(0, &reply(MAX_CLUSTER_DECISIONS), "a test").is_ok());
+    let err = p.decided(0, &reply(MAX_CLUSTER_DECISIONS + 1), "a test").unwrap_err().to_string();
+    assert!(err.contains("more than 16 decisions"), "{err}");
+    let err = p.decided(0, &[0xff, 0xff], "a test").unwrap_err().to_string();
+    assert!(err.contains("undecodable"), "{err}");
+}
