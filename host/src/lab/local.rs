@@ -861,19 +861,16 @@ fn restart_args(first: &[String], addr: &str, metrics: Option<SocketAddr>) -> Ve
     let mut out = Vec::with_capacity(first.len());
     let mut it = first.iter();
     while let Some(a) = it.next() {
-        match a.as_str() {
-            "--listen" => {
+        match (a.as_str(), metrics) {
+            ("--listen", _) => {
                 it.next();
                 out.extend(["--listen".to_string(), addr.to_string()]);
             }
-            "--metrics-listen" if metrics.is_some() => {
+            ("--metrics-listen", Some(m)) => {
                 it.next();
-                out.extend([
-                    "--metrics-listen".to_string(),
-                    metrics.map(|m| m.to_string()).unwrap_or_default(),
-                ]);
+                out.extend(["--metrics-listen".to_string(), m.to_string()]);
             }
-            "--resume" => {
+            ("--resume", _) => {
                 it.next();
             }
             _ => out.push(a.clone()),

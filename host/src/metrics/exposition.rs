@@ -35,7 +35,8 @@ enum Value {
     Counter(u64),
     CounterF(f64),
     Gauge(f64),
-    /// Cumulative buckets (upper bound, count at or below it), the sum and the count.
+    /// Buckets (upper bound, count in that bucket alone: the encoder makes them cumulative),
+    /// the sum and the count.
     Histogram {
         buckets: Vec<(f64, u64)>,
         sum: f64,

@@ -40,10 +40,9 @@ impl MetricsListener {
             .local_addr()
             .map_err(|source| NodeError::Io { what: "the metrics address".into(), source })?;
         if let Some(path) = addr_file {
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, format!("{addr}\n")).and_then(|()| std::fs::rename(&tmp, path)).map_err(
-                |source| NodeError::Io { what: format!("cannot write {}", path.display()), source },
-            )?;
+            crate::checkpoint::write_file(path, format!("{addr}\n").as_bytes()).map_err(|source| {
+                NodeError::Io { what: format!("cannot write {}", path.display()), source }
+            })?;
         }
         tracing::info!(%addr, "metrics at http://{addr}/metrics");
         Ok(MetricsListener { listener, addr })
