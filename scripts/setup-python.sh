@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the Python package's tests and the PyTorch example need, and nothing that is
 # already there: a virtual environment .venv with python/requirements-dev.txt from PyPI (numpy,
-# torch, Ray, pytest, ruff, maturin, kubernetes-validate), and the `syncopate` package built
-# from source into it by maturin (debug profile). scripts/test.sh runs it; the Rust-only demo does not need it.
+# torch, Ray, pytest, ruff, maturin, kubernetes-validate, tensorboard, playwright), Debian's
+# Chromium (the dashboard's test drives the page in it, headless), and the `syncopate` package
+# built from source into it by maturin (debug profile). scripts/test.sh runs it; the Rust-only demo does not need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,18 @@ if [ ! -x .venv/bin/python ]; then
     if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q install python3-venv
     "$py" -m venv .venv
+  fi
+fi
+# A real browser for the dashboard's test (python/tests/test_dashboard.py): Debian's Chromium,
+# driven by Playwright's Python package, which uses it as it is (no browser download).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: installing Debian's chromium (the dashboard's browser test)"
+  sudo=""
+  if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+  if ! { $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q install chromium >/dev/null \
+      || { $sudo apt-get -q update >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q install chromium >/dev/null; }; }; then
+    echo "error: could not install chromium; the dashboard's test needs a Chromium (set SYNCOPATE_CHROMIUM to one)" >&2
+    exit 1
   fi
 fi
 stamp=.venv/.requirements-installed

@@ -7,6 +7,8 @@
 //! - [`net`]: the QUIC transport, its messages and its TLS set-up;
 //! - [`coordinator`], [`server`], [`worker`]: the cluster's roles, one process each;
 //! - [`metrics`]: Prometheus `/metrics` on the coordinator and every server;
+//! - [`dashboard`]: the coordinator's live web page of the cluster, with hot swaps;
+//! - [`http`]: the HTTP sockets those two serve;
 //! - [`checkpoint`]: rounds of shard snapshots on disk, written crash-safely, for `--resume`;
 //! - [`lab`]: scenarios, local clusters, the simulator, A/B comparisons, run reports and plots;
 //! - [`builtin`]: the policy modules shipped with Syncopate, built from `policies/` at build time,
@@ -19,6 +21,8 @@ pub mod builtin;
 pub mod checkpoint;
 pub mod cli;
 pub mod coordinator;
+pub mod dashboard;
+pub mod http;
 pub mod lab;
 pub mod metrics;
 pub mod net;

@@ -6,6 +6,7 @@ mod checkpoint;
 mod cli;
 mod cluster;
 mod codecs;
+mod dashboard;
 mod failover;
 mod harness;
 mod local_sgd;

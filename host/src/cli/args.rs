@@ -154,6 +154,40 @@ pub struct MetricsArgs {
     pub metrics_file: Option<PathBuf>,
 }
 
+/// Where the coordinator serves its live dashboard (docs/metrics.md, "The dashboard").
+#[derive(Debug, Clone, Args)]
+pub struct DashboardArgs {
+    /// Serve the live dashboard at http://ADDR/ (port 0 picks a free one). Off unless given.
+    /// Anyone who reaches it sees the cluster; swapping a policy from it needs the operator
+    /// token. Keep it on loopback or a private network.
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard: Option<SocketAddr>,
+    /// Write the dashboard's address bound into FILE (launchers use it with port 0).
+    #[arg(long, value_name = "FILE", requires = "dashboard")]
+    pub dashboard_file: Option<PathBuf>,
+    /// Seconds between the dashboard's readings of the cluster.
+    #[arg(long, value_name = "S", default_value_t = 1.0, value_parser = parse_every)]
+    pub dashboard_every_s: f64,
+}
+
+fn parse_every(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.05..=3600.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a number of seconds from 0.05 to 3600")),
+    }
+}
+
+impl DashboardArgs {
+    /// The dashboard's options, if it is served.
+    pub fn options(&self) -> Option<crate::dashboard::DashboardOptions> {
+        Some(crate::dashboard::DashboardOptions {
+            listen: self.dashboard?,
+            addr_file: self.dashboard_file.clone(),
+            every: std::time::Duration::from_secs_f64(self.dashboard_every_s),
+        })
+    }
+}
+
 impl MetricsArgs {
     /// The node's metrics options, if it serves metrics.
     pub fn options(&self) -> Option<crate::metrics::MetricsOptions> {

@@ -92,6 +92,11 @@ pub struct LocalArgs {
     /// second, waiting share, deferred pulls, the policy's metrics) into DIR as it runs.
     #[arg(long, value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
+    /// Serve a live dashboard of the run in the browser (the coordinator's; by default on
+    /// loopback at a free port, printed at start with the operator token in its fragment, and
+    /// named in `cluster.json`). ADDR chooses the address.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
+    pub dashboard: Option<std::net::SocketAddr>,
     /// Where the run's files go (default: runs/<time>-<policy>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
@@ -267,6 +272,7 @@ fn options(a: &LocalArgs, exe: PathBuf) -> anyhow::Result<LocalOptions> {
         resume: a.faults.resume.as_deref().map(resume_dir).transpose()?,
         kill_coordinator_s: a.kill_coordinator,
         tensorboard: a.tensorboard.clone(),
+        dashboard: a.dashboard,
         ..LocalOptions::new(exe, run_dir, run)
     })
 }
@@ -313,6 +319,7 @@ const CHANGEABLE: &[&str] = &[
     "--eval-every-ms",
     "--record",
     "--tensorboard",
+    "--dashboard",
     "--checkpoint-every-s",
     "--checkpoint-dir",
     "--kill-server",

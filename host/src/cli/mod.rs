@@ -3,6 +3,7 @@
 mod args;
 mod local;
 mod policy;
+pub(crate) use policy::quick_check_module;
 mod resume;
 pub use roles::{policy_source, WorkerArgs};
 mod roles;

@@ -337,7 +337,7 @@ fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) ->
     let spec = with_config(file, config)?;
     let (label, wasm) = spec.bytes()?;
     if rt.compile(&label, &wasm)?.kind() == ModuleKind::Cluster {
-        let (module, explored) = explore_cluster(rt, &spec, cases)?;
+        let (module, explored) = explore_cluster(rt, &label, &wasm, &spec.config, cases)?;
         println!("ok: {}", spec.source);
         println!("  sha256:      {}", module.sha256_hex());
         print_info(module.info(), None, "  ");
@@ -348,7 +348,7 @@ fn check(rt: &PolicyRuntime, file: &str, config: &[String], cases: CasesArgs) ->
         );
         return Ok(());
     }
-    let (module, explored) = explore(rt, &spec, cases)?;
+    let (module, explored) = explore(rt, &label, &wasm, &spec.config, cases)?;
     println!("ok: {}", spec.source);
     println!("  sha256:      {}", module.sha256_hex());
     print_info(module.info(), Some(module.abi()), "  ");
@@ -373,20 +373,21 @@ fn with_config(file: &str, config: &[String]) -> anyhow::Result<PolicySpec> {
     Ok(spec)
 }
 
-/// Validates `spec`'s module, starts it, and drives it through `cases` generated cases, then
-/// the long ones: the first broken case, shrunk, is the error.
+/// Validates the module `wasm` (with `config`), starts it, and drives it through `cases`
+/// generated cases, then the long ones: the first broken case, shrunk, is the error.
 fn explore(
     rt: &PolicyRuntime,
-    spec: &PolicySpec,
+    label: &str,
+    wasm: &[u8],
+    config: &[(String, String)],
     cases: CasesArgs,
 ) -> anyhow::Result<(crate::runtime::PolicyModule, crate::lab::explore::Explored)> {
-    let (label, wasm) = spec.bytes()?;
-    let module = rt.compile(&label, &wasm)?;
+    let module = rt.compile(label, wasm)?;
     let args = InitArgs {
         shard: 0,
         shards: 1,
         now_ns: 0,
-        config: spec.config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+        config: config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
     };
     PolicyInstance::new(&module, &args).context("the module loads but does not start")?;
     // Swapped out to and back from two built-ins that differ in kind: one that defers nothing
@@ -398,10 +399,10 @@ fn explore(
     let broken = |b: Box<crate::lab::explore::Broken>| {
         anyhow::anyhow!("the module breaks a rule in a generated case: {b}")
     };
-    let mut explored = crate::lab::explore::explore(&module, &spec.config, &others, cases.seed, cases.cases)
-        .map_err(broken)?;
-    let long = crate::lab::explore::explore_long(&module, &spec.config, cases.seed, cases.long_cases)
-        .map_err(broken)?;
+    let mut explored =
+        crate::lab::explore::explore(&module, config, &others, cases.seed, cases.cases).map_err(broken)?;
+    let long =
+        crate::lab::explore::explore_long(&module, config, cases.seed, cases.long_cases).map_err(broken)?;
     explored.cases += long.cases;
     explored.events += long.events;
     explored.deferred += long.deferred;
@@ -411,33 +412,43 @@ fn explore(
     Ok((module, explored))
 }
 
-/// Validates `spec`'s cluster policy module, starts it, and runs it through `cases.cases`
-/// generated clusters ([`crate::lab::explore_cluster`]): the first that breaks a rule is the
-/// error.
+/// Validates the cluster policy module `wasm` (with `config`), starts it, and runs it through
+/// `cases.cases` generated clusters ([`crate::lab::explore_cluster`]): the first that breaks a
+/// rule is the error.
 fn explore_cluster(
     rt: &PolicyRuntime,
-    spec: &PolicySpec,
+    label: &str,
+    wasm: &[u8],
+    config: &[(String, String)],
     cases: CasesArgs,
 ) -> anyhow::Result<(crate::runtime::PolicyModule, crate::lab::explore_cluster::ClusterExplored)> {
-    let (label, wasm) = spec.bytes()?;
-    let module = rt.compile(&label, &wasm)?;
-    syncopate_engine::pilot::Pilot::start(&module, &spec.config, 1, 0)
+    let module = rt.compile(label, wasm)?;
+    syncopate_engine::pilot::Pilot::start(&module, config, 1, 0)
         .context("the module loads but does not start")?;
-    let explored =
-        crate::lab::explore_cluster::explore_cluster(&module, &spec.config, cases.seed, cases.cases)
-            .map_err(|b| anyhow::anyhow!("the cluster policy breaks a rule in a generated cluster: {b}"))?;
+    let explored = crate::lab::explore_cluster::explore_cluster(&module, config, cases.seed, cases.cases)
+        .map_err(|b| anyhow::anyhow!("the cluster policy breaks a rule in a generated cluster: {b}"))?;
     Ok((module, explored))
 }
 
 /// The check a module gets where it enters a cluster (`local`, `policy swap`): `policy check`
 /// in brief (a quarter of its cases, one long case). Built-ins are checked by the test suite.
 pub(super) fn quick_check(rt: &PolicyRuntime, spec: &PolicySpec) -> anyhow::Result<()> {
-    let cases = CasesArgs { cases: crate::lab::explore::DEFAULT_CASES / 4, long_cases: 1, seed: 0 };
     let (label, wasm) = spec.bytes()?;
-    if rt.compile(&label, &wasm)?.kind() == ModuleKind::Cluster {
-        return explore_cluster(rt, spec, cases).map(|_| ());
+    quick_check_module(rt, &label, &wasm, &spec.config)
+}
+
+/// [`quick_check`] of a module's bytes (one uploaded to the dashboard).
+pub(crate) fn quick_check_module(
+    rt: &PolicyRuntime,
+    label: &str,
+    wasm: &[u8],
+    config: &[(String, String)],
+) -> anyhow::Result<()> {
+    let cases = CasesArgs { cases: crate::lab::explore::DEFAULT_CASES / 4, long_cases: 1, seed: 0 };
+    if rt.compile(label, wasm)?.kind() == ModuleKind::Cluster {
+        return explore_cluster(rt, label, wasm, config, cases).map(|_| ());
     }
-    explore(rt, spec, cases).map(|_| ())
+    explore(rt, label, wasm, config, cases).map(|_| ())
 }
 
 /// `policy check --recording`: replays a recorded run through the module; any failure fails the

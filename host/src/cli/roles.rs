@@ -9,7 +9,8 @@ use clap::Args;
 use syncopate_workloads::WorkloadOptions;
 
 use super::args::{
-    tokio, tokio_threads, FaultArgs, MetricsArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs, TrainArgs,
+    tokio, tokio_threads, DashboardArgs, FaultArgs, MetricsArgs, PolicyArgs, SpinArgs, TlsArgs, TokenArgs,
+    TrainArgs,
 };
 use crate::builtin::PolicySpec;
 use crate::coordinator::{CoordinatorOptions, PolicySource};
@@ -54,6 +55,8 @@ pub struct CoordinatorArgs {
     pub operator_token: Option<String>,
     #[command(flatten)]
     pub metrics: MetricsArgs,
+    #[command(flatten)]
+    pub dashboard: DashboardArgs,
     #[command(flatten)]
     pub faults: FaultArgs,
     #[command(flatten)]
@@ -276,6 +279,9 @@ const COORDINATOR_CHANGEABLE: &[&str] = &[
     "--ready-file",
     "--metrics-listen",
     "--metrics-file",
+    "--dashboard",
+    "--dashboard-file",
+    "--dashboard-every-s",
     "--startup-timeout-s",
     "--token",
     "--operator-token",
@@ -339,6 +345,7 @@ pub fn coordinator(a: CoordinatorArgs) -> anyhow::Result<()> {
         replicas,
         pilot: a.policy.pilot.as_ref().map(|p| policy_source(p, Vec::new())).transpose()?,
         metrics: a.metrics.options(),
+        dashboard: a.dashboard.options(),
     };
     tokio()?.block_on(crate::coordinator::run(opts)).context("coordinator")
 }

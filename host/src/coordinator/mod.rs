@@ -136,6 +136,8 @@ pub struct CoordinatorOptions {
     pub pilot: Option<PolicySource>,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics: Option<crate::metrics::MetricsOptions>,
+    /// Where to serve the live dashboard, if anywhere.
+    pub dashboard: Option<crate::dashboard::DashboardOptions>,
 }
 
 /// The default of [`CoordinatorOptions::startup_timeout`], in seconds.
@@ -257,7 +259,11 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
         None => None,
     };
     let metrics = match &opts.metrics {
-        Some(m) => Some(crate::metrics::MetricsListener::bind(m.listen, m.addr_file.as_deref()).await?),
+        Some(m) => Some(crate::metrics::bind(m).await?),
+        None => None,
+    };
+    let dashboard = match &opts.dashboard {
+        Some(d) => Some((crate::dashboard::bind(d).await?, d.every)),
         None => None,
     };
     let endpoint = net::tls::listen(
@@ -353,13 +359,22 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
     let piloting = coord.lock().pilot.is_some().then(|| tokio::spawn(coord.clone().fly()));
     let metrics = metrics.map(|m| {
         let coord = coord.clone();
-        m.serve(Arc::new(move || {
-            let (status, failovers) = (coord.own_status(), coord.lock().failovers);
-            let figures = crate::metrics::exposition::CoordinatorFigures { failovers };
-            Box::pin(std::future::ready(crate::metrics::exposition::coordinator(&status, figures)))
-        }))
+        crate::metrics::serve(
+            m,
+            Arc::new(move || {
+                let (status, failovers) = (coord.own_status(), coord.lock().failovers);
+                let figures = crate::metrics::exposition::CoordinatorFigures { failovers };
+                Box::pin(std::future::ready(crate::metrics::exposition::coordinator(&status, figures)))
+            }),
+        )
+    });
+    let dashboard = dashboard.map(|(listener, every)| {
+        crate::dashboard::serve(listener, Arc::new(DashboardControl(coord.clone())), every)
     });
     let _ = stop.wait_for(|s| *s).await;
+    if let Some(d) = dashboard {
+        d.abort();
+    }
     if let Some(m) = metrics {
         m.abort();
     }
@@ -1425,5 +1440,32 @@ async fn command_reply(
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(CommandError::Transport(e.to_string())),
         Err(_) => Err(CommandError::Unanswered(COMMAND_TIMEOUT.as_millis() as u64)),
+    }
+}
+
+/// The coordinator as the dashboard sees it: its status, its swaps, its operator token.
+struct DashboardControl(Arc<Coordinator>);
+
+impl crate::dashboard::Control for DashboardControl {
+    fn status(&self) -> crate::dashboard::BoxFuture<'_, Result<ClusterStatus, String>> {
+        Box::pin(async move { self.0.status().await.map_err(|e| e.to_string()) })
+    }
+
+    fn swap(&self, source: PolicySource) -> crate::dashboard::BoxFuture<'_, crate::dashboard::SwapAnswer> {
+        use crate::dashboard::SwapAnswer;
+        Box::pin(async move {
+            let label = source.label.clone();
+            match self.0.swap_to(source.blob(), source.wasm).await {
+                Ok(Ok((swap, shards))) => SwapAnswer::Done { swap, shards, policy: label },
+                Ok(Err((swap, failed))) => {
+                    SwapAnswer::Partly { swap, policy: label, failed: crate::net::proto::listed(&failed) }
+                }
+                Err(e) => SwapAnswer::Refused { reason: e.to_string() },
+            }
+        })
+    }
+
+    fn authorized(&self, presented: &str) -> bool {
+        self.0.opts.operator_token.as_ref().unwrap_or(&self.0.opts.token).matches(presented)
     }
 }

@@ -59,6 +59,8 @@ pub struct LocalOptions {
     pub kill_coordinator_s: Option<f64>,
     /// Write TensorBoard event files of every look at the cluster into this directory.
     pub tensorboard: Option<PathBuf>,
+    /// Serve the coordinator's live dashboard at this address (port 0: any free one).
+    pub dashboard: Option<SocketAddr>,
 }
 
 /// How many times `local` starts a coordinator again that died during a run.
@@ -81,6 +83,7 @@ impl LocalOptions {
             resume: None,
             kill_coordinator_s: None,
             tensorboard: None,
+            dashboard: None,
         }
     }
 
@@ -396,6 +399,12 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
     args.extend(["--ready-file".into(), ready.display().to_string()]);
     args.extend(["--tls-dir".into(), tls_dir.clone()]);
     args.extend(metrics_args(dir, "coordinator"));
+    let dashboard_file = dir.join("logs").join("coordinator.dashboard");
+    if let Some(d) = opts.dashboard {
+        let _ = std::fs::remove_file(&dashboard_file);
+        args.extend(["--dashboard".into(), d.to_string(), "--dashboard-file".into()]);
+        args.push(dashboard_file.display().to_string());
+    }
     args.extend(opts.coordinator_args());
     let mut coordinator = Proc::spawn(&opts.exe, dir, "coordinator", &args, &token)?;
     let coordinator_args = args;
@@ -454,7 +463,18 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
             .collect(),
         metrics: metrics_addrs(dir, std::iter::once(&coordinator).chain(&servers).map(|p| p.name.as_str()))
             .await,
+        dashboard: match opts.dashboard {
+            // The coordinator binds it before it listens for the cluster, so it is there by now.
+            Some(_) => crate::http::read_addr(&dashboard_file),
+            None => None,
+        },
     };
+    if let Some(d) = cluster.dashboard {
+        // The token rides in the fragment, which the browser keeps to itself.
+        eprintln!("dashboard: http://{d}/#token={}", token.secret());
+    } else if opts.dashboard.is_some() {
+        tracing::warn!("the coordinator did not say where it serves the dashboard; see its log");
+    }
     let cluster_path = dir.join("cluster.json");
     write_private_json(&cluster_path, &cluster)?;
     eprintln!(
@@ -570,8 +590,14 @@ pub async fn run(opts: LocalOptions) -> Result<RunReport, NodeError> {
                 coordinator_restarts.push(t);
                 let name = format!("coordinator-{}", coordinator_restarts.len() + 1);
                 eprintln!("[{t:>6.1} s] the coordinator {how}; starting it again at {addr} (log: logs/{name}.log)");
-                let metrics = cluster.metrics.iter().find(|m| m.0 == "coordinator").map(|m| m.1);
-                let args = restart_args(&coordinator_args, &addr, metrics);
+                let mut pins = vec![("--listen", addr.clone())];
+                if let Some(m) = cluster.metrics.iter().find(|m| m.0 == "coordinator") {
+                    pins.push(("--metrics-listen", m.1.to_string()));
+                }
+                if let Some(d) = cluster.dashboard {
+                    pins.push(("--dashboard", d.to_string()));
+                }
+                let args = restart_args(&coordinator_args, &pins);
                 coordinator = Proc::spawn(&opts.exe, dir, &name, &args, &token)?;
                 operator.reconnect();
                 answered = Instant::now();
@@ -853,27 +879,21 @@ pub const STOP_BACKSTOP: Duration = Duration::from_secs(30);
 /// leases, and with them training.
 pub const COORDINATOR_SILENT: Duration = Duration::from_secs(15);
 
-/// The arguments a coordinator that died is started again with: the first one's, listening on
-/// the address it had (`addr`), so that servers and workers find it, and serving metrics where
-/// it did (`metrics`, so `cluster.json` stays true), and never resuming from a checkpoint, since
-/// the servers that ran on hold newer state.
-fn restart_args(first: &[String], addr: &str, metrics: Option<SocketAddr>) -> Vec<String> {
+/// The arguments a coordinator that died is started again with: the first one's, with each
+/// flag of `pins` at the value given (`--listen` at the address it had, so that servers and
+/// workers find it; metrics and the dashboard where they were, so `cluster.json` stays true),
+/// and never resuming from a checkpoint, since the servers that ran on hold newer state.
+fn restart_args(first: &[String], pins: &[(&str, String)]) -> Vec<String> {
     let mut out = Vec::with_capacity(first.len());
     let mut it = first.iter();
     while let Some(a) = it.next() {
-        match (a.as_str(), metrics) {
-            ("--listen", _) => {
-                it.next();
-                out.extend(["--listen".to_string(), addr.to_string()]);
-            }
-            ("--metrics-listen", Some(m)) => {
-                it.next();
-                out.extend(["--metrics-listen".to_string(), m.to_string()]);
-            }
-            ("--resume", _) => {
-                it.next();
-            }
-            _ => out.push(a.clone()),
+        if a == "--resume" {
+            it.next();
+        } else if let Some((flag, value)) = pins.iter().find(|p| p.0 == a) {
+            it.next();
+            out.extend([flag.to_string(), value.clone()]);
+        } else {
+            out.push(a.clone());
         }
     }
     out
@@ -934,7 +954,47 @@ fn write_private_json<T: Serialize>(path: &Path, value: &T) -> Result<(), NodeEr
 
 #[cfg(test)]
 mod tests {
-    use super::flags_as_env;
+    use super::{flags_as_env, restart_args};
+
+    #[test]
+    fn a_restarted_coordinator_keeps_its_addresses_and_does_not_resume() {
+        let first: Vec<String> = [
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--dashboard",
+            "127.0.0.1:0",
+            "--resume",
+            "ckpt",
+            "--policy",
+            "bsp",
+        ]
+        .map(String::from)
+        .to_vec();
+        let pins = [
+            ("--listen", "127.0.0.1:7000".to_string()),
+            ("--metrics-listen", "127.0.0.1:9090".to_string()),
+            ("--dashboard", "127.0.0.1:8080".to_string()),
+        ];
+        assert_eq!(
+            restart_args(&first, &pins),
+            [
+                "coordinator",
+                "--listen",
+                "127.0.0.1:7000",
+                "--metrics-listen",
+                "127.0.0.1:9090",
+                "--dashboard",
+                "127.0.0.1:8080",
+                "--policy",
+                "bsp",
+            ]
+        );
+        // A flag not pinned keeps its value.
+        assert_eq!(restart_args(&first, &pins[..1])[3..5], ["--metrics-listen", "127.0.0.1:0"]);
+    }
 
     #[test]
     fn worker_flags_become_the_environment_syncopate_worker_reads() {

@@ -123,6 +123,30 @@ impl WatchPoint {
     }
 }
 
+/// The rates between two readings ([`WatchPoint::rates_since`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// Iterations all workers pushed per second.
+    pub iterations_per_s: f64,
+    /// The share of the live workers' time spent in deferred pulls.
+    pub waiting_share: f64,
+}
+
+impl WatchPoint {
+    /// The rates between `prev` and this reading (`None` if no time passed).
+    pub fn rates_since(&self, prev: &WatchPoint) -> Option<Rates> {
+        let dt = self.t_s - prev.t_s;
+        if dt <= 0.0 {
+            return None;
+        }
+        let iterations = self.iterations.saturating_sub(prev.iterations) as f64;
+        let waited: f64 = self.worker_waits_s.iter().map(|w| w.1).sum::<f64>()
+            - prev.worker_waits_s.iter().map(|w| w.1).sum::<f64>();
+        let workers = self.worker_waits_s.len().max(1) as f64;
+        Some(Rates { iterations_per_s: iterations / dt, waiting_share: waited.max(0.0) / (dt * workers) })
+    }
+}
+
 /// A server lost and failed over during a run.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Failover {

@@ -64,17 +64,10 @@ impl EventWriter {
         values.push(("cluster/clock_spread".into(), p.max_clock.saturating_sub(p.min_clock) as f32));
         values.push(("cluster/held_pushes_now".into(), p.held_now as f32));
         values.push(("cluster/servers_lost".into(), p.lost_servers.len() as f32));
-        if let Some(prev) = &self.last {
-            let dt = p.t_s - prev.t_s;
-            if dt > 0.0 {
-                let iterations = p.iterations.saturating_sub(prev.iterations) as f64;
-                values.push(("cluster/iterations_per_s".into(), (iterations / dt) as f32));
-                // The share of the workers' time spent in deferred pulls since the last look.
-                let waited: f64 = p.worker_waits_s.iter().map(|w| w.1).sum::<f64>()
-                    - prev.worker_waits_s.iter().map(|w| w.1).sum::<f64>();
-                let workers = p.worker_waits_s.len().max(1) as f64;
-                values.push(("cluster/waiting_share".into(), (waited.max(0.0) / (dt * workers)) as f32));
-            }
+        if let Some(rates) = self.last.as_ref().and_then(|prev| p.rates_since(prev)) {
+            values.push(("cluster/iterations_per_s".into(), rates.iterations_per_s as f32));
+            // The share of the workers' time spent in deferred pulls since the last look.
+            values.push(("cluster/waiting_share".into(), rates.waiting_share as f32));
         }
         for (name, v) in &p.metrics {
             values.push((format!("policy/{name}"), *v as f32));

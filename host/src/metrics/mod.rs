@@ -4,77 +4,45 @@
 //!
 //! - [`exposition`]: what each exposes, made at scrape time from the status the process keeps
 //!   anyway, so a push costs nothing more with metrics on (`docs/metrics.md` lists the names).
-//! - [`MetricsListener`]: the listening socket, bound at start (its address is known, and
-//!   written to a file, before the node has registered), served once the node can answer.
+//! - [`bind`] and [`serve`]: the listening socket ([`crate::http::Listener`]), bound at start
+//!   (its address is known, and written to a file, before the node has registered), served once
+//!   the node can answer.
 
 pub mod exposition;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::http::Listener;
 use crate::node::NodeError;
 
 /// Makes one scrape's text.
 pub type Render = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Send>> + Send + Sync>;
 
-/// A bound `/metrics` socket, not yet served: connections wait in its backlog until
-/// [`serve`](Self::serve).
-#[derive(Debug)]
-pub struct MetricsListener {
-    listener: tokio::net::TcpListener,
-    addr: SocketAddr,
-}
-
-impl MetricsListener {
-    /// Binds `addr` (port 0: any free port) and, given `addr_file`, writes the bound address
-    /// there (whole or not at all) for whoever scrapes it.
-    pub async fn bind(addr: SocketAddr, addr_file: Option<&Path>) -> Result<Self, NodeError> {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| NodeError::Io {
-            what: format!("cannot listen for metrics at {addr}"),
-            source,
-        })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| NodeError::Io { what: "the metrics address".into(), source })?;
-        if let Some(path) = addr_file {
-            crate::checkpoint::write_file(path, format!("{addr}\n").as_bytes()).map_err(|source| {
-                NodeError::Io { what: format!("cannot write {}", path.display()), source }
-            })?;
+/// Serves `GET /metrics` on `listener` with `render`'s text until the task is aborted (the
+/// node's end).
+pub fn serve(listener: Listener, render: Render) -> tokio::task::JoinHandle<()> {
+    let route = axum::routing::get(move || {
+        let render = render.clone();
+        async move {
+            let text = render().await;
+            ([(axum::http::header::CONTENT_TYPE, exposition::CONTENT_TYPE)], text)
         }
-        tracing::info!(%addr, "metrics at http://{addr}/metrics");
-        Ok(MetricsListener { listener, addr })
-    }
-
-    /// The address it listens at.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Serves `GET /metrics` with `render`'s text until the task is aborted (the node's end).
-    pub fn serve(self, render: Render) -> tokio::task::JoinHandle<()> {
-        let route = axum::routing::get(move || {
-            let render = render.clone();
-            async move {
-                let text = render().await;
-                ([(axum::http::header::CONTENT_TYPE, exposition::CONTENT_TYPE)], text)
-            }
-        });
-        let app = axum::Router::new().route("/metrics", route);
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(self.listener, app).await {
-                tracing::warn!("metrics server stopped: {e}");
-            }
-        })
-    }
+    });
+    listener.serve("metrics", axum::Router::new().route("/metrics", route))
 }
 
-/// Reads a metrics address file [`MetricsListener::bind`] wrote.
-pub fn read_addr(path: &Path) -> Option<SocketAddr> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+/// Binds the metrics socket `opts` name ([`crate::http::Listener::bind`]).
+pub async fn bind(opts: &MetricsOptions) -> Result<Listener, NodeError> {
+    let listener = Listener::bind("metrics", opts.listen, opts.addr_file.as_deref()).await?;
+    let addr = listener.addr();
+    tracing::info!(%addr, "metrics at http://{addr}/metrics");
+    Ok(listener)
 }
+
+pub use crate::http::read_addr;
 
 /// One scrape of `addr`'s `/metrics`: the body, or why not. An HTTP/1.0 GET, so the answer is
 /// the body whole, ended by the close (the launcher's one scrape at the end of a run).

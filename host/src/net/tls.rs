@@ -359,6 +359,10 @@ pub struct ClusterFile {
     /// absent from files written before metrics existed.
     #[serde(default)]
     pub metrics: Vec<(String, SocketAddr)>,
+    /// Where the coordinator serves its live dashboard (`http://ADDR/`), if it does; absent
+    /// from files written before the dashboard existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dashboard: Option<SocketAddr>,
 }
 
 impl ClusterFile {

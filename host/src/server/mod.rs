@@ -160,7 +160,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let bootstrap = Duration::from_secs(30);
     // Bound first, so its address is known at once; served once the shards exist.
     let metrics = match &opts.metrics {
-        Some(m) => Some(crate::metrics::MetricsListener::bind(m.listen, m.addr_file.as_deref()).await?),
+        Some(m) => Some(crate::metrics::bind(m).await?),
         None => None,
     };
     // Listen before registering, so the advertised address is the one bound; the transport is
@@ -273,10 +273,13 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
     let accept = tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
     let metrics = metrics.map(|m| {
         let shared = shared.clone();
-        m.serve(Arc::new(move || {
-            let shared = shared.clone();
-            Box::pin(async move { crate::metrics::exposition::server(&status(&shared).await) })
-        }))
+        crate::metrics::serve(
+            m,
+            Arc::new(move || {
+                let shared = shared.clone();
+                Box::pin(async move { crate::metrics::exposition::server(&status(&shared).await) })
+            }),
+        )
     });
     let mut coord = coord;
     let mut commands = tokio::spawn(coordinator_loop(coord.clone(), shared.clone()));
