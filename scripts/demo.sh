@@ -32,7 +32,7 @@ case "$workload" in
   fortunes-lm) defaults=(--iterations 300 --batch 16 --target-loss 3.4) ;;
   *) defaults=() ;;
 esac
-defaults=(--policy ssp:s=3 --workers 4 --servers 2 --slow 0:3 "${defaults[@]}")
+defaults=(--policy ssp:s=3 --workers 4 --servers 2 --slow 0:3 --dashboard 127.0.0.1:0 "${defaults[@]}")
 # A flag given on the command line replaces the default one (clap refuses a flag given twice),
 # and the flags that exclude each other go together: a budget, or a target.
 given=" "
