@@ -28,6 +28,27 @@ pub struct PolicyInstance {
     debt: u64,
     /// The envelope's size for this module's ABI (v2 modules get the first 88 bytes).
     envelope_len: usize,
+    /// Events handled and the fuel they burned.
+    usage: PolicyUsage,
+}
+
+/// What a policy's event calls have cost: how many there were and the fuel they burned
+/// (about one unit per wasm instruction, the host's measures charged as
+/// [`MEASURE_VALUES_PER_FUEL`] says).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PolicyUsage {
+    /// Event calls (each push, pull, join, leave, timer... the module decided), failed ones too.
+    pub calls: u64,
+    /// Fuel they burned (a call that ran out burned its whole budget).
+    pub fuel: u64,
+}
+
+impl std::ops::Add for PolicyUsage {
+    type Output = PolicyUsage;
+
+    fn add(self, o: PolicyUsage) -> PolicyUsage {
+        PolicyUsage { calls: self.calls + o.calls, fuel: self.fuel.saturating_add(o.fuel) }
+    }
 }
 
 impl std::fmt::Debug for PolicyInstance {
@@ -140,6 +161,7 @@ impl PolicyInstance {
             fuel: module.inner.runtime.limits().call_fuel,
             debt: 0,
             envelope_len: if module.inner.abi >= 3 { ENVELOPE_LEN } else { ENVELOPE_LEN_V2 },
+            usage: PolicyUsage::default(),
         })
     }
 
@@ -172,7 +194,12 @@ impl PolicyInstance {
         // borrow checker costs two reference-count round trips per event.
         let debt = std::mem::take(&mut self.debt);
         self.refuel(self.fuel.saturating_sub(debt));
-        let packed = match self.event.call(&mut self.store, len as u32) {
+        let called = self.event.call(&mut self.store, len as u32);
+        // What is left of the budget (the debt counts as burned: the host's work for this call).
+        let left = self.store.get_fuel().unwrap_or(0);
+        self.usage.calls += 1;
+        self.usage.fuel = self.usage.fuel.saturating_add(self.fuel.saturating_sub(left));
+        let packed = match called {
             Ok(packed) => packed,
             Err(e) => return Err(self.classify(&e, describe(env))),
         };
@@ -193,6 +220,11 @@ impl PolicyInstance {
         let packed = self.call(&f, (), || "`export_state`".into())?;
         let range = self.output_range(packed, || "`export_state`".into())?;
         Ok(self.output(range).to_vec())
+    }
+
+    /// What its event calls have cost so far.
+    pub fn usage(&self) -> PolicyUsage {
+        self.usage
     }
 
     /// The module this instance runs.

@@ -19,7 +19,7 @@ mod sandbox;
 
 pub use error::PolicyError;
 pub(crate) use instance::describe as describe_event;
-pub use instance::{PolicyInstance, MEASURE_VALUES_PER_FUEL};
+pub use instance::{PolicyInstance, PolicyUsage, MEASURE_VALUES_PER_FUEL};
 pub use module::{ModuleKind, PolicyModule};
 pub use syncopate_policy_sdk::abi::ModuleInfo;
 

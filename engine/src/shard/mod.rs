@@ -34,6 +34,7 @@
 //! for it, exactly as if the worker had computed it alone. Later iterations that arrive meanwhile
 //! wait their turn, so a worker's iterations still complete in order.
 
+mod arrivals;
 mod elsewhere;
 mod gate;
 mod layout;
@@ -45,6 +46,7 @@ mod parked;
 mod snapshot;
 mod supervisor;
 
+pub use arrivals::{ArrivalCounts, ARRIVAL_BUCKETS, ARRIVAL_WINDOW};
 pub use gate::AckGate;
 pub use layout::{ModelLayout, Partition, TensorSpec};
 pub use level::{levelling, ClockRaise, Frontier};
@@ -476,6 +478,8 @@ struct Answers {
 #[derive(Debug)]
 pub struct Shard {
     shard: u32,
+    /// Pushes' arrival offsets within their iteration (not snapshotted).
+    arrivals: arrivals::Arrivals,
     /// Shared with the pulls being sent; copied on write (see [`unshare`]).
     params: Arc<Vec<f32>>,
     optimizer: Optimizer,
@@ -594,6 +598,7 @@ impl Shard {
         let params_len = params.len();
         let mut shard = Shard {
             shard: cfg.shard,
+            arrivals: Default::default(),
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
             push_weight: cfg.push_weight,
             max_workers: cfg.max_workers,
@@ -742,6 +747,18 @@ impl Shard {
     /// counts every module's.
     pub fn module_failures(&self) -> u64 {
         self.supervisor.failures()
+    }
+
+    /// When pushes arrived against the first push of their iteration, since this shard started
+    /// in this process (whole pushes; a shard restored from a snapshot counts afresh).
+    pub fn arrival_offsets(&self) -> ArrivalCounts {
+        self.arrivals.counts()
+    }
+
+    /// What the policy's event calls have cost on this shard since it started in this process
+    /// (every instance: restarts and swaps included).
+    pub fn policy_usage(&self) -> crate::runtime::PolicyUsage {
+        self.supervisor.usage()
     }
 
     /// The metrics the policy has recorded (at most [`MAX_METRICS`] names).
@@ -1054,6 +1071,9 @@ impl Shard {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });
             let reason = "local steps cannot be split into tasks".to_string();
             return Err(ShardError::BadTasks { worker, iteration, mask: part.mask, reason });
+        }
+        if !partial {
+            self.arrivals.record(iteration, now_ns);
         }
         let id = if partial {
             let part = tasks.unwrap_or(TaskPart { mask: 1, total: 1 });

@@ -373,6 +373,7 @@ impl Shard {
         rng.set_word_pos(snap.rng_word_pos);
         let mut shard = Shard {
             shard: snap.shard,
+            arrivals: Default::default(),
             params: Arc::new(snap.params),
             optimizer: snap.optimizer,
             push_weight: snap.push_weight,

@@ -30,7 +30,7 @@ use std::collections::VecDeque;
 use syncopate_policy_sdk::abi::{Envelope, Handoff, InitArgs, WorkerClock};
 use syncopate_policy_sdk::clocks::Clocks;
 
-use crate::runtime::{PolicyError, PolicyInstance, PolicyModule};
+use crate::runtime::{PolicyError, PolicyInstance, PolicyModule, PolicyUsage};
 
 /// How a shard supervises its policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,6 +159,9 @@ pub(crate) struct Supervisor {
     health: Health,
     /// Set once the module is given up on: it stays out until a swap, whatever the backoff.
     quarantined: bool,
+    /// What the instances gone before the running one cost (restarted, swapped out), since
+    /// this supervisor started: with the running one's, the shard's policy calls and fuel.
+    retired: PolicyUsage,
 }
 
 /// What a policy call was about, for counting failures by kind.
@@ -248,6 +251,7 @@ impl Supervisor {
             since_checkpoint: 0,
             health: Health::default(),
             quarantined: false,
+            retired: PolicyUsage::default(),
         };
         Ok((sup, start))
     }
@@ -288,6 +292,7 @@ impl Supervisor {
             since_checkpoint: 0,
             health,
             quarantined,
+            retired: PolicyUsage::default(),
         };
         if !quarantined && sup.health.backoff_until.is_none() {
             sup.instance = Some(sup.restart(now_ns)?);
@@ -353,6 +358,18 @@ impl Supervisor {
         self.health.failures
     }
 
+    /// Stops the running instance, if any, keeping what it cost.
+    fn retire(&mut self) {
+        if let Some(gone) = self.instance.take() {
+            self.retired = self.retired + gone.usage();
+        }
+    }
+
+    /// The policy calls and fuel of every instance this supervisor ran.
+    pub(crate) fn usage(&self) -> PolicyUsage {
+        self.retired + self.instance.as_ref().map(PolicyInstance::usage).unwrap_or_default()
+    }
+
     /// Calls the instance; `None` when none runs (quarantined, or backing off).
     pub(crate) fn call(&mut self, env: &Envelope) -> Option<Result<&[u8], PolicyError>> {
         Some(self.instance.as_mut()?.on_event(env))
@@ -391,7 +408,7 @@ impl Supervisor {
     /// After a failure on an event of `kind` (or a stall) at `now_ns`: restart from the last
     /// checkpoint, back off, or quarantine (module docs).
     pub(crate) fn failed(&mut self, kind: EventKind, now_ns: u64) -> Recovery {
-        self.instance = None;
+        self.retire();
         let cl = self.cfg.crash_loop;
         let h = &mut self.health;
         h.failures += 1;
@@ -501,6 +518,7 @@ impl Supervisor {
         let (mut instance, start) = started;
         self.checkpoint = instance.export_state()?;
         self.checkpoint_workers = workers;
+        self.retire();
         self.instance = Some(instance);
         self.module = module.clone();
         self.config = config.to_vec();
