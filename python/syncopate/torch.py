@@ -35,20 +35,34 @@ Every parameter (any shapes, any number) is mapped onto the cluster's flat key s
 one CUDA device: a device's tensors are staged through pinned host buffers with asynchronous
 copies on a side stream (``syncopate._staging``, which CPU models run too).
 
+``tensorboard=`` (a ``torch.utils.tensorboard.SummaryWriter``) logs each step's figures beside
+the script's own scalars: ``syncopate/loss``, ``syncopate/step_s`` (wall time per step),
+``syncopate/exchange_s`` (time in the push and pull), ``syncopate/waiting_share`` (the second
+over the first) and ``syncopate/batch_size``, at the worker's iteration.
+
 :class:`DiLoCo` runs local steps instead: any inner optimizer, a pseudo-gradient pushed every
 ``sync_every`` steps, the outer optimizer on the servers (the ``diloco`` or ``localsgd`` policy).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from . import Step, TensorError, UsageError, Worker
 from ._overlap import Overlap
 from ._staging import Staging
+
+
+class ScalarWriter(Protocol):
+    """What ``tensorboard=`` takes: ``torch.utils.tensorboard.SummaryWriter`` has it."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any:
+        """Logs one scalar."""
+        ...
 
 
 class DistributedOptimizer:
@@ -80,6 +94,9 @@ class DistributedOptimizer:
     evaluating them some other way); the next backward pass, ``synchronize()`` and ``leave()``
     land the rest. Parameters used outside any module's own forward (functional code) land
     then too.
+
+    ``tensorboard=`` takes a ``torch.utils.tensorboard.SummaryWriter`` and logs each step's
+    figures to it (see the module docs).
     """
 
     def __init__(
@@ -91,8 +108,16 @@ class DistributedOptimizer:
         overlap: bool = False,
         bucket_mb: float = 4.0,
         model: torch.nn.Module | None = None,
+        tensorboard: ScalarWriter | None = None,
         **settings: Any,
     ) -> None:
+        if tensorboard is not None and not callable(getattr(tensorboard, "add_scalar", None)):
+            raise TypeError(
+                "tensorboard= takes a torch.utils.tensorboard.SummaryWriter (anything with "
+                f"add_scalar), not {type(tensorboard).__name__}"
+            )
+        self._tensorboard = tensorboard
+        self._last_step_end: float | None = None
         if mode not in ("server", "delta"):
             raise ValueError(f"mode must be 'server' or 'delta', not {mode!r}")
         bucket_bytes = int(bucket_mb * 2**20) if bucket_mb > 0 else 0
@@ -226,7 +251,10 @@ class DistributedOptimizer:
                     f"samples={samples}: with overlap=True the push starts during backward, "
                     f"declaring the iteration's batch ({self._overlap.batch})"
                 )
+            done_step = self.step_info
+            t0 = time.perf_counter()
             self.step_info = self._overlap.finish(loss)
+            self._log(done_step, loss, t0)
             return out
         with torch.no_grad():
             if self.mode == "server":
@@ -238,9 +266,29 @@ class DistributedOptimizer:
                     torch.sub(b, p.data, out=g)
                     g.mul_(scale)
                 grads = self._staging.stage(self._grads)
+        done_step = self.step_info
+        t0 = time.perf_counter()
         self.worker.push(grads, samples=samples, loss=0.0 if loss is None else loss)
         self._pull()
+        self._log(done_step, loss, t0)
         return out
+
+    def _log(self, step: Step | None, loss: float | None, exchange_began: float) -> None:
+        """Writes the step's figures to ``tensorboard=``, if given, at ``step``'s iteration."""
+        now = time.perf_counter()
+        last, self._last_step_end = self._last_step_end, now
+        w = self._tensorboard
+        if w is None or step is None:
+            return
+        it = step.iteration
+        exchange = now - exchange_began
+        w.add_scalar("syncopate/exchange_s", exchange, it)
+        w.add_scalar("syncopate/batch_size", step.batch, it)
+        if loss is not None:
+            w.add_scalar("syncopate/loss", loss, it)
+        if last is not None and now > last:
+            w.add_scalar("syncopate/step_s", now - last, it)
+            w.add_scalar("syncopate/waiting_share", min(1.0, exchange / (now - last)), it)
 
     def leave(self) -> dict[str, Any] | None:
         """Leaves the cluster; returns this worker's report."""

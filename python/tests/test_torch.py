@@ -401,3 +401,45 @@ def test_a_fed_push_refuses_overlapping_and_outside_pieces_and_is_pushed_once(
     # lr 1: the model moved by minus the push.
     assert out.tolist() == [-2.0, -2.0, -2.0, -3.0, -1.0, -1.0]
     w.leave()
+
+
+def test_tensorboard_gets_each_steps_figures_at_the_workers_iteration(
+    cluster: ClusterFactory, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    c = cluster(workers=1, servers=1, lr=0.1, momentum=0.0)
+    model = torch.nn.Linear(3, 1)
+    writer = SummaryWriter(str(tmp_path))
+    opt = sps.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        tensorboard=writer,
+        **c.settings,
+        iterations=5,
+    )
+    sps.broadcast_parameters(opt)
+    losses = []
+    while not opt.done:
+        opt.zero_grad()
+        loss = model(torch.ones(4, 3)).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step(loss=losses[-1])
+    opt.leave()
+    writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    assert [s for s, _ in scalars["syncopate/exchange_s"]] == [0, 1, 2, 3, 4]
+    assert [round(v, 5) for _, v in scalars["syncopate/loss"]] == [round(x, 5) for x in losses]
+    batches = {v for _, v in scalars["syncopate/batch_size"]}
+    assert len(batches) == 1 and batches.pop() > 0, "the batch in force, at every step"
+    assert [s for s, _ in scalars["syncopate/step_s"]] == [1, 2, 3, 4], "from the second step on"
+    assert all(0 <= v <= 1 for _, v in scalars["syncopate/waiting_share"])
+    assert all(v > 0 for _, v in scalars["syncopate/exchange_s"])
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        sps.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), [], tensorboard="runs/"
+        )
