@@ -1,7 +1,8 @@
 """The live dashboard (``syncopate local --dashboard``) in a real headless Chromium, driven by
-Playwright: the page goes live, shows the workers training and its charts, drills into a
-worker, refuses a swap with a wrong token, and swaps a policy with the operator token, which the
-whole page then shows. The cluster is real (the `syncopate` binary on loopback)."""
+Playwright: the page goes live, shows every worker and shard training and its charts, drills
+into a worker, refuses a swap with a wrong token, and swaps a policy with the operator token,
+which the whole page then shows and ``policy status`` confirms; a screenshot stays in the run
+folder. The cluster is real (the `syncopate` binary on loopback)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def test_the_dashboard_shows_a_training_cluster_live_and_swaps_its_policy(
         browser = pw.chromium.launch(executable_path=chromium(), args=FLAGS, timeout=60_000)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            # Generous limits: a busy machine starts a cluster slowly; a hang still fails.
             page.set_default_timeout(60_000)
+            expect.set_options(timeout=60_000)
             page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
 
             # The browser logs the refused swap's answer (401) as an error: the one expected.
@@ -87,7 +90,7 @@ def test_the_dashboard_shows_a_training_cluster_live_and_swaps_its_policy(
             first = int(page.inner_text("#iterations"))
             expect(page.locator("#iterations")).not_to_have_text(str(first))
             assert int(page.inner_text("#iterations")) > first
-            for chart in ["progress", "waits", "loss", "staleness"]:
+            for chart in ["progress", "waits", "loss", "staleness", "traffic"]:
                 expect(page.locator(f"#chart-{chart} canvas")).to_have_count(1)
             # The workers report their training loss: a number in every row.
             loss = page.locator("#workers-table tbody tr td:nth-child(6)")
@@ -114,9 +117,20 @@ def test_the_dashboard_shows_a_training_cluster_live_and_swaps_its_policy(
             expect(page.locator("#swap-history li")).to_have_count(2)
             expect(page.locator("#shards tbody")).not_to_contain_text("bsp")
             expect(page.locator("#events")).to_contain_text("swap 1: builtin:ssp now runs")
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            # The run folder keeps what the page looked like.
+            page.screenshot(path=str(run / "dashboard.png"), full_page=True)
         finally:
             browser.close()
+    # The cluster says so too.
+    status = run_syncopate(
+        "policy", "status", "--json", "--cluster", str(run / "cluster.json"), timeout=60
+    )
+    assert status.returncode == 0, status.stdout
+    cluster_status = json.loads(status.stdout)
+    assert (cluster_status["policy"], cluster_status["swaps"]) == ("builtin:ssp", 1)
+    shards = [sh for sv in cluster_status["servers"] for sh in sv["shards"]]
+    assert len(shards) == 2 and all(sh["policy"].startswith("ssp ") for sh in shards), shards
+    assert (run / "dashboard.png").stat().st_size > 10_000
     done = run_syncopate("stop", "--cluster", str(run / "cluster.json"), timeout=60)
     assert done.returncode == 0, done.stdout
     out = finish(p, timeout=180)

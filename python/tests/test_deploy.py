@@ -121,12 +121,12 @@ def test_every_address_and_flag_is_one_the_binary_takes() -> None:
 
 def test_the_grafana_dashboard_queries_only_metrics_the_cluster_exposes() -> None:
     """Every ``syncopate_*`` series a panel of ``deploy/grafana/syncopate.json`` queries is a
-    family ``docs/metrics.md`` lists (with the suffix its type gives it on the wire); the Rust
+    family ``docs/observability.md`` lists (with the suffix its type gives it on the wire); the Rust
     suite checks that list against what the coordinator and servers expose."""
 
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "syncopate.json").read_text())
     documented: dict[str, str] = {}
-    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "observability.md").read_text().splitlines():
         m = re.match(r"\| `(syncopate_\w+)` \| (\w+) \|", line)
         if m:
             documented[m.group(1)] = m.group(2)

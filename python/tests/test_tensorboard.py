@@ -54,6 +54,11 @@ def check_against_report(series: dict[str, list[tuple[float, int, float]]], repo
     assert all(v >= 0 for *_, v in series["cluster/iterations_per_s"])
     assert max(v for *_, v in series["cluster/iterations_per_s"]) > 0
     assert all(0 <= v <= 1 for *_, v in series["cluster/waiting_share"])
+    # Staleness and the servers' traffic (a simulated run's as its links modelled it).
+    assert all(v >= 0 for *_, v in series["cluster/staleness_mean"])
+    traffic = [v for *_, v in series["cluster/server_bytes"]]
+    assert traffic == sorted(traffic) and traffic[-1] > 0, "a cumulative count that grew"
+    assert all(v >= 0 for *_, v in series["cluster/server_bytes_per_s"])
 
 
 def test_ab_writes_one_run_per_policy_and_seed_that_tensorboard_reads(tmp_path: Path) -> None:

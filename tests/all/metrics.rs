@@ -141,7 +141,26 @@ fn a_local_cluster_serves_prometheus_metrics_that_move_follow_a_swap_and_agree_w
             assert_eq!(st.swaps, 1, "shard {k} swapped once");
             let staleness: u64 = st.staleness.iter().sum();
             assert_eq!(of_primary(&text, "syncopate_push_staleness_count", k), Some(staleness as f64));
+            // Protocol 20: the policy's calls and fuel, and when pushes arrived.
+            let calls = of_primary(&text, "syncopate_policy_calls_total", k).unwrap();
+            assert!(
+                calls > 0.0 && calls <= shard.policy_usage.calls as f64,
+                "{calls} vs {:?}",
+                shard.policy_usage
+            );
+            assert!(of_primary(&text, "syncopate_policy_fuel_total", k).unwrap() > 0.0);
+            let arrived = of_primary(&text, "syncopate_push_arrival_offset_seconds_count", k).unwrap();
+            assert_eq!(arrived, shard.arrivals.counts.iter().sum::<u64>() as f64);
+            assert_eq!(arrived, st.pushes_admitted as f64, "every push of this run is counted once");
             checked += 1;
+        }
+        // Payload bytes by codec: every push and pull is uncompressed here (4 bytes a value).
+        for (family, direction) in [("pushed", "push"), ("pulled", "pull")] {
+            let scraped = samples(&text, &format!("syncopate_{direction}_payload_bytes_total"));
+            let none = server.payload_bytes.iter().find(|c| c.codec == "none").expect("f32 payloads");
+            let want = if family == "pushed" { none.pushed } else { none.pulled };
+            assert_eq!(scraped, vec![(format!(r#"server="{}",codec="none""#, server.server), want as f64)]);
+            assert!(want > 0);
         }
         // The status the report is made of was asked for after the scrape: its own request
         // and answer are the only bytes between them.

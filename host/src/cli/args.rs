@@ -142,7 +142,7 @@ impl From<PlacementArg> for Placement {
     }
 }
 
-/// Where a coordinator or server serves Prometheus metrics (docs/metrics.md).
+/// Where a coordinator or server serves Prometheus metrics (docs/observability.md).
 #[derive(Debug, Clone, Args)]
 pub struct MetricsArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks a free one). Off unless
@@ -154,7 +154,7 @@ pub struct MetricsArgs {
     pub metrics_file: Option<PathBuf>,
 }
 
-/// Where the coordinator serves its live dashboard (docs/metrics.md, "The dashboard").
+/// Where the coordinator serves its live dashboard (docs/observability.md, "The dashboard").
 #[derive(Debug, Clone, Args)]
 pub struct DashboardArgs {
     /// Serve the live dashboard at http://ADDR/ (port 0 picks a free one). Off unless given.

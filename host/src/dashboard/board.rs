@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 
-use crate::lab::report::WatchPoint;
+use crate::lab::report::{staleness_mean, WatchPoint};
 use crate::net::proto::{ClusterStatus, ShardStatus};
 use syncopate_policy_sdk::abi::WorkerId;
 
@@ -55,6 +55,8 @@ pub struct Point {
     pub clock_spread: u64,
     /// Mean staleness of the pushes admitted so far (the last bucket counted at its floor).
     pub staleness_mean: Option<f64>,
+    /// Bytes the servers sent and received per second since the last reading.
+    pub server_bytes_per_s: Option<f64>,
     /// The live workers' mean last reported training loss.
     pub train_loss: Option<f64>,
     /// The latest test accuracy a worker reported (training scripts score their own model).
@@ -326,17 +328,6 @@ pub struct Board {
     view: Option<View>,
 }
 
-fn staleness_mean<'a>(shards: impl Iterator<Item = &'a ShardStatus>) -> Option<f64> {
-    let (mut n, mut sum) = (0u64, 0u64);
-    for s in shards {
-        for (k, c) in s.stats.staleness.iter().enumerate() {
-            n += c;
-            sum += c * k as u64;
-        }
-    }
-    (n > 0).then(|| sum as f64 / n as f64)
-}
-
 fn median(sorted: &[f64]) -> f64 {
     match sorted.len() {
         0 => 0.0,
@@ -385,6 +376,7 @@ impl Board {
         let primaries: Vec<&ShardStatus> = status.servers.iter().flat_map(|s| &s.shards).collect();
         let mut reading = WatchPoint::of_shards(t_s, &primaries);
         reading.lost_servers = status.lost_servers.clone();
+        reading.server_bytes = status.servers.iter().map(|s| s.bytes_sent + s.bytes_received).sum();
         let rates = self.last.as_ref().and_then(|prev| reading.rates_since(prev));
         let dt = self.last.as_ref().map(|p| t_s - p.t_s).filter(|dt| *dt > 0.0);
 
@@ -443,7 +435,8 @@ impl Board {
             parked: primaries.iter().map(|s| u64::from(s.parked)).sum(),
             held: reading.held_now,
             clock_spread: reading.max_clock.saturating_sub(reading.min_clock),
-            staleness_mean: staleness_mean(primaries.iter().copied()),
+            staleness_mean: reading.staleness_mean,
+            server_bytes_per_s: rates.map(|r| r.server_bytes_per_s),
             train_loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
             accuracy: status.score.map(|s| s.score.accuracy),
             test_loss: status.score.and_then(|s| s.score.loss),
@@ -723,6 +716,8 @@ pub mod made_up {
                     .collect(),
                 ..Default::default()
             },
+            arrivals: Default::default(),
+            policy_usage: Default::default(),
         }
     }
 
@@ -745,6 +740,7 @@ pub mod made_up {
                     backups: Vec::new(),
                     bytes_sent: 100,
                     bytes_received: 50,
+                    payload_bytes: Vec::new(),
                 })
                 .collect(),
             workers: workers

@@ -914,6 +914,7 @@ async fn watch(
     let mut point = WatchPoint::of_shards(t_s, &shards);
     point.lost_servers = status.lost_servers.clone();
     point.checkpoint_error = status.checkpoint_error.clone();
+    point.server_bytes = status.servers.iter().map(|s| s.bytes_sent + s.bytes_received).sum();
     // A script scores its own model and reports it; the latest report stands for the model now.
     if let Some(r) = status.score {
         point.accuracy = Some(r.score.accuracy);

@@ -58,6 +58,26 @@ pub struct WatchPoint {
     /// See [`held_now`](Self::held_now).
     #[serde(default)]
     pub held_longest_s: f64,
+    /// Mean staleness of the pushes admitted so far, all shards ([`staleness_mean`]).
+    #[serde(default)]
+    pub staleness_mean: Option<f64>,
+    /// Bytes the servers sent and received so far, all of them (a cluster's UDP payloads; the
+    /// simulator's modelled traffic).
+    #[serde(default)]
+    pub server_bytes: u64,
+}
+
+/// The mean staleness of the pushes `shards` admitted so far (the last bucket counted at its
+/// floor), if they admitted any.
+pub fn staleness_mean<'a>(shards: impl IntoIterator<Item = &'a ShardStatus>) -> Option<f64> {
+    let (mut n, mut sum) = (0u64, 0u64);
+    for s in shards {
+        for (k, c) in s.stats.staleness.iter().enumerate() {
+            n += c;
+            sum += c * k as u64;
+        }
+    }
+    (n > 0).then(|| sum as f64 / n as f64)
 }
 
 /// A stretch of a run under one policy: between hot swaps.
@@ -119,6 +139,8 @@ impl WatchPoint {
             held_longest_s: shards.iter().filter_map(|s| s.held_longest).map(|h| h.held_ns).max().unwrap_or(0)
                 as f64
                 / 1e9,
+            staleness_mean: staleness_mean(shards.iter().copied()),
+            server_bytes: 0,
         }
     }
 }
@@ -130,6 +152,8 @@ pub struct Rates {
     pub iterations_per_s: f64,
     /// The share of the live workers' time spent in deferred pulls.
     pub waiting_share: f64,
+    /// Bytes the servers sent and received per second.
+    pub server_bytes_per_s: f64,
 }
 
 impl WatchPoint {
@@ -143,7 +167,11 @@ impl WatchPoint {
         let waited: f64 = self.worker_waits_s.iter().map(|w| w.1).sum::<f64>()
             - prev.worker_waits_s.iter().map(|w| w.1).sum::<f64>();
         let workers = self.worker_waits_s.len().max(1) as f64;
-        Some(Rates { iterations_per_s: iterations / dt, waiting_share: waited.max(0.0) / (dt * workers) })
+        Some(Rates {
+            iterations_per_s: iterations / dt,
+            waiting_share: waited.max(0.0) / (dt * workers),
+            server_bytes_per_s: self.server_bytes.saturating_sub(prev.server_bytes) as f64 / dt,
+        })
     }
 }
 
@@ -279,6 +307,9 @@ pub struct ServerRecord {
     pub bytes_sent: u64,
     /// Bytes it received.
     pub bytes_received: u64,
+    /// Tensor payload bytes by codec family (real clusters; reports before them have none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub payload_bytes: Vec<crate::net::proto::CodecBytes>,
 }
 
 impl RunReport {
@@ -300,6 +331,7 @@ impl From<ServerStatus> for ServerRecord {
             shards: s.shards,
             bytes_sent: s.bytes_sent,
             bytes_received: s.bytes_received,
+            payload_bytes: s.payload_bytes,
         }
     }
 }

@@ -64,10 +64,19 @@ impl EventWriter {
         values.push(("cluster/clock_spread".into(), p.max_clock.saturating_sub(p.min_clock) as f32));
         values.push(("cluster/held_pushes_now".into(), p.held_now as f32));
         values.push(("cluster/servers_lost".into(), p.lost_servers.len() as f32));
+        if let Some(st) = p.staleness_mean {
+            values.push(("cluster/staleness_mean".into(), st as f32));
+        }
+        if p.server_bytes > 0 {
+            values.push(("cluster/server_bytes".into(), p.server_bytes as f32));
+        }
         if let Some(rates) = self.last.as_ref().and_then(|prev| p.rates_since(prev)) {
             values.push(("cluster/iterations_per_s".into(), rates.iterations_per_s as f32));
             // The share of the workers' time spent in deferred pulls since the last look.
             values.push(("cluster/waiting_share".into(), rates.waiting_share as f32));
+            if p.server_bytes > 0 {
+                values.push(("cluster/server_bytes_per_s".into(), rates.server_bytes_per_s as f32));
+            }
         }
         for (name, v) in &p.metrics {
             values.push((format!("policy/{name}"), *v as f32));

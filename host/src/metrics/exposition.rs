@@ -1,7 +1,7 @@
 //! What a server and the coordinator expose to Prometheus, made at scrape time from the status
 //! they already keep: nothing is counted on the push path for it.
 //!
-//! The names, types and labels are the stable interface `docs/metrics.md` documents; the test
+//! The names, types and labels are the stable interface `docs/observability.md` documents; the test
 //! at the bottom pins them. Counters are cumulative since the process (or, for a shard, its
 //! state: a promoted backup carries its primary's counters), so `rate()` and `increase()` in
 //! PromQL give rates; nothing here computes one. Encoded by the official
@@ -137,6 +137,21 @@ pub fn server(status: &ServerStatus) -> String {
         vec![("server", server.clone())],
         Value::Counter(status.bytes_received),
     );
+    for c in &status.payload_bytes {
+        let labels = || vec![("server", server.clone()), ("codec", c.codec.clone())];
+        x.add(
+            "syncopate_push_payload_bytes",
+            "Tensor payload bytes received in pushes, as encoded, by codec family.",
+            labels(),
+            Value::Counter(c.pushed),
+        );
+        x.add(
+            "syncopate_pull_payload_bytes",
+            "Tensor payload bytes sent in pulls, as encoded, by codec family.",
+            labels(),
+            Value::Counter(c.pulled),
+        );
+    }
     let held =
         status.shards.iter().map(|s| (s, "primary")).chain(status.backups.iter().map(|s| (s, "backup")));
     for (shard, role) in held {
@@ -209,6 +224,32 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
         "Admitted pushes by staleness: optimizer steps between the pull a gradient was computed on and its admission.",
         labels(),
         Value::Histogram { buckets, sum, count },
+    );
+    // Arrival offsets: bucket k counts offsets below 2^k ms (the last, the rest).
+    let a = &s.arrivals;
+    let buckets: Vec<(f64, u64)> = a
+        .counts
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| (crate::shard::ArrivalCounts::upper_s(k).unwrap_or(f64::INFINITY), n))
+        .collect();
+    x.add(
+        "syncopate_push_arrival_offset_seconds",
+        "Pushes by how long after the first push of their iteration they arrived at the shard.",
+        labels(),
+        Value::Histogram { buckets, sum: a.sum_ns as f64 / 1e9, count: a.counts.iter().sum() },
+    );
+    x.add(
+        "syncopate_policy_calls",
+        "Events the shard's policy was called on (failed calls too).",
+        labels(),
+        Value::Counter(s.policy_usage.calls),
+    );
+    x.add(
+        "syncopate_policy_fuel",
+        "Fuel the policy's event calls burned (about one unit per wasm instruction).",
+        labels(),
+        Value::Counter(s.policy_usage.fuel),
     );
     let gauges: [(&'static str, &'static str, f64); 4] = [
         ("syncopate_pulls_parked", "Pulls the policy keeps parked now.", f64::from(s.parked)),
@@ -399,6 +440,15 @@ mod tests {
                 ],
                 ..Default::default()
             },
+            arrivals: crate::shard::ArrivalCounts {
+                counts: {
+                    let mut c = [0u64; crate::shard::ARRIVAL_BUCKETS];
+                    (c[0], c[3]) = (6, 2);
+                    c
+                },
+                sum_ns: 10_000_000,
+            },
+            policy_usage: crate::runtime::PolicyUsage { calls: 40, fuel: 123_456 },
         }
     }
 
@@ -410,6 +460,11 @@ mod tests {
             backups: vec![shard(0, "ssp 0.1.0")],
             bytes_sent: 1000,
             bytes_received: 2000,
+            payload_bytes: vec![crate::net::proto::CodecBytes {
+                codec: "int8".into(),
+                pushed: 300,
+                pulled: 0,
+            }],
         }
     }
 
@@ -437,7 +492,7 @@ mod tests {
         }
     }
 
-    /// The names, types and labels are an interface (docs/metrics.md): this pins them, and the
+    /// The names, types and labels are an interface (docs/observability.md): this pins them, and the
     /// values the status carries.
     #[test]
     fn a_servers_exposition_names_every_figure_of_its_shards() {
@@ -472,6 +527,17 @@ mod tests {
             format!(r#"syncopate_push_staleness_bucket{{le="+Inf",{p}}} 10"#),
             format!("syncopate_push_staleness_count{{{p}}} 10"),
             format!("syncopate_push_staleness_sum{{{p}}} {:.1}", 2.0 * 3.0 + 15.0 * 2.0),
+            r#"syncopate_push_payload_bytes_total{server="3",codec="int8"} 300"#.into(),
+            r#"syncopate_pull_payload_bytes_total{server="3",codec="int8"} 0"#.into(),
+            format!("syncopate_policy_calls_total{{{p}}} 40"),
+            format!("syncopate_policy_fuel_total{{{p}}} 123456"),
+            "# TYPE syncopate_push_arrival_offset_seconds histogram".into(),
+            format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.001",{p}}} 6"#),
+            format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.004",{p}}} 6"#),
+            format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.008",{p}}} 8"#),
+            format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="+Inf",{p}}} 8"#),
+            format!("syncopate_push_arrival_offset_seconds_sum{{{p}}} 0.01"),
+            format!("syncopate_push_arrival_offset_seconds_count{{{p}}} 8"),
             r#"syncopate_pushes_admitted_total{server="3",shard="0",role="backup"} 10"#.into(),
             "# EOF".into(),
         ] {
@@ -498,10 +564,10 @@ mod tests {
         }
     }
 
-    /// docs/metrics.md lists every family exposed, and nothing else.
+    /// docs/observability.md lists every family exposed, and nothing else.
     #[test]
     fn the_docs_list_every_family_and_only_those() {
-        let docs = include_str!("../../../docs/metrics.md");
+        let docs = include_str!("../../../docs/observability.md");
         let texts = [server(&a_server()), coordinator(&a_cluster(), CoordinatorFigures { failovers: 1 })];
         let exposed: std::collections::BTreeSet<(String, String)> = texts
             .iter()

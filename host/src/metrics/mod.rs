@@ -3,7 +3,7 @@
 //! in `cluster.json`).
 //!
 //! - [`exposition`]: what each exposes, made at scrape time from the status the process keeps
-//!   anyway, so a push costs nothing more with metrics on (`docs/metrics.md` lists the names).
+//!   anyway, so a push costs nothing more with metrics on (`docs/observability.md` lists the names).
 //! - [`bind`] and [`serve`]: the listening socket ([`crate::http::Listener`]), bound at start
 //!   (its address is known, and written to a file, before the node has registered), served once
 //!   the node can answer.

@@ -15,7 +15,7 @@ use crate::shard::{ClockRaise, Codec, LocalSgdConfig, OptimizerConfig, PushWeigh
 pub use syncopate_engine::coordinator::Held;
 
 /// The protocol version a [`Hello`] carries.
-pub const PROTOCOL_VERSION: u32 = 19;
+pub const PROTOCOL_VERSION: u32 = 20;
 
 /// Who is connecting.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -1090,6 +1090,14 @@ pub struct ShardStatus {
     /// What the cluster policy's figures are made of (protocol 19).
     #[serde(default)]
     pub sample: syncopate_engine::pilot::ShardSample,
+    /// When pushes arrived against the first push of their iteration, since the shard started
+    /// in this process (protocol 20).
+    #[serde(default)]
+    pub arrivals: crate::shard::ArrivalCounts,
+    /// The policy's event calls and the fuel they burned, since the shard started in this
+    /// process (protocol 20).
+    #[serde(default)]
+    pub policy_usage: crate::runtime::PolicyUsage,
 }
 
 /// A pull a policy parks, and for how long so far.
@@ -1151,6 +1159,8 @@ impl ShardStatus {
             policy_failures_now: shard.module_failures(),
             backoff_ms: None,
             sample: syncopate_engine::pilot::ShardSample::of(id, shard),
+            arrivals: shard.arrival_offsets(),
+            policy_usage: shard.policy_usage(),
         }
     }
 }
@@ -1171,6 +1181,22 @@ pub struct ServerStatus {
     pub bytes_sent: u64,
     /// Bytes it received on them.
     pub bytes_received: u64,
+    /// Tensor payload bytes by codec family (`none`, `fp16`, `bf16`, `int8`, `topk`,
+    /// `sparseloco`): received in pushes and sent in pulls, as encoded on the wire; families
+    /// not seen are left out (protocol 20).
+    #[serde(default)]
+    pub payload_bytes: Vec<CodecBytes>,
+}
+
+/// A server's tensor payload bytes in one codec family.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodecBytes {
+    /// The family (`int8`, not `int8-256`).
+    pub codec: String,
+    /// Bytes received in pushes.
+    pub pushed: u64,
+    /// Bytes sent in pulls.
+    pub pulled: u64,
 }
 
 /// A worker as the coordinator knows it.
@@ -1223,8 +1249,8 @@ mod tests {
     /// The wire is positional (postcard): these bytes are what a peer of this protocol sends,
     /// and a change to them is a change of [`PROTOCOL_VERSION`].
     #[test]
-    fn requests_encode_as_protocol_19_pins_them() {
-        assert_eq!(PROTOCOL_VERSION, 19);
+    fn requests_encode_as_protocol_20_pins_them() {
+        assert_eq!(PROTOCOL_VERSION, 20);
         let bytes = |r: &DataRequest| postcard::to_allocvec(r).expect("encodes");
         assert_eq!(bytes(&DataRequest::Pull { shard: 1, iteration: 5 }), [2, 1, 5]);
         let notice = DataRequest::Waiting { shard: 2, iteration: 300, waiting: true };

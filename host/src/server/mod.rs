@@ -23,6 +23,7 @@ use crate::net::pool::TensorPool;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,6 +104,9 @@ struct Shared {
     /// pull to pull (at most [`SPARE_SCRATCHES`]), so that compressed pulls allocate nothing
     /// once warm and concurrent ones do not wait for each other.
     pull_scratch: Mutex<Vec<(Vec<u8>, crate::codec::Scratch)>>,
+    /// Tensor payload bytes by codec family ([`CODEC_FAMILIES`]): received in pushes, sent in
+    /// pulls.
+    payload: [[AtomicU64; CODEC_FAMILIES.len()]; 2],
     /// The coordinator's address, to rejoin it at.
     coordinator: SocketAddr,
     limits: Limits,
@@ -262,6 +266,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), NodeError> {
         policy: Mutex::new((swaps, policy, Arc::new(wasm))),
         levelled: Mutex::new(Vec::new()),
         pull_scratch: Mutex::new(Vec::new()),
+        payload: Default::default(),
         coordinator: opts.coordinator,
         limits: opts.limits,
         token: opts.token.clone(),
@@ -334,7 +339,48 @@ async fn status(shared: &Shared) -> ServerStatus {
     let shards = statuses(shared.primaries()).await;
     let backups = statuses(shared.backups()).await;
     let (bytes_sent, bytes_received) = shared.bytes();
-    ServerStatus { server: shared.id, addr: shared.addr, shards, backups, bytes_sent, bytes_received }
+    let payload_bytes = CODEC_FAMILIES
+        .iter()
+        .enumerate()
+        .map(|(k, codec)| crate::net::proto::CodecBytes {
+            codec: codec.to_string(),
+            pushed: shared.payload[0][k].load(Ordering::Relaxed),
+            pulled: shared.payload[1][k].load(Ordering::Relaxed),
+        })
+        .filter(|c| c.pushed > 0 || c.pulled > 0)
+        .collect();
+    ServerStatus {
+        server: shared.id,
+        addr: shared.addr,
+        shards,
+        backups,
+        bytes_sent,
+        bytes_received,
+        payload_bytes,
+    }
+}
+
+/// The codec families a server counts payload bytes by.
+pub const CODEC_FAMILIES: [&str; 6] = ["none", "fp16", "bf16", "int8", "topk", "sparseloco"];
+
+/// `codec`'s family: its index in [`CODEC_FAMILIES`].
+fn family(codec: Codec) -> usize {
+    match codec {
+        Codec::None => 0,
+        Codec::Fp16 => 1,
+        Codec::Bf16 => 2,
+        Codec::Int8 { .. } => 3,
+        Codec::TopK { .. } => 4,
+        Codec::SparseLoCo { .. } => 5,
+    }
+}
+
+impl Shared {
+    /// Counts `words` f32 words of tensor payload in `codec`, received in a push or sent in a
+    /// pull.
+    fn count_payload(&self, pull: bool, codec: Codec, words: usize) {
+        self.payload[usize::from(pull)][family(codec)].fetch_add(words as u64 * 4, Ordering::Relaxed);
+    }
 }
 
 /// The status of each shard task that has a shard.
@@ -1282,6 +1328,7 @@ async fn handle_request(
                 _ => (None, 0, Codec::None, Signals::default()),
             };
             // Decoded here, on the connection's task, before the shard or its backup sees it.
+            shared.count_payload(false, codec, payload.len());
             let grad = if codec == Codec::None {
                 payload
             } else {
@@ -1331,6 +1378,7 @@ async fn handle_request(
                         Codec::None => s.values,
                         _ => Arc::new(encode_pull(shared, codec, &s.values)),
                     };
+                    shared.count_payload(true, codec, values.len());
                     let (clock, version, waited_ns) = (s.clock, s.version, s.waited_ns);
                     (DataResponse::Pulled { clock, version, waited_ns, local_steps, codec }, Some(values))
                 }

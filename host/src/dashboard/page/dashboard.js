@@ -47,6 +47,8 @@ const CHARTS = [
     { field: "train_loss", label: "training loss", stroke: "#2563eb" },
     { field: "test_loss", label: "test loss", stroke: "#7c3aed" },
     { field: "accuracy", label: "accuracy", stroke: "#059669", scale: "share" } ] },
+  { id: "chart-traffic", series: [
+    { field: "server_bytes_per_s", label: "server bytes/s (sent + received)", stroke: "#0891b2" } ] },
   { id: "chart-staleness", series: [
     { field: "staleness_mean", label: "mean staleness", stroke: "#d97706" },
     { field: "clock_spread", label: "clock spread", stroke: "#2563eb", scale: "spread" } ] },

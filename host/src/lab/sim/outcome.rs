@@ -126,6 +126,13 @@ impl Sim {
         point.accuracy = score.map(|s| s.accuracy);
         point.loss = score.map(|s| s.loss);
         point.lost_servers.clone_from(&self.servers.lost);
+        let n = self.workers.len();
+        point.server_bytes = (0..self.opts.run.scenario.servers as usize)
+            .map(|id| {
+                let (sent, received) = self.net.bytes(n + id);
+                sent + received
+            })
+            .sum();
         if self.score.time_to_target.is_none() && self.stop_rules().reached(&point) {
             self.score.time_to_target = Some(t_s);
         }
@@ -150,6 +157,7 @@ impl Sim {
                     shards: mine,
                     bytes_sent: self.net.bytes(node).0,
                     bytes_received: self.net.bytes(node).1,
+                    payload_bytes: Vec::new(),
                 }
             })
             .collect();
