@@ -108,6 +108,10 @@ fn a_rule_that_parks_different_workers_on_different_shards_falls_back_too() {
     // reaches its parked pull; CI saw worker 0's on shard 1), so any worker's pull may be named.
     for shard in report.shards() {
         let last = shard.last_failure.as_deref().unwrap_or_default();
+        // The first two stalls restarted the rule from its checkpoint; the third quarantined it
+        // (the metrics' `syncopate_policy_restarts_total`).
+        assert_eq!(shard.policy_restarts, 2, "shard {}", shard.shard);
+        assert!(shard.policy_usage.calls > 0 && shard.policy_usage.fuel > 0, "{:?}", shard.policy_usage);
         let longest_is_a_pull = (0..3).any(|w| last.contains(&format!("longest: worker {w}'s pull")));
         assert!(
             last.contains("all 3 live workers waited") && longest_is_a_pull,

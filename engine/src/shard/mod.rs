@@ -755,6 +755,12 @@ impl Shard {
         self.arrivals.counts()
     }
 
+    /// Times the policy was restarted after a failure on this shard since it started in this
+    /// process (from its last checkpoint, at once or after a backoff).
+    pub fn policy_restarts(&self) -> u64 {
+        self.supervisor.restarts()
+    }
+
     /// What the policy's event calls have cost on this shard since it started in this process
     /// (every instance: restarts and swaps included).
     pub fn policy_usage(&self) -> crate::runtime::PolicyUsage {

@@ -162,6 +162,9 @@ pub(crate) struct Supervisor {
     /// What the instances gone before the running one cost (restarted, swapped out), since
     /// this supervisor started: with the running one's, the shard's policy calls and fuel.
     retired: PolicyUsage,
+    /// Restarts after a failure (from the last checkpoint, at once or after a backoff), since
+    /// this supervisor started.
+    restarts: u64,
 }
 
 /// What a policy call was about, for counting failures by kind.
@@ -252,6 +255,7 @@ impl Supervisor {
             health: Health::default(),
             quarantined: false,
             retired: PolicyUsage::default(),
+            restarts: 0,
         };
         Ok((sup, start))
     }
@@ -293,6 +297,7 @@ impl Supervisor {
             health,
             quarantined,
             retired: PolicyUsage::default(),
+            restarts: 0,
         };
         if !quarantined && sup.health.backoff_until.is_none() {
             sup.instance = Some(sup.restart(now_ns)?);
@@ -363,6 +368,11 @@ impl Supervisor {
         if let Some(gone) = self.instance.take() {
             self.retired = self.retired + gone.usage();
         }
+    }
+
+    /// Restarts after failures so far.
+    pub(crate) fn restarts(&self) -> u64 {
+        self.restarts
     }
 
     /// The policy calls and fuel of every instance this supervisor ran.
@@ -447,6 +457,7 @@ impl Supervisor {
             Ok(instance) => {
                 self.instance = Some(instance);
                 self.since_checkpoint = 0;
+                self.restarts += 1;
                 Recovery::Restarted
             }
             Err(e) => self.quarantine(Some(e)),
@@ -471,6 +482,7 @@ impl Supervisor {
             Ok(instance) => {
                 self.instance = Some(instance);
                 self.since_checkpoint = 0;
+                self.restarts += 1;
                 Some(Ok(()))
             }
             Err(e) => {

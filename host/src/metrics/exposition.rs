@@ -246,6 +246,12 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
         Value::Counter(s.policy_usage.calls),
     );
     x.add(
+        "syncopate_policy_restarts",
+        "Times the policy was restarted after a failure (from its last checkpoint).",
+        labels(),
+        Value::Counter(s.policy_restarts),
+    );
+    x.add(
         "syncopate_policy_fuel",
         "Fuel the policy's event calls burned (about one unit per wasm instruction).",
         labels(),
@@ -449,6 +455,7 @@ mod tests {
                 sum_ns: 10_000_000,
             },
             policy_usage: crate::runtime::PolicyUsage { calls: 40, fuel: 123_456 },
+            policy_restarts: 2,
         }
     }
 
@@ -531,6 +538,7 @@ mod tests {
             r#"syncopate_pull_payload_bytes_total{server="3",codec="int8"} 0"#.into(),
             format!("syncopate_policy_calls_total{{{p}}} 40"),
             format!("syncopate_policy_fuel_total{{{p}}} 123456"),
+            format!("syncopate_policy_restarts_total{{{p}}} 2"),
             "# TYPE syncopate_push_arrival_offset_seconds histogram".into(),
             format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.001",{p}}} 6"#),
             format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.004",{p}}} 6"#),

@@ -1098,6 +1098,10 @@ pub struct ShardStatus {
     /// process (protocol 20).
     #[serde(default)]
     pub policy_usage: crate::runtime::PolicyUsage,
+    /// Restarts of the policy after failures, since the shard started in this process
+    /// (protocol 20).
+    #[serde(default)]
+    pub policy_restarts: u64,
 }
 
 /// A pull a policy parks, and for how long so far.
@@ -1161,6 +1165,7 @@ impl ShardStatus {
             sample: syncopate_engine::pilot::ShardSample::of(id, shard),
             arrivals: shard.arrival_offsets(),
             policy_usage: shard.policy_usage(),
+            policy_restarts: shard.policy_restarts(),
         }
     }
 }
