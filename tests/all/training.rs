@@ -133,6 +133,7 @@ fn every_paradigm_converges_with_a_slow_worker() {
             "r2sp" => {
                 assert!(report.workers.iter().all(|w| w.controls > 0), "R²SP set batch sizes");
                 assert!(shards.clone().all(|s| s.stats.pushes_held > 0), "R²SP held pushes for their turn");
+                assert!(shards.clone().all(|s| s.held_ns > 0), "for a while: the metrics' held seconds");
             }
             _ => {}
         }

@@ -480,6 +480,9 @@ pub struct Shard {
     shard: u32,
     /// Pushes' arrival offsets within their iteration (not snapshotted).
     arrivals: arrivals::Arrivals,
+    /// Nanoseconds pushes were held by the policy, summed over holds that ended (not
+    /// snapshotted).
+    held_ns: u64,
     /// Shared with the pulls being sent; copied on write (see [`unshare`]).
     params: Arc<Vec<f32>>,
     optimizer: Optimizer,
@@ -599,6 +602,7 @@ impl Shard {
         let mut shard = Shard {
             shard: cfg.shard,
             arrivals: Default::default(),
+            held_ns: 0,
             optimizer: Optimizer::new(cfg.optimizer, params.len()),
             push_weight: cfg.push_weight,
             max_workers: cfg.max_workers,
@@ -755,6 +759,12 @@ impl Shard {
         self.arrivals.counts()
     }
 
+    /// Nanoseconds pushes were held by the policy, summed over the holds that ended since this
+    /// shard started in this process (a restart that hands a held push back ends its hold).
+    pub fn held_ns(&self) -> u64 {
+        self.held_ns
+    }
+
     /// Times the policy was restarted after a failure on this shard since it started in this
     /// process (from its last checkpoint, at once or after a backoff).
     pub fn policy_restarts(&self) -> u64 {
@@ -887,6 +897,7 @@ impl Shard {
         self.leaving = None;
         while let Some(pos) = self.held.iter().position(|h| h.push.worker == worker) {
             let h = self.held.remove(pos);
+            self.unhold(h.push.id, now_ns);
             self.admit(h, None, sink);
         }
         self.parked.forget_worker(worker);
@@ -1320,7 +1331,7 @@ impl Shard {
             Some(Ok(())) => {
                 tracing::debug!(shard = self.shard, "policy restarted after its backoff");
                 self.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
-                self.requeue_pending();
+                self.requeue_pending(now_ns);
                 self.drain(now_ns, sink);
                 self.release_ready(now_ns, sink);
             }
@@ -1443,6 +1454,7 @@ impl Shard {
         self.parked.all_to_fallback(|w| clocks.get(w));
         let held: Vec<Held> = self.held.drain(..).collect();
         for h in held {
+            self.unhold(h.push.id, now_ns);
             self.admit(h, None, sink);
         }
         let recovery = self.supervisor.failed(EventKind::Stall, now_ns);
@@ -1546,7 +1558,7 @@ impl Shard {
         if let Err(e) = self.apply_start(&start, now_ns, sink) {
             self.fail(e, EventKind::Start, now_ns, sink);
         }
-        self.requeue_pending();
+        self.requeue_pending(now_ns);
         self.drain(now_ns, sink);
     }
 
@@ -1756,7 +1768,7 @@ impl Shard {
                 }
             }
             Decision::AdmitPush { push, weight } => {
-                match self.decided_push(push, verdict) {
+                match self.decided_push(push, verdict, now_ns) {
                     // Weight 0 is a drop: no optimizer step (momentum and decay would move
                     // the parameters even for a zero gradient).
                     Some(held) if weight == Some(0.0) => self.drop_push(held, sink),
@@ -1765,12 +1777,12 @@ impl Shard {
                 }
             }
             Decision::DropPush { push } => {
-                if let Some(held) = self.decided_push(push, verdict) {
+                if let Some(held) = self.decided_push(push, verdict, now_ns) {
                     self.drop_push(held, sink);
                 }
             }
             Decision::AdmitToGroup { push, group, weight } => {
-                if let Some(held) = self.decided_push(push, verdict) {
+                if let Some(held) = self.decided_push(push, verdict, now_ns) {
                     self.admit_to_group(held, group, weight.unwrap_or(1.0), sink);
                 }
             }
@@ -1837,11 +1849,24 @@ impl Shard {
 
     /// The push a verdict (`verdict`: this event's own) or a later decision on held push `push`
     /// decides, taken out of where it waits.
-    fn decided_push(&mut self, push: RequestId, verdict: bool) -> Option<Held> {
-        if verdict {
+    fn decided_push(&mut self, push: RequestId, verdict: bool, now_ns: u64) -> Option<Held> {
+        let h = if verdict {
             self.incoming.take()
         } else {
             self.held.iter().position(|h| h.push.id == push).map(|pos| self.held.remove(pos))
+        };
+        if let Some(h) = &h {
+            self.unhold(h.push.id, now_ns);
+        }
+        h
+    }
+
+    /// Ends push `id`'s hold at `now_ns`, if it was held: its time counts in
+    /// [`Shard::held_ns`].
+    fn unhold(&mut self, id: RequestId, now_ns: u64) {
+        if let Some(pos) = self.held_at.iter().position(|a| a.0 == id) {
+            let (_, since) = self.held_at.swap_remove(pos);
+            self.held_ns = self.held_ns.saturating_add(now_ns.saturating_sub(since));
         }
     }
 
@@ -1901,7 +1926,7 @@ impl Shard {
             Recovery::Restarted => {
                 self.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
                 if requeue {
-                    self.requeue_pending();
+                    self.requeue_pending(now_ns);
                 }
             }
             Recovery::BackingOff { until } => {
@@ -1911,7 +1936,7 @@ impl Shard {
                     backoff_ms = until.saturating_sub(now_ns) / 1_000_000,
                     "policy failing repeatedly; fallback rules in force until it restarts"
                 );
-                self.leave_to_fallback(sink);
+                self.leave_to_fallback(now_ns, sink);
             }
             Recovery::Quarantined(cause) => {
                 if let Some(e) = cause {
@@ -1924,7 +1949,7 @@ impl Shard {
                     "policy quarantined; fallback rules in force until a swap"
                 );
                 sink.policy_quarantined(policy);
-                self.leave_to_fallback(sink);
+                self.leave_to_fallback(now_ns, sink);
             }
         }
     }
@@ -1932,10 +1957,11 @@ impl Shard {
     /// No policy runs: nobody will release explicitly parked pulls (they go under BSP's rule)
     /// or decide held pushes (admitted). Requests still queued for re-delivery meet the
     /// fallback rules in `dispatch`.
-    fn leave_to_fallback(&mut self, sink: &mut dyn ShardSink) {
+    fn leave_to_fallback(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
         self.parked.explicit_to_fallback();
         let held: Vec<Held> = self.held.drain(..).collect();
         for h in held {
+            self.unhold(h.push.id, now_ns);
             self.admit(h, None, sink);
         }
     }
@@ -1944,6 +1970,7 @@ impl Shard {
     /// under BSP's rule.
     fn fallback(&mut self, now_ns: u64, sink: &mut dyn ShardSink) {
         if let Some(h) = self.incoming.take() {
+            self.unhold(h.push.id, now_ns);
             self.admit(h, None, sink);
         }
         if let Some(mut p) = self.undecided_pull.take() {
@@ -1953,9 +1980,15 @@ impl Shard {
         }
     }
 
-    fn requeue_pending(&mut self) {
+    fn requeue_pending(&mut self, now_ns: u64) {
         self.queue.extend(self.parked.drain().map(Pending::Pull));
-        self.queue.extend(self.held.drain(..).map(Pending::Push));
+        // A held push handed back ends its hold here (a new one starts if it is held again,
+        // as a pull deferred again waits afresh for the no-progress rule).
+        let held = std::mem::take(&mut self.held);
+        for h in &held {
+            self.unhold(h.push.id, now_ns);
+        }
+        self.queue.extend(held.into_iter().map(Pending::Push));
     }
 
     fn serve(&mut self, p: Parked, now_ns: u64, sink: &mut dyn ShardSink) {

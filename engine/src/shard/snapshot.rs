@@ -374,6 +374,7 @@ impl Shard {
         let mut shard = Shard {
             shard: snap.shard,
             arrivals: Default::default(),
+            held_ns: 0,
             params: Arc::new(snap.params),
             optimizer: snap.optimizer,
             push_weight: snap.push_weight,
@@ -417,7 +418,7 @@ impl Shard {
         };
         shard.recount_departed();
         shard.policy_started(StartKind::Restart, now_ns, &[], &[], sink);
-        shard.requeue_pending();
+        shard.requeue_pending(now_ns);
         shard.drain(now_ns, sink);
         Ok(shard)
     }

@@ -719,6 +719,7 @@ pub mod made_up {
             arrivals: Default::default(),
             policy_usage: Default::default(),
             policy_restarts: 0,
+            held_ns: 0,
         }
     }
 

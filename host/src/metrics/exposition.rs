@@ -208,6 +208,12 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
         labels(),
         Value::CounterF(st.deferred_ns as f64 / 1e9),
     );
+    x.add(
+        "syncopate_push_held_seconds",
+        "Time pushes were held by the policy, summed over the holds that ended.",
+        labels(),
+        Value::CounterF(s.held_ns as f64 / 1e9),
+    );
     // Staleness bucket i counts pushes of staleness i; the last, that many or more. The sum
     // counts the last bucket at its lower bound. (The encoder makes the counts cumulative.)
     let last = st.staleness.len().saturating_sub(1);
@@ -456,6 +462,7 @@ mod tests {
             },
             policy_usage: crate::runtime::PolicyUsage { calls: 40, fuel: 123_456 },
             policy_restarts: 2,
+            held_ns: 2_500_000_000,
         }
     }
 
@@ -539,6 +546,7 @@ mod tests {
             format!("syncopate_policy_calls_total{{{p}}} 40"),
             format!("syncopate_policy_fuel_total{{{p}}} 123456"),
             format!("syncopate_policy_restarts_total{{{p}}} 2"),
+            format!("syncopate_push_held_seconds_total{{{p}}} 2.5"),
             "# TYPE syncopate_push_arrival_offset_seconds histogram".into(),
             format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.001",{p}}} 6"#),
             format!(r#"syncopate_push_arrival_offset_seconds_bucket{{le="0.004",{p}}} 6"#),

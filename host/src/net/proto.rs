@@ -1102,6 +1102,10 @@ pub struct ShardStatus {
     /// (protocol 20).
     #[serde(default)]
     pub policy_restarts: u64,
+    /// Nanoseconds pushes were held by the policy, summed over the holds that ended, since the
+    /// shard started in this process (protocol 20).
+    #[serde(default)]
+    pub held_ns: u64,
 }
 
 /// A pull a policy parks, and for how long so far.
@@ -1166,6 +1170,7 @@ impl ShardStatus {
             arrivals: shard.arrival_offsets(),
             policy_usage: shard.policy_usage(),
             policy_restarts: shard.policy_restarts(),
+            held_ns: shard.held_ns(),
         }
     }
 }
