@@ -81,6 +81,12 @@ impl Operator {
         }
     }
 
+    /// Reports the score the launcher's evaluator gave the model (for `policy status` and the
+    /// dashboard).
+    pub async fn report_evaluation(&self, score: crate::net::proto::ModelScore) -> Result<(), NodeError> {
+        self.ask(&CoordRequest::Evaluated { score }, &[]).await.map(|_| ())
+    }
+
     /// Asks every worker to finish its iteration and leave.
     pub async fn stop_training(&self) -> Result<(), NodeError> {
         self.ask(&CoordRequest::StopTraining, &[]).await.map(|_| ())

@@ -10,7 +10,10 @@ import json
 import os
 import re
 import shutil
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, expect, sync_playwright
@@ -40,6 +43,12 @@ FLAGS = [
     "--disable-default-apps",
     "--disable-extensions",
 ]
+
+
+def view(addr: str) -> dict[str, Any]:
+    """The dashboard's current view, as its page reads it."""
+    with urllib.request.urlopen(f"http://{addr}/api/view", timeout=30) as r:
+        return json.load(r)
 
 
 def swap(page: Page, policy: str, config: str, token: str) -> None:
@@ -95,6 +104,13 @@ def test_the_dashboard_shows_a_training_cluster_live_and_swaps_its_policy(
             # The workers report their training loss: a number in every row.
             loss = page.locator("#workers-table tbody tr td:nth-child(6)")
             expect(loss.first).to_have_text(re.compile(r"^\d"))
+
+            # The launcher scores the model and reports it: the test accuracy reaches the page.
+            deadline = time.monotonic() + 60
+            while view(addr)["point"]["accuracy"] is None:
+                assert time.monotonic() < deadline, "no accuracy on the dashboard within 60 s"
+                time.sleep(0.5)
+            assert 0.0 < view(addr)["point"]["accuracy"] <= 1.0
 
             # One worker in detail, from its row.
             page.locator("#workers-table tbody tr").nth(1).click()

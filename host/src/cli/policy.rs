@@ -789,4 +789,12 @@ fn print_status(s: &ClusterStatus) {
             r.count
         );
     }
+    if let Some(e) = &s.evaluated {
+        let loss = e.loss.map(|l| format!(", loss {l:.4}")).unwrap_or_default();
+        println!(
+            "evaluated: test accuracy {:.2}%{loss} (the launcher's evaluation, {} iterations in)",
+            e.accuracy * 100.0,
+            e.iteration
+        );
+    }
 }

@@ -160,6 +160,8 @@ struct State {
     swap_waiter: Option<(u64, tokio::sync::oneshot::Sender<SwapOutcome>)>,
     /// The latest score a worker reported.
     score: Option<ReportedScore>,
+    /// The latest score the launcher's evaluator reported ([`CoordRequest::Evaluated`]).
+    evaluated: Option<crate::net::proto::ModelScore>,
     /// Per server id: how many times a restarted process has taken it (0 if never).
     incarnations: BTreeMap<u32, u32>,
     /// Who waits for the checkpoint round under way to end.
@@ -304,6 +306,7 @@ pub async fn run(opts: CoordinatorOptions) -> Result<(), NodeError> {
             preparing: None,
             swap_waiter: None,
             score: None,
+            evaluated: None,
             checkpoint_waiter: None,
             incarnations: BTreeMap::new(),
             restore: resumed.map(|r| r.dir),
@@ -1251,6 +1254,14 @@ impl Coordinator {
             | CoordRequest::Ready { .. }
             | CoordRequest::Score { .. }
             | CoordRequest::Heartbeat { .. } => CoordResponse::Error(CoordError::NotForRole(Asker::Operator)),
+            CoordRequest::Evaluated { score } => {
+                if !(0.0..=1.0).contains(&score.accuracy) || score.loss.is_some_and(|l| !l.is_finite()) {
+                    CoordResponse::Error(CoordError::BadScore)
+                } else {
+                    self.lock().evaluated = Some(score);
+                    CoordResponse::Ok
+                }
+            }
         }
     }
 
@@ -1360,6 +1371,7 @@ impl Coordinator {
                 .map(|(&worker, w)| WorkerStatus { worker, connected: w.connected, finished: w.finished })
                 .collect(),
             score: st.score,
+            evaluated: st.evaluated,
             placement: st
                 .machine
                 .places()

@@ -421,6 +421,8 @@ impl Board {
         }
 
         let losses: Vec<f64> = seen.values().filter_map(|s| s.4).map(f64::from).collect();
+        // The launcher's evaluation of the model, or else the latest a training script reported.
+        let scored = status.evaluated.or(status.score.map(|s| s.score));
         let point = Point {
             t_s,
             iterations: reading.iterations,
@@ -438,8 +440,8 @@ impl Board {
             staleness_mean: reading.staleness_mean,
             server_bytes_per_s: rates.map(|r| r.server_bytes_per_s),
             train_loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
-            accuracy: status.score.map(|s| s.score.accuracy),
-            test_loss: status.score.and_then(|s| s.score.loss),
+            accuracy: scored.map(|s| s.accuracy),
+            test_loss: scored.and_then(|s| s.loss),
             policy: reading.policy.clone(),
         };
         self.events_of(t_s, status, &primaries, &seen);
@@ -750,6 +752,7 @@ pub mod made_up {
                 .map(|w| WorkerStatus { worker: w.0, connected: true, finished: false })
                 .collect(),
             score: None,
+            evaluated: None,
             placement: (0..shards).map(|k| (k, k % servers, Some((k + 1) % servers))).collect(),
             lost_servers: Vec::new(),
             checkpoint_error: None,

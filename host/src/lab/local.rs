@@ -21,7 +21,7 @@ use syncopate_workloads::Evaluator;
 
 use crate::lab::report::{RunReport, StopRules, Target, WatchPoint};
 use crate::lab::scenario::RunSpec;
-use crate::net::proto::ShardStatus;
+use crate::net::proto::{ModelScore, ShardStatus};
 use crate::net::tls::{ClusterFile, TlsFiles, Token};
 use crate::operator::Operator;
 use crate::shard::PushWeight;
@@ -934,6 +934,13 @@ async fn watch(
         let score = tokio::task::block_in_place(|| e.evaluate(&model));
         point.accuracy = Some(score.accuracy);
         point.loss = Some(score.loss);
+        // The coordinator keeps it for `policy status` and the dashboard; a refusal (a score
+        // out of range) or a lost coordinator costs the watcher nothing.
+        let reported =
+            ModelScore { iteration: point.iterations, accuracy: score.accuracy, loss: Some(score.loss) };
+        if let Ok(Err(e)) = tokio::time::timeout(WATCH_READ_LIMIT, op.report_evaluation(reported)).await {
+            tracing::debug!("the evaluation was not reported to the coordinator: {e}");
+        }
         return Ok((point, Some(model)));
     }
     Ok((point, None))

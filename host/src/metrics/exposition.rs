@@ -491,6 +491,7 @@ mod tests {
             servers: Vec::new(),
             workers: Vec::new(),
             score: None,
+            evaluated: None,
             placement: Vec::new(),
             lost_servers: vec![1],
             checkpoint_error: None,

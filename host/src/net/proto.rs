@@ -503,6 +503,13 @@ pub enum CoordRequest {
         /// The server.
         server: u32,
     },
+    /// The launcher scored the model it read from the servers with its own evaluator (operators
+    /// only): kept as [`ClusterStatus::evaluated`] for `policy status` and the dashboard
+    /// (protocol 20).
+    Evaluated {
+        /// The score; `iteration` is the iterations pushed when the model was read.
+        score: ModelScore,
+    },
 }
 
 /// The lease rule's timings ([`crate::lease`]), where the messages that carry it live.
@@ -1250,6 +1257,10 @@ pub struct ClusterStatus {
     /// The cluster policy, if one runs (protocol 19).
     #[serde(default)]
     pub pilot: Option<syncopate_engine::pilot::PilotStatus>,
+    /// The latest score the launcher's evaluator gave the model it read from the servers, if
+    /// an operator reported one (`syncopate local` does; protocol 20).
+    #[serde(default)]
+    pub evaluated: Option<ModelScore>,
 }
 
 #[cfg(test)]
@@ -1280,6 +1291,12 @@ mod tests {
         let encoded = bytes(&push);
         assert_eq!(encoded[encoded.len() - 8..], [1, 0, 0, 0x80, 0x3f, 0, 3, 4]);
         assert_eq!(postcard::from_bytes::<DataRequest>(&encoded).expect("decodes"), push);
+        // Protocol 20 added the launcher's evaluation, after the heartbeat (variant 8): variant
+        // 9, the iteration, accuracy 0.5f32, loss Some(2.0f32).
+        let evaluated =
+            CoordRequest::Evaluated { score: ModelScore { iteration: 3, accuracy: 0.5, loss: Some(2.0) } };
+        let encoded = postcard::to_allocvec(&evaluated).expect("encodes");
+        assert_eq!(encoded, [9, 3, 0, 0, 0, 0x3f, 1, 0, 0, 0, 0x40]);
     }
 
     /// A shard's refusals cross the wire as engine enums (`RequestError`, `ShardError`) by

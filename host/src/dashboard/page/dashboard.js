@@ -47,7 +47,7 @@ const CHARTS = [
     { field: "train_loss", label: "training loss", stroke: "#2563eb" },
     { field: "test_loss", label: "test loss", stroke: "#7c3aed" },
     { field: "accuracy", label: "accuracy", stroke: "#059669", scale: "share" } ] },
-  { id: "chart-traffic", series: [
+  { id: "chart-traffic", format: (v) => bytes(v) + "/s", series: [
     { field: "server_bytes_per_s", label: "server bytes/s (sent + received)", stroke: "#0891b2" } ] },
   { id: "chart-staleness", series: [
     { field: "staleness_mean", label: "mean staleness", stroke: "#d97706" },
@@ -62,6 +62,10 @@ function chartWidth(id) {
 function makeChart(spec) {
   const scales = { x: { time: false } };
   const axes = [{ label: "seconds" }, { scale: spec.series[0].scale || "y" }];
+  if (spec.format) {
+    axes[1].values = (u, vals) => vals.map((v) => (v === null ? "" : spec.format(v)));
+    axes[1].size = 80;
+  }
   for (const s of spec.series.slice(1)) {
     if (s.scale && !scales[s.scale]) {
       scales[s.scale] = s.scale === "share" ? { range: [0, 1] } : {};
