@@ -57,6 +57,31 @@ from ._overlap import Overlap
 from ._staging import Staging
 
 
+def _named(
+    optimizer: torch.optim.Optimizer, given: Iterable[Any] | None
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters in the order they map onto the cluster, each with a name: the pairs of
+    ``model.named_parameters()``, or bare parameters (``model.parameters()``; as Horovod does,
+    the optimizer's own when none are given) named by their position."""
+    items = (
+        list(given)
+        if given is not None
+        else [p for g in optimizer.param_groups for p in g["params"]]
+    )
+    named: list[tuple[str, torch.nn.Parameter]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            named.append((f"param.{i}", item))  # type: ignore[arg-type]
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            named.append((str(item[0]), item[1]))
+        else:
+            raise TypeError(
+                "named_parameters takes model.named_parameters(), model.parameters() or "
+                f"(name, tensor) pairs, not an item of type {type(item).__name__}"
+            )
+    return named
+
+
 class ScalarWriter(Protocol):
     """What ``tensorboard=`` takes: ``torch.utils.tensorboard.SummaryWriter`` has it."""
 
@@ -70,7 +95,9 @@ class DistributedOptimizer:
 
     Joins the cluster on construction, with the parameters' current values (the first worker's
     values seed the servers). ``named_parameters`` fixes the order of the parameters; the
-    optimizer's parameters must be among them. Settings for joining go in ``settings``
+    optimizer's parameters must be among them. It takes ``model.named_parameters()``,
+    ``model.parameters()``, or nothing (the optimizer's parameters, in its groups' order), as
+    Horovod's does. Settings for joining go in ``settings``
     (:class:`syncopate.Worker`'s keywords). Attributes: ``worker`` (the :class:`syncopate.Worker`),
     ``step_info`` (the current :class:`syncopate.Step`), ``done``, ``batch_size``.
 
@@ -102,7 +129,9 @@ class DistributedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
+        | Iterable[torch.nn.Parameter]
+        | None = None,
         mode: str = "server",
         *,
         overlap: bool = False,
@@ -134,7 +163,7 @@ class DistributedOptimizer:
             )
         self.optimizer = optimizer
         self.mode = mode
-        named = list(named_parameters)
+        named = _named(optimizer, named_parameters)
         seen: set[int] = set()
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
@@ -325,7 +354,8 @@ class DiLoCo:
     cluster was started with ``--outer-lr/--outer-momentum/--outer-nesterov``); the policy's
     rule decides when a round's model is served (``diloco`` and ``localsgd``: once every
     worker's round is in). ``sync_every=None`` takes, each round, the local steps the policy
-    asks for (at least 1).
+    asks for (at least 1); a ``sync_every`` that differs from the rounds the policy asks for is
+    refused with :class:`syncopate.UsageError` (at the start, or when the policy's rounds change).
 
     Joins the cluster on construction with the model's current values (the first worker's
     seed the servers); ``settings`` are :class:`syncopate.Worker`'s keywords. Parameters are
@@ -406,6 +436,17 @@ class DiLoCo:
                     s.copy_(p.data)
         self.local_step = 0
         self._loss = 0.0
+        asked = self.step_info.local_steps if self.step_info is not None else 0
+        if self.sync_every is not None and asked > 0 and asked != self.sync_every:
+            # A round of another length than the policy's would be pushed as if it were one:
+            # refused, rather than trained on silently.
+            self.worker.leave()
+            self.step_info = None
+            raise UsageError(
+                f"sync_every={self.sync_every}, but the cluster's policy asks for rounds of "
+                f"{asked} local steps: pass sync_every=None to follow the policy, or configure "
+                f"the policy's round length (for example diloco:h={self.sync_every})"
+            )
 
     def _stepped(self, *_: Any) -> None:
         if self.step_info is None:

@@ -443,3 +443,47 @@ def test_tensorboard_gets_each_steps_figures_at_the_workers_iteration(
         sps.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0), [], tensorboard="runs/"
         )
+
+
+def test_diloco_refuses_a_sync_every_the_policy_does_not_ask_for(cluster: ClusterFactory) -> None:
+    c = cluster(workers=1, servers=1, policy="localsgd:h=4", lr=1.0, momentum=0.0)
+    model = torch.nn.Linear(3, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(syncopate.UsageError, match=r"sync_every=8, but .* rounds of 4 local steps"):
+        sps.DiLoCo(model, inner, sync_every=8, **c.settings, iterations=2)
+    # The policy's own length trains (the refused worker left, so this one may join).
+    with sps.DiLoCo(model, inner, sync_every=4, **c.settings, iterations=1) as diloco:
+        assert diloco.step_info is not None and diloco.step_info.local_steps == 4
+        for _ in range(4):
+            inner.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            inner.step()
+        assert diloco.done
+    assert diloco.leave() is not None
+
+
+@pytest.mark.parametrize("given", ["named", "bare", "none"])
+def test_the_parameters_may_be_named_bare_or_left_to_the_optimizer(
+    cluster: ClusterFactory, given: str
+) -> None:
+    # As with Horovod: model.named_parameters(), model.parameters(), or the optimizer's own.
+    c = cluster(workers=1, servers=1, lr=0.5, momentum=0.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    params = {"named": model.named_parameters(), "bare": model.parameters(), "none": None}[given]
+    dist = sps.DistributedOptimizer(opt, params, **c.settings, iterations=2)
+    sps.broadcast_parameters(dist)
+    for _ in range(2):
+        dist.zero_grad()
+        model(torch.ones(5, 3)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        dist.step()
+        if not dist.done:
+            # Every parameter moved by exactly -0.5 * its gradient, whatever its name.
+            for b, g, p in zip(before, grads, model.parameters(), strict=True):
+                assert torch.equal(p.detach(), b - 0.5 * g)
+    assert dist.leave()["iterations"] == 2
+    with pytest.raises(TypeError, match=r"model.named_parameters\(\), model.parameters\(\)"):
+        sps.DistributedOptimizer(opt, ["weight"])
