@@ -363,12 +363,22 @@ impl Board {
         self.events.push_back(Event { t_s, kind, text });
     }
 
-    /// Records that a reading at `t_s` failed (a server did not answer, say).
+    /// Records that a reading at `t_s` failed (a server did not answer, say): the last view
+    /// stands, with the failure among its events.
     pub fn failed(&mut self, t_s: f64, why: &str) {
         let text = format!("no reading: {why}");
         if self.events.back().is_none_or(|e| e.text != text) {
             self.tell(t_s, "error", text);
         }
+        let events = self.latest_events();
+        if let Some(v) = &mut self.view {
+            v.events = events;
+        }
+    }
+
+    /// The events a view carries: the latest 50, oldest first.
+    fn latest_events(&self) -> Vec<Event> {
+        self.events.iter().skip(self.events.len().saturating_sub(50)).cloned().collect()
     }
 
     /// Folds in the cluster's status read at `t_s` (seconds since the dashboard started).
@@ -603,7 +613,7 @@ impl Board {
             workers: self.workers_view(status),
             point,
             swaps: self.swaps.clone(),
-            events: self.events.iter().rev().take(50).rev().cloned().collect(),
+            events: self.latest_events(),
         }
     }
 
@@ -862,6 +872,10 @@ mod tests {
             1,
             "a repeated failure is told once"
         );
+        // The page sees it at once: the last view stands, with the failure among its events.
+        let last = b.view().unwrap().events.last().unwrap();
+        assert_eq!((last.kind, last.text.as_str()), ("error", "no reading: server 0 did not answer"));
+        assert_eq!(b.view().unwrap().t_s, 3.0);
     }
 
     #[test]
