@@ -79,7 +79,7 @@ pub struct WorkerRow {
     /// Share of the time since the last reading its pulls spent deferred (the longest wait
     /// over the shards).
     pub waiting_share: f64,
-    /// Its mean reported compute time per push, in milliseconds.
+    /// Its mean reported compute time per iteration since the last reading, in milliseconds.
     pub step_ms: Option<f64>,
     /// The last training loss it reported.
     pub loss: Option<f32>,
@@ -285,9 +285,8 @@ pub struct View {
 struct Track {
     live: bool,
     clock: u64,
-    waited_ns: u64,
+    /// Its mean reported compute time per iteration in the last window, nanoseconds (0: none).
     step_ns: u64,
-    pushes: u64,
     loss: Option<f32>,
     speed: f64,
     waiting_share: f64,
@@ -302,7 +301,7 @@ impl Track {
             clock: self.clock,
             speed: self.speed,
             waiting_share: self.waiting_share,
-            step_ms: (self.pushes > 0).then(|| self.step_ns as f64 / self.pushes as f64 / 1e6),
+            step_ms: (self.step_ns > 0).then(|| self.step_ns as f64 / 1e6),
             loss: self.loss,
         }
     }
@@ -325,6 +324,8 @@ pub struct Board {
     pilot_swaps: u64,
     /// The workers live at the last reading, by id.
     live_before: Vec<WorkerId>,
+    /// Per-worker figures over each window between readings (the cluster policy's sampler).
+    sampler: syncopate_engine::pilot::Sampler,
     view: Option<View>,
 }
 
@@ -352,6 +353,7 @@ impl Board {
             quarantined: Vec::new(),
             pilot_swaps: 0,
             live_before: Vec::new(),
+            sampler: Default::default(),
             view: None,
         }
     }
@@ -396,41 +398,33 @@ impl Board {
             t.live = false;
             t.shards.clear();
         }
-        let mut seen: BTreeMap<WorkerId, (u64, u64, u64, u64, Option<f32>)> = BTreeMap::new();
         for shard in &primaries {
             for w in &shard.sample.work {
-                let e = seen.entry(w.worker).or_insert((u64::MAX, 0, 0, 0, None));
-                e.0 = e.0.min(w.clock);
-                e.1 = e.1.max(w.waited_ns);
-                if w.pushes > e.3 {
-                    (e.2, e.3) = (w.step_ns, w.pushes);
-                }
-                e.4 = w.loss.or(e.4);
                 let track = self.workers.entry(w.worker).or_default();
                 track.shards.push((shard.shard, w.clock, w.waited_ns as f64 / 1e9));
             }
         }
-        for (&worker, &(clock, waited_ns, step_ns, pushes, loss)) in &seen {
-            let t = self.workers.entry(worker).or_default();
-            if let Some(dt) = dt {
-                t.speed = clock.saturating_sub(t.clock) as f64 / dt;
-                t.waiting_share = (waited_ns.saturating_sub(t.waited_ns) as f64 / 1e9 / dt).clamp(0.0, 1.0);
+        // Each worker over the window since the last reading, as the cluster policy sees it: the
+        // autopilot's sampler, so the page and the policy agree.
+        let samples = primaries.iter().map(|s| s.sample.clone()).collect();
+        let figures = self.sampler.figures((t_s * 1e9) as u64, samples);
+        let window_s = figures.window_ns as f64 / 1e9;
+        for f in &figures.workers {
+            let t = self.workers.entry(f.worker).or_default();
+            if dt.is_some() && window_s > 0.0 {
+                t.speed = f.iterations as f64 / window_s;
+                t.waiting_share = (f.waited_ns as f64 / 1e9 / window_s).clamp(0.0, 1.0);
             }
-            (t.live, t.clock, t.waited_ns, t.step_ns, t.pushes, t.loss) =
-                (true, clock, waited_ns, step_ns, pushes, loss);
+            (t.live, t.clock, t.step_ns, t.loss) = (true, f.clock, f.step_ns, f.loss);
             if t.series.len() == WORKER_HISTORY {
                 t.series.pop_front();
             }
-            t.series.push_back(WorkerPoint {
-                t_s,
-                clock,
-                speed: t.speed,
-                waiting_share: t.waiting_share,
-                loss,
-            });
+            let (speed, waiting_share) = (t.speed, t.waiting_share);
+            t.series.push_back(WorkerPoint { t_s, clock: f.clock, speed, waiting_share, loss: f.loss });
         }
+        let live: Vec<WorkerId> = figures.workers.iter().map(|f| f.worker).collect();
 
-        let losses: Vec<f64> = seen.values().filter_map(|s| s.4).map(f64::from).collect();
+        let losses: Vec<f64> = figures.workers.iter().filter_map(|f| f.loss).map(f64::from).collect();
         // The launcher's evaluation of the model, or else the latest a training script reported.
         let scored = status.evaluated.or(status.score.map(|s| s.score));
         let point = Point {
@@ -454,7 +448,7 @@ impl Board {
             test_loss: scored.and_then(|s| s.loss),
             policy: reading.policy.clone(),
         };
-        self.events_of(t_s, status, &primaries, &seen);
+        self.events_of(t_s, status, &primaries, &live);
         self.readings += 1;
         if self.readings % self.stride == 1 || self.stride == 1 {
             if self.history.len() == HISTORY {
@@ -472,13 +466,7 @@ impl Board {
     }
 
     /// Turns what changed since the last reading into events.
-    fn events_of(
-        &mut self,
-        t_s: f64,
-        status: &ClusterStatus,
-        primaries: &[&ShardStatus],
-        seen: &BTreeMap<WorkerId, (u64, u64, u64, u64, Option<f32>)>,
-    ) {
+    fn events_of(&mut self, t_s: f64, status: &ClusterStatus, primaries: &[&ShardStatus], live: &[WorkerId]) {
         let config = status.config.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
         match self.swaps.last() {
             None => {
@@ -532,8 +520,8 @@ impl Board {
                 self.pilot_swaps = p.swaps;
             }
         }
-        let joined = seen.keys().filter(|w| self.live_before.binary_search(w).is_err()).count();
-        let left = self.live_before.iter().filter(|w| !seen.contains_key(w)).count();
+        let joined = live.iter().filter(|w| self.live_before.binary_search(w).is_err()).count();
+        let left = self.live_before.iter().filter(|w| live.binary_search(w).is_err()).count();
         if joined > 0 || left > 0 {
             let text = match (joined, left) {
                 (j, 0) => format!("{j} worker{} joined", if j == 1 { "" } else { "s" }),
@@ -542,7 +530,7 @@ impl Board {
             };
             self.tell(t_s, "workers", text);
         }
-        self.live_before = seen.keys().copied().collect();
+        self.live_before = live.to_vec();
     }
 
     fn make_view(&self, t_s: f64, status: &ClusterStatus, primaries: &[&ShardStatus], point: Point) -> View {
