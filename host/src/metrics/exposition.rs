@@ -169,7 +169,7 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
     info.extend([("policy", policy.clone()), ("version", version), ("sha256", s.sha256.clone())]);
     x.add("syncopate_shard_policy", "The policy a shard runs.", info, Value::Info);
     let st = &s.stats;
-    let counters: [(&'static str, &'static str, u64); 12] = [
+    let counters: [(&'static str, &'static str, u64); 15] = [
         ("syncopate_pushes_admitted", "Pushes admitted (applied or aggregated).", st.pushes_admitted),
         (
             "syncopate_pushes_dropped",
@@ -197,6 +197,21 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
             "syncopate_iterations_skipped",
             "Iterations workers skipped on a policy's word.",
             st.iterations_skipped,
+        ),
+        (
+            "syncopate_policy_calls",
+            "Events the shard's policy was called on (failed calls too).",
+            s.policy_usage.calls,
+        ),
+        (
+            "syncopate_policy_restarts",
+            "Times the policy was restarted after a failure (from its last checkpoint).",
+            s.policy_restarts,
+        ),
+        (
+            "syncopate_policy_fuel",
+            "Fuel the policy's event calls burned (about one unit per wasm instruction).",
+            s.policy_usage.fuel,
         ),
     ];
     for (name, help, v) in counters {
@@ -244,24 +259,6 @@ fn shard_families(x: &mut Exposition, server: &str, role: &'static str, s: &Shar
         "Pushes by how long after the first push of their iteration they arrived at the shard.",
         labels(),
         Value::Histogram { buckets, sum: a.sum_ns as f64 / 1e9, count: a.counts.iter().sum() },
-    );
-    x.add(
-        "syncopate_policy_calls",
-        "Events the shard's policy was called on (failed calls too).",
-        labels(),
-        Value::Counter(s.policy_usage.calls),
-    );
-    x.add(
-        "syncopate_policy_restarts",
-        "Times the policy was restarted after a failure (from its last checkpoint).",
-        labels(),
-        Value::Counter(s.policy_restarts),
-    );
-    x.add(
-        "syncopate_policy_fuel",
-        "Fuel the policy's event calls burned (about one unit per wasm instruction).",
-        labels(),
-        Value::Counter(s.policy_usage.fuel),
     );
     let gauges: [(&'static str, &'static str, f64); 4] = [
         ("syncopate_pulls_parked", "Pulls the policy keeps parked now.", f64::from(s.parked)),
